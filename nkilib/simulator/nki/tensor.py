@@ -1,0 +1,2 @@
+"""`nki.tensor`: the tensor class."""
+from ..tensor import NkiTensor  # noqa: F401

@@ -1,0 +1,261 @@
+"""Kernel launch runtime: program contexts, LNC scheduling, barriers, memory accounting, races.
+
+Execution model (documented choice, issue 2 §3 "threads or cooperative scheduling"):
+each LNC program runs in its own Python thread, but only one thread runs at a time. A baton is
+passed deterministically: program 0 runs until it reaches `core_barrier` (or returns), then
+program 1 runs until its barrier, and so on; when every program has arrived, the barrier opens,
+a new *epoch* starts and the last arriver keeps running. Results are therefore deterministic,
+and a barrier really blocks (program 1 cannot observe program 0's post-barrier writes early).
+
+Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulator has none):
+- a tensor is live from its `nl.ndarray` allocation until it becomes unreachable from Python
+  (CPython frees it as soon as the last view of its storage is dropped);
+- an SBUF tensor of shape [P, F...] occupies prod(F) * itemsize bytes in *every* partition
+  (the NKI allocator reserves a free-byte range across partitions; budgets in nki-library are
+  per-partition bytes, spec §6.4);
+- a PSUM tensor occupies its per-partition bytes rounded up to whole 2 KiB banks (an
+  accumulation group lives in banks; at most 8 outstanding groups, spec §5.3 "PSUM geometry");
+- the sum over live tensors may not exceed the target's per-partition capacity
+  (hardware.py: 224 KiB SBUF trn2, 256 KiB trn3, 16 KiB PSUM).
+
+Race rule (LNC>1, ours): within one epoch (between two barriers), if one program writes bytes
+of a `shared_hbm` tensor that another program reads or writes in the same epoch, a RaceError is
+raised at the second access (whichever program runs second detects it).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CapacityError, NkiValidationError, RaceError
+from .settings import Settings
+
+_tls = threading.local()
+_storage_ids = itertools.count(1)
+
+
+def next_storage_id() -> int:
+    return next(_storage_ids)
+
+
+def current(optional: bool = False) -> "ProgramContext | None":
+    """The ProgramContext of the running program; error outside a kernel launch."""
+    ctx = getattr(_tls, "ctx", None)
+    if ctx is None and not optional:
+        raise NkiValidationError(
+            "NKI API called outside a kernel launch: run the kernel with nki.simulate(kernel)[lnc](...)"
+        )
+    return ctx
+
+
+class _Aborted(BaseException):
+    """Raised in a waiting program thread when another program failed."""
+
+
+@dataclass
+class MemoryTracker:
+    """Live and peak bytes per partition for one physical core's SBUF and PSUM."""
+
+    capacity: dict
+    live: dict = field(default_factory=lambda: {"sbuf": 0, "psum": 0})
+    peak: dict = field(default_factory=lambda: {"sbuf": 0, "psum": 0})
+    tensors: dict = field(default_factory=dict)  # storage id -> (buffer, bytes, description)
+
+    def allocate(self, storage, nbytes: int, description: str) -> None:
+        buf = storage.buffer_kind
+        if self.live[buf] + nbytes > self.capacity[buf]:
+            live = sorted(self.tensors.values(), key=lambda t: -t[1])
+            top = ", ".join(f"{d} {b} B" for kind, b, d in live if kind == buf)[:600]
+            raise CapacityError(
+                f"nl.ndarray: allocating {description} needs {nbytes} bytes per partition in {buf.upper()}, "
+                f"but {self.live[buf]} of {self.capacity[buf]} bytes per partition are live "
+                f"(largest live: {top or 'none'})"
+            )
+        self.live[buf] += nbytes
+        self.peak[buf] = max(self.peak[buf], self.live[buf])
+        self.tensors[storage.id] = (buf, nbytes, description)
+        weakref.finalize(storage, self._free, storage.id)
+
+    def _free(self, sid: int) -> None:
+        entry = self.tensors.pop(sid, None)
+        if entry is not None:
+            self.live[entry[0]] -= entry[1]
+
+
+class ProgramContext:
+    """State of one LNC program (one physical NeuronCore) during a launch."""
+
+    def __init__(self, launch: "Launch", program_id: int):
+        self.launch = launch
+        self.program_id = program_id
+        self.settings: Settings = launch.settings
+        self.target = launch.settings.target
+        self.numerics = launch.numerics
+        self.trace = launch.trace  # list or None (shared by programs; records carry program id)
+        self.memory = MemoryTracker(
+            capacity={
+                "sbuf": self.target.sbuf_bytes_per_partition,
+                "psum": self.target.psum_bytes_per_partition,
+            }
+        )
+        self.unnamed_shared = 0  # per-program counter to link unnamed shared_hbm allocations
+        self.private_hbm = []  # keep private allocations alive for the launch
+        # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (spec §5.7)
+        self.act_reduce_regs = np.zeros(128, np.float32)
+
+    @property
+    def num_programs(self) -> int:
+        return self.launch.lnc
+
+    @property
+    def grid_ndim(self) -> int:
+        return self.launch.grid_ndim
+
+    def record(self, **kw) -> None:
+        if self.trace is not None:
+            from .trace import make_record
+
+            self.trace.append(make_record(self, **kw))
+
+
+class Launch:
+    """One kernel launch over `lnc` programs (see module docstring for the schedule)."""
+
+    def __init__(self, lnc: int, grid_ndim: int, settings: Settings, numerics: bool = True, trace: bool = False):
+        self.lnc = lnc
+        self.grid_ndim = grid_ndim
+        self.settings = settings
+        self.numerics = numerics
+        self.trace = [] if trace else None
+        self.epoch = 0
+        self.barriers_passed = 0
+        self.shared = {}  # key -> Storage (shared_hbm allocations linked across programs)
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._arrived = set()
+        self._done = set()
+        self._failed = None
+        self.contexts = [ProgramContext(self, p) for p in range(lnc)]
+
+    # ---- shared HBM linking (spec §1.2 INFERRED / §10 Q14) ----
+    def link_shared(self, key, make, shape, dtype, program_id):
+        """Return the shared storage for `key`, creating it on first use; checks the other program agrees."""
+        existing = self.shared.get(key)
+        if existing is None:
+            storage = make()
+            self.shared[key] = storage
+            return storage
+        if tuple(existing.shape) != tuple(shape) or existing.dtype != dtype:
+            raise NkiValidationError(
+                f"nl.ndarray(buffer=nl.shared_hbm): program {program_id} allocates shared tensor {key!r} as "
+                f"{tuple(shape)} {dtype} but another program allocated it as {tuple(existing.shape)} "
+                f"{existing.dtype}; LNC programs must allocate shared_hbm tensors identically"
+            )
+        return existing
+
+    # ---- scheduling ----
+    def run(self, fn):
+        results = [None] * self.lnc
+        errors = [None] * self.lnc
+
+        def body(p):
+            _tls.ctx = self.contexts[p]
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._turn == p or self._failed is not None)
+                    if self._failed is not None:
+                        return
+                results[p] = fn()
+                with self._cond:
+                    self._done.add(p)
+                    self._check_stuck(p)
+                    self._pass_turn(p)
+            except _Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller thread
+                errors[p] = e
+                with self._cond:
+                    if self._failed is None:
+                        self._failed = p
+                    self._done.add(p)
+                    self._cond.notify_all()
+            finally:
+                _tls.ctx = None
+
+        if self.lnc == 1:
+            body(0)
+        else:
+            threads = [threading.Thread(target=body, args=(p,), name=f"nki-program-{p}") for p in range(self.lnc)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    def _pass_turn(self, p):
+        for step in range(1, self.lnc + 1):
+            q = (p + step) % self.lnc
+            if q not in self._done and q not in self._arrived:
+                self._turn = q
+                self._cond.notify_all()
+                return
+        self._cond.notify_all()
+
+    def _check_stuck(self, p):
+        if self._arrived and all(q in self._arrived or q in self._done for q in range(self.lnc)):
+            waiting = sorted(self._arrived)
+            raise NkiValidationError(
+                f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program {p} "
+                "returned without reaching it; LNC programs must execute identical control flow (spec §1.2)"
+            )
+
+    def barrier(self, p):
+        with self._cond:
+            self._arrived.add(p)
+            if len(self._arrived) == self.lnc:
+                self._arrived.clear()
+                self.epoch += 1
+                self.barriers_passed += 1
+                self._cond.notify_all()
+                return
+            self._check_stuck(p)
+            self._pass_turn(p)
+            self._cond.wait_for(lambda: (self._turn == p and p not in self._arrived) or self._failed is not None)
+            if self._failed is not None:
+                raise _Aborted()
+
+    # ---- race detection on shared_hbm ----
+    def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str):
+        """Record program p's access to `storage` bytes; raise RaceError on a same-epoch conflict.
+
+        `byte_index_view_fn(mask)` returns a view of `mask` (flat, one entry per storage byte)
+        restricted to the accessed bytes.
+        """
+        state = storage.race_state
+        mine = state.get(p)
+        if mine is None or mine[0] != self.epoch:
+            mine = [self.epoch, np.zeros(storage.nbytes, np.bool_), np.zeros(storage.nbytes, np.bool_)]
+            state[p] = mine
+        for q, other in state.items():
+            if q == p or other[0] != self.epoch:
+                continue
+            conflict = byte_index_view_fn(other[2])  # other program's writes
+            if conflict.any():
+                kind = "writes" if write else "reads"
+                raise RaceError(
+                    f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} wrote "
+                    f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
+                )
+            if write and byte_index_view_fn(other[1]).any():
+                raise RaceError(
+                    f"{what}: program {p} writes shared_hbm tensor '{storage.name}' bytes that program {q} read "
+                    f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
+                )
+        byte_index_view_fn(mine[2 if write else 1])[...] = True

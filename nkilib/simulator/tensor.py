@@ -1,0 +1,564 @@
+"""NkiTensor: a strided view over a flat byte storage (spec §2.3 - §2.6).
+
+Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
+- `written`: one bool per storage byte, set by every write (uninitialised-read detection);
+- `mm_written` (PSUM only): one bool per byte, set by matmul writes (accumulate=None rule, §5.3).
+A view is (storage, dtype, offset, shape, strides) with offset/strides in elements of the view's
+dtype, so reinterpretation (`.view`, `.ap(dtype=)`) is a byte-level re-view of the same storage.
+On-chip (SBUF/PSUM) storages have a partition dim 0 whose stride is the per-partition row length.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import ml_dtypes
+import numpy as np
+
+from . import runtime
+from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
+from .dtypes import NkiDType, as_nki_dtype
+
+ON_CHIP = ("sbuf", "psum")
+HBM_KINDS = ("private_hbm", "shared_hbm")
+
+
+def _prod(xs) -> int:
+    return int(math.prod(xs))
+
+
+def _sentinel_bytes(dtype: NkiDType, np_dtype: np.dtype, count: int) -> np.ndarray:
+    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official simulator, spec §1.3)."""
+    if dtype.category == "float":
+        arr = np.full(count, np.nan, dtype=np_dtype)
+    elif dtype.category == "scale":
+        arr = np.full(count, 0xFF, dtype=np.uint8)  # E8M0 NaN
+    else:
+        arr = np.full(count, 4, dtype=np_dtype)
+    return arr.view(np.uint8)
+
+
+class Storage:
+    """One allocation: raw bytes + written masks + bookkeeping."""
+
+    __slots__ = (
+        "id", "name", "shape", "dtype", "buffer_kind", "np_dtype", "nbytes", "data", "written",
+        "mm_written", "race_state", "program_id", "host_array", "modified", "__weakref__",
+    )
+
+    def __init__(self, shape, dtype: NkiDType, buffer_kind: str, name: str, precise_fp: bool, numerics: bool,
+                 program_id: int, init: np.ndarray | None = None):
+        self.id = runtime.next_storage_id()
+        self.name = name or f"t{self.id}"
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.buffer_kind = buffer_kind
+        self.np_dtype = dtype.storage_np(precise_fp)
+        count = _prod(self.shape)
+        self.nbytes = count * self.np_dtype.itemsize
+        self.program_id = program_id
+        self.host_array = None
+        self.modified = False
+        self.race_state = {}
+        if init is not None:
+            self.data = np.ascontiguousarray(init).reshape(-1).view(np.uint8).copy() if numerics else None
+            self.written = np.ones(self.nbytes, np.bool_)
+        else:
+            self.data = _sentinel_bytes(dtype, self.np_dtype, count).copy() if numerics else None
+            self.written = np.zeros(self.nbytes, np.bool_)
+        self.mm_written = np.zeros(self.nbytes, np.bool_) if buffer_kind == "psum" else None
+
+    @property
+    def on_chip(self) -> bool:
+        return self.buffer_kind in ON_CHIP
+
+    @property
+    def row_bytes(self) -> int:
+        """Storage bytes per partition (on-chip)."""
+        return self.nbytes // self.shape[0]
+
+    @property
+    def nki_bytes_per_partition(self) -> int:
+        return _prod(self.shape[1:]) * self.dtype.itemsize
+
+
+def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
+    if storage.np_dtype != storage.dtype.precise_np or new_dtype.storage_np(False) != new_dtype.precise_np:
+        raise NkiValidationError(
+            f"{what}: reinterpreting {storage.dtype} storage '{storage.name}' as {new_dtype} needs "
+            "bit-exact storage; it is not supported with NKI_PRECISE_FP=0"
+        )
+
+
+class NkiTensor:
+    """A view of a Storage. Mirrors `nki.language.NkiTensor` (spec §2.3)."""
+
+    __slots__ = ("_storage", "dtype", "shape", "strides", "offset")
+
+    def __init__(self, storage: Storage, dtype: NkiDType, shape, strides, offset: int):
+        self._storage = storage
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.offset = int(offset)
+        self._check_bounds()
+
+    # ---- basic attributes ----
+    @property
+    def buffer(self):
+        from .nki.language import MemoryRegion
+
+        return MemoryRegion(self._storage.buffer_kind)
+
+    @property
+    def name(self) -> str:
+        return self._storage.name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return _prod(self.shape)
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def on_chip(self) -> bool:
+        return self._storage.on_chip
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        if self.dtype == self._storage.dtype:
+            return self._storage.np_dtype
+        return self.dtype.precise_np
+
+    @property
+    def itemsize_storage(self) -> int:
+        return self.np_dtype.itemsize
+
+    def __repr__(self) -> str:
+        return (f"NkiTensor(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+                f"buffer={self._storage.buffer_kind}, offset={self.offset}, strides={self.strides})")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __bool__(self):
+        raise NkiValidationError(f"the truth value of tensor '{self.name}' is a runtime value; use a compile-time condition")
+
+    # ---- geometry ----
+    def _elem_count_storage(self) -> int:
+        return self._storage.nbytes // self.itemsize_storage
+
+    def _check_bounds(self) -> None:
+        lo = hi = self.offset
+        for n, s in zip(self.shape, self.strides):
+            if n <= 0:
+                raise OutOfBoundsError(f"tensor '{self.name}': dimension sizes must be >= 1, got shape {self.shape}")
+            if s >= 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        limit = self._elem_count_storage()
+        if lo < 0 or hi >= limit:
+            raise OutOfBoundsError(
+                f"tensor '{self.name}': access [{lo}, {hi}] (elements of {self.dtype}) is outside its storage "
+                f"of {limit} elements (shape {self._storage.shape}); view shape {self.shape}, strides {self.strides}, "
+                f"offset {self.offset}"
+            )
+
+    @property
+    def row_elems(self) -> int:
+        """Storage elements (of this view's dtype) per partition."""
+        return self._storage.row_bytes // self.itemsize_storage
+
+    @property
+    def partition_start(self) -> int:
+        return self.offset // self.row_elems
+
+    def partition_info(self):
+        """(start, count) of the partitions an on-chip view touches; validates contiguous partitions."""
+        row = self.row_elems
+        start = self.offset // row
+        count = self.shape[0]
+        if count > 1 and self.strides[0] != row:
+            raise NkiValidationError(
+                f"tensor '{self.name}': on-chip views must cover contiguous partitions (partition stride "
+                f"{self.strides[0]} != row length {row}); strided partition access is illegal (spec §2.5)"
+            )
+        return start, count
+
+    @property
+    def free_size(self) -> int:
+        return _prod(self.shape[1:])
+
+    def is_contiguous(self) -> bool:
+        dims = list(zip(self.shape, self.strides))
+        if self.on_chip:
+            dims = dims[1:]
+        expect = 1
+        for n, s in reversed(dims):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+    def get_pattern(self):
+        return [[s, n] for s, n in zip(self.strides, self.shape)]
+
+    # ---- raw numpy access (used by the isa layer only) ----
+    def _np(self) -> np.ndarray:
+        isz = self.itemsize_storage
+        return np.ndarray(self.shape, self.np_dtype, buffer=self._storage.data, offset=self.offset * isz,
+                          strides=tuple(s * isz for s in self.strides))
+
+    def byte_mask_view(self, mask: np.ndarray) -> np.ndarray:
+        """View of a per-storage-byte mask restricted to this view's bytes: shape = self.shape + (itemsize,)."""
+        isz = self.itemsize_storage
+        return np.ndarray(self.shape + (isz,), np.bool_, buffer=mask, offset=self.offset * isz,
+                          strides=tuple(s * isz for s in self.strides) + (1,))
+
+    def written_elements(self) -> np.ndarray:
+        return self.byte_mask_view(self._storage.written).all(axis=-1)
+
+    # ---- indexing (spec §2.3 table, first row) ----
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > self.ndim:
+            raise OutOfBoundsError(f"tensor '{self.name}': too many indices ({len(key)}) for shape {self.shape}")
+        key = key + (slice(None),) * (self.ndim - len(key))
+        offset = self.offset
+        shape, strides, kept_int = [], [], []
+        for dim, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
+            if isinstance(k, slice):
+                start, stop, step = k.start, k.stop, k.step
+                step = 1 if step is None else operator.index(step)
+                if step < 1:
+                    raise OutOfBoundsError(f"tensor '{self.name}': slice step must be >= 1, got {step} on dim {dim}")
+                start = 0 if start is None else operator.index(start)
+                stop = n if stop is None else operator.index(stop)
+                if start < 0:
+                    start += n
+                if stop < 0:
+                    stop += n
+                # strict: no silent clipping like numpy (an out-of-range tile is a kernel bug)
+                if not (0 <= start < stop <= n):
+                    raise OutOfBoundsError(
+                        f"tensor '{self.name}': slice {k.start}:{k.stop} on dim {dim} is out of range for size {n} "
+                        f"(shape {self.shape})")
+                offset += start * s
+                shape.append(len(range(start, stop, step)))
+                strides.append(s * step)
+            else:
+                try:
+                    idx = operator.index(k)
+                except TypeError:
+                    raise TypeError(f"tensor '{self.name}': unsupported index {k!r} on dim {dim}") from None
+                if idx < 0:
+                    idx += n
+                if not 0 <= idx < n:
+                    raise OutOfBoundsError(
+                        f"tensor '{self.name}': index {k} out of range for dim {dim} of size {n} (shape {self.shape})")
+                offset += idx * s
+                kept_int.append(dim)
+                if self.on_chip and dim == 0:
+                    shape.append(1)  # on-chip: int on dim 0 keeps a size-1 partition dim
+                    strides.append(s)
+        if self.on_chip and len(shape) < 2:
+            # int on a free dim drops it unless the result would become < 2-D: keep the last free dim as 1
+            last = max(d for d in kept_int if d > 0)
+            shape.append(1)
+            strides.append(self.strides[last])
+        if not shape:
+            shape, strides = [1], [1]
+        return NkiTensor(self._storage, self.dtype, shape, strides, offset)
+
+    def __setitem__(self, key, value):
+        raise NkiValidationError(
+            f"tensor '{self.name}': item assignment is not an NKI operation; write through an nisa instruction's dst=")
+
+    def slice(self, dim, start, end, step=1):
+        key = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim, index):
+        if not isinstance(index, int):
+            raise NkiValidationError(f"tensor '{self.name}'.select: only static int indices are simulated, got {index!r}")
+        if self.on_chip and dim == 0:
+            raise NkiValidationError(f"tensor '{self.name}'.select: cannot remove the partition dim of an on-chip tensor")
+        key = [slice(None)] * self.ndim
+        key[dim] = index
+        return self[tuple(key)]
+
+    # ---- reshaping views ----
+    def reshape(self, shape):
+        shape = list(shape if isinstance(shape, (tuple, list)) else (shape,))
+        total = self.size
+        if shape.count(-1) > 1:
+            raise NkiValidationError(f"tensor '{self.name}'.reshape: at most one -1 allowed, got {tuple(shape)}")
+        if -1 in shape:
+            known = _prod(s for s in shape if s != -1)
+            shape[shape.index(-1)] = total // known if known and total % known == 0 else -1
+        if any(s < 1 for s in shape) or _prod(shape) != total:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape: cannot reshape {self.shape} ({total} elements) to {tuple(shape)}")
+        if not self.is_contiguous():
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape: view with shape {self.shape} and strides {self.strides} is not "
+                "contiguous; reshape cannot be expressed without a copy")
+        if self.on_chip:
+            if shape[0] != self.shape[0]:
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.reshape: on-chip reshape must keep the partition dim {self.shape[0]}, "
+                    f"got {tuple(shape)}")
+            free = _row_major(shape[1:])
+            return NkiTensor(self._storage, self.dtype, shape, [self.strides[0]] + free, self.offset)
+        return NkiTensor(self._storage, self.dtype, shape, _row_major(shape), self.offset)
+
+    def permute(self, dims):
+        dims = tuple(dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise NkiValidationError(f"tensor '{self.name}'.permute: {dims} is not a permutation of {self.ndim} dims")
+        if self.on_chip and dims[0] != 0:
+            raise NkiValidationError(f"tensor '{self.name}'.permute: on-chip tensors must keep dim 0 first, got {dims}")
+        return NkiTensor(self._storage, self.dtype, [self.shape[d] for d in dims], [self.strides[d] for d in dims],
+                         self.offset)
+
+    def broadcast(self, dim, size):
+        if self.shape[dim] != 1 or (self.on_chip and dim == 0):
+            raise NkiValidationError(
+                f"tensor '{self.name}'.broadcast: dim {dim} must be a size-1 free dim (shape {self.shape})")
+        shape, strides = list(self.shape), list(self.strides)
+        shape[dim], strides[dim] = size, 0
+        return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
+
+    def expand_dim(self, dim):
+        if self.on_chip and dim == 0:
+            raise NkiValidationError(f"tensor '{self.name}'.expand_dim: cannot insert before the partition dim")
+        shape, strides = list(self.shape), list(self.strides)
+        shape.insert(dim, 1)
+        strides.insert(dim, 1)
+        return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
+
+    def squeeze_dim(self, dim):
+        if self.shape[dim] != 1 or (self.on_chip and dim == 0):
+            raise NkiValidationError(f"tensor '{self.name}'.squeeze_dim: dim {dim} must be a size-1 free dim")
+        shape, strides = list(self.shape), list(self.strides)
+        del shape[dim], strides[dim]
+        return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
+
+    def view(self, dtype):
+        """Bit reinterpretation; the last dim scales by the size ratio (spec §2.3, §2.6)."""
+        new = as_nki_dtype(dtype, "view(dtype)")
+        if new == self.dtype:
+            return self
+        _check_widened(self._storage, new, f"tensor '{self.name}'.view")
+        old_sz, new_sz = self.dtype.itemsize, new.itemsize
+        shape, strides, offset = list(self.shape), list(self.strides), self.offset
+        if self.strides[-1] != 1 and self.shape[-1] != 1:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.view({new}): the last dim must be contiguous, got stride {self.strides[-1]}")
+        if new_sz > old_sz:
+            r = new_sz // old_sz
+            if shape[-1] % r or offset % r or any(s % r for s in strides[:-1]):
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.view({new}): shape {self.shape}, strides {self.strides}, offset {offset} "
+                    f"are not divisible by the size ratio {r}")
+            shape[-1] //= r
+            strides = [s // r for s in strides[:-1]] + [1]
+            offset //= r
+        else:
+            r = old_sz // new_sz
+            shape[-1] *= r
+            strides = [s * r for s in strides[:-1]] + [1]
+            offset *= r
+        return NkiTensor(self._storage, new, shape, strides, offset)
+
+    reinterpret_cast = view
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Raw access pattern over the underlying storage (spec §2.5).
+
+        Not composable: pattern and an int `offset` address the storage, ignoring this view's
+        shape/strides; `offset=None` inherits this view's storage offset (0.5.0+ default;
+        spec §10 Q8 resolution: absolute storage offset).
+        """
+        if scalar_offset is not None or vector_offset is not None:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.ap: scalar_offset/vector_offset (indirect DMA) are outside the simulated "
+                "surface of nkilib's simulator (README, 'Simulator limits')")
+        new = self.dtype if dtype is None else as_nki_dtype(dtype, "ap(dtype=)")
+        if new != self.dtype:
+            _check_widened(self._storage, new, f"tensor '{self.name}'.ap")
+        pairs = [tuple(p) for p in pattern]
+        if not pairs or any(len(p) != 2 for p in pairs):
+            raise NkiValidationError(f"tensor '{self.name}'.ap: pattern must be a list of [step, num] pairs, got {pattern!r}")
+        steps = [int(p[0]) for p in pairs]
+        nums = [int(p[1]) for p in pairs]
+        if offset is None:
+            byte_off = self.offset * self.itemsize_storage
+            new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
+            if byte_off % new_isz:
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.ap: inherited offset of {byte_off} bytes is not a multiple of {new} size")
+            offset = byte_off // new_isz
+        view = NkiTensor(self._storage, new, nums, steps, offset)
+        if self.on_chip:
+            row = view.row_elems
+            if nums[0] > 1 and steps[0] != row:
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.ap: the partition step must equal the per-partition element count {row} "
+                    f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal (spec §2.5)")
+            if len(nums) < 2:
+                raise NkiValidationError(f"tensor '{self.name}'.ap: on-chip patterns need a partition pair and >= 1 free pair")
+            free_lo = offset % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            free_hi = offset % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            if free_lo < 0 or free_hi >= row:
+                raise OutOfBoundsError(
+                    f"tensor '{self.name}'.ap: free access [{free_lo}, {free_hi}] leaves the partition row of {row} "
+                    f"elements (pattern {pairs}, offset {offset})")
+        return view
+
+
+def _row_major(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return list(reversed(strides))
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation, value conversion and checked access (used by nki.language and nki.isa)
+# ---------------------------------------------------------------------------------------------
+
+def allocate(shape, dtype, buffer_kind: str, name: str = "", init: np.ndarray | None = None) -> NkiTensor:
+    """Allocate a tensor in the running program (spec §2.2)."""
+    ctx = runtime.current()
+    dtype = as_nki_dtype(dtype, "nl.ndarray dtype")
+    try:
+        shape = tuple(operator.index(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    except TypeError:
+        raise TypeError(f"nl.ndarray: shape must be a tuple of ints, got {shape!r}") from None
+    if not shape or any(s < 1 for s in shape):
+        raise NkiValidationError(f"nl.ndarray: shape must be non-empty with sizes >= 1, got {shape}")
+    if buffer_kind in ON_CHIP:
+        if len(shape) < 2:
+            raise NkiValidationError(f"nl.ndarray: {buffer_kind} tensors need >= 2 dims (partition first), got {shape}")
+        if shape[0] > ctx.target.num_partitions:
+            raise NkiValidationError(
+                f"nl.ndarray: {buffer_kind} partition dimension {shape[0]} exceeds the hardware limit of "
+                f"{ctx.target.num_partitions} partitions (tensor '{name}', shape {shape})")
+
+    def make():
+        return Storage(shape, dtype, buffer_kind, name, ctx.settings.precise_fp, ctx.numerics, ctx.program_id, init)
+
+    if buffer_kind == "shared_hbm" and ctx.num_programs > 1 and init is None:
+        if name:
+            key = ("name", name)
+        else:
+            key = ("unnamed", ctx.unnamed_shared)
+            ctx.unnamed_shared += 1
+        storage = ctx.launch.link_shared(key, make, shape, dtype, ctx.program_id)
+    else:
+        storage = make()
+    if buffer_kind in ON_CHIP:
+        per_part = storage.nki_bytes_per_partition
+        if buffer_kind == "psum":
+            bank = ctx.target.psum_bank_bytes
+            per_part = -(-per_part // bank) * bank
+        ctx.memory.allocate(storage, per_part, f"'{storage.name}' {shape} {dtype}")
+    elif buffer_kind == "private_hbm":
+        ctx.private_hbm.append(storage)
+    return NkiTensor(storage, dtype, shape, _row_major(shape), 0)
+
+
+_INT_RANGES = {}
+
+
+def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.ndarray:
+    """Convert fp32 (or integer) compute results to `dtype` storage (spec §3.3).
+
+    Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
+    e5m2/e4m3, NaN for e4m3fn): spec §10 Q10 recommendation. tfloat32: RNE to 10 mantissa bits.
+    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, spec §1.3); NaN -> 0.
+    """
+    if dtype.category == "float":
+        v = np.asarray(values, dtype=np.float32)
+        if dtype == "tfloat32":
+            bits = v.view(np.uint32).astype(np.uint64)
+            lsb = (bits >> 13) & 1
+            rounded = ((bits + 0x0FFF + lsb) & ~np.uint64(0x1FFF)).astype(np.uint32)
+            finite = np.isfinite(v)
+            v = np.where(finite, rounded.view(np.float32), v)
+        return v.astype(np_dtype)
+    if dtype.category in ("int", "uint", "bool"):
+        v = np.asarray(values)
+        if v.dtype.kind == "f" or v.dtype == ml_dtypes.bfloat16:
+            v = np.rint(np.nan_to_num(v.astype(np.float64), nan=0.0))
+            info = np.iinfo(np_dtype)
+            v = np.clip(v, info.min, info.max)
+        else:
+            info = np.iinfo(np_dtype)
+            v = np.clip(v.astype(np.int64), info.min, info.max)
+        return v.astype(np_dtype)
+    # x4 / e8m0 scale: raw bits, no conversion
+    v = np.asarray(values)
+    if v.dtype != np_dtype:
+        raise NkiValidationError(f"cannot convert {v.dtype} values to {dtype}: packed/scale dtypes are raw bits")
+    return v
+
+
+def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
+    """Decode raw storage values of `view` to float32 for fp32 engine math (spec §3.3)."""
+    cat = view.dtype.category
+    if cat == "x4":
+        raise NkiValidationError(f"tensor '{view.name}': packed {view.dtype} data cannot be used in arithmetic")
+    if cat == "scale":
+        b = raw.astype(np.int32)
+        out = np.ldexp(np.ones(b.shape, np.float32), b - 127)
+        return np.where(b == 255, np.float32(np.nan), out).astype(np.float32)
+    return raw.astype(np.float32)
+
+
+def checked_read(view: NkiTensor, instr: str, arg: str):
+    """Read a view for an instruction: uninitialised-read check, race bookkeeping; raw values or None."""
+    ctx = runtime.current()
+    st = view.storage
+    if ctx.settings.strict:
+        ok = view.written_elements()
+        if not ok.all():
+            bad = np.argwhere(~ok)
+            raise UninitializedReadError(
+                f"{instr}: argument '{arg}' reads {int((~ok).sum())} element(s) of tensor '{st.name}' that were never "
+                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape})")
+    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
+        ctx.launch.note_access(st, view.byte_mask_view, False, ctx.program_id, f"{instr} '{arg}'")
+    if not ctx.numerics:
+        return None
+    return view._np().copy()
+
+
+def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False) -> None:
+    """Write values (already in the view's shape or reshapeable to it) and mark bytes written."""
+    ctx = runtime.current()
+    st = view.storage
+    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
+        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'")
+    st.modified = True
+    if ctx.numerics and values is not None:
+        vals = cast_values(values, view.dtype, view.np_dtype)
+        view._np()[...] = vals.reshape(view.shape)
+    view.byte_mask_view(st.written)[...] = True
+    if matmul and st.mm_written is not None:
+        view.byte_mask_view(st.mm_written)[...] = True

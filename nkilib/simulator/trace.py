@@ -1,0 +1,72 @@
+"""Instruction trace for the cost model (issue 4).
+
+A launch with `trace=True` collects one `InstrRecord` per ISA instruction, per program.
+Records hold only plain data (no tensor references) so they never keep tiles alive.
+Operand regions are exact enough for dependency tracking: on-chip operands give the partition
+range and the byte range inside each partition; HBM operands give the byte range in the storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OperandInfo:
+    arg: str
+    storage_id: int
+    name: str
+    buffer: str  # sbuf / psum / private_hbm / shared_hbm
+    dtype: str
+    shape: tuple
+    partition_lo: int  # on-chip: first partition; HBM: 0
+    partition_hi: int  # on-chip: one past the last partition; HBM: 1
+    byte_lo: int  # on-chip: within a partition; HBM: within the storage
+    byte_hi: int
+    nbytes: int  # bytes the operand touches (elements x NKI itemsize)
+
+
+@dataclass(frozen=True)
+class InstrRecord:
+    seq: int
+    program: int
+    instr: str  # e.g. "nc_matmul_mx"
+    engine: str  # tensor / vector / scalar / gpsimd / dma / sync
+    reads: tuple
+    writes: tuple
+    attrs: dict = field(default_factory=dict)
+
+
+def operand_info(arg: str, view) -> OperandInfo:
+    st = view.storage
+    isz = view.itemsize_storage
+    lo = hi = view.offset
+    for n, s in zip(view.shape, view.strides):
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    byte_lo, byte_hi = lo * isz, (hi + 1) * isz
+    nbytes = view.size * view.dtype.itemsize
+    if st.on_chip:
+        row = st.row_bytes
+        p0 = byte_lo // row
+        p1 = p0 + view.shape[0]
+        free_lo = byte_lo - p0 * row
+        free_hi = free_lo + (byte_hi - byte_lo) - (view.shape[0] - 1) * row if view.shape[0] > 1 else byte_hi - p0 * row
+        return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, p0, p1, free_lo,
+                           free_hi, nbytes)
+    return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, 0, 1, byte_lo, byte_hi,
+                       nbytes)
+
+
+def make_record(ctx, instr, engine, reads=(), writes=(), **attrs) -> InstrRecord:
+    trace = ctx.trace
+    return InstrRecord(
+        seq=len(trace),
+        program=ctx.program_id,
+        instr=instr,
+        engine=engine,
+        reads=tuple(operand_info(a, v) for a, v in reads if v is not None),
+        writes=tuple(operand_info(a, v) for a, v in writes if v is not None),
+        attrs=attrs,
+    )
