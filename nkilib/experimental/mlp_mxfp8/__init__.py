@@ -1,0 +1,1 @@
+"""MXFP8 SwiGLU MLP kernels."""

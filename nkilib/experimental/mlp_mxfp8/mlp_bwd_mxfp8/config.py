@@ -1,0 +1,132 @@
+"""Immutable configuration and operand descriptors of the MLP backward kernels.
+
+Nothing here is mutated after construction: resolution functions return new objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import nki.language as nl
+
+from ....core.kernel_helpers import KernelInputError
+from .constants import M_TILE, N_TILE
+
+
+@dataclass(frozen=True)
+class ClampLimits(nl.NKIObject):
+    """Forward clamps of a clamped SwiGLU (as in GPT-OSS), mirrored by the backward masks.
+
+    The forward computed `gate_act = silu(clamp(gate_pre, non_linear_lower, non_linear_upper))` and
+    `intermediate = gate_act * clamp(up, linear_lower, linear_upper)`; the backward masks the gate
+    gradient where gate_pre lies outside [non_linear_lower, non_linear_upper] and the up gradient
+    where up lies outside [linear_lower, linear_upper] (bounds inclusive, like torch.clamp's gradient).
+    Limits are compared in float32 against `float32(limit)`, so the mask agrees with the clamp exactly
+    even when a limit is not representable in bf16. Any bound may be None (no bound).
+    """
+
+    non_linear_lower: float | None = None
+    non_linear_upper: float | None = None
+    linear_lower: float | None = None
+    linear_upper: float | None = None
+
+    def __post_init__(self):
+        for name in ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise KernelInputError(f"ClampLimits.{name} must be a float or None, got {v!r}")
+            if math.isnan(v):
+                raise KernelInputError(f"ClampLimits.{name} must not be NaN")
+        for side in ("non_linear", "linear"):
+            lo, hi = getattr(self, f"{side}_lower"), getattr(self, f"{side}_upper")
+            if lo is not None and hi is not None and not lo < hi:
+                raise KernelInputError(
+                    f"ClampLimits: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
+
+    @property
+    def has_gate_clamp(self) -> bool:
+        return self.non_linear_lower is not None or self.non_linear_upper is not None
+
+    @property
+    def has_up_clamp(self) -> bool:
+        return self.linear_lower is not None or self.linear_upper is not None
+
+
+@dataclass(frozen=True)
+class MatmulConfig(nl.NKIObject):
+    """Output tiling of one phase's matmuls: [m_tile, n_tile] output tiles per PSUM accumulation group."""
+
+    m_tile: int = M_TILE
+    n_tile: int = N_TILE
+
+    def __post_init__(self):
+        if not (isinstance(self.m_tile, int) and 2 <= self.m_tile <= M_TILE and self.m_tile % 2 == 0):
+            raise KernelInputError(f"MatmulConfig.m_tile must be an even int in [2, {M_TILE}], got {self.m_tile!r}")
+        if not (isinstance(self.n_tile, int) and 1 <= self.n_tile <= N_TILE):
+            raise KernelInputError(f"MatmulConfig.n_tile must be an int in [1, {N_TILE}], got {self.n_tile!r}")
+
+
+@dataclass(frozen=True)
+class MlpBwdMatmulConfig(nl.NKIObject):
+    """Per-phase matmul configs (phase 1 also covers the phase-0 recompute it fuses)."""
+
+    phase1: MatmulConfig = MatmulConfig()
+    phase2: MatmulConfig = MatmulConfig()
+    phase3: MatmulConfig = MatmulConfig()
+    phase4: MatmulConfig = MatmulConfig()
+
+
+def resolve_matmul_config(config) -> MlpBwdMatmulConfig:
+    """None -> defaults; a MatmulConfig -> used for every phase; an MlpBwdMatmulConfig as is."""
+    if config is None:
+        return MlpBwdMatmulConfig()
+    if isinstance(config, MatmulConfig):
+        return MlpBwdMatmulConfig(config, config, config, config)
+    if isinstance(config, MlpBwdMatmulConfig):
+        return config
+    raise KernelInputError(f"matmul_config must be None, MatmulConfig or MlpBwdMatmulConfig, got {config!r}")
+
+
+@dataclass(frozen=True)
+class TensorDescriptor(nl.NKIObject):
+    """One matmul operand in HBM and how its contraction axis K lies.
+
+    Dimensions:
+        k_axis=0: `tensor` is [K, F] (K = rows, F contiguous), e.g. hidden_states [S, H] as the K=S operand.
+        k_axis=1: `tensor` is [F, K] (K contiguous), e.g. output_grad [S, H] as the K=H operand.
+        Pre-quantized (`scales` given, k_axis must be 1): `tensor` holds x4 words [F, Kp/4] (uint32) and
+        `scales` uint8 [F, Kp/32], Kp = K padded to a multiple of 128 (see reference.prequantize).
+
+    `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights).
+    """
+
+    tensor: object
+    k_axis: int
+    scales: object = None
+    f_base: int = 0
+    f_size: int = -1  # -1: to the end of F
+
+    @property
+    def prequantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def k_size(self) -> int:
+        if self.prequantized:
+            return self.scales.shape[1] * 32
+        return self.tensor.shape[self.k_axis]
+
+    @property
+    def f_total(self) -> int:
+        """F extent of the underlying tensor (row length for k_axis=1 is K)."""
+        return self.tensor.shape[1 - self.k_axis]
+
+    @property
+    def f_extent(self) -> int:
+        return self.f_total - self.f_base if self.f_size < 0 else self.f_size
+
+    def window(self, f_base: int, f_size: int) -> "TensorDescriptor":
+        return dataclasses.replace(self, f_base=self.f_base + f_base, f_size=f_size)

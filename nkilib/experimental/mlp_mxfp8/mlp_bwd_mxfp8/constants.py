@@ -1,0 +1,16 @@
+"""Tile geometry and numeric constants of the MLP backward kernels, in one place."""
+
+PARTITIONS = 128  # SBUF/PSUM partitions (nl.tile_size.pmax)
+MX_GROUP = 32  # MX block size along K (OCP MX v1.0)
+MX_PACK = 4  # fp8 values per x4 word
+MX_K_TILE = 512  # logical K per nc_matmul_mx: 128 partitions x 4 packed values (spec §5.2)
+MX_K_ALIGN = 128  # quantize_mx needs a multiple of 32 partitions -> K padded to 4 * 32
+BF16_K_TILE = 128  # logical K per nc_matmul (partition dim)
+M_TILE = 128  # stationary free size limit (gemm_stationary_fmax)
+N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn2)
+SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (spec §5.1)
+SCALE_PACK_STRIDE = 4
+
+FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
+QUANT_SCHEMES = ("1x32", "wrapX")
+MATMUL_PRECISIONS = ("mxfp8", "bf16")

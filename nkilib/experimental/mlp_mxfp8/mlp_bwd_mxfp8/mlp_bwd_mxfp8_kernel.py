@@ -1,0 +1,446 @@
+"""MXFP8 SwiGLU MLP backward: four phases, base kernel, checkpoint-aware entry point (LNC1/LNC2).
+
+Math (design.md): Phase 1 dI = dY·W_down (K=H) and the SwiGLU derivative; Phase 2 dX = d_gu·W_gu
+(K=2I); Phase 3 dW_gu = d_guᵀ·X (K=S); Phase 4 dW_down = dYᵀ·intermediate (K=S); Phase 0 (fused into
+phase 1, per output tile) recomputes gate_pre/up (K=H) and gate_act/intermediate when not given.
+Every matmul operand is quantized on-chip along that matmul's K (tiled_matmul.py); the exact numerics
+are written down in reference.py (`mx_exact`), which the kernel matches to fp32 reassociation.
+
+LNC2 sharding (which dimension each phase splits across the two cores):
+- phase 0+1: the I blocks of the [S, I] output (each core recomputes only its own gate/up columns);
+  with a single I block, the S tiles instead;
+- phase 2: the H blocks of dX [S, H] (S tiles when H has one block);
+- phase 3: the H blocks of dW_gu [2I, H] (2I tiles when H has one block);
+- phase 4: the I blocks of dW_down [H, I] (H tiles when I has one block).
+Only phases 2-4 read what another core wrote (d_gate_up and intermediate from phase 1), so there is
+exactly one core_barrier, between phase 1 and the rest. Phases 2, 3 and 4 are independent.
+
+HBM traffic: d_gate_up [S, 2I] is written once in bf16 and read by phases 2 and 3; intermediate
+[S, I] is written only when not given. No HBM->HBM transposes: every operand is read in its stored
+layout and interleaved by the DMA access pattern.
+"""
+from __future__ import annotations
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ....core.kernel_helpers import ceil_div, kernel_assert, shard_range
+from .config import ClampLimits, MlpBwdMatmulConfig, TensorDescriptor, resolve_matmul_config
+from .constants import FP8_DTYPE_NAMES, MATMUL_PRECISIONS, MX_K_ALIGN, PARTITIONS, QUANT_SCHEMES
+from .tiled_matmul import MatmulSetup, load_panel, matmul_panels
+
+__all__ = [
+    "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
+    "compute_phase3_gate_up_weight_grad_mxfp8", "compute_phase4_down_weight_grad_mxfp8",
+    "mlp_backward_mxfp8_base_nki", "mlp_backward_mxfp8_nki", "ClampLimits", "TensorDescriptor",
+]
+
+
+def get_program_sharding_info(run_with_lnc2):
+    """(num_cores, shard_id) of this program: (2, program_id) under an LNC2 launch, else (1, 0)."""
+    launched = nl.num_programs(0) if nl.program_ndim() > 0 else 1
+    if not run_with_lnc2:
+        kernel_assert(launched == 1, f"run_with_lnc2=False requires a kernel[1] launch, got {launched} programs")
+        return 1, 0
+    if launched == 1:
+        return 1, 0
+    return launched, nl.program_id(0)
+
+
+def _split_tiles(m_tiles, n_blocks, num_cores, shard_id):
+    """Split the output tile grid: along N blocks when there are enough, else along M tiles."""
+    if n_blocks >= num_cores:
+        return (0, m_tiles), shard_range(n_blocks, num_cores, shard_id)
+    return shard_range(m_tiles, num_cores, shard_id), (0, n_blocks)
+
+
+def _store_psum(out_hbm, psum, m0, msz, n0, nsz, dtype):
+    """Evict a PSUM tile (fp32) to HBM in `dtype` (PSUM -> SBUF -> HBM; DMA cannot read PSUM)."""
+    res = nl.ndarray((PARTITIONS, psum.shape[1]), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
+    nisa.dma_copy(dst=out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+
+def _tiled_gemm(out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores, shard_id, out_dtype):
+    """out[M, N] = a[M, K] @ b[K, N] for this core's output tiles (moving panel reused across M tiles)."""
+    m_tiles, n_blocks = ceil_div(m_total, config.m_tile), ceil_div(n_total, config.n_tile)
+    (m_lo, m_hi), (n_lo, n_hi) = _split_tiles(m_tiles, n_blocks, num_cores, shard_id)
+    for nb in range(n_lo, n_hi):
+        n0 = nb * config.n_tile
+        nsz = min(config.n_tile, n_total - n0)
+        moving = load_panel(b_op, n0, nsz, nsz, setup)
+        for mt in range(m_lo, m_hi):
+            m0 = mt * config.m_tile
+            msz = min(config.m_tile, m_total - m0)
+            m_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
+            stationary = load_panel(a_op, m0, msz, m_pad, setup)
+            psum = nl.ndarray((PARTITIONS, config.n_tile), dtype=nl.float32, buffer=nl.psum)
+            matmul_panels(psum[:m_pad, :nsz], stationary, moving, setup)  # K=op K, M=m_pad, N=nsz
+            _store_psum(out_hbm, psum, m0, msz, n0, nsz, out_dtype)
+
+
+def _clamp_and_mask(x32, lower, upper, msz, nsz):
+    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside."""
+    if lower is None and upper is None:
+        return x32, None
+    clamped = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
+    mask = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
+    c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
+    if lower is not None and upper is not None:
+        nisa.tensor_scalar(dst=c, data=x32, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
+                           operand1=float(upper))
+        lo_ok = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x32, op0=nl.greater_equal, operand0=float(lower))
+        # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
+        nisa.scalar_tensor_tensor(dst=m, data=x32, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
+                                  operand1=lo_ok[:msz, :nsz])
+    elif lower is not None:
+        nisa.tensor_scalar(dst=c, data=x32, op0=nl.maximum, operand0=float(lower))
+        nisa.tensor_scalar(dst=m, data=x32, op0=nl.greater_equal, operand0=float(lower))
+    else:
+        nisa.tensor_scalar(dst=c, data=x32, op0=nl.minimum, operand0=float(upper))
+        nisa.tensor_scalar(dst=m, data=x32, op0=nl.less_equal, operand0=float(upper))
+    return c, m
+
+
+def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
+    """A bf16 [msz, nsz] SBUF tile: loaded from a checkpoint in HBM, or rounded from a PSUM result."""
+    tile = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if src_hbm is not None:
+        nisa.dma_copy(dst=tile[:msz, :nsz], src=src_hbm[m0:m0 + msz, n0:n0 + nsz])
+    else:
+        nisa.tensor_copy(dst=tile[:msz, :nsz], src=psum_or_none[:msz, :nsz])
+    return tile[:msz, :nsz]
+
+
+def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act_td, up_td, d_gate_up_td, scratch_td,
+                                           down_weight_td, s_base, dtype, fp8_x4_dtype, config=None,
+                                           spill_reload=True, use_scale_packing=True, run_with_lnc2=True,
+                                           clamp_limits=None, hidden_states_td=None, gate_weight_td=None,
+                                           up_weight_td=None, setup=None):
+    """Phase 1 (with the phase-0 recompute fused per tile): d_gate, d_up [S, I] and the intermediate.
+
+    Dimensions:
+        output_grad_td: dY [S, H] (K=H, k_axis=1); down_weight_td: W_down [H, I] (k_axis=0) or the
+        pre-quantized W_downᵀ [I, H]; gate_pre/gate_act/up: [S, I] bf16 HBM tensors or None (recomputed);
+        d_gate_up_td: [S, 2I] bf16 output (d_gate | d_up); scratch_td: [S, I] bf16 intermediate output,
+        or None when the intermediate is not needed / given.
+        Recompute operands (only when gate_pre/up are None): hidden_states_td X [S, H] (k_axis=1),
+        gate_weight_td / up_weight_td: W_gate / W_up [I, H] windows of gate_up_weights (k_axis=1).
+
+    Args:
+        s_base: first token row (the kernel processes all S rows from s_base; 0 for a full call).
+        dtype: dtype of d_gate_up (bf16). fp8_x4_dtype: MX element dtype. spill_reload: accepted for API
+        compatibility; a no-op (panels stay in SBUF, nothing is spilled). Epilogue math is fp32.
+    """
+    config = config or MlpBwdMatmulConfig().phase1
+    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+    S = output_grad_td.tensor.shape[0] - s_base
+    I = down_weight_td.f_extent
+    m_tiles, n_blocks = ceil_div(S, config.m_tile), ceil_div(I, config.n_tile)
+    (m_lo, m_hi), (n_lo, n_hi) = _split_tiles(m_tiles, n_blocks, num_cores, shard_id)
+    clamp = clamp_limits or ClampLimits()
+    need_gate_pre, need_up = gate_pre_td is None, up_td is None
+    ncols = config.n_tile
+    for nb in range(n_lo, n_hi):
+        n0 = nb * config.n_tile
+        nsz = min(config.n_tile, I - n0)
+        w_down = load_panel(down_weight_td, n0, nsz, nsz, setup)
+        w_gate = load_panel(gate_weight_td, n0, nsz, nsz, setup) if need_gate_pre else None
+        w_up = load_panel(up_weight_td, n0, nsz, nsz, setup) if need_up else None
+        for mt in range(m_lo, m_hi):
+            m0 = s_base + mt * config.m_tile
+            msz = min(config.m_tile, S - mt * config.m_tile)
+            m_pad = msz + (msz % 2 if setup.is_mx else 0)
+            dy = load_panel(output_grad_td, m0, msz, m_pad, setup)
+            d_i = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
+            matmul_panels(d_i[:m_pad, :nsz], dy, w_down, setup)  # K=H, M=S tile, N=I block
+            g_psum = u_psum = None
+            if need_gate_pre or need_up:
+                x = load_panel(hidden_states_td, m0, msz, m_pad, setup)
+                if need_gate_pre:
+                    g_psum = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(g_psum[:m_pad, :nsz], x, w_gate, setup)  # K=H, M=S tile, N=I block
+                if need_up:
+                    u_psum = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(u_psum[:m_pad, :nsz], x, w_up, setup)  # K=H, M=S tile, N=I block
+            gate_pre = _bf16_tile(gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
+            up = _bf16_tile(up_td, u_psum, m0, msz, n0, nsz, ncols)
+            _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp,
+                                  m0, msz, n0, nsz, I, ncols, dtype)
+
+
+def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp, m0, msz, n0, nsz, I,
+                          ncols, dtype):
+    """Epilogue of one [msz, nsz] tile in fp32: SwiGLU derivative, clamp masks, intermediate."""
+    g32 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=g32[:msz, :nsz], src=gate_pre)
+    u32 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=u32[:msz, :nsz], src=up)
+    gc, mask_g = _clamp_and_mask(g32[:msz, :nsz], clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz)
+    uc, mask_u = _clamp_and_mask(u32[:msz, :nsz], clamp.linear_lower, clamp.linear_upper, msz, nsz)
+    act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if gate_act_td is not None:
+        nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
+    else:
+        nisa.activation(dst=act[:msz, :nsz], op=nl.silu, data=gc)  # gate_act = bf16(silu(gc))
+    a = act[:msz, :nsz]
+    if scratch_td is not None:  # intermediate = bf16(gate_act * uc) for phase 4
+        inter = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=inter[:msz, :nsz], data1=a, data2=uc, op=nl.multiply)
+        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=inter[:msz, :nsz])
+    # d_up = bf16((dI * a) * mask_u)
+    d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)
+    if mask_u is None:
+        nisa.tensor_tensor(dst=d_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
+    else:
+        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_up[:msz, :nsz], data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply)
+    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g); silu' on ScalarE, products on VectorE
+    sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=gc)
+    t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
+    d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)
+    if mask_g is None:
+        nisa.tensor_tensor(dst=d_gate[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply)
+    else:
+        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply)
+        nisa.tensor_tensor(dst=d_gate[:msz, :nsz], data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply)
+    nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, n0:n0 + nsz], src=d_gate[:msz, :nsz])
+    nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up[:msz, :nsz])
+
+
+def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weight_td, d_gate_up_td, s_base, dtype,
+                                            fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None):
+    """Phase 2: dX [S, H] = d_gate_up [S, 2I] @ gate_up_weights [2I, H] (K=2I).
+
+    Dimensions:
+        d_gate_up_td: [S, 2I] (k_axis=1); gate_up_weight_td: W_gu [2I, H] (k_axis=0) or pre-quantized
+        W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
+    """
+    config = config or MlpBwdMatmulConfig().phase2
+    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+    S = d_gate_up_td.tensor.shape[0] - s_base
+    H = hidden_states_grad_td.shape[1]
+    a_op = d_gate_up_td.window(s_base, S) if s_base else d_gate_up_td
+    out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
+    _tiled_gemm(out, a_op, gate_up_weight_td, S, H, setup, config, num_cores, shard_id, dtype)
+
+
+def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td, grad_T_td, dtype, fp8_x4_dtype,
+                                             config=None, run_with_lnc2=True, setup=None):
+    """Phase 3: dW_gu [2I, H] = d_gate_upᵀ [2I, S] @ X [S, H] (K=S).
+
+    Dimensions:
+        grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0); hidden_states_T_td: X [S, H]
+        (k_axis=0) or pre-quantized Xᵀ [H, S]; weight_grad_td: [2I, H] output in `dtype`.
+    """
+    config = config or MlpBwdMatmulConfig().phase3
+    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+    two_i, H = weight_grad_td.shape
+    _tiled_gemm(weight_grad_td, grad_T_td, hidden_states_T_td, two_i, H, setup, config, num_cores, shard_id, dtype)
+
+
+def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td, intermediate_T_td, h_base, dtype,
+                                          fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None):
+    """Phase 4: dW_down [H, I] = dYᵀ [H, S] @ intermediate [S, I] (K=S).
+
+    Dimensions:
+        output_grad_T_td: dY [S, H] (k_axis=0) or pre-quantized dYᵀ [H, S]; intermediate_T_td: [S, I]
+        (k_axis=0); down_weight_grad_td: [H, I] output in `dtype`. h_base: first H row (0 for a full call).
+    """
+    config = config or MlpBwdMatmulConfig().phase4
+    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+    H, I = down_weight_grad_td.shape
+    a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
+    out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
+    _tiled_gemm(out, a_op, intermediate_T_td, H - h_base, I, setup, config, num_cores, shard_id, dtype)
+
+
+def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad, output_grad_td,
+                                hidden_states_td, hidden_states_T_td, output_grad_T_td, down_weight_td,
+                                gate_up_weight_td, gate_weight_td, up_weight_td, gate_pre, gate_act, up, intermediate,
+                                setup, config, run_with_lnc2, clamp_limits, weight_grad_dtype):
+    """All phases in order for validated descriptors; allocates only the scratch that is needed."""
+    S, two_i = output_grad_td.tensor.shape[0], gate_up_weight_grad.shape[0]
+    num_cores, _ = get_program_sharding_info(run_with_lnc2)
+    d_gate_up = nl.ndarray((S, two_i), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="mlp_bwd_d_gate_up")
+    scratch = None
+    if intermediate is None:
+        scratch = nl.ndarray((S, two_i // 2), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="mlp_bwd_intermediate")
+    compute_phase1_down_proj_mm_grad_mxfp8(
+        output_grad_td, gate_pre, gate_act, up, d_gate_up, scratch, down_weight_td, 0, nl.bfloat16, setup.x4_dtype,
+        config=config.phase1, use_scale_packing=setup.use_scale_packing, run_with_lnc2=run_with_lnc2,
+        clamp_limits=clamp_limits, hidden_states_td=hidden_states_td, gate_weight_td=gate_weight_td,
+        up_weight_td=up_weight_td, setup=setup)
+    if num_cores > 1:
+        nisa.core_barrier(data=d_gate_up, cores=(0, 1))  # phases 2-4 read what both cores wrote
+    d_gu_k_cols = TensorDescriptor(d_gate_up, k_axis=1)
+    d_gu_k_rows = TensorDescriptor(d_gate_up, k_axis=0)
+    inter_td = TensorDescriptor(intermediate if intermediate is not None else scratch, k_axis=0)
+    compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
+                                            setup.x4_dtype, config=config.phase2, run_with_lnc2=run_with_lnc2,
+                                            setup=setup)
+    compute_phase3_gate_up_weight_grad_mxfp8(gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype,
+                                             setup.x4_dtype, config=config.phase3, run_with_lnc2=run_with_lnc2,
+                                             setup=setup)
+    compute_phase4_down_weight_grad_mxfp8(down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype,
+                                          setup.x4_dtype, config=config.phase4, run_with_lnc2=run_with_lnc2,
+                                          setup=setup)
+
+
+_X4_DTYPES = {"float8_e4m3fn_x4": "float8_e4m3fn", "float8_e5m2_x4": "float8_e5m2"}
+
+
+def _check_2d(name, t, shape, dtypes):
+    kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
+    kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
+    kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
+
+
+def _prequantized_td(name, words, scales, f, k):
+    """Descriptor of a pre-quantized operand [F, K] (x4 words [F, Kp/4] + scales [F, Kp/32]), or None."""
+    kernel_assert((words is None) == (scales is None),
+                  f"{name} and {name}_scales must be given together, got {name}="
+                  f"{'given' if words is not None else 'None'} and {name}_scales={'given' if scales is not None else 'None'}")
+    if words is None:
+        return None
+    kp = -(-k // MX_K_ALIGN) * MX_K_ALIGN
+    _check_2d(name, words, (f, kp // 4), ("uint32", "float8_e4m3fn_x4", "float8_e5m2_x4"))
+    _check_2d(f"{name}_scales", scales, (f, kp // 32), ("uint8", "float8_e8m0fnu"))
+    if str(words.dtype) != "uint32":
+        words = words.view(nl.uint32)
+    return TensorDescriptor(words, k_axis=1, scales=scales)
+
+
+@nki.jit
+def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, gate_up_weights=None,
+                           down_proj_weight_T=None, down_proj_weight_T_scales=None, gate_up_weights_T=None,
+                           gate_up_weights_T_scales=None, output_grad_T=None, output_grad_T_scales=None,
+                           hidden_states_T=None, hidden_states_T_scales=None, gate_pre=None, gate_act=None, up=None,
+                           intermediate=None, run_with_lnc2=True, matmul_config=None,
+                           fp8_x4_dtype=nl.float8_e4m3fn_x4, spill_reload=True, use_scale_packing=True,
+                           clamp_limits=None, quant_scheme="1x32", weight_grad_dtype=nl.bfloat16,
+                           matmul_precision=None):
+    """Backward of Y = (silu(X·W_gateᵀ) ⊙ X·W_upᵀ)·W_downᵀ in MXFP8, recomputing missing checkpoints.
+
+    Dimensions:
+        output_grad dY [S, H], hidden_states X [S, H], gate_up_weights W_gu [2I, H] (gate rows first),
+        down_proj_weight W_down [H, I], checkpoints gate_pre / gate_act / up / intermediate [S, I]; all bf16.
+        Pre-quantized alternatives (x4 words uint32 + E8M0 scales uint8, see reference.prequantize):
+        down_proj_weight_T [I, Hp/4] (W_downᵀ along H), gate_up_weights_T [H, 2Ip/4] (W_guᵀ along 2I),
+        output_grad_T [H, Sp/4] (dYᵀ along S), hidden_states_T [H, Sp/4] (Xᵀ along S); `*_scales`
+        [F, Kp/32]; Kp = K rounded up to 128.
+
+    Args:
+        gate_pre, gate_act, up, intermediate: any subset may be None; only what is missing is recomputed
+            (gate_pre and up need gate_up_weights in bf16). No buffer is allocated for a given checkpoint.
+        run_with_lnc2: shard across the two cores of a kernel[2] launch (see the module docstring).
+        matmul_config: None, a MatmulConfig for every phase, or an MlpBwdMatmulConfig per phase.
+        fp8_x4_dtype: nl.float8_e4m3fn_x4 (default) or nl.float8_e5m2_x4: the MX element format.
+        spill_reload: accepted for API compatibility with nki-library; a no-op (panels stay in SBUF).
+        use_scale_packing: share one scale tile between four K tiles (partition offsets 0/4/8/12).
+        clamp_limits: ClampLimits of a clamped SwiGLU forward, or None.
+        quant_scheme: "1x32" (OCP-contiguous groups of 32 along K, default) or "wrapX" (groups strided
+            by K/4 inside each 512-wide K tile, the nki-library layout).
+        weight_grad_dtype: nl.bfloat16 (default) or nl.float32 for both weight gradients.
+        matmul_precision: "mxfp8" (default on trn3) or "bf16" (nc_matmul; the only choice on trn2, which
+            has no MX instructions).
+
+    Returns:
+        (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I]) in
+        shared HBM; weight gradients in weight_grad_dtype.
+
+    NaN/Inf in the inputs propagate like the reference (an MX group containing NaN/Inf quantizes to a
+    NaN scale, so the whole group's products are NaN); nothing raises on them.
+    """
+    # ---- options ----
+    on_trn3 = nisa.get_nc_version() >= nisa.nc_version.gen4
+    precision = matmul_precision if matmul_precision is not None else ("mxfp8" if on_trn3 else "bf16")
+    kernel_assert(precision in MATMUL_PRECISIONS,
+                  f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
+    kernel_assert(precision != "mxfp8" or on_trn3,
+                  f"matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
+                  f"gen{int(nisa.get_nc_version())} (Trn2): use matmul_precision='bf16'")
+    kernel_assert(str(fp8_x4_dtype) in _X4_DTYPES,
+                  f"fp8_x4_dtype must be one of {sorted(_X4_DTYPES)}, got {fp8_x4_dtype!r}")
+    kernel_assert(quant_scheme in QUANT_SCHEMES, f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")
+    kernel_assert(str(weight_grad_dtype) in ("bfloat16", "float32"),
+                  f"weight_grad_dtype must be nl.bfloat16 or nl.float32, got {weight_grad_dtype!r}")
+    kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
+    kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
+    kernel_assert(clamp_limits is None or isinstance(clamp_limits, ClampLimits),
+                  f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
+    config = resolve_matmul_config(matmul_config)
+    setup = MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing)
+
+    # ---- shapes ----
+    kernel_assert(output_grad is not None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,
+                  f"output_grad must be a 2-D [S, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
+    S, H = output_grad.shape
+    _check_2d("output_grad", output_grad, (S, H), ("bfloat16",))
+    _check_2d("hidden_states", hidden_states, (S, H), ("bfloat16",))
+    if down_proj_weight is not None:
+        kernel_assert(len(down_proj_weight.shape) == 2,
+                      f"down_proj_weight must be 2-D [H, I], got shape {tuple(down_proj_weight.shape)}")
+        I = down_proj_weight.shape[1]
+    elif gate_up_weights is not None:
+        I = gate_up_weights.shape[0] // 2
+    else:
+        kernel_assert(down_proj_weight_T_scales is not None,
+                      "down_proj_weight (or down_proj_weight_T with down_proj_weight_T_scales) is required")
+        I = down_proj_weight_T_scales.shape[0]
+    kernel_assert(H % 32 == 0 and I % 32 == 0,
+                  f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
+    prequant = {
+        "down_proj_weight_T": _prequantized_td("down_proj_weight_T", down_proj_weight_T, down_proj_weight_T_scales, I, H),
+        "gate_up_weights_T": _prequantized_td("gate_up_weights_T", gate_up_weights_T, gate_up_weights_T_scales, H, 2 * I),
+        "output_grad_T": _prequantized_td("output_grad_T", output_grad_T, output_grad_T_scales, H, S),
+        "hidden_states_T": _prequantized_td("hidden_states_T", hidden_states_T, hidden_states_T_scales, H, S),
+    }
+    if precision != "mxfp8":
+        given = [k for k, v in prequant.items() if v is not None]
+        kernel_assert(not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got {precision!r}")
+    if down_proj_weight is not None:
+        _check_2d("down_proj_weight", down_proj_weight, (H, I), ("bfloat16",))
+    else:
+        kernel_assert(prequant["down_proj_weight_T"] is not None,
+                      "down_proj_weight is None: pass down_proj_weight_T and down_proj_weight_T_scales instead")
+    if gate_up_weights is not None:
+        _check_2d("gate_up_weights", gate_up_weights, (2 * I, H), ("bfloat16",))
+    else:
+        kernel_assert(prequant["gate_up_weights_T"] is not None,
+                      "gate_up_weights is None: pass gate_up_weights_T and gate_up_weights_T_scales instead")
+        kernel_assert(gate_pre is not None and up is not None,
+                      "recomputing gate_pre/up needs gate_up_weights in bf16; pass gate_up_weights or both "
+                      "the gate_pre and up checkpoints")
+    for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
+        if ckpt is not None:
+            _check_2d(name, ckpt, (S, I), ("bfloat16",))
+
+    # ---- operand descriptors (who reads what, in which K orientation) ----
+    dy_k_h = TensorDescriptor(output_grad, k_axis=1)
+    x_k_h = TensorDescriptor(hidden_states, k_axis=1)
+    down_td = prequant["down_proj_weight_T"] or TensorDescriptor(down_proj_weight, k_axis=0)
+    gu_td = prequant["gate_up_weights_T"] or TensorDescriptor(gate_up_weights, k_axis=0)
+    x_k_s = prequant["hidden_states_T"] or TensorDescriptor(hidden_states, k_axis=0)
+    dy_k_s = prequant["output_grad_T"] or TensorDescriptor(output_grad, k_axis=0)
+    gate_w = up_w = None
+    if gate_up_weights is not None:
+        gate_w = TensorDescriptor(gate_up_weights, k_axis=1, f_base=0, f_size=I)
+        up_w = TensorDescriptor(gate_up_weights, k_axis=1, f_base=I, f_size=I)
+
+    hidden_states_grad = nl.ndarray((S, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
+    gate_up_weight_grad = nl.ndarray((2 * I, H), dtype=weight_grad_dtype, buffer=nl.shared_hbm,
+                                     name="gate_up_weight_grad")
+    down_proj_weight_grad = nl.ndarray((H, I), dtype=weight_grad_dtype, buffer=nl.shared_hbm,
+                                       name="down_proj_weight_grad")
+    mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad, dy_k_h, x_k_h, x_k_s,
+                                dy_k_s, down_td, gu_td, gate_w, up_w, gate_pre, gate_act, up, intermediate, setup,
+                                config, run_with_lnc2, clamp_limits, weight_grad_dtype)
+    return hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad

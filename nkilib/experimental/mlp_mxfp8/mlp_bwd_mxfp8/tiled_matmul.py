@@ -1,0 +1,186 @@
+"""The one tiled-matmul helper every phase uses: HBM operand -> SBUF panel (quantized on-chip along
+K for MXFP8, or plain bf16) -> accumulating matmuls into a PSUM tile.
+
+MXFP8 K tiles (spec §5.1/§5.2): a K tile of up to 512 logical rows lives on P = T/4 partitions with
+4 values per x4 word. The logical index of (partition p, slot j) is
+    "1x32":  k = 4p + j        (groups of 8 partitions x 4 slots = 32 consecutive k: OCP-contiguous)
+    "wrapX": k = p + P*j       (groups strided by P inside the tile)
+so quantize_mx's hardware group (8 partitions x 4 free) is exactly the scheme's group. K is padded
+with zeros to a multiple of 128 (quantize_mx needs 32, 64, 96 or 128 partitions); zero padding adds
+nothing to the sums and, inside a group with data, does not change its amax.
+
+Layouts loaded by DMA (elements of the SBUF staging tile come straight from HBM, no on-chip copy):
+    k_axis=0 ([K, F] in HBM): stage [P, 4, F]; quantize_mx reads it through a permuted view [P, F, 4].
+    k_axis=1 ([F, K] in HBM): stage [P, F, 4] (4 slots contiguous per (p, f)).
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ....core.kernel_helpers import round_up
+from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, SCALE_PACK_SLOTS,
+                        SCALE_PACK_STRIDE)
+
+
+class MatmulSetup(nl.NKIObject):
+    """Numeric choices shared by all matmuls of one kernel call (immutable by convention)."""
+
+    def __init__(self, precision: str, x4_dtype, scheme: str, use_scale_packing: bool):
+        self.precision = precision
+        self.x4_dtype = x4_dtype
+        self.scheme = scheme
+        self.use_scale_packing = use_scale_packing
+
+    @property
+    def is_mx(self) -> bool:
+        return self.precision == "mxfp8"
+
+
+class Panel(nl.NKIObject):
+    """An operand's [K, F] panel resident in SBUF, one entry per K tile.
+
+    data[t]: x4 words [P_t, F_pad] (MXFP8) or bf16 [T_t, F_pad]; scales[t]: scale view (MXFP8) or None.
+    """
+
+    def __init__(self, data, scales, f_pad):
+        self.data = data
+        self.scales = scales
+        self.f_pad = f_pad
+
+
+def k_tiles(k_size: int, setup: MatmulSetup):
+    """[(k0, valid, padded)] K tiles: MXFP8 tiles of 512 over K padded to 128; bf16 tiles of 128."""
+    if setup.is_mx:
+        kp = round_up(k_size, MX_K_ALIGN)
+        return [(k0, min(MX_K_TILE, k_size - k0), min(MX_K_TILE, kp - k0)) for k0 in range(0, kp, MX_K_TILE)]
+    return [(k0, min(BF16_K_TILE, k_size - k0), min(BF16_K_TILE, k_size - k0)) for k0 in range(0, k_size, BF16_K_TILE)]
+
+
+def _slot_geometry(scheme: str, partitions: int):
+    """(partition step, slot step) of logical k = p*step_p + j*step_j inside a tile."""
+    return (MX_PACK, 1) if scheme == "1x32" else (1, partitions)
+
+
+def _rows_in_slot(valid: int, j: int, step_p: int, step_j: int, partitions: int) -> int:
+    """How many leading partitions of slot j hold a logical k < valid (always a prefix)."""
+    if step_p == MX_PACK:  # 1x32: k = 4p + j
+        return max(0, min(partitions, (valid - j + MX_PACK - 1) // MX_PACK))
+    return max(0, min(partitions, valid - step_j * j))  # wrapX: k = p + P*j
+
+
+def _stage_mx_bf16(op, k0, valid, padded, f0, f_size, f_pad, setup):
+    """Load a K tile of a bf16 operand into an interleaved staging tile; returns quantize_mx's src view."""
+    P = padded // MX_PACK
+    step_p, step_j = _slot_geometry(setup.scheme, P)
+    t = op.tensor
+    partial = valid < padded
+    if op.k_axis == 0:
+        row = op.f_total
+        stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if partial or f_size < f_pad:
+            nisa.memset(dst=stage[:P, :, :], value=0.0)
+        base = k0 * row + op.f_base + f0
+        if not partial:
+            src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
+            nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
+        else:
+            for j in range(MX_PACK):
+                rows = _rows_in_slot(valid, j, step_p, step_j, P)
+                if rows:
+                    src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
+                    nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
+        return stage[:P, :, :].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
+    kdim = op.tensor.shape[1]
+    stage = nl.ndarray((PARTITIONS, f_pad, MX_PACK), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if partial or f_size < f_pad:
+        nisa.memset(dst=stage[:P, :, :], value=0.0)
+    base = (op.f_base + f0) * kdim + k0
+    if not partial:
+        src = t.ap(pattern=[[step_p, P], [kdim, f_size], [step_j, MX_PACK]], offset=base)
+        nisa.dma_copy(dst=stage[:P, :f_size, :], src=src)
+    else:
+        for j in range(MX_PACK):
+            rows = _rows_in_slot(valid, j, step_p, step_j, P)
+            if rows:
+                src = t.ap(pattern=[[step_p, rows], [kdim, f_size]], offset=base + step_j * j)
+                nisa.dma_copy(dst=stage[:rows, :f_size, j], src=src)
+    return stage[:P, :, :]
+
+
+def _scale_view(scale_tiles, t, P, f_pad, setup):
+    """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
+    if setup.use_scale_packing:
+        slot = t % SCALE_PACK_SLOTS
+        if slot == 0:
+            scale_tiles.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
+        return scale_tiles[-1][SCALE_PACK_STRIDE * slot:, :]
+    scale_tiles.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
+    return scale_tiles[-1]
+
+
+def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
+    """DMA pre-quantized x4 codes and E8M0 scales of one K tile into the interleaved SBUF layout."""
+    P = padded // MX_PACK
+    step_p, step_j = _slot_geometry(setup.scheme, P)
+    kp = op.k_size
+    if f_size < f_pad:
+        nisa.memset(dst=words[:P, :], value=0)
+        nisa.memset(dst=scale, value=0)
+    codes_hbm = op.tensor.view(nl.uint8)  # [F, Kp] bytes in logical k order
+    codes_sb = words[:P, :].view(nl.uint8).reshape((P, f_pad, MX_PACK))
+    src = codes_hbm.ap(pattern=[[step_p, P], [kp, f_size], [step_j, MX_PACK]],
+                       offset=(op.f_base + f0) * kp + k0)
+    nisa.dma_copy(dst=codes_sb[:, :f_size, :], src=src)
+    groups_row = kp // 32
+    for quadrant in range(P // 32):
+        # groups 4q..4q+3 of this tile -> scale rows 32q..32q+3 (quadrant layout, spec §5.1)
+        src = op.scales.ap(pattern=[[1, 4], [groups_row, f_size]],
+                           offset=(op.f_base + f0) * groups_row + k0 // 32 + 4 * quadrant)
+        nisa.dma_copy(dst=scale[32 * quadrant:32 * quadrant + 4, :f_size], src=src)
+
+
+def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+    """Bring F columns [f0, f0+f_size) of an operand into SBUF for every K tile (padded to f_pad).
+
+    Dimensions:
+        op: [K, F] or [F, K] in HBM (TensorDescriptor); result: K tiles of [P, f_pad].
+    """
+    data, scales, scale_tiles = [], [], []
+    for t, (k0, valid, padded) in enumerate(k_tiles(op.k_size, setup)):
+        if setup.is_mx:
+            P = padded // MX_PACK
+            words = nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
+            scale = _scale_view(scale_tiles, t, P, f_pad, setup)
+            if op.prequantized:
+                _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup)
+            else:
+                src = _stage_mx_bf16(op, k0, valid, padded, f0, f_size, f_pad, setup)
+                nisa.quantize_mx(dst=words[:P, :], src=src, dst_scale=scale)
+            data.append(words[:P, :])
+            scales.append(scale)
+        else:
+            tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if f_size < f_pad:
+                nisa.memset(dst=tile[:valid, :], value=0.0)
+            c0 = op.f_base + f0
+            if op.k_axis == 0:
+                nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
+            else:
+                nisa.dma_transpose(dst=tile[:valid, :f_size], src=op.tensor[c0:c0 + f_size, k0:k0 + valid])
+            data.append(tile[:valid, :])
+            scales.append(None)
+    return Panel(data, scales, f_pad)
+
+
+def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup) -> None:
+    """dst [M, N] (PSUM, fp32) = sum over K tiles of stationary[K, M]^T @ moving[K, N]."""
+    for t in range(len(stationary.data)):
+        if setup.is_mx:
+            # K=4*P (<=512) logical, M=stationary f_pad (<=128), N=moving f_pad (<=512)
+            nisa.nc_matmul_mx(dst=dst, stationary=stationary.data[t], moving=moving.data[t],
+                              stationary_scale=stationary.scales[t], moving_scale=moving.scales[t],
+                              accumulate=t > 0)
+        else:
+            # K=T (<=128), M=stationary f_pad (<=128), N=moving f_pad (<=512)
+            nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[t], accumulate=t > 0)
