@@ -127,3 +127,27 @@ def resolve_engine(instr: str, requested, allowed, default):
 def flat2d(values: np.ndarray, t: NkiTensor) -> np.ndarray:
     """[P, F] float/raw view of a tile's values (free dims flattened row-major)."""
     return values.reshape(t.shape[0], -1)
+
+
+def alu_op(instr: str, arg: str, op):
+    """An `nl.<op>` operator identifier (spec §5.13); anything else is rejected by name."""
+    from ..language.ops import Op
+
+    if not isinstance(op, Op):
+        fail(instr, f"argument '{arg}' must be an nl operator such as nl.add, got {type(op).__name__} {op!r}")
+    return op
+
+
+def gpsimd_no_psum(instr: str, eng, *tiles) -> None:
+    """GpSimd cannot access PSUM (spec §5 general rules, §7 rule 11). `tiles` are (arg, view) pairs."""
+    if eng == engine.gpsimd:
+        for arg, t in tiles:
+            if t is not None and t.storage.buffer_kind == "psum":
+                fail(instr, f"engine gpsimd cannot access PSUM (argument '{arg}', '{t.name}')")
+
+
+def numeric_operand(instr: str, arg: str, t: NkiTensor, write: bool = False) -> None:
+    """Reject dtypes compute engines cannot do arithmetic on: packed MX x4 (and e8m0 as a destination)."""
+    if t.dtype.is_x4 or (write and t.dtype.category == "scale"):
+        fail(instr, f"argument '{arg}' ('{t.name}') has packed/scale dtype {t.dtype}; compute engines cannot "
+                    "convert to or from it (use tensor_copy/DMA of raw words or quantize_mx)")
