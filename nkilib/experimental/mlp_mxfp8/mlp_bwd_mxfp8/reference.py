@@ -1,0 +1,797 @@
+"""NumPy references of the MXFP8 SwiGLU MLP backward kernel (no nki, no torch).
+
+Two modes:
+    * ``"mx_exact"``: the kernel's numerics contract (/tmp/numerics_contract.md, mirrored in the
+      docstrings below) reproduced bit for bit: K padded to 128, MX quantization along each matmul's
+      contraction axis (``nkilib.mx.quantize_mx``, scale rule "neuron", K tiles of 512), per-tile
+      float32 accumulation (``nkilib.mx.mx_matmul``), float32 elementwise math with activations
+      evaluated in float64 and rounded once to float32, bf16 (RNE) at the contract's rounding points.
+    * ``"fp32"``: the ideal backward for accuracy studies: no quantization and no bf16 rounding,
+      float64 math throughout (analytic SwiGLU derivative, the same clamps and masks with the limits
+      taken as exact float64 values, missing checkpoints recomputed in float64).
+
+Forward being differentiated (clamped SwiGLU):
+    gate_pre = X W_gate^T, up = X W_up^T, gc = clamp(gate_pre), uc = clamp(up),
+    gate_act = silu(gc), intermediate = gate_act * uc, Y = intermediate W_down^T.
+
+Dimensions:
+    S: tokens, H: hidden size, I: intermediate size (per shard).
+    X = hidden_states [S, H], dY = output_grad [S, H], W_gu = gate_up_weights [2I, H]
+    (W_gate = rows 0..I-1, W_up = rows I..2I-1), W_down = down_proj_weight [H, I],
+    checkpoints gate_pre, gate_act, up, intermediate [S, I].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from ....mx import dequantize_mx, element_format, mx_matmul, pack_x4, quantize_mx, unpack_x4
+from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+
+__all__ = [
+    "MODES",
+    "Checkpoints",
+    "mlp_backward_reference",
+    "reference_phase0_recompute",
+    "reference_phase1_down_proj_grad",
+    "reference_phase2_hidden_states_grad",
+    "reference_phase3_gate_up_weight_grad",
+    "reference_phase4_down_weight_grad",
+    "prequantize",
+    "dequantize_prequantized",
+    "prequantized_operands",
+    "error_report",
+    "ulp_diff_bf16",
+    "fraction_over_ulp",
+]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Reference modes: the kernel's exact numerics, or the ideal float64 backward.
+MODES = ("mx_exact", "fp32")
+
+#: Accepted weight_grad_dtype spellings -> numpy dtype.
+_WEIGHT_GRAD_DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
+
+
+class Checkpoints(NamedTuple):
+    """The four forward activations the backward needs (or recomputes).
+
+    Attributes:
+        gate_pre: [S, I] pre-activation of the gate projection.
+        gate_act: [S, I] silu(clamp(gate_pre)).
+        up: [S, I] up projection.
+        intermediate: [S, I] gate_act * clamp(up).
+    """
+
+    gate_pre: np.ndarray
+    gate_act: np.ndarray
+    up: np.ndarray
+    intermediate: np.ndarray
+
+
+# ----------------------------------------------------------------------------------------------
+# option handling and elementary numerics
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _fp8_name(fp8_dtype) -> str:
+    # element_format accepts the "_x4" spellings too and names the accepted values on error.
+    return element_format(fp8_dtype).name
+
+
+def _check_scheme(quant_scheme: str) -> str:
+    if quant_scheme not in QUANT_SCHEMES:
+        raise ValueError(f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")
+    return quant_scheme
+
+
+def _check_precision(matmul_precision: str) -> str:
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(
+            f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}"
+        )
+    return matmul_precision
+
+
+def _weight_grad_dtype(weight_grad_dtype) -> np.dtype:
+    key = weight_grad_dtype if isinstance(weight_grad_dtype, str) else np.dtype(weight_grad_dtype).name
+    if key not in _WEIGHT_GRAD_DTYPES:
+        raise ValueError(
+            f"weight_grad_dtype must be one of {tuple(_WEIGHT_GRAD_DTYPES)}, got {weight_grad_dtype!r}"
+        )
+    return _WEIGHT_GRAD_DTYPES[key]
+
+
+def _bf16(x) -> np.ndarray:
+    """bf16(v) of the contract: RNE to bfloat16 from float32 (float64 is rounded to float32 first,
+    so that a float64 input gives the same bits as its float32 rounding fed to the kernel)."""
+    a = np.asarray(x)
+    if a.dtype == BF16:
+        return a
+    with np.errstate(over="ignore", invalid="ignore"):
+        return a.astype(np.float32).astype(BF16)
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def _sigmoid64(x64: np.ndarray) -> np.ndarray:
+    # Contract form of the sigmoid: 0.5 * (tanh(0.5 x) + 1), no overflow for large |x|.
+    return 0.5 * (np.tanh(0.5 * x64) + 1.0)
+
+
+def _silu64(x64: np.ndarray) -> np.ndarray:
+    return x64 * _sigmoid64(x64)
+
+
+def _silu_dx64(x64: np.ndarray) -> np.ndarray:
+    s = _sigmoid64(x64)
+    return s * (1.0 + x64 * (1.0 - s))
+
+
+def _act(fn, x32: np.ndarray, mode: str) -> np.ndarray:
+    """Activation: float64 evaluation of a float32 input, rounded once to float32 (mx_exact), or
+    plain float64 (fp32 mode)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = fn(_f64(x32))
+    return y.astype(np.float32) if mode == "mx_exact" else y
+
+
+def _limit(clamp_limits, name: str, mode: str):
+    v = None if clamp_limits is None else getattr(clamp_limits, name)
+    if v is None:
+        return None
+    # mx_exact: limits enter as np.float32(limit) (contract); fp32 mode keeps the exact float.
+    return np.float32(v) if mode == "mx_exact" else np.float64(v)
+
+
+def _clamp_and_mask(v: np.ndarray, lower, upper):
+    """clamp(v) = min(max(v, lower), upper) and mask = 1 where lower <= v <= upper, else 0.
+
+    Both use the same (already rounded) limit values, so the mask is 1 exactly where the clamp is
+    the identity. A missing bound is no bound / true. np.maximum / np.minimum propagate NaN, and a
+    NaN compares false, so a NaN input gives clamp NaN and (with any bound) mask 0.
+
+    Args:
+        v: float32 (mx_exact) or float64 (fp32) [S, I].
+        lower, upper: limit scalars of v's dtype, or None.
+
+    Returns:
+        (clamped [S, I] v.dtype, mask [S, I] v.dtype of 0.0 / 1.0).
+    """
+    c = v
+    ok = np.ones(v.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        if lower is not None:
+            c = np.maximum(c, lower)
+            ok &= v >= lower
+        if upper is not None:
+            c = np.minimum(c, upper)
+            ok &= v <= upper
+    return c.astype(v.dtype, copy=False), ok.astype(v.dtype)
+
+
+def _gate_terms(gate_pre, clamp_limits, mode):
+    """g -> (gc, maskG) in the mode's working precision."""
+    g = _f32(gate_pre) if mode == "mx_exact" else _f64(gate_pre)
+    return _clamp_and_mask(
+        g, _limit(clamp_limits, "non_linear_lower", mode), _limit(clamp_limits, "non_linear_upper", mode)
+    )
+
+
+def _up_terms(up, clamp_limits, mode):
+    """u -> (uc, maskU) in the mode's working precision."""
+    u = _f32(up) if mode == "mx_exact" else _f64(up)
+    return _clamp_and_mask(
+        u, _limit(clamp_limits, "linear_lower", mode), _limit(clamp_limits, "linear_upper", mode)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the contract's matmul
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_k(a: np.ndarray, axis: int, kp: int) -> np.ndarray:
+    k = a.shape[axis]
+    if k == kp:
+        return a
+    widths = [(0, 0), (0, 0)]
+    widths[axis] = (0, kp - k)
+    return np.pad(a, widths)
+
+
+def _padded_k(k: int) -> int:
+    return -(-k // MX_K_ALIGN) * MX_K_ALIGN
+
+
+def _quantize_k(a, axis: int, fp8: str, scheme: str):
+    """Zero-pads axis `axis` of a 2-D bf16 operand to a multiple of 128 and MX-quantizes along it.
+
+    Args:
+        a: [R, C] bf16 (or float) array; `axis` is its contraction axis K.
+        axis: 0 or 1.
+        fp8: element format name.
+        scheme: "1x32" or "wrapX".
+
+    Returns:
+        nkilib.mx.MXTensor of the padded [.., Kp, ..] operand (scale rule "neuron", k_tile 512).
+    """
+    a = _bf16(a)
+    kp = _padded_k(a.shape[axis])
+    return quantize_mx(
+        _pad_k(a, axis, kp), axis=axis, elem_format=fp8, scale_rule="neuron", scheme=scheme,
+        k_tile=MX_K_TILE,
+    )
+
+
+def _mm(a, b, precision: str, fp8: str, scheme: str) -> np.ndarray:
+    """The contract's matmul mm(A, B) = A @ B.
+
+    mxfp8: K zero-padded to Kp = ceil(K / 128) * 128; A quantized along axis 1 and B along axis 0
+    (quantize_mx, scale rule "neuron", k_tile 512); nkilib.mx.mx_matmul with k_tile 512 (per 512-K
+    tile exact sum rounded to float32, float32 accumulation across tiles in order, last tile Kp % 512
+    if nonzero).
+    bf16: the bf16 values as is; per K tile of 128 (last tile = remainder) float64 sum of the exact
+    products rounded to float32, float32 accumulation across tiles in order.
+
+    Dimensions:
+        a: [M, K] bf16, b: [K, N] bf16 -> [M, N] float32.
+
+    Args:
+        a: left operand [M, K].
+        b: right operand [K, N].
+        precision: "mxfp8" or "bf16".
+        fp8: fp8 element format name (mxfp8 only).
+        scheme: "1x32" or "wrapX" (mxfp8 only).
+
+    Returns:
+        float32 [M, N].
+    """
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"_mm: incompatible operand shapes {a.shape} @ {b.shape}")
+    if precision == "mxfp8":
+        return mx_matmul(
+            _quantize_k(a, 1, fp8, scheme), _quantize_k(b, 0, fp8, scheme), k_tile=MX_K_TILE
+        )
+    if precision != "bf16":
+        raise ValueError(f"matmul precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    a64 = _f64(_bf16(a))
+    b64 = _f64(_bf16(b))
+    k = a64.shape[1]
+    acc = None
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k0 in range(0, k, BF16_K_TILE):
+            part = (a64[:, k0:k0 + BF16_K_TILE] @ b64[k0:k0 + BF16_K_TILE, :]).astype(np.float32)
+            acc = part if acc is None else (acc + part).astype(np.float32)
+    return acc
+
+
+def _matmul(a, b, mode: str, precision: str, fp8: str, scheme: str) -> np.ndarray:
+    """mm of the contract (mx_exact, float32 result) or the float64 product (fp32 mode)."""
+    if mode == "fp32":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _f64(a) @ _f64(b)
+    return _mm(_bf16(a), _bf16(b), precision, fp8, scheme)
+
+
+def _weight_grad(v: np.ndarray, mode: str, wg_dtype: np.dtype) -> np.ndarray:
+    """wg of the contract: float32 -> weight_grad_dtype (bf16 RNE or as is); fp32 mode: unchanged."""
+    if mode == "fp32":
+        return v
+    return _bf16(v) if wg_dtype == BF16 else v.astype(np.float32)
+
+
+def _options(mode, fp8_dtype, quant_scheme, matmul_precision):
+    return _check_mode(mode), _fp8_name(fp8_dtype), _check_scheme(quant_scheme), _check_precision(
+        matmul_precision
+    )
+
+
+def _operand(x, mode: str) -> np.ndarray:
+    """Kernel inputs are bf16 (mx_exact rounds other float inputs to bf16); fp32 mode keeps values."""
+    return _bf16(x) if mode == "mx_exact" else _f64(x)
+
+
+def _check_2d(name: str, x, shape) -> None:
+    if x is not None and tuple(np.shape(x)) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(np.shape(x))}")
+
+
+# ----------------------------------------------------------------------------------------------
+# phases
+# ----------------------------------------------------------------------------------------------
+
+
+def reference_phase0_recompute(
+    hidden_states,
+    gate_up_weights,
+    gate_pre=None,
+    gate_act=None,
+    up=None,
+    intermediate=None,
+    *,
+    clamp_limits=None,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    mode="mx_exact",
+) -> Checkpoints:
+    """Phase 0: recomputes the missing forward checkpoints (given ones are passed through).
+
+    mx_exact (contract):
+        gate_pre = bf16(mm(X, W_gate^T)), up = bf16(mm(X, W_up^T))      (K = H)
+        gc = clampG(f32(gate_pre)), uc = clampU(f32(up))
+        gate_act = bf16(silu(gc)), intermediate = bf16(f32(gate_act) * uc)
+    fp32: the same in float64 without any rounding.
+
+    Dimensions:
+        hidden_states [S, H], gate_up_weights [2I, H], checkpoints [S, I].
+
+    Args:
+        hidden_states: X [S, H].
+        gate_up_weights: W_gu [2I, H].
+        gate_pre, gate_act, up, intermediate: optional checkpoints [S, I].
+        clamp_limits: ClampLimits-like object (attributes non_linear_lower, non_linear_upper,
+            linear_lower, linear_upper; None = no bound) or None.
+        fp8_dtype: "float8_e4m3fn" or "float8_e5m2".
+        quant_scheme: "1x32" or "wrapX".
+        matmul_precision: "mxfp8" or "bf16".
+        mode: "mx_exact" or "fp32".
+
+    Returns:
+        Checkpoints of [S, I] arrays: bf16 (mx_exact; given bf16 checkpoints returned as is) or
+        float64 (fp32).
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    x = _operand(hidden_states, mode)
+    w = _operand(gate_up_weights, mode)
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2:
+        raise ValueError(
+            f"hidden_states [S, H] and gate_up_weights [2I, H] mismatch: {x.shape}, {w.shape}"
+        )
+    S, n_i = x.shape[0], w.shape[0] // 2
+    for name, v in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up),
+                    ("intermediate", intermediate)):
+        _check_2d(name, v, (S, n_i))
+    rnd = _bf16 if mode == "mx_exact" else _f64
+
+    def proj(rows):  # bf16(mm(X, W_rows^T)), K = H
+        return rnd(_matmul(x, w[rows].T, mode, precision, fp8, scheme))
+
+    gate_pre = proj(slice(0, n_i)) if gate_pre is None else _operand(gate_pre, mode)
+    up = proj(slice(n_i, 2 * n_i)) if up is None else _operand(up, mode)
+    if gate_act is None:
+        gc, _ = _gate_terms(gate_pre, clamp_limits, mode)
+        gate_act = rnd(_act(_silu64, gc, mode))
+    else:
+        gate_act = _operand(gate_act, mode)
+    if intermediate is None:
+        intermediate = _intermediate(gate_act, up, clamp_limits, mode)
+    else:
+        intermediate = _operand(intermediate, mode)
+    return Checkpoints(gate_pre, gate_act, up, intermediate)
+
+
+def _intermediate(gate_act, up, clamp_limits, mode):
+    """intermediate = bf16(f32(gate_act) * uc) (mx_exact) or gate_act * uc in float64."""
+    uc, _ = _up_terms(up, clamp_limits, mode)
+    if mode == "mx_exact":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _bf16(_f32(gate_act) * uc)
+    return _f64(gate_act) * uc
+
+
+def reference_phase1_down_proj_grad(
+    output_grad,
+    down_proj_weight,
+    gate_pre,
+    up,
+    gate_act=None,
+    intermediate=None,
+    *,
+    clamp_limits=None,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    mode="mx_exact",
+):
+    """Phase 1: dI = dY W_down (K = H) and the SwiGLU backward epilogue.
+
+    mx_exact (contract): dI = mm(dY, W_down) float32; g = f32(gate_pre), u = f32(up),
+    gc, maskG = clampG(g), uc, maskU = clampU(u); a = f32(gate_act) (gate_act = bf16(silu(gc)) if
+    not given); sd = f32(silu_dx(gc));
+        d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * sd) * maskG)
+    (each product a float32 multiply, left to right). If `intermediate` is not given it is
+    bf16(a * uc) (the phase-0 formula) and returned for phase 4.
+    fp32: the same formulas in float64, no rounding.
+
+    Dimensions:
+        output_grad [S, H], down_proj_weight [H, I], gate_pre / up / gate_act / intermediate [S, I].
+
+    Args:
+        output_grad: dY [S, H].
+        down_proj_weight: W_down [H, I].
+        gate_pre: [S, I] (required; phase 0 recomputes it when the caller has none).
+        up: [S, I] (required, as gate_pre).
+        gate_act: optional [S, I] checkpoint.
+        intermediate: optional [S, I] checkpoint.
+        clamp_limits, fp8_dtype, quant_scheme, matmul_precision, mode: as in
+            ``reference_phase0_recompute``.
+
+    Returns:
+        (d_gate [S, I], d_up [S, I], intermediate [S, I] or None): bf16 arrays (mx_exact) or float64
+        (fp32); the third item is the computed intermediate when none was given, else None.
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    dy = _operand(output_grad, mode)
+    w_down = _operand(down_proj_weight, mode)
+    if dy.ndim != 2 or w_down.ndim != 2 or w_down.shape[0] != dy.shape[1]:
+        raise ValueError(f"output_grad [S, H] and down_proj_weight [H, I] mismatch: {dy.shape}, {w_down.shape}")
+    shape = (dy.shape[0], w_down.shape[1])
+    for name, v in (("gate_pre", gate_pre), ("up", up), ("gate_act", gate_act),
+                    ("intermediate", intermediate)):
+        _check_2d(name, v, shape)
+    if gate_pre is None or up is None:
+        raise ValueError("phase 1 needs gate_pre and up (run reference_phase0_recompute first)")
+    gate_pre = _operand(gate_pre, mode)
+    up = _operand(up, mode)
+
+    d_i = _matmul(dy, w_down, mode, precision, fp8, scheme)  # [S, I], K = H
+    gc, mask_g = _gate_terms(gate_pre, clamp_limits, mode)
+    uc, mask_u = _up_terms(up, clamp_limits, mode)
+    if gate_act is None:
+        act = _act(_silu64, gc, mode)
+        gate_act = _bf16(act) if mode == "mx_exact" else act
+    else:
+        gate_act = _operand(gate_act, mode)
+    a = _f32(gate_act) if mode == "mx_exact" else _f64(gate_act)
+    sd = _act(_silu_dx64, gc, mode)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d_up = (d_i * a) * mask_u
+        d_gate = ((d_i * uc) * sd) * mask_g
+    if mode == "mx_exact":
+        d_gate, d_up = _bf16(d_gate), _bf16(d_up)
+    new_intermediate = None
+    if intermediate is None:
+        new_intermediate = _intermediate(gate_act, up, clamp_limits, mode)
+    return d_gate, d_up, new_intermediate
+
+
+def reference_phase2_hidden_states_grad(
+    d_gate_up,
+    gate_up_weights,
+    *,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    mode="mx_exact",
+) -> np.ndarray:
+    """Phase 2: hidden_states_grad = bf16(mm(d_gu, W_gu)) (K = 2I; fp32 mode: float64 product).
+
+    Dimensions:
+        d_gate_up [S, 2I] = concat([d_gate, d_up], axis=1), gate_up_weights [2I, H] -> [S, H].
+
+    Args:
+        d_gate_up: [S, 2I] bf16 (mx_exact) / float (fp32).
+        gate_up_weights: W_gu [2I, H].
+        fp8_dtype, quant_scheme, matmul_precision, mode: as in ``reference_phase0_recompute``.
+
+    Returns:
+        [S, H] bf16 (mx_exact) or float64 (fp32).
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    out = _matmul(_operand(d_gate_up, mode), _operand(gate_up_weights, mode), mode, precision, fp8, scheme)
+    return _bf16(out) if mode == "mx_exact" else out
+
+
+def reference_phase3_gate_up_weight_grad(
+    d_gate_up,
+    hidden_states,
+    *,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    weight_grad_dtype="bfloat16",
+    mode="mx_exact",
+) -> np.ndarray:
+    """Phase 3: gate_up_weight_grad = wg(mm(d_gu^T, X)) (K = S).
+
+    d_gu^T [2I, S] is quantized along S (axis 1) and X [S, H] along S (axis 0).
+
+    Dimensions:
+        d_gate_up [S, 2I], hidden_states [S, H] -> [2I, H].
+
+    Args:
+        d_gate_up: [S, 2I].
+        hidden_states: X [S, H].
+        weight_grad_dtype: "bfloat16" (RNE) or "float32" (the float32 accumulator as is).
+        fp8_dtype, quant_scheme, matmul_precision, mode: as in ``reference_phase0_recompute``.
+
+    Returns:
+        [2I, H] in weight_grad_dtype (mx_exact) or float64 (fp32).
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    wg = _weight_grad_dtype(weight_grad_dtype)
+    out = _matmul(_operand(d_gate_up, mode).T, _operand(hidden_states, mode), mode, precision, fp8, scheme)
+    return _weight_grad(out, mode, wg)
+
+
+def reference_phase4_down_weight_grad(
+    output_grad,
+    intermediate,
+    *,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    weight_grad_dtype="bfloat16",
+    mode="mx_exact",
+) -> np.ndarray:
+    """Phase 4: down_proj_weight_grad = wg(mm(dY^T, intermediate)) (K = S).
+
+    Dimensions:
+        output_grad [S, H], intermediate [S, I] -> [H, I].
+
+    Args:
+        output_grad: dY [S, H].
+        intermediate: [S, I] (checkpoint or recomputed).
+        weight_grad_dtype: "bfloat16" or "float32".
+        fp8_dtype, quant_scheme, matmul_precision, mode: as in ``reference_phase0_recompute``.
+
+    Returns:
+        [H, I] in weight_grad_dtype (mx_exact) or float64 (fp32).
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    wg = _weight_grad_dtype(weight_grad_dtype)
+    out = _matmul(_operand(output_grad, mode).T, _operand(intermediate, mode), mode, precision, fp8, scheme)
+    return _weight_grad(out, mode, wg)
+
+
+def mlp_backward_reference(
+    output_grad,
+    hidden_states,
+    down_proj_weight,
+    gate_up_weights,
+    gate_pre=None,
+    gate_act=None,
+    up=None,
+    intermediate=None,
+    clamp_limits=None,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+    matmul_precision="mxfp8",
+    weight_grad_dtype="bfloat16",
+    mode="mx_exact",
+):
+    """Reference of the whole MLP backward: phases 0 (missing checkpoints only), 1, 2, 3, 4.
+
+    Dimensions:
+        output_grad [S, H], hidden_states [S, H], down_proj_weight [H, I], gate_up_weights [2I, H],
+        checkpoints [S, I].
+
+    Args:
+        output_grad: dY [S, H] (bf16; other float dtypes are rounded to bf16 in mx_exact mode).
+        hidden_states: X [S, H].
+        down_proj_weight: W_down [H, I].
+        gate_up_weights: W_gu [2I, H] (gate rows first).
+        gate_pre, gate_act, up, intermediate: optional checkpoints [S, I].
+        clamp_limits: ClampLimits (config.py) or any object with its four attributes, or None.
+        fp8_dtype: "float8_e4m3fn" or "float8_e5m2".
+        quant_scheme: "1x32" or "wrapX".
+        matmul_precision: "mxfp8" or "bf16".
+        weight_grad_dtype: "bfloat16" or "float32".
+        mode: "mx_exact" (the kernel's numerics) or "fp32" (ideal float64 backward).
+
+    Returns:
+        (hidden_states_grad [S, H], gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I]):
+        mx_exact: bf16, weight_grad_dtype, weight_grad_dtype; fp32: all float32.
+    """
+    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    _weight_grad_dtype(weight_grad_dtype)
+    opts = dict(fp8_dtype=fp8, quant_scheme=scheme, matmul_precision=precision, mode=mode)
+    dy = _operand(output_grad, mode)
+    x = _operand(hidden_states, mode)
+    w_down = _operand(down_proj_weight, mode)
+    w_gu = _operand(gate_up_weights, mode)
+    S, H = x.shape
+    n_i = w_gu.shape[0] // 2
+    _check_2d("output_grad", dy, (S, H))
+    _check_2d("down_proj_weight", w_down, (H, n_i))
+
+    if gate_pre is None or up is None:
+        # Phase 0 fills every missing checkpoint; with gate_pre and up given, a missing gate_act /
+        # intermediate comes out of phase 1 instead (same formulas, same bits).
+        gate_pre, gate_act, up, intermediate = reference_phase0_recompute(
+            x, w_gu, gate_pre, gate_act, up, intermediate, clamp_limits=clamp_limits, **opts
+        )
+    d_gate, d_up, new_inter = reference_phase1_down_proj_grad(
+        dy, w_down, gate_pre, up, gate_act, intermediate, clamp_limits=clamp_limits, **opts
+    )
+    if new_inter is not None:
+        intermediate = new_inter
+    d_gu = np.concatenate([d_gate, d_up], axis=1)
+    dx = reference_phase2_hidden_states_grad(d_gu, w_gu, **opts)
+    dw_gu = reference_phase3_gate_up_weight_grad(d_gu, x, weight_grad_dtype=weight_grad_dtype, **opts)
+    dw_down = reference_phase4_down_weight_grad(
+        dy, intermediate, weight_grad_dtype=weight_grad_dtype, **opts
+    )
+    if mode == "fp32":
+        return dx.astype(np.float32), dw_gu.astype(np.float32), dw_down.astype(np.float32)
+    return dx, dw_gu, dw_down
+
+
+# ----------------------------------------------------------------------------------------------
+# pre-quantized operands
+# ----------------------------------------------------------------------------------------------
+
+
+def prequantize(a_FK, fp8_dtype="float8_e4m3fn", quant_scheme="1x32"):
+    """Pre-quantizes a logical [F, K] bf16 matrix along K (the kernel's pre-quantized layout).
+
+    K is zero-padded to Kp = ceil(K / 128) * 128 and quantized along axis 1 exactly as the
+    mx_exact matmul quantizes an operand along its contraction axis.
+
+    Dimensions:
+        a_FK [F, K] -> words uint32 [F, Kp/4], scales uint8 [F, Kp/32].
+
+    Args:
+        a_FK: [F, K] matrix (K contiguous); float inputs are rounded to bf16 first.
+        fp8_dtype: "float8_e4m3fn" or "float8_e5m2".
+        quant_scheme: "1x32" or "wrapX".
+
+    Returns:
+        (words, scales): words = nkilib.mx.pack_x4(codes) (byte k of word j is element 4j + k);
+        scales in the MX module's logical group order (``nkilib.mx.group_positions``).
+    """
+    a = np.asarray(a_FK)
+    if a.ndim != 2:
+        raise ValueError(f"prequantize expects a 2-D [F, K] matrix, got shape {a.shape}")
+    q = _quantize_k(a, 1, _fp8_name(fp8_dtype), _check_scheme(quant_scheme))
+    return pack_x4(q.codes), q.scales
+
+
+def dequantize_prequantized(words, scales, fp8_dtype="float8_e4m3fn", quant_scheme="1x32"):
+    """Values of a pre-quantized operand (inverse view of ``prequantize``).
+
+    Dimensions:
+        words uint32 [F, Kp/4], scales uint8 [F, Kp/32] -> float32 [F, Kp].
+
+    Args:
+        words: x4 words [F, Kp/4].
+        scales: E8M0 bytes [F, Kp/32] in logical group order.
+        fp8_dtype: element format.
+        quant_scheme: "1x32" or "wrapX".
+
+    Returns:
+        float32 [F, Kp] (the padding columns included).
+    """
+    return dequantize_mx(
+        unpack_x4(words), scales, 1, _fp8_name(fp8_dtype), _check_scheme(quant_scheme), MX_K_TILE
+    )
+
+
+def prequantized_operands(
+    output_grad,
+    hidden_states,
+    down_proj_weight,
+    gate_up_weights,
+    fp8_dtype="float8_e4m3fn",
+    quant_scheme="1x32",
+) -> dict:
+    """All operands the kernel accepts pre-quantized, in their K-contiguous forms.
+
+    Dimensions:
+        down_proj_weight_T = W_down^T [I, H] (K = H), gate_up_weights_T = W_gu^T [H, 2I] (K = 2I),
+        output_grad_T = dY^T [H, S] (K = S), hidden_states_T = X^T [H, S] (K = S).
+
+    Args:
+        output_grad: dY [S, H].
+        hidden_states: X [S, H].
+        down_proj_weight: W_down [H, I].
+        gate_up_weights: W_gu [2I, H].
+        fp8_dtype: element format.
+        quant_scheme: "1x32" or "wrapX".
+
+    Returns:
+        dict with keys NAME and NAME_scales for NAME in down_proj_weight_T, gate_up_weights_T,
+        output_grad_T, hidden_states_T: words uint32 [F, Kp/4] and scales uint8 [F, Kp/32].
+    """
+    out = {}
+    for name, mat in (
+        ("down_proj_weight_T", np.asarray(down_proj_weight).T),
+        ("gate_up_weights_T", np.asarray(gate_up_weights).T),
+        ("output_grad_T", np.asarray(output_grad).T),
+        ("hidden_states_T", np.asarray(hidden_states).T),
+    ):
+        out[name], out[name + "_scales"] = prequantize(mat, fp8_dtype, quant_scheme)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# error metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def error_report(result, ideal) -> dict:
+    """Error of a result against an ideal (e.g. mx_exact vs fp32 mode), computed in float64.
+
+    Dimensions:
+        result, ideal: same shape [...].
+
+    Args:
+        result: array (any float dtype, bf16 included).
+        ideal: array of the same shape.
+
+    Returns:
+        dict with float values: rel_fro = ||r - i||_F / ||i||_F, cosine = <r, i> / (||r|| ||i||),
+        max_abs = max |r - i|, ideal_fro = ||i||_F (NaN inputs give NaN metrics).
+    """
+    r = _f64(result)
+    i = _f64(ideal)
+    if r.shape != i.shape:
+        raise ValueError(f"error_report: shape mismatch {r.shape} vs {i.shape}")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = r - i
+        ideal_fro = float(np.linalg.norm(i.ravel()))
+        rel = float(np.linalg.norm(d.ravel()) / ideal_fro)
+        cos = float(np.dot(r.ravel(), i.ravel()) / (np.linalg.norm(r.ravel()) * ideal_fro))
+        max_abs = float(np.max(np.abs(d))) if d.size else 0.0
+    return {"rel_fro": rel, "cosine": cos, "max_abs": max_abs, "ideal_fro": ideal_fro}
+
+
+def _bf16_ordinal(x) -> np.ndarray:
+    """bf16 bit patterns mapped to a monotonic integer line (+0 and -0 both 0)."""
+    b = _bf16(x).view(np.uint16).astype(np.int64)
+    mag = b & 0x7FFF
+    return np.where(b & 0x8000, -mag, mag)
+
+
+def ulp_diff_bf16(a, b) -> np.ndarray:
+    """Distance between a and b in bf16 units in the last place.
+
+    Both inputs are rounded to bf16 (RNE from float32) and their bit patterns are mapped to a
+    monotonic integer line (negative values mirrored, +0 == -0), so the result counts the bf16
+    values between them; across zero it counts the subnormals on both sides. Infinities sit one
+    step beyond the largest finite value. NaN vs NaN gives 0, NaN vs a number gives
+    iinfo(int64).max.
+
+    Args:
+        a, b: float arrays of one shape (broadcastable).
+
+    Returns:
+        int64 array of |ord(a) - ord(b)|.
+    """
+    a16, b16 = _bf16(a), _bf16(b)
+    d = np.abs(_bf16_ordinal(a16) - _bf16_ordinal(b16))
+    na, nb = np.isnan(a16.astype(np.float32)), np.isnan(b16.astype(np.float32))
+    d = np.where(na & nb, 0, d)
+    return np.where(na ^ nb, np.iinfo(np.int64).max, d)
+
+
+def fraction_over_ulp(a, b, ulps: int = 1) -> float:
+    """Fraction of elements whose bf16 distance ``ulp_diff_bf16(a, b)`` exceeds ``ulps``.
+
+    Args:
+        a, b: float arrays of one shape.
+        ulps: tolerated distance (elements at exactly ``ulps`` do not count).
+
+    Returns:
+        float in [0, 1] (0.0 for empty inputs).
+    """
+    d = ulp_diff_bf16(a, b)
+    return float(np.mean(d > ulps)) if d.size else 0.0
