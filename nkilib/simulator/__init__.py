@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from .errors import CapacityError, NkiValidationError, OutOfBoundsError, RaceError, UninitializedReadError  # noqa: F401
-from .launcher import RunResult, run_kernel  # noqa: F401
+from .launcher import RunResult, ShapeSpec, run_kernel  # noqa: F401
 from .settings import current_settings  # noqa: F401
 
 MODULE_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.compiler", "nki.dtype",

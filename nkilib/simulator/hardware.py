@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 KIB = 1024
 
+# Fixed cost of one kernel call on the device (runtime launch, instruction fetch, final semaphore and
+# completion wait), added to the modeled makespan. Not documented: CALIBRATED against the measured
+# Trainium3 BF16 GEMM times (../shared/data/trn3_bf16_gemm_measured.json) by
+# simulations/calibrate_bf16_gemm.py — the smallest GEMMs there take >= 25 us although their data
+# movement and compute model at < 10 us. See cost.py "Calibration".
+KERNEL_LAUNCH_OVERHEAD_S = 15e-6
+
 
 @dataclass(frozen=True)
 class TargetSpec:
@@ -33,6 +40,24 @@ class TargetSpec:
     hbm_bytes_per_s_per_chip: float
     dma_engines_per_core: int
     dma_bytes_per_s_per_engine: float
+    # ---- cost model (cost.py); every value below carries its source at the TRN2/TRN3 definitions ----
+    dma_theoretical_bytes_per_s_per_engine: float  # peak of one DMA engine (descriptor overhead excluded)
+    dma_payload_full_rate_bytes: int  # contiguous bytes per descriptor at which an engine sustains its rate
+    dma_partitions_per_engine: int  # a transfer is split over up to 16 engines, ~8 SBUF partitions each
+    dma_queues_per_core: int  # DMA instructions in flight per core (FIFO queues)
+    dma_fixed_latency_s: float  # per-DMA semaphore-to-start latency (no bandwidth used)
+    dma_transpose_block_elems: int  # DMA transpose moves [16 x n] blocks: 16 elements per partition write
+    hbm_stacks_per_chip: int  # an LNC2 core pair shares one stack (its bandwidth share)
+    min_ii_cycles: int  # MIN_II of the documented ACT/DVE/Pool cost formulas
+    matmul_min_cycles: int  # MM_INIT_LATENCY: TensorE initiation interval floor
+    matmul_fp32_factor: int  # fp32/tf32 matmul passes
+    engine_access_overhead_cycles: int  # fixed SBUF/PSUM access-initiation cost of an ACT/DVE/Pool instruction
+    gpsimd_start_cycles: int  # GPSIMD_START of iota/affine_select
+    vector_fast_modes: bool  # VectorE 2x/4x BF16 perf modes (NC-v3+)
+    scalar_fast_modes: bool  # ScalarE 2x BF16 mode for tensor_copy/tensor_scalar (NC-v4)
+    quantize_mx_elems_per_cycle: int  # quantize_mx input elements per partition per VectorE cycle
+    barrier_latency_s: float  # core_barrier cost once both cores arrived (semaphore round trip through HBM)
+    kernel_launch_overhead_s: float  # fixed per-kernel-call cost added to the makespan (CALIBRATED)
 
 
 # NeuronCore-v3 (Trainium2). SBUF 128 x 224 KiB, PSUM 128 x 16 KiB = 8 banks x 2 KiB [TRN2] (spec §6.2).
@@ -58,6 +83,37 @@ TRN2 = TargetSpec(
     hbm_bytes_per_s_per_chip=2.9e12,
     dma_engines_per_core=16,
     dma_bytes_per_s_per_engine=23e9,
+    # 27.2 GB/s theoretical per engine (NC-v2/v3) [DMA] (spec §6.2).
+    dma_theoretical_bytes_per_s_per_engine=27.2e9,
+    # cost model ------------------------------------------------------------------------------
+    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW] (spec §6.2).
+    dma_payload_full_rate_bytes=4096,
+    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA] (spec §6.2).
+    dma_partitions_per_engine=8,
+    # 16 DMA queues per engine, FIFO within a queue [DMA] (spec §6.2): up to 16 DMAs in flight per core.
+    dma_queues_per_core=16,
+    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW] (spec §6.2, §8).
+    dma_fixed_latency_s=1.3e-6,
+    # hwdge transpose needs src.shape[0] == 16 (spec §5.6): each partition receives 16-element pieces.
+    dma_transpose_block_elems=16,
+    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc] (spec §1.2, §6.1).
+    hbm_stacks_per_chip=4,
+    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY] (spec §8).
+    min_ii_cycles=64,
+    matmul_min_cycles=64,
+    matmul_fp32_factor=4,
+    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1] (spec §8).
+    engine_access_overhead_cycles=60,
+    # GPSIMD_START ~= 150 cycles [LEGACY] (spec §8).
+    gpsimd_start_cycles=150,
+    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency (spec §8).
+    barrier_latency_s=1.3e-6,
+    # VectorE perf modes 2x/4x BF16 [TRN2]; ScalarE 2x mode is NC-v4 only [TRN3] (spec §8).
+    vector_fast_modes=True,
+    scalar_fast_modes=False,
+    quantize_mx_elems_per_cycle=0,  # no quantize_mx on NC-v3
+    # Not measured on trn2: the trn3 calibration value is reused (see TRN3; INFERRED).
+    kernel_launch_overhead_s=KERNEL_LAUNCH_OVERHEAD_S,
 )
 
 # NeuronCore-v4 (Trainium3). SBUF 32 MiB -> 128 x 256 KiB (INFERRED by division, spec §6.2 / §10 Q17);
@@ -82,6 +138,37 @@ TRN3 = TargetSpec(
     hbm_bytes_per_s_per_chip=4.7e12,
     dma_engines_per_core=16,
     dma_bytes_per_s_per_engine=33e9,
+    # 38.4 GB/s theoretical per engine (NC-v4) [DMA] (spec §6.2).
+    dma_theoretical_bytes_per_s_per_engine=38.4e9,
+    # cost model ------------------------------------------------------------------------------
+    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW] (spec §6.2).
+    dma_payload_full_rate_bytes=4096,
+    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA] (spec §6.2).
+    dma_partitions_per_engine=8,
+    # 16 DMA queues per engine, FIFO within a queue [DMA] (spec §6.2): up to 16 DMAs in flight per core.
+    dma_queues_per_core=16,
+    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW] (spec §6.2, §8).
+    dma_fixed_latency_s=1.3e-6,
+    # hwdge transpose needs src.shape[0] == 16 (spec §5.6): each partition receives 16-element pieces.
+    dma_transpose_block_elems=16,
+    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc] (spec §1.2, §6.1).
+    hbm_stacks_per_chip=4,
+    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY] (spec §8).
+    min_ii_cycles=64,
+    matmul_min_cycles=64,
+    matmul_fp32_factor=4,
+    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1] (spec §8).
+    engine_access_overhead_cycles=60,
+    # GPSIMD_START ~= 150 cycles [LEGACY] (spec §8).
+    gpsimd_start_cycles=150,
+    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency (spec §8).
+    barrier_latency_s=1.3e-6,
+    # VectorE perf modes [TRN2] carried to v4; ScalarE 2x BF16 tensor_copy/tensor_scalar [TRN3] (spec §8).
+    vector_fast_modes=True,
+    scalar_fast_modes=True,
+    # quantize_mx: 4 input elements per partition per cycle [TRN3] (spec §5.1).
+    quantize_mx_elems_per_cycle=4,
+    kernel_launch_overhead_s=KERNEL_LAUNCH_OVERHEAD_S,
 )
 
 TARGETS = {"trn2": TRN2, "trn3": TRN3}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from . import runtime
 from .errors import NkiValidationError, UninitializedReadError
 from .dtypes import as_nki_dtype
 from .runtime import Launch
@@ -27,6 +28,26 @@ class RunResult:
     peak_bytes_per_partition: list = field(default_factory=list)  # per program: {"sbuf": n, "psum": n}
     target: str = ""
     lnc: int = 1
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """A kernel input given only by shape and dtype, for shape-only runs (`numerics=False`).
+
+    Lets the cost model run full model shapes without allocating host arrays; the tensor counts
+    as fully written (like any kernel input).
+    """
+
+    shape: tuple
+    dtype: object
+
+
+def _spec_tensor(spec: ShapeSpec, arg: str, buffer_kind: str, settings) -> NkiTensor:
+    dtype = as_nki_dtype(spec.dtype, f"kernel argument '{arg}'")
+    shape = tuple(int(s) for s in spec.shape) or (1,)
+    st = Storage(shape, dtype, buffer_kind, arg, settings.precise_fp, False, -1)
+    st.written[...] = True
+    return NkiTensor(st, dtype, shape, _row_major(shape), 0)
 
 
 # ---- host <-> simulator array conversion (numpy, and torch CPU tensors when torch is present) ----
@@ -106,6 +127,11 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
                numerics: bool = True) -> RunResult:
     """Launch `fn` over `lnc` programs with numpy/torch inputs; see RunResult."""
     kwargs = dict(kwargs or {})
+    if runtime.current(optional=True) is not None:
+        # a nested launch would replace, then clear, the running program's context
+        raise NkiValidationError(
+            f"kernel {getattr(fn, '__name__', fn)}: nki.simulate / run_kernel called from inside a running kernel; "
+            "call sub-kernels as plain functions (spec §1.1)")
     if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc not in (1, 2):
         raise NkiValidationError(f"LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} (spec §1.1)")
     settings = current_settings()
@@ -122,6 +148,12 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
         if _is_torch(value):
             use_torch = True
             value = _torch_to_numpy(value)
+        if isinstance(value, ShapeSpec):
+            if numerics:
+                raise NkiValidationError(f"kernel argument '{name}': ShapeSpec inputs need numerics=False (shape-only run)")
+            t = _spec_tensor(value, name, buffer_kind, settings)
+            inputs_by_storage[t.storage.id] = t.storage
+            return t
         if isinstance(value, np.ndarray):
             t = _input_tensor(value, name, buffer_kind, settings, numerics)
             inputs_by_storage[t.storage.id] = t.storage

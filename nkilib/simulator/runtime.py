@@ -211,9 +211,11 @@ class Launch:
     def _check_stuck(self, p):
         if self._arrived and all(q in self._arrived or q in self._done for q in range(self.lnc)):
             waiting = sorted(self._arrived)
+            # name the program(s) that returned, not `p` (p may be the one that just arrived)
+            returned = sorted(q for q in self._done if q not in self._arrived)
             raise NkiValidationError(
-                f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program {p} "
-                "returned without reaching it; LNC programs must execute identical control flow (spec §1.2)"
+                f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program(s) "
+                f"{returned} returned without reaching it; LNC programs must execute identical control flow (spec §1.2)"
             )
 
     def barrier(self, p):

@@ -83,7 +83,9 @@ class Storage:
 
 
 def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
-    if storage.np_dtype != storage.dtype.precise_np or new_dtype.storage_np(False) != new_dtype.precise_np:
+    # Only a widened *storage* (bf16/fp8 kept as fp32 under NKI_PRECISE_FP=0) breaks reinterpretation;
+    # the reinterpreted view itself always reads the raw bytes as new_dtype.precise_np (bit-exact).
+    if storage.np_dtype != storage.dtype.precise_np:
         raise NkiValidationError(
             f"{what}: reinterpreting {storage.dtype} storage '{storage.name}' as {new_dtype} needs "
             "bit-exact storage; it is not supported with NKI_PRECISE_FP=0"
@@ -405,16 +407,16 @@ class NkiTensor:
             raise NkiValidationError(f"tensor '{self.name}'.ap: pattern must be a list of [step, num] pairs, got {pattern!r}")
         steps = [int(p[0]) for p in pairs]
         nums = [int(p[1]) for p in pairs]
+        new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
         if offset is None:
             byte_off = self.offset * self.itemsize_storage
-            new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
             if byte_off % new_isz:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.ap: inherited offset of {byte_off} bytes is not a multiple of {new} size")
             offset = byte_off // new_isz
-        view = NkiTensor(self._storage, new, nums, steps, offset)
         if self.on_chip:
-            row = view.row_elems
+            # row checks before the storage bounds check, so a pattern leaving its row gets this message
+            row = self._storage.row_bytes // new_isz
             if nums[0] > 1 and steps[0] != row:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.ap: the partition step must equal the per-partition element count {row} "
@@ -427,7 +429,7 @@ class NkiTensor:
                 raise OutOfBoundsError(
                     f"tensor '{self.name}'.ap: free access [{free_lo}, {free_hi}] leaves the partition row of {row} "
                     f"elements (pattern {pairs}, offset {offset})")
-        return view
+        return NkiTensor(self._storage, new, nums, steps, offset)
 
 
 def _row_major(shape):
@@ -492,7 +494,12 @@ def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.n
     Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
     e5m2/e4m3, NaN for e4m3fn): spec §10 Q10 recommendation. tfloat32: RNE to 10 mantissa bits.
     Integers: RNE then saturate to the destination range (0.6.0 simulator fix, spec §1.3); NaN -> 0.
+    Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
+    tensor_copy, transpose mode) are bit-exact, NaN payloads included (spec §3.3, §5.5, §5.6);
+    a float round trip through fp32 would canonicalise NaN payloads.
     """
+    if isinstance(values, np.ndarray) and values.dtype == np_dtype and dtype != "tfloat32":
+        return values
     if dtype.category == "float":
         v = np.asarray(values, dtype=np.float32)
         if dtype == "tfloat32":
@@ -535,7 +542,8 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
     """Read a view for an instruction: uninitialised-read check, race bookkeeping; raw values or None."""
     ctx = runtime.current()
     st = view.storage
-    if ctx.settings.strict:
+    # one flat reduction over the byte mask first (fast); the per-element mask only to report an error
+    if ctx.settings.strict and not view.byte_mask_view(st.written).all():
         ok = view.written_elements()
         if not ok.all():
             bad = np.argwhere(~ok)

@@ -23,6 +23,10 @@ class OperandInfo:
     byte_lo: int  # on-chip: within a partition; HBM: within the storage
     byte_hi: int
     nbytes: int  # bytes the operand touches (elements x NKI itemsize)
+    # exact access pattern (storage bytes), so the cost model can tell apart disjoint strided HBM tiles
+    byte_offset: int = 0  # first element's byte offset in the storage
+    strides: tuple = ()  # per-dim strides in bytes (dim 0 = partition dim for on-chip operands)
+    storage_itemsize: int = 0  # bytes per element in the storage (strides/offset unit); 0 = unknown
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,9 @@ def operand_info(arg: str, view) -> OperandInfo:
         free_lo = byte_lo - p0 * row
         free_hi = free_lo + (byte_hi - byte_lo) - (view.shape[0] - 1) * row if view.shape[0] > 1 else byte_hi - p0 * row
         return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, p0, p1, free_lo,
-                           free_hi, nbytes)
+                           free_hi, nbytes, view.offset * isz, tuple(s * isz for s in view.strides), isz)
     return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, 0, 1, byte_lo, byte_hi,
-                       nbytes)
+                       nbytes, view.offset * isz, tuple(s * isz for s in view.strides), isz)
 
 
 def make_record(ctx, instr, engine, reads=(), writes=(), **attrs) -> InstrRecord:

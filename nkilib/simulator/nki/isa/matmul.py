@@ -46,8 +46,10 @@ def check_tiling(instr, tile_position, tile_size, k, m, allow_column=True):
 
 def psum_accumulate(instr, dst, result, accumulate):
     """Write a fp32 matmul result into PSUM with the `accumulate` rule (spec §5.3, §10 Q7)."""
-    if accumulate not in (None, True, False):
+    # `1 in (None, True, False)` is true in Python: check the type so 0/1/"yes" are rejected too
+    if accumulate is not None and not isinstance(accumulate, (bool, np.bool_)):
         fail(instr, f"accumulate must be None, True or False, got {accumulate!r}")
+    accumulate = None if accumulate is None else bool(accumulate)
     c = ctx()
     if not c.numerics:
         if accumulate is True and not dst.byte_mask_view(dst.storage.mm_written).all():

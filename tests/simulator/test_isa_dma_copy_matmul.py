@@ -1,0 +1,783 @@
+"""dma_copy, dma_transpose, tensor_copy, memset, nc_matmul and the instruction trace.
+
+Spec sections §3.3 (conversions), §5.3 (nc_matmul), §5.5 (tensor_copy, memset), §5.6 (DMA).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nki.isa as nisa
+import nki.language as nl
+from simkit import BF16, bits, hbm_store, randn, sbuf_load, simulate
+
+from nkilib.simulator import run_kernel
+from nkilib.simulator.errors import NkiValidationError, UninitializedReadError
+
+E4M3 = ml_dtypes.float8_e4m3  # legacy NKI float8_e4m3 (max 240)
+E4M3FN = ml_dtypes.float8_e4m3fn
+E5M2 = ml_dtypes.float8_e5m2
+
+
+def _with_specials(a, codes):
+    """Copy of a with its first len(codes) elements replaced by the given raw bit patterns."""
+    a = np.array(a)
+    bits(a.reshape(-1))[:len(codes)] = codes
+    return a
+
+
+SPECIAL_BITS = {
+    np.dtype(np.float32): [0x7FC00001, 0xFFA00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0x1, 0x807FFFFF],
+    np.dtype(BF16): [0x7FC1, 0xFF81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x7FA5],
+    np.dtype(E5M2): [0x7D, 0x7E, 0x7F, 0xFD, 0x7C, 0x80, 0x01],
+    np.dtype(E4M3FN): [0x7F, 0xFF, 0x80, 0x01],
+    np.dtype(np.int32): [0x80000000, 0x7FFFFFFF, 0xFFFFFFFF, 0],
+}
+
+
+def roundtrip(a):
+    return hbm_store(sbuf_load(a))
+
+
+# ---------------------------------------------------------------------------------------------
+# dma_copy
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(SPECIAL_BITS), ids=str)
+def test_dma_copy_hbm_sbuf_hbm_bit_exact(dtype):
+    a = _with_specials(randn(0, (16, 24), scale=3.0).astype(dtype), SPECIAL_BITS[dtype])
+    out = simulate(roundtrip, a=a)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(bits(out), bits(a))
+
+
+def test_dma_copy_hbm_to_hbm_and_sbuf_to_sbuf_and_reshaped_pairing():
+    def k(a):
+        h = nl.ndarray((8, 4), a.dtype, buffer=nl.hbm)
+        nisa.dma_copy(dst=h, src=a)  # HBM -> HBM, [4, 8] -> [8, 4] in row-major order
+        t = sbuf_load(h)
+        t2 = nl.ndarray((8, 2, 2), a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t2, src=t)  # SBUF -> SBUF
+        return hbm_store(t2)
+
+    a = randn(1, (4, 8))
+    np.testing.assert_array_equal(simulate(k, a=a), a.reshape(8, 2, 2))
+
+
+def _convert_kernel(dtype):
+    def k(a):
+        return hbm_store(sbuf_load(a, dtype))
+
+    return k
+
+
+def test_dma_copy_fp32_to_bf16_rne():
+    # hand-computed ties: 1 + 2^-8 -> 1 (even), 1 + 3*2^-8 -> 1 + 2^-6 (even), -(1 + 2^-8) -> -1
+    ties = np.array([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-140, 3.0e38, 65535.0]], np.float32)
+    out = simulate(_convert_kernel(nl.bfloat16), a=ties)
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(out.astype(np.float32)[0, :3], [1.0, 1 + 2**-6, -1.0])
+    np.testing.assert_array_equal(out.astype(np.float32)[0, 5], 65536.0)
+    a = randn(2, (32, 64), scale=100.0)
+    np.testing.assert_array_equal(bits(simulate(_convert_kernel(nl.bfloat16), a=a)), bits(a.astype(BF16)))
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [(nl.float8_e4m3fn, E4M3FN), (nl.float8_e5m2, E5M2),
+                                            (nl.float8_e4m3, E4M3), (nl.float16, np.float16)])
+def test_dma_copy_fp32_to_low_precision_matches_ml_dtypes(dtype, np_dtype):
+    a = randn(3, (16, 32), scale=20.0)
+    out = simulate(_convert_kernel(dtype), a=a)
+    assert out.dtype == np_dtype
+    np.testing.assert_array_equal(bits(out), bits(a.astype(np_dtype)))
+
+
+def test_dma_copy_float_to_int_rne_and_saturation():
+    a = np.array([[2.5, 3.5, -2.5, -0.5, 1e10, -1e10, np.nan, 7.49]], np.float32)
+    out = simulate(_convert_kernel(nl.int32), a=a)
+    np.testing.assert_array_equal(out, [[2, 4, -2, 0, 2**31 - 1, -2**31, 0, 7]])
+    out8 = simulate(_convert_kernel(nl.uint8), a=a)
+    np.testing.assert_array_equal(out8, [[2, 4, 0, 0, 255, 0, 0, 7]])
+
+
+def test_dma_copy_bf16_to_fp32_exact():
+    a = randn(4, (8, 8)).astype(BF16)
+    out = simulate(_convert_kernel(nl.float32), a=a)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, a.astype(np.float32))
+
+
+def _dma_error(body, **inputs):
+    def k(a):
+        body(a)
+
+    return simulate(k, a=inputs.get("a", randn(5, (4, 8))))
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("psum_dst", "'dst'.*is in PSUM; DMA cannot access PSUM"),
+    ("psum_src", "'src'.*is in PSUM; DMA cannot access PSUM"),
+    ("count", r"element counts differ: dst \(4, 7\) has 28, src \(4, 8\) has 32"),
+    ("x4", "not supported for MX x4 dtypes"),
+    ("hwdge", "hwdge requires equal dtypes"),
+    ("engine_no_hwdge", "only valid with dge_mode=hwdge"),
+    ("engine_raw_int", "must be an nisa.engine member"),
+    ("dge_raw", "dge_mode must be an nisa.dge_mode member"),
+    ("priority_range", "priority must be 0..3"),
+    ("not_tensor", "must be an NKI tensor"),
+])
+def test_dma_copy_rejections(case, msg):
+    def body(a):
+        t = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        if case == "psum_dst":
+            nisa.dma_copy(dst=nl.ndarray((4, 8), nl.float32, buffer=nl.psum), src=a)
+        elif case == "psum_src":
+            p = nl.ndarray((4, 8), nl.float32, buffer=nl.psum)
+            nisa.memset(dst=p, value=0.0)
+            nisa.dma_copy(dst=t, src=p)
+        elif case == "count":
+            nisa.dma_copy(dst=t[:, 0:7], src=a)
+        elif case == "x4":
+            words = nl.ndarray((4, 8), nl.uint32, buffer=nl.sbuf)
+            nisa.memset(dst=words, value=0)
+            nisa.dma_copy(dst=t, src=words.view(nl.float8_e4m3fn_x4))
+        elif case == "hwdge":
+            nisa.dma_copy(dst=nl.ndarray((4, 8), nl.bfloat16, buffer=nl.sbuf), src=a, dge_mode=nisa.dge_mode.hwdge)
+        elif case == "engine_no_hwdge":
+            nisa.dma_copy(dst=t, src=a, engine=nisa.engine.sync)
+        elif case == "engine_raw_int":
+            nisa.dma_copy(dst=t, src=a, engine=6, dge_mode=nisa.dge_mode.hwdge)
+        elif case == "dge_raw":
+            nisa.dma_copy(dst=t, src=a, dge_mode=2)
+        elif case == "priority_range":
+            nisa.dma_copy(dst=t, src=a, priority=4)
+        elif case == "not_tensor":
+            nisa.dma_copy(dst=t, src=np.zeros((4, 8), np.float32))
+
+    with pytest.raises(NkiValidationError, match=msg):
+        _dma_error(body)
+
+
+def test_dma_copy_modes_accepted(set_target):
+    def k(a):
+        t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+        u = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=u, src=t, dge_mode=nisa.dge_mode.swdge, oob_mode=nisa.oob_mode.skip)
+        return hbm_store(u)
+
+    a = randn(6, (4, 8))
+    set_target("trn2")
+    np.testing.assert_array_equal(simulate(k, a=a), a)
+
+    def prio(a):
+        t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a, priority=2)
+        return hbm_store(t)
+
+    with pytest.raises(NkiValidationError, match="priority requires NeuronCore-v4"):
+        simulate(prio, a=a)
+    set_target("trn3")
+    np.testing.assert_array_equal(simulate(prio, a=a), a)
+
+
+# ---------------------------------------------------------------------------------------------
+# dma_transpose
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.int16], ids=str)
+def test_dma_transpose_2d_exact(dtype):
+    def k(a):
+        t = nl.ndarray((a.shape[1], a.shape[0]), a.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t, src=a)  # HBM -> SBUF
+        t2 = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t2, src=t, axes=(1, 0))  # SBUF -> SBUF
+        return hbm_store(t), hbm_store(t2)
+
+    a = randn(7, (16, 40), scale=50.0).astype(dtype)
+    if np.dtype(dtype) in SPECIAL_BITS:
+        a = _with_specials(a, SPECIAL_BITS[np.dtype(dtype)])
+    t, t2 = simulate(k, a=a)
+    np.testing.assert_array_equal(bits(t), bits(a).T)
+    np.testing.assert_array_equal(bits(t2), bits(a))
+
+
+def test_dma_transpose_3d():
+    def k(a):
+        t = nl.ndarray((5, 3, 4), a.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t, src=a)
+        return hbm_store(t)
+
+    a = randn(8, (4, 3, 5)).astype(BF16)
+    np.testing.assert_array_equal(bits(simulate(k, a=a)), bits(a).transpose(2, 1, 0))
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("shape", r"dst shape \(8, 4\) must equal the transposed src shape \(16, 4\)"),
+    ("one_byte", "dtype float8_e5m2 unsupported; dma_transpose moves 2- or 4-byte elements"),
+    ("dtype", "src dtype float32 must equal dst dtype bfloat16"),
+    ("axes", r"axes \(0, 1\) unsupported"),
+    ("dst_hbm", "dst must be in SBUF"),
+    ("hwdge_rows", r"hwdge 2-D transpose requires src.shape\[0\] == 16, got 4"),
+    ("hwdge_4byte", "hwdge requires a 2-byte dtype"),
+])
+def test_dma_transpose_rejections(case, msg):
+    def k(a):
+        if case == "shape":
+            nisa.dma_transpose(dst=nl.ndarray((8, 4), nl.float32, buffer=nl.sbuf), src=a)
+        elif case == "one_byte":
+            t = sbuf_load(a, nl.float8_e5m2)
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float8_e5m2, buffer=nl.sbuf), src=t)
+        elif case == "dtype":
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.bfloat16, buffer=nl.sbuf), src=a)
+        elif case == "axes":
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float32, buffer=nl.sbuf), src=a, axes=(0, 1))
+        elif case == "dst_hbm":
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float32, buffer=nl.shared_hbm), src=a)
+        elif case == "hwdge_rows":
+            t = sbuf_load(a, nl.bfloat16)
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.bfloat16, buffer=nl.sbuf), src=t,
+                               dge_mode=nisa.dge_mode.hwdge)
+        elif case == "hwdge_4byte":
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float32, buffer=nl.sbuf), src=a,
+                               dge_mode=nisa.dge_mode.hwdge)
+
+    with pytest.raises(NkiValidationError, match=msg):
+        simulate(k, a=randn(9, (4, 16)))
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor_copy
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(SPECIAL_BITS), ids=str)
+@pytest.mark.parametrize("engine", ["vector", "scalar", "gpsimd", "unknown"])
+def test_tensor_copy_same_dtype_bit_exact(dtype, engine):
+    def k(a):
+        t = sbuf_load(a)
+        u = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t, engine=getattr(nisa.engine, engine))
+        return hbm_store(u)
+
+    a = _with_specials(randn(10, (8, 16), scale=4.0).astype(dtype), SPECIAL_BITS[dtype])
+    np.testing.assert_array_equal(bits(simulate(k, a=a)), bits(a))
+
+
+def test_tensor_copy_cross_dtype_rne_and_psum_and_shapes():
+    def k(a):
+        t = sbuf_load(a)  # fp32 [8, 2, 16]
+        p = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.psum)
+        nisa.tensor_copy(dst=p, src=t)  # SBUF -> PSUM, shapes differ, same free size; fp32 -> bf16 RNE
+        b = nl.ndarray((8, 4, 8), nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=b, src=p, engine=nisa.engine.scalar)  # PSUM -> SBUF, same dtype
+        i = nl.ndarray((8, 32), nl.int8, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=i, src=t)  # fp32 -> int8: RNE + saturation
+        return hbm_store(b), hbm_store(i)
+
+    a = randn(11, (8, 2, 16), scale=100.0)
+    a.reshape(-1)[:4] = [1 + 2**-8, 1 + 3 * 2**-8, 127.5, -300.0]
+    b, i = simulate(k, a=a)
+    np.testing.assert_array_equal(bits(b), bits(a.astype(BF16)).reshape(8, 4, 8))
+    assert list(b.reshape(-1)[:2].astype(np.float32)) == [1.0, 1 + 2**-6]
+    expect_i = np.clip(np.rint(a.reshape(8, 32)), -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(i, expect_i)
+    assert list(i.reshape(-1)[2:4]) == [127, -128]
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("partitions", "'dst' has 4 partitions but 'src' has 8"),
+    ("free", "'dst' has 15 elements per partition but 'src' has 16"),
+    ("gpsimd_psum", "engine gpsimd cannot access PSUM"),
+    ("tensor_engine", "engine tensor is not supported"),
+    ("raw_engine", "raw ints rejected"),
+    ("hbm", "must be in SBUF or PSUM, got private_hbm"),
+    ("x4", "x4 tiles copy only to the same dtype"),
+])
+def test_tensor_copy_rejections(case, msg):
+    def k(a):
+        t = sbuf_load(a)  # [8, 16]
+        if case == "partitions":
+            nisa.tensor_copy(dst=nl.ndarray((4, 32), nl.float32, buffer=nl.sbuf), src=t)
+        elif case == "free":
+            nisa.tensor_copy(dst=nl.ndarray((8, 15), nl.float32, buffer=nl.sbuf), src=t)
+        elif case == "gpsimd_psum":
+            nisa.tensor_copy(dst=nl.ndarray((8, 16), nl.float32, buffer=nl.psum), src=t, engine=nisa.engine.gpsimd)
+        elif case == "tensor_engine":
+            nisa.tensor_copy(dst=nl.ndarray((8, 16), nl.float32, buffer=nl.sbuf), src=t, engine=nisa.engine.tensor)
+        elif case == "raw_engine":
+            nisa.tensor_copy(dst=nl.ndarray((8, 16), nl.float32, buffer=nl.sbuf), src=t, engine=5)
+        elif case == "hbm":
+            nisa.tensor_copy(dst=nl.ndarray((8, 16), nl.float32, buffer=nl.sbuf), src=a)
+        elif case == "x4":
+            w = nl.ndarray((8, 16), nl.uint32, buffer=nl.sbuf)
+            nisa.memset(dst=w, value=0)
+            nisa.tensor_copy(dst=nl.ndarray((8, 16), nl.float32, buffer=nl.sbuf), src=w.view(nl.float8_e5m2_x4))
+
+    with pytest.raises(NkiValidationError, match=msg):
+        simulate(k, a=randn(12, (8, 16)))
+
+
+# ---------------------------------------------------------------------------------------------
+# memset
+# ---------------------------------------------------------------------------------------------
+
+def test_memset_values():
+    def k(x):
+        outs = []
+        for dtype, value in ((nl.int32, 7), (nl.int32, np.int16(-3)), (nl.bfloat16, 1.5), (nl.float32, -0.25),
+                             (nl.float32, np.float32(2.0)), (nl.uint8, 255), (nl.float8_e8m0fnu, 0.25)):
+            t = nl.ndarray((4, 3), dtype, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=value)
+            outs.append(hbm_store(t))
+        w = nl.ndarray((4, 3), nl.uint32, buffer=nl.sbuf)
+        nisa.memset(dst=w.view(nl.float8_e4m3fn_x4), value=0)  # x4: raw zero words
+        outs.append(hbm_store(w))
+        p = nl.ndarray((4, 3), nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p, value=3.0, engine=nisa.engine.vector)
+        r = nl.ndarray((4, 3), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=r, src=p)
+        outs.append(hbm_store(r))
+        return tuple(outs)
+
+    outs = simulate(k, x=np.zeros((1, 1), np.float32))
+    expect = [(np.int32, 7), (np.int32, -3), (BF16, 1.5), (np.float32, -0.25), (np.float32, 2.0), (np.uint8, 255)]
+    for out, (dt, v) in zip(outs, expect):
+        assert out.dtype == dt
+        np.testing.assert_array_equal(out, np.full((4, 3), v, dt))
+    e8 = outs[6]
+    assert e8.dtype == ml_dtypes.float8_e8m0fnu
+    np.testing.assert_array_equal(e8.view(np.uint8), np.full((4, 3), 125, np.uint8))  # 2^(125-127)
+    np.testing.assert_array_equal(outs[7], np.zeros((4, 3), np.uint32))
+    np.testing.assert_array_equal(outs[8], np.full((4, 3), 3.0, np.float32))
+
+
+@pytest.mark.parametrize("dtype,value,msg", [
+    (nl.int32, 1.0, "value for integer dtype int32 must be an int, got float 1.0"),
+    (nl.uint8, True, "must be an int, got bool"),
+    (nl.float32, 1, "value for float dtype float32 must be a float, got int 1"),
+    (nl.bfloat16, "1.0", "must be a float, got str"),
+    (nl.float8_e4m3fn_x4, 1, "packed dtype float8_e4m3fn_x4 can only be set to 0"),
+    (nl.float4_e2m1fn_x4, 0.5, "can only be set to 0"),
+    (nl.float8_e8m0fnu, 3.0, "float power of two"),
+])
+def test_memset_value_type_rules(dtype, value, msg):
+    def k(x):
+        t = nl.ndarray((4, 4), dtype, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=value)
+
+    with pytest.raises(NkiValidationError, match=msg):
+        simulate(k, x=np.zeros((1, 1), np.float32))
+
+
+def test_memset_engine_rules():
+    def k(x):
+        p = nl.ndarray((4, 4), nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p, value=0.0, engine=nisa.engine.gpsimd)
+
+    with pytest.raises(NkiValidationError, match="engine gpsimd cannot access PSUM"):
+        simulate(k, x=np.zeros((1, 1), np.float32))
+
+    def k2(x):
+        nisa.memset(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), value=0.0, engine=nisa.engine.scalar)
+
+    with pytest.raises(NkiValidationError, match="engine scalar is not supported"):
+        simulate(k2, x=np.zeros((1, 1), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# nc_matmul
+# ---------------------------------------------------------------------------------------------
+
+def _matmul_kernel(dst_dtype=nl.float32, **mm_kwargs):
+    def k(s, v):
+        st, mv = sbuf_load(s), sbuf_load(v)
+        m, n = s.shape[-1], v.shape[-1]
+        dst = nl.ndarray((m, n), dst_dtype, buffer=nl.psum)
+        nisa.nc_matmul(dst=dst, stationary=st, moving=mv, **mm_kwargs)
+        res = nl.ndarray((m, n), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=dst)
+        return hbm_store(res)
+
+    return k
+
+
+def _ref(s, v):
+    """float64 reference: dst[m, n] = sum_k s[k, m] v[k, n] (double_row: also over the size-2 dim)."""
+    s64, v64 = s.astype(np.float64), v.astype(np.float64)
+    if s.ndim == 3:
+        return np.einsum("ktm,ktn->mn", s64, v64)
+    return s64.T @ v64
+
+
+@pytest.mark.parametrize("s_dt,v_dt,target", [
+    (BF16, BF16, "trn2"), (BF16, BF16, "trn3"), (E4M3, E4M3, "trn2"), (E5M2, E5M2, "trn3"), (E4M3, E5M2, "trn2"),
+    (BF16, E5M2, "trn3"), (np.float16, BF16, "trn3"), (np.float32, np.float32, "trn2"), (E4M3FN, E4M3FN, "trn3"),
+    (E4M3FN, E5M2, "trn3"),
+], ids=str)
+def test_nc_matmul_vs_float64(set_target, s_dt, v_dt, target):
+    set_target(target)
+    s = randn(20, (128, 96), scale=2.0).astype(s_dt)
+    v = randn(21, (128, 200), scale=2.0).astype(v_dt)
+    out = simulate(_matmul_kernel(), s=s, v=v)
+    ref = _ref(s, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-5 * np.abs(ref).max())
+
+
+def test_nc_matmul_small_k_hand_computed():
+    s = np.array([[1, 2], [3, 4]], np.float32).astype(BF16)  # [K=2, M=2]
+    v = np.array([[1, 0, 2], [0, 1, -1]], np.float32).astype(BF16)  # [K=2, N=3]
+    out = simulate(_matmul_kernel(), s=s, v=v)
+    np.testing.assert_array_equal(out, [[1, 3, -1], [2, 4, 0]])
+
+
+A = np.array([[1, 2], [3, 4]], np.float32)
+B = np.array([[10, 20], [30, 40]], np.float32)
+C = np.array([[100, 200], [300, 400]], np.float32)
+D = np.array([[1024, 2048], [3072, 4096]], np.float32)  # bf16-exact
+E = np.array([[5, 6], [7, 8]], np.float32)
+
+
+def test_accumulate_semantics_sequence():
+    # stationary = I, so each matmul's result is its moving block
+    def k(ident, v):
+        st, mv = sbuf_load(ident), sbuf_load(v)
+        p = nl.ndarray((2, 2), nl.float32, buffer=nl.psum)
+        snaps = nl.ndarray((2, 10), nl.float32, buffer=nl.sbuf)
+        for i, acc in enumerate((None, None, False, True, None)):
+            nisa.nc_matmul(dst=p, stationary=st, moving=mv[:, 2 * i:2 * i + 2], accumulate=acc)
+            nisa.tensor_copy(dst=snaps[:, 2 * i:2 * i + 2], src=p)
+        return hbm_store(snaps)
+
+    v = np.concatenate([A, B, C, D, E], axis=1).astype(BF16)
+    out = simulate(k, ident=np.eye(2, dtype=BF16), v=v)
+    expect = np.concatenate([
+        [[1, 2], [3, 4]],  # None, first write: overwrite
+        [[11, 22], [33, 44]],  # None: accumulate
+        [[100, 200], [300, 400]],  # False: overwrite
+        [[1124, 2248], [3372, 4496]],  # True: accumulate
+        [[1129, 2254], [3379, 4504]],  # None: accumulate
+    ], axis=1)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_accumulate_none_is_per_element_and_memset_is_not_a_matmul_write():
+    def k(ident, v):
+        st, mv = sbuf_load(ident), sbuf_load(v)
+        p = nl.ndarray((2, 3), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=p[:, 0:2], stationary=st, moving=mv[:, 0:2])  # A into columns 0-1
+        nisa.nc_matmul(dst=p[:, 1:3], stationary=st, moving=mv[:, 2:4])  # B into 1-2: col 1 adds, col 2 overwrites
+        q = nl.ndarray((2, 2), nl.float32, buffer=nl.psum)
+        nisa.memset(dst=q, value=100.0)
+        nisa.nc_matmul(dst=q, stationary=st, moving=mv[:, 0:2])  # first matmul write: overwrites the memset
+        nisa.nc_matmul(dst=q, stationary=st, moving=mv[:, 2:4])
+        out = nl.ndarray((2, 5), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out[:, 0:3], src=p)
+        nisa.tensor_copy(dst=out[:, 3:5], src=q)
+        return hbm_store(out)
+
+    out = simulate(k, ident=np.eye(2, dtype=BF16), v=np.concatenate([A, B], axis=1).astype(BF16))
+    np.testing.assert_array_equal(out, [[1, 12, 20, 11, 22], [3, 34, 40, 33, 44]])
+
+
+def _accumulate_true_first(ident, v):
+    st, mv = sbuf_load(ident), sbuf_load(v)
+    p = nl.ndarray((2, 2), nl.float32, buffer=nl.psum)
+    nisa.memset(dst=p, value=0.0)  # a value write does not make the location matmul-initialised
+    nisa.nc_matmul(dst=p, stationary=st, moving=mv, accumulate=True)
+    r = nl.ndarray((2, 2), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=p)
+    return hbm_store(r)
+
+
+def test_accumulate_true_on_unwritten_psum(monkeypatch):
+    inputs = dict(ident=np.eye(2, dtype=BF16), v=A.astype(BF16))
+    with pytest.raises(NkiValidationError, match="accumulate=True on PSUM tensor .* never written by a matmul"):
+        simulate(_accumulate_true_first, **inputs)
+    monkeypatch.setenv("NKILIB_SIM_STRICT", "0")
+    np.testing.assert_array_equal(simulate(_accumulate_true_first, **inputs), A)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", 1.0])
+def test_accumulate_value_validated(value):
+    with pytest.raises(NkiValidationError, match=f"accumulate must be None, True or False, got {value!r}"):
+        simulate(_matmul_kernel(accumulate=value), s=np.eye(2, dtype=BF16), v=A.astype(BF16))
+    out = simulate(_matmul_kernel(accumulate=np.False_), s=np.eye(2, dtype=BF16), v=A.astype(BF16))
+    np.testing.assert_array_equal(out, A)
+
+
+def _bf16_psum_kernel(s, v):
+    """Three bf16 PSUM results (see test): single-instruction 257, chain 256+1+1, chain 256+3."""
+    st, mv = sbuf_load(s), sbuf_load(v)  # s [2, 1] = [[1], [1]]; v [2, 6]
+    out = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
+    p1 = nl.ndarray((1, 1), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(dst=p1, stationary=st, moving=mv[:, 0:1])  # 256 + 1 in one instruction
+    p2 = nl.ndarray((1, 1), nl.bfloat16, buffer=nl.psum)
+    for j in (1, 2, 3):  # 256, then + 1, then + 1 (row 1 of v is 0 in these columns)
+        nisa.nc_matmul(dst=p2, stationary=st[0:1, :], moving=mv[0:1, j:j + 1])
+    p3 = nl.ndarray((1, 1), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(dst=p3, stationary=st[0:1, :], moving=mv[0:1, 1:2])
+    nisa.nc_matmul(dst=p3, stationary=st[0:1, :], moving=mv[0:1, 4:5], accumulate=True)  # + 3
+    for i, p in enumerate((p1, p2, p3)):
+        nisa.tensor_copy(dst=out[:, i:i + 1], src=p)
+    return hbm_store(out)
+
+
+def test_bf16_psum_dst_trn3_rounds_each_write(set_target):
+    set_target("trn3")
+    s = np.ones((2, 1), BF16)
+    v = np.array([[256, 256, 1, 1, 3, 0], [1, 0, 0, 0, 0, 0]], np.float32).astype(BF16)
+    out = simulate(_bf16_psum_kernel, s=s, v=v)
+    # bf16 spacing in [256, 512) is 2: 257 -> 256 (tie to even), 256+1 -> 256 twice, 259 -> 260 (tie to even)
+    np.testing.assert_array_equal(out, [[256, 256, 260]])
+
+
+def test_bf16_psum_dst_rejected_on_trn2(set_target):
+    set_target("trn2")
+    with pytest.raises(NkiValidationError, match="dst dtype must be float32 on trn2, got bfloat16"):
+        simulate(_matmul_kernel(nl.bfloat16), s=np.eye(2, dtype=BF16), v=A.astype(BF16))
+
+
+@pytest.mark.parametrize("target,dst_dtype,n,ok", [
+    ("trn2", nl.float32, 512, True), ("trn2", nl.float32, 513, False),
+    ("trn3", nl.float32, 4096, True), ("trn3", nl.float32, 4097, False),
+    ("trn3", nl.bfloat16, 8192, True), ("trn3", nl.bfloat16, 8193, False),
+])
+def test_moving_free_size_limits(set_target, target, dst_dtype, n, ok):
+    set_target(target)
+
+    def k(s, v):
+        st, mv = sbuf_load(s), sbuf_load(v)
+        # a [1, n] dst that cannot exist in PSUM is replaced by a [1, 1] one: the size check comes first
+        dst = nl.ndarray((1, n if ok else 1), dst_dtype, buffer=nl.psum)
+        nisa.nc_matmul(dst=dst, stationary=st, moving=mv)
+        res = nl.ndarray((1, n), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=dst)
+        return hbm_store(res)
+
+    s = np.full((1, 1), 2.0, BF16)
+    v = (np.arange(n, dtype=np.float32) % 64).reshape(1, n).astype(BF16)
+    if ok:
+        np.testing.assert_array_equal(simulate(k, s=s, v=v), 2.0 * v.astype(np.float32))
+    else:
+        with pytest.raises(NkiValidationError, match=rf"moving free size {n} exceeds the {target} limit"):
+            simulate(k, s=s, v=v)
+
+
+def _mm_error(s_shape, v_shape, s_dt=BF16, v_dt=BF16, dst_shape=None, dst_dtype=nl.float32, where=("sbuf", "sbuf"),
+              dst_buf="psum", **kw):
+    def k(s, v):
+        st, mv = sbuf_load(s), sbuf_load(v)
+        if where[0] == "psum":
+            st2 = nl.ndarray(s.shape, nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(dst=st2, src=st)
+            st = st2
+        if where[1] == "psum":
+            mv2 = nl.ndarray(v.shape, nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(dst=mv2, src=mv)
+            mv = mv2
+        shape = dst_shape or (s.shape[-1], v.shape[-1])
+        dst = nl.ndarray(shape, dst_dtype, buffer=getattr(nl, dst_buf))
+        nisa.nc_matmul(dst=dst, stationary=st, moving=mv, **kw)
+
+    return simulate(k, s=randn(30, s_shape).astype(s_dt), v=randn(31, v_shape).astype(v_dt))
+
+
+@pytest.mark.parametrize("target,kwargs,msg", [
+    ("trn3", dict(s_shape=(4, 129), v_shape=(4, 8), dst_shape=(128, 8)), "stationary free size 129 exceeds"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), where=("psum", "sbuf")),
+     "argument 'stationary' .* must be in SBUF, got psum"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), where=("sbuf", "psum")), "argument 'moving' .* must be in SBUF"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), dst_buf="sbuf"), "argument 'dst' .* must be in PSUM, got sbuf"),
+    ("trn2", dict(s_shape=(4, 8), v_shape=(4, 8), s_dt=E4M3FN, v_dt=E4M3FN),
+     "has dtype float8_e4m3fn; expected one of"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), s_dt=E4M3, v_dt=E4M3FN),
+     "legacy float8_e4m3 and OCP float8_e4m3fn inputs may not be mixed"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), s_dt=np.float32, v_dt=BF16),
+     "if either input is float32/tfloat32 both must be"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), s_dt=np.int8, v_dt=np.int8), "has dtype int8"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(3, 8)), "same partition \\(contraction\\) size, got 4 and 3"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), dst_shape=(8, 4)), r"dst must be \[8, 8\]"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), dst_dtype=nl.float16), "dst dtype must be float32 or bfloat16"),
+    ("trn3", dict(s_shape=(4, 8), v_shape=(4, 8), perf_mode="fast"), "perf_mode must be 'none' or 'double_row'"),
+])
+def test_nc_matmul_rejections(set_target, target, kwargs, msg):
+    set_target(target)
+    with pytest.raises(NkiValidationError, match=msg):
+        _mm_error(**kwargs)
+
+
+@pytest.mark.parametrize("target,s_dt,v_dt", [
+    ("trn2", E4M3, E5M2), ("trn3", E4M3, E5M2), ("trn2", E5M2, E5M2), ("trn3", E5M2, E5M2),
+    ("trn3", E4M3FN, E4M3FN),  # float8_e4m3fn is a NeuronCore-v4 input only
+], ids=str)
+def test_double_row_fp8_vs_numpy(set_target, target, s_dt, v_dt):
+    set_target(target)
+    s = randn(40, (128, 2, 64), scale=4.0).astype(s_dt)
+    v = randn(41, (128, 2, 300), scale=4.0).astype(v_dt)
+    out = simulate(_matmul_kernel(perf_mode=nisa.matmul_perf_mode.double_row), s=s, v=v)
+    ref = _ref(s, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-5 * np.abs(ref).max())
+    out_str = simulate(_matmul_kernel(perf_mode="double_row"), s=s, v=v)
+    np.testing.assert_array_equal(out_str, out)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(s_shape=(4, 2, 8), v_shape=(4, 2, 8), perf_mode=nisa.matmul_perf_mode.double_row),
+     "double_row requires fp8 inputs"),
+    (dict(s_shape=(4, 3, 8), v_shape=(4, 3, 8), s_dt=E5M2, v_dt=E5M2, perf_mode=nisa.matmul_perf_mode.double_row),
+     r"requires \[K, 2, M\] / \[K, 2, N\] operands"),
+    (dict(s_shape=(4, 2, 8), v_shape=(4, 2, 8), s_dt=E5M2, v_dt=E5M2, perf_mode=nisa.matmul_perf_mode.double_row,
+          tile_position=(0, 0), tile_size=(32, 32)), "double_row cannot be combined with column tiling"),
+    (dict(s_shape=(4, 8), v_shape=(4, 4), dst_shape=(8, 4), is_transpose=True,
+          perf_mode=nisa.matmul_perf_mode.double_row), "is_transpose cannot be combined with perf_mode double_row"),
+])
+def test_double_row_rejections(kwargs, msg):
+    with pytest.raises(NkiValidationError, match=msg):
+        _mm_error(**kwargs)
+
+
+def _transpose_kernel(s, ident):
+    st, mv = sbuf_load(s), sbuf_load(ident)
+    k_, m = s.shape
+    p = nl.ndarray((m, k_), s.dtype, buffer=nl.psum)
+    nisa.nc_matmul(dst=p, stationary=st, moving=mv, is_transpose=True)
+    r = nl.ndarray((m, k_), s.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=p)
+    return hbm_store(r)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32, np.float16], ids=str)
+def test_transpose_mode_bit_exact(any_target, dtype):
+    s = randn(50, (64, 96), scale=1e3).astype(dtype)
+    if np.dtype(dtype) in SPECIAL_BITS:
+        s = _with_specials(s, SPECIAL_BITS[np.dtype(dtype)])
+    out = simulate(_transpose_kernel, s=s, ident=np.eye(64, dtype=dtype))
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(bits(out), bits(s).T)
+
+
+def test_transpose_mode_rejections():
+    s = randn(51, (8, 16)).astype(BF16)
+    with pytest.raises(NkiValidationError, match="moving must be an identity matrix"):
+        simulate(_transpose_kernel, s=s, ident=(2 * np.eye(8)).astype(BF16))
+    perm = np.eye(8)[::-1].astype(BF16)
+    with pytest.raises(NkiValidationError, match="moving must be an identity matrix"):
+        simulate(_transpose_kernel, s=s, ident=perm)
+    with pytest.raises(NkiValidationError, match=r"moving must be a \[8, 8\] identity"):
+        _mm_error((8, 16), (8, 4), dst_shape=(16, 8), dst_dtype=nl.bfloat16, is_transpose=True)
+    with pytest.raises(NkiValidationError, match="dst dtype float32 must equal the stationary dtype bfloat16"):
+        _mm_error((8, 16), (8, 8), dst_shape=(16, 8), is_transpose=True)
+    with pytest.raises(NkiValidationError, match=r"is_transpose: dst must be \[16, 8\]"):
+        _mm_error((8, 16), (8, 8), dst_shape=(8, 16), dst_dtype=nl.bfloat16, is_transpose=True)
+
+
+def test_tiling_valid_has_no_numeric_effect():
+    s = randn(60, (64, 32)).astype(BF16)
+    v = randn(61, (64, 48)).astype(BF16)
+    plain = simulate(_matmul_kernel(), s=s, v=v)
+    tiled = simulate(_matmul_kernel(tile_position=(64, 32), tile_size=(64, 32)), s=s, v=v)
+    np.testing.assert_array_equal(tiled, plain)
+    np.testing.assert_allclose(plain, _ref(s, v), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(tile_position=(0, 0)), "must be set together"),
+    (dict(tile_size=(64, 128)), "must be set together"),
+    (dict(tile_position=(0, 0, 0), tile_size=(64, 128, 1)), "must be 2-tuples"),
+    (dict(tile_position=(0, 0), tile_size=(48, 128)), "tile_size row 48 must be one of"),
+    (dict(tile_position=(32, 0), tile_size=(64, 128)), "tile_position row 32 must be a multiple of the tile size 64"),
+    (dict(tile_position=(96, 0), tile_size=(64, 128)), "tile_position row 96 must be a multiple"),
+    (dict(tile_position=(0, 0), tile_size=(32, 128)), "contraction partitions 64 exceed the row tile size 32"),
+    (dict(tile_position=(0, 0), tile_size=(64, 32)), "stationary free size 40 exceeds the column tile size 32"),
+])
+def test_tiling_rejections(kwargs, msg):
+    with pytest.raises(NkiValidationError, match=msg):
+        _mm_error((64, 40), (64, 16), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# trace (run_kernel(trace=True))
+# ---------------------------------------------------------------------------------------------
+
+def _trace_kernel(a, s):
+    t = nl.ndarray((16, 32), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=a)
+    part = nl.ndarray((4, 8), nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=part, src=t[4:8, 8:16])
+    st = sbuf_load(s)  # bf16 [16, 8]
+    mv = nl.ndarray((16, 32), nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=mv, src=t, engine=nisa.engine.scalar)
+    p = nl.ndarray((8, 32), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=p, stationary=st, moving=mv)
+    r = nl.ndarray((8, 32), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=p)
+    out = nl.ndarray((8, 32), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+def test_trace_records():
+    a = randn(70, (16, 32))
+    s = randn(71, (16, 8)).astype(BF16)
+    res = run_kernel(_trace_kernel, (a, s), trace=True)
+    np.testing.assert_allclose(res.outputs, _ref(s, a.astype(BF16)), rtol=1e-6, atol=1e-6)
+    recs = res.trace
+    assert [(r.instr, r.engine) for r in recs] == [
+        ("dma_copy", "dma"), ("tensor_copy", "vector"), ("dma_copy", "dma"), ("tensor_copy", "scalar"),
+        ("nc_matmul", "tensor"), ("tensor_copy", "vector"), ("dma_copy", "dma")]
+    assert [r.seq for r in recs] == list(range(7)) and all(r.program == 0 for r in recs)
+
+    load = recs[0]
+    (src,), (dst,) = load.reads, load.writes
+    assert (src.arg, src.buffer, src.shape, src.byte_lo, src.byte_hi, src.nbytes) == (
+        "src", "private_hbm", (16, 32), 0, 2048, 2048)
+    assert (dst.arg, dst.buffer, dst.dtype, dst.partition_lo, dst.partition_hi, dst.byte_lo, dst.byte_hi) == (
+        "dst", "sbuf", "float32", 0, 16, 0, 128)
+    assert load.attrs["bytes"] == 2048
+
+    sub = recs[1]
+    (src,), (dst,) = sub.reads, sub.writes
+    # t[4:8, 8:16] of a [16, 32] fp32 tile: partitions 4..8, bytes 32..64 of each partition
+    assert (src.partition_lo, src.partition_hi, src.byte_lo, src.byte_hi, src.nbytes) == (4, 8, 32, 64, 128)
+    assert (dst.dtype, dst.shape, dst.nbytes) == ("bfloat16", (4, 8), 64)
+    assert sub.attrs["src_dtype"] == "float32" and sub.attrs["dst_dtype"] == "bfloat16"
+
+    mm = recs[4]
+    assert (mm.attrs["K"], mm.attrs["M"], mm.attrs["N"]) == (16, 8, 32)
+    assert mm.attrs["in_dtype"] == "bfloat16" and mm.attrs["dst_dtype"] == "float32"
+    assert [o.arg for o in mm.reads] == ["stationary", "moving"] and mm.writes[0].buffer == "psum"
+    assert mm.writes[0].byte_hi - mm.writes[0].byte_lo == 128
+    assert recs[6].writes[0].buffer == "shared_hbm" and recs[6].attrs["bytes"] == 8 * 32 * 4
+
+
+def test_trace_off_by_default_and_shape_only_runs():
+    a = randn(72, (16, 32))
+    s = randn(73, (16, 8)).astype(BF16)
+    assert run_kernel(_trace_kernel, (a, s)).trace is None
+    res = run_kernel(_trace_kernel, (a, s), trace=True, numerics=False)
+    assert res.outputs is None
+    assert len(res.trace) == 7 and res.trace[4].attrs["N"] == 32
+
+
+def test_trace_lnc2_records_program_ids():
+    def k(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        pid = nl.program_id(0)
+        t = sbuf_load(a[pid:pid + 1, :])
+        nisa.dma_copy(dst=out[pid:pid + 1, :], src=t)
+        nisa.core_barrier(out, (0, 1))
+        return out
+
+    res = run_kernel(k, (randn(74, (2, 4)),), lnc=2, trace=True)
+    assert [(r.program, r.instr) for r in res.trace] == [
+        (0, "dma_copy"), (0, "dma_copy"), (0, "core_barrier"), (1, "dma_copy"), (1, "dma_copy"), (1, "core_barrier")]
+    assert res.trace[2].engine == "gpsimd"
+
+
+def test_uninitialised_sbuf_read_by_matmul_rejected():
+    def k(s):
+        st = sbuf_load(s)
+        mv = nl.ndarray((4, 8), nl.bfloat16, buffer=nl.sbuf)
+        p = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=p, stationary=st, moving=mv)
+
+    with pytest.raises(UninitializedReadError, match="nc_matmul: argument 'moving' reads 32 element"):
+        simulate(k, s=randn(75, (4, 8)).astype(BF16))
