@@ -224,8 +224,20 @@ class NkiTensor:
         return np.ndarray(self.shape + (isz,), np.bool_, buffer=mask, offset=self.offset * isz,
                           strides=tuple(s * isz for s in self.strides) + (1,))
 
+    def elements_all(self, mask: np.ndarray) -> np.ndarray:
+        """Per element of this view: are all of its storage bytes set in `mask` (one bool per byte)?
+
+        Reads each element's bytes as one unsigned word (bools are 0/1 bytes, so "all set" is the
+        word 0x01..01): much faster than reducing a [..., itemsize] bool view.
+        """
+        isz = self.itemsize_storage
+        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
+        words = np.ndarray(self.shape, word, buffer=mask, offset=self.offset * isz,
+                           strides=tuple(s * isz for s in self.strides))
+        return words == word(int.from_bytes(b"\x01" * isz, "little"))
+
     def written_elements(self) -> np.ndarray:
-        return self.byte_mask_view(self._storage.written).all(axis=-1)
+        return self.elements_all(self._storage.written)
 
     # ---- indexing (spec §2.3 table, first row) ----
     def __getitem__(self, key):

@@ -56,7 +56,7 @@ def psum_accumulate(instr, dst, result, accumulate):
             _uninit_accumulate(instr, dst)
         checked_write(dst, instr, "dst", None, matmul=True)
         return
-    flags = dst.byte_mask_view(dst.storage.mm_written).all(axis=-1).reshape(result.shape)
+    flags = dst.elements_all(dst.storage.mm_written).reshape(result.shape)
     if accumulate is False:
         out = result
     else:
