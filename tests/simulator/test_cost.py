@@ -1,0 +1,307 @@
+"""Cost model (nkilib.simulator.cost): hand-computed instruction costs, scheduler rules on synthetic
+traces, shape-only vs numeric traces, and the calibration script on a small subset."""
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from simkit import BF16, randn
+from nkilib.examples.bf16_matmul import bf16_matmul
+from nkilib.simulator import ShapeSpec, run_kernel
+from nkilib.simulator.cost import (CostModelError, instr_cost, model_kernel, predict_bf16_gemm_time, schedule)
+from nkilib.simulator.hardware import TRN2, TRN3
+from nkilib.simulator.trace import InstrRecord, OperandInfo
+
+ISZ = {"bfloat16": 2, "float32": 4, "float16": 2}
+_ids = iter(range(10_000, 1_000_000))
+
+
+def chip(arg, buffer, dtype, shape, sid=None, p0=0, f0=0):
+    """OperandInfo of a contiguous [P, F] on-chip tile (free bytes f0.. of partitions p0..)."""
+    s = ISZ[dtype]
+    P, F = shape
+    row = 1 << 20  # storage row length (bytes); only needs to exceed the tile
+    return OperandInfo(arg, sid or next(_ids), "t", buffer, dtype, shape, p0, p0 + P, f0, f0 + F * s, P * F * s,
+                       p0 * row + f0, (row, s), s)
+
+
+def hbm(arg, dtype, shape, row_elems, r0=0, c0=0, sid=None):
+    """OperandInfo of a [R, C] tile of a row-major HBM matrix with `row_elems` columns."""
+    s = ISZ[dtype]
+    R, C = shape
+    off = (r0 * row_elems + c0) * s
+    return OperandInfo(arg, sid or next(_ids), "h", "shared_hbm", dtype, shape, 0, 1, off,
+                       off + ((R - 1) * row_elems + C) * s, R * C * s, off, (row_elems * s, s), s)
+
+
+def rec(seq, instr, engine, reads=(), writes=(), program=0, **attrs):
+    return InstrRecord(seq, program, instr, engine, tuple(reads), tuple(writes), attrs)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-instruction costs, hand-computed from spec §6.2 / §8
+# ---------------------------------------------------------------------------------------------
+def test_matmul_bf16_cost_and_flops():
+    r = rec(0, "nc_matmul", "tensor", [chip("stationary", "sbuf", "bfloat16", (128, 128)),
+                                       chip("moving", "sbuf", "bfloat16", (128, 512))],
+            [chip("dst", "psum", "float32", (128, 512))], K=128, M=128, N=512, in_dtype="bfloat16",
+            moving_dtype="bfloat16", perf_mode="none", transpose=False)
+    c = instr_cost(r, TRN3)
+    assert c.cycles == 512 + 128 / 4  # max(64, N) + LoadStationary M/4
+    assert c.seconds == pytest.approx(544 / 2.4e9)
+    assert c.flops == 2 * 128 * 128 * 512
+    # the ideal BF16 rate of this instruction is 79 TFLOPS x 512/544
+    assert c.flops / c.seconds == pytest.approx(2 * 128 * 128 * 2.4e9 * 512 / 544)
+
+
+def test_matmul_small_n_floor_and_fp32_factor():
+    small = rec(0, "nc_matmul", "tensor", [chip("stationary", "sbuf", "bfloat16", (128, 64)),
+                                           chip("moving", "sbuf", "bfloat16", (128, 32))],
+                [chip("dst", "psum", "float32", (64, 32))], K=128, M=64, N=32, in_dtype="bfloat16",
+                moving_dtype="bfloat16")
+    assert instr_cost(small, TRN3).cycles == 64 + 16  # MM_INIT floor 64 + 64/4
+    fp32 = rec(0, "nc_matmul", "tensor", [chip("stationary", "sbuf", "float32", (128, 128)),
+                                          chip("moving", "sbuf", "float32", (128, 256))],
+               [chip("dst", "psum", "float32", (128, 256))], K=128, M=128, N=256, in_dtype="float32",
+               moving_dtype="float32")
+    assert instr_cost(fp32, TRN3).cycles == 4 * (256 + 32)
+
+
+def test_transpose_matmul_has_no_model_flops():
+    r = rec(0, "nc_matmul", "tensor", [chip("stationary", "sbuf", "bfloat16", (128, 128)),
+                                       chip("moving", "sbuf", "bfloat16", (128, 128))],
+            [chip("dst", "psum", "bfloat16", (128, 128))], K=128, M=128, N=128, transpose=True)
+    c = instr_cost(r, TRN3)
+    assert c.flops == 0 and c.cycles == 128 + 32
+
+
+def test_vector_copy_costs_and_perf_modes():
+    evict = rec(0, "tensor_copy", "vector", [chip("src", "psum", "float32", (128, 512))],
+                [chip("dst", "sbuf", "bfloat16", (128, 512))])
+    c = instr_cost(evict, TRN3)
+    assert c.cycles == 60 + 512  # access overhead + N (fp32 source: no fast mode)
+    assert c.seconds == pytest.approx(572 / 1.2e9)
+    fast = rec(0, "tensor_copy", "vector", [chip("src", "sbuf", "bfloat16", (128, 512))],
+               [chip("dst", "sbuf", "bfloat16", (128, 512))])
+    assert instr_cost(fast, TRN3).cycles == 60 + 512 / 4  # 4x BF16 SBUF->SBUF mode
+    tiny = rec(0, "tensor_copy", "vector", [chip("src", "sbuf", "bfloat16", (128, 64))],
+               [chip("dst", "sbuf", "bfloat16", (128, 64))])
+    assert instr_cost(tiny, TRN3).cycles == 60 + 64  # MIN_II floor
+    bf16_psum = rec(0, "tensor_copy", "vector", [chip("src", "psum", "bfloat16", (128, 512))],
+                    [chip("dst", "sbuf", "bfloat16", (128, 512))])
+    assert instr_cost(bf16_psum, TRN3).cycles == 60 + 256  # 2x with one PSUM side
+    # trn2 VectorE runs at 0.96 GHz
+    assert instr_cost(evict, TRN2).seconds == pytest.approx(572 / 0.96e9)
+    scalar = rec(0, "tensor_copy", "scalar", [chip("src", "sbuf", "bfloat16", (128, 512))],
+                 [chip("dst", "sbuf", "bfloat16", (128, 512))])
+    assert instr_cost(scalar, TRN3).cycles == 60 + 256  # NC-v4 ScalarE 2x BF16 mode
+    assert instr_cost(scalar, TRN2).cycles == 60 + 512  # not on NC-v3
+
+
+def test_other_documented_formulas():
+    mem = rec(0, "memset", "vector", writes=[chip("dst", "sbuf", "bfloat16", (128, 1024))])
+    assert instr_cost(mem, TRN3).cycles == 60 + 512  # zero into bf16: N/2
+    iota = rec(0, "iota", "gpsimd", writes=[chip("dst", "sbuf", "float32", (128, 100))])
+    assert instr_cost(iota, TRN3).cycles == 150 + 100  # GPSIMD_START + N
+    tt = rec(0, "tensor_tensor", "vector", [chip("data1", "sbuf", "float32", (128, 256)),
+                                            chip("data2", "sbuf", "float32", (128, 256))],
+             [chip("dst", "sbuf", "float32", (128, 256))], op="multiply")
+    assert instr_cost(tt, TRN3).cycles == 60 + 2 * 256  # two SBUF fp32 inputs: 2N
+    tt_psum = rec(0, "tensor_tensor", "vector", [chip("data1", "psum", "float32", (128, 256)),
+                                                 chip("data2", "sbuf", "float32", (128, 256))],
+                  [chip("dst", "sbuf", "float32", (128, 256))], op="multiply")
+    assert instr_cost(tt_psum, TRN3).cycles == 60 + 256  # one PSUM + one SBUF input: N
+    q = rec(0, "quantize_mx", "vector", [chip("src", "sbuf", "bfloat16", (128, 2048))],
+            [chip("dst", "sbuf", "bfloat16", (128, 512))])
+    assert instr_cost(q, TRN3).cycles == 60 + 2048 / 4  # 4 elements / partition / cycle
+    act = rec(0, "activation_reduce", "scalar", [chip("data", "psum", "float32", (128, 512))],
+              [chip("dst", "sbuf", "bfloat16", (128, 512)), chip("reduce_res", "sbuf", "float32", (128, 1))])
+    assert instr_cost(act, TRN3).cycles == 60 + 512 + 64  # + MIN_II for the reduction
+    tr = rec(0, "nc_transpose", "tensor", [chip("data", "sbuf", "bfloat16", (128, 96))],
+             [chip("dst", "psum", "bfloat16", (96, 128))])
+    assert instr_cost(tr, TRN3).cycles == 128  # max(P, min(64, F))
+
+
+def test_dma_rate_from_payload():
+    w4k = instr_cost(rec(0, "dma_copy", "dma", [hbm("src", "bfloat16", (128, 2048), 8192)],
+                         [chip("dst", "sbuf", "bfloat16", (128, 2048))]), TRN3).dma
+    assert w4k.payload == 4096 and w4k.engines == 16
+    assert w4k.rate_per_engine == pytest.approx(33e9)  # >= 4 KiB: sustained rate [DMABW]
+    w1k = instr_cost(rec(0, "dma_copy", "dma", [hbm("src", "bfloat16", (128, 512), 8192)],
+                         [chip("dst", "sbuf", "bfloat16", (128, 512))]), TRN3).dma
+    p0 = 4096 * (38.4 / 33 - 1)  # per-descriptor overhead that makes 4 KiB reach 33 B/ns
+    assert w1k.payload == 1024
+    assert w1k.rate_per_engine == pytest.approx(38.4e9 * 1024 / (1024 + p0))
+    assert w1k.hbm_bytes == 128 * 512 * 2
+    w16 = instr_cost(rec(0, "dma_copy", "dma", [hbm("src", "bfloat16", (16, 512), 8192)],
+                         [chip("dst", "sbuf", "bfloat16", (16, 512))]), TRN3).dma
+    assert w16.engines == 2  # ~8 partitions per DMA engine
+
+
+def test_unknown_instruction_is_a_clear_error():
+    with pytest.raises(CostModelError, match="no cost formula for instruction 'frobnicate'"):
+        instr_cost(rec(0, "frobnicate", "vector", writes=[chip("dst", "sbuf", "float32", (128, 8))]), TRN3)
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler on synthetic traces
+# ---------------------------------------------------------------------------------------------
+def _mm(seq, st, mv, dst, program=0):
+    return rec(seq, "nc_matmul", "tensor", [st, mv], [dst], program=program, K=128, M=128, N=512,
+               in_dtype="bfloat16", moving_dtype="bfloat16")
+
+
+MM_S = 544 / 2.4e9
+COPY_S = 572 / 1.2e9  # fp32 PSUM [128, 512] -> SBUF on VectorE/ScalarE
+
+
+def test_independent_engines_overlap():
+    a = chip("stationary", "sbuf", "bfloat16", (128, 128))
+    b = chip("moving", "sbuf", "bfloat16", (128, 512))
+    t = [_mm(0, a, b, chip("dst", "psum", "float32", (128, 512))),
+         rec(1, "tensor_copy", "vector", [chip("src", "psum", "float32", (128, 512))],
+             [chip("dst", "sbuf", "bfloat16", (128, 512))])]
+    s = schedule(t, TRN3, 1)
+    assert s.start == [0.0, 0.0]
+    assert s.makespan == pytest.approx(max(MM_S, COPY_S))
+
+
+def test_raw_dependency_serialises_and_disjoint_regions_do_not():
+    acc = next(_ids)
+    a = chip("stationary", "sbuf", "bfloat16", (128, 128))
+    b = chip("moving", "sbuf", "bfloat16", (128, 512))
+    t = [_mm(0, a, b, chip("dst", "psum", "float32", (128, 512), sid=acc)),
+         rec(1, "tensor_copy", "vector", [chip("src", "psum", "float32", (128, 512), sid=acc)],
+             [chip("dst", "sbuf", "bfloat16", (128, 512))]),
+         # reads bytes of the same PSUM storage that the matmul does not write: no dependency
+         rec(2, "tensor_copy", "scalar", [chip("src", "psum", "float32", (128, 16), sid=acc, f0=4096)],
+             [chip("dst", "sbuf", "bfloat16", (128, 16))])]
+    s = schedule(t, TRN3, 1)
+    assert s.start[1] == pytest.approx(MM_S)
+    assert s.blocker[1] == 0
+    assert s.start[2] == 0.0
+    assert s.makespan == pytest.approx(MM_S + COPY_S)
+
+
+def test_war_and_waw_dependencies():
+    x = next(_ids)
+    t = [rec(0, "tensor_copy", "vector", [chip("src", "sbuf", "float32", (128, 512), sid=x)],
+             [chip("dst", "sbuf", "bfloat16", (128, 512))]),
+         # WAR: ScalarE overwrites what VectorE is reading
+         rec(1, "tensor_copy", "scalar", [chip("src", "psum", "float32", (128, 512))],
+             [chip("dst", "sbuf", "float32", (128, 512), sid=x)]),
+         # WAW: GpSimd writes the same bytes again
+         rec(2, "memset", "gpsimd", writes=[chip("dst", "sbuf", "float32", (128, 512), sid=x)])]
+    s = schedule(t, TRN3, 1)
+    assert s.start[1] == pytest.approx(s.end[0])
+    assert s.start[2] == pytest.approx(s.end[1])
+
+
+def test_strided_hbm_tiles_of_one_matrix_are_independent():
+    c = next(_ids)
+    t = [rec(i, "dma_copy", "dma", [chip("src", "sbuf", "bfloat16", (128, 512))],
+             [hbm("dst", "bfloat16", (128, 512), 4096, r0=0, c0=512 * i, sid=c)]) for i in range(2)]
+    s = schedule(t, TRN3, 1)
+    assert s.start[0] == s.start[1] == 0.0  # disjoint column blocks: no WAW
+    t2 = [rec(i, "dma_copy", "dma", [chip("src", "sbuf", "bfloat16", (128, 512))],
+              [hbm("dst", "bfloat16", (128, 512), 4096, r0=64 * i, c0=0, sid=c + 1)]) for i in range(2)]
+    s2 = schedule(t2, TRN3, 1)
+    assert s2.start[1] == pytest.approx(s2.end[0])  # overlapping rows: WAW serialises
+
+
+def test_concurrent_dmas_share_bandwidth():
+    def load(i):
+        return rec(i, "dma_copy", "dma", [hbm("src", "bfloat16", (128, 2048), 2048)],
+                   [chip("dst", "sbuf", "bfloat16", (128, 2048))])
+    nbytes = 128 * 2048 * 2
+    one = schedule([load(0)], TRN3, 1)
+    assert one.makespan == pytest.approx(1.3e-6 + nbytes / 528e9)  # latency + bytes / (16 x 33 GB/s)
+    two = schedule([load(0), load(1)], TRN3, 1)
+    assert two.makespan == pytest.approx(1.3e-6 + 2 * nbytes / 528e9)  # both in flight, half the rate each
+
+
+def test_barrier_synchronises_two_programs():
+    long_op = rec(0, "tensor_copy", "vector", [chip("src", "sbuf", "float32", (128, 8192))],
+                  [chip("dst", "sbuf", "float32", (128, 8192))], program=0)
+    t = [long_op,
+         rec(1, "core_barrier", "gpsimd", program=0, barrier=True),
+         rec(2, "core_barrier", "gpsimd", program=1, barrier=True),
+         rec(3, "tensor_copy", "vector", [chip("src", "sbuf", "float32", (128, 64))],
+             [chip("dst", "sbuf", "float32", (128, 64))], program=1)]
+    s = schedule(t, TRN3, 2)
+    long_s = (60 + 8192) / 1.2e9
+    assert s.end[0] == pytest.approx(long_s)
+    assert s.end[1] == s.end[2] == pytest.approx(long_s + TRN3.barrier_latency_s)
+    assert s.start[3] == pytest.approx(s.end[2])  # program 1 waited for program 0's work
+
+
+# ---------------------------------------------------------------------------------------------
+# shape-only mode, kernel-level model, calibration
+# ---------------------------------------------------------------------------------------------
+def _trace_key(trace):
+    return [(r.program, r.instr, r.engine, tuple((o.arg, o.buffer, o.dtype, tuple(o.shape)) for o in r.reads),
+             tuple((o.arg, o.buffer, o.dtype, tuple(o.shape)) for o in r.writes)) for r in trace]
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_shape_only_trace_equals_numeric_trace(lnc):
+    a_t = randn(1, (200, 160), BF16)
+    b = randn(2, (200, 600), BF16)
+    num = run_kernel(bf16_matmul, (a_t, b), lnc=lnc, trace=True, numerics=True)
+    shp = run_kernel(bf16_matmul, (ShapeSpec(a_t.shape, BF16), ShapeSpec(b.shape, BF16)), lnc=lnc, trace=True,
+                     numerics=False)
+    assert shp.outputs is None and num.outputs is not None
+    assert len(num.trace) > 10
+    assert _trace_key(num.trace) == _trace_key(shp.trace)
+    assert schedule(num.trace, TRN3, lnc).makespan == pytest.approx(schedule(shp.trace, TRN3, lnc).makespan)
+
+
+def test_model_kernel_report(tmp_path):
+    M, K, N = 256, 256, 1024
+    r = model_kernel(bf16_matmul, (ShapeSpec((K, M), BF16), ShapeSpec((K, N), BF16)), lnc=2,
+                     model_flops=2 * M * K * N)
+    j = r.to_json()
+    assert j["modeled_time_s"] == pytest.approx(j["makespan_s"] + TRN3.kernel_launch_overhead_s)
+    # TensorE busy time per core is the hand-computed sum of its matmuls: (M/128/2) x (N/512) x (K/128)
+    assert j["engines"]["0"]["tensor"]["busy_s"] == pytest.approx(1 * 2 * 2 * MM_S)
+    assert j["mfu"] == pytest.approx(2 * M * K * N / (j["modeled_time_s"] * 2 * 2 * 128 * 128 * 2.4e9))
+    # LNC2 splits the 2 M tiles: each core reads its half of A, all of B, writes its half of C
+    assert j["hbm_bytes"] == 2 * (M * K + 2 * K * N + M * N)
+    assert 0 < j["memory_peak_bytes_per_partition"][0]["sbuf"] <= TRN3.sbuf_bytes_per_partition
+    assert "TensorE MFU" in r.table()
+    paths = r.plot(tmp_path)
+    assert len(paths) == 3 and all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_predict_bf16_gemm_time_scales_with_work():
+    small = predict_bf16_gemm_time(512, 512, 512)
+    big = predict_bf16_gemm_time(2048, 2048, 2048)
+    assert math.isfinite(small) and small > TRN3.kernel_launch_overhead_s
+    flop_time = 2 * 2048 ** 3 / (2 * 2 * 128 * 128 * 2.4e9)  # ideal BF16 time on 2 cores
+    assert flop_time < big < 1.3 * flop_time + TRN3.kernel_launch_overhead_s
+
+
+def _load_calibration_module():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "simulations", "calibrate_bf16_gemm.py")
+    spec = importlib.util.spec_from_file_location("calibrate_bf16_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_calibration_script_runs_on_a_subset(tmp_path, capsys):
+    mod = _load_calibration_module()
+    if not os.path.exists(mod.DEFAULT_DATA):
+        pytest.skip(f"measured data not found at {mod.DEFAULT_DATA}")
+    summary, rows = mod.main(["--subset", "3", "--max-flops", "3e9", "--out", str(tmp_path), "--quiet"])
+    assert len(rows) == 3 and summary["shapes"] == 3
+    for r in rows:
+        assert math.isfinite(r["predicted_s"]) and r["predicted_s"] > r["makespan_s"] > 0
+        assert r["measured_s"] > 0
+    assert math.isfinite(summary["median_abs_error_pct"]) and summary["median_abs_error_pct"] >= 0
+    with open(os.path.join(tmp_path, "calibrate_bf16_gemm.json")) as f:
+        assert len(json.load(f)["shapes"]) == 3
+    assert "median |error|" in capsys.readouterr().out
