@@ -102,6 +102,7 @@ class ProgramContext:
                 "psum": self.target.psum_bytes_per_partition,
             }
         )
+        self.phase = None  # label attached to trace records (set by trace.label_phases)
         self.unnamed_shared = 0  # per-program counter to link unnamed shared_hbm allocations
         self.private_hbm = []  # keep private allocations alive for the launch
         # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (spec §5.7)

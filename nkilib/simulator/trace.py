@@ -7,6 +7,8 @@ range and the byte range inside each partition; HBM operands give the byte range
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
 
 
@@ -65,6 +67,8 @@ def operand_info(arg: str, view) -> OperandInfo:
 
 def make_record(ctx, instr, engine, reads=(), writes=(), **attrs) -> InstrRecord:
     trace = ctx.trace
+    if ctx.phase is not None:
+        attrs.setdefault("phase", ctx.phase)
     return InstrRecord(
         seq=len(trace),
         program=ctx.program_id,
@@ -74,3 +78,36 @@ def make_record(ctx, instr, engine, reads=(), writes=(), **attrs) -> InstrRecord
         writes=tuple(operand_info(a, v) for a, v in writes if v is not None),
         attrs=attrs,
     )
+
+
+@contextlib.contextmanager
+def label_phases(module, labels: dict):
+    """While active, instructions issued inside `module.<function>` carry `attrs["phase"] = label`.
+
+    A tooling hook for the cost report (critical path by phase) that leaves kernel code untouched:
+    it wraps the named module-level functions, so calls made through the module's globals (as a
+    base kernel calling its phase functions does) are labelled. Nested labels: the innermost wins.
+    """
+    from . import runtime
+
+    originals = {name: getattr(module, name) for name in labels}
+
+    def wrap(fn, label):
+        @functools.wraps(fn)
+        def labelled(*args, **kwargs):
+            ctx = runtime.current()
+            outer, ctx.phase = ctx.phase, label
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ctx.phase = outer
+
+        return labelled
+
+    try:
+        for name, label in labels.items():
+            setattr(module, name, wrap(originals[name], label))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)

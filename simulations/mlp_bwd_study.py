@@ -1,0 +1,138 @@
+"""MLP backward study: modeled Trn2/Trn3 time, MFU and phase breakdown on model presets.
+
+    python simulations/mlp_bwd_study.py [--models qwen3-8b-tp8 ...] [--seq 4096] [--lnc 2]
+        [--recompute none|all] [--numerics-max-flops 2e10] [--out simulations/out/mlp_bwd] [--plots]
+
+For each preset it models the whole backward (quantization, transposes and epilogue included) with
+the engine-level cost model in shape-only mode: MXFP8 and BF16 modes on trn3, BF16 on trn2. It
+reports modeled time, TensorE MFU (model FLOPs 12·S·H·I, +4·S·H·I with full recompute, over the
+peak of the chosen precision), the MXFP8/BF16 speedup, per-phase spans and the engines on the
+critical path of each phase (the report that says what limits the kernel). When a shape is small
+enough (--numerics-max-flops) it also runs the kernel numerically and reports its error against
+the mx_exact and fp32 references. Results go to --out as JSON (plus PNG plots with --plots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import nkilib  # noqa: E402,F401
+import nki  # noqa: E402
+from nkilib.examples.mlp_backward import make_inputs  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, mlp_backward_reference  # noqa: E402
+from nkilib.models import PRESETS, preset  # noqa: E402
+from nkilib.simulator import ShapeSpec  # noqa: E402
+from nkilib.simulator.cost import model_kernel  # noqa: E402
+from nkilib.simulator.trace import label_phases  # noqa: E402
+
+DEFAULT_MODELS = ("qwen3-8b-tp1", "qwen3-8b-tp4", "qwen3-8b-tp8", "qwen3-32b-tp8", "llama3-8b-tp8",
+                  "llama3-70b-tp8", "gpt-oss-20b-expert", "deepseek-v3-expert")
+PHASES = {
+    "compute_phase1_down_proj_mm_grad_mxfp8": "phase0+1",
+    "compute_phase2_hidden_states_grad_mxfp8": "phase2",
+    "compute_phase3_gate_up_weight_grad_mxfp8": "phase3",
+    "compute_phase4_down_weight_grad_mxfp8": "phase4",
+}
+MODES = (("trn3", "mxfp8"), ("trn3", "bf16"), ("trn2", "bf16"))
+
+
+def shape_inputs(S, H, I, recompute: bool) -> dict:
+    bf16 = nki.language.bfloat16
+    inputs = {
+        "output_grad": ShapeSpec((S, H), bf16), "hidden_states": ShapeSpec((S, H), bf16),
+        "gate_up_weights": ShapeSpec((2 * I, H), bf16), "down_proj_weight": ShapeSpec((H, I), bf16),
+    }
+    if not recompute:
+        for name in ("gate_pre", "gate_act", "up", "intermediate"):
+            inputs[name] = ShapeSpec((S, I), bf16)
+    return inputs
+
+
+def model_one(S, H, I, target, precision, lnc, recompute):
+    flops = (16 if recompute else 12) * S * H * I
+    with label_phases(kernel_module, PHASES):
+        report = model_kernel(kernel_module.mlp_backward_mxfp8_nki, shape_inputs(S, H, I, recompute), lnc=lnc,
+                              target=target, kwargs={"matmul_precision": precision},
+                              precision="mx" if precision == "mxfp8" else "bf16", model_flops=flops)
+    return report
+
+
+def numerics(S, H, I, lnc):
+    inputs = make_inputs(S, H, I, seed=0)
+    outs = nki.simulate(kernel_module.mlp_backward_mxfp8_nki)[lnc](**inputs)
+    exact = mlp_backward_reference(**inputs, mode="mx_exact")
+    ideal = mlp_backward_reference(**inputs, mode="fp32")
+    return {name: {"vs_mx_exact": error_report(o, e), "vs_fp32": error_report(o, i)}
+            for name, o, e, i in zip(("dX", "dW_gate_up", "dW_down"), outs, exact, ideal)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=sorted(PRESETS))
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--recompute", default="none", choices=("none", "all"),
+                    help="none: all checkpoints given (12·S·H·I FLOPs); all: recompute everything")
+    ap.add_argument("--numerics-max-flops", type=float, default=2e10)
+    ap.add_argument("--out", default=os.path.join("simulations", "out", "mlp_bwd"))
+    ap.add_argument("--plots", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bar is optional (pip install .[sim])
+        def tqdm(x, **_):
+            return x
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    jobs = [(m, t, p) for m in args.models for t, p in MODES]
+    for model, target, precision in tqdm(jobs, desc="modeling", unit="run"):
+        shape = preset(model)
+        S, H, I = args.seq, shape.hidden, shape.intermediate
+        rep = model_one(S, H, I, target, precision, args.lnc, args.recompute == "all")
+        j = rep.to_json()
+        key = f"{model}/{target}/{precision}"
+        results[key] = {"S": S, "H": H, "I": I, "modeled_time_s": j["modeled_time_s"], "mfu": j["mfu"],
+                        "hbm_bytes": j["hbm_bytes"], "phases": j["phases"], "engines": j["engines"],
+                        "memory_peak": j["memory_peak_bytes_per_partition"]}
+        with open(os.path.join(args.out, key.replace("/", "_") + ".txt"), "w") as f:
+            f.write(rep.table() + "\n")
+        if args.plots:
+            rep.plot(args.out, prefix=key.replace("/", "_"))
+    print(f"\n{'model':<22}{'mode':<14}{'time ms':>10}{'MFU %':>8}{'MX/BF16':>9}  limiting engines on the critical path")
+    for model in args.models:
+        t_bf16 = results[f"{model}/trn3/bf16"]["modeled_time_s"]
+        for target, precision in MODES:
+            r = results[f"{model}/{target}/{precision}"]
+            crit = {}
+            for ph in r["phases"].values():
+                for eng, v in ph["critical_path_by_engine_s"].items():
+                    crit[eng] = crit.get(eng, 0.0) + v
+            total = sum(crit.values()) or 1.0
+            limit = ", ".join(f"{e} {100 * v / total:.0f}%" for e, v in sorted(crit.items(), key=lambda kv: -kv[1])[:3])
+            speed = f"{t_bf16 / r['modeled_time_s']:.2f}x" if (target, precision) == ("trn3", "mxfp8") else ""
+            print(f"{model:<22}{target + '/' + precision:<14}{r['modeled_time_s'] * 1e3:>10.3f}"
+                  f"{r['mfu'] * 100:>8.1f}{speed:>9}  {limit}")
+    for model in args.models:
+        shape = preset(model)
+        flops = 12 * args.seq * shape.hidden * shape.intermediate
+        if flops <= args.numerics_max_flops:
+            results[f"{model}/numerics"] = numerics(args.seq, shape.hidden, shape.intermediate, args.lnc)
+            print(f"{model} numerics (rel. Frobenius vs fp32): " + ", ".join(
+                f"{k} {v['vs_fp32']['rel_fro']:.3e}" for k, v in results[f"{model}/numerics"].items()))
+    path = os.path.join(args.out, "mlp_bwd_study.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    print(f"\nwrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
