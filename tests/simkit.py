@@ -117,3 +117,135 @@ def oversized_tile(shape, dtype, buffer="sbuf"):
     st = Storage(shape, dt, buffer, "oversized", ctx.settings.precise_fp, ctx.numerics, ctx.program_id, init=init)
     strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
     return NkiTensor(st, dt, shape, strides, 0)
+
+
+# ---- MLP backward kernel (tests/kernels): inputs, runs, comparisons against reference.py ----
+MLP_OPERANDS = ("output_grad", "hidden_states", "down_proj_weight", "gate_up_weights")
+MLP_CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
+# kernel options that have a reference counterpart (the rest only change scheduling / layout)
+_MLP_REF_OPTIONS = ("clamp_limits", "quant_scheme", "matmul_precision", "weight_grad_dtype")
+
+
+def mlp_inputs(S: int, H: int, I: int, seed: int, kind: str = "normal") -> dict:
+    """Seeded bf16 inputs of the MLP backward: dY, X [S, H], W_down [H, I], W_gu [2I, H].
+
+    kind="normal": unit-normal activations, weights scaled by 1/sqrt(fan_in) (so the checkpoints are
+    O(1) and clamps at +-0.5 are hit). kind="pow2": +-2**e with e uniform in [-12, 12]: a dynamic range
+    (2**24) wider than an fp8 group can hold, so which elements share an MX group (the quant scheme) matters.
+    """
+    r = np.random.default_rng(seed)
+    shapes = {"output_grad": (S, H), "hidden_states": (S, H), "down_proj_weight": (H, I),
+              "gate_up_weights": (2 * I, H)}
+    fan_in = {"output_grad": 1, "hidden_states": 1, "down_proj_weight": I, "gate_up_weights": H}
+    out = {}
+    for name in MLP_OPERANDS:
+        shape = shapes[name]
+        if kind == "normal":
+            v = r.standard_normal(shape) / np.sqrt(fan_in[name])
+        elif kind == "pow2":
+            v = r.choice([-1.0, 1.0], shape) * np.exp2(r.integers(-12, 13, shape))
+        else:
+            raise ValueError(f"kind must be 'normal' or 'pow2', got {kind!r}")
+        out[name] = v.astype(np.float32).astype(BF16)
+    return out
+
+
+def run_mlp(inputs: dict, lnc: int = 1, trace: bool = False, **options):
+    """mlp_backward_mxfp8_nki on the simulator: (hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad).
+
+    With trace=True returns the launcher's RunResult instead (outputs plus the per-program instruction trace).
+    """
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_backward_mxfp8_nki
+
+    if trace:
+        from nkilib.simulator.launcher import run_kernel
+
+        return run_kernel(mlp_backward_mxfp8_nki.fn, kwargs={**inputs, **options}, lnc=lnc, grid_ndim=1, trace=True)
+    return simulate(mlp_backward_mxfp8_nki, lnc, **inputs, **options)
+
+
+def mlp_reference(inputs: dict, mode: str = "mx_exact", **options):
+    """reference.mlp_backward_reference for the bf16 tensors of `inputs` and the kernel options.
+
+    Translates the kernel's option names (fp8_x4_dtype -> fp8_dtype); options without a numeric meaning
+    (matmul_config, use_scale_packing, run_with_lnc2, spill_reload) are ignored. The default
+    matmul_precision is the trn3 default "mxfp8".
+    """
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import mlp_backward_reference
+
+    kw = {k: inputs[k] for k in MLP_OPERANDS + MLP_CHECKPOINTS if inputs.get(k) is not None}
+    kw.update({k: options[k] for k in _MLP_REF_OPTIONS if options.get(k) is not None})
+    if "fp8_x4_dtype" in options:
+        kw["fp8_dtype"] = str(options["fp8_x4_dtype"])  # the reference accepts the _x4 spellings
+    return mlp_backward_reference(**kw, mode=mode)
+
+
+def mlp_checkpoints(inputs: dict, **options) -> dict:
+    """The four checkpoints exactly as phase 0 recomputes them (reference_phase0_recompute, mx_exact)."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import reference_phase0_recompute
+
+    kw = {k: options[k] for k in ("clamp_limits", "quant_scheme", "matmul_precision") if options.get(k) is not None}
+    if "fp8_x4_dtype" in options:
+        kw["fp8_dtype"] = str(options["fp8_x4_dtype"])
+    return reference_phase0_recompute(inputs["hidden_states"], inputs["gate_up_weights"], **kw)._asdict()
+
+
+def assert_outputs_identical(a, b, what: str = "") -> None:
+    """Bit equality of two output tuples (dtypes too; NaNs compare by bit pattern)."""
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{what} output {i}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+        diff = int(np.count_nonzero(bits(x) != bits(y)))
+        assert diff == 0, f"{what} output {i}: {diff} of {x.size} elements differ"
+
+
+def assert_matches_mx_exact(out, ref, max_ulp: int = 1, max_fraction: float = 1e-3, rel_fp32: float = 1e-6) -> list:
+    """The tolerance of the kernel against reference mode "mx_exact".
+
+    bf16 outputs: at most `max_ulp` bf16 ulp apart, and on at most `max_fraction` of the elements;
+    fp32 outputs: max |out - ref| <= rel_fp32 * max |ref|. NaN/Inf positions must coincide.
+    Returns the measured [(max ulp, fraction differing)] per output (fp32: (max rel err, fraction)).
+    """
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import fraction_over_ulp, ulp_diff_bf16
+
+    measured = []
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert o.dtype == r.dtype and o.shape == r.shape, f"output {i}: {o.dtype}{o.shape} vs {r.dtype}{r.shape}"
+        o32, r32 = o.astype(np.float32), r.astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(o32), np.isnan(r32), err_msg=f"output {i}: NaN positions")
+        np.testing.assert_array_equal(o32[np.isinf(r32)], r32[np.isinf(r32)], err_msg=f"output {i}: Inf positions")
+        if o.dtype == BF16:
+            ulp = ulp_diff_bf16(o, r)
+            frac = fraction_over_ulp(o, r, 0)
+            assert ulp.max(initial=0) <= max_ulp, f"output {i}: {ulp.max()} bf16 ulp from mx_exact"
+            assert frac <= max_fraction, f"output {i}: {frac:.2e} of the elements differ from mx_exact"
+            measured.append((int(ulp.max(initial=0)), frac))
+        else:
+            fin = np.isfinite(r32)
+            err = np.abs(o32[fin].astype(np.float64) - r32[fin])
+            scale = float(np.max(np.abs(r32[fin]), initial=0.0))
+            rel = float(err.max(initial=0.0)) / scale if scale else float(err.max(initial=0.0))
+            assert rel <= rel_fp32, f"output {i}: fp32 relative error {rel:.2e} from mx_exact"
+            measured.append((rel, float(np.mean(err > 0)) if err.size else 0.0))
+    return measured
+
+
+# ---- torch <-> numpy (tests/torch; torch is imported lazily so this module works without it) ----
+def to_torch(a: np.ndarray):
+    """numpy (bf16 via ml_dtypes, or any numpy float) -> torch CPU tensor with the same values and bits."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def to_numpy(t) -> np.ndarray:
+    """torch tensor -> numpy with the same bits (bf16 -> ml_dtypes.bfloat16)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
