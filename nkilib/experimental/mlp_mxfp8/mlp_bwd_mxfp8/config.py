@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import nki.language as nl
 
 from ....core.kernel_helpers import KernelInputError
-from .constants import M_TILE, N_TILE
+from .constants import M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, N_TILE
+
+N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (spec §5.2/§5.3)
 
 
 @dataclass(frozen=True)
@@ -65,29 +67,51 @@ class MatmulConfig(nl.NKIObject):
     def __post_init__(self):
         if not (isinstance(self.m_tile, int) and 2 <= self.m_tile <= M_TILE and self.m_tile % 2 == 0):
             raise KernelInputError(f"MatmulConfig.m_tile must be an even int in [2, {M_TILE}], got {self.m_tile!r}")
-        if not (isinstance(self.n_tile, int) and 1 <= self.n_tile <= N_TILE):
-            raise KernelInputError(f"MatmulConfig.n_tile must be an int in [1, {N_TILE}], got {self.n_tile!r}")
+        if not (isinstance(self.n_tile, int) and 1 <= self.n_tile <= N_TILE_MAX):
+            raise KernelInputError(f"MatmulConfig.n_tile must be an int in [1, {N_TILE_MAX}], got {self.n_tile!r}")
 
 
 @dataclass(frozen=True)
 class MlpBwdMatmulConfig(nl.NKIObject):
-    """Per-phase matmul configs (phase 1 also covers the phase-0 recompute it fuses)."""
+    """Per-phase matmul configs (phase 1 also covers the phase-0 recompute it fuses); None = auto."""
 
-    phase1: MatmulConfig = MatmulConfig()
-    phase2: MatmulConfig = MatmulConfig()
-    phase3: MatmulConfig = MatmulConfig()
-    phase4: MatmulConfig = MatmulConfig()
+    phase1: MatmulConfig | None = None
+    phase2: MatmulConfig | None = None
+    phase3: MatmulConfig | None = None
+    phase4: MatmulConfig | None = None
 
 
-def resolve_matmul_config(config) -> MlpBwdMatmulConfig:
-    """None -> defaults; a MatmulConfig -> used for every phase; an MlpBwdMatmulConfig as is."""
+def default_matmul_config(mx: bool, recompute: bool) -> MlpBwdMatmulConfig:
+    """Tiling by precision: MXFP8 (trn3) uses 1024-wide moving tiles (512 in phase 1 when it also
+    recomputes gate_pre/up: three double-buffered PSUM accumulators must fit 16 KiB); BF16 keeps
+    512 (the trn2 nc_matmul limit, one PSUM bank)."""
+    wide = MatmulConfig(n_tile=MX_N_TILE) if mx else MatmulConfig()
+    first = MatmulConfig(n_tile=MX_N_TILE_RECOMPUTE) if (mx and recompute) else wide
+    return MlpBwdMatmulConfig(first, wide, wide, wide)
+
+
+def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int) -> MlpBwdMatmulConfig:
+    """A concrete per-phase config (returns a new object; never mutates `config`).
+
+    None -> default_matmul_config; a MatmulConfig -> used for every phase; an MlpBwdMatmulConfig ->
+    its None phases filled with the defaults. Every n_tile must fit the target's moving limit n_max.
+    """
+    default = default_matmul_config(mx, recompute)
     if config is None:
-        return MlpBwdMatmulConfig()
-    if isinstance(config, MatmulConfig):
-        return MlpBwdMatmulConfig(config, config, config, config)
-    if isinstance(config, MlpBwdMatmulConfig):
-        return config
-    raise KernelInputError(f"matmul_config must be None, MatmulConfig or MlpBwdMatmulConfig, got {config!r}")
+        resolved = default
+    elif isinstance(config, MatmulConfig):
+        resolved = MlpBwdMatmulConfig(config, config, config, config)
+    elif isinstance(config, MlpBwdMatmulConfig):
+        resolved = MlpBwdMatmulConfig(*[getattr(config, f) or getattr(default, f)
+                                        for f in ("phase1", "phase2", "phase3", "phase4")])
+    else:
+        raise KernelInputError(f"matmul_config must be None, MatmulConfig or MlpBwdMatmulConfig, got {config!r}")
+    for name in ("phase1", "phase2", "phase3", "phase4"):
+        n_tile = getattr(resolved, name).n_tile
+        if n_tile > n_max:
+            raise KernelInputError(
+                f"matmul_config.{name}.n_tile={n_tile} exceeds this target's matmul moving limit {n_max}")
+    return resolved
 
 
 @dataclass(frozen=True)

@@ -14,3 +14,8 @@ SCALE_PACK_STRIDE = 4
 FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
 QUANT_SCHEMES = ("1x32", "wrapX")
 MATMUL_PRECISIONS = ("mxfp8", "bf16")
+MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double-buffered = 4 of 8)
+MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
+PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
+PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
+SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible

@@ -26,9 +26,11 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, shard_range
-from .config import ClampLimits, MlpBwdMatmulConfig, TensorDescriptor, resolve_matmul_config
-from .constants import FP8_DTYPE_NAMES, MATMUL_PRECISIONS, MX_K_ALIGN, PARTITIONS, QUANT_SCHEMES
-from .tiled_matmul import MatmulSetup, load_panel, matmul_panels
+from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
+from .constants import (MATMUL_PRECISIONS, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES, PARTITIONS, PSUM_BUFFERS,
+                        QUANT_SCHEMES, SPLIT_ALIGN)
+from .tiled_matmul import (MatmulSetup, PanelSource, blocks, matmul_panels, panel_bytes_per_partition,
+                           tile_order)
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -48,36 +50,48 @@ def get_program_sharding_info(run_with_lnc2):
     return launched, nl.program_id(0)
 
 
-def _split_tiles(m_tiles, n_blocks, num_cores, shard_id):
-    """Split the output tile grid: along N blocks when there are enough, else along M tiles."""
-    if n_blocks >= num_cores:
-        return (0, m_tiles), shard_range(n_blocks, num_cores, shard_id)
-    return shard_range(m_tiles, num_cores, shard_id), (0, n_blocks)
+def _core_ranges(m_total, n_total, num_cores, shard_id):
+    """This core's ([m_lo, m_hi), [n_lo, n_hi)) of the output: near-equal contiguous halves of N (in
+    multiples of 128) when N has at least 128 columns per core, else of M."""
+    if num_cores == 1:
+        return (0, m_total), (0, n_total)
+    axis_total = n_total if n_total >= SPLIT_ALIGN * num_cores else m_total
+    lo, hi = shard_range(ceil_div(axis_total, SPLIT_ALIGN), num_cores, shard_id)
+    lo, hi = min(lo * SPLIT_ALIGN, axis_total), min(hi * SPLIT_ALIGN, axis_total)
+    if axis_total == n_total and n_total >= SPLIT_ALIGN * num_cores:
+        return (0, m_total), (lo, hi)
+    return (lo, hi), (0, n_total)
 
 
-def _store_psum(out_hbm, psum, m0, msz, n0, nsz, dtype):
-    """Evict a PSUM tile (fp32) to HBM in `dtype` (PSUM -> SBUF -> HBM; DMA cannot read PSUM)."""
-    res = nl.ndarray((PARTITIONS, psum.shape[1]), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
-    nisa.dma_copy(dst=out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+def _psum_buffers(n_tile):
+    """PSUM_BUFFERS fp32 accumulators [128, n_tile], used round-robin across output tiles."""
+    return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
 
 
 def _tiled_gemm(out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores, shard_id, out_dtype):
-    """out[M, N] = a[M, K] @ b[K, N] for this core's output tiles (moving panel reused across M tiles)."""
-    m_tiles, n_blocks = ceil_div(m_total, config.m_tile), ceil_div(n_total, config.n_tile)
-    (m_lo, m_hi), (n_lo, n_hi) = _split_tiles(m_tiles, n_blocks, num_cores, shard_id)
-    for nb in range(n_lo, n_hi):
-        n0 = nb * config.n_tile
-        nsz = min(config.n_tile, n_total - n0)
-        moving = load_panel(b_op, n0, nsz, nsz, setup)
-        for mt in range(m_lo, m_hi):
-            m0 = mt * config.m_tile
-            msz = min(config.m_tile, m_total - m0)
-            m_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
-            stationary = load_panel(a_op, m0, msz, m_pad, setup)
-            psum = nl.ndarray((PARTITIONS, config.n_tile), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(psum[:m_pad, :nsz], stationary, moving, setup)  # K=op K, M=m_pad, N=nsz
-            _store_psum(out_hbm, psum, m0, msz, n0, nsz, out_dtype)
+    """out[M, N] = a[M, K] @ b[K, N] for this core's output tiles.
+
+    Every moving panel of this core stays resident (quantized once) when they fit the SBUF budget,
+    and tiles run m-major so each stationary panel is also quantized once; otherwise n-major with one
+    live panel per operand (stationary panels re-quantized per moving block).
+    """
+    (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(m_total, n_total, num_cores, shard_id)
+    if m_lo >= m_hi or n_lo >= n_hi:
+        return
+    keep = panel_bytes_per_partition(b_op.k_size, n_hi - n_lo, setup) <= PANEL_CACHE_BUDGET_BYTES
+    stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False)
+    moving = PanelSource(b_op, setup, pad_even=False, keep_all=keep)
+    accumulators = _psum_buffers(config.n_tile)
+    results = [nl.ndarray((PARTITIONS, config.n_tile), dtype=out_dtype, buffer=nl.sbuf) for _ in range(PSUM_BUFFERS)]
+    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, config.n_tile), m_outer=keep)
+    for i, ((m0, msz), (n0, nsz)) in enumerate(order):
+        a = stationary.get(m0, msz)
+        b = moving.get(n0, nsz)
+        psum = accumulators[i % PSUM_BUFFERS]
+        matmul_panels(psum[:a.f_pad, :nsz], a, b, setup)  # K=op K, M=m tile, N=n block
+        res = results[i % PSUM_BUFFERS]
+        nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
+        nisa.dma_copy(dst=out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
 
 
 def _clamp_and_mask(x32, lower, upper, msz, nsz):
@@ -134,41 +148,44 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
         dtype: dtype of d_gate_up (bf16). fp8_x4_dtype: MX element dtype. spill_reload: accepted for API
         compatibility; a no-op (panels stay in SBUF, nothing is spilled). Epilogue math is fp32.
     """
-    config = config or MlpBwdMatmulConfig().phase1
+    config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     S = output_grad_td.tensor.shape[0] - s_base
     I = down_weight_td.f_extent
-    m_tiles, n_blocks = ceil_div(S, config.m_tile), ceil_div(I, config.n_tile)
-    (m_lo, m_hi), (n_lo, n_hi) = _split_tiles(m_tiles, n_blocks, num_cores, shard_id)
+    (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(S, I, num_cores, shard_id)
+    if m_lo >= m_hi or n_lo >= n_hi:
+        return
     clamp = clamp_limits or ClampLimits()
     need_gate_pre, need_up = gate_pre_td is None, up_td is None
+    moving_ops = [down_weight_td] + ([gate_weight_td] if need_gate_pre else []) + ([up_weight_td] if need_up else [])
+    keep = sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving_ops) <= PANEL_CACHE_BUDGET_BYTES
+    w_down, w_gate, w_up = (PanelSource(op, setup, pad_even=False, keep_all=keep) if op is not None else None
+                            for op in (down_weight_td, gate_weight_td if need_gate_pre else None,
+                                       up_weight_td if need_up else None))
+    dy = PanelSource(output_grad_td, setup, pad_even=True, keep_all=False)
+    x = PanelSource(hidden_states_td, setup, pad_even=True, keep_all=False) if (need_gate_pre or need_up) else None
+    n_acc = 1 + int(need_gate_pre) + int(need_up)
+    accumulators = [_psum_buffers(config.n_tile) for _ in range(n_acc)]
     ncols = config.n_tile
-    for nb in range(n_lo, n_hi):
-        n0 = nb * config.n_tile
-        nsz = min(config.n_tile, I - n0)
-        w_down = load_panel(down_weight_td, n0, nsz, nsz, setup)
-        w_gate = load_panel(gate_weight_td, n0, nsz, nsz, setup) if need_gate_pre else None
-        w_up = load_panel(up_weight_td, n0, nsz, nsz, setup) if need_up else None
-        for mt in range(m_lo, m_hi):
-            m0 = s_base + mt * config.m_tile
-            msz = min(config.m_tile, S - mt * config.m_tile)
-            m_pad = msz + (msz % 2 if setup.is_mx else 0)
-            dy = load_panel(output_grad_td, m0, msz, m_pad, setup)
-            d_i = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(d_i[:m_pad, :nsz], dy, w_down, setup)  # K=H, M=S tile, N=I block
-            g_psum = u_psum = None
-            if need_gate_pre or need_up:
-                x = load_panel(hidden_states_td, m0, msz, m_pad, setup)
-                if need_gate_pre:
-                    g_psum = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(g_psum[:m_pad, :nsz], x, w_gate, setup)  # K=H, M=S tile, N=I block
-                if need_up:
-                    u_psum = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(u_psum[:m_pad, :nsz], x, w_up, setup)  # K=H, M=S tile, N=I block
-            gate_pre = _bf16_tile(gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
-            up = _bf16_tile(up_td, u_psum, m0, msz, n0, nsz, ncols)
-            _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp,
-                                  m0, msz, n0, nsz, I, ncols, dtype)
+    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, config.n_tile), m_outer=keep)
+    for i, ((m_rel, msz), (n0, nsz)) in enumerate(order):
+        m0 = s_base + m_rel
+        a_dy = dy.get(m0, msz)
+        d_i = accumulators[0][i % PSUM_BUFFERS]
+        matmul_panels(d_i[:a_dy.f_pad, :nsz], a_dy, w_down.get(n0, nsz), setup)  # K=H, M=S tile, N=I block
+        g_psum = u_psum = None
+        if x is not None:
+            a_x = x.get(m0, msz)
+            if need_gate_pre:
+                g_psum = accumulators[1][i % PSUM_BUFFERS]
+                matmul_panels(g_psum[:a_x.f_pad, :nsz], a_x, w_gate.get(n0, nsz), setup)  # K=H, M=S, N=I block
+            if need_up:
+                u_psum = accumulators[-1][i % PSUM_BUFFERS]
+                matmul_panels(u_psum[:a_x.f_pad, :nsz], a_x, w_up.get(n0, nsz), setup)  # K=H, M=S, N=I block
+        gate_pre = _bf16_tile(gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
+        up = _bf16_tile(up_td, u_psum, m0, msz, n0, nsz, ncols)
+        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp,
+                              m0, msz, n0, nsz, I, ncols, dtype)
 
 
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp, m0, msz, n0, nsz, I,
@@ -222,7 +239,7 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         d_gate_up_td: [S, 2I] (k_axis=1); gate_up_weight_td: W_gu [2I, H] (k_axis=0) or pre-quantized
         W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
     """
-    config = config or MlpBwdMatmulConfig().phase2
+    config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     S = d_gate_up_td.tensor.shape[0] - s_base
     H = hidden_states_grad_td.shape[1]
@@ -239,7 +256,7 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
         grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0); hidden_states_T_td: X [S, H]
         (k_axis=0) or pre-quantized Xᵀ [H, S]; weight_grad_td: [2I, H] output in `dtype`.
     """
-    config = config or MlpBwdMatmulConfig().phase3
+    config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     two_i, H = weight_grad_td.shape
     _tiled_gemm(weight_grad_td, grad_T_td, hidden_states_T_td, two_i, H, setup, config, num_cores, shard_id, dtype)
@@ -253,7 +270,7 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         output_grad_T_td: dY [S, H] (k_axis=0) or pre-quantized dYᵀ [H, S]; intermediate_T_td: [S, I]
         (k_axis=0); down_weight_grad_td: [H, I] output in `dtype`. h_base: first H row (0 for a full call).
     """
-    config = config or MlpBwdMatmulConfig().phase4
+    config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     H, I = down_weight_grad_td.shape
     a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
@@ -376,7 +393,6 @@ def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, ga
     kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
     kernel_assert(clamp_limits is None or isinstance(clamp_limits, ClampLimits),
                   f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
-    config = resolve_matmul_config(matmul_config)
     setup = MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing)
 
     # ---- shapes ----
@@ -422,6 +438,10 @@ def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, ga
     for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
         if ckpt is not None:
             _check_2d(name, ckpt, (S, I), ("bfloat16",))
+
+    recompute = gate_pre is None or up is None
+    n_max = 4096 if on_trn3 else 512  # fp32 PSUM moving limit (hardware.py / spec §5.3)
+    config = resolve_matmul_config(matmul_config, precision == "mxfp8", recompute, n_max)
 
     # ---- operand descriptors (who reads what, in which K orientation) ----
     dy_k_h = TensorDescriptor(output_grad, k_axis=1)

@@ -9,9 +9,13 @@ so quantize_mx's hardware group (8 partitions x 4 free) is exactly the scheme's 
 with zeros to a multiple of 128 (quantize_mx needs 32, 64, 96 or 128 partitions); zero padding adds
 nothing to the sums and, inside a group with data, does not change its amax.
 
-Layouts loaded by DMA (elements of the SBUF staging tile come straight from HBM, no on-chip copy):
-    k_axis=0 ([K, F] in HBM): stage [P, 4, F]; quantize_mx reads it through a permuted view [P, F, 4].
-    k_axis=1 ([F, K] in HBM): stage [P, F, 4] (4 slots contiguous per (p, f)).
+Layouts (how a bf16 operand reaches quantize_mx's [P, F, 4] source):
+    k_axis=0 ([K, F] in HBM, F contiguous): DMA straight into stage [P, 4, F] (F-long runs);
+        quantize_mx reads it through the permuted view [P, F, 4].
+    k_axis=1 ([F, K] in HBM, K contiguous): DMA rows as stored into [rows, T], transpose each slot's
+        column set on the PE array into PSUM, copy to stage [P, F, 4] on ScalarE. (Interleaving by DMA
+        alone would move 8-byte runs, far below DMA efficiency: the cost model showed phases 1-2
+        DMA-bound that way.)
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import nki.language as nl
 from ....core.kernel_helpers import round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, SCALE_PACK_SLOTS,
                         SCALE_PACK_STRIDE)
+
 
 
 class MatmulSetup(nl.NKIObject):
@@ -91,21 +96,36 @@ def _stage_mx_bf16(op, k0, valid, padded, f0, f_size, f_pad, setup):
                     src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
                     nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
         return stage[:P, :, :].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
-    kdim = op.tensor.shape[1]
+    # [F, K] in HBM with K contiguous: DMA rows as stored (2*T-byte runs, not 8-byte interleaved
+    # runs), then transpose 128-row chunks on the PE array (bit-exact, spec §5.4): slot j of the
+    # interleaved layout is the column set k(p, j), p < P, of the natural tile.
     stage = nl.ndarray((PARTITIONS, f_pad, MX_PACK), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if partial or f_size < f_pad:
+    if f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
-    base = (op.f_base + f0) * kdim + k0
-    if not partial:
-        src = t.ap(pattern=[[step_p, P], [kdim, f_size], [step_j, MX_PACK]], offset=base)
-        nisa.dma_copy(dst=stage[:P, :f_size, :], src=src)
-    else:
+    for c0 in range(0, f_size, PARTITIONS):
+        rows = min(PARTITIONS, f_size - c0)
+        natural = _load_rows_natural(op, f0 + c0, rows, k0, valid, padded)
+        flipped = nl.ndarray((PARTITIONS, MX_PACK, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
         for j in range(MX_PACK):
-            rows = _rows_in_slot(valid, j, step_p, step_j, P)
-            if rows:
-                src = t.ap(pattern=[[step_p, rows], [kdim, f_size]], offset=base + step_j * j)
-                nisa.dma_copy(dst=stage[:rows, :f_size, j], src=src)
+            if setup.scheme == "1x32":
+                cols = natural[:rows, j:padded:MX_PACK]  # k = 4p + j
+            else:
+                cols = natural[:rows, P * j:P * (j + 1)]  # k = p + P*j
+            nisa.nc_transpose(dst=flipped[:P, j, :rows], data=cols, engine=nisa.engine.tensor)
+        # PSUM [P, 4, rows] -> SBUF [P, rows, 4] on ScalarE (VectorE carries quantize_mx)
+        nisa.tensor_copy(dst=stage[:P, c0:c0 + rows, :], src=flipped[:P, :, :rows].permute((0, 2, 1)),
+                         engine=nisa.engine.scalar)
     return stage[:P, :, :]
+
+
+def _load_rows_natural(op, f0, rows, k0, valid, padded):
+    """SBUF [rows, padded] bf16 tile of a K-contiguous operand ([F, K] in HBM), zero beyond `valid`."""
+    natural = nl.ndarray((PARTITIONS, MX_K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if valid < padded:
+        nisa.memset(dst=natural[:rows, :padded], value=0.0)
+    c = op.f_base + f0
+    nisa.dma_copy(dst=natural[:rows, :valid], src=op.tensor[c:c + rows, k0:k0 + valid])
+    return natural
 
 
 def _scale_view(scale_tiles, t, P, f_pad, setup):
@@ -163,11 +183,17 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup) -> Pane
             tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
             if f_size < f_pad:
                 nisa.memset(dst=tile[:valid, :], value=0.0)
-            c0 = op.f_base + f0
             if op.k_axis == 0:
+                c0 = op.f_base + f0
                 nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
             else:
-                nisa.dma_transpose(dst=tile[:valid, :f_size], src=op.tensor[c0:c0 + f_size, k0:k0 + valid])
+                for c0 in range(0, f_size, PARTITIONS):  # [F, K] rows as stored, transposed on the PE array
+                    rows = min(PARTITIONS, f_size - c0)
+                    natural = _load_rows_natural(op, f0 + c0, rows, k0, valid, valid)
+                    flipped = nl.ndarray((PARTITIONS, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
+                    nisa.nc_transpose(dst=flipped[:valid, :rows], data=natural[:rows, :valid], engine=nisa.engine.tensor)
+                    nisa.tensor_copy(dst=tile[:valid, c0:c0 + rows], src=flipped[:valid, :rows],
+                                     engine=nisa.engine.scalar)
             data.append(tile[:valid, :])
             scales.append(None)
     return Panel(data, scales, f_pad)
@@ -184,3 +210,50 @@ def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup) -> 
         else:
             # K=T (<=128), M=stationary f_pad (<=128), N=moving f_pad (<=512)
             nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[t], accumulate=t > 0)
+
+
+def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> int:
+    """SBUF bytes per partition that a [K, f_pad] panel occupies (data words + scale tiles)."""
+    n = len(k_tiles(k_size, setup))
+    if not setup.is_mx:
+        return n * f_pad * 2
+    scale_tiles = -(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n
+    return n * f_pad * 4 + scale_tiles * f_pad
+
+
+class PanelSource(nl.NKIObject):
+    """Panels of one operand on demand, keyed by their first column.
+
+    keep_all=True keeps every panel loaded (each quantized once); otherwise only the last one is kept
+    and it is dropped *before* the next is loaded, so at most one panel is live.
+    """
+
+    def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool):
+        self.op = op
+        self.setup = setup
+        self.pad_even = pad_even
+        self.keep_all = keep_all
+        self.cache = {}
+
+    def get(self, f0: int, f_size: int) -> Panel:
+        if f0 in self.cache:
+            return self.cache[f0]
+        if not self.keep_all:
+            self.cache.clear()
+        f_pad = f_size + (f_size % 2 if (self.pad_even and self.setup.is_mx) else 0)  # nc_matmul_mx: even M
+        panel = load_panel(self.op, f0, f_size, f_pad, self.setup)
+        self.cache[f0] = panel
+        return panel
+
+
+def blocks(lo: int, hi: int, size: int):
+    """[(start, length)] covering [lo, hi) in blocks of `size` (the last may be shorter)."""
+    return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
+
+
+def tile_order(m_blocks, n_blocks, m_outer: bool):
+    """Output tiles in the order that reuses the cached operand: m-major when moving panels are all
+    resident (each stationary panel loaded once), else n-major (each moving panel loaded once)."""
+    if m_outer:
+        return [(m, n) for m in m_blocks for n in n_blocks]
+    return [(m, n) for n in n_blocks for m in m_blocks]

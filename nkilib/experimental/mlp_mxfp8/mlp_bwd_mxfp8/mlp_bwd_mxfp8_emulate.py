@@ -1,0 +1,394 @@
+"""Pure-torch emulation of the MXFP8 SwiGLU MLP backward kernel's numerics (the `emulate` backend).
+
+This is the numerics contract of the kernel (reference.py, mode ``"mx_exact"``) written in torch ops,
+so that it runs on any torch device (CPU, CUDA) at torch speed, for training studies:
+
+    mm(A [M, K], B [K, N]):
+      mxfp8: K zero-padded to Kp = ceil(K / 128) * 128; A quantized along axis 1 and B along axis 0
+        (MX groups of 32 by ``quant_scheme``, one E8M0 scale per group by ``scale_rule``, elements
+        RNE-cast with saturation to the fp8 format); per K tile of 512 the exact sum of the
+        dequantized products (float64) rounded once to float32; float32 accumulation across tiles
+        in order (the last tile holds Kp % 512 elements when nonzero).
+      bf16: the bf16 operands as is; per K tile of 128 the float64 sum rounded to float32; float32
+        accumulation across tiles in order.
+    Elementwise math in float32 (each binary op rounded to float32); activations evaluated in
+    float64 on the float32 input and rounded once to float32; bf16(v) = RNE from float32.
+
+Exactness argument (why this matches the NumPy reference and the simulator bit for bit):
+    * scale: amax of a group and its exponent come from torch.frexp (exact, also for float32
+      subnormals), so the E8M0 byte is exact integer arithmetic, as in nkilib.mx.quantize;
+    * element cast: v * 2**-k (k in [-127, 127]) is one float32 multiplication by an exact power of
+      two, i.e. the exact quotient rounded once to float32, which is what nkilib.mx.quantize computes
+      (exact float64 quotient, then float32; see its _cast_elements for why that step is harmless); values
+      are clamped to +-max_normal before the float32 -> fp8 cast, which makes torch's RNE cast
+      saturating (clip-then-round equals round-then-saturate, proof in nkilib.mx.quantize);
+      torch's float32 -> float8_e4m3fn / float8_e5m2 casts are RNE (checked against ml_dtypes in
+      tests/torch/test_emulate_numerics.py);
+    * dequantized values (fp8 value * 2**k) are exact in float32 and in float64, and their
+      products are exact in float64 (<= 8 significant bits); the per-tile float64 sum is exact
+      unless one tile's products span more than ~2**44 in magnitude (then the float64 rounding,
+      and BLAS summation order, can differ from NumPy's: "up to fp32 reassociation").
+    * activations: float64 tanh of torch and NumPy may differ in the last float64 ulp, which
+      changes the float32 rounding with probability ~2**-29 per element.
+
+No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
+
+Dimensions:
+    S: tokens, H: hidden size, I: intermediate size.
+    X = hidden_states [S, H], dY = output_grad [S, H], W_gu = gate_up_weights [2I, H]
+    (W_gate = rows 0..I-1, W_up = rows I..2I-1), W_down = down_proj_weight [H, I],
+    checkpoints gate_pre / gate_act / up / intermediate [S, I].
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ....mx import SCALE_RULES, element_format, group_positions
+from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+
+__all__ = [
+    "FP8_DTYPES",
+    "CLAMP_NAMES",
+    "fp8_name",
+    "clamp_tuple",
+    "mx_quantize_dequantize",
+    "contract_matmul",
+    "swiglu_activations",
+    "recompute_projection",
+    "mlp_backward_emulate",
+]
+
+#: torch dtypes of the MX element formats.
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+CLAMP_NAMES = ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper")
+
+
+# ----------------------------------------------------------------------------------------------
+# option handling
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_name(fp8_dtype) -> str:
+    """Canonical fp8 format name from a string ("float8_e4m3fn", "e4m3fn", "..._x4") or a torch dtype."""
+    if isinstance(fp8_dtype, torch.dtype):
+        for name, dt in FP8_DTYPES.items():
+            if dt == fp8_dtype:
+                return name
+        raise ValueError(f"fp8_dtype must be one of {tuple(FP8_DTYPES)}, got {fp8_dtype}")
+    s = str(fp8_dtype)
+    if s in ("e4m3fn", "e5m2"):
+        s = "float8_" + s
+    try:
+        return element_format(s).name
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"fp8_dtype must be one of {tuple(FP8_DTYPES)}, got {fp8_dtype!r}") from None
+
+
+def check_choice(what: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def clamp_tuple(clamp_limits) -> tuple:
+    """(gate_lower, gate_upper, up_lower, up_upper) of a ClampLimits / mapping / None (None = no bound)."""
+    if clamp_limits is None:
+        return (None, None, None, None)
+    if isinstance(clamp_limits, dict):
+        unknown = set(clamp_limits) - set(CLAMP_NAMES)
+        if unknown:
+            raise ValueError(f"clamp_limits: unknown keys {sorted(unknown)}; accepted: {list(CLAMP_NAMES)}")
+        vals = tuple(clamp_limits.get(n) for n in CLAMP_NAMES)
+    elif all(hasattr(clamp_limits, n) for n in CLAMP_NAMES):
+        vals = tuple(getattr(clamp_limits, n) for n in CLAMP_NAMES)
+    else:
+        raise TypeError(f"clamp_limits must be a ClampLimits, a dict with keys {list(CLAMP_NAMES)}, or None; "
+                        f"got {clamp_limits!r}")
+    out = []
+    for name, v in zip(CLAMP_NAMES, vals):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:  # v != v: NaN (no math.isnan: dynamo)
+            raise ValueError(f"clamp_limits.{name} must be a float or None, got {v!r}")
+        out.append(float(v))
+    for lo, hi, side in ((out[0], out[1], "non_linear"), (out[2], out[3], "linear")):
+        if lo is not None and hi is not None and not lo < hi:
+            raise ValueError(f"clamp_limits: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# MX quantization (torch)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=128)
+def _positions_cpu(k: int, scheme: str, k_tile: int) -> torch.Tensor:
+    return torch.from_numpy(group_positions(k, scheme, k_tile).copy()).to(torch.long)
+
+
+def _positions(k: int, scheme: str, k_tile: int, device) -> torch.Tensor:
+    return _positions_cpu(k, scheme, k_tile).to(device)
+
+
+def _scale_exponent(amax: torch.Tensor, fmt, scale_rule: str) -> torch.Tensor:
+    """Unbiased E8M0 exponent per group (int64) of float32 amax values (exact, via frexp)."""
+    mant, ex = torch.frexp(amax)  # amax = mant * 2**ex, mant in [0.5, 1)
+    ex = ex.to(torch.int64)
+    e = ex - 1  # floor(log2(amax)) for amax > 0
+    if scale_rule == "neuron":
+        return e - (fmt.emax - 1)
+    if scale_rule == "ocp_floor":
+        return e - fmt.emax
+    # rceil: smallest s with amax <= max_normal * 2**s (see nkilib.mx.quantize._scale_bytes)
+    mn, mex = math.frexp(float(fmt.max_normal))
+    return ex - mex + (mant.to(torch.float64) > mn).to(torch.int64)
+
+
+def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
+                           scale_rule="neuron", k_tile: int = MX_K_TILE) -> torch.Tensor:
+    """MX-quantizes `t` along `dim` and returns the dequantized float32 values (codes * 2**scale).
+
+    Same groups, scale bytes and element codes as ``nkilib.mx.quantize_mx(..., scheme=quant_scheme,
+    k_tile=k_tile, scale_rule=scale_rule)``: byte = clip(exponent + 127, 0, 254), all-zero group ->
+    byte 0, a group holding NaN/Inf -> NaN scale (all its values NaN).
+
+    Dimensions:
+        t [..., K, ...] with K = t.shape[dim] a multiple of 32 (for "wrapX" every K tile a multiple
+        of 128) -> float32 of the same shape.
+
+    Args:
+        t: float tensor (bf16 / fp16 / fp32 upcast exactly; float64 rounded to float32 first).
+        dim: the quantized (contraction) axis.
+        fp8_dtype: "float8_e4m3fn" or "float8_e5m2" (or the torch dtype).
+        quant_scheme: "1x32" or "wrapX".
+        scale_rule: "neuron" (quantize_mx, SDK 2.31+), "ocp_floor" or "rceil".
+        k_tile: K tile of the "wrapX" geometry.
+
+    Returns:
+        float32 tensor [same shape as t].
+    """
+    fmt = element_format(fp8_name(fp8_dtype))
+    check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
+    check_choice("scale_rule", scale_rule, SCALE_RULES)
+    x = torch.movedim(t.to(torch.float32), dim, -1)
+    k = x.shape[-1]
+    if k == 0 or k % MX_GROUP:
+        raise ValueError(f"the quantized axis length K={k} must be a positive multiple of {MX_GROUP}")
+    if quant_scheme == "1x32":
+        pos = None
+        xg = x.reshape(*x.shape[:-1], k // MX_GROUP, MX_GROUP)
+    else:
+        pos = _positions(k, quant_scheme, k_tile, x.device)  # [G, 32] logical indices per group
+        xg = x[..., pos]
+    # amax with NaN/Inf propagation: a group holding NaN or Inf has a non-finite amax
+    amax = xg.abs().amax(dim=-1)
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, torch.zeros((), dtype=torch.float32, device=x.device))
+    sexp = _scale_exponent(amax, fmt, scale_rule)
+    byte = torch.clamp(sexp + 127, 0, 254)
+    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    kexp = (byte - 127).to(torch.float64)  # X = 2**kexp, kexp in [-127, 127]
+    # Powers of two 2**-kexp, 2**kexp in [2**-127, 2**127] are exact in float32 (2**-127 as a
+    # subnormal), and a float32 product with a power of two is the correctly rounded exact product:
+    # the same value as the exact float64 quotient rounded to float32 (nkilib.mx.quantize).
+    inv = torch.exp2(-kexp).to(torch.float32).unsqueeze(-1)
+    scale = torch.exp2(kexp).to(torch.float32).unsqueeze(-1)
+    m = float(fmt.max_normal)
+    y = torch.clamp(xg * inv, -m, m)  # saturation; NaN stays NaN (overwritten below)
+    codes = y.to(FP8_DTYPES[fmt.name])  # RNE
+    deq = codes.to(torch.float32) * scale  # exact: <= 4 significant bits, magnitude >= 2**-143
+    deq = deq.masked_fill(~finite.unsqueeze(-1), float("nan"))
+    if pos is None:
+        out = deq.reshape(x.shape)
+    else:
+        out = torch.empty_like(x)
+        out[..., pos] = deq
+    return torch.movedim(out, -1, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# the contract's matmul
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiled_sum(a64: torch.Tensor, b64: torch.Tensor, tile: int) -> torch.Tensor:
+    """sum over K tiles of fp32(a[:, tile] @ b[tile, :] in float64), accumulated in float32 in order."""
+    k = a64.shape[1]
+    acc = None
+    for k0 in range(0, k, tile):
+        part = (a64[:, k0:k0 + tile] @ b64[k0:k0 + tile, :]).to(torch.float32)
+        acc = part if acc is None else acc + part
+    if acc is None:  # K == 0 cannot reach the kernel; keep the shape for completeness
+        acc = torch.zeros(a64.shape[0], b64.shape[1], dtype=torch.float32, device=a64.device)
+    return acc
+
+
+def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8", fp8_dtype="float8_e4m3fn",
+                    quant_scheme="1x32", scale_rule="neuron") -> torch.Tensor:
+    """The kernel's matmul mm(A, B) = A @ B (module docstring), float32 result.
+
+    Dimensions:
+        a [M, K], b [K, N] (bf16 values; other float dtypes are rounded to bf16 first) -> [M, N] float32.
+
+    Args:
+        a: left operand [M, K] (quantized along K = axis 1).
+        b: right operand [K, N] (quantized along K = axis 0).
+        matmul_precision: "mxfp8" or "bf16".
+        fp8_dtype, quant_scheme, scale_rule: MX options (mxfp8 only).
+
+    Returns:
+        float32 [M, N].
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"contract_matmul: incompatible operand shapes {tuple(a.shape)} @ {tuple(b.shape)}")
+    check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
+    a = a.to(torch.bfloat16)
+    b = b.to(torch.bfloat16)
+    if matmul_precision == "bf16":
+        return _tiled_sum(a.to(torch.float64), b.to(torch.float64), BF16_K_TILE)
+    k = a.shape[1]
+    kp = -(-k // MX_K_ALIGN) * MX_K_ALIGN
+    if kp != k:  # zero padding along K, as the kernel's K tiles
+        a = torch.nn.functional.pad(a, (0, kp - k))
+        b = torch.nn.functional.pad(b, (0, 0, 0, kp - k))
+    opts = dict(fp8_dtype=fp8_dtype, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE)
+    a_q = mx_quantize_dequantize(a, 1, **opts).to(torch.float64)
+    b_q = mx_quantize_dequantize(b, 0, **opts).to(torch.float64)
+    return _tiled_sum(a_q, b_q, MX_K_TILE)
+
+
+# ----------------------------------------------------------------------------------------------
+# elementwise numerics
+# ----------------------------------------------------------------------------------------------
+
+
+def _f32_limit(v):
+    return None if v is None else torch.tensor(v, dtype=torch.float32)
+
+
+def _clamp_and_mask(v32: torch.Tensor, lower, upper):
+    """(clamp(v), mask) in float32 with the limits rounded to float32; mask = 1 where lower <= v <= upper."""
+    c = v32
+    ok = torch.ones_like(v32, dtype=torch.bool)
+    if lower is not None:
+        lo = _f32_limit(lower).to(v32.device)
+        c = torch.maximum(c, lo)
+        ok = ok & (v32 >= lo)
+    if upper is not None:
+        hi = _f32_limit(upper).to(v32.device)
+        c = torch.minimum(c, hi)
+        ok = ok & (v32 <= hi)
+    return c, ok.to(torch.float32)
+
+
+def _sigmoid64(x64):
+    return 0.5 * (torch.tanh(0.5 * x64) + 1.0)
+
+
+def _silu32(x32: torch.Tensor) -> torch.Tensor:
+    """silu evaluated in float64 on a float32 input, rounded once to float32."""
+    x64 = x32.to(torch.float64)
+    return (x64 * _sigmoid64(x64)).to(torch.float32)
+
+
+def _silu_dx32(x32: torch.Tensor) -> torch.Tensor:
+    """silu'(x) = s * (1 + x * (1 - s)) in float64, rounded once to float32."""
+    x64 = x32.to(torch.float64)
+    s = _sigmoid64(x64)
+    return (s * (1.0 + x64 * (1.0 - s))).to(torch.float32)
+
+
+def swiglu_activations(gate_pre: torch.Tensor, up: torch.Tensor, clamp_limits=None):
+    """gate_act = bf16(silu(clampG(gate_pre))), intermediate = bf16(f32(gate_act) * clampU(up)).
+
+    These are the kernel's phase-0 formulas; a forward that produces its checkpoints with them
+    saves exactly what the kernel would recompute from the same gate_pre / up.
+
+    Dimensions:
+        gate_pre, up [S, I] (bf16) -> gate_act, intermediate [S, I] bf16.
+    """
+    gl, gu, ul, uu = clamp_tuple(clamp_limits)
+    gc, _ = _clamp_and_mask(gate_pre.to(torch.bfloat16).to(torch.float32), gl, gu)
+    uc, _ = _clamp_and_mask(up.to(torch.bfloat16).to(torch.float32), ul, uu)
+    gate_act = _silu32(gc).to(torch.bfloat16)
+    intermediate = (gate_act.to(torch.float32) * uc).to(torch.bfloat16)
+    return gate_act, intermediate
+
+
+def recompute_projection(hidden_states: torch.Tensor, weight_rows: torch.Tensor, **mm_opts) -> torch.Tensor:
+    """bf16(mm(X, W^T)) with K = H: the kernel's phase-0 recompute of gate_pre (W_gate) or up (W_up).
+
+    Dimensions:
+        hidden_states [S, H], weight_rows [I, H] -> [S, I] bf16.
+    """
+    return contract_matmul(hidden_states, weight_rows.t(), **mm_opts).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward
+# ----------------------------------------------------------------------------------------------
+
+
+def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_weights, gate_pre=None,
+                         gate_act=None, up=None, intermediate=None, *, clamp_limits=None,
+                         fp8_dtype="float8_e4m3fn", quant_scheme="1x32", matmul_precision="mxfp8",
+                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron"):
+    """The kernel's backward (phases 0-4 of the numerics contract) in torch ops.
+
+    Dimensions:
+        output_grad dY [S, H], hidden_states X [S, H], down_proj_weight W_down [H, I],
+        gate_up_weights W_gu [2I, H], optional checkpoints [S, I]; all rounded to bf16 on entry
+        (the kernel's inputs are bf16).
+
+    Args:
+        output_grad, hidden_states, down_proj_weight, gate_up_weights: tensors on one device.
+        gate_pre, gate_act, up, intermediate: optional checkpoints; missing ones are recomputed
+            with the kernel's phase-0 numerics.
+        clamp_limits: ClampLimits, a dict of its four fields, or None.
+        fp8_dtype: "float8_e4m3fn" or "float8_e5m2".
+        quant_scheme: "1x32" or "wrapX".
+        matmul_precision: "mxfp8" (Trn3) or "bf16" (Trn2).
+        weight_grad_dtype: torch.bfloat16 or torch.float32 (both weight gradients).
+        scale_rule: "neuron" (the hardware's rule, default), "ocp_floor" or "rceil" (studies only).
+
+    Returns:
+        (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I])
+        with the weight gradients in weight_grad_dtype.
+    """
+    if weight_grad_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"weight_grad_dtype must be torch.bfloat16 or torch.float32, got {weight_grad_dtype}")
+    mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
+                           quant_scheme=quant_scheme, scale_rule=scale_rule)
+    gl, gu, ul, uu = clamp_tuple(clamp_limits)
+    bf = torch.bfloat16
+    dy, x = output_grad.to(bf), hidden_states.to(bf)
+    w_down, w_gu = down_proj_weight.to(bf), gate_up_weights.to(bf)
+    n_i = w_gu.shape[0] // 2
+    # phase 0: only what is missing
+    if gate_pre is None:
+        gate_pre = mm(x, w_gu[:n_i].t()).to(bf)
+    if up is None:
+        up = mm(x, w_gu[n_i:].t()).to(bf)
+    gc, mask_g = _clamp_and_mask(gate_pre.to(bf).to(torch.float32), gl, gu)
+    uc, mask_u = _clamp_and_mask(up.to(bf).to(torch.float32), ul, uu)
+    gate_act = _silu32(gc).to(bf) if gate_act is None else gate_act.to(bf)
+    a = gate_act.to(torch.float32)
+    if intermediate is None:
+        intermediate = (a * uc).to(bf)
+    # phase 1: dI and the SwiGLU derivative (float32, left-to-right products)
+    d_i = mm(dy, w_down)  # [S, I], K = H
+    sd = _silu_dx32(gc)
+    d_up = ((d_i * a) * mask_u).to(bf)
+    d_gate = (((d_i * uc) * sd) * mask_g).to(bf)
+    d_gu = torch.cat([d_gate, d_up], dim=1)  # [S, 2I]
+    # phases 2-4
+    dx = mm(d_gu, w_gu).to(bf)  # K = 2I
+    dw_gu = mm(d_gu.t(), x).to(weight_grad_dtype)  # K = S
+    dw_down = mm(dy.t(), intermediate.to(bf)).to(weight_grad_dtype)  # K = S
+    return dx, dw_gu, dw_down
