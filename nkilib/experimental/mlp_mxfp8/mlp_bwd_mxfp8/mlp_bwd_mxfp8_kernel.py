@@ -28,7 +28,7 @@ import nki.language as nl
 from ....core.kernel_helpers import ceil_div, kernel_assert, shard_range
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import (MATMUL_PRECISIONS, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES, PARTITIONS, PSUM_BUFFERS,
-                        QUANT_SCHEMES, SPLIT_ALIGN)
+                        QUANT_SCHEMES, SPLIT_ALIGN, STATIONARY_LOAD_WIDTH)
 from .tiled_matmul import (MatmulSetup, PanelSource, blocks, matmul_panels, panel_bytes_per_partition,
                            tile_order)
 
@@ -63,6 +63,14 @@ def _core_ranges(m_total, n_total, num_cores, shard_id):
     return (lo, hi), (0, n_total)
 
 
+def _stationary_load_width(op, m_tile):
+    """Super-panel width for a [K, F] stationary operand: whole m tiles, about STATIONARY_LOAD_WIDTH
+    columns (K-contiguous and pre-quantized operands gain nothing from it: 0 = per tile)."""
+    if op.k_axis != 0 or op.prequantized:
+        return 0
+    return max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
+
+
 def _psum_buffers(n_tile):
     """PSUM_BUFFERS fp32 accumulators [128, n_tile], used round-robin across output tiles."""
     return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
@@ -79,7 +87,8 @@ def _tiled_gemm(out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores,
     if m_lo >= m_hi or n_lo >= n_hi:
         return
     keep = panel_bytes_per_partition(b_op.k_size, n_hi - n_lo, setup) <= PANEL_CACHE_BUDGET_BYTES
-    stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False)
+    stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False, lo=m_lo, hi=m_hi,
+                             load_width=_stationary_load_width(a_op, config.m_tile))
     moving = PanelSource(b_op, setup, pad_even=False, keep_all=keep)
     accumulators = _psum_buffers(config.n_tile)
     results = [nl.ndarray((PARTITIONS, config.n_tile), dtype=out_dtype, buffer=nl.sbuf) for _ in range(PSUM_BUFFERS)]

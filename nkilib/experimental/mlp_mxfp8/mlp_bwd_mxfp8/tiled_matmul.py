@@ -222,28 +222,44 @@ def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> in
 
 
 class PanelSource(nl.NKIObject):
-    """Panels of one operand on demand, keyed by their first column.
+    """Panels of one operand on demand, for columns inside [lo, hi).
 
     keep_all=True keeps every panel loaded (each quantized once); otherwise only the last one is kept
     and it is dropped *before* the next is loaded, so at most one panel is live.
+    load_width: when set, columns are loaded and quantized in super-panels of that width (aligned to
+    `lo`) and requests are served as column slices of them. For [K, F] operands this turns 256-byte
+    DMA runs of a 128-column stationary tile into load_width*2-byte runs.
     """
 
-    def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool):
+    def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool, lo: int = 0, hi: int = -1,
+                 load_width: int = 0):
         self.op = op
         self.setup = setup
-        self.pad_even = pad_even
+        self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
+        self.lo = lo
+        self.hi = op.f_extent if hi < 0 else hi
+        self.load_width = load_width
         self.cache = {}
 
+    def _padded(self, n: int) -> int:
+        return n + (n % 2 if self.pad_even else 0)
+
+    def _load(self, f0: int, f_size: int) -> Panel:
+        if f0 not in self.cache:
+            if not self.keep_all:
+                self.cache.clear()
+            self.cache[f0] = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup)
+        return self.cache[f0]
+
     def get(self, f0: int, f_size: int) -> Panel:
-        if f0 in self.cache:
-            return self.cache[f0]
-        if not self.keep_all:
-            self.cache.clear()
-        f_pad = f_size + (f_size % 2 if (self.pad_even and self.setup.is_mx) else 0)  # nc_matmul_mx: even M
-        panel = load_panel(self.op, f0, f_size, f_pad, self.setup)
-        self.cache[f0] = panel
-        return panel
+        if not self.load_width:
+            return self._load(f0, f_size)
+        base = self.lo + (f0 - self.lo) // self.load_width * self.load_width
+        whole = self._load(base, min(self.load_width, self.hi - base))
+        off, width = f0 - base, self._padded(f_size)
+        scales = [None if sc is None else sc[:, off:off + width] for sc in whole.scales]
+        return Panel([d[:, off:off + width] for d in whole.data], scales, width)
 
 
 def blocks(lo: int, hi: int, size: int):
