@@ -19,4 +19,4 @@ MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulator
 PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
 PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
 SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
-STATIONARY_LOAD_WIDTH = 512  # columns per stationary load of a [K, F] operand (1 KiB bf16 DMA runs)
+STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
