@@ -18,5 +18,7 @@ MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double
 MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
 PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
 PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
+MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when panels are not resident
+STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
 SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)

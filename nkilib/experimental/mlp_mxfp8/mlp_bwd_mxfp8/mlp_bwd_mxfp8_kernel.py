@@ -28,7 +28,8 @@ import nki.language as nl
 from ....core.kernel_helpers import ceil_div, kernel_assert, shard_range
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import (MATMUL_PRECISIONS, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES, PARTITIONS, PSUM_BUFFERS,
-                        QUANT_SCHEMES, SPLIT_ALIGN, STATIONARY_LOAD_WIDTH)
+                        MOVING_PANEL_BUDGET_BYTES, QUANT_SCHEMES, SPLIT_ALIGN, STATIONARY_LOAD_WIDTH,
+                        STATIONARY_PANEL_BUDGET_BYTES)
 from .tiled_matmul import (MatmulSetup, PanelSource, blocks, matmul_panels, panel_bytes_per_partition,
                            tile_order)
 
@@ -63,12 +64,23 @@ def _core_ranges(m_total, n_total, num_cores, shard_id):
     return (lo, hi), (0, n_total)
 
 
-def _stationary_load_width(op, m_tile):
+def _fit_width(requested, ops, setup, budget, quantum):
+    """Largest width <= requested (a multiple of `quantum`, at least one quantum) whose panels of all
+    `ops` (every K tile) fit `budget` SBUF bytes per partition. Large K (e.g. 2I = 24576) narrows the
+    tiles instead of overflowing SBUF."""
+    per_column = sum(panel_bytes_per_partition(op.k_size, quantum, setup) for op in ops) / quantum
+    fitting = int(budget // per_column) // quantum * quantum
+    return max(quantum, min(requested, fitting))
+
+
+def _stationary_load_width(op, m_tile, setup):
     """Super-panel width for a [K, F] stationary operand: whole m tiles, about STATIONARY_LOAD_WIDTH
-    columns (K-contiguous and pre-quantized operands gain nothing from it: 0 = per tile)."""
+    columns within the stationary budget (K-contiguous and pre-quantized operands gain nothing from
+    it: 0 = per tile)."""
     if op.k_axis != 0 or op.prequantized:
         return 0
-    return max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
+    wanted = max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
+    return _fit_width(wanted, [op], setup, STATIONARY_PANEL_BUDGET_BYTES, m_tile)
 
 
 def _psum_buffers(n_tile):
@@ -87,12 +99,13 @@ def _tiled_gemm(out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores,
     if m_lo >= m_hi or n_lo >= n_hi:
         return
     keep = panel_bytes_per_partition(b_op.k_size, n_hi - n_lo, setup) <= PANEL_CACHE_BUDGET_BYTES
+    n_tile = _fit_width(config.n_tile, [b_op], setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
     stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False, lo=m_lo, hi=m_hi,
-                             load_width=_stationary_load_width(a_op, config.m_tile))
+                             load_width=_stationary_load_width(a_op, config.m_tile, setup))
     moving = PanelSource(b_op, setup, pad_even=False, keep_all=keep)
-    accumulators = _psum_buffers(config.n_tile)
-    results = [nl.ndarray((PARTITIONS, config.n_tile), dtype=out_dtype, buffer=nl.sbuf) for _ in range(PSUM_BUFFERS)]
-    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, config.n_tile), m_outer=keep)
+    accumulators = _psum_buffers(n_tile)
+    results = [nl.ndarray((PARTITIONS, n_tile), dtype=out_dtype, buffer=nl.sbuf) for _ in range(PSUM_BUFFERS)]
+    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, n_tile), m_outer=keep)
     for i, ((m0, msz), (n0, nsz)) in enumerate(order):
         a = stationary.get(m0, msz)
         b = moving.get(n0, nsz)
@@ -174,9 +187,9 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     dy = PanelSource(output_grad_td, setup, pad_even=True, keep_all=False)
     x = PanelSource(hidden_states_td, setup, pad_even=True, keep_all=False) if (need_gate_pre or need_up) else None
     n_acc = 1 + int(need_gate_pre) + int(need_up)
-    accumulators = [_psum_buffers(config.n_tile) for _ in range(n_acc)]
-    ncols = config.n_tile
-    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, config.n_tile), m_outer=keep)
+    ncols = _fit_width(config.n_tile, moving_ops, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
+    accumulators = [_psum_buffers(ncols) for _ in range(n_acc)]
+    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, ncols), m_outer=keep)
     for i, ((m_rel, msz), (n0, nsz)) in enumerate(order):
         m0 = s_base + m_rel
         a_dy = dy.get(m0, msz)
