@@ -41,6 +41,9 @@ own way, so identity holds exactly when the saved tensor equals what the kernel 
       phase 0 would (same quantization, same fp32 accumulation), so every policy gives bit-identical
       gradients (the forward then carries the MX error of the two projections, as an MXFP8 forward
       would).
+    These identities are exact on the "simulator" and "emulate" backends (both implement the
+    numerics contract). On hardware the kernel's silu is a piecewise approximation and its matmul
+    accumulation order differs, so recomputed checkpoints match the saved ones only approximately.
 
 Backends (``backend=``):
     "auto": CPU tensors -> "simulator"; Neuron / XLA tensors -> "neuron"; meta -> "emulate"

@@ -1,0 +1,185 @@
+"""The `emulate` backend (mlp_bwd_mxfp8_emulate.py): torch ops reproducing the kernel's numerics.
+
+Expected values come from independent code: ml_dtypes casts, nkilib.mx (NumPy quantize_mx / mx_matmul),
+reference.py (mode "mx_exact", which the kernel matches bit for bit) and the kernel on the simulator.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
+from nkilib.mx import mx_matmul, quantize_mx  # noqa: E402
+from simkit import (  # noqa: E402
+    MLP_CHECKPOINTS, MLP_OPERANDS, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs, mlp_reference,
+    run_mlp, to_numpy, to_torch)
+
+FP8 = {"float8_e4m3fn": (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0),
+       "float8_e5m2": (torch.float8_e5m2, ml_dtypes.float8_e5m2, 57344.0)}
+CLAMP = ClampLimits(non_linear_lower=-0.6, non_linear_upper=0.5, linear_lower=-0.4, linear_upper=0.45)
+
+
+def _emulate(inputs, **options):
+    """mlp_backward_emulate on the torch versions of numpy `inputs` (operands and optional checkpoints)."""
+    args = [to_torch(inputs[k]) for k in MLP_OPERANDS]
+    ckpts = {k: to_torch(inputs[k]) for k in MLP_CHECKPOINTS if inputs.get(k) is not None}
+    return tuple(to_numpy(t) for t in emu.mlp_backward_emulate(*args, **ckpts, **options))
+
+
+def _assert_same_values(got: np.ndarray, want: np.ndarray):
+    """Bit equality, except that NaNs only need to be NaN at the same positions."""
+    got32, want32 = got.astype(np.float32), want.astype(np.float32)
+    nan = np.isnan(want32)
+    np.testing.assert_array_equal(np.isnan(got32), nan)
+    assert np.array_equal(bits(got32[~nan]), bits(want32[~nan])), \
+        f"{int(np.count_nonzero(bits(got32[~nan]) != bits(want32[~nan])))} values differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_torch_fp8_cast_is_rne_with_clamped_saturation(fmt):
+    """The float32 -> fp8 cast the emulation relies on: RNE like ml_dtypes on exact ties, their
+    neighbours, the fp8 values themselves and random log-uniform values inside +-max_normal."""
+    tdt, mdt, max_normal = FP8[fmt]
+    grid = np.arange(256, dtype=np.uint8).view(mdt).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)  # exact ties (fp32-representable)
+    above, below = np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))
+    r = np.random.default_rng(0)
+    rand = (r.choice([-1.0, 1.0], 20000) * np.exp2(r.uniform(-24, np.log2(max_normal), 20000))).astype(np.float32)
+    x = np.clip(np.concatenate([grid, mids, above, below, rand]), -max_normal, max_normal).astype(np.float32)
+    got = torch.from_numpy(x).to(tdt).view(torch.uint8).numpy()
+    want = x.astype(mdt).view(np.uint8)
+    assert np.array_equal(got, want), f"{int(np.count_nonzero(got != want))} casts differ"
+    # a tie rounds to the even code: halfway between 1.0 and the next value stays 1.0
+    one_next = grid[np.searchsorted(grid, 1.0) + 1]
+    assert torch.tensor([(1.0 + one_next) / 2]).to(tdt).float().item() == 1.0
+
+
+def _quant_data(seed: int, rows: int, k: int) -> np.ndarray:
+    """Rows that exercise every scale path: normal, a 2**24 dynamic range, all-zero groups, float32
+    subnormals, values at the fp8 limits, NaN and Inf groups."""
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((rows, k)).astype(np.float32)
+    x[1] = r.choice([-1.0, 1.0], k) * np.exp2(r.integers(-12, 13, k))
+    x[2, :64] = 0.0
+    x[3] = r.standard_normal(k) * np.float32(2.0 ** -140)  # float32 subnormals
+    x[4] = r.choice([-1.0, 1.0], k) * r.uniform(400.0, 60000.0, k)
+    x[5, 7] = np.nan
+    x[6, 40] = np.inf
+    x[7, 100] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("scheme", ["1x32", "wrapX"])
+@pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
+def test_quantize_dequantize_matches_nkilib_mx(fmt, scheme, rule):
+    """Same groups, scales and element codes as nkilib.mx.quantize_mx, along either axis; K = 640 is
+    one full 512 tile plus a 128 tile, so the wrapX geometry of a short last tile is covered."""
+    x = _quant_data(1, 12, 640)
+    want = quantize_mx(x, axis=1, elem_format=fmt, scale_rule=rule, scheme=scheme, k_tile=512).dequantize()
+    got = emu.mx_quantize_dequantize(torch.from_numpy(x), 1, fmt, scheme, rule).numpy()
+    _assert_same_values(got, want)
+    want0 = quantize_mx(x.T.copy(), axis=0, elem_format=fmt, scale_rule=rule, scheme=scheme).dequantize()
+    got0 = emu.mx_quantize_dequantize(torch.from_numpy(x.T.copy()), 0, fmt, scheme, rule).numpy()
+    _assert_same_values(got0, want0)
+
+
+@pytest.mark.parametrize("rule", ["rceil", "ocp_floor"])
+def test_contract_matmul_with_study_scale_rules(rule):
+    """mxfp8 contract matmul under the non-default rules equals nkilib.mx.mx_matmul of the NumPy
+    quantization (K = 300 is zero-padded to 384: one partial 512 tile). Operands span 2**24, so that
+    "rceil" (which differs from "neuron" only where small elements of a group fall into the fp8
+    subnormal range: both keep the top binade's spacing) gives different results."""
+    r = np.random.default_rng(2)
+    a = (r.choice([-1.0, 1.0], (20, 300)) * np.exp2(r.uniform(-12, 12, (20, 300)))).astype(ml_dtypes.bfloat16)
+    b = r.standard_normal((300, 24)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    ap, bp = np.pad(a, ((0, 0), (0, 84))), np.pad(b, ((0, 84), (0, 0)))
+    want = mx_matmul(quantize_mx(ap, 1, "float8_e4m3fn", rule), quantize_mx(bp, 0, "float8_e4m3fn", rule))
+    got = emu.contract_matmul(to_torch(a), to_torch(b), scale_rule=rule).numpy()
+    assert np.array_equal(bits(got), bits(want))
+    # the rules really differ on these operands (else the test would not distinguish them)
+    neuron = emu.contract_matmul(to_torch(a), to_torch(b), scale_rule="neuron").numpy()
+    assert not np.array_equal(bits(got), bits(neuron))
+
+
+def test_option_errors():
+    t = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        emu.mx_quantize_dequantize(t, 1, "float8_e4m3")
+    with pytest.raises(ValueError, match="quant_scheme"):
+        emu.mx_quantize_dequantize(t, 1, quant_scheme="2x16")
+    with pytest.raises(ValueError, match="scale_rule"):
+        emu.mx_quantize_dequantize(t, 1, scale_rule="ceil")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        emu.mx_quantize_dequantize(torch.zeros(4, 40), 1)
+    with pytest.raises(ValueError, match="incompatible"):
+        emu.contract_matmul(torch.zeros(2, 64), torch.zeros(32, 2))
+    with pytest.raises(ValueError, match="weight_grad_dtype"):
+        emu.mlp_backward_emulate(*(torch.zeros(2, 2),) * 4, weight_grad_dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole backward
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # (S, H, I, options, checkpoints given)
+    (130, 160, 96, dict(), ()),
+    (64, 128, 64, dict(clamp_limits=CLAMP), MLP_CHECKPOINTS),
+    (37, 96, 160, dict(fp8_dtype="float8_e5m2", quant_scheme="wrapX"), ("gate_pre", "up")),
+    (200, 256, 128, dict(quant_scheme="wrapX", clamp_limits=CLAMP, weight_grad_dtype="float32"), ("gate_act",)),
+    (96, 64, 96, dict(matmul_precision="bf16", clamp_limits=CLAMP), ("intermediate", "up")),
+    (300, 128, 64, dict(matmul_precision="bf16", weight_grad_dtype="float32"), ()),
+]
+
+
+@pytest.mark.parametrize("S,H,I,options,given", CASES)
+def test_emulate_matches_mx_exact_bit_for_bit(S, H, I, options, given):
+    inputs = mlp_inputs(S, H, I, seed=S + H)
+    ck = mlp_checkpoints(inputs, **{k: v for k, v in options.items() if k in ("clamp_limits", "quant_scheme",
+                                                                           "matmul_precision")},
+                         **({"fp8_x4_dtype": options["fp8_dtype"] + "_x4"} if "fp8_dtype" in options else {}))
+    inputs.update({k: ck[k] for k in given})
+    want = mlp_reference(inputs, **{k: v for k, v in options.items() if k != "fp8_dtype"},
+                         **({"fp8_x4_dtype": options["fp8_dtype"]} if "fp8_dtype" in options else {}))
+    opts = dict(options)
+    if "weight_grad_dtype" in opts:
+        opts["weight_grad_dtype"] = getattr(torch, opts["weight_grad_dtype"])
+    got = _emulate(inputs, **opts)
+    assert_outputs_identical(got, want, f"emulate vs mx_exact S={S} H={H} I={I} {options} given={given}")
+
+
+def test_emulate_propagates_nan_like_the_reference():
+    inputs = mlp_inputs(64, 64, 64, seed=5)
+    inputs["hidden_states"][3, 10] = np.nan
+    got, want = _emulate(inputs), mlp_reference(inputs)
+    for g, w in zip(got, want):
+        assert np.isnan(w.astype(np.float32)).any()
+        _assert_same_values(g, w)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("options", [dict(), dict(clamp_limits=CLAMP, quant_scheme="wrapX")])
+def test_emulate_equals_simulated_kernel(lnc, options):
+    """The emulate backend and the real kernel on the simulator agree bit for bit on small shapes."""
+    inputs = mlp_inputs(70, 128, 96, seed=11 + lnc)
+    sim = run_mlp(inputs, lnc=lnc, **options)
+    assert_outputs_identical(_emulate(inputs, **options), sim, f"emulate vs simulator lnc={lnc}")
+
+
+def test_emulate_scale_rules_change_the_gradients():
+    """The study's rules are really different from the hardware rule (and from each other)."""
+    inputs = mlp_inputs(64, 128, 64, seed=3)
+    outs = {rule: _emulate(inputs, scale_rule=rule) for rule in ("neuron", "rceil", "ocp_floor")}
+    for a, b in (("neuron", "rceil"), ("neuron", "ocp_floor"), ("rceil", "ocp_floor")):
+        assert not np.array_equal(bits(outs[a][0]), bits(outs[b][0])), (a, b)

@@ -1,0 +1,70 @@
+"""Smoke tests of the torch-side scripts in simulations/ (tiny sizes; the studies themselves are not tests)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+_SIM = os.path.join(os.path.dirname(__file__), "..", "..", "simulations")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_SIM, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_convergence_study_runs_20_steps(tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+        plot = []
+    except ImportError:
+        plot = ["--no-plot"]
+    res = _load("mxfp8_convergence").main(
+        ["--steps", "20", "--eval-every", "10", "--d-model", "64", "--d-ff", "96", "--layers", "2", "--heads", "2",
+         "--seq", "16", "--batch", "4", "--vocab", "16", "--lr", "1e-2", "--out", str(tmp_path), *plot])
+    summary = res["summary"]
+    assert set(res["history"]) == {"bf16", "neuron", "rceil", "ocp_floor"}
+    for name, h in res["history"].items():
+        assert len(h["train_loss"]) == 20 and h["eval_step"] == [10, 20]
+        assert all(math.isfinite(v) for v in h["train_loss"])
+        assert h["train_loss"][-1] < h["train_loss"][0]  # it learns something in 20 steps
+    assert summary["bf16"]["train_gap_vs_bf16"] == 0.0
+    # SQNR: BF16 backward ~45-50 dB, MXFP8 e4m3fn ~25 dB (2**-4 relative element error)
+    for layer in summary["bf16"]["sqnr_db"]:
+        assert all(v > 38 for v in layer["local"].values()), layer
+    for layer in summary["neuron"]["sqnr_db"]:
+        assert all(18 < v < 35 for v in layer["local"].values()), layer
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["summary"]["_loss_floor"] == pytest.approx(summary["_loss_floor"])
+    if not plot:
+        assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "grad_sqnr.png").exists()
+    assert "gap(train)" in capsys.readouterr().out
+
+
+def test_profile_script_off_neuron_exits_with_a_clear_message(capsys):
+    mod = _load("profile_mlp_bwd_neuron")
+    assert mod.main(["--shape", "256", "256", "256"]) == mod.NOT_ON_NEURON_EXIT
+    err = capsys.readouterr().err
+    assert "not on a Neuron instance" in err and "--predict-only" in err
+
+
+def test_profile_script_prediction_and_report():
+    mod = _load("profile_mlp_bwd_neuron")
+    args = mod.parse_args(["--shape", "256", "256", "128", "--lnc", "1"])
+    pred = mod.predict(args.S, args.H, args.I, args.lnc, args.target, args.precision, False)
+    assert pred["model_flops"] == 12 * 256 * 256 * 128
+    assert 0 < pred["mfu"] < 1 and pred["modeled_time_s"] > 0 and "tensor" in pred["engine_utilisation"]
+    # the table with a (made-up) measurement, as printed on a Neuron host
+    measured = {"p50_s": 2 * pred["modeled_time_s"], "p99_s": 3 * pred["modeled_time_s"]}
+    text = mod.report(args, measured, pred)
+    assert "latency p50" in text and "MFU" in text
+    mfu_line = next(line for line in text.splitlines() if line.startswith("MFU"))
+    measured_mfu, modeled_mfu = (float(v) for v in mfu_line.split()[-2:])
+    assert measured_mfu == pytest.approx(modeled_mfu / 2, abs=0.01)  # twice the modeled time: half the MFU
