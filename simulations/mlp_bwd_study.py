@@ -32,7 +32,8 @@ from nkilib.simulator import ShapeSpec  # noqa: E402
 from nkilib.simulator.cost import model_kernel  # noqa: E402
 from nkilib.simulator.trace import label_phases  # noqa: E402
 
-DEFAULT_MODELS = ("qwen3-8b-tp1", "qwen3-8b-tp4", "qwen3-8b-tp8", "qwen3-32b-tp8", "llama3-8b-tp8",
+DEFAULT_MODELS = ("qwen3-8b-tp1", "qwen3-8b-tp4", "qwen3-8b-tp8", "qwen3-32b-tp1", "qwen3-32b-tp4", "qwen3-32b-tp8",
+                  "llama3-8b-tp8",
                   "llama3-70b-tp8", "gpt-oss-20b-expert", "deepseek-v3-expert")
 PHASES = {
     "compute_phase1_down_proj_mm_grad_mxfp8": "phase0+1",
