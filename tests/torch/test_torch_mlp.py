@@ -76,7 +76,7 @@ def bitwise_equal(a, b) -> bool:
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def forward_checkpoints(x, wgu, wd, clamp=None) -> dict:
