@@ -22,3 +22,6 @@ MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when pan
 STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
 SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
+NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)
+PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
+PREFETCH_BUDGET_BYTES = 160 * 1024  # phase-4 tail + phase-3 moving panels held across the core_barrier

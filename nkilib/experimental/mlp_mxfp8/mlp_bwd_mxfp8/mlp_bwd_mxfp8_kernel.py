@@ -6,18 +6,30 @@ phase 1, per output tile) recomputes gate_pre/up (K=H) and gate_act/intermediate
 Every matmul operand is quantized on-chip along that matmul's K (tiled_matmul.py); the exact numerics
 are written down in reference.py (`mx_exact`), which the kernel matches to fp32 reassociation.
 
-LNC2 sharding (which dimension each phase splits across the two cores):
-- phase 0+1: the I blocks of the [S, I] output (each core recomputes only its own gate/up columns);
-  with a single I block, the S tiles instead;
-- phase 2: the H blocks of dX [S, H] (S tiles when H has one block);
-- phase 3: the H blocks of dW_gu [2I, H] (2I tiles when H has one block);
-- phase 4: the I blocks of dW_down [H, I] (H tiles when I has one block).
-Only phases 2-4 read what another core wrote (d_gate_up and intermediate from phase 1), so there is
-exactly one core_barrier, between phase 1 and the rest. Phases 2, 3 and 4 are independent.
+LNC2 sharding: every phase splits the larger dimension of its output [M, N] in halves (multiples of
+128; the other one when the larger has fewer than 128 per core), which minimises the operand bytes a
+core reads (split M: a/2 + b; split N: a + b/2). For model shapes (S >= I, S >= H):
+- phase 0+1: the S tiles of [S, I] (each core transposes only its own dY rows; W_down is read by both);
+- phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
+- phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
+- phase 4: the larger of H and I of dW_down [H, I].
+Order and the one core_barrier: phase 1, phase 2 on its resident rows, phase 4 when the intermediate
+is a given checkpoint (all but its last stationary load), phase 3's moving X panels (prefetch) ->
+core_barrier -> the rest of phase 4 (keeps TensorE busy while phase 3's first d_gate_up panels
+arrive) -> phase 3 (reads d_gate_up rows of both cores). Without the resident path (phase 1 split
+along I, moving panels not resident, or the panels exceed PHASE2_STATIONARY_BUDGET_BYTES) phase 2 reads
+d_gate_up back from HBM after the barrier; a recomputed intermediate moves phase 4 after it.
 
-HBM traffic: d_gate_up [S, 2I] is written once in bf16 and read by phases 2 and 3; intermediate
-[S, I] is written only when not given. No HBM->HBM transposes: every operand is read in its stored
-layout and interleaved by the DMA access pattern.
+On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
+d_gate_up row block in SBUF; it is stored once (2I-long DMA runs) for phase 3 and, one S tile later
+(TensorE runs in program order), transposed and quantized along 2I into phase 2's stationary panel.
+
+HBM traffic (bf16; per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down,
+gate_pre/gate_act/up[S/2, I] and writes d_gate_up[S/2, 2I]; phase 2 reads W_gu once (moving panels
+streamed n-major, stationary resident) and writes dX[S/2, H]; phase 3 reads d_gate_up and X (halves
+of the split operand) and writes its dW_gu half; phase 4 likewise. Modeled Qwen3-8B TP8 (S=4096):
+386 MB in total. No HBM->HBM transposes: K-contiguous operands are read as stored (NATURAL_LOAD_K
+columns per DMA) and transposed on the PE array; [K, F] operands are interleaved by the DMA pattern.
 """
 from __future__ import annotations
 
@@ -25,13 +37,13 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import ceil_div, kernel_assert, shard_range
+from ....core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
-from .constants import (MATMUL_PRECISIONS, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES, PARTITIONS, PSUM_BUFFERS,
-                        MOVING_PANEL_BUDGET_BYTES, QUANT_SCHEMES, SPLIT_ALIGN, STATIONARY_LOAD_WIDTH,
-                        STATIONARY_PANEL_BUDGET_BYTES)
-from .tiled_matmul import (MatmulSetup, PanelSource, blocks, matmul_panels, panel_bytes_per_partition,
-                           tile_order)
+from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES,
+                        PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_BUDGET_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
+                        SPLIT_ALIGN, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from .tiled_matmul import (MatmulSetup, PanelSource, ResidentPanels, blocks, matmul_panels, panel_bytes_per_partition,
+                           panel_from_rows, tile_order)
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -52,16 +64,20 @@ def get_program_sharding_info(run_with_lnc2):
 
 
 def _core_ranges(m_total, n_total, num_cores, shard_id):
-    """This core's ([m_lo, m_hi), [n_lo, n_hi)) of the output: near-equal contiguous halves of N (in
-    multiples of 128) when N has at least 128 columns per core, else of M."""
+    """This core's ([m_lo, m_hi), [n_lo, n_hi)) of an [M, N] output: near-equal contiguous halves (in
+    multiples of 128) of the larger dimension when it has at least 128 per core, else of the other.
+
+    Splitting the larger of M and N minimises the operand bytes each core reads: out[M, N] = a[M, K] @
+    b[K, N] split along M reads a/2 + b per core, along N a + b/2.
+    """
     if num_cores == 1:
         return (0, m_total), (0, n_total)
-    axis_total = n_total if n_total >= SPLIT_ALIGN * num_cores else m_total
+    enough = SPLIT_ALIGN * num_cores
+    split_m = (m_total >= n_total and m_total >= enough) or n_total < enough
+    axis_total = m_total if split_m else n_total
     lo, hi = shard_range(ceil_div(axis_total, SPLIT_ALIGN), num_cores, shard_id)
     lo, hi = min(lo * SPLIT_ALIGN, axis_total), min(hi * SPLIT_ALIGN, axis_total)
-    if axis_total == n_total and n_total >= SPLIT_ALIGN * num_cores:
-        return (0, m_total), (lo, hi)
-    return (lo, hi), (0, n_total)
+    return ((lo, hi), (0, n_total)) if split_m else ((0, m_total), (lo, hi))
 
 
 def _fit_width(requested, ops, setup, budget, quantum):
@@ -88,55 +104,135 @@ def _psum_buffers(n_tile):
     return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
 
 
-def _tiled_gemm(out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores, shard_id, out_dtype):
-    """out[M, N] = a[M, K] @ b[K, N] for this core's output tiles.
+class _TiledGemm(nl.NKIObject):
+    """out[M, N] = a[M, K] @ b[K, N] for this core's output tiles, runnable in slices around a barrier.
 
     Every moving panel of this core stays resident (quantized once) when they fit the SBUF budget,
-    and tiles run m-major so each stationary panel is also quantized once; otherwise n-major with one
-    live panel per operand (stationary panels re-quantized per moving block).
+    and tiles run m-major so each stationary panel is also quantized once; else, when all stationary
+    panels fit, they stay resident and tiles run n-major (each moving panel loaded once); otherwise
+    n-major with one live panel per operand (stationary panels re-quantized per moving block).
+    `resident`: ResidentPanels already on chip (built by phase 1) for rows [lo, hi) of a; this core
+    then computes exactly those rows, all N columns.
     """
-    (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(m_total, n_total, num_cores, shard_id)
-    if m_lo >= m_hi or n_lo >= n_hi:
-        return
-    keep = panel_bytes_per_partition(b_op.k_size, n_hi - n_lo, setup) <= PANEL_CACHE_BUDGET_BYTES
-    n_tile = _fit_width(config.n_tile, [b_op], setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
-    stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False, lo=m_lo, hi=m_hi,
-                             load_width=_stationary_load_width(a_op, config.m_tile, setup))
-    moving = PanelSource(b_op, setup, pad_even=False, keep_all=keep)
-    accumulators = _psum_buffers(n_tile)
-    results = [nl.ndarray((PARTITIONS, n_tile), dtype=out_dtype, buffer=nl.sbuf) for _ in range(PSUM_BUFFERS)]
-    order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, n_tile), m_outer=keep)
-    for i, ((m0, msz), (n0, nsz)) in enumerate(order):
-        a = stationary.get(m0, msz)
-        b = moving.get(n0, nsz)
-        psum = accumulators[i % PSUM_BUFFERS]
-        matmul_panels(psum[:a.f_pad, :nsz], a, b, setup)  # K=op K, M=m tile, N=n block
-        res = results[i % PSUM_BUFFERS]
-        nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
-        nisa.dma_copy(dst=out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def __init__(self, out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores, shard_id, out_dtype,
+                 resident=None):
+        self.out_hbm, self.setup, self.out_dtype = out_hbm, setup, out_dtype
+        self.done = 0
+        if resident is not None:
+            (m_lo, m_hi), (n_lo, n_hi) = (resident.lo, resident.hi), (0, n_total)
+        else:
+            (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(m_total, n_total, num_cores, shard_id)
+        self.n_width = n_hi - n_lo
+        if m_lo >= m_hi or n_lo >= n_hi:
+            self.order = []
+            return
+        self.keep_moving = panel_bytes_per_partition(b_op.k_size, n_hi - n_lo, setup) <= PANEL_CACHE_BUDGET_BYTES
+        keep_stationary = (not self.keep_moving and
+                           panel_bytes_per_partition(a_op.k_size, m_hi - m_lo, setup) <= PANEL_CACHE_BUDGET_BYTES)
+        self.n_tile = _fit_width(config.n_tile, [b_op], setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
+        m_tile = config.m_tile
+        if resident is not None:
+            self.stationary, m_tile = resident, resident.m_tile
+        else:
+            self.stationary = PanelSource(a_op, setup, pad_even=True, keep_all=keep_stationary, lo=m_lo, hi=m_hi,
+                                          load_width=_stationary_load_width(a_op, m_tile, setup))
+        self.moving = PanelSource(b_op, setup, pad_even=False, keep_all=self.keep_moving)
+        self.order = tile_order(blocks(m_lo, m_hi, m_tile), blocks(n_lo, n_hi, self.n_tile),
+                                m_outer=self.keep_moving)
+
+    def moving_bytes(self) -> int:
+        """SBUF bytes per partition of the moving panels `prefetch(..., stationary=False)` keeps."""
+        if not self.order or not self.keep_moving:
+            return 0
+        return panel_bytes_per_partition(self.moving.op.k_size, self.n_width, self.setup)
+
+    def resident_bytes(self) -> int:
+        """Upper bound of the SBUF bytes per partition this plan holds between steps (moving panels and
+        one stationary load)."""
+        if not self.order:
+            return 0
+        st = self.stationary
+        width = st.hi - st.lo if st.keep_all else (st.load_width or self.order[-1][0][1])
+        return self.moving_bytes() + panel_bytes_per_partition(st.op.k_size, width, self.setup)
+
+    def tail_start(self) -> int:
+        """First tile of the trailing run that shares the last stationary load (m-major only): the tiles
+        whose panels `prefetch_tail` can hold while earlier tiles are done."""
+        if not self.order or not self.keep_moving:
+            return len(self.order)
+        key = self.stationary.load_key(self.order[-1][0][0])
+        i = len(self.order)
+        while i > self.done and self.stationary.load_key(self.order[i - 1][0][0]) == key:
+            i -= 1
+        return i
+
+    def prefetch(self, lo: int, hi: int, stationary: bool = True) -> None:
+        """Issue the loads of tiles [lo, hi) now (e.g. before a core_barrier that fences later DMAs)."""
+        for (m0, msz), (n0, nsz) in self.order[lo:hi]:
+            if stationary:
+                self.stationary.get(m0, msz)
+            self.moving.get(n0, nsz)
+
+    def run(self, hi: int = -1) -> None:
+        """Compute the tiles not done yet, up to (excluding) hi (-1: all)."""
+        hi = len(self.order) if hi < 0 else hi
+        if self.done >= hi:
+            return
+        accumulators = _psum_buffers(self.n_tile)
+        for i in range(self.done, hi):
+            (m0, msz), (n0, nsz) = self.order[i]
+            a = self.stationary.get(m0, msz)
+            b = self.moving.get(n0, nsz)
+            psum = accumulators[i % PSUM_BUFFERS]
+            matmul_panels(psum[:a.f_pad, :nsz], a, b, self.setup)  # K=op K, M=m tile, N=n block
+            # a fresh SBUF tile per output tile: its store may trail the next tiles' evictions
+            res = nl.ndarray((PARTITIONS, self.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
+            nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+        self.done = hi
+
+    def step(self, stage: str) -> "_TiledGemm":
+        """stage "all": run the remaining tiles; "head": run all but the tail and load the tail's panels;
+        "prefetch": load the resident moving panels only (nothing that another core writes); "plan": nothing."""
+        if stage == "head":
+            tail = self.tail_start()
+            self.run(tail)
+            self.prefetch(tail, len(self.order))
+        elif stage == "plan":
+            pass
+        elif stage == "prefetch":
+            if self.order and self.keep_moving:
+                self.prefetch(0, len(self.order), stationary=False)
+        else:
+            self.run()
+        return self
 
 
-def _clamp_and_mask(x32, lower, upper, msz, nsz):
-    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside."""
+def _clamp_and_mask(x, lower, upper, msz, nsz, ncols):
+    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
+
+    x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask).
+    """
     if lower is None and upper is None:
-        return x32, None
-    clamped = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
-    mask = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
+        return x, None
+    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
     if lower is not None and upper is not None:
-        nisa.tensor_scalar(dst=c, data=x32, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
                            operand1=float(upper))
-        lo_ok = nl.ndarray(x32.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x32, op0=nl.greater_equal, operand0=float(lower))
+        lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower))
         # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
-        nisa.scalar_tensor_tensor(dst=m, data=x32, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
+        nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
                                   operand1=lo_ok[:msz, :nsz])
     elif lower is not None:
-        nisa.tensor_scalar(dst=c, data=x32, op0=nl.maximum, operand0=float(lower))
-        nisa.tensor_scalar(dst=m, data=x32, op0=nl.greater_equal, operand0=float(lower))
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower))
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower))
     else:
-        nisa.tensor_scalar(dst=c, data=x32, op0=nl.minimum, operand0=float(upper))
-        nisa.tensor_scalar(dst=m, data=x32, op0=nl.less_equal, operand0=float(upper))
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper))
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper))
     return c, m
 
 
@@ -154,7 +250,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
                                            down_weight_td, s_base, dtype, fp8_x4_dtype, config=None,
                                            spill_reload=True, use_scale_packing=True, run_with_lnc2=True,
                                            clamp_limits=None, hidden_states_td=None, gate_weight_td=None,
-                                           up_weight_td=None, setup=None):
+                                           up_weight_td=None, setup=None, keep_for_phase2=False):
     """Phase 1 (with the phase-0 recompute fused per tile): d_gate, d_up [S, I] and the intermediate.
 
     Dimensions:
@@ -169,6 +265,12 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
         s_base: first token row (the kernel processes all S rows from s_base; 0 for a full call).
         dtype: dtype of d_gate_up (bf16). fp8_x4_dtype: MX element dtype. spill_reload: accepted for API
         compatibility; a no-op (panels stay in SBUF, nothing is spilled). Epilogue math is fp32.
+    keep_for_phase2: also keep this core's d_gate_up rows on chip as phase 2's stationary
+            panels (quantized along 2I) when every I column is on this core, the moving panels are
+            resident and the panels fit PHASE2_STATIONARY_BUDGET_BYTES.
+
+    Returns:
+        ResidentPanels for compute_phase2_hidden_states_grad_mxfp8 (rows [lo, hi) of this core), or None.
     """
     config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
@@ -176,7 +278,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     I = down_weight_td.f_extent
     (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(S, I, num_cores, shard_id)
     if m_lo >= m_hi or n_lo >= n_hi:
-        return
+        return None
     clamp = clamp_limits or ClampLimits()
     need_gate_pre, need_up = gate_pre_td is None, up_td is None
     moving_ops = [down_weight_td] + ([gate_weight_td] if need_gate_pre else []) + ([up_weight_td] if need_up else [])
@@ -189,6 +291,14 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     n_acc = 1 + int(need_gate_pre) + int(need_up)
     ncols = _fit_width(config.n_tile, moving_ops, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
     accumulators = [_psum_buffers(ncols) for _ in range(n_acc)]
+    # m-major (moving panels resident): a whole d_gate_up row block [msz, 2I] is finished per S tile, so it
+    # is gathered in SBUF, stored with 2I-long runs and, when asked, kept as phase 2's stationary panel
+    two_i = 2 * I
+    fused = (keep_for_phase2 and keep and (n_lo, n_hi) == (0, I) and
+             ceil_div(m_hi - m_lo, config.m_tile) * panel_bytes_per_partition(two_i, config.m_tile, setup)
+             <= PHASE2_STATIONARY_BUDGET_BYTES)
+    row_width = round_up(two_i, MX_K_ALIGN) if (fused and setup.is_mx) else two_i
+    panels, pending = {}, []  # pending: finished row blocks whose phase-2 panels are not built yet
     order = tile_order(blocks(m_lo, m_hi, config.m_tile), blocks(n_lo, n_hi, ncols), m_outer=keep)
     for i, ((m_rel, msz), (n0, nsz)) in enumerate(order):
         m0 = s_base + m_rel
@@ -204,21 +314,60 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
             if need_up:
                 u_psum = accumulators[-1][i % PSUM_BUFFERS]
                 matmul_panels(u_psum[:a_x.f_pad, :nsz], a_x, w_up.get(n0, nsz), setup)  # K=H, M=S, N=I block
+        if pending and n0 == n_lo:
+            # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
+            # otherwise wait for the previous tile's epilogue before these transposes
+            panels.update(_phase2_panels(pending, setup))
         gate_pre = _bf16_tile(gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
         up = _bf16_tile(up_td, u_psum, m0, msz, n0, nsz, ncols)
-        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp,
-                              m0, msz, n0, nsz, I, ncols, dtype)
+        if keep:
+            if n0 == n_lo:
+                rows = nl.ndarray((PARTITIONS, row_width), dtype=dtype, buffer=nl.sbuf)
+                if row_width > two_i:  # zero K padding of phase 2's operand
+                    nisa.memset(dst=rows[:msz, two_i:], value=0.0)
+            d_gate, d_up = rows[:msz, n0:n0 + nsz], rows[:msz, I + n0:I + n0 + nsz]
+        else:
+            d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
+            d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
+        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz,
+                              ncols, d_gate, d_up)
+        if not keep:
+            nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
+            nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up)
+        elif n0 + nsz == n_hi:  # row block complete
+            if (n_lo, n_hi) == (0, I):
+                nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, :], src=rows[:msz, :two_i])
+            else:
+                for c in (n_lo, I + n_lo):
+                    nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, c:c + n_hi - n_lo], src=rows[:msz, c:c + n_hi - n_lo])
+            if fused:
+                pending.append((m_rel, msz, rows, two_i))
+    panels.update(_phase2_panels(pending, setup))
+    return ResidentPanels(m_lo, m_hi, config.m_tile, panels) if fused else None
 
 
-def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, d_gate_up_td, scratch_td, clamp, m0, msz, n0, nsz, I,
-                          ncols, dtype):
-    """Epilogue of one [msz, nsz] tile in fp32: SwiGLU derivative, clamp masks, intermediate."""
-    g32 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=g32[:msz, :nsz], src=gate_pre)
-    u32 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=u32[:msz, :nsz], src=up)
-    gc, mask_g = _clamp_and_mask(g32[:msz, :nsz], clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz)
-    uc, mask_u = _clamp_and_mask(u32[:msz, :nsz], clamp.linear_lower, clamp.linear_upper, msz, nsz)
+def _phase2_panels(pending, setup):
+    """{m_rel: Panel} of finished d_gate_up row blocks (quantized along 2I); empties `pending`."""
+    out = {}
+    for m_rel, msz, rows, two_i in pending:
+        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
+        out[m_rel] = panel_from_rows(rows[:msz, :], msz, two_i, f_pad, setup)
+    pending.clear()
+    return out
+
+
+def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz, ncols, d_gate_dst,
+                          d_up_dst):
+    """Epilogue of one [msz, nsz] tile in fp32: SwiGLU derivative, clamp masks, intermediate.
+
+    Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
+    stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
+    fp32 is exact, so no fp32 copies are made). The products with the PSUM tile dI run on VectorE (one
+    PSUM input: N cycles); products of two SBUF tiles run on GpSimd (idle otherwise) and the
+    activations on ScalarE, so the three engines share the epilogue.
+    """
+    gc, mask_g = _clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
+    uc, mask_u = _clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
     act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
     if gate_act_td is not None:
         nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
@@ -227,39 +376,42 @@ def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, d_gate_up_td, scratch_
     a = act[:msz, :nsz]
     if scratch_td is not None:  # intermediate = bf16(gate_act * uc) for phase 4
         inter = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=inter[:msz, :nsz], data1=a, data2=uc, op=nl.multiply)
+        nisa.tensor_tensor(dst=inter[:msz, :nsz], data1=a, data2=uc, op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=inter[:msz, :nsz])
     # d_up = bf16((dI * a) * mask_u)
-    d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)
     if mask_u is None:
-        nisa.tensor_tensor(dst=d_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply)
     else:
         t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
-        nisa.tensor_tensor(dst=d_up[:msz, :nsz], data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply)
-    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g); silu' on ScalarE, products on VectorE
+        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g)
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=gc)
     t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
-    d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)
     if mask_g is None:
-        nisa.tensor_tensor(dst=d_gate[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply)
+        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
     else:
         t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply)
-        nisa.tensor_tensor(dst=d_gate[:msz, :nsz], data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply)
-    nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, n0:n0 + nsz], src=d_gate[:msz, :nsz])
-    nisa.dma_copy(dst=d_gate_up_td[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up[:msz, :nsz])
+        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
 
 
 def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weight_td, d_gate_up_td, s_base, dtype,
-                                            fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None):
+                                            fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None,
+                                            resident=None):
     """Phase 2: dX [S, H] = d_gate_up [S, 2I] @ gate_up_weights [2I, H] (K=2I).
 
     Dimensions:
         d_gate_up_td: [S, 2I] (k_axis=1); gate_up_weight_td: W_gu [2I, H] (k_axis=0) or pre-quantized
         W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
+        resident: phase 1's ResidentPanels (d_gate_up rows already quantized on chip) or None (read
+        d_gate_up from HBM; needs a core_barrier after phase 1 under LNC2).
     """
     config = config or MatmulConfig()
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
@@ -267,37 +419,45 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
     H = hidden_states_grad_td.shape[1]
     a_op = d_gate_up_td.window(s_base, S) if s_base else d_gate_up_td
     out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
-    _tiled_gemm(out, a_op, gate_up_weight_td, S, H, setup, config, num_cores, shard_id, dtype)
+    _TiledGemm(out, a_op, gate_up_weight_td, S, H, setup, config, num_cores, shard_id, dtype, resident).run()
 
 
 def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td, grad_T_td, dtype, fp8_x4_dtype,
-                                             config=None, run_with_lnc2=True, setup=None):
+                                             config=None, run_with_lnc2=True, setup=None, plan=None, stage="all"):
     """Phase 3: dW_gu [2I, H] = d_gate_upᵀ [2I, S] @ X [S, H] (K=S).
 
     Dimensions:
         grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0); hidden_states_T_td: X [S, H]
         (k_axis=0) or pre-quantized Xᵀ [H, S]; weight_grad_td: [2I, H] output in `dtype`.
+        plan / stage: run the phase in steps around a core_barrier (see _TiledGemm.step); returns the plan.
     """
-    config = config or MatmulConfig()
-    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
-    two_i, H = weight_grad_td.shape
-    _tiled_gemm(weight_grad_td, grad_T_td, hidden_states_T_td, two_i, H, setup, config, num_cores, shard_id, dtype)
+    if plan is None:
+        config = config or MatmulConfig()
+        num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+        two_i, H = weight_grad_td.shape
+        plan = _TiledGemm(weight_grad_td, grad_T_td, hidden_states_T_td, two_i, H, setup, config, num_cores, shard_id,
+                          dtype)
+    return plan.step(stage)
 
 
 def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td, intermediate_T_td, h_base, dtype,
-                                          fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None):
+                                          fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None, plan=None,
+                                          stage="all"):
     """Phase 4: dW_down [H, I] = dYᵀ [H, S] @ intermediate [S, I] (K=S).
 
     Dimensions:
         output_grad_T_td: dY [S, H] (k_axis=0) or pre-quantized dYᵀ [H, S]; intermediate_T_td: [S, I]
         (k_axis=0); down_weight_grad_td: [H, I] output in `dtype`. h_base: first H row (0 for a full call).
+        plan / stage: run the phase in steps around a core_barrier (see _TiledGemm.step); returns the plan.
     """
-    config = config or MatmulConfig()
-    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
-    H, I = down_weight_grad_td.shape
-    a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
-    out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
-    _tiled_gemm(out, a_op, intermediate_T_td, H - h_base, I, setup, config, num_cores, shard_id, dtype)
+    if plan is None:
+        config = config or MatmulConfig()
+        num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+        H, I = down_weight_grad_td.shape
+        a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
+        out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
+        plan = _TiledGemm(out, a_op, intermediate_T_td, H - h_base, I, setup, config, num_cores, shard_id, dtype)
+    return plan.step(stage)
 
 
 def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad, output_grad_td,
@@ -311,25 +471,45 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     scratch = None
     if intermediate is None:
         scratch = nl.ndarray((S, two_i // 2), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="mlp_bwd_intermediate")
-    compute_phase1_down_proj_mm_grad_mxfp8(
+    resident = compute_phase1_down_proj_mm_grad_mxfp8(
         output_grad_td, gate_pre, gate_act, up, d_gate_up, scratch, down_weight_td, 0, nl.bfloat16, setup.x4_dtype,
         config=config.phase1, use_scale_packing=setup.use_scale_packing, run_with_lnc2=run_with_lnc2,
         clamp_limits=clamp_limits, hidden_states_td=hidden_states_td, gate_weight_td=gate_weight_td,
-        up_weight_td=up_weight_td, setup=setup)
-    if num_cores > 1:
-        nisa.core_barrier(data=d_gate_up, cores=(0, 1))  # phases 2-4 read what both cores wrote
+        up_weight_td=up_weight_td, setup=setup, keep_for_phase2=True)
     d_gu_k_cols = TensorDescriptor(d_gate_up, k_axis=1)
     d_gu_k_rows = TensorDescriptor(d_gate_up, k_axis=0)
     inter_td = TensorDescriptor(intermediate if intermediate is not None else scratch, k_axis=0)
-    compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
-                                            setup.x4_dtype, config=config.phase2, run_with_lnc2=run_with_lnc2,
-                                            setup=setup)
-    compute_phase3_gate_up_weight_grad_mxfp8(gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype,
-                                             setup.x4_dtype, config=config.phase3, run_with_lnc2=run_with_lnc2,
-                                             setup=setup)
-    compute_phase4_down_weight_grad_mxfp8(down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype,
-                                          setup.x4_dtype, config=config.phase4, run_with_lnc2=run_with_lnc2,
-                                          setup=setup)
+    p2 = dict(config=config.phase2, run_with_lnc2=run_with_lnc2, setup=setup)
+
+    p3 = dict(config=config.phase3, run_with_lnc2=run_with_lnc2, setup=setup)
+    p4 = dict(config=config.phase4, run_with_lnc2=run_with_lnc2, setup=setup)
+    phase3_args = (gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype, setup.x4_dtype)
+    phase4_args = (down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype, setup.x4_dtype)
+    # Before the barrier: everything that reads only the inputs and this core's own results, i.e. phase
+    # 2 on the resident d_gate_up rows and phase 4 when the intermediate is a given checkpoint (its last
+    # stationary panel loaded but not used yet), plus phase 3's resident moving panels (X). After it,
+    # phase 4's last tiles keep TensorE busy while phase 3's d_gate_up panels arrive.
+    phase2_done = resident is not None
+    if phase2_done:
+        compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
+                                                setup.x4_dtype, resident=resident, **p2)
+    resident = None  # release the panels (SBUF)
+    phase4_early = intermediate is not None
+    plan4 = compute_phase4_down_weight_grad_mxfp8(*phase4_args, stage="head", **p4) if phase4_early else None
+    plan3 = compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, stage="plan", **p3)
+    if (plan4.resident_bytes() if phase4_early else 0) + plan3.moving_bytes() <= PREFETCH_BUDGET_BYTES:
+        compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="prefetch", **p3)
+    if num_cores > 1:
+        nisa.core_barrier(data=d_gate_up, cores=(0, 1))  # phases 2 (if not resident), 3, 4 read both cores' results
+    if phase4_early:
+        compute_phase4_down_weight_grad_mxfp8(*phase4_args, plan=plan4, **p4)
+        plan4 = None  # release its panels before the next phase loads its own
+    if not phase2_done:
+        compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
+                                                setup.x4_dtype, **p2)
+    compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, **p3)
+    if not phase4_early:
+        compute_phase4_down_weight_grad_mxfp8(*phase4_args, **p4)
 
 
 _X4_DTYPES = {"float8_e4m3fn_x4": "float8_e4m3fn", "float8_e5m2_x4": "float8_e5m2"}

@@ -12,10 +12,11 @@ nothing to the sums and, inside a group with data, does not change its amax.
 Layouts (how a bf16 operand reaches quantize_mx's [P, F, 4] source):
     k_axis=0 ([K, F] in HBM, F contiguous): DMA straight into stage [P, 4, F] (F-long runs);
         quantize_mx reads it through the permuted view [P, F, 4].
-    k_axis=1 ([F, K] in HBM, K contiguous): DMA rows as stored into [rows, T], transpose each slot's
-        column set on the PE array into PSUM, copy to stage [P, F, 4] on ScalarE. (Interleaving by DMA
-        alone would move 8-byte runs, far below DMA efficiency: the cost model showed phases 1-2
-        DMA-bound that way.)
+    k_axis=1 ([F, K] in HBM, K contiguous): DMA 128 rows as stored, NATURAL_LOAD_K columns at a time
+        (4 KiB runs), transpose each slot's column set on the PE array into PSUM, copy to stage
+        [P, F, 4] on ScalarE. (Interleaving by DMA alone would move 8-byte runs, far below DMA
+        efficiency: the cost model showed phases 1-2 DMA-bound that way.) panel_from_rows does the
+        same for rows already in SBUF (phase 1's d_gate_up rows become phase 2's stationary).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import round_up
-from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, SCALE_PACK_SLOTS,
-                        SCALE_PACK_STRIDE)
+from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
+                        SCALE_PACK_SLOTS, SCALE_PACK_STRIDE)
 
 
 
@@ -74,57 +75,79 @@ def _rows_in_slot(valid: int, j: int, step_p: int, step_j: int, partitions: int)
     return max(0, min(partitions, valid - step_j * j))  # wrapX: k = p + P*j
 
 
-def _stage_mx_bf16(op, k0, valid, padded, f0, f_size, f_pad, setup):
-    """Load a K tile of a bf16 operand into an interleaved staging tile; returns quantize_mx's src view."""
+def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup):
+    """Load a K tile of a [K, F] bf16 operand (k_axis=0) into an interleaved staging tile; returns
+    quantize_mx's src view [P, F_pad, 4]."""
     P = padded // MX_PACK
     step_p, step_j = _slot_geometry(setup.scheme, P)
     t = op.tensor
     partial = valid < padded
-    if op.k_axis == 0:
-        row = op.f_total
-        stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if partial or f_size < f_pad:
-            nisa.memset(dst=stage[:P, :, :], value=0.0)
-        base = k0 * row + op.f_base + f0
-        if not partial:
-            src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
-            nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
-        else:
-            for j in range(MX_PACK):
-                rows = _rows_in_slot(valid, j, step_p, step_j, P)
-                if rows:
-                    src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
-                    nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
-        return stage[:P, :, :].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
-    # [F, K] in HBM with K contiguous: DMA rows as stored (2*T-byte runs, not 8-byte interleaved
-    # runs), then transpose 128-row chunks on the PE array (bit-exact, spec §5.4): slot j of the
-    # interleaved layout is the column set k(p, j), p < P, of the natural tile.
+    row = op.f_total
+    stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if partial or f_size < f_pad:
+        nisa.memset(dst=stage[:P, :, :], value=0.0)
+    base = k0 * row + op.f_base + f0
+    if not partial:
+        src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
+        nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
+    else:
+        for j in range(MX_PACK):
+            rows = _rows_in_slot(valid, j, step_p, step_j, P)
+            if rows:
+                src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
+                nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
+    return stage[:P, :, :].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
+
+
+def _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup):
+    """Interleaved staging tile [P, F_pad, 4] of K tile [k0, k0+padded) from natural row tiles.
+
+    chunks: [(c0, rows, natural, k_lo)]: SBUF [rows, *] bf16 tiles holding columns k_lo.. of F rows
+    c0..c0+rows of a K-contiguous operand (zero beyond K). Slot j of the interleaved layout is the
+    column set k(p, j), p < P, of the natural tile, transposed on the PE array (bit-exact, spec §5.4)
+    into PSUM and copied to SBUF on ScalarE (VectorE carries quantize_mx).
+    """
+    P = padded // MX_PACK
     stage = nl.ndarray((PARTITIONS, f_pad, MX_PACK), dtype=nl.bfloat16, buffer=nl.sbuf)
     if f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
-    for c0 in range(0, f_size, PARTITIONS):
-        rows = min(PARTITIONS, f_size - c0)
-        natural = _load_rows_natural(op, f0 + c0, rows, k0, valid, padded)
+    for c0, rows, natural, k_lo in chunks:
+        lo = k0 - k_lo
         flipped = nl.ndarray((PARTITIONS, MX_PACK, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
         for j in range(MX_PACK):
             if setup.scheme == "1x32":
-                cols = natural[:rows, j:padded:MX_PACK]  # k = 4p + j
+                cols = natural[:rows, lo + j:lo + padded:MX_PACK]  # k = 4p + j
             else:
-                cols = natural[:rows, P * j:P * (j + 1)]  # k = p + P*j
+                cols = natural[:rows, lo + P * j:lo + P * (j + 1)]  # k = p + P*j
             nisa.nc_transpose(dst=flipped[:P, j, :rows], data=cols, engine=nisa.engine.tensor)
-        # PSUM [P, 4, rows] -> SBUF [P, rows, 4] on ScalarE (VectorE carries quantize_mx)
+        # PSUM [P, 4, rows] -> SBUF [P, rows, 4]
         nisa.tensor_copy(dst=stage[:P, c0:c0 + rows, :], src=flipped[:P, :, :rows].permute((0, 2, 1)),
                          engine=nisa.engine.scalar)
     return stage[:P, :, :]
 
 
-def _load_rows_natural(op, f0, rows, k0, valid, padded):
-    """SBUF [rows, padded] bf16 tile of a K-contiguous operand ([F, K] in HBM), zero beyond `valid`."""
-    natural = nl.ndarray((PARTITIONS, MX_K_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if valid < padded:
-        nisa.memset(dst=natural[:rows, :padded], value=0.0)
+def _bf16_tile_natural(chunks, k0, valid, f_size, f_pad):
+    """bf16 K tile [valid, F_pad] of a K-contiguous operand, transposed from natural row tiles."""
+    tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if f_size < f_pad:
+        nisa.memset(dst=tile[:valid, :], value=0.0)
+    for c0, rows, natural, k_lo in chunks:
+        flipped = nl.ndarray((PARTITIONS, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=flipped[:valid, :rows], data=natural[:rows, k0 - k_lo:k0 - k_lo + valid],
+                          engine=nisa.engine.tensor)
+        nisa.tensor_copy(dst=tile[:valid, c0:c0 + rows], src=flipped[:valid, :rows], engine=nisa.engine.scalar)
+    return tile[:valid, :]
+
+
+def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi):
+    """SBUF [rows, k_pad_hi - k_lo] bf16 tile of a K-contiguous operand ([F, K] in HBM): columns
+    [k_lo, k_hi) as stored (one DMA, long runs), zero up to k_pad_hi."""
+    width = k_pad_hi - k_lo
+    natural = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if k_hi < k_pad_hi:
+        nisa.memset(dst=natural[:rows, k_hi - k_lo:width], value=0.0)
     c = op.f_base + f0
-    nisa.dma_copy(dst=natural[:rows, :valid], src=op.tensor[c:c + rows, k0:k0 + valid])
+    nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, k_lo:k_hi])
     return natural
 
 
@@ -160,43 +183,95 @@ def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
         nisa.dma_copy(dst=scale[32 * quadrant:32 * quadrant + 4, :f_size], src=src)
 
 
+class _PanelBuilder:
+    """Accumulates the K tiles of one panel (data + scales, scale tiles shared when packing)."""
+
+    def __init__(self, f_pad, setup):
+        self.f_pad = f_pad
+        self.setup = setup
+        self.data, self.scales, self.scale_tiles = [], [], []
+
+    def add_mx(self, t, padded, src):
+        """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
+        P = padded // MX_PACK
+        words = nl.ndarray((PARTITIONS, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
+        scale = _scale_view(self.scale_tiles, t, P, self.f_pad, self.setup)
+        nisa.quantize_mx(dst=words[:P, :], src=src, dst_scale=scale)
+        self.data.append(words[:P, :])
+        self.scales.append(scale)
+
+    def add_natural(self, t, tile, chunks, f_size):
+        """K tile t (k0, valid, padded) from natural row tiles (see _stage_mx_natural)."""
+        k0, valid, padded = tile
+        if self.setup.is_mx:
+            self.add_mx(t, padded, _stage_mx_natural(chunks, k0, padded, f_size, self.f_pad, self.setup))
+        else:
+            self.data.append(_bf16_tile_natural(chunks, k0, valid, f_size, self.f_pad))
+            self.scales.append(None)
+
+    def panel(self):
+        return Panel(self.data, self.scales, self.f_pad)
+
+
+def _natural_groups(tiles, setup):
+    """Consecutive K tiles grouped so one natural-row DMA covers up to NATURAL_LOAD_K columns."""
+    per = max(1, NATURAL_LOAD_K // (MX_K_TILE if setup.is_mx else BF16_K_TILE))
+    return [list(range(g, min(g + per, len(tiles)))) for g in range(0, len(tiles), per)]
+
+
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for every K tile (padded to f_pad).
 
     Dimensions:
         op: [K, F] or [F, K] in HBM (TensorDescriptor); result: K tiles of [P, f_pad].
+    K-contiguous bf16 operands are read as stored, NATURAL_LOAD_K columns of 128 rows per DMA (long
+    runs), and transposed on the PE array.
     """
-    data, scales, scale_tiles = [], [], []
-    for t, (k0, valid, padded) in enumerate(k_tiles(op.k_size, setup)):
+    builder = _PanelBuilder(f_pad, setup)
+    tiles = k_tiles(op.k_size, setup)
+    if op.k_axis == 1 and not op.prequantized:
+        for group in _natural_groups(tiles, setup):
+            k_lo = tiles[group[0]][0]
+            k_last, valid_last, padded_last = tiles[group[-1]]
+            chunks = []
+            for c0 in range(0, f_size, PARTITIONS):
+                rows = min(PARTITIONS, f_size - c0)
+                natural = _load_rows_natural(op, f0 + c0, rows, k_lo, k_last + valid_last, k_last + padded_last)
+                chunks.append((c0, rows, natural, k_lo))
+            for t in group:
+                builder.add_natural(t, tiles[t], chunks, f_size)
+        return builder.panel()
+    for t, (k0, valid, padded) in enumerate(tiles):
         if setup.is_mx:
-            P = padded // MX_PACK
-            words = nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
-            scale = _scale_view(scale_tiles, t, P, f_pad, setup)
             if op.prequantized:
+                P = padded // MX_PACK
+                words = nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
+                scale = _scale_view(builder.scale_tiles, t, P, f_pad, setup)
                 _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup)
+                builder.data.append(words[:P, :])
+                builder.scales.append(scale)
             else:
-                src = _stage_mx_bf16(op, k0, valid, padded, f0, f_size, f_pad, setup)
-                nisa.quantize_mx(dst=words[:P, :], src=src, dst_scale=scale)
-            data.append(words[:P, :])
-            scales.append(scale)
+                builder.add_mx(t, padded, _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup))
         else:
             tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
             if f_size < f_pad:
                 nisa.memset(dst=tile[:valid, :], value=0.0)
-            if op.k_axis == 0:
-                c0 = op.f_base + f0
-                nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
-            else:
-                for c0 in range(0, f_size, PARTITIONS):  # [F, K] rows as stored, transposed on the PE array
-                    rows = min(PARTITIONS, f_size - c0)
-                    natural = _load_rows_natural(op, f0 + c0, rows, k0, valid, valid)
-                    flipped = nl.ndarray((PARTITIONS, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
-                    nisa.nc_transpose(dst=flipped[:valid, :rows], data=natural[:rows, :valid], engine=nisa.engine.tensor)
-                    nisa.tensor_copy(dst=tile[:valid, c0:c0 + rows], src=flipped[:valid, :rows],
-                                     engine=nisa.engine.scalar)
-            data.append(tile[:valid, :])
-            scales.append(None)
-    return Panel(data, scales, f_pad)
+            c0 = op.f_base + f0
+            nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
+            builder.data.append(tile[:valid, :])
+            builder.scales.append(None)
+    return builder.panel()
+
+
+def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+    """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
+    up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
+    builder = _PanelBuilder(f_pad, setup)
+    tiles = k_tiles(k_size, setup)
+    chunks = [(0, f_size, rows_tile, 0)]
+    for t in range(len(tiles)):
+        builder.add_natural(t, tiles[t], chunks, f_size)
+    return builder.panel()
 
 
 def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup) -> None:
@@ -252,6 +327,12 @@ class PanelSource(nl.NKIObject):
             self.cache[f0] = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup)
         return self.cache[f0]
 
+    def load_key(self, f0: int) -> int:
+        """First column of the load (super-panel) that serves column f0."""
+        if not self.load_width:
+            return f0
+        return self.lo + (f0 - self.lo) // self.load_width * self.load_width
+
     def get(self, f0: int, f_size: int) -> Panel:
         if not self.load_width:
             return self._load(f0, f_size)
@@ -260,6 +341,20 @@ class PanelSource(nl.NKIObject):
         off, width = f0 - base, self._padded(f_size)
         scales = [None if sc is None else sc[:, off:off + width] for sc in whole.scales]
         return Panel([d[:, off:off + width] for d in whole.data], scales, width)
+
+
+class ResidentPanels(nl.NKIObject):
+    """Stationary panels built on chip by an earlier phase for rows [lo, hi) in tiles of m_tile rows:
+    panels[f0] is the Panel of rows [f0, f0 + m_tile) (a PanelSource-like `get`)."""
+
+    def __init__(self, lo: int, hi: int, m_tile: int, panels: dict):
+        self.lo = lo
+        self.hi = hi
+        self.m_tile = m_tile
+        self.panels = panels
+
+    def get(self, f0: int, f_size: int) -> Panel:
+        return self.panels[f0]
 
 
 def blocks(lo: int, hi: int, size: int):
