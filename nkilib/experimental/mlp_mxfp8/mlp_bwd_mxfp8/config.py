@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import nki.language as nl
 
 from ....core.kernel_helpers import KernelInputError
-from .constants import M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, N_TILE
+from .constants import M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE
 
 N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (spec §5.2/§5.3)
 
@@ -87,7 +87,8 @@ def default_matmul_config(mx: bool, recompute: bool) -> MlpBwdMatmulConfig:
     512 (the trn2 nc_matmul limit, one PSUM bank)."""
     wide = MatmulConfig(n_tile=MX_N_TILE) if mx else MatmulConfig()
     first = MatmulConfig(n_tile=MX_N_TILE_RECOMPUTE) if (mx and recompute) else wide
-    return MlpBwdMatmulConfig(first, wide, wide, wide)
+    wider = MatmulConfig(n_tile=MX_N_TILE_WEIGHT_GRAD) if mx else wide
+    return MlpBwdMatmulConfig(first, wide, wider, wider)
 
 
 def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int) -> MlpBwdMatmulConfig:

@@ -15,11 +15,16 @@ FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
 QUANT_SCHEMES = ("1x32", "wrapX")
 MATMUL_PRECISIONS = ("mxfp8", "bf16")
 MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double-buffered = 4 of 8)
+MX_N_TILE_WEIGHT_GRAD = 2048  # phases 3-4 (no PE transposes): 2 x 8 KiB accumulators = all of PSUM
 MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
 PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
 PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
 MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when panels are not resident
 STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
+STATIONARY_GROUP_BUDGET_BYTES = 112 * 1024  # stationary loads kept while the moving panels are swept (neither fits)
+STREAM_STATIONARY_BUDGET_BYTES = 208 * 1024  # stationary group of a K-streamed plan (moving needs only K-tile quads)
+STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
+PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
 SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
 NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)

@@ -8,7 +8,9 @@ are written down in reference.py (`mx_exact`), which the kernel matches to fp32 
 
 LNC2 sharding: every phase splits the larger dimension of its output [M, N] in halves (multiples of
 128; the other one when the larger has fewer than 128 per core), which minimises the operand bytes a
-core reads (split M: a/2 + b; split N: a + b/2). For model shapes (S >= I, S >= H):
+core reads (split M: a/2 + b; split N: a + b/2). Phase 1 always splits S when it can (its dY is
+transposed on the PE array: each core transposes only its own rows, and they can stay resident). For
+model shapes (S >= I, S >= H):
 - phase 0+1: the S tiles of [S, I] (each core transposes only its own dY rows; W_down is read by both);
 - phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
@@ -23,6 +25,21 @@ d_gate_up back from HBM after the barrier; a recomputed intermediate moves phase
 On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
 d_gate_up row block in SBUF; it is stored once (2I-long DMA runs) for phase 3 and, one S tile later
 (TensorE runs in program order), transposed and quantized along 2I into phase 2's stationary panel.
+
+Operands that do not fit (_TiledGemm, e.g. TP1, I = 12288): moving panels all resident (m-major) >
+stationary panels all resident (n-major) > K-streamed groups > stationary groups. K-streamed: g
+stationary panels resident (up to STREAM_STATIONARY_BUDGET_BYTES) and the moving operand streamed in
+quads of K tiles into g PSUM accumulators of STREAM_N_TILE columns, so each K slice is loaded once
+per group (TP1 phase 2: d_gate_up rows transposed/quantized once, W_gu read S/(2*128*g) times per
+core). Stationary groups: a group of stationary loads stays while the moving panels are swept. Phase
+1 keeps its dY (and X) panels resident when W_down's are not.
+
+Engines: PSUM evictions of phases 2-4 run on ScalarE (faster clock than VectorE in fp32, and idle
+after phase 1), leaving VectorE to quantize_mx and the phase-1 epilogue; the K-streamed path
+alternates VectorE/ScalarE. Phases 3-4 use MX_N_TILE_WEIGHT_GRAD-wide tiles (fewer stationary loads).
+
+Modeled (trn3 LNC2, S=4096, checkpoints given; nkilib/simulator/cost.py): Qwen3-8B TP8 623 us (78.9 %
+of MXFP8 peak, 3.50x the BF16 mode's 2181 us), TP1 4.50 ms (87.5 %).
 
 HBM traffic (bf16; per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down,
 gate_pre/gate_act/up[S/2, I] and writes d_gate_up[S/2, 2I]; phase 2 reads W_gu once (moving panels
@@ -41,9 +58,10 @@ from ....core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_ran
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES,
                         PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_BUDGET_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
-                        SPLIT_ALIGN, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
-from .tiled_matmul import (MatmulSetup, PanelSource, ResidentPanels, blocks, matmul_panels, panel_bytes_per_partition,
-                           panel_from_rows, tile_order)
+                        SCALE_PACK_SLOTS, SPLIT_ALIGN, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
+                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES, PSUM_BYTES)
+from .tiled_matmul import (MatmulSetup, PanelSource, ResidentPanels, blocks, k_tiles, load_panel, matmul_panels,
+                           panel_bytes_per_partition, panel_from_rows, tile_order)
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -63,17 +81,19 @@ def get_program_sharding_info(run_with_lnc2):
     return launched, nl.program_id(0)
 
 
-def _core_ranges(m_total, n_total, num_cores, shard_id):
+def _core_ranges(m_total, n_total, num_cores, shard_id, prefer_m=False):
     """This core's ([m_lo, m_hi), [n_lo, n_hi)) of an [M, N] output: near-equal contiguous halves (in
     multiples of 128) of the larger dimension when it has at least 128 per core, else of the other.
 
     Splitting the larger of M and N minimises the operand bytes each core reads: out[M, N] = a[M, K] @
-    b[K, N] split along M reads a/2 + b per core, along N a + b/2.
+    b[K, N] split along M reads a/2 + b per core, along N a + b/2. prefer_m: split M whenever it has
+    128 rows per core (phase 1: its stationary dY is transposed on the PE array, so halving it halves
+    the transposes and lets the half stay resident; see compute_phase1_down_proj_mm_grad_mxfp8).
     """
     if num_cores == 1:
         return (0, m_total), (0, n_total)
     enough = SPLIT_ALIGN * num_cores
-    split_m = (m_total >= n_total and m_total >= enough) or n_total < enough
+    split_m = ((m_total >= n_total or prefer_m) and m_total >= enough) or n_total < enough
     axis_total = m_total if split_m else n_total
     lo, hi = shard_range(ceil_div(axis_total, SPLIT_ALIGN), num_cores, shard_id)
     lo, hi = min(lo * SPLIT_ALIGN, axis_total), min(hi * SPLIT_ALIGN, axis_total)
@@ -110,7 +130,9 @@ class _TiledGemm(nl.NKIObject):
     Every moving panel of this core stays resident (quantized once) when they fit the SBUF budget,
     and tiles run m-major so each stationary panel is also quantized once; else, when all stationary
     panels fit, they stay resident and tiles run n-major (each moving panel loaded once); otherwise
-    n-major with one live panel per operand (stationary panels re-quantized per moving block).
+    K-streamed groups (_run_streamed) when the moving operand can be loaded by K tile and that holds
+    more stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES;
+    each stationary panel quantized once, the moving panels swept once per group).
     `resident`: ResidentPanels already on chip (built by phase 1) for rows [lo, hi) of a; this core
     then computes exactly those rows, all N columns.
     """
@@ -132,14 +154,34 @@ class _TiledGemm(nl.NKIObject):
                            panel_bytes_per_partition(a_op.k_size, m_hi - m_lo, setup) <= PANEL_CACHE_BUDGET_BYTES)
         self.n_tile = _fit_width(config.n_tile, [b_op], setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
         m_tile = config.m_tile
+        m_group = 0
         if resident is not None:
             self.stationary, m_tile = resident, resident.m_tile
         else:
+            load_width = _stationary_load_width(a_op, m_tile, setup)
+            # neither operand fits: keep a group of stationary loads (each quantized once) and sweep the
+            # moving panels once per group instead of once per m tile
+            capacity = 1
+            if not self.keep_moving and not keep_stationary:
+                load = load_width or m_tile
+                capacity = max(1, int(STATIONARY_GROUP_BUDGET_BYTES //
+                                      panel_bytes_per_partition(a_op.k_size, load, setup)))
+                m_group = capacity * load // m_tile
             self.stationary = PanelSource(a_op, setup, pad_even=True, keep_all=keep_stationary, lo=m_lo, hi=m_hi,
-                                          load_width=_stationary_load_width(a_op, m_tile, setup))
+                                          load_width=load_width, capacity=capacity)
         self.moving = PanelSource(b_op, setup, pad_even=False, keep_all=self.keep_moving)
+        # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
+        self.stream = None
+        if m_group and (b_op.k_axis == 0 or b_op.prequantized):
+            per_tile = panel_bytes_per_partition(a_op.k_size, m_tile, setup)
+            g = min(int(STREAM_STATIONARY_BUDGET_BYTES // per_tile), PSUM_BYTES // (STREAM_N_TILE * 4),
+                    ceil_div(m_hi - m_lo, m_tile))
+            if g > m_group:
+                self.stream = (g, blocks(m_lo, m_hi, m_tile), blocks(n_lo, n_hi, STREAM_N_TILE))
+                self.stationary = PanelSource(a_op, setup, pad_even=True, keep_all=False, lo=m_lo, hi=m_hi,
+                                              capacity=g)
         self.order = tile_order(blocks(m_lo, m_hi, m_tile), blocks(n_lo, n_hi, self.n_tile),
-                                m_outer=self.keep_moving)
+                                m_outer=self.keep_moving, m_group=m_group)
 
     def moving_bytes(self) -> int:
         """SBUF bytes per partition of the moving panels `prefetch(..., stationary=False)` keeps."""
@@ -174,10 +216,52 @@ class _TiledGemm(nl.NKIObject):
                 self.stationary.get(m0, msz)
             self.moving.get(n0, nsz)
 
+    def _run_streamed(self) -> None:
+        """All tiles with a group of g stationary panels resident and the moving operand streamed in
+        quads of K tiles: for each n block, every K slice is loaded once and multiplied into the g
+        PSUM accumulators of the group (each accumulates its K tiles in order, like matmul_panels).
+
+        For a stationary too large to keep and moving panels too large to sweep often (TP1 phase 2:
+        K = 2I = 24576): PSUM, not SBUF, bounds the moving width (g accumulators of STREAM_N_TILE),
+        so g stationary panels share each moving pass (W_gu is read m_tiles / g times).
+        """
+        g, m_blocks, n_blocks = self.stream
+        setup, b_op = self.setup, self.moving.op
+        n_k = len(k_tiles(b_op.k_size, setup))
+        evictions = 0
+        a_panels = accs = None
+        for lo in range(0, len(m_blocks), g):
+            group = m_blocks[lo:lo + g]
+            # drop the previous group's panels and accumulators (all of PSUM) before loading this group
+            # (its PE transposes use PSUM too)
+            a_panels = accs = acc = None
+            a_panels = [self.stationary.get(m0, msz) for m0, msz in group]
+            # the next n block's first matmuls wait for these tiles' evictions (WAR)
+            accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
+            for n0, nsz in n_blocks:
+                for t0 in range(0, n_k, SCALE_PACK_SLOTS):
+                    t1 = min(n_k, t0 + SCALE_PACK_SLOTS)
+                    b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
+                    for a, acc in zip(a_panels, accs):
+                        matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
+                    b = None
+                for (m0, msz), acc in zip(group, accs):
+                    res = nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=self.out_dtype, buffer=nl.sbuf)
+                    # alternate VectorE / ScalarE: the group's evictions gate the next n block's matmuls
+                    engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
+                    nisa.tensor_copy(dst=res[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
+                    nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+                    evictions += 1
+        self.done = len(self.order)
+
     def run(self, hi: int = -1) -> None:
         """Compute the tiles not done yet, up to (excluding) hi (-1: all)."""
         hi = len(self.order) if hi < 0 else hi
         if self.done >= hi:
+            return
+        if self.stream is not None:
+            assert self.done == 0 and hi == len(self.order), "K-streamed plans run in one step"
+            self._run_streamed()
             return
         accumulators = _psum_buffers(self.n_tile)
         for i in range(self.done, hi):
@@ -188,8 +272,9 @@ class _TiledGemm(nl.NKIObject):
             matmul_panels(psum[:a.f_pad, :nsz], a, b, self.setup)  # K=op K, M=m tile, N=n block
             # a fresh SBUF tile per output tile: its store may trail the next tiles' evictions
             res = nl.ndarray((PARTITIONS, self.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz])
+            nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz], engine=nisa.engine.scalar)
             nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+            a = b = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
         self.done = hi
 
     def step(self, stage: str) -> "_TiledGemm":
@@ -276,7 +361,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     S = output_grad_td.tensor.shape[0] - s_base
     I = down_weight_td.f_extent
-    (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(S, I, num_cores, shard_id)
+    (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(S, I, num_cores, shard_id, prefer_m=True)
     if m_lo >= m_hi or n_lo >= n_hi:
         return None
     clamp = clamp_limits or ClampLimits()
@@ -286,8 +371,13 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     w_down, w_gate, w_up = (PanelSource(op, setup, pad_even=False, keep_all=keep) if op is not None else None
                             for op in (down_weight_td, gate_weight_td if need_gate_pre else None,
                                        up_weight_td if need_up else None))
-    dy = PanelSource(output_grad_td, setup, pad_even=True, keep_all=False)
-    x = PanelSource(hidden_states_td, setup, pad_even=True, keep_all=False) if (need_gate_pre or need_up) else None
+    # moving panels not resident (n-major, e.g. TP1 W_down): keep the stationary dY (and X) panels of this
+    # core's S rows instead, so each is transposed and quantized once rather than once per I block
+    stationary_ops = [output_grad_td] + ([hidden_states_td] if (need_gate_pre or need_up) else [])
+    keep_st = (not keep and sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary_ops)
+               <= PANEL_CACHE_BUDGET_BYTES)
+    dy = PanelSource(output_grad_td, setup, pad_even=True, keep_all=keep_st)
+    x = PanelSource(hidden_states_td, setup, pad_even=True, keep_all=keep_st) if (need_gate_pre or need_up) else None
     n_acc = 1 + int(need_gate_pre) + int(need_up)
     ncols = _fit_width(config.n_tile, moving_ops, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
     accumulators = [_psum_buffers(ncols) for _ in range(n_acc)]

@@ -219,17 +219,21 @@ def _natural_groups(tiles, setup):
     return [list(range(g, min(g + per, len(tiles)))) for g in range(0, len(tiles), per)]
 
 
-def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
-    """Bring F columns [f0, f0+f_size) of an operand into SBUF for every K tile (padded to f_pad).
+def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1) -> Panel:
+    """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
+    padded to f_pad).
 
     Dimensions:
-        op: [K, F] or [F, K] in HBM (TensorDescriptor); result: K tiles of [P, f_pad].
+        op: [K, F] or [F, K] in HBM (TensorDescriptor); result: K tiles of [P, f_pad] (data[0] is t_lo).
     K-contiguous bf16 operands are read as stored, NATURAL_LOAD_K columns of 128 rows per DMA (long
-    runs), and transposed on the PE array.
+    runs), and transposed on the PE array (whole panels only). A K-tile range must start at a multiple
+    of SCALE_PACK_SLOTS (scale tiles are shared by aligned K-tile quads).
     """
     builder = _PanelBuilder(f_pad, setup)
     tiles = k_tiles(op.k_size, setup)
+    t_hi = len(tiles) if t_hi < 0 else t_hi
     if op.k_axis == 1 and not op.prequantized:
+        assert (t_lo, t_hi) == (0, len(tiles)), "K-contiguous bf16 operands load whole panels"
         for group in _natural_groups(tiles, setup):
             k_lo = tiles[group[0]][0]
             k_last, valid_last, padded_last = tiles[group[-1]]
@@ -241,7 +245,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup) -> Pane
             for t in group:
                 builder.add_natural(t, tiles[t], chunks, f_size)
         return builder.panel()
-    for t, (k0, valid, padded) in enumerate(tiles):
+    for t in range(t_lo, t_hi):
+        k0, valid, padded = tiles[t]
         if setup.is_mx:
             if op.prequantized:
                 P = padded // MX_PACK
@@ -274,17 +279,23 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     return builder.panel()
 
 
-def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup) -> None:
-    """dst [M, N] (PSUM, fp32) = sum over K tiles of stationary[K, M]^T @ moving[K, N]."""
-    for t in range(len(stationary.data)):
+def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1) -> None:
+    """dst [M, N] (PSUM, fp32) = sum over K tiles of stationary[K, M]^T @ moving[K, N].
+
+    t_lo/t_hi: only K tiles [t_lo, t_hi) (default: all), moving holding exactly those tiles (a K-streamed
+    slice from load_panel); tile 0 starts the accumulation, so calls in K order sum like one call.
+    """
+    t_hi = len(stationary.data) if t_hi < 0 else t_hi
+    for t in range(t_lo, t_hi):
+        b = t - t_lo
         if setup.is_mx:
-            # K=4*P (<=512) logical, M=stationary f_pad (<=128), N=moving f_pad (<=512)
-            nisa.nc_matmul_mx(dst=dst, stationary=stationary.data[t], moving=moving.data[t],
-                              stationary_scale=stationary.scales[t], moving_scale=moving.scales[t],
+            # K=4*P (<=512) logical, M=stationary f_pad (<=128), N=moving f_pad (<=4096)
+            nisa.nc_matmul_mx(dst=dst, stationary=stationary.data[t], moving=moving.data[b],
+                              stationary_scale=stationary.scales[t], moving_scale=moving.scales[b],
                               accumulate=t > 0)
         else:
             # K=T (<=128), M=stationary f_pad (<=128), N=moving f_pad (<=512)
-            nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[t], accumulate=t > 0)
+            nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[b], accumulate=t > 0)
 
 
 def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> int:
@@ -299,16 +310,18 @@ def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> in
 class PanelSource(nl.NKIObject):
     """Panels of one operand on demand, for columns inside [lo, hi).
 
-    keep_all=True keeps every panel loaded (each quantized once); otherwise only the last one is kept
-    and it is dropped *before* the next is loaded, so at most one panel is live.
+    keep_all=True keeps every panel loaded (each quantized once); otherwise up to `capacity` loads are
+    kept and all of them are dropped *before* the next one is loaded, so at most `capacity` are live
+    (capacity > 1: a group of stationary panels reused across a sweep of moving panels).
     load_width: when set, columns are loaded and quantized in super-panels of that width (aligned to
     `lo`) and requests are served as column slices of them. For [K, F] operands this turns 256-byte
     DMA runs of a 128-column stationary tile into load_width*2-byte runs.
     """
 
     def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool, lo: int = 0, hi: int = -1,
-                 load_width: int = 0):
+                 load_width: int = 0, capacity: int = 1):
         self.op = op
+        self.capacity = capacity
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -322,7 +335,7 @@ class PanelSource(nl.NKIObject):
 
     def _load(self, f0: int, f_size: int) -> Panel:
         if f0 not in self.cache:
-            if not self.keep_all:
+            if not self.keep_all and len(self.cache) >= self.capacity:
                 self.cache.clear()
             self.cache[f0] = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup)
         return self.cache[f0]
@@ -362,9 +375,12 @@ def blocks(lo: int, hi: int, size: int):
     return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
 
 
-def tile_order(m_blocks, n_blocks, m_outer: bool):
+def tile_order(m_blocks, n_blocks, m_outer: bool, m_group: int = 0):
     """Output tiles in the order that reuses the cached operand: m-major when moving panels are all
-    resident (each stationary panel loaded once), else n-major (each moving panel loaded once)."""
+    resident (each stationary panel loaded once), else n-major (each moving panel loaded once).
+    m_group > 0 (n-major only): n-major inside consecutive groups of m_group m blocks, so a group of
+    stationary panels stays resident while the moving panels are swept once per group."""
     if m_outer:
         return [(m, n) for m in m_blocks for n in n_blocks]
-    return [(m, n) for n in n_blocks for m in m_blocks]
+    group = m_group or len(m_blocks)
+    return [(m, n) for g in range(0, len(m_blocks), group) for n in n_blocks for m in m_blocks[g:g + group]]

@@ -1,0 +1,42 @@
+"""The kernel's large-shape execution plans, forced on small shapes, stay bit-exact.
+
+Model shapes (e.g. Qwen3-8B TP1, K = 2I = 24576) take plans that the small default-suite shapes never
+reach: panels not resident, groups of stationary loads, K-streamed groups with several PSUM
+accumulators, phase 1 without the on-chip d_gate_up path. Shrinking the SBUF budgets (module
+constants of the kernel) routes small shapes through those plans; outputs must still equal
+`mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
+"""
+import pytest
+
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+from simkit import assert_matches_mx_exact, mlp_inputs, mlp_reference, run_mlp
+
+
+@pytest.fixture
+def tiny_budgets(monkeypatch):
+    """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles."""
+    monkeypatch.setattr(kernel_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(kernel_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(kernel_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
+    monkeypatch.setattr(kernel_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
+    calls = {"streamed": 0}
+    original = kernel_module._TiledGemm._run_streamed
+
+    def counting(self):
+        calls["streamed"] += 1
+        return original(self)
+
+    monkeypatch.setattr(kernel_module._TiledGemm, "_run_streamed", counting)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("shape", [(512, 256, 384), (260, 128, 224)])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_forced_large_shape_plans_are_bit_exact(tiny_budgets, precision, shape, lnc):
+    S, H, I = shape
+    inp = mlp_inputs(S, H, I, seed=S + H + I)
+    out = run_mlp(inp, lnc=lnc, matmul_precision=precision)
+    measured = assert_matches_mx_exact(out, mlp_reference(inp, matmul_precision=precision))
+    assert all(m == (0, 0.0) for m in measured), measured
+    assert tiny_budgets["streamed"] > 0, "the K-streamed plan was not exercised"
