@@ -33,8 +33,12 @@ Scheduler (`schedule`):
   program order; an instruction starts when its engine is free and its inputs are ready;
 - dependencies come from operand regions (same storage, overlapping partition range and byte range;
   strided 2-D HBM tiles are compared as exact rectangles): read-after-write, write-after-read and
-  write-after-write. Every `nl.ndarray` is a new storage, so buffer reuse never serialises (ideal
-  multi-buffering; SBUF/PSUM capacity is still checked by the simulator);
+  write-after-write;
+- finite SBUF/PSUM (`_memory_reuse_deps`): each on-chip allocation lives from its first to its last
+  access in program order and is placed next-fit in its core's per-partition address space; a tile
+  placed on bytes that an earlier dead tile used waits for that tile's last access. Overlap of loads
+  with compute therefore needs buffers that really fit (the report also gives the occupancy the
+  schedule needs: `scheduled_peak_bytes_per_partition`). The allocator policy is INFERRED;
 - DMA: each core has `dma_queues_per_core` transfers in flight; a transfer becomes ready when its
   inputs are ready, waits for a free queue (ready order), spends the fixed latency, then moves its
   bytes. Transfers in flight share the core's 16 DMA engines (processor sharing weighted by the
@@ -617,6 +621,86 @@ class Schedule:
         return self.costs[i].engine
 
 
+def _memory_reuse_deps(records, target: TargetSpec) -> dict:
+    """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
+
+    Each on-chip allocation lives from the first to the last trace record that touches it (the
+    liveness a compiler's allocator sees, in program order) and is placed first-fit in its core's
+    per-partition address space (PSUM in whole 2 KiB banks). When a tile is placed on bytes that
+    an earlier, dead tile occupied, its first access must wait for that tile's last access (WAR/WAW
+    through the reused memory). Without this every allocation would be fresh memory and the
+    schedule could overlap more buffers than the core holds.
+    Placement is next-fit: the search starts where the previous allocation of that space ended and
+    wraps around, so the memory freed longest ago is reused first (an allocator that leaves room
+    for overlap when there is space; the NKI allocator's policy is not documented — INFERRED).
+    If fragmentation leaves no gap, the tile waits for every tile live at that point (conservative).
+    """
+    first, last, size = {}, {}, {}
+    for r in records:
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.buffer, op.storage_id)
+            first.setdefault(key, r.seq)
+            last[key] = r.seq
+            nbytes = op.alloc_bytes_per_partition
+            if op.buffer == "psum":
+                nbytes = -(-nbytes // target.psum_bank_bytes) * target.psum_bank_bytes
+            size[key] = nbytes
+    capacity = {"sbuf": target.sbuf_bytes_per_partition, "psum": target.psum_bytes_per_partition}
+    starts, ends = {}, {}
+    for key, seq in first.items():
+        starts.setdefault(seq, []).append(key)
+    for key, seq in last.items():
+        ends.setdefault(seq, []).append(key)
+    live = {}  # (program, buffer) -> {key: (lo, hi)}
+    dead = {}  # (program, buffer) -> list of (lo, hi, last_seq)
+    cursor = {}  # (program, buffer) -> end of the previous placement (next-fit)
+    deps = {}
+
+    def fit(ranges, nbytes, begin, limit):
+        lo = begin
+        for a, b in ranges:
+            if b <= begin:
+                continue
+            if lo + nbytes <= a:
+                break
+            lo = max(lo, b)
+        return lo if lo + nbytes <= limit else None
+
+    for r in records:
+        for key in starts.get(r.seq, ()):
+            space = (key[0], key[1])
+            ranges = sorted(live.setdefault(space, {}).values())
+            nbytes, cap = size[key], capacity[key[1]]
+            lo = fit(ranges, nbytes, cursor.get(space, 0), cap)
+            if lo is None:
+                lo = fit(ranges, nbytes, 0, cap)  # wrap around
+            graveyard = dead.setdefault(space, [])
+            if lo is None:  # fragmented: wait for every live tile, reuse from 0
+                deps.setdefault(r.seq, set()).update(last[k] for k in live[space] if last[k] < r.seq)
+                lo = 0
+            hi = lo + nbytes
+            cursor[space] = hi
+            kept = []
+            for a, b, q in graveyard:
+                if a < hi and lo < b:
+                    deps.setdefault(r.seq, set()).add(q)
+                    if a < lo:
+                        kept.append((a, lo, q))
+                    if hi < b:
+                        kept.append((hi, b, q))
+                else:
+                    kept.append((a, b, q))
+            dead[space] = kept
+            live[space][key] = (lo, hi)
+        for key in ends.get(r.seq, ()):
+            space = (key[0], key[1])
+            lo, hi = live[space].pop(key)
+            dead[space].append((lo, hi, r.seq))
+    return deps
+
+
 def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     """Place every trace record on its core's engines (rules in the module docstring)."""
     target = resolve_target(target) if isinstance(target, str) else target
@@ -654,6 +738,8 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
         preds[i] = tuple(d)
     if len(set(barrier_count.values())) > 1:
         raise CostModelError(f"programs reached different numbers of core_barriers: {barrier_count}")
+    for i, extra in _memory_reuse_deps(records, target).items():
+        preds[i] = tuple(set(preds[i]) | {q for q in extra if q != i})
     succ = [[] for _ in range(n)]
     for i, ps in enumerate(preds):
         for q in ps:
@@ -843,6 +929,38 @@ def _infer_precision(records) -> str:
     return "bf16"
 
 
+def scheduled_occupancy(sched: Schedule, target: TargetSpec) -> list:
+    """Peak SBUF/PSUM bytes per partition per core *under the modeled schedule*.
+
+    The simulator's capacity check counts a tile live while Python can reach it (program order),
+    but the schedule overlaps loads of the next tile with work on the previous one, which on
+    hardware needs both buffers at once. Here an on-chip allocation is live from the start of the
+    first instruction touching it to the end of the last one (PSUM rounded to whole banks, as in
+    the capacity rule); the sweep gives the occupancy the modeled overlap really requires.
+    """
+    spans = {}
+    for i, r in enumerate(sched.records):
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.storage_id)
+            lo, hi, buf, nbytes = spans.get(key, (sched.start[i], sched.end[i], op.buffer, op.alloc_bytes_per_partition))
+            spans[key] = (min(lo, sched.start[i]), max(hi, sched.end[i]), buf, nbytes)
+    bank = target.psum_bank_bytes
+    events = {}
+    for (prog, _), (lo, hi, buf, nbytes) in spans.items():
+        if buf == "psum":
+            nbytes = -(-nbytes // bank) * bank
+        events.setdefault((prog, buf), []).extend([(lo, nbytes), (hi, -nbytes)])
+    peaks = [{"sbuf": 0, "psum": 0} for _ in range(sched.lnc)]
+    for (prog, buf), evs in events.items():
+        live = 0
+        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):  # frees before allocations at equal times
+            live += delta
+            peaks[prog][buf] = max(peaks[prog][buf], live)
+    return peaks
+
+
 @dataclass
 class CostReport:
     """Modeled cost of one kernel call. Build with `CostReport.from_schedule` or `model_kernel`."""
@@ -870,6 +988,17 @@ class CostReport:
                    list(memory_peak or []), target.kernel_launch_overhead_s if include_launch_overhead else 0.0)
 
     # ---- derived numbers ----
+    @property
+    def scheduled_peak(self) -> list:
+        return scheduled_occupancy(self.schedule, self.target)
+
+    @property
+    def scheduled_capacity_exceeded(self) -> bool:
+        """True when the modeled overlap needs more SBUF/PSUM than the core has: the modeled time
+        is then optimistic (the kernel would have to serialise some loads)."""
+        return any(p["sbuf"] > self.target.sbuf_bytes_per_partition or p["psum"] > self.target.psum_bytes_per_partition
+                   for p in self.scheduled_peak)
+
     @property
     def makespan_s(self) -> float:
         return self.schedule.makespan
@@ -943,6 +1072,8 @@ class CostReport:
             "dma_bytes": sum(s.dma_bytes.values()),
             "engines": engines, "phases": phases,
             "memory_peak_bytes_per_partition": self.memory_peak,
+            "scheduled_peak_bytes_per_partition": self.scheduled_peak,
+            "scheduled_capacity_exceeded": self.scheduled_capacity_exceeded,
         }
 
     def table(self) -> str:
@@ -973,6 +1104,12 @@ class CostReport:
                 lines.append(f"core {p} peak SBUF {m.get('sbuf', 0) / 1024:.1f} KiB / "
                              f"{self.target.sbuf_bytes_per_partition / 1024:.0f} KiB per partition, PSUM "
                              f"{m.get('psum', 0) / 1024:.1f} KiB / {self.target.psum_bytes_per_partition / 1024:.0f} KiB")
+        for p, m in enumerate(self.scheduled_peak):
+            lines.append(f"core {p} occupancy the modeled overlap needs: SBUF {m['sbuf'] / 1024:.1f} KiB, "
+                         f"PSUM {m['psum'] / 1024:.1f} KiB per partition")
+        if self.scheduled_capacity_exceeded:
+            lines.append("WARNING: the modeled schedule overlaps more buffers than SBUF/PSUM hold; "
+                         "the modeled time is optimistic")
         return "\n".join(lines)
 
     def plot(self, out_dir, prefix="cost") -> list:

@@ -29,6 +29,7 @@ class OperandInfo:
     byte_offset: int = 0  # first element's byte offset in the storage
     strides: tuple = ()  # per-dim strides in bytes (dim 0 = partition dim for on-chip operands)
     storage_itemsize: int = 0  # bytes per element in the storage (strides/offset unit); 0 = unknown
+    alloc_bytes_per_partition: int = 0  # on-chip: the whole allocation's bytes per partition (capacity rule)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def operand_info(arg: str, view) -> OperandInfo:
         free_lo = byte_lo - p0 * row
         free_hi = free_lo + (byte_hi - byte_lo) - (view.shape[0] - 1) * row if view.shape[0] > 1 else byte_hi - p0 * row
         return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, p0, p1, free_lo,
-                           free_hi, nbytes, view.offset * isz, tuple(s * isz for s in view.strides), isz)
+                           free_hi, nbytes, view.offset * isz, tuple(s * isz for s in view.strides), isz,
+                           st.nki_bytes_per_partition)
     return OperandInfo(arg, st.id, st.name, st.buffer_kind, str(view.dtype), view.shape, 0, 1, byte_lo, byte_hi,
                        nbytes, view.offset * isz, tuple(s * isz for s in view.strides), isz)
 

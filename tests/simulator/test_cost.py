@@ -305,3 +305,38 @@ def test_calibration_script_runs_on_a_subset(tmp_path, capsys):
     with open(os.path.join(tmp_path, "calibrate_bf16_gemm.json")) as f:
         assert len(json.load(f)["shapes"]) == 3
     assert "median |error|" in capsys.readouterr().out
+
+
+# ---- finite on-chip memory: reuse of freed SBUF orders accesses (cost._memory_reuse_deps) ----
+def _two_tile_kernel(free_elems):
+    import nki.isa as nisa
+    import nki.language as nl
+
+    def kernel(a):
+        out = nl.ndarray((2, 128, free_elems), dtype=nl.float32, buffer=nl.shared_hbm)
+        for i in range(2):
+            t = nl.ndarray((128, free_elems), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=a)
+            nisa.dma_copy(dst=out[i], src=t)
+            del t  # the next tile may reuse its memory
+        return out
+
+    return kernel
+
+
+@pytest.mark.parametrize("kib, overlaps", [(140, False), (60, True)])
+def test_freed_sbuf_reuse_serialises_only_when_two_tiles_do_not_fit(kib, overlaps):
+    """trn3 has 256 KiB per partition: two 140 KiB tiles cannot coexist, so the second tile's load
+    must wait for the first tile's store; two 60 KiB tiles fit side by side and may overlap."""
+    from nkilib.simulator import ShapeSpec, run_kernel
+    from nkilib.simulator.cost import schedule
+
+    free = kib * 1024 // 4
+    res = run_kernel(_two_tile_kernel(free), (ShapeSpec((128, free), "float32"),), lnc=1, trace=True, numerics=False)
+    sched = schedule(res.trace, "trn3", 1)
+    load1, store1, load2, store2 = range(4)
+    assert [r.instr for r in res.trace] == ["dma_copy"] * 4
+    if overlaps:
+        assert sched.start[load2] < sched.end[store1]
+    else:
+        assert sched.start[load2] >= sched.end[store1]
