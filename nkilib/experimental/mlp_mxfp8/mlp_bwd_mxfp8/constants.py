@@ -29,4 +29,6 @@ SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
 NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
-PREFETCH_BUDGET_BYTES = 160 * 1024  # phase-4 tail + phase-3 moving panels held across the core_barrier
+STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
+RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
+PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

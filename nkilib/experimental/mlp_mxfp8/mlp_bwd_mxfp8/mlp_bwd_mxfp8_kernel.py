@@ -15,12 +15,19 @@ model shapes (S >= I, S >= H):
 - phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
-Order and the one core_barrier: phase 1, phase 2 on its resident rows, phase 4 when the intermediate
-is a given checkpoint (all but its last stationary load), phase 3's moving X panels (prefetch) ->
-core_barrier -> the rest of phase 4 (keeps TensorE busy while phase 3's first d_gate_up panels
-arrive) -> phase 3 (reads d_gate_up rows of both cores). Without the resident path (phase 1 split
-along I, moving panels not resident, or the panels exceed PHASE2_STATIONARY_BUDGET_BYTES) phase 2 reads
-d_gate_up back from HBM after the barrier; a recomputed intermediate moves phase 4 after it.
+Order and the one core_barrier: phase 1 (+ the first W_gu panel of phase 2 when its stationary rows are
+resident) -> core_barrier -> phase 2 -> phase 4 -> phase 3. The barrier is a fence (it waits for every
+earlier instruction of the core), so it sits where little is in flight: after phase 1, whose d_gate_up
+rows phases 2-4 read (both cores' rows for phases 3-4; phase 2 from HBM when not resident, always on
+phase 1's row split so cores never overlap). No fence follows, so each phase's first panels load while
+the previous phase runs its last tiles, the ones that load nothing (_TiledGemm stages "head" / "first" /
+"all"), when both fit SBUF (can_prefetch; not for K-streamed plans, which budget all of SBUF).
+
+Finite SBUF/PSUM (cost model: first-to-last-access liveness, next-fit placement): each plan allocates
+its PSUM accumulators and RESULT_BUFFERS eviction tiles once and rotates them; a [K, F] panel load
+stages through a ring of STAGING_BUFFERS tiles issued ahead of the quantizes, and an MXFP8 panel is
+one words + one scales allocation (tiled_matmul._PanelBuilder), so freed staging leaves contiguous
+room instead of holes between words tiles.
 
 On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
 d_gate_up row block in SBUF; it is stored once (2I-long DMA runs) for phase 3 and, one S tile later
@@ -38,8 +45,8 @@ Engines: PSUM evictions of phases 2-4 run on ScalarE (faster clock than VectorE 
 after phase 1), leaving VectorE to quantize_mx and the phase-1 epilogue; the K-streamed path
 alternates VectorE/ScalarE. Phases 3-4 use MX_N_TILE_WEIGHT_GRAD-wide tiles (fewer stationary loads).
 
-Modeled (trn3 LNC2, S=4096, checkpoints given; nkilib/simulator/cost.py): Qwen3-8B TP8 623 us (78.9 %
-of MXFP8 peak, 3.50x the BF16 mode's 2181 us), TP1 4.50 ms (87.5 %).
+Modeled (trn3 LNC2, S=4096, checkpoints given; nkilib/simulator/cost.py with finite SBUF/PSUM):
+Qwen3-8B TP8 642 us (76.5 % of MXFP8 peak, 3.49x the BF16 mode's 2239 us), TP1 5.12 ms (76.8 %).
 
 HBM traffic (bf16; per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down,
 gate_pre/gate_act/up[S/2, I] and writes d_gate_up[S/2, 2I]; phase 2 reads W_gu once (moving panels
@@ -56,8 +63,9 @@ import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
-from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN, PANEL_CACHE_BUDGET_BYTES,
-                        PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_BUDGET_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
+from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
+                        PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
+                        RESULT_BUFFERS, STAGING_BUFFERS,
                         SCALE_PACK_SLOTS, SPLIT_ALIGN, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES, PSUM_BYTES)
 from .tiled_matmul import (MatmulSetup, PanelSource, ResidentPanels, blocks, k_tiles, load_panel, matmul_panels,
@@ -134,15 +142,21 @@ class _TiledGemm(nl.NKIObject):
     more stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES;
     each stationary panel quantized once, the moving panels swept once per group).
     `resident`: ResidentPanels already on chip (built by phase 1) for rows [lo, hi) of a; this core
-    then computes exactly those rows, all N columns.
+    then computes exactly those rows, all N columns. `rows`: (lo, hi) likewise without resident panels
+    (the same row split on every core, whichever of them has its rows resident).
     """
 
     def __init__(self, out_hbm, a_op, b_op, m_total, n_total, setup, config, num_cores, shard_id, out_dtype,
-                 resident=None):
+                 resident=None, rows=None):
         self.out_hbm, self.setup, self.out_dtype = out_hbm, setup, out_dtype
         self.done = 0
+        self.accumulators = self.results = None
+        self.stationary = self.moving = self.stream = None
+        self.a_k_size = a_op.k_size
         if resident is not None:
-            (m_lo, m_hi), (n_lo, n_hi) = (resident.lo, resident.hi), (0, n_total)
+            rows = (resident.lo, resident.hi)
+        if rows is not None:
+            (m_lo, m_hi), (n_lo, n_hi) = rows, (0, n_total)
         else:
             (m_lo, m_hi), (n_lo, n_hi) = _core_ranges(m_total, n_total, num_cores, shard_id)
         self.n_width = n_hi - n_lo
@@ -183,31 +197,70 @@ class _TiledGemm(nl.NKIObject):
         self.order = tile_order(blocks(m_lo, m_hi, m_tile), blocks(n_lo, n_hi, self.n_tile),
                                 m_outer=self.keep_moving, m_group=m_group)
 
-    def moving_bytes(self) -> int:
-        """SBUF bytes per partition of the moving panels `prefetch(..., stationary=False)` keeps."""
-        if not self.order or not self.keep_moving:
-            return 0
-        return panel_bytes_per_partition(self.moving.op.k_size, self.n_width, self.setup)
+    def _load_bytes(self, source, width) -> int:
+        """SBUF bytes per partition of one load of `source` (a PanelSource) `width` columns wide."""
+        if source.load_width:
+            width = source.load_width
+        return panel_bytes_per_partition(source.op.k_size, width, self.setup)
 
-    def resident_bytes(self) -> int:
-        """Upper bound of the SBUF bytes per partition this plan holds between steps (moving panels and
-        one stationary load)."""
+    def held_bytes(self) -> int:
+        """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
         if not self.order:
             return 0
-        st = self.stationary
-        width = st.hi - st.lo if st.keep_all else (st.load_width or self.order[-1][0][1])
-        return self.moving_bytes() + panel_bytes_per_partition(st.op.k_size, width, self.setup)
+        st, mv = self.stationary, self.moving
+        if isinstance(st, ResidentPanels):
+            st_bytes = panel_bytes_per_partition(self.a_k_size, st.hi - st.lo, self.setup)
+        elif st.keep_all:
+            st_bytes = panel_bytes_per_partition(st.op.k_size, st.hi - st.lo, self.setup)
+        else:
+            st_bytes = st.capacity * self._load_bytes(st, self.order[0][0][1])
+        mv_bytes = panel_bytes_per_partition(mv.op.k_size, self.n_width if mv.keep_all else self.n_tile, self.setup)
+        return st_bytes + mv_bytes + RESULT_BUFFERS * self.n_tile * self.out_dtype.itemsize
 
-    def tail_start(self) -> int:
-        """First tile of the trailing run that shares the last stationary load (m-major only): the tiles
-        whose panels `prefetch_tail` can hold while earlier tiles are done."""
-        if not self.order or not self.keep_moving:
-            return len(self.order)
-        key = self.stationary.load_key(self.order[-1][0][0])
-        i = len(self.order)
-        while i > self.done and self.stationary.load_key(self.order[i - 1][0][0]) == key:
-            i -= 1
-        return i
+    def first_bytes(self) -> int:
+        """SBUF bytes per partition that loading the first tile's panels takes (with MXFP8 staging)."""
+        if not self.order:
+            return 0
+        (_, msz), (_, nsz) = self.order[0]
+        total = self._load_bytes(self.moving, nsz)
+        widest = nsz
+        if not isinstance(self.stationary, ResidentPanels):
+            total += self._load_bytes(self.stationary, msz)
+            widest = max(widest, self.stationary.load_width or msz)
+        staging = STAGING_BUFFERS * MX_PACK * 2 * widest if self.setup.is_mx else 0
+        return total + staging
+
+    def can_prefetch(self, nxt) -> bool:
+        """Whether `nxt`'s first panels may load while this plan's last tiles run: neither is K-streamed
+        (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
+        if self.stream is not None or nxt.stream is not None or not nxt.order:
+            return False
+        budget = nl.tile_size.total_available_sbuf_size - PREFETCH_MARGIN_BYTES
+        return self.held_bytes() + nxt.first_bytes() <= budget
+
+    def stationary_on_chip(self) -> bool:
+        """Whether the stationary panels are phase 1's resident ones (the first tile's loads then read
+        only inputs and may be issued before the core_barrier)."""
+        return isinstance(self.stationary, ResidentPanels)
+
+    def last_load(self) -> int:
+        """Index of the last tile whose panels are not all loaded by earlier tiles (mirrors PanelSource's
+        caching): after it this plan loads nothing, so the next plan's first panels can load then."""
+        if self.stream is not None:
+            return len(self.order) - 1
+        last = 0
+        caches = ({}, {})
+        for i, ((m0, _), (n0, _)) in enumerate(self.order):
+            for source, cache, key in ((self.stationary, caches[0], m0), (self.moving, caches[1], n0)):
+                if isinstance(source, ResidentPanels):
+                    continue
+                key = source.load_key(key)
+                if key not in cache:
+                    if not source.keep_all and len(cache) >= source.capacity:
+                        cache.clear()
+                    cache[key] = True
+                    last = i
+        return last
 
     def prefetch(self, lo: int, hi: int, stationary: bool = True) -> None:
         """Issue the loads of tiles [lo, hi) now (e.g. before a core_barrier that fences later DMAs)."""
@@ -263,34 +316,46 @@ class _TiledGemm(nl.NKIObject):
             assert self.done == 0 and hi == len(self.order), "K-streamed plans run in one step"
             self._run_streamed()
             return
-        accumulators = _psum_buffers(self.n_tile)
+        if self.accumulators is None:
+            # allocated once per plan (PSUM_BUFFERS accumulators, RESULT_BUFFERS eviction tiles used
+            # round-robin), so a run split around another plan's prefetch allocates nothing new mid-phase
+            self.accumulators = _psum_buffers(self.n_tile)
+            self.results = [nl.ndarray((PARTITIONS, self.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
+                            for _ in range(RESULT_BUFFERS)]
         for i in range(self.done, hi):
             (m0, msz), (n0, nsz) = self.order[i]
             a = self.stationary.get(m0, msz)
             b = self.moving.get(n0, nsz)
-            psum = accumulators[i % PSUM_BUFFERS]
+            psum = self.accumulators[i % PSUM_BUFFERS]
             matmul_panels(psum[:a.f_pad, :nsz], a, b, self.setup)  # K=op K, M=m tile, N=n block
-            # a fresh SBUF tile per output tile: its store may trail the next tiles' evictions
-            res = nl.ndarray((PARTITIONS, self.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
+            # RESULT_BUFFERS eviction tiles: a tile's store may trail the next tiles' evictions
+            res = self.results[i % RESULT_BUFFERS]
             nisa.tensor_copy(dst=res[:msz, :nsz], src=psum[:msz, :nsz], engine=nisa.engine.scalar)
             nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
             a = b = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
         self.done = hi
 
+    def release(self) -> None:
+        """Drop every panel and buffer this plan holds (their SBUF/PSUM is free for the next phase)."""
+        self.accumulators = self.results = None
+        for source in (self.stationary, self.moving):
+            for cache in (getattr(source, "cache", None), getattr(source, "panels", None)):
+                if cache is not None:
+                    cache.clear()
+
     def step(self, stage: str) -> "_TiledGemm":
-        """stage "all": run the remaining tiles; "head": run all but the tail and load the tail's panels;
-        "prefetch": load the resident moving panels only (nothing that another core writes); "plan": nothing."""
+        """stage "plan": nothing; "head": run the tiles up to the last one that loads a panel (last_load);
+        "first": load the first tile's panels (prefetch while another plan computes); "all": run the
+        remaining tiles and release the panels."""
         if stage == "head":
-            tail = self.tail_start()
-            self.run(tail)
-            self.prefetch(tail, len(self.order))
-        elif stage == "plan":
-            pass
-        elif stage == "prefetch":
-            if self.order and self.keep_moving:
-                self.prefetch(0, len(self.order), stationary=False)
-        else:
+            if self.stream is None and self.order:
+                self.run(max(self.done, self.last_load() + 1))
+        elif stage == "first":
+            if self.stream is None and self.order:
+                self.prefetch(0, 1)
+        elif stage == "all":
             self.run()
+            self.release()
         return self
 
 
@@ -494,7 +559,7 @@ def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0,
 
 def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weight_td, d_gate_up_td, s_base, dtype,
                                             fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None,
-                                            resident=None):
+                                            resident=None, rows=None, plan=None, stage="all"):
     """Phase 2: dX [S, H] = d_gate_up [S, 2I] @ gate_up_weights [2I, H] (K=2I).
 
     Dimensions:
@@ -502,14 +567,20 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
         resident: phase 1's ResidentPanels (d_gate_up rows already quantized on chip) or None (read
         d_gate_up from HBM; needs a core_barrier after phase 1 under LNC2).
+        rows: (lo, hi) S rows of this core (phase 1's row split, so that cores with and without resident
+        panels compute disjoint rows), or None (_core_ranges).
+        plan / stage: run the phase in steps (see _TiledGemm.step); returns the plan.
     """
-    config = config or MatmulConfig()
-    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
-    S = d_gate_up_td.tensor.shape[0] - s_base
-    H = hidden_states_grad_td.shape[1]
-    a_op = d_gate_up_td.window(s_base, S) if s_base else d_gate_up_td
-    out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
-    _TiledGemm(out, a_op, gate_up_weight_td, S, H, setup, config, num_cores, shard_id, dtype, resident).run()
+    if plan is None:
+        config = config or MatmulConfig()
+        num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
+        S = d_gate_up_td.tensor.shape[0] - s_base
+        H = hidden_states_grad_td.shape[1]
+        a_op = d_gate_up_td.window(s_base, S) if s_base else d_gate_up_td
+        out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
+        plan = _TiledGemm(out, a_op, gate_up_weight_td, S, H, setup, config, num_cores, shard_id, dtype, resident,
+                          rows)
+    return plan.step(stage)
 
 
 def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td, grad_T_td, dtype, fp8_x4_dtype,
@@ -556,7 +627,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
                                 setup, config, run_with_lnc2, clamp_limits, weight_grad_dtype):
     """All phases in order for validated descriptors; allocates only the scratch that is needed."""
     S, two_i = output_grad_td.tensor.shape[0], gate_up_weight_grad.shape[0]
-    num_cores, _ = get_program_sharding_info(run_with_lnc2)
+    num_cores, shard_id = get_program_sharding_info(run_with_lnc2)
     d_gate_up = nl.ndarray((S, two_i), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="mlp_bwd_d_gate_up")
     scratch = None
     if intermediate is None:
@@ -570,36 +641,35 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     d_gu_k_rows = TensorDescriptor(d_gate_up, k_axis=0)
     inter_td = TensorDescriptor(intermediate if intermediate is not None else scratch, k_axis=0)
     p2 = dict(config=config.phase2, run_with_lnc2=run_with_lnc2, setup=setup)
-
     p3 = dict(config=config.phase3, run_with_lnc2=run_with_lnc2, setup=setup)
     p4 = dict(config=config.phase4, run_with_lnc2=run_with_lnc2, setup=setup)
+    # phase 2 takes phase 1's S rows when phase 1 split S (every core alike, resident panels or not)
+    rows1, cols1 = _core_ranges(S, two_i // 2, num_cores, shard_id, prefer_m=True)
+    rows2 = rows1 if num_cores > 1 and cols1 == (0, two_i // 2) else None
+    phase2_args = (hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16, setup.x4_dtype)
     phase3_args = (gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype, setup.x4_dtype)
     phase4_args = (down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype, setup.x4_dtype)
-    # Before the barrier: everything that reads only the inputs and this core's own results, i.e. phase
-    # 2 on the resident d_gate_up rows and phase 4 when the intermediate is a given checkpoint (its last
-    # stationary panel loaded but not used yet), plus phase 3's resident moving panels (X). After it,
-    # phase 4's last tiles keep TensorE busy while phase 3's d_gate_up panels arrive.
-    phase2_done = resident is not None
-    if phase2_done:
-        compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
-                                                setup.x4_dtype, resident=resident, **p2)
-    resident = None  # release the panels (SBUF)
-    phase4_early = intermediate is not None
-    plan4 = compute_phase4_down_weight_grad_mxfp8(*phase4_args, stage="head", **p4) if phase4_early else None
+    plan2 = compute_phase2_hidden_states_grad_mxfp8(*phase2_args, resident=resident, rows=rows2, stage="plan", **p2)
+    resident = None
+    plan4 = compute_phase4_down_weight_grad_mxfp8(*phase4_args, stage="plan", **p4)
     plan3 = compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, stage="plan", **p3)
-    if (plan4.resident_bytes() if phase4_early else 0) + plan3.moving_bytes() <= PREFETCH_BUDGET_BYTES:
-        compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="prefetch", **p3)
+    # The one core_barrier, right after phase 1: phases 2 (from HBM), 3 and 4 (recomputed intermediate)
+    # read rows of both cores. Little is in flight there (the fence waits for every earlier instruction
+    # of the core), and the later phases are barrier-free: each phase's first panels load while the
+    # previous phase runs its last tiles, which load nothing (stages "head", "first", "all").
+    if plan2.stationary_on_chip():
+        compute_phase2_hidden_states_grad_mxfp8(*phase2_args, plan=plan2, stage="first", **p2)
     if num_cores > 1:
-        nisa.core_barrier(data=d_gate_up, cores=(0, 1))  # phases 2 (if not resident), 3, 4 read both cores' results
-    if phase4_early:
-        compute_phase4_down_weight_grad_mxfp8(*phase4_args, plan=plan4, **p4)
-        plan4 = None  # release its panels before the next phase loads its own
-    if not phase2_done:
-        compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16,
-                                                setup.x4_dtype, **p2)
-    compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, **p3)
-    if not phase4_early:
-        compute_phase4_down_weight_grad_mxfp8(*phase4_args, **p4)
+        nisa.core_barrier(data=d_gate_up, cores=(0, 1))
+    if plan2.can_prefetch(plan4):
+        compute_phase2_hidden_states_grad_mxfp8(*phase2_args, plan=plan2, stage="head", **p2)
+        compute_phase4_down_weight_grad_mxfp8(*phase4_args, plan=plan4, stage="first", **p4)
+    compute_phase2_hidden_states_grad_mxfp8(*phase2_args, plan=plan2, stage="all", **p2)
+    if plan4.can_prefetch(plan3):
+        compute_phase4_down_weight_grad_mxfp8(*phase4_args, plan=plan4, stage="head", **p4)
+        compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="first", **p3)
+    compute_phase4_down_weight_grad_mxfp8(*phase4_args, plan=plan4, stage="all", **p4)
+    compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="all", **p3)
 
 
 _X4_DTYPES = {"float8_e4m3fn_x4": "float8_e4m3fn", "float8_e5m2_x4": "float8_e5m2"}

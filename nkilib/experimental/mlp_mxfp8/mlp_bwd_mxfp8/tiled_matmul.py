@@ -25,7 +25,7 @@ import nki.language as nl
 
 from ....core.kernel_helpers import round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
-                        SCALE_PACK_SLOTS, SCALE_PACK_STRIDE)
+                        SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
 
 
 
@@ -75,15 +75,14 @@ def _rows_in_slot(valid: int, j: int, step_p: int, step_j: int, partitions: int)
     return max(0, min(partitions, valid - step_j * j))  # wrapX: k = p + P*j
 
 
-def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup):
-    """Load a K tile of a [K, F] bf16 operand (k_axis=0) into an interleaved staging tile; returns
-    quantize_mx's src view [P, F_pad, 4]."""
+def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
+    """Load a K tile of a [K, F] bf16 operand (k_axis=0) into the interleaved staging tile `stage`
+    [128, 4, >= F_pad] bf16; returns quantize_mx's src view [P, F_pad, 4]."""
     P = padded // MX_PACK
     step_p, step_j = _slot_geometry(setup.scheme, P)
     t = op.tensor
     partial = valid < padded
     row = op.f_total
-    stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
     if partial or f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
     base = k0 * row + op.f_base + f0
@@ -96,7 +95,7 @@ def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup):
             if rows:
                 src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
                 nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
-    return stage[:P, :, :].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
+    return stage[:P, :, :f_pad].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
 
 
 def _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup):
@@ -126,9 +125,9 @@ def _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup):
     return stage[:P, :, :]
 
 
-def _bf16_tile_natural(chunks, k0, valid, f_size, f_pad):
-    """bf16 K tile [valid, F_pad] of a K-contiguous operand, transposed from natural row tiles."""
-    tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+def _bf16_tile_natural(tile, chunks, k0, valid, f_size, f_pad):
+    """bf16 K tile [valid, F_pad] of a K-contiguous operand, transposed from natural row tiles into the
+    SBUF tile `tile` [128, F_pad]."""
     if f_size < f_pad:
         nisa.memset(dst=tile[:valid, :], value=0.0)
     for c0, rows, natural, k_lo in chunks:
@@ -149,17 +148,6 @@ def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi):
     c = op.f_base + f0
     nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, k_lo:k_hi])
     return natural
-
-
-def _scale_view(scale_tiles, t, P, f_pad, setup):
-    """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
-    if setup.use_scale_packing:
-        slot = t % SCALE_PACK_SLOTS
-        if slot == 0:
-            scale_tiles.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
-        return scale_tiles[-1][SCALE_PACK_STRIDE * slot:, :]
-    scale_tiles.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
-    return scale_tiles[-1]
 
 
 def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
@@ -184,20 +172,51 @@ def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
 
 
 class _PanelBuilder:
-    """Accumulates the K tiles of one panel (data + scales, scale tiles shared when packing)."""
+    """Accumulates the K tiles [t_lo, t_lo + count) of one panel.
 
-    def __init__(self, f_pad, setup):
+    MXFP8: all K tiles of a panel share one SBUF allocation (words [128, count, F_pad], scales [128,
+    scale tiles, F_pad]), placed at its first write: the panel stays contiguous instead of interleaving
+    small words tiles with the staging tiles, which would leave staging-sized holes behind.
+    """
+
+    def __init__(self, f_pad, setup, t_lo, count):
         self.f_pad = f_pad
         self.setup = setup
-        self.data, self.scales, self.scale_tiles = [], [], []
+        self.t_lo = t_lo
+        self.count = count
+        self.data, self.scales = [], []
+        self._data_tile = self._scale_tile = None
+
+    def words(self, t, P):
+        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t."""
+        if self._data_tile is None:
+            self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
+                                         buffer=nl.sbuf)
+        return self._data_tile[:P, t - self.t_lo, :]
+
+    def bf16_tile(self, t):
+        """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
+        staging, and a whole-panel allocation would make its first load wait for all the memory)."""
+        return nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+
+    def scale(self, t):
+        """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
+        i = t - self.t_lo
+        packing = self.setup.use_scale_packing
+        if self._scale_tile is None:
+            n = -(-self.count // SCALE_PACK_SLOTS) if packing else self.count
+            self._scale_tile = nl.ndarray((PARTITIONS, n, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+        if packing:
+            return self._scale_tile[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, i // SCALE_PACK_SLOTS, :]
+        return self._scale_tile[:, i, :]
 
     def add_mx(self, t, padded, src):
         """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
         P = padded // MX_PACK
-        words = nl.ndarray((PARTITIONS, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
-        scale = _scale_view(self.scale_tiles, t, P, self.f_pad, self.setup)
-        nisa.quantize_mx(dst=words[:P, :], src=src, dst_scale=scale)
-        self.data.append(words[:P, :])
+        words = self.words(t, P)
+        scale = self.scale(t)
+        nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
+        self.data.append(words)
         self.scales.append(scale)
 
     def add_natural(self, t, tile, chunks, f_size):
@@ -206,7 +225,7 @@ class _PanelBuilder:
         if self.setup.is_mx:
             self.add_mx(t, padded, _stage_mx_natural(chunks, k0, padded, f_size, self.f_pad, self.setup))
         else:
-            self.data.append(_bf16_tile_natural(chunks, k0, valid, f_size, self.f_pad))
+            self.data.append(_bf16_tile_natural(self.bf16_tile(t), chunks, k0, valid, f_size, self.f_pad))
             self.scales.append(None)
 
     def panel(self):
@@ -229,9 +248,9 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     runs), and transposed on the PE array (whole panels only). A K-tile range must start at a multiple
     of SCALE_PACK_SLOTS (scale tiles are shared by aligned K-tile quads).
     """
-    builder = _PanelBuilder(f_pad, setup)
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
+    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo)
     if op.k_axis == 1 and not op.prequantized:
         assert (t_lo, t_hi) == (0, len(tiles)), "K-contiguous bf16 operands load whole panels"
         for group in _natural_groups(tiles, setup):
@@ -245,20 +264,38 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
             for t in group:
                 builder.add_natural(t, tiles[t], chunks, f_size)
         return builder.panel()
+    if setup.is_mx and not op.prequantized:
+        # [K, F] operand: DMA into a ring of STAGING_BUFFERS staging tiles, issued STAGING_BUFFERS K tiles
+        # ahead of the quantizes. The ring is placed before the panel's words, so it frees one contiguous
+        # block when the panel is done (no staging-sized holes between the words: next-fit placement).
+        ring, staged = [], {}
+
+        def stage_tile(t):
+            k0, valid, padded = tiles[t]
+            slot = (t - t_lo) % STAGING_BUFFERS
+            if slot == len(ring):
+                ring.append(nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf))
+            staged[t] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, ring[slot])
+
+        for t in range(t_lo, min(t_hi, t_lo + STAGING_BUFFERS)):
+            stage_tile(t)
+        for t in range(t_lo, t_hi):
+            builder.add_mx(t, tiles[t][2], staged.pop(t))
+            if t + STAGING_BUFFERS < t_hi:
+                stage_tile(t + STAGING_BUFFERS)
+        return builder.panel()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:
             if op.prequantized:
                 P = padded // MX_PACK
-                words = nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
-                scale = _scale_view(builder.scale_tiles, t, P, f_pad, setup)
+                words = builder.words(t, P)
+                scale = builder.scale(t)
                 _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup)
-                builder.data.append(words[:P, :])
+                builder.data.append(words)
                 builder.scales.append(scale)
-            else:
-                builder.add_mx(t, padded, _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup))
         else:
-            tile = nl.ndarray((PARTITIONS, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            tile = builder.bf16_tile(t)
             if f_size < f_pad:
                 nisa.memset(dst=tile[:valid, :], value=0.0)
             c0 = op.f_base + f0
@@ -271,8 +308,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
 def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
     """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
     up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
-    builder = _PanelBuilder(f_pad, setup)
     tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
     chunks = [(0, f_size, rows_tile, 0)]
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
