@@ -67,7 +67,8 @@ from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN
                         PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
                         RESULT_BUFFERS, STAGING_BUFFERS,
                         SCALE_PACK_SLOTS, SPLIT_ALIGN, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
-                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES, PSUM_BYTES)
+                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES, PSUM_BYTES)
 from .tiled_matmul import (MatmulSetup, PanelSource, ResidentPanels, blocks, k_tiles, load_panel, matmul_panels,
                            panel_bytes_per_partition, panel_from_rows, tile_order)
 
@@ -188,7 +189,10 @@ class _TiledGemm(nl.NKIObject):
         self.stream = None
         if m_group and (b_op.k_axis == 0 or b_op.prequantized):
             per_tile = panel_bytes_per_partition(a_op.k_size, m_tile, setup)
-            g = min(int(STREAM_STATIONARY_BUDGET_BYTES // per_tile), PSUM_BYTES // (STREAM_N_TILE * 4),
+            # the budget is tuned for trn3's 256 KiB; smaller SBUFs (trn2: 224 KiB) keep the same headroom
+            headroom = STREAM_STATIONARY_HEADROOM_BYTES if setup.is_mx else STREAM_STATIONARY_HEADROOM_BF16_BYTES
+            budget = min(STREAM_STATIONARY_BUDGET_BYTES, nl.tile_size.total_available_sbuf_size - headroom)
+            g = min(int(budget // per_tile), PSUM_BYTES // (STREAM_N_TILE * 4),
                     ceil_div(m_hi - m_lo, m_tile))
             if g > m_group:
                 self.stream = (g, blocks(m_lo, m_hi, m_tile), blocks(n_lo, n_hi, STREAM_N_TILE))
