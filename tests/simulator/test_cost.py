@@ -5,7 +5,6 @@ import json
 import math
 import os
 
-import numpy as np
 import pytest
 
 from simkit import BF16, randn

@@ -1,10 +1,8 @@
 """trace.label_phases attaches phase labels to trace records without touching kernel code."""
-import sys
 import types
 
 import numpy as np
 
-import nki
 import nki.isa as nisa
 import nki.language as nl
 from nkilib.simulator import run_kernel

@@ -11,7 +11,7 @@ N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn
 SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (spec §5.1)
 SCALE_PACK_STRIDE = 4
 
-FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
+FP8_X4_DTYPE_NAMES = ("float8_e4m3fn_x4", "float8_e5m2_x4")  # accepted fp8_x4_dtype values
 QUANT_SCHEMES = ("1x32", "wrapX")
 MATMUL_PRECISIONS = ("mxfp8", "bf16")
 MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double-buffered = 4 of 8)

@@ -63,7 +63,8 @@ import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
-from .constants import (MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES, MX_K_ALIGN, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
+from .constants import (FP8_X4_DTYPE_NAMES, MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES,
+                        MX_K_ALIGN, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
                         PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES, PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, QUANT_SCHEMES,
                         RESULT_BUFFERS, STAGING_BUFFERS,
                         SCALE_PACK_SLOTS, SPLIT_ALIGN, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -676,9 +677,6 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="all", **p3)
 
 
-_X4_DTYPES = {"float8_e4m3fn_x4": "float8_e4m3fn", "float8_e5m2_x4": "float8_e5m2"}
-
-
 def _check_2d(name, t, shape, dtypes):
     kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
     kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
@@ -750,8 +748,8 @@ def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, ga
     kernel_assert(precision != "mxfp8" or on_trn3,
                   f"matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
                   f"gen{int(nisa.get_nc_version())} (Trn2): use matmul_precision='bf16'")
-    kernel_assert(str(fp8_x4_dtype) in _X4_DTYPES,
-                  f"fp8_x4_dtype must be one of {sorted(_X4_DTYPES)}, got {fp8_x4_dtype!r}")
+    kernel_assert(str(fp8_x4_dtype) in FP8_X4_DTYPE_NAMES,
+                  f"fp8_x4_dtype must be one of {list(FP8_X4_DTYPE_NAMES)}, got {fp8_x4_dtype!r}")
     kernel_assert(quant_scheme in QUANT_SCHEMES, f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")
     kernel_assert(str(weight_grad_dtype) in ("bfloat16", "float32"),
                   f"weight_grad_dtype must be nl.bfloat16 or nl.float32, got {weight_grad_dtype!r}")

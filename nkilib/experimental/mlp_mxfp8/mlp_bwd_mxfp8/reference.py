@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from ....mx import dequantize_mx, element_format, mx_matmul, pack_x4, quantize_mx, unpack_x4
-from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
 
 __all__ = [
     "MODES",

@@ -6,13 +6,13 @@ import operator
 
 from ... import runtime
 from ...errors import NkiValidationError
-from ...tensor import NkiTensor, allocate
+from ...tensor import NkiTensor, allocate  # noqa: F401  (nl.NkiTensor is public API, spec §2.3)
 from .dtypes import (  # noqa: F401  (re-exported dtype names)
     ALL_DTYPES, NkiDType, bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4,
     float8_e5m2, float8_e5m2_x4, float8_e8m0fnu, float16, float32, int8, int16, int32, tfloat32, uint8, uint16,
     uint32,
 )
-from .ops import OPS, Op
+from .ops import OPS, Op  # noqa: F401  (re-exported)
 
 bool = bool_  # noqa: A001 - nki-library writes nl.bool (spec §3.1)
 
