@@ -50,9 +50,11 @@ Scheduler (`schedule`):
 - makespan = last end; modeled kernel time = makespan + `kernel_launch_overhead_s`.
 
 Calibration (simulations/calibrate_bf16_gemm.py, measured BF16 GEMMs on Trainium3 LNC2): all engine
-and DMA numbers are the documented ones; the only fitted parameter is the per-call
-`kernel_launch_overhead_s` (hardware.py) — a physically real fixed cost (launch, instruction fetch,
-completion semaphores) that the docs do not quantify and that dominates the smallest measured GEMMs.
+and DMA numbers are the documented ones. Two choices were made against the measurements: the
+per-call `kernel_launch_overhead_s` (hardware.py; fitted: a physically real fixed cost of launch,
+instruction fetch and completion semaphores that the docs do not quantify, dominant in the smallest
+GEMMs) and modeling the documented M/4-cycle LoadStationary as exposed rather than hidden
+(`_stationary_load_cycles`; the best measured GEMMs peak at ~94% of the BF16 roof).
 
 Phases: an instruction's phase is its `phase` trace attribute, else the prefix of its `name` trace
 attribute before '/' or ':' (when the ISA layer records it), else `phase_of(record)` if given to
