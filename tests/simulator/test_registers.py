@@ -207,6 +207,12 @@ def test_register_is_not_a_python_value():
         in_kernel(branch)
     with pytest.raises(NkiValidationError, match="cannot be used as a Python int"):
         in_kernel(lambda: range(nisa.register_alloc(3)))
+    with pytest.raises(NkiValidationError, match="Python operators on a register .* not simulated"):
+        in_kernel(lambda: nisa.register_alloc(3) == 3)
+    with pytest.raises(NkiValidationError, match="Python operators on a register"):
+        in_kernel(lambda: nisa.register_alloc(3) * 4 + 1)
+    with pytest.raises(NkiValidationError, match="Python operators on a register"):
+        in_kernel(lambda: 2 < nisa.register_alloc(3))
 
 
 def test_register_belongs_to_its_launch():

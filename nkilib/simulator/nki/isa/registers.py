@@ -74,6 +74,17 @@ class VirtualRegister:
             "register itself (loop bound of nl.fori_loop, .ap(..., scalar_offset=reg))")
 
     __int__ = __index__
+    __hash__ = object.__hash__  # identity, as for any handle
+
+    def _host_operator(self, *_):
+        raise NkiValidationError(
+            f"{self!r}: Python operators on a register would run at trace time on a run-time value; register "
+            "arithmetic and comparisons (NkiScalar, NKI 0.7) are not simulated: compute through an SBUF tile and "
+            "register_load the result")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _host_operator
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = _host_operator
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _host_operator
 
 
 def _program_register(instr: str, arg: str, reg) -> VirtualRegister:
