@@ -431,7 +431,9 @@ class NkiTensor:
             offset = byte_off // new_isz
         dynamic = None
         if scalar_offset is not None:
-            dynamic = _scalar_offset_elements(self, scalar_offset, indirect_dim, new, new_isz)
+            from .nki.isa.registers import scalar_offset_elements
+
+            dynamic = scalar_offset_elements(self, scalar_offset, indirect_dim, new, new_isz)
             offset += dynamic[1]
         if self.on_chip:
             # row checks before the storage bounds check, so a pattern leaving its row gets this message
@@ -456,40 +458,6 @@ class NkiTensor:
         except OutOfBoundsError as e:
             raise OutOfBoundsError(f"tensor '{self.name}'.ap: scalar_offset register value {dynamic[0]} "
                                    f"(indirect_dim {indirect_dim}) addresses outside the tensor: {e}") from None
-
-
-def _scalar_offset_elements(view: NkiTensor, reg, indirect_dim, new: NkiDType, new_isz: int):
-    """(register value, element offset) of `.ap(scalar_offset=reg, indirect_dim=d)`, resolved now.
-
-    The access starts `value` elements along dim d of the tensor `.ap` is called on, i.e. at
-    `offset + value * prod(shape[d+1:])` elements (in the pattern's dtype); see
-    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html
-    (`input_tensor.ap([[512, 128], [1, 512]], scalar_offset=i)` steps i rows of 512) and
-    docs/simulator-dynamic.md. Only a VirtualRegister is simulated as the offset.
-    """
-    from .nki.isa.registers import VirtualRegister, register_value
-
-    what = f"tensor '{view.name}'.ap"
-    if not isinstance(reg, VirtualRegister):
-        raise NkiValidationError(
-            f"{what}: scalar_offset must be a VirtualRegister (nisa.register_alloc / register_load, or a loop's "
-            f"iteration register), got {type(reg).__name__}; a 1x1 SBUF tensor offset is not simulated")
-    if isinstance(indirect_dim, bool) or not isinstance(indirect_dim, int) or not 0 <= indirect_dim < view.ndim:
-        raise NkiValidationError(
-            f"{what}: indirect_dim must be a dim of the tensor's shape {view.shape} (0..{view.ndim - 1}), "
-            f"got {indirect_dim!r}")
-    inner = _prod(view.shape[indirect_dim + 1:])
-    if view.strides[indirect_dim] != inner and view.shape[indirect_dim] > 1:
-        raise NkiValidationError(
-            f"{what}: scalar_offset steps dim {indirect_dim} by prod(shape[{indirect_dim + 1}:]) = {inner} elements, "
-            f"but this view's stride on that dim is {view.strides[indirect_dim]} (a sliced view); call .ap on a "
-            "contiguous tensor so the two readings agree")
-    value = register_value(reg, f"{what} scalar_offset")
-    step_bytes = inner * view.itemsize_storage
-    if step_bytes % new_isz:
-        raise NkiValidationError(
-            f"{what}: one step of dim {indirect_dim} ({step_bytes} bytes) is not a whole number of {new} elements")
-    return value, value * (step_bytes // new_isz)
 
 
 def _row_major(shape):

@@ -1,4 +1,5 @@
-"""Engine-sequencer registers: VirtualRegister and register_alloc / move / load / store.
+"""Engine-sequencer registers: VirtualRegister, register_alloc / move / load / store, and the
+resolution of `.ap(scalar_offset=register)` (`scalar_offset_elements`).
 
 Semantics (NKI 0.6.0 / SDK 2.32 API docs):
 https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.register_alloc.html
@@ -12,7 +13,8 @@ https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.is
   32-bit integer: immediates and loaded values outside [-2**31, 2**31 - 1] are rejected (the
   signedness of the hardware compare is not documented, so a uint32 value >= 2**31 is ambiguous).
 - register_load reads "exactly one element (shape [1] or [1, 1])" from SBUF or HBM, any dtype
-  except the packed x4 types (2.33 page). A float value must be an exact integer (the docs do not
+  except the packed x4 types (2.33 page). The 2.32 language guide says "a 1x1 SBUF tile"; the API
+  pages (HBM or SBUF, for load and store) are followed. A float value must be an exact integer (the docs do not
   say whether the register receives the bits or a conversion, so anything else fails loudly).
 - register_move takes a compile-time integer only (2.32 wording; 2.29 also allowed a register).
 - register_store writes the value into a one-element SBUF/HBM tensor; a value the destination
@@ -223,3 +225,36 @@ def register_store(dst, src):
     c.record(instr=instr, engine=REGISTER_ENGINE, writes=[("dst", dst)], register=src.id)
     checked_write(dst, instr, "dst", stored)
     return NkiInstruction(None)
+
+
+def scalar_offset_elements(view: NkiTensor, reg, indirect_dim, new, new_isz: int):
+    """(register value, element offset) of `.ap(scalar_offset=reg, indirect_dim=d)`, resolved now.
+
+    The access starts `value` elements along dim d of the tensor `.ap` is called on, i.e. at
+    `offset + value * prod(shape[d+1:])` elements (in the pattern's dtype); see
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html
+    (`input_tensor.ap([[512, 128], [1, 512]], scalar_offset=i)` steps i rows of 512) and
+    docs/simulator-dynamic.md. Only a VirtualRegister is simulated as the offset. Called by
+    `NkiTensor.ap`; `new` is the pattern's dtype and `new_isz` its storage itemsize.
+    """
+    what = f"tensor '{view.name}'.ap"
+    if not isinstance(reg, VirtualRegister):
+        raise NkiValidationError(
+            f"{what}: scalar_offset must be a VirtualRegister (nisa.register_alloc / register_load, or a loop's "
+            f"iteration register), got {type(reg).__name__}; a 1x1 SBUF tensor offset is not simulated")
+    if isinstance(indirect_dim, bool) or not isinstance(indirect_dim, int) or not 0 <= indirect_dim < view.ndim:
+        raise NkiValidationError(
+            f"{what}: indirect_dim must be a dim of the tensor's shape {view.shape} (0..{view.ndim - 1}), "
+            f"got {indirect_dim!r}")
+    inner = int(np.prod(view.shape[indirect_dim + 1:], dtype=np.int64))
+    if view.strides[indirect_dim] != inner and view.shape[indirect_dim] > 1:
+        raise NkiValidationError(
+            f"{what}: scalar_offset steps dim {indirect_dim} by prod(shape[{indirect_dim + 1}:]) = {inner} elements, "
+            f"but this view's stride on that dim is {view.strides[indirect_dim]} (a sliced view); call .ap on a "
+            "contiguous tensor so the two readings agree")
+    value = register_value(reg, f"{what} scalar_offset")
+    step_bytes = inner * view.itemsize_storage
+    if step_bytes % new_isz:
+        raise NkiValidationError(
+            f"{what}: one step of dim {indirect_dim} ({step_bytes} bytes) is not a whole number of {new} elements")
+    return value, value * (step_bytes // new_isz)
