@@ -330,3 +330,42 @@ def test_lnc2_loop_on_one_program_only_raises():
     with pytest.raises(DivergentControlFlowError, match=r"end of kernel: program 0 entered 0 dynamic loop\(s\) but "
                                                         r"program 1 entered 1; program 1 also ran nl.fori_loop #0"):
         simulate(k, 2, x=randn(52, (2, 4)))
+
+
+def test_lnc2_divergent_while_loop_raises():
+    def k(x, flags):
+        p = nl.program_id(0)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[p:p + 1, :], src=nl.zeros((1, x.shape[1]), x.dtype, buffer=nl.sbuf))
+        budget = load_register(flags[p:p + 1, :])  # program p loops flags[p] times
+        left = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.register_store(left, budget)
+
+        def body(r):
+            nisa.tensor_scalar(dst=left, data=left, op0=nl.subtract, operand0=1.0)
+            nxt = nisa.register_alloc()
+            nisa.register_load(nxt, left)
+            return nxt
+
+        nl.while_loop(budget, body)
+        return out
+
+    with pytest.raises(DivergentControlFlowError, match=r"different trip counts in nl.while_loop #0 .*program 0 ran 4 "
+                                                        r"iteration\(s\), program 1 ran 1 iteration"):
+        simulate(k, 2, x=randn(53, (2, 4)), flags=np.array([[4], [1]], np.int32))
+
+
+def test_shape_only_run_with_int_bounds_traces_every_iteration():
+    """numerics=False (the cost model's full-shape runs): int bounds need no data."""
+    from nkilib.simulator.launcher import ShapeSpec
+
+    def k(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.fori_loop(0, x.shape[0], lambda i: copy_row(x, out, i))
+        return out
+
+    res = run_kernel(k, args=(ShapeSpec((5, 64), np.float32),), numerics=False, trace=True)
+    (loop,) = [r for r in res.trace if r.instr == "dynamic_loop"]
+    assert loop.attrs["trip_count"] == 5
+    reads = [r.reads[0] for r in res.trace if r.instr == "dma_copy" and r.reads[0].name == "x"]
+    assert [op.byte_offset for op in reads] == [i * 64 * 4 for i in range(5)]
