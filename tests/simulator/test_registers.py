@@ -306,8 +306,11 @@ def test_scalar_offset_rejections():
             t.ap([[16, 2], [1, 16]], scalar_offset=sb[0:1, 0:1])
         with pytest.raises(NkiValidationError, match="at most one of scalar_offset and vector_offset"):
             t.ap([[16, 2], [1, 16]], scalar_offset=reg, vector_offset=sb[:, 0:1])
-        with pytest.raises(NkiValidationError, match="stride on that dim is 16 .*sliced view"):
+        with pytest.raises(NkiValidationError, match="stride on that dim is 16 .*sliced or re-strided view"):
             t[:, 0:8].ap([[16, 2], [1, 8]], scalar_offset=reg, indirect_dim=0)
+        with pytest.raises(NkiValidationError, match=r"prod\(shape\[1:\]\) = 8 elements, but this view's stride "
+                                                     "on that dim is 16"):
+            sb[0:1, 0:8].ap([[16, 1], [1, 8]], scalar_offset=reg, indirect_dim=0)  # a size-1 dim is not exempt
         with pytest.raises(OutOfBoundsError, match="leaves the partition row .*scalar_offset register value 9"):
             sb.ap([[16, 4], [1, 8]], scalar_offset=nisa.register_alloc(9), indirect_dim=1)
         with pytest.raises(UninitializedReadError, match="scalar_offset: reads VirtualRegister"):

@@ -247,11 +247,11 @@ def scalar_offset_elements(view: NkiTensor, reg, indirect_dim, new, new_isz: int
             f"{what}: indirect_dim must be a dim of the tensor's shape {view.shape} (0..{view.ndim - 1}), "
             f"got {indirect_dim!r}")
     inner = int(np.prod(view.shape[indirect_dim + 1:], dtype=np.int64))
-    if view.strides[indirect_dim] != inner and view.shape[indirect_dim] > 1:
+    if view.strides[indirect_dim] != inner:
         raise NkiValidationError(
             f"{what}: scalar_offset steps dim {indirect_dim} by prod(shape[{indirect_dim + 1}:]) = {inner} elements, "
-            f"but this view's stride on that dim is {view.strides[indirect_dim]} (a sliced view); call .ap on a "
-            "contiguous tensor so the two readings agree")
+            f"but this view's stride on that dim is {view.strides[indirect_dim]} (a sliced or re-strided view); "
+            "call .ap on a contiguous tensor so the two readings agree")
     value = register_value(reg, f"{what} scalar_offset")
     step_bytes = inner * view.itemsize_storage
     if step_bytes % new_isz:
