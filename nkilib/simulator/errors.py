@@ -24,3 +24,7 @@ class RaceError(NkiValidationError):
 
 class OutOfBoundsError(NkiValidationError, IndexError):
     """An index, slice or access pattern reaches outside its tensor's storage."""
+
+
+class DivergentControlFlowError(NkiValidationError):
+    """The programs of an LNC2 launch took different dynamic control flow (trip counts of run-time loops)."""

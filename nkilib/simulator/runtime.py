@@ -18,6 +18,9 @@ Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulato
 - the sum over live tensors may not exceed the target's per-partition capacity
   (hardware.py: 224 KiB SBUF trn2, 256 KiB trn3, 16 KiB PSUM).
 
+Dynamic control flow (LNC>1): the programs' logs of dynamic-loop trip counts must agree at every
+barrier, when a program returns while another waits, and at the end (control_flow.py).
+
 Race rule (LNC>1, ours): within one epoch (between two barriers), if one program writes bytes
 of a `shared_hbm` tensor that another program reads or writes in the same epoch, a RaceError is
 raised at the second access (whichever program runs second detects it).
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .control_flow import check_same_control_flow
 from .errors import CapacityError, NkiValidationError, RaceError
 from .settings import Settings
 
@@ -107,6 +111,9 @@ class ProgramContext:
         self.private_hbm = []  # keep private allocations alive for the launch
         # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (spec §5.7)
         self.act_reduce_regs = np.zeros(128, np.float32)
+        # dynamic loops entered so far (control_flow.LoopEntry), compared across LNC programs
+        self.dynamic_loops = []
+        self.loop_stack = []  # LoopEntry of each running dynamic loop, outermost first
 
     @property
     def num_programs(self) -> int:
@@ -119,6 +126,10 @@ class ProgramContext:
     def record(self, **kw) -> None:
         if self.trace is not None:
             from .trace import make_record
+
+            if self.loop_stack:  # instructions of a dynamic loop's body name the loop and iteration
+                inner = self.loop_stack[-1]
+                kw.setdefault("loop_iteration", (inner.ordinal, inner.trips - 1))
 
             self.trace.append(make_record(self, **kw))
 
@@ -198,6 +209,8 @@ class Launch:
         for e in errors:
             if e is not None:
                 raise e
+        if self.lnc > 1:
+            check_same_control_flow(self.contexts, "end of kernel")
         return results
 
     def _pass_turn(self, p):
@@ -211,6 +224,8 @@ class Launch:
 
     def _check_stuck(self, p):
         if self._arrived and all(q in self._arrived or q in self._done for q in range(self.lnc)):
+            # a data-dependent trip count is the likelier cause: name it if the loop logs differ
+            check_same_control_flow(self.contexts, f"nisa.core_barrier #{self.barriers_passed}")
             waiting = sorted(self._arrived)
             # name the program(s) that returned, not `p` (p may be the one that just arrived)
             returned = sorted(q for q in self._done if q not in self._arrived)
@@ -223,6 +238,7 @@ class Launch:
         with self._cond:
             self._arrived.add(p)
             if len(self._arrived) == self.lnc:
+                check_same_control_flow(self.contexts, f"nisa.core_barrier #{self.barriers_passed}")
                 self._arrived.clear()
                 self.epoch += 1
                 self.barriers_passed += 1

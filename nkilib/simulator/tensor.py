@@ -407,9 +407,12 @@ class NkiTensor:
         shape/strides; `offset=None` inherits this view's storage offset (0.5.0+ default;
         spec §10 Q8 resolution: absolute storage offset).
         """
-        if scalar_offset is not None or vector_offset is not None:
+        if scalar_offset is not None and vector_offset is not None:
             raise NkiValidationError(
-                f"tensor '{self.name}'.ap: scalar_offset/vector_offset (indirect DMA) are outside the simulated "
+                f"tensor '{self.name}'.ap: at most one of scalar_offset and vector_offset may be given")
+        if vector_offset is not None:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.ap: vector_offset (indirect DMA) is outside the simulated "
                 "surface of nkilib's simulator (README, 'Simulator limits')")
         new = self.dtype if dtype is None else as_nki_dtype(dtype, "ap(dtype=)")
         if new != self.dtype:
@@ -426,6 +429,12 @@ class NkiTensor:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.ap: inherited offset of {byte_off} bytes is not a multiple of {new} size")
             offset = byte_off // new_isz
+        dynamic = None
+        if scalar_offset is not None:
+            from .nki.isa.registers import scalar_offset_elements
+
+            dynamic = scalar_offset_elements(self, scalar_offset, indirect_dim, new, new_isz)
+            offset += dynamic[1]
         if self.on_chip:
             # row checks before the storage bounds check, so a pattern leaving its row gets this message
             row = self._storage.row_bytes // new_isz
@@ -438,10 +447,17 @@ class NkiTensor:
             free_lo = offset % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
             free_hi = offset % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
             if free_lo < 0 or free_hi >= row:
+                dyn = "" if dynamic is None else f", including scalar_offset register value {dynamic[0]}"
                 raise OutOfBoundsError(
                     f"tensor '{self.name}'.ap: free access [{free_lo}, {free_hi}] leaves the partition row of {row} "
-                    f"elements (pattern {pairs}, offset {offset})")
-        return NkiTensor(self._storage, new, nums, steps, offset)
+                    f"elements (pattern {pairs}, offset {offset}{dyn})")
+        if dynamic is None:
+            return NkiTensor(self._storage, new, nums, steps, offset)
+        try:
+            return NkiTensor(self._storage, new, nums, steps, offset)
+        except OutOfBoundsError as e:
+            raise OutOfBoundsError(f"tensor '{self.name}'.ap: scalar_offset register value {dynamic[0]} "
+                                   f"(indirect_dim {indirect_dim}) addresses outside the tensor: {e}") from None
 
 
 def _row_major(shape):

@@ -9,6 +9,7 @@ from .elementwise import iota, reciprocal, scalar_tensor_tensor, tensor_scalar, 
 from .matmul import nc_matmul  # noqa: F401
 from .reduce import tensor_reduce  # noqa: F401
 from .mx import nc_matmul_mx, quantize_mx  # noqa: F401
+from .registers import VirtualRegister, register_alloc, register_load, register_move, register_store  # noqa: F401
 from .sync import core_barrier, get_nc_sub_version, get_nc_version  # noqa: F401
 from .transpose import nc_transpose  # noqa: F401
 
@@ -18,7 +19,3 @@ vector_engine = engine.vector
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
 unknown_engine = engine.unknown
-
-
-class VirtualRegister:
-    """Placeholder type: runtime registers / dynamic loops are outside the simulated surface."""

@@ -13,6 +13,7 @@ from .dtypes import (  # noqa: F401  (re-exported dtype names)
     uint32,
 )
 from .ops import OPS, Op  # noqa: F401  (re-exported)
+from .control import dynamic_range, fori_loop, while_loop  # noqa: F401  (dynamic loops)
 
 bool = bool_  # noqa: A001 - nki-library writes nl.bool (spec §3.1)
 

@@ -1,0 +1,320 @@
+"""Registers (nisa.register_alloc / move / load / store) and `.ap(scalar_offset=reg)`."""
+import numpy as np
+import pytest
+
+import nki.isa as nisa
+import nki.language as nl
+from simkit import in_kernel, randn, run_tiles, simulate
+
+from nkilib.simulator.errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
+from nkilib.simulator.launcher import ShapeSpec, run_kernel
+
+
+def loaded_register(value_tile):
+    """Inside a kernel: a register loaded from a one-element tile."""
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, value_tile)
+    return reg
+
+
+def store_kernel(src):
+    """register_load the single element of `src` [1, 1] and register_store it into an int32 output."""
+    t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=src)
+    reg = loaded_register(t)
+    out_t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.register_store(out_t, reg)
+    out = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=out_t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# values through registers
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,value", [(np.int32, -5), (np.int32, 2 ** 31 - 1), (np.uint8, 200), (np.int16, -300),
+                                         (np.float32, 96.0), (np.uint32, 7)])
+def test_load_then_store_round_trips(dtype, value):
+    out = simulate(store_kernel, src=np.array([[value]], dtype))
+    assert out.dtype == np.int32 and int(out[0, 0]) == int(value)
+
+
+def test_register_load_from_hbm_and_one_element_views():
+    def k(src):
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, src[2:3, 1:2])  # a [1, 1] view of a bigger HBM tensor
+        t = nl.ndarray((1,), nl.int32, buffer=nl.private_hbm)  # shape [1] is documented too
+        nisa.register_store(t, reg)
+        reg2 = nisa.register_alloc(0)
+        nisa.register_load(reg2, t)
+        out_t = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.register_store(out_t, reg2)
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=out_t)
+        return out
+
+    src = np.arange(12, dtype=np.int32).reshape(4, 3) - 6
+    assert simulate(k, src=src)[0, 0] == np.float32(src[2, 1])
+
+
+def test_register_move_and_alloc_values_reach_memory():
+    def body(o1, o2):
+        r = nisa.register_alloc(-7)
+        nisa.register_store(o1, r)
+        nisa.register_move(r, 123456)
+        nisa.register_store(o2, r)
+
+    o1, o2 = run_tiles(body, outputs=[((1, 1), nl.int32), ((1, 1), nl.int32)])
+    assert int(o1[0, 0]) == -7 and int(o2[0, 0]) == 123456
+
+
+def test_register_ops_trace_records():
+    def body(src, o):
+        r = nisa.register_alloc(3)
+        nisa.register_move(r, 4)
+        nisa.register_load(r, src)
+        nisa.register_store(o, r)
+
+    _, recs = run_tiles(body, inputs=[np.array([[9]], np.int32)], outputs=[((1, 1), nl.int32)], trace=True)
+    assert [r.instr for r in recs] == ["register_alloc", "register_move", "register_load", "register_store"]
+    assert {r.engine for r in recs} == {"sync"}
+    reg_ids = {r.attrs["register"] for r in recs}
+    assert len(reg_ids) == 1
+    assert recs[0].attrs["value"] == 3 and recs[1].attrs["value"] == 4
+    load, store = recs[2], recs[3]
+    assert [o.arg for o in load.reads] == ["src"] and load.writes == ()
+    assert load.reads[0].buffer == "sbuf" and load.reads[0].nbytes == 4
+    assert [o.arg for o in store.writes] == ["dst"] and store.reads == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# register rejections
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x,match", [
+    (1.5, "must be a compile-time integer, got float 1.5"),
+    (True, "must be a compile-time integer, got bool"),
+    (2 ** 31, "= 2147483648 does not fit a 32-bit register"),
+    (-(2 ** 31) - 1, "does not fit a 32-bit register"),
+])
+def test_register_alloc_rejects(x, match):
+    with pytest.raises(NkiValidationError, match=f"nisa.register_alloc: argument 'x'.*{match}"):
+        in_kernel(lambda: nisa.register_alloc(x))
+
+
+def test_register_alloc_rejects_tensor():
+    def body():
+        t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.register_alloc(t)
+
+    with pytest.raises(NkiValidationError, match="got tensor .*register_load"):
+        in_kernel(body)
+
+
+def test_register_move_rejects():
+    def bad_imm():
+        nisa.register_move(nisa.register_alloc(), nisa.register_alloc(1))
+
+    with pytest.raises(NkiValidationError, match=r"register_move: argument 'imm' must be a compile-time integer, "
+                                                 r"got VirtualRegister"):
+        in_kernel(bad_imm)
+    with pytest.raises(NkiValidationError, match="argument 'dst' must be a VirtualRegister .* got int 3"):
+        in_kernel(lambda: nisa.register_move(3, 4))
+    with pytest.raises(NkiValidationError, match="'imm' = -2147483649 does not fit"):
+        in_kernel(lambda: nisa.register_move(nisa.register_alloc(), -(2 ** 31) - 1))
+
+
+@pytest.mark.parametrize("shape,buffer,dtype,match", [
+    ((2, 1), "sbuf", nl.int32, r"exactly one element \(shape \[1\] or \[1, 1\]\), got shape \(2, 1\)"),
+    ((1, 1, 1), "private_hbm", nl.int32, r"got shape \(1, 1, 1\)"),
+    ((1, 1), "psum", nl.float32, "is in PSUM; expected SBUF or HBM"),
+    ((1, 1), "sbuf", nl.float8_e4m3fn_x4, "packed dtype float8_e4m3fn_x4"),
+])
+def test_register_load_rejects_operand(shape, buffer, dtype, match):
+    def body():
+        t = nl.ndarray(shape, dtype, buffer=getattr(nl, buffer))
+        nisa.register_load(nisa.register_alloc(), t)
+
+    with pytest.raises(NkiValidationError, match=f"nisa.register_load: argument 'src' .*{match}"):
+        in_kernel(body)
+
+
+@pytest.mark.parametrize("dtype,value,match", [
+    (np.float32, 2.5, "holds 2.5; a register loaded from a float tensor must receive an exact integer"),
+    (np.float32, np.inf, "holds inf"),
+    (np.uint32, 2 ** 31, "holds 2147483648, outside the signed 32-bit register range"),
+])
+def test_register_load_rejects_value(dtype, value, match):
+    with pytest.raises(NkiValidationError, match=match):
+        simulate(store_kernel, src=np.array([[value]], dtype))
+
+
+def test_register_load_needs_written_source_and_numerics():
+    def never_written():
+        t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.register_load(nisa.register_alloc(), t)
+
+    with pytest.raises(UninitializedReadError, match="register_load: argument 'src' reads 1 element"):
+        in_kernel(never_written)
+    with pytest.raises(NkiValidationError, match="needs numerics; this is a shape-only run"):
+        run_kernel(store_kernel, args=(ShapeSpec((1, 1), np.int32),), numerics=False)
+
+
+def test_uninitialized_register_strict_and_lenient(monkeypatch):
+    def body(o):
+        nisa.register_store(o, nisa.register_alloc())
+
+    with pytest.raises(UninitializedReadError, match="allocated without a value and never written"):
+        run_tiles(body, outputs=[((1, 1), nl.int32)])
+    monkeypatch.setenv("NKILIB_SIM_STRICT", "0")
+    (o,) = run_tiles(body, outputs=[((1, 1), nl.int32)])
+    assert int(o[0, 0]) == 4  # the integer fill pattern of fresh tensors
+
+
+@pytest.mark.parametrize("dtype,value,stored", [(nl.int8, 300, "127"), (nl.uint16, -1, "0"),
+                                                (nl.bfloat16, 257, "256.0"), (nl.float32, 2 ** 24 + 1, "16777216.0")])
+def test_register_store_rejects_unrepresentable(dtype, value, stored):
+    def body():
+        t = nl.ndarray((1, 1), dtype, buffer=nl.sbuf)
+        nisa.register_store(t, nisa.register_alloc(value))
+
+    with pytest.raises(NkiValidationError, match=f"register value {value} is not representable in argument 'dst'.*"
+                                                 f"stored as {stored}"):
+        in_kernel(body)
+
+
+def test_register_store_rejects_operands():
+    def not_register():
+        nisa.register_store(nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf), 5)
+
+    with pytest.raises(NkiValidationError, match="register_store: argument 'src' must be a VirtualRegister"):
+        in_kernel(not_register)
+
+    def scale_dst():
+        nisa.register_store(nl.ndarray((1, 1), nl.float8_e8m0fnu, buffer=nl.sbuf), nisa.register_alloc(1))
+
+    with pytest.raises(NkiValidationError, match="scale dtype float8_e8m0fnu"):
+        in_kernel(scale_dst)
+
+
+def test_register_is_not_a_python_value():
+    def branch():
+        if nisa.register_alloc(1):
+            pass
+
+    with pytest.raises(NkiValidationError, match=r"bare `while reg:` loop is deprecated .* use nl.while_loop"):
+        in_kernel(branch)
+    with pytest.raises(NkiValidationError, match="cannot be used as a Python int"):
+        in_kernel(lambda: range(nisa.register_alloc(3)))
+    with pytest.raises(NkiValidationError, match="Python operators on a register .* not simulated"):
+        in_kernel(lambda: nisa.register_alloc(3) == 3)
+    with pytest.raises(NkiValidationError, match="Python operators on a register"):
+        in_kernel(lambda: nisa.register_alloc(3) * 4 + 1)
+    with pytest.raises(NkiValidationError, match="Python operators on a register"):
+        in_kernel(lambda: 2 < nisa.register_alloc(3))
+
+
+def test_register_belongs_to_its_launch():
+    leaked = in_kernel(lambda: nisa.register_alloc(2))
+    with pytest.raises(NkiValidationError, match="allocated by another program or launch"):
+        in_kernel(lambda: nisa.register_move(leaked, 3))
+    with pytest.raises(NkiValidationError, match="outside a kernel launch"):
+        nisa.register_alloc(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# .ap(scalar_offset=register)
+# ---------------------------------------------------------------------------------------------
+
+def offset_copy_kernel(x, idx, rows, indirect_dim=0):
+    """out = `rows` rows of x [R, F] starting at row idx[0, 0], read with x.ap(scalar_offset=reg)."""
+    R, F = x.shape
+    t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=idx)
+    reg = loaded_register(t)
+    tile = nl.ndarray((rows, F), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x.ap([[F, rows], [1, F]], scalar_offset=reg, indirect_dim=indirect_dim))
+    out = nl.ndarray((rows, F), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
+
+
+@pytest.mark.parametrize("start", [0, 3, 6])
+def test_scalar_offset_selects_rows_of_hbm(start):
+    x = randn(10, (8, 16))
+    out = simulate(offset_copy_kernel, x=x, idx=np.array([[start]], np.int32), rows=2)
+    np.testing.assert_array_equal(out, x[start:start + 2])
+
+
+def test_scalar_offset_on_sbuf_partitions_and_free_dim():
+    x = randn(11, (16, 4, 8))
+
+    def k(x):
+        sb = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sb, src=x)
+        p_reg, f_reg = nisa.register_alloc(5), nisa.register_alloc(2)
+        a = nl.ndarray((3, 8), x.dtype, buffer=nl.sbuf)  # partitions 5..7, free block 0
+        nisa.tensor_copy(dst=a, src=sb.ap([[32, 3], [1, 8]], scalar_offset=p_reg))
+        b = nl.ndarray((16, 8), x.dtype, buffer=nl.sbuf)  # every partition, free block 2 (indirect_dim=1)
+        nisa.tensor_copy(dst=b, src=sb.ap([[32, 16], [1, 8]], scalar_offset=f_reg, indirect_dim=1))
+        out_a = nl.ndarray(a.shape, x.dtype, buffer=nl.shared_hbm)
+        out_b = nl.ndarray(b.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out_a, src=a)
+        nisa.dma_copy(dst=out_b, src=b)
+        return out_a, out_b
+
+    a, b = simulate(k, x=x)
+    np.testing.assert_array_equal(a, x[5:8, 0, :])
+    np.testing.assert_array_equal(b, x[:, 2, :])
+
+
+def test_scalar_offset_with_dtype_reinterpretation():
+    """int32 [4, 8] read as uint16: one row step is 16 uint16 elements."""
+    x = np.arange(32, dtype=np.int32).reshape(4, 8) * 65537
+
+    def k(x):
+        reg = nisa.register_alloc(2)
+        t = nl.ndarray((1, 16), nl.uint16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.ap([[16, 1], [1, 16]], scalar_offset=reg, dtype=nl.uint16))
+        out = nl.ndarray((1, 16), nl.uint16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    np.testing.assert_array_equal(simulate(k, x=x), x[2:3].view(np.uint16))
+
+
+@pytest.mark.parametrize("start,match", [
+    (7, "scalar_offset register value 7 .*addresses outside the tensor"),
+    (-1, "scalar_offset register value -1 .*addresses outside the tensor"),
+])
+def test_scalar_offset_out_of_bounds_names_value(start, match):
+    with pytest.raises(OutOfBoundsError, match=match):
+        simulate(offset_copy_kernel, x=randn(12, (8, 4)), idx=np.array([[start]], np.int32), rows=2)
+
+
+def test_scalar_offset_rejections():
+    def body():
+        t = nl.ndarray((8, 16), nl.float32, buffer=nl.private_hbm)
+        sb = nl.ndarray((4, 16), nl.float32, buffer=nl.sbuf)
+        reg = nisa.register_alloc(1)
+        with pytest.raises(NkiValidationError, match="indirect_dim must be a dim of the tensor's shape .* got 2"):
+            t.ap([[16, 2], [1, 16]], scalar_offset=reg, indirect_dim=2)
+        with pytest.raises(NkiValidationError, match="scalar_offset must be a VirtualRegister .* got int"):
+            t.ap([[16, 2], [1, 16]], scalar_offset=1)
+        with pytest.raises(NkiValidationError, match="1x1 SBUF tensor offset is not simulated"):
+            t.ap([[16, 2], [1, 16]], scalar_offset=sb[0:1, 0:1])
+        with pytest.raises(NkiValidationError, match="at most one of scalar_offset and vector_offset"):
+            t.ap([[16, 2], [1, 16]], scalar_offset=reg, vector_offset=sb[:, 0:1])
+        with pytest.raises(NkiValidationError, match="stride on that dim is 16 .*sliced or re-strided view"):
+            t[:, 0:8].ap([[16, 2], [1, 8]], scalar_offset=reg, indirect_dim=0)
+        with pytest.raises(NkiValidationError, match=r"prod\(shape\[1:\]\) = 8 elements, but this view's stride "
+                                                     "on that dim is 16"):
+            sb[0:1, 0:8].ap([[16, 1], [1, 8]], scalar_offset=reg, indirect_dim=0)  # a size-1 dim is not exempt
+        with pytest.raises(OutOfBoundsError, match="leaves the partition row .*scalar_offset register value 9"):
+            sb.ap([[16, 4], [1, 8]], scalar_offset=nisa.register_alloc(9), indirect_dim=1)
+        with pytest.raises(UninitializedReadError, match="scalar_offset: reads VirtualRegister"):
+            t.ap([[16, 2], [1, 16]], scalar_offset=nisa.register_alloc())
+        return True
+
+    assert in_kernel(body)
