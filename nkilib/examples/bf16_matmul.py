@@ -7,16 +7,22 @@ Layout of A (`a_layout`):
 - ``"km"`` (default): the caller passes A already K-major, ``a`` = A^T with shape [K, M]. TensorE
   contracts over the partition dim, so stationary tiles must be [K, M]; with A^T in HBM they are plain
   `dma_copy` loads. This is the layout the calibration models: the measured torch.matmul leaves the
-  operand layout to the compiler and its times show no transpose cost (spec §5.3 "stationary.T @ moving").
+  operand layout to the compiler and its times show no transpose cost (nc_matmul computes
+  "stationary.T @ moving":
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html).
 - ``"mk"``: ``a`` = A with shape [M, K]; each [M_tile, K_tile] block is loaded transposed with
-  `nisa.dma_transpose` (spec §5.6; 2-byte dtype, dst in SBUF).
+  `nisa.dma_transpose` (2-byte dtype, dst in SBUF:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_transpose.html).
 
-Tiling (spec §5.3, §6.4): K tiles of 128 partitions, M tiles of 128 (stationary free size),
+Tiling (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.tile_size.html):
+K tiles of 128 partitions, M tiles of 128 (stationary free size),
 N tiles of 512 (moving free size = one 2 KiB fp32 PSUM bank). An *M block* of up to 4 M tiles keeps
 its whole A^T panel [K, <=512] resident in SBUF, so every B tile [128, 512] loaded from HBM feeds up to
 4 matmuls (B traffic = K*N*2 bytes per M block). The PSUM accumulators of one N tile (one bank per M
 tile) are evicted to bf16 SBUF tiles alternately by VectorE and ScalarE, and stored to HBM in chunks of
-up to 2048 columns (4 KiB contiguous per partition, the DMA full-rate payload, spec §6.2).
+up to 2048 columns (4 KiB contiguous per partition, the DMA full-rate payload:
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html).
 
 LNC2: the M tiles are split into contiguous halves across the two programs; when there are fewer than
 two M tiles the N range is split instead. Partial tiles (M, K, N not multiples of 128/512) are handled.
@@ -112,7 +118,8 @@ def bf16_matmul(a, b, a_layout="km"):
                     nisa.dma_copy(dst=b_sb[0:ksz, :], src=b[k0:k0 + ksz, n0:n0 + nsz])
                     for j in range(len(mts)):
                         col = j * TILE_M
-                        # first matmul into a fresh PSUM tile overwrites, later ones accumulate (spec §5.3)
+                        # first matmul into a fresh PSUM tile overwrites, later ones accumulate
+                        # (docs/simulator.md#choice-psum-accumulate)
                         nisa.nc_matmul(dst=acc[j][0:msz[j], :], stationary=a_t[0:ksz, kt, col:col + msz[j]],
                                        moving=b_sb[0:ksz, :])
                 for j in range(len(mts)):

@@ -4,15 +4,16 @@ Both bf16 operands are quantized on chip with `nisa.quantize_mx` (OCP-contiguous
 along K, float8_e4m3fn elements, E8M0 scales) and multiplied with `nisa.nc_matmul_mx`, accumulating
 the K tiles in one fp32 PSUM tile per output tile.
 
-SBUF layout of one K tile (spec §5.1, §5.2): a K tile of T <= 512 logical rows lives on
-kp = T / 4 partitions; partition p, packed slot j holds logical row k = k0 + 4p + j ("1x32",
-`nkilib.mx.k_index`). Loaded in this interleaved layout, the quantize_mx group
+SBUF layout of one K tile (nki.isa.quantize_mx / nc_matmul_mx docs, docs/simulator.md): a K tile of
+T <= 512 logical rows lives on kp = T / 4 partitions; partition p, packed slot j holds logical row
+k = k0 + 4p + j ("1x32", `nkilib.mx.k_index`). Loaded in this interleaved layout, the quantize_mx group
 (8 partitions x 4 consecutive free elements) is exactly 32 consecutive logical K rows, so the
 result equals `nkilib.mx.quantize_mx(x, axis=K, scheme="1x32")` and `nkilib.mx.mx_matmul`.
 
 * A [M, K] row-major is brought to K-major form by one 3-D `dma_transpose` per [128 x T] tile:
   the source access pattern [[1, 4], [K, 128], [4, kp]] reads A[m0 + m, k0 + 4p + j] as
-  [j, m, p], and the transpose writes it as [p, m, j] (spec §5.6, axes (2, 1, 0)).
+  [j, m, p], and the transpose writes it as [p, m, j] (axes (2, 1, 0):
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_transpose.html).
 * B [K, N] is DMA'd with contiguous rows as [p, j, n] (k = 4p + j), then re-ordered on chip to
   [p, n, j] with a strided `tensor_copy` (the deep-dive's `copy_data_strided` approach; an
   element-granular DMA would also work but moves 2-byte runs).

@@ -6,7 +6,10 @@ Modules:
     layout: x4 packing, quadrant scale rows, K interleaving for SBUF tiles.
     hw: exact math of nisa.quantize_mx / nisa.nc_matmul_mx on SBUF-layout operands.
 
-Contract: /work/shared/nki-spec.md §3.1-§3.3, §5.1, §5.2, §10.
+Contract: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html;
+choices where the docs are silent: docs/simulator.md (quantize_mx, nc_matmul_mx entries and "Choices").
 """
 
 from .formats import (

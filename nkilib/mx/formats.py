@@ -1,7 +1,11 @@
 """MX element formats, scale rules and bit-exact element / scale decoding.
 
-Contract: /work/shared/nki-spec.md §3.1 (dtype table), §3.2 (x4 packing, e2m1 LUT),
-§3.3 (RNE conversions) and §5.1 (quantize_mx scale rule).
+Contract: the dtype table and RNE conversions of
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html,
+the x4 packing and e2m1 values of
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html
+(code: https://github.com/aws-neuron/nki-samples/tree/main/src/nki_samples/tutorials/mxfp-matmul),
+and the quantize_mx scale rule (docs/simulator.md#choice-qmx-scale-rule).
 
 References:
     * nki.isa.quantize_mx:
@@ -34,12 +38,13 @@ __all__ = [
 #: Number of elements sharing one E8M0 scale (OCP MX v1.0 block size k = 32).
 BLOCK_SIZE = 32
 
-#: E8M0 encoding of NaN (OCP MX v1.0 §5.4; nki-spec §3.1 "byte 255 is NaN").
+#: E8M0 encoding of NaN (OCP MX v1.0 §5.4; nl.float8_e8m0fnu "NaN represented by 0xFF",
+#: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/_modules/nki/language.html).
 SCALE_NAN_BYTE = 255
 
 #: Scale-selection rules understood by :func:`nkilib.mx.quantize_blocks`.
 #:
-#: * ``"neuron"``: NKI >= 0.5.0 / SDK 2.31 quantize_mx ("alternative emax", nki-spec §5.1, §10 Q1):
+#: * ``"neuron"``: NKI >= 0.5.0 / SDK 2.31 quantize_mx ("alternative emax", docs/simulator.md#choice-qmx-scale-rule):
 #:   exponent = floor(log2(amax)) - (emax - 1).
 #: * ``"ocp_floor"``: OCP MX v1.0 §6.3 example algorithm (and quantize_mx before SDK 2.31):
 #:   exponent = floor(log2(amax)) - emax, elements saturate to +-max_normal.
@@ -151,7 +156,9 @@ _FP8_LUTS = {name: _lut(fmt) for name, fmt in ELEMENT_FORMATS.items()}
 for _lut_arr in _FP8_LUTS.values():
     _lut_arr.setflags(write=False)
 
-#: e2m1 (OCP FP4) code -> value, nki-spec §3.2 (`_FP4_LUT`): 0..7 positive, 8..15 negative (8 = -0).
+#: e2m1 (OCP FP4) code -> value (OCP MX v1.0; `_FP4_LUT` of the MXFP matmul tutorial code
+#: https://github.com/aws-neuron/nki-samples/tree/main/src/nki_samples/tutorials/mxfp-matmul):
+#: 0..7 positive, 8..15 negative (8 = -0).
 FP4_E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=np.float32,
@@ -188,7 +195,7 @@ def decode_elements(codes, elem_format) -> np.ndarray:
 
 
 def decode_fp4(nibbles) -> np.ndarray:
-    """Decodes e2m1 (FP4) codes to float32 using the LUT of nki-spec §3.2.
+    """Decodes e2m1 (FP4) codes to float32 using the OCP e2m1 value table (FP4_E2M1_VALUES).
 
     Args:
         nibbles: integer array [...] with values in [0, 15].

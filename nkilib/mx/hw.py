@@ -1,7 +1,7 @@
 """Exact math of the NeuronCore-v4 MX instructions on SBUF-layout operands.
 
-* ``hw_quantize_tile``: nisa.quantize_mx on a [P, F] source tile (nki-spec §5.1).
-* ``hw_matmul_mx``: nisa.nc_matmul_mx on x4-packed operands with group-order scales (§5.2).
+* ``hw_quantize_tile``: nisa.quantize_mx on a [P, F] source tile.
+* ``hw_matmul_mx``: nisa.nc_matmul_mx on x4-packed operands with group-order scales.
 
 The simulator handles operand placement (quadrant scale rows, PSUM accumulate); these functions
 only do the numerics.
@@ -29,10 +29,13 @@ from .quantize import _as_float32, quantize_blocks
 
 __all__ = ["QMX_PARTITIONS", "MATMUL_MX_FORMATS", "hw_quantize_tile", "hw_matmul_mx"]
 
-#: Partition counts accepted by quantize_mx (nki-spec §5.1, nki-library ALLOWED_QMX_P_DIM).
+#: Partition counts accepted by quantize_mx (multiple of 32, <= 128:
+#: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html;
+#: nki-library ALLOWED_QMX_P_DIM).
 QMX_PARTITIONS = (32, 64, 96, 128)
 
-#: Operand dtypes of nc_matmul_mx (nki-spec §5.2).
+#: Operand dtypes of nc_matmul_mx
+#: (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html).
 MATMUL_MX_FORMATS = ("float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4")
 
 _FP8_LUT64 = {
@@ -46,7 +49,7 @@ def hw_quantize_tile(src, elem_format, scale_rule: str = "neuron"):
     """Exact math of nisa.quantize_mx on one SBUF tile.
 
     Group (g, j) = src[8g:8g+8, 4j:4j+4] (8 partitions x 4 consecutive free elements) shares one
-    E8M0 scale; element src[p, 4j+k] becomes byte k of output word [p, j] (nki-spec §5.1, §3.2).
+    E8M0 scale; element src[p, 4j+k] becomes byte k of output word [p, j] (quantize_mx docs).
     Scale and element rules as in ``quantize_blocks``.
 
     Args:
@@ -96,7 +99,7 @@ def _decode_operand(words, fmt_name, what: str) -> np.ndarray:
     """x4 words [K, X] -> float64 values [K, X, 4] (element k of word = slot k)."""
     name = str(fmt_name)
     if name in ("float4_e2m1fn_x4", "float4_e2m1fn"):
-        # nki-spec §10 Q6 (INFERRED): FP4 -> FP8 mapping is "programmer-defined" on NC-v4; we use
+        # INFERRED (docs/simulator.md#choice-mx-numerics): FP4 -> FP8 mapping is "programmer-defined" on NC-v4; we use
         # the standard e2m1 values (all exactly representable in e4m3fn).
         w = _int_words(words, 2, name, what)
         b = np.ascontiguousarray(w, dtype="<u2").view(np.uint8).reshape(w.shape + (2,))
@@ -127,7 +130,8 @@ def _scale_factors(scale, K: int, X: int, what: str) -> np.ndarray:
         raise ValueError(f"{what} values must lie in [0, 255]")
     si = s.astype(np.int32)
     f = np.ldexp(np.ones(si.shape), si - 127)
-    # nki-spec §10 Q6 (INFERRED): an E8M0 NaN scale makes its whole group NaN (OCP MX v1.0 §5.4).
+    # INFERRED (docs/simulator.md#choice-mx-numerics): an E8M0 NaN scale makes its whole group NaN
+    # (OCP MX v1.0 §5.4).
     f[si == SCALE_NAN_BYTE] = np.nan
     return np.repeat(f, 8, axis=0)
 
@@ -140,13 +144,14 @@ def hw_matmul_mx(
     stationary_format,
     moving_format,
 ) -> np.ndarray:
-    """Exact math of nisa.nc_matmul_mx (nki-spec §5.2).
+    """Exact math of nisa.nc_matmul_mx
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html).
 
     dst[m, n] = sum_p sum_k S[p,m,k] * 2**(ss[p//8,m]-127) * V[p,n,k] * 2**(ms[p//8,n]-127),
-    where S[p,m,k] / V[p,n,k] is element k (byte or nibble k, §3.2) of word [p, m] / [p, n].
+    where S[p,m,k] / V[p,n,k] is element k (byte or nibble k of the x4 word) of word [p, m] / [p, n].
     Every product is exact in float64 (<= 4-bit significands, power-of-two scales); the 4K products
     are summed in float64 (one BLAS matmul over the flattened [4K] contraction) and the result is
-    rounded once to float32 (INFERRED fp32-or-better internal accumulation, nki-spec §10 Q6).
+    rounded once to float32 (INFERRED fp32-or-better internal accumulation, docs/simulator.md#choice-mx-numerics).
     NaN scale bytes / NaN codes propagate; overflow beyond float32 gives +-Inf.
 
     Args:

@@ -1,11 +1,12 @@
 """SBUF layouts of MX data: x4 packing, quadrant scale rows and K interleaving.
 
-Contract: /work/shared/nki-spec.md §3.2 (x4 bit layout), §5.1 (quantize_mx groups and the
-quadrant scale layout r(g) = 32*(g//4) + g%4), §5.2.
+Contract: the x4 bit layout, the quantize_mx groups and the quadrant scale layout
+r(g) = 32*(g//4) + g%4 of the pages below (docs/simulator.md, quantize_mx entry).
 
 References:
     * https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
-    * https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/mxfp-matmul.html
+    * https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html
+    * https://github.com/aws-neuron/nki-samples/tree/main/src/nki_samples/tutorials/mxfp-matmul (`pack_mx_data_into_x4`)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _split4(a: np.ndarray, what: str) -> np.ndarray:
 
 
 def pack_x4(codes_u8) -> np.ndarray:
-    """Packs fp8 codes four to a 32-bit word (float8_*_x4, nki-spec §3.2).
+    """Packs fp8 codes four to a 32-bit word (float8_*_x4; byte k of word j = element 4j + k).
 
     Byte k of little-endian word j is element 4j + k, i.e. word = sum_k code[4j+k] << 8k. The
     computation is arithmetic on values, so it does not depend on the host byte order; the result
@@ -71,7 +72,7 @@ def unpack_x4(words) -> np.ndarray:
 
 
 def pack_fp4_x4(nibbles) -> np.ndarray:
-    """Packs e2m1 (FP4) codes four to a 16-bit word (float4_e2m1fn_x4, nki-spec §3.2).
+    """Packs e2m1 (FP4) codes four to a 16-bit word (float4_e2m1fn_x4).
 
     Nibble k (bits 4k..4k+3) of word j is element 4j + k, low nibble first; in memory (little
     endian) byte 2j = e[4j] | e[4j+1] << 4 and byte 2j+1 = e[4j+2] | e[4j+3] << 4.
@@ -104,7 +105,8 @@ def unpack_fp4_x4(words) -> np.ndarray:
 
 
 def scale_row(g):
-    """Quadrant scale row of quantize_mx group row g: 32*(g//4) + g%4 (nki-spec §5.1).
+    """Quadrant scale row of quantize_mx group row g: 32*(g//4) + g%4
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html).
 
     Args:
         g: int or integer array of group rows (0..15 for a 128-partition tile).

@@ -1,7 +1,8 @@
 """Bit-exact MX (microscaling) quantization, dequantization and the MX matmul reference.
 
-Contract: /work/shared/nki-spec.md §5.1 (quantize_mx scale value), §5.2 (nc_matmul_mx math),
-§10 open questions 1, 2, 6.
+Contract: the quantize_mx scale value and the nc_matmul_mx math of the pages below; undocumented cases
+follow docs/simulator.md#choice-qmx-scale-rule, docs/simulator.md#choice-qmx-edge-cases and
+docs/simulator.md#choice-mx-numerics.
 
 References:
     * nki.isa.quantize_mx (2.32):
@@ -9,7 +10,7 @@ References:
     * nki.isa.nc_matmul_mx (2.32):
       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html
     * MXFP matmul deep dive:
-      https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/mxfp-matmul.html
+      https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html
     * OCP Microscaling Formats (MX) v1.0:
       https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf
 
@@ -164,7 +165,7 @@ def _scale_bytes(x: np.ndarray, fmt: ElementFormat, scale_rule: str):
     ex = ex.astype(np.int64)
     e = ex - 1
     if scale_rule == "neuron":
-        # nki-spec §5.1 / §10 Q1, SDK >= 2.31 "alternative emax": X = 2**(e - (Emax - 1)).
+        # SDK >= 2.31 "alternative emax" (docs/simulator.md#choice-qmx-scale-rule): X = 2**(e - (Emax - 1)).
         # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
         sexp = e - (fmt.emax - 1)
     elif scale_rule == "ocp_floor":
@@ -177,11 +178,12 @@ def _scale_bytes(x: np.ndarray, fmt: ElementFormat, scale_rule: str):
         # s = d + 1 always works (2*mn >= 1 > mant). So s = d + (mant > mn).
         mn, mex = np.frexp(np.float64(fmt.max_normal))
         sexp = ex - int(mex) + (mant.astype(np.float64) > mn)
-    # nki-spec §10 Q2 (INFERRED): an exponent below -127 (e.g. bf16/fp32 subnormal amax) clamps to
-    # byte 0; 254 is the largest finite E8M0 byte (unreachable from float32 inputs).
+    # INFERRED (docs/simulator.md#choice-qmx-edge-cases): an exponent below -127 (e.g. bf16/fp32
+    # subnormal amax) clamps to byte 0; 254 is the largest finite E8M0 byte (unreachable from float32 inputs).
     byte = np.clip(sexp + 127, 0, 254)
     byte = np.where(amax == 0, 0, byte)  # all-zero group: X = 2**-127, byte 0 (documented)
-    # nki-spec §10 Q2 (INFERRED, follows OCP MX v1.0 §6.3 / §5.4): a group containing NaN or +-Inf
+    # INFERRED (docs/simulator.md#choice-qmx-edge-cases, follows OCP MX v1.0 §6.3 / §5.4): a group
+    # with NaN or +-Inf
     # gets the E8M0 NaN scale 0xFF and NaN elements. The hardware behaviour is undocumented
     # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html).
     byte = np.where(nonfinite, SCALE_NAN_BYTE, byte).astype(np.uint8)
@@ -226,7 +228,7 @@ def quantize_blocks(blocks, elem_format, scale_rule: str = "neuron"):
         * "ocp_floor": e - emax.
         * "rceil": ceil(log2(amax / max_normal)).
     byte = exponent + 127 clamped to [0, 254]; all-zero block -> 0; block with NaN/Inf -> 255 and all
-    its codes NaN (INFERRED, nki-spec §10 Q2). Elements: RNE(v / 2**(byte - 127)) saturated to
+    its codes NaN (INFERRED, docs/simulator.md#choice-qmx-edge-cases). Elements: RNE(v / 2**(byte - 127)) saturated to
     +-max_normal; fp8 subnormals and signed zeros kept.
 
     Args:
@@ -398,7 +400,7 @@ def mx_matmul(a: MXTensor, b: MXTensor, k_tile: int = 512) -> np.ndarray:
     """Reference MX matmul a @ b with PSUM-style float32 accumulation.
 
     Numerics model (INFERRED from "accumulation precision internal to Tensor Engine is float32",
-    nki-spec §5.2 / §10 Q6,
+    docs/simulator.md#choice-mx-numerics,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html):
     the contraction is split into consecutive K tiles of ``k_tile`` elements (one nc_matmul_mx
     each). Within a tile, the products of dequantized values are exact in float64 (<= 4-bit

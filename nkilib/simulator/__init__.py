@@ -1,6 +1,7 @@
 """nkilib's NKI CPU simulator: a strict, pure-NumPy drop-in for the `nki` module tree.
 
-`install()` registers it under the module names the official harness aliases (spec §1.3, §9):
+`install()` registers it under the module names that nki-library's simulation harness aliases
+(`test/utils/simulation_setup.py` in https://github.com/aws-neuron/nki-library; docs/simulator.md#backend-selection):
 `nki`, `nki.language`, `nki.isa`, `nki.isa.constants`, `nki.typing`, `nki.compiler`, `nki.dtype`,
 `nki.tensor`. `run_kernel` is the programmatic entry (trace, shape-only runs).
 """

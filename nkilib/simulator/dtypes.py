@@ -1,11 +1,12 @@
-"""NKI dtypes (spec §3.1).
+"""NKI dtypes ("Supported Data Types" of https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html).
 
 Each `nl.<dtype>` is an `NkiDType`, a `str` subclass equal to its name (`nl.float32 == "float32"`,
-spec §3.1 INFERRED requirement) that also carries the facts the simulator needs: NKI byte size,
+INFERRED from `DType = str` in https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/_modules/nki/language.html;
+docs/simulator.md#choice-dtype-strings) that also carries the facts the simulator needs: NKI byte size,
 the NumPy storage dtype (ml_dtypes for bfloat16/fp8/e8m0), and its category.
 
 MX x4 dtypes are stored as raw little-endian words: uint32 for `float8_*_x4`, uint16 for
-`float4_e2m1fn_x4` (spec §3.2 / §10 Q12 recommendation). Kernel inputs for x4 operands are passed
+`float4_e2m1fn_x4` (docs/simulator.md#choice-x4-inputs). Kernel inputs for x4 operands are passed
 as uint32 / uint16 arrays and reinterpreted in the kernel with `.view(x4_dtype)` or `.ap(dtype=...)`.
 """
 from __future__ import annotations
@@ -71,10 +72,11 @@ uint32 = NkiDType("uint32", 4, "uint", np.uint32)
 float16 = NkiDType("float16", 2, "float", np.float16)
 bfloat16 = NkiDType("bfloat16", 2, "float", ml_dtypes.bfloat16)
 float32 = NkiDType("float32", 4, "float", np.float32)
-# tfloat32 (1-8-10) lives in a 32-bit container (spec §3.1 INFERRED); values are rounded to 10
+# tfloat32 (1-8-10) lives in a 32-bit container (INFERRED, docs/simulator.md#choice-tf32-fp32-matmul); rounded to 10
 # mantissa bits on write (see tensor.cast_values).
 tfloat32 = NkiDType("tfloat32", 4, "float", np.float32)
-# Legacy Trn2 "float8_e4m3": IEEE-like e4m3 with Inf/NaN, max finite 240 (spec §3.1, nki-library
+# Legacy Trn2 "float8_e4m3": IEEE-like e4m3 with Inf/NaN, max finite 240
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html footnote; nki-library
 # FP8_E4M3_MAX = 240.0) == ml_dtypes.float8_e4m3.
 float8_e4m3 = NkiDType("float8_e4m3", 1, "float", ml_dtypes.float8_e4m3)
 float8_e4m3fn = NkiDType("float8_e4m3fn", 1, "float", ml_dtypes.float8_e4m3fn)
@@ -98,7 +100,7 @@ ALL_DTYPES = {
         float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4,
     )
 }
-ALL_DTYPES["bool"] = bool_  # nki-library also writes nl.bool (spec §3.1 INFERRED alias)
+ALL_DTYPES["bool"] = bool_  # nki-library also writes nl.bool (INFERRED alias, docs/simulator.md#choice-dtype-strings)
 
 # NumPy dtype of a kernel input -> NKI dtype
 _FROM_NUMPY = {

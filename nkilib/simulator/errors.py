@@ -1,7 +1,8 @@
 """Exceptions raised by the nkilib NKI CPU simulator.
 
 `NkiValidationError` is the documented exception type of `nki.isa` ("raised when hardware
-constraints are violated", nki-spec.md §1.3). Every stricter check this simulator adds derives
+constraints are violated",
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html). Every stricter check this simulator adds derives
 from it so that `pytest.raises(nisa.NkiValidationError)` catches all of them.
 """
 

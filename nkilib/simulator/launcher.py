@@ -101,7 +101,8 @@ def _to_output(value, inputs_by_storage, strict: bool, numerics: bool):
     if st.buffer_kind != "shared_hbm" and st.id not in inputs_by_storage:
         raise NkiValidationError(
             f"kernel output '{value.name}' is in {st.buffer_kind}; outputs must be allocated with "
-            "buffer=nl.shared_hbm (NKI 0.3.0+, spec §1.1)")
+            "buffer=nl.shared_hbm (NKI 0.3.0+, "
+            "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)")
     if strict:
         ok = value.written_elements()
         if not ok.all():
@@ -131,9 +132,11 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
         # a nested launch would replace, then clear, the running program's context
         raise NkiValidationError(
             f"kernel {getattr(fn, '__name__', fn)}: nki.simulate / run_kernel called from inside a running kernel; "
-            "call sub-kernels as plain functions (spec §1.1)")
+            "call sub-kernels as plain functions "
+            "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)")
     if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc not in (1, 2):
-        raise NkiValidationError(f"LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} (spec §1.1)")
+        raise NkiValidationError(f"LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} "
+                                 "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)")
     settings = current_settings()
     buffer_kind = "shared_hbm" if lnc > 1 else "private_hbm"
     try:
@@ -172,7 +175,8 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
         if [getattr(x, "storage", None) and x.storage.id for x in o] != ids0:
             raise NkiValidationError(f"LNC programs 0 and {p} returned different output tensors")
     converted = tuple(_to_output(v, inputs_by_storage, settings.strict, numerics) for v in outs[0])
-    # write back inputs the kernel modified in place (official simulator behaviour, spec §1.3)
+    # write back inputs the kernel modified in place (official simulator behaviour,
+    # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html)
     if numerics:
         for st in inputs_by_storage.values():
             host = st.host_array

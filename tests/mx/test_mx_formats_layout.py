@@ -82,7 +82,8 @@ def test_scale_bytes_to_float():
 
 
 def test_decode_fp4_lut():
-    # nki-spec §3.2: 0->0, 1->0.5, 2->1, 3->1.5, 4->2, 5->3, 6->4, 7->6, 8..15 negatives (8 = -0)
+    # OCP e2m1 values (nkilib/mx/formats.py FP4_E2M1_VALUES):
+    # 0->0, 1->0.5, 2->1, 3->1.5, 4->2, 5->3, 6->4, 7->6, 8..15 negatives (8 = -0)
     v = mx.decode_fp4(np.arange(16, dtype=np.uint8))
     assert v.dtype == np.float32
     assert v[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
@@ -108,7 +109,7 @@ def test_pack_x4_byte_order():
     w = mx.pack_x4(np.array([1, 2, 3, 4, 0xFF, 0, 0, 0x80], np.uint8))
     assert w.dtype == np.uint32
     assert w.tolist() == [0x04030201, 0x800000FF]
-    # in memory, little-endian words reproduce the unpacked fp8 bytes (nki-spec §3.2)
+    # in memory, little-endian words reproduce the unpacked fp8 bytes (x4 layout, docs/simulator.md#dtypes)
     assert w.astype("<u4").tobytes() == bytes([1, 2, 3, 4, 0xFF, 0, 0, 0x80])
     assert mx.unpack_x4(np.array([0x04030201], np.uint32)).tolist() == [1, 2, 3, 4]
     # a big-endian input dtype is read by value

@@ -191,7 +191,7 @@ def test_hw_matmul_nan_scale_and_e8m0_dtype():
     sw, mw = random_words(rng, (K, M), E4), random_words(rng, (K, N), E4)
     ss = np.full((K // 8, M), 127, np.uint8)
     ms = np.full((K // 8, N), 127, np.uint8)
-    ss[3, 2] = 255  # INFERRED (nki-spec §10 Q6): a NaN scale poisons its output row / column
+    ss[3, 2] = 255  # INFERRED (docs/simulator.md#choice-mx-numerics): a NaN scale poisons its output row / column
     ms[0, 7] = 255
     out = mx.hw_matmul_mx(sw, mw, ss, ms, E4, E4)
     nan = np.zeros((M, N), bool)

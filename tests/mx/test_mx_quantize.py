@@ -345,7 +345,7 @@ def test_rne_ties_explicit():
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nan_inf_groups(fmt, rule, bad):
-    # INFERRED (nki-spec §10 Q2): NaN scale 0xFF and NaN elements for the whole group only
+    # INFERRED (docs/simulator.md#choice-qmx-edge-cases): NaN scale 0xFF and NaN elements for the whole group only
     x = np.ones((3, 32), np.float32)
     x[1, 5] = bad
     c, s = mx.quantize_blocks(x, fmt, rule)

@@ -1,4 +1,4 @@
-"""Backend selection on `import nkilib` (nkilib/_backend.py, spec §1.3, §9).
+"""Backend selection on `import nkilib` (nkilib/_backend.py, docs/simulator.md#backend-selection).
 
 Each scenario runs in a fresh interpreter (subprocess) with its own PYTHONPATH and environment,
 so the `nki` modules of this test process are never disturbed.

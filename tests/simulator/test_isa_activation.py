@@ -1,4 +1,5 @@
-"""nisa.activation / nisa.activation_reduce (spec §5.7, §5.13, §10 Q16, Q19).
+"""nisa.activation / nisa.activation_reduce (docs/simulator.md: activation entry, choice-activation-reduce,
+choice-activation-numerics).
 
 Activation functions are checked against independent float64 numpy/math formulas; bf16 outputs of
 exact functions (copy, relu, square) must equal the reference rounded to bf16 bit for bit, those of
@@ -24,7 +25,8 @@ def _sigmoid(x):
 
 _erf = np.vectorize(math.erf)
 
-# independent float64 references (spec §5.13; silu_dx = s(x)(1 + x(1 - s(x))))
+# independent float64 references (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html;
+# silu_dx = s(x)(1 + x(1 - s(x))))
 REFS = {
     "copy": lambda x: x,
     "silu": lambda x: x * _sigmoid(x),

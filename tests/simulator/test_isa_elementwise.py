@@ -1,4 +1,4 @@
-"""nisa.tensor_tensor, tensor_scalar, scalar_tensor_tensor, reciprocal, iota (spec §3.3, §5.5, §5.8, §7).
+"""nisa.tensor_tensor, tensor_scalar, scalar_tensor_tensor, reciprocal, iota (docs/simulator.md entries).
 
 Expected values are hand-computed or plain numpy float32 / Python-int computations; bf16 results
 must equal the float32 reference rounded to bf16 (RNE, ml_dtypes) bit for bit.

@@ -1,4 +1,4 @@
-"""nisa.tensor_reduce (spec §5.9, §7 rule 17) and nisa.nc_transpose (spec §5.4, §7 rule 18)."""
+"""nisa.tensor_reduce and nisa.nc_transpose (docs/simulator.md entries)."""
 import numpy as np
 import pytest
 

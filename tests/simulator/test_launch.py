@@ -1,4 +1,4 @@
-"""Kernel entry and launching: nki.jit, nki.simulate, NKI_SIMULATOR, outputs, targets (spec §1)."""
+"""Kernel entry and launching: nki.jit, nki.simulate, NKI_SIMULATOR, outputs, targets (docs/simulator.md#launching)."""
 import numpy as np
 import pytest
 
@@ -38,7 +38,8 @@ def test_jit_forms_and_simulate():
     def k2(a):
         return copy_kernel(a)
 
-    @nki.jit(mode="trace")  # deprecated, accepted and ignored (spec §1.1)
+    # mode= is deprecated, accepted and ignored (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)
+    @nki.jit(mode="trace")
     def k3(a):
         return copy_kernel(a)
 
@@ -246,7 +247,7 @@ def test_nki_api_outside_kernel_rejected():
 
 
 # ---------------------------------------------------------------------------------------------
-# target selection (spec §1.4)
+# target selection (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html)
 # ---------------------------------------------------------------------------------------------
 
 def _version_kernel(seen):

@@ -1,4 +1,5 @@
-"""NkiTensor views, indexing, .view/.ap, allocation, sentinels and storage precision (spec §2, §3.1)."""
+"""NkiTensor views, indexing, .view/.ap, allocation, sentinels and storage precision
+(docs/simulator.md#tensors-and-views)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ def _geom(t):
 
 
 # ---------------------------------------------------------------------------------------------
-# indexing (spec §2.3 table, first row)
+# indexing (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html)
 # ---------------------------------------------------------------------------------------------
 
 def test_on_chip_indexing_shapes():
@@ -210,7 +211,7 @@ def test_broadcast_rules_and_values():
 
 
 # ---------------------------------------------------------------------------------------------
-# .view (bit reinterpretation, spec §2.3 / §2.6)
+# .view (bit reinterpretation, https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html)
 # ---------------------------------------------------------------------------------------------
 
 def _special_fp32(seed, shape):
@@ -258,7 +259,7 @@ def test_view_divisibility_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# .ap (spec §2.5)
+# .ap (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html; docs/simulator.md#choice-ap-offset)
 # ---------------------------------------------------------------------------------------------
 
 def test_ap_int32_as_bf16():

@@ -1,4 +1,7 @@
-"""Scalar Engine activation instructions: activation, activation_reduce (spec §5.7).
+"""Scalar Engine activation instructions: activation, activation_reduce.
+
+Sources: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation.html
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation_reduce.html
 
 `dst = op(data * scale + bias)` with all math in float32 (the multiply and the add are separate
 float32 roundings), the activation function evaluated by `ops.evaluate_activation`, and one RNE
@@ -9,8 +12,9 @@ Reduction registers (`ctx().act_reduce_regs`, one float32 per lane, persistent a
   the input");
 - `reset` -> regs = 0; `idle` -> untouched; `reduce` -> regs += sum; `reset_reduce` -> regs = sum,
   where sum = the free-axis sum of the float32 activation results *before* the dst downcast,
-  accumulated in float64 and rounded once to float32 (spec §5.7 / §10 Q16 INFERRED: the docstring
-  pseudo-code would double-count; https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation.html);
+  accumulated in float64 and rounded once to float32 (INFERRED, docs/simulator.md#choice-activation-reduce: the
+  docstring pseudo-code would double-count;
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation.html);
 - `reduce_res` ([P, 1]) receives the registers of the active lanes after the update.
 """
 from __future__ import annotations
@@ -105,13 +109,15 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, reduce
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None,
                reduce_cmd=C.reduce_cmd.idle, name=None):
-    """dst = op(data * scale + bias) on the Scalar engine, with optional register reduction (spec §5.7)."""
+    """dst = op(data * scale + bias) on the Scalar engine, with optional register reduction
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation.html)."""
     return _activation("activation", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, name)
 
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """activation(..., reduce_cmd=reset_reduce) with reduce_res required: reduce_res = sum over all free
-    dims of the activation results (spec §5.7)."""
+    dims of the activation results
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.activation_reduce.html)."""
     instr = "activation_reduce"
     if reduce_op is None:
         fail(instr, "reduce_op is required (nl.add)")

@@ -1,8 +1,10 @@
 """Elementwise compute instructions: tensor_tensor, tensor_scalar, scalar_tensor_tensor, reciprocal
-(spec §5.8) and iota (spec §5.5).
+and iota; one nki.isa API page each:
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.<name>.html
 
-Numerics (spec §3.3): arithmetic operators cast every input to float32, compute in float32 and round
-once to `dst.dtype` (RNE; integers saturate). Bitvec operators see raw integer bit patterns: every
+Numerics ("Supported Math Operators" of https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html):
+arithmetic operators cast every input to float32, compute in float32 and round once to `dst.dtype`
+(RNE; integers saturate). Bitvec operators see raw integer bit patterns: every
 input element is zero-extended to a 32-bit word, the operator works on words, and the low
 `dst`-width bits are stored without conversion. The GpSimd path of `tensor_tensor` with all
 int32/uint32 tiles uses native 32-bit integer arithmetic (wraps modulo 2^32).
@@ -29,7 +31,8 @@ _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/release-notes/components/nki.html
 _TRN3_ONLY_OPS = ("abs_max", "abs_min")
 _TRN3_TS_OP0 = ("square", "relu")
-# Scalar Engine on trn2 supports only these tensor_scalar (op0, op1) pairs (spec §5.8, §7 rule 16).
+# Scalar Engine on trn2 supports only these tensor_scalar (op0, op1) pairs
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_scalar.html).
 _TRN2_SCALAR_PAIRS = (("multiply", "add"), ("multiply", None), ("add", None))
 
 
@@ -52,7 +55,9 @@ def _bitvec(op, a, b=None):
     if op.name == "invert":
         return ~a & _MASK32
     if op.name in ("left_shift", "right_shift"):
-        # logical shifts of 32-bit words: a count >= 32 shifts every bit out (spec §5.13)
+        # logical shifts of 32-bit words (arithmetic right shift is not supported:
+        # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html);
+        # a count >= 32 shifts every bit out (INFERRED, docs/simulator.md#choice-integer-wrap)
         sh = np.minimum(b, np.uint64(32))
         r = (a << sh) if op.name == "left_shift" else (a >> sh)
         return np.where(b >= 32, np.uint64(0), r & _MASK32)
@@ -112,14 +117,14 @@ class _Stage:
 
 
 def _stage(instr, op_arg, op, operand_arg, operand, reverse, data, bitvec, fp32_tiles=True) -> _Stage:
-    """Validate one op/operand pair (spec §5.8): unary ops take operand None or 0, binary ops need a
+    """Validate one op/operand pair (nki.isa.tensor_scalar docs): unary ops take operand None or 0, binary ops need a
     scalar or a [P, 1] tile (float32 for arithmetic tensor_scalar, integer for bitvec)."""
     reverse = _check_bool(instr, f"reverse{op_arg[-1]}", reverse)
     if op.binary is None and op.unary is None:
         fail(instr, f"{op_arg}={op!r} is not an ALU operator (activation functions go to nisa.activation)")
     if op.name == "power":
         fail(instr, f"{op_arg}=nl.power is not supported here; nl.power runs only in nisa.tensor_tensor on GpSimd "
-                    "(spec §5.8)")
+                    "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
     _gate_op_target(instr, op_arg, op)
     if op.binary is None:
         if not _is_zero_or_none(operand):
@@ -170,7 +175,7 @@ def _read_stage_tiles(instr, stages):
 # ---------------------------------------------------------------------------------------------
 
 def tensor_tensor(dst, data1, data2, op, engine=C.engine.unknown, name=None):
-    """dst = data1 <op> data2 elementwise (spec §5.8).
+    """dst = data1 <op> data2 elementwise.
 
     Engine choice (nki.isa.tensor_tensor docs,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html):
@@ -237,7 +242,7 @@ def tensor_tensor(dst, data1, data2, op, engine=C.engine.unknown, name=None):
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
                   engine=C.engine.unknown, name=None):
-    """dst = (data <op0> operand0) <op1> operand1, operands scalars or [P, 1] tiles (spec §5.8).
+    """dst = (data <op0> operand0) <op1> operand1, operands scalars or [P, 1] tiles.
 
     Engines (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_scalar.html):
     default Vector; bitvec only on Vector; GpSimd only for rsqrt; Scalar on trn2 only (multiply, add),
@@ -303,7 +308,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
     """dst = (data <op0> operand0) <op1> operand1 on Vector; operand0 scalar or [P, 1], operand1 a full
-    tile; arithmetic operators only, fp32 math; any input dtype (spec §5.8,
+    tile; arithmetic operators only, fp32 math; any input dtype (
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html)."""
     instr = "scalar_tensor_tensor"
     dst = on_chip(instr, "dst", dst)
@@ -323,7 +328,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         fail(instr, f"op1={op1!r} must be a binary operator (it combines with the operand1 tile)")
     st0 = _stage(instr, "op0", op0, "operand0", operand0, reverse0, data, False, fp32_tiles=False)
     if op1.name == "power":
-        fail(instr, "op1=nl.power is not supported; nl.power runs only in nisa.tensor_tensor on GpSimd (spec §5.8)")
+        fail(instr, "op1=nl.power is not supported; nl.power runs only in nisa.tensor_tensor on GpSimd "
+                    "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
     _gate_op_target(instr, "op1", op1)
     st1 = _Stage("op1", op1, "operand1", None, t1, _check_bool(instr, "reverse1", reverse1))
     for arg, t in (("dst", dst), ("data", data), ("operand1", t1)):
@@ -344,7 +350,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
 
 
 def reciprocal(dst, data, name=None):
-    """dst = 1 / data in float32 on Vector (spec §5.8)."""
+    """dst = 1 / data in float32 on Vector
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.reciprocal.html)."""
     instr = "reciprocal"
     dst = on_chip(instr, "dst", dst)
     data = on_chip(instr, "data", data)
@@ -373,7 +380,7 @@ def _int32_arg(instr: str, arg: str, value) -> int:
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
-    """dst[c, i] = offset + c * channel_multiplier + sum_k idx_k * step_k on GpSimd (spec §5.5).
+    """dst[c, i] = offset + c * channel_multiplier + sum_k idx_k * step_k on GpSimd.
 
     `pattern` is up to four [step, num] pairs, outermost first (padded with size-1 dims); values are
     computed in int32 arithmetic (wrapping, INFERRED) and then cast to dst.dtype

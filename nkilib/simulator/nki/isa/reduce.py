@@ -1,10 +1,12 @@
-"""Free-axis reduction on the Vector engine: tensor_reduce (spec §5.9).
+"""Free-axis reduction on the Vector engine: tensor_reduce
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_reduce.html).
 
 Numerics: arithmetic reductions cast to float32; add/subtract/multiply accumulate in float64 and
 round once to float32 (the hardware accumulates in float32 in an undocumented order, so exact
 rounding is the order-independent choice); maximum/minimum/logical ops are exact. `subtract`
 folds left from the first element (x0 - x1 - ... - xn, numpy's `subtract.reduce`; INFERRED, the
-docs only list subtract as legal). Bitvec reductions work on raw 32-bit words (see elementwise.py).
+docs only list subtract as legal; docs/simulator.md#choice-reduce-numerics). Bitvec reductions work on
+raw 32-bit words (see elementwise.py).
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ _FLOAT64_ACC = ("add", "subtract", "multiply")
 
 
 def _axes(instr: str, axis, ndim: int) -> tuple:
-    """Normalise `axis` and check it is the trailing contiguous free dims (spec §5.9, §7 rule 17).
+    """Normalise `axis` and check it is the trailing contiguous free dims (nki.isa.tensor_reduce docs).
 
-    Negative axes count from the end like numpy (INFERRED; the docs only show non-negative axes).
+    Negative axes count from the end like numpy (INFERRED; the docs only show non-negative axes;
+    docs/simulator.md#choice-reduce-axes).
     """
     items = list(axis) if isinstance(axis, (list, tuple)) else [axis]
     if not items:
@@ -49,7 +52,7 @@ def _axes(instr: str, axis, ndim: int) -> tuple:
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
-    """dst = op-reduction of data over trailing free axes; optional negate for arithmetic ops (spec §5.9,
+    """dst = op-reduction of data over trailing free axes; optional negate for arithmetic ops (
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_reduce.html)."""
     instr = "tensor_reduce"
     dst = on_chip(instr, "dst", dst)

@@ -1,4 +1,5 @@
-"""Partition <-> free transpose on the Tensor or Vector engine: nc_transpose (spec §5.4)."""
+"""Partition <-> free transpose on the Tensor or Vector engine: nc_transpose
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html)."""
 from __future__ import annotations
 
 from ...tensor import checked_read, checked_write
