@@ -24,3 +24,8 @@ class RaceError(NkiValidationError):
 
 class OutOfBoundsError(NkiValidationError, IndexError):
     """An index, slice or access pattern reaches outside its tensor's storage."""
+
+
+class IndirectHazardError(NkiValidationError):
+    """One indirect DMA would write the same destination element twice (duplicate indices): the
+    write order is unspecified on hardware, so the result would be a hazard, not last-writer-wins."""
