@@ -103,8 +103,7 @@ def _check_hwdge_transpose(instr, src):
         if (src.shape[0] * src.shape[-2]) % 16:
             fail(instr, f"dge_mode=hwdge {src.ndim}-D transpose requires (src.shape[0] * src.shape[-2]) % 16 == 0, "
                         f"got {src.shape[0]} * {src.shape[-2]} = {src.shape[0] * src.shape[-2]} (src shape {src.shape})")
-    if src.shape[-1] > 128:
-        fail(instr, f"dge_mode=hwdge requires src.shape[-1] <= 128, got {src.shape[-1]} (src shape {src.shape})")
+    # "src.shape[-1] <= 128" holds already: it is dst's partition dim (checked against the partition limit)
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=C.dge_mode.unknown, oob_mode=C.oob_mode.error,

@@ -150,8 +150,7 @@ def _check_indirect_transpose(instr: str, src) -> None:
     idx = src._vector_index.index
     if src.ndim == 4 and src.shape[1] != 1 and src.shape[2] != 1:
         fail(instr, f"indirect 4-D transpose needs src.shape[1] == 1 or src.shape[2] == 1, got src shape {src.shape}")
-    if src.shape[-1] > 128:
-        fail(instr, f"indirect transpose needs src.shape[-1] <= 128, got {src.shape[-1]} (src shape {src.shape})")
+    # "src.shape[-1] <= 128" holds already: it is dst's partition dim (checked against the partition limit)
     if src.dtype.itemsize != 2 or src.dtype.is_x4:
         fail(instr, f"indirect transpose needs a 2-byte src dtype, got {src.dtype}")
     if src.shape[0] % 16:
