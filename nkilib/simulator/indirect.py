@@ -26,7 +26,8 @@ import numpy as np
 from . import runtime
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
 
-INDEX_DTYPES = ("int32", "uint32")  # the index tiles of the documented examples (uint32 on dma_copy, int32 on vector_select)
+# index tile dtypes of the documented examples: uint32 (dma_copy, dma_transpose), int32 (vector_select)
+INDEX_DTYPES = ("int32", "uint32")
 HBM_KINDS = ("private_hbm", "shared_hbm")
 
 

@@ -212,7 +212,8 @@ def test_dma_transpose_3d():
 
 @pytest.mark.parametrize("case,msg", [
     ("shape", r"dst shape \(8, 4\) must equal the transposed src shape \(16, 4\)"),
-    ("packed_x4", r"dtype float8_e4m3fn_x4 unsupported; dma_transpose moves 1-, 2- or 4-byte elements \(not packed x4\)"),
+    ("packed_x4", r"dtype float8_e4m3fn_x4 unsupported; dma_transpose moves 1-, 2- or 4-byte elements "
+                  r"\(not packed x4\)"),
     ("dtype", "src dtype float32 must equal dst dtype bfloat16"),
     ("axes", r"axes \(0, 1\) unsupported"),
     ("dst_hbm", "dst must be in SBUF"),

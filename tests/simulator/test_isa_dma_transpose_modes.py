@@ -113,7 +113,8 @@ def test_indirect_transpose_oob_skip_leaves_columns_untouched_and_error_names_th
     data = randn(8, (50, 32)).astype(BF16)
     idx = rng(9).integers(0, 50, (16, 1)).astype(np.uint32)
     idx[6, 0] = 50
-    with pytest.raises(OutOfBoundsError, match=r"dma_transpose: argument 'src': index 50 at vector_offset '.*'\[6, 0\]"):
+    with pytest.raises(OutOfBoundsError,
+                       match=r"dma_transpose: argument 'src': index 50 at vector_offset '.*'\[6, 0\]"):
         simulate(_gather_t_kernel(16), data=data, idx=idx)
     out = simulate(_gather_t_kernel(16, oob=nisa.oob_mode.skip), data=data, idx=idx)
     ok = idx[:, 0] < 50

@@ -102,7 +102,8 @@ def _check_hwdge_transpose(instr, src):
                         f"got {src.shape[0]} (src shape {src.shape})")
         if (src.shape[0] * src.shape[-2]) % 16:
             fail(instr, f"dge_mode=hwdge {src.ndim}-D transpose requires (src.shape[0] * src.shape[-2]) % 16 == 0, "
-                        f"got {src.shape[0]} * {src.shape[-2]} = {src.shape[0] * src.shape[-2]} (src shape {src.shape})")
+                        f"got {src.shape[0]} * {src.shape[-2]} = {src.shape[0] * src.shape[-2]} "
+                        f"(src shape {src.shape})")
     # "src.shape[-1] <= 128" holds already: it is dst's partition dim (checked against the partition limit)
 
 

@@ -124,7 +124,8 @@ def _dma_compute_rmw(instr, dst, srcs, unique_indices, oob_mode):
         k = next((i for i, s in enumerate(srcs) if _same_access(s, dst)), None)
         other = srcs[1 - k] if k is not None else None
         if k is None or other.is_indirect() or other.storage.buffer_kind != "sbuf":
-            fail(instr, f"an indirect dst needs one source that is the same vector_offset view and one SBUF tile ({modes})")
+            fail(instr, "an indirect dst needs one source that is the same vector_offset view and one SBUF tile "
+                        f"({modes})")
         acc = resolve(instr, "dst", dst, oob_mode)
         check_unique_destination(dst, acc.rows, acc.valid, instr, "dst", RMW_UNIQUE)
     else:
