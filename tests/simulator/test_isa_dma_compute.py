@@ -213,3 +213,30 @@ def _error(case):
 def test_dma_compute_rejections(case, msg):
     with pytest.raises(NkiValidationError, match=msg):
         _error(case)
+
+
+def test_shape_only_run_of_scatter_add_gather_add_and_gather_transpose():
+    """The cost model runs kernels without numerics: index values are unknown, every index counts as a row."""
+    from nkilib.simulator.launcher import ShapeSpec
+
+    def k(data, idx, src):
+        it, t = sbuf_load(idx), sbuf_load(src)
+        out = nl.ndarray(data.shape, data.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=data)
+        view = out.ap(pattern=[[32, 64], [1, 32]], vector_offset=it, indirect_dim=0)
+        nisa.dma_compute(dst=view, srcs=[view, t], reduce_op=nl.add)
+        nisa.dma_compute(dst=t, srcs=[t, data.ap(pattern=[[32, 64], [1, 32]], vector_offset=it, indirect_dim=0)],
+                         reduce_op=nl.add)
+        tt = nl.ndarray((32, 64), data.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=tt, src=out.ap(pattern=[[32, 64], [1, 32]], vector_offset=it, indirect_dim=0))
+        nisa.dma_copy(dst=out[0:64, :], src=t)
+        return out
+
+    specs = (ShapeSpec((100, 32), nl.bfloat16), ShapeSpec((64, 1), np.uint32), ShapeSpec((64, 32), nl.bfloat16))
+    res = run_kernel(k, specs, trace=True, numerics=False)
+    recs = [r for r in res.trace if r.attrs.get("indirect")]
+    assert [r.instr for r in recs] == ["dma_compute", "dma_compute", "dma_transpose"]
+    assert all(r.attrs["rows"] == 64 and r.attrs["bytes"] == 64 * 32 * 2 for r in recs)
+    # unknown rows: the dependency region of the indirect operand is the whole indexed tensor
+    dst = recs[0].writes[0]
+    assert (dst.byte_lo, dst.byte_hi, dst.nbytes) == (0, 100 * 32 * 2, 64 * 32 * 2)
