@@ -29,3 +29,8 @@ class OutOfBoundsError(NkiValidationError, IndexError):
 
 class DivergentControlFlowError(NkiValidationError):
     """The programs of an LNC2 launch took different dynamic control flow (trip counts of run-time loops)."""
+
+
+class IndirectHazardError(NkiValidationError):
+    """One indirect DMA would write the same destination element twice (duplicate indices): the
+    write order is unspecified on hardware, so the result would be a hazard, not last-writer-wins."""

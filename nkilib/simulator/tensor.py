@@ -18,6 +18,7 @@ import numpy as np
 from . import runtime
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
 from .dtypes import NkiDType, as_nki_dtype
+from .indirect import make_indirect_view, reject_indirect
 
 ON_CHIP = ("sbuf", "psum")
 HBM_KINDS = ("private_hbm", "shared_hbm")
@@ -95,15 +96,19 @@ def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
 class NkiTensor:
     """A view of a Storage. Mirrors `nki.language.NkiTensor` (spec §2.3)."""
 
-    __slots__ = ("_storage", "dtype", "shape", "strides", "offset")
+    __slots__ = ("_storage", "dtype", "shape", "strides", "offset", "_vector_index")
 
-    def __init__(self, storage: Storage, dtype: NkiDType, shape, strides, offset: int):
+    def __init__(self, storage: Storage, dtype: NkiDType, shape, strides, offset: int, vector_index=None):
         self._storage = storage
         self.dtype = dtype
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
         self.offset = int(offset)
-        self._check_bounds()
+        # indirect (vector_offset) views: rows resolved at run time by the consuming DMA (indirect.py);
+        # their static bounds were checked for one row when the view was made
+        self._vector_index = vector_index
+        if vector_index is None:
+            self._check_bounds()
 
     # ---- basic attributes ----
     @property
@@ -148,6 +153,10 @@ class NkiTensor:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    def is_indirect(self) -> bool:
+        """True for a view made with `.ap(vector_offset=...)` (NkiTensor.is_indirect, 2.32 language API)."""
+        return self._vector_index is not None
 
     def __bool__(self):
         raise NkiValidationError(f"the truth value of tensor '{self.name}' is a runtime value; use a compile-time condition")
@@ -241,6 +250,7 @@ class NkiTensor:
 
     # ---- indexing (spec §2.3 table, first row) ----
     def __getitem__(self, key):
+        reject_indirect(self, f"tensor '{self.name}'.__getitem__")
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
@@ -316,6 +326,7 @@ class NkiTensor:
 
     # ---- reshaping views ----
     def reshape(self, shape):
+        reject_indirect(self, f"tensor '{self.name}'.reshape")
         shape = list(shape if isinstance(shape, (tuple, list)) else (shape,))
         total = self.size
         if shape.count(-1) > 1:
@@ -340,6 +351,7 @@ class NkiTensor:
         return NkiTensor(self._storage, self.dtype, shape, _row_major(shape), self.offset)
 
     def permute(self, dims):
+        reject_indirect(self, f"tensor '{self.name}'.permute")
         dims = tuple(dims)
         if sorted(dims) != list(range(self.ndim)):
             raise NkiValidationError(f"tensor '{self.name}'.permute: {dims} is not a permutation of {self.ndim} dims")
@@ -349,6 +361,7 @@ class NkiTensor:
                          self.offset)
 
     def broadcast(self, dim, size):
+        reject_indirect(self, f"tensor '{self.name}'.broadcast")
         if self.shape[dim] != 1 or (self.on_chip and dim == 0):
             raise NkiValidationError(
                 f"tensor '{self.name}'.broadcast: dim {dim} must be a size-1 free dim (shape {self.shape})")
@@ -357,6 +370,7 @@ class NkiTensor:
         return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
 
     def expand_dim(self, dim):
+        reject_indirect(self, f"tensor '{self.name}'.expand_dim")
         if self.on_chip and dim == 0:
             raise NkiValidationError(f"tensor '{self.name}'.expand_dim: cannot insert before the partition dim")
         shape, strides = list(self.shape), list(self.strides)
@@ -365,6 +379,7 @@ class NkiTensor:
         return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
 
     def squeeze_dim(self, dim):
+        reject_indirect(self, f"tensor '{self.name}'.squeeze_dim")
         if self.shape[dim] != 1 or (self.on_chip and dim == 0):
             raise NkiValidationError(f"tensor '{self.name}'.squeeze_dim: dim {dim} must be a size-1 free dim")
         shape, strides = list(self.shape), list(self.strides)
@@ -373,6 +388,7 @@ class NkiTensor:
 
     def view(self, dtype):
         """Bit reinterpretation; the last dim scales by the size ratio (spec §2.3, §2.6)."""
+        reject_indirect(self, f"tensor '{self.name}'.view")
         new = as_nki_dtype(dtype, "view(dtype)")
         if new == self.dtype:
             return self
@@ -406,14 +422,12 @@ class NkiTensor:
         Not composable: pattern and an int `offset` address the storage, ignoring this view's
         shape/strides; `offset=None` inherits this view's storage offset (0.5.0+ default;
         spec §10 Q8 resolution: absolute storage offset).
+        `vector_offset=` (an SBUF index tile, HBM tensors, indirect_dim=0) makes an indirect view whose
+        rows a DMA instruction resolves at run time: see `nkilib/simulator/indirect.py`.
         """
-        if scalar_offset is not None and vector_offset is not None:
-            raise NkiValidationError(
-                f"tensor '{self.name}'.ap: at most one of scalar_offset and vector_offset may be given")
         if vector_offset is not None:
-            raise NkiValidationError(
-                f"tensor '{self.name}'.ap: vector_offset (indirect DMA) is outside the simulated "
-                "surface of nkilib's simulator (README, 'Simulator limits')")
+            return make_indirect_view(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
+        reject_indirect(self, f"tensor '{self.name}'.ap")
         new = self.dtype if dtype is None else as_nki_dtype(dtype, "ap(dtype=)")
         if new != self.dtype:
             _check_widened(self._storage, new, f"tensor '{self.name}'.ap")
@@ -568,6 +582,7 @@ def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
 
 def checked_read(view: NkiTensor, instr: str, arg: str):
     """Read a view for an instruction: uninitialised-read check, race bookkeeping; raw values or None."""
+    reject_indirect(view, f"{instr}: argument '{arg}'")
     ctx = runtime.current()
     st = view.storage
     # one flat reduction over the byte mask first (fast); the per-element mask only to report an error
@@ -587,6 +602,7 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
 
 def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False) -> None:
     """Write values (already in the view's shape or reshapeable to it) and mark bytes written."""
+    reject_indirect(view, f"{instr}: argument '{arg}'")
     ctx = runtime.current()
     st = view.storage
     if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:

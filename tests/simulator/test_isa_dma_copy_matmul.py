@@ -212,7 +212,8 @@ def test_dma_transpose_3d():
 
 @pytest.mark.parametrize("case,msg", [
     ("shape", r"dst shape \(8, 4\) must equal the transposed src shape \(16, 4\)"),
-    ("one_byte", "dtype float8_e5m2 unsupported; dma_transpose moves 2- or 4-byte elements"),
+    ("packed_x4", r"dtype float8_e4m3fn_x4 unsupported; dma_transpose moves 1-, 2- or 4-byte elements "
+                  r"\(not packed x4\)"),
     ("dtype", "src dtype float32 must equal dst dtype bfloat16"),
     ("axes", r"axes \(0, 1\) unsupported"),
     ("dst_hbm", "dst must be in SBUF"),
@@ -223,9 +224,9 @@ def test_dma_transpose_rejections(case, msg):
     def k(a):
         if case == "shape":
             nisa.dma_transpose(dst=nl.ndarray((8, 4), nl.float32, buffer=nl.sbuf), src=a)
-        elif case == "one_byte":
-            t = sbuf_load(a, nl.float8_e5m2)
-            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float8_e5m2, buffer=nl.sbuf), src=t)
+        elif case == "packed_x4":
+            t = sbuf_load(a).view(nl.float8_e4m3fn_x4)
+            nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.float8_e4m3fn_x4, buffer=nl.sbuf), src=t)
         elif case == "dtype":
             nisa.dma_transpose(dst=nl.ndarray((16, 4), nl.bfloat16, buffer=nl.sbuf), src=a)
         elif case == "axes":

@@ -304,7 +304,7 @@ def test_scalar_offset_rejections():
             t.ap([[16, 2], [1, 16]], scalar_offset=1)
         with pytest.raises(NkiValidationError, match="1x1 SBUF tensor offset is not simulated"):
             t.ap([[16, 2], [1, 16]], scalar_offset=sb[0:1, 0:1])
-        with pytest.raises(NkiValidationError, match="at most one of scalar_offset and vector_offset"):
+        with pytest.raises(NkiValidationError, match="scalar_offset and vector_offset are mutually exclusive"):
             t.ap([[16, 2], [1, 16]], scalar_offset=reg, vector_offset=sb[:, 0:1])
         with pytest.raises(NkiValidationError, match="stride on that dim is 16 .*sliced or re-strided view"):
             t[:, 0:8].ap([[16, 2], [1, 8]], scalar_offset=reg, indirect_dim=0)

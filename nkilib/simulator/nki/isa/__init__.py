@@ -5,6 +5,7 @@ from .constants import dge_mode, dma_engine, engine, matmul_perf_mode, nc_versio
 from .activation import activation, activation_reduce  # noqa: F401
 from .copy import memset, tensor_copy  # noqa: F401
 from .dma import dma_copy, dma_transpose  # noqa: F401
+from .dma_compute import dma_compute  # noqa: F401
 from .elementwise import iota, reciprocal, scalar_tensor_tensor, tensor_scalar, tensor_tensor  # noqa: F401
 from .matmul import nc_matmul  # noqa: F401
 from .reduce import tensor_reduce  # noqa: F401
