@@ -205,6 +205,15 @@ def torchneuron_ops() -> tuple:
     return forward_op, backward_op
 
 
+def register_torchneuron_ops_if_available() -> bool:
+    """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
+    mlp_bwd_mxfp8_torch.py, so torch.compile never traces the registration). Returns whether it did."""
+    if _torchneuron_nki_op() is None:
+        return False
+    torchneuron_ops()
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # PyTorch/XLA: autograd.Function calling the @nki.jit kernel with XLA tensors
 # ----------------------------------------------------------------------------------------------

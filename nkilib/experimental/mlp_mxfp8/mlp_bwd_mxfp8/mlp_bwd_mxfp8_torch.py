@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
-from .mlp_bwd_mxfp8_neuron import torchneuron_ops
+from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
 
 __all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "FORWARD_NUMERICS",
            "resolve_checkpoint_policy", "resolve_backend"]
@@ -393,6 +393,10 @@ def make_backward_formula(backward_op):
 
 swiglu_mlp_mxfp8_op.register_autograd(make_backward_formula(swiglu_mlp_mxfp8_backward_op),
                                       setup_context=setup_context)
+
+# TorchNeuron: register the nki_op ops at import, like the documented module-level decorators, so that
+# torch.compile never traces a registration (no-op where torch_neuronx or its nki_op is missing).
+register_torchneuron_ops_if_available()
 
 
 # ----------------------------------------------------------------------------------------------
