@@ -186,6 +186,7 @@ def test_torchneuron_path_registers_nki_ops_with_autograd_and_launches_with_the_
 def test_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
     """Under torch.compile the backward graph holds the kernel op as a single node (recorded with an
     aot_autograd backend; on Neuron this graph goes to backend="neuron")."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     as_device(stubs.monkeypatch, "neuron")
@@ -194,7 +195,7 @@ def test_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
     def record(kind):
         def compiler(gm, example_inputs):
             graphs[kind] = gm
-            return gm.forward
+            return make_boxed_func(gm.forward)
         return compiler
 
     assert N.register_torchneuron_ops_if_available()  # what importing mlp_bwd_mxfp8_torch does on Neuron
