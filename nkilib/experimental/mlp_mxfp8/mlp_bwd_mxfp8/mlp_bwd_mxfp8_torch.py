@@ -22,7 +22,8 @@ Only the checkpoints the policy keeps are saved for the backward (bf16, exactly 
 Backward: the NKI kernel ``mlp_backward_mxfp8_nki`` (or its exact torch emulation), returning dX,
 dW_gate_up, dW_down in the dtypes of x and of the parameters. Weight gradients leave the kernel in
 ``weight_grad_dtype`` (default: float32 when a parameter is float32, so fp32 parameters accumulate
-fp32 gradients that were never rounded to bf16; else bf16).
+fp32 gradients that were never rounded to bf16, or when ``accumulate_main_grad=True`` sends them to an
+fp32 ``param.main_grad``; else bf16).
 
 Which checkpoint policies give identical gradients (the kernel recomputes a missing checkpoint its
 own way, so identity holds exactly when the saved tensor equals what the kernel would recompute):
@@ -593,4 +594,5 @@ class SwiGLUMLP(nn.Module):
         o = self.options
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"checkpoint={o['checkpoint']!r}, backend={o['backend']!r}, fp8_dtype={o['fp8_dtype']!r}, "
-                f"quant_scheme={o['quant_scheme']!r}, matmul_precision={o['matmul_precision']!r}")
+                f"quant_scheme={o['quant_scheme']!r}, matmul_precision={o['matmul_precision']!r}, "
+                f"accumulate_main_grad={o['accumulate_main_grad']!r}")
