@@ -23,9 +23,10 @@ kernel's launch degree must equal the runtime's: a mismatch is a runtime error o
 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/api/generated/nki.jit.html) and NCC_EVRF066
 inside a compiled graph (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF066.html),
 so an explicit ``lnc=`` that differs from the variable is rejected here, before anything compiles. The
-launch is ``kernel[lnc](...)`` with that same degree: the bracket is being deprecated but a matching
-grid keeps working (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/announcements/neuron2.x/announce-intent-eos-nki-spmd-launch-grid.html),
-and the XLA stack of SDKs <= 2.32 needs it.
+launch is ``kernel[lnc](...)`` with that same degree, which is how nki.jit of SDK 2.31 sets it; the
+bracket is being deprecated, but a grid that matches the LNC degree keeps working:
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/announcements/neuron2.x/
+announce-intent-eos-nki-spmd-launch-grid.html
 
 Kernel arguments passed (all by keyword): output_grad, hidden_states, down_proj_weight, gate_up_weights,
 gate_pre, gate_act, up, intermediate, clamp_limits, fp8_x4_dtype, quant_scheme, weight_grad_dtype,
