@@ -127,3 +127,15 @@ def test_main_grad_errors_name_the_argument():
     with pytest.raises(TypeError, match="accumulate_main_grad must be True or False, got 'yes'"):
         swiglu_mlp_mxfp8(x, m.gate_up_weight, m.down_weight, backend="emulate", accumulate_main_grad="yes")
 
+
+
+def test_main_grad_inside_torch_utils_checkpoint_is_added_once():
+    """Activation checkpointing recomputes the forward (and so the sinks) but runs the original
+    backward only: main_grad receives the gradient exactly once."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, dy = batch(7)
+    want = fp32_kernel_grads(x, dy, backend="emulate")
+    m = with_main_grads(layer(torch.bfloat16, backend="emulate", accumulate_main_grad=True))
+    checkpoint(m, x.clone().requires_grad_(), use_reentrant=False).backward(dy)
+    assert torch.equal(m.gate_up_weight.main_grad, want[0]) and torch.equal(m.down_weight.main_grad, want[1])
