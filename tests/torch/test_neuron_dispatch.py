@@ -248,3 +248,11 @@ def test_main_grad_accumulation_on_both_stacks(stubs, kind):
     assert torch.equal(wgu.main_grad, expected_dw_gu((2 * I, H)) + 0.5)
     assert torch.equal(wd.main_grad, expected_dw_down((H, I)))
     assert wgu.grad is None and wd.grad is None
+
+
+def test_cpu_backward_op_refuses_the_neuron_backend():
+    """The torch.library backward op is the CPU path; Neuron tensors never reach it (a direct call says so)."""
+    x, wgu, wd = (t.detach() for t in make(4))
+    with pytest.raises(RuntimeError, match="does not run the Neuron path"):
+        T.swiglu_mlp_mxfp8_backward_op(x, x, wgu, wd, None, None, None, None, None, None, None, None,
+                                       "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", "neuron", 1)
