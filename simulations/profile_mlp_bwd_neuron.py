@@ -153,6 +153,7 @@ def neuron_problem() -> str | None:
 def run_kernel(args) -> None:
     """Child process: the kernel KERNEL_RUNS times on TorchNeuron tensors (compiles the NEFF on the first run)."""
     import torch
+    import torch_neuronx  # noqa: F401  (TorchNeuron: registers the "neuron" device)
 
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as neuron
 
