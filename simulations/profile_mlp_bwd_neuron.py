@@ -147,6 +147,10 @@ def neuron_problem() -> str | None:
                 "instance with the Neuron SDK (neuronx-cc, aws-neuronx-tools)")
     if not (os.path.exists("/dev/neuron0") or shutil.which("neuron-ls")):
         return "no Neuron device found (/dev/neuron0 missing)"
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as neuron
+
+    if neuron.torchneuron_nki_op() is None:
+        return "torch-neuronx with nki_op (TorchNeuron, Neuron SDK 2.33+) is not installed"
     return None
 
 

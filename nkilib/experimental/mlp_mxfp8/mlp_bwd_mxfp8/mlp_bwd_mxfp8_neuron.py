@@ -64,7 +64,7 @@ def neuron_stack(device) -> str:
             f"backend='neuron' needs tensors on a Neuron device: device type 'neuron' (TorchNeuron) or 'xla' "
             f"(PyTorch/XLA), got device type {kind!r}; off Trainium use backend='simulator' (CPU) or 'emulate'")
     if stack == "torchneuron":
-        nki_op = _torchneuron_nki_op()
+        nki_op = torchneuron_nki_op()
         if nki_op is None:
             raise RuntimeError(
                 "tensors on device type 'neuron' need torch-neuronx with nki_op (TorchNeuron, Neuron SDK 2.33+, "
@@ -77,7 +77,7 @@ def neuron_stack(device) -> str:
     return stack
 
 
-def _torchneuron_nki_op():
+def torchneuron_nki_op():
     """``torch_neuronx.nki_op``, or None when torch_neuronx is missing or lacks it (the XLA stack's)."""
     try:
         import torch_neuronx
@@ -169,7 +169,7 @@ def torchneuron_ops() -> tuple:
     """
     if _TORCHNEURON_OPS:
         return _TORCHNEURON_OPS["forward"], _TORCHNEURON_OPS["backward"]
-    nki_op = _torchneuron_nki_op()
+    nki_op = torchneuron_nki_op()
     if nki_op is None:
         raise RuntimeError("torch_neuronx.nki_op is not available (TorchNeuron, Neuron SDK 2.33+)")
     from . import mlp_bwd_mxfp8_torch as T
@@ -209,7 +209,7 @@ def torchneuron_ops() -> tuple:
 def register_torchneuron_ops_if_available() -> bool:
     """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
     mlp_bwd_mxfp8_torch.py, so torch.compile never traces the registration). Returns whether it did."""
-    if _torchneuron_nki_op() is None:
+    if torchneuron_nki_op() is None:
         return False
     torchneuron_ops()
     return True
