@@ -1,27 +1,36 @@
 """Profile the MLP backward kernel on a real Trn2/Trn3 instance, next to the cost model's prediction.
 
     python simulations/profile_mlp_bwd_neuron.py --model qwen3-8b-tp8 --seq 4096 [--lnc 2]
-        [--precision mxfp8|bf16] [--recompute none|all] [--warmup 5] [--iters 20] [--out DIR]
+        [--precision mxfp8|bf16] [--recompute none|all] [--out DIR] [--neff PATH]
     python simulations/profile_mlp_bwd_neuron.py --shape 4096 4096 1536 --predict-only   # any machine
 
-What it does where the Neuron SDK is installed (genuine `nki` importable, a Neuron device present):
-  1. builds seeded bf16 inputs of the chosen shape (S, H, I) and benchmarks the kernel with
-     ``nki.benchmark`` (warm-up + timed iterations; saves the NEFF and an NTFF trace),
-  2. captures a device profile with ``neuron-explorer capture`` (or ``neuron-profile capture`` on SDKs
-     without Neuron Explorer) and reads per-engine utilisation from ``neuron-profile view
-     --output-format summary-json`` when available,
-  3. prints latency p50 / p99, MFU (model FLOPs 12*S*H*I, 16*S*H*I with full recompute, over the
-     peak of the precision x LNC cores) and per-engine utilisation, next to nkilib's engine-level cost
+What it does where the Neuron SDK is installed (genuine `nki`, torch-neuronx with a Neuron device):
+  1. runs the kernel twice on seeded bf16 inputs of the chosen shape (S, H, I), in a child process
+     started with NEURON_FRAMEWORK_DEBUG=1 (kernel source tracking in the profile),
+     NEURON_LOGICAL_NC_CONFIG=<lnc> (the launch's LNC degree must match it) and
+     TORCH_NEURONX_NEFF_CACHE_DIR=<out>/neff (where torch-neuronx keeps the compiled NEFF); the kernel is
+     called on TorchNeuron tensors exactly as the PyTorch layer calls it (mlp_bwd_mxfp8_neuron.call_kernel),
+  2. captures a device profile of that NEFF's second execution:
+     ``neuron-explorer capture -n <neff> -s <ntff> --profile-nth-exec=2``,
+  3. summarises it: ``neuron-explorer view -n <neff> -s <ntff> --output-format summary-json``, and prints
+     the kernel's device time, MFU (model FLOPs 12*S*H*I, 16*S*H*I with full recompute, over the peak of
+     the precision x LNC cores) and the summary's utilisation fields next to nkilib's engine-level cost
      model prediction for the same shape (computed in a child process on the bundled simulator,
      NKILIB_SIMULATOR=1, because the cost model needs the simulator's instruction trace).
 Off Neuron it exits with status 2 and a message saying so (``--predict-only`` still works anywhere).
+``nki.benchmark`` is not used: the NKI release notes list nki.benchmark and nki.profile as not
+available since NKI Beta 2 (SDK 2.27/2.28+).
 
-NOT EXERCISED BY CI: this repository has no Neuron device or SDK. The nki.benchmark API and the
-profiler command lines follow the Neuron documentation (SDK 2.2x-2.3x):
-https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.benchmark.html
+NOT EXERCISED BY CI: this repository has no Neuron device or SDK; the flow follows the docs:
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/nki_rn.html (nki.benchmark / nki.profile unavailable)
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/guides/use-neuron-profile.html (neuron-explorer capture)
 https://awsdocs-neuron.readthedocs-hosted.com/en/latest/tools/neuron-explorer/how-to-profile-workload.html
-https://awsdocs-neuron.readthedocs-hosted.com/en/v2.28.1/tools/profiler/neuron-profile-user-guide.html
-The capture command can be overridden with --capture-cmd when an SDK spells it differently.
+    (NEURON_FRAMEWORK_DEBUG=1 for NKI source tracking)
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/tools/neuron-explorer/profile-artifacts.html
+    (NEFF/NTFF pairing; TORCH_NEURONX_NEFF_CACHE_DIR)
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/api/generated/nki.jit.html (NEURON_LOGICAL_NC_CONFIG)
+The summary JSON's field names are not documented; every numeric field is kept, and the device time
+is read from the first of TIME_KEYS present (pass --time-key to choose another).
 """
 from __future__ import annotations
 
@@ -35,6 +44,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 NOT_ON_NEURON_EXIT = 2
+#: summary-json fields tried, in order, for the kernel's device time (seconds or microseconds, by name).
+TIME_KEYS = ("total_time", "total_time_s", "total_duration", "kernel_time", "device_time", "total_time_us")
+#: how many times the child runs the kernel: capture profiles execution 2 (the first one compiles/loads).
+KERNEL_RUNS = 2
 
 
 def parse_args(argv=None):
@@ -51,12 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("mxfp8", "bf16"), default="mxfp8")
     p.add_argument("--recompute", choices=("none", "all"), default="none",
                    help="'all': no checkpoints given (the kernel recomputes gate_pre/up/...)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "profile"))
-    p.add_argument("--capture-cmd", default=None,
-                   help="profile capture command template with {neff} and {ntff} (default: neuron-explorer "
-                        "capture -n {neff} -s {ntff}, else neuron-profile capture -n {neff} -s {ntff})")
+    p.add_argument("--neff", default=None, help="profile this NEFF instead of the one the kernel run compiles")
+    p.add_argument("--time-key", default=None, help="summary-json field holding the device time (default: TIME_KEYS)")
+    p.add_argument("--run-kernel", action="store_true", help=argparse.SUPPRESS)  # the child process of measure()
     p.add_argument("--predict-only", action="store_true", help="print the cost model prediction (JSON) and exit")
     args = p.parse_args(argv)
     if args.shape:
@@ -136,104 +147,148 @@ def neuron_problem() -> str | None:
                 "instance with the Neuron SDK (neuronx-cc, aws-neuronx-tools)")
     if not (os.path.exists("/dev/neuron0") or shutil.which("neuron-ls")):
         return "no Neuron device found (/dev/neuron0 missing)"
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as neuron
+
+    if neuron.torchneuron_nki_op() is None:
+        return "torch-neuronx with nki_op (TorchNeuron, Neuron SDK 2.33+) is not installed"
+    return None
+
+
+def run_kernel(args) -> None:
+    """Child process: the kernel KERNEL_RUNS times on TorchNeuron tensors (compiles the NEFF on the first run)."""
+    import torch
+    import torch_neuronx  # noqa: F401  (TorchNeuron: registers the "neuron" device)
+
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as neuron
+
+    g = torch.Generator().manual_seed(0)
+    S, H, I = args.S, args.H, args.I
+    dev = torch.device("neuron")  # TorchNeuron's device (torch-neuronx native device)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(dev)
+
+    dy, x = rand(S, H, scale=1e-2), rand(S, H)
+    w_gu, w_down = rand(2 * I, H, scale=H ** -0.5), rand(H, I, scale=I ** -0.5)
+    ckpts = (None,) * 4 if args.recompute == "all" else tuple(rand(S, I) for _ in range(4))
+    lnc = neuron.resolve_neuron_lnc(args.lnc)
+    for _ in range(KERNEL_RUNS):
+        outs = neuron.call_kernel(dy, x, w_gu, w_down, ckpts, (None,) * 4, "float8_e4m3fn", "1x32", args.precision,
+                                  "neuron", "bfloat16", lnc)
+        _ = [o.cpu() for o in outs]  # wait for the device
+
+
+def kernel_env(args) -> dict:
+    """Environment of the kernel run (see the module docstring for each variable's source)."""
+    return dict(os.environ, NEURON_FRAMEWORK_DEBUG="1", NEURON_LOGICAL_NC_CONFIG=str(args.lnc),
+                NEURON_PLATFORM_TARGET_OVERRIDE=os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", args.target),
+                TORCH_NEURONX_NEFF_CACHE_DIR=os.path.join(args.out, "neff"))
+
+
+def find_neff(neff_dir: str) -> str | None:
+    """The largest NEFF under neff_dir (the MLP backward kernel dwarfs any helper graph), or None."""
+    found = [os.path.join(root, f) for root, _, files in os.walk(neff_dir) for f in files if f.endswith(".neff")]
+    return max(found, key=os.path.getsize) if found else None
+
+
+def capture_commands(neff: str, ntff: str) -> tuple:
+    """(capture, view) command lines of the documented Neuron Explorer flow."""
+    return (["neuron-explorer", "capture", "-n", neff, "-s", ntff, "--profile-nth-exec=2"],
+            ["neuron-explorer", "view", "-n", neff, "-s", ntff, "--output-format", "summary-json"])
+
+
+def summary_numbers(summary) -> dict:
+    """Every numeric field of a summary-json document, flattened to dotted keys."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}.")
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            out[prefix[:-1]] = float(node)
+
+    walk(summary, "")
+    return out
+
+
+def device_time_s(numbers: dict, time_key: str | None) -> float | None:
+    """The kernel's device time in seconds from the flattened summary (a '_us' / '_ms' suffix gives the unit)."""
+    keys = [time_key] if time_key else list(TIME_KEYS)
+    for want in keys:
+        for k, v in numbers.items():
+            if k == want or k.endswith("." + want):
+                scale = 1e-6 if want.endswith("_us") else 1e-3 if want.endswith("_ms") else 1.0
+                return v * scale
     return None
 
 
 def measure(args) -> dict:
-    """Benchmark and profile on the device: latency percentiles, NEFF/NTFF paths, engine utilisation."""
-    import ml_dtypes
-    import numpy as np
-    import nki
-
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_backward_mxfp8_nki
-
+    """Run, capture, summarise on the device: NEFF/NTFF paths, device time, utilisation-like fields."""
     os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", args.target)
-    os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(args.lnc)  # must match the kernel[lnc] launch (nki.jit docs)
-    r = np.random.default_rng(0)
-    bf16 = ml_dtypes.bfloat16
-    S, H, I = args.S, args.H, args.I
-    inputs = {"output_grad": (r.standard_normal((S, H)) * 1e-2).astype(bf16),
-              "hidden_states": r.standard_normal((S, H)).astype(bf16),
-              "gate_up_weights": (r.standard_normal((2 * I, H)) / np.sqrt(H)).astype(bf16),
-              "down_proj_weight": (r.standard_normal((H, I)) / np.sqrt(I)).astype(bf16)}
-    if args.recompute == "none":
-        for name in ("gate_pre", "gate_act", "up", "intermediate"):
-            inputs[name] = r.standard_normal((S, I)).astype(bf16)
-    neff = os.path.join(args.out, "mlp_bwd.neff")
+    neff = args.neff
+    if neff is None:
+        child = [sys.executable, os.path.abspath(__file__), "--shape", str(args.S), str(args.H), str(args.I),
+                 "--lnc", str(args.lnc), "--target", args.target, "--precision", args.precision, "--recompute",
+                 args.recompute, "--out", args.out, "--run-kernel"]
+        res = subprocess.run(child, env=kernel_env(args), capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            return {"error": f"kernel run failed: {res.stderr.strip()[-800:]}"}
+        neff = find_neff(os.path.join(args.out, "neff"))
+        if neff is None:
+            return {"error": f"no .neff under {os.path.join(args.out, 'neff')}; pass --neff PATH"}
     ntff = os.path.join(args.out, "mlp_bwd.ntff")
-    bench = nki.benchmark(warmup=args.warmup, iters=args.iters, save_neff_name=neff,
-                          save_trace_name=ntff)(mlp_backward_mxfp8_nki)
-    launch = bench[args.lnc] if args.lnc > 1 else bench
-    launch(**inputs, matmul_precision=args.precision)
-    lat = bench.benchmark_result.nc_latency
-    p50, p99 = lat.get_latency_percentile(50) * 1e-6, lat.get_latency_percentile(99) * 1e-6  # us -> s
-    out = {"p50_s": p50, "p99_s": p99, "neff": neff, "ntff": ntff}
-    out.update(capture_profile(args, neff, os.path.join(args.out, "capture.ntff")))
-    return out
-
-
-def capture_profile(args, neff, ntff) -> dict:
-    """neuron-explorer capture (or neuron-profile capture), then a summary JSON with engine utilisation."""
-    if args.capture_cmd:
-        cmd = args.capture_cmd.format(neff=neff, ntff=ntff).split()
-    elif shutil.which("neuron-explorer"):
-        cmd = ["neuron-explorer", "capture", "-n", neff, "-s", ntff]
-    elif shutil.which("neuron-profile"):
-        cmd = ["neuron-profile", "capture", "-n", neff, "-s", ntff]
-    else:
-        return {"profile_error": "neither neuron-explorer nor neuron-profile is on PATH (aws-neuronx-tools)"}
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    capture, view = capture_commands(neff, ntff)
+    if shutil.which("neuron-explorer") is None:
+        return {"neff": neff, "error": "neuron-explorer is not on PATH (aws-neuronx-tools)"}
+    res = subprocess.run(capture, capture_output=True, text=True, check=False)
     if res.returncode != 0:
-        return {"profile_error": f"{' '.join(cmd)} failed: {res.stderr.strip()[-500:]}"}
-    out = {"profile_cmd": " ".join(cmd), "profile_ntff": ntff}
-    if shutil.which("neuron-profile"):
-        view = subprocess.run(["neuron-profile", "view", "-n", neff, "-s", ntff, "--output-format", "summary-json"],
-                              capture_output=True, text=True, check=False)
-        try:
-            summary = json.loads(view.stdout)
-        except json.JSONDecodeError:
-            summary = None
-        if isinstance(summary, dict):
-            # summary keys differ between SDKs: keep every utilisation-like number
-            flat = summary.get("summary", [summary])
-            flat = flat[0] if isinstance(flat, list) and flat else flat
-            out["engine_utilisation"] = {k: v for k, v in flat.items()
-                                         if "util" in k.lower() and isinstance(v, (int, float))}
-    return out
+        return {"neff": neff, "error": f"{' '.join(capture)} failed: {res.stderr.strip()[-500:]}"}
+    res = subprocess.run(view, capture_output=True, text=True, check=False)
+    try:
+        numbers = summary_numbers(json.loads(res.stdout))
+    except json.JSONDecodeError:
+        return {"neff": neff, "ntff": ntff, "error": f"{' '.join(view)} gave no JSON: {res.stderr.strip()[-500:]}"}
+    return {"neff": neff, "ntff": ntff, "time_s": device_time_s(numbers, args.time_key),
+            "utilisation": {k: v for k, v in numbers.items() if "util" in k.lower()}, "summary": numbers}
 
 
 def report(args, measured, predicted) -> str:
+    """Measured (device profile) next to modeled: time, MFU, engine utilisation."""
     flops = model_flops(args.S, args.H, args.I, args.recompute == "all")
     lines = [f"MLP backward S={args.S} H={args.H} I={args.I}  precision={args.precision} lnc={args.lnc} "
              f"recompute={args.recompute}  model FLOPs {flops:.4g}", ""]
     peak = predicted.get("peak_flops_per_s")
+    measured = measured or {}
+    t = measured.get("time_s")
     lines.append(f"{'':<28}{'measured':>14}{'cost model':>14}")
-    if measured:
-        lines.append(f"{'latency p50 (us)':<28}{measured['p50_s'] * 1e6:>14.1f}"
-                     f"{predicted.get('modeled_time_s', float('nan')) * 1e6:>14.1f}")
-        lines.append(f"{'latency p99 (us)':<28}{measured['p99_s'] * 1e6:>14.1f}{'':>14}")
-        if peak:
-            lines.append(f"{'MFU (%)':<28}{flops / (measured['p50_s'] * peak) * 100:>14.2f}"
-                         f"{predicted['mfu'] * 100:>14.2f}")
-    else:
-        lines.append(f"{'latency (us)':<28}{'-':>14}{predicted.get('modeled_time_s', float('nan')) * 1e6:>14.1f}")
-        if peak:
-            lines.append(f"{'MFU (%)':<28}{'-':>14}{predicted['mfu'] * 100:>14.2f}")
-    meas_u = (measured or {}).get("engine_utilisation", {})
+    lines.append(f"{'device time (us)':<28}{t * 1e6 if t else float('nan'):>14.1f}"
+                 f"{predicted.get('modeled_time_s', float('nan')) * 1e6:>14.1f}")
+    if peak:
+        lines.append(f"{'MFU (%)':<28}{flops / (t * peak) * 100 if t else float('nan'):>14.2f}"
+                     f"{predicted['mfu'] * 100:>14.2f}")
     for eng, u in sorted(predicted.get("engine_utilisation", {}).items()):
         lines.append(f"{'util ' + eng + ' (%)':<28}{'':>14}{u * 100:>14.1f}")
-    for k, v in sorted(meas_u.items()):
-        lines.append(f"{k:<28}{v:>14}{'':>14}")
+    for k, v in sorted(measured.get("utilisation", {}).items()):
+        lines.append(f"{k:<28}{v:>14.4g}{'':>14}")
     if "error" in predicted:
         lines.append(f"cost model unavailable: {predicted['error']}")
-    if measured and "profile_error" in measured:
-        lines.append(f"profile: {measured['profile_error']}")
+    if "error" in measured:
+        lines.append(f"measurement: {measured['error']}")
+    elif measured and t is None:
+        lines.append(f"measurement: no device time among {TIME_KEYS} in the summary; pass --time-key "
+                     f"(fields: {', '.join(sorted(measured.get('summary', {}))[:20])})")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.run_kernel:
+        run_kernel(args)
+        return 0
     if args.predict_only:
         print(json.dumps(predict(args.S, args.H, args.I, args.lnc, args.target, args.precision,
                                  args.recompute == "all")))

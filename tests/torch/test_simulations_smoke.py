@@ -62,9 +62,36 @@ def test_profile_script_prediction_and_report():
     assert pred["model_flops"] == 12 * 256 * 256 * 128
     assert 0 < pred["mfu"] < 1 and pred["modeled_time_s"] > 0 and "tensor" in pred["engine_utilisation"]
     # the table with a (made-up) measurement, as printed on a Neuron host
-    measured = {"p50_s": 2 * pred["modeled_time_s"], "p99_s": 3 * pred["modeled_time_s"]}
+    measured = {"time_s": 2 * pred["modeled_time_s"], "utilisation": {"summary.pe_util": 0.5}}
     text = mod.report(args, measured, pred)
-    assert "latency p50" in text and "MFU" in text
+    assert "device time" in text and "MFU" in text and "summary.pe_util" in text
     mfu_line = next(line for line in text.splitlines() if line.startswith("MFU"))
     measured_mfu, modeled_mfu = (float(v) for v in mfu_line.split()[-2:])
     assert measured_mfu == pytest.approx(modeled_mfu / 2, abs=0.01)  # twice the modeled time: half the MFU
+
+
+def test_profile_script_follows_the_documented_neuron_explorer_flow(tmp_path, monkeypatch):
+    """The command lines and environment of the on-device flow (not runnable here: no Neuron device)."""
+    mod = _load("profile_mlp_bwd_neuron")
+    capture, view = mod.capture_commands("k.neff", "k.ntff")
+    assert capture == ["neuron-explorer", "capture", "-n", "k.neff", "-s", "k.ntff", "--profile-nth-exec=2"]
+    assert view == ["neuron-explorer", "view", "-n", "k.neff", "-s", "k.ntff", "--output-format", "summary-json"]
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    args = mod.parse_args(["--shape", "256", "256", "128", "--lnc", "2", "--out", str(tmp_path)])
+    env = mod.kernel_env(args)
+    assert env["NEURON_FRAMEWORK_DEBUG"] == "1" and env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    assert env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn3"
+    assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "neff")
+    src = open(os.path.join(_SIM, "profile_mlp_bwd_neuron.py")).read()
+    assert "nki.benchmark(" not in src and "nki.profile(" not in src
+    # the largest NEFF is the kernel's
+    (tmp_path / "neff" / "a").mkdir(parents=True)
+    (tmp_path / "neff" / "a" / "small.neff").write_bytes(b"x")
+    (tmp_path / "neff" / "big.neff").write_bytes(b"x" * 10)
+    assert mod.find_neff(str(tmp_path / "neff")) == str(tmp_path / "neff" / "big.neff")
+    assert mod.find_neff(str(tmp_path / "none")) is None
+    # summary-json: numeric fields flattened; the device time by key, unit from the suffix
+    nums = mod.summary_numbers({"summary": [{"total_time_us": 640.0, "pe_utilization": 0.7, "name": "k"}]})
+    assert nums == {"summary.0.total_time_us": 640.0, "summary.0.pe_utilization": 0.7}
+    assert mod.device_time_s(nums, None) == pytest.approx(640e-6)
+    assert mod.device_time_s(nums, "pe_utilization") == 0.7 and mod.device_time_s({}, None) is None

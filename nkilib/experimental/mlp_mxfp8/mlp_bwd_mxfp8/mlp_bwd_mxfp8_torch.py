@@ -22,7 +22,8 @@ Only the checkpoints the policy keeps are saved for the backward (bf16, exactly 
 Backward: the NKI kernel ``mlp_backward_mxfp8_nki`` (or its exact torch emulation), returning dX,
 dW_gate_up, dW_down in the dtypes of x and of the parameters. Weight gradients leave the kernel in
 ``weight_grad_dtype`` (default: float32 when a parameter is float32, so fp32 parameters accumulate
-fp32 gradients that were never rounded to bf16; else bf16).
+fp32 gradients that were never rounded to bf16, or when ``accumulate_main_grad=True`` sends them to an
+fp32 ``param.main_grad``; else bf16).
 
 Which checkpoint policies give identical gradients (the kernel recomputes a missing checkpoint its
 own way, so identity holds exactly when the saved tensor equals what the kernel would recompute):
@@ -53,19 +54,26 @@ Backends (``backend=``):
     "emulate": a pure-torch implementation of exactly the kernel's numerics
         (mlp_bwd_mxfp8_emulate.py) on any device, fast, for training studies; supports the scale
         rules "neuron", "rceil" and "ocp_floor".
-    "neuron": the kernel on a Neuron device: TorchNeuron (SDK 2.30+, ``torch_neuronx.nki_op``) or
-        PyTorch/XLA (torch <= 2.9, an autograd.Function calling ``mlp_backward_mxfp8_nki[lnc]`` with
-        XLA tensors). These paths are thin, import-guarded and UNTESTED in this repository (no
-        Neuron device or SDK here).
+    "neuron": the kernel on a Neuron device, the stack chosen by the tensors' device type: "neuron"
+        -> TorchNeuron (ops registered with ``torch_neuronx.nki_op`` + ``register_autograd``), "xla" ->
+        PyTorch/XLA (an autograd.Function calling ``mlp_backward_mxfp8_nki[lnc]`` with XLA tensors); the
+        LNC degree from NEURON_LOGICAL_NC_CONFIG. See mlp_bwd_mxfp8_neuron.py (rules and doc sources);
+        UNTESTED on hardware here, the dispatch is tested with stub modules.
 
 Registration: two torch.library custom ops, ``nkilib::swiglu_mlp_mxfp8`` (forward; returns y and
 the four checkpoints, autograd registered with ``register_autograd``) and
 ``nkilib::swiglu_mlp_mxfp8_backward`` (the kernel call), both with fake implementations, so the
 function composes with torch.compile and torch.utils.checkpoint; both pass torch.library.opcheck.
+
+fp32 gradient accumulation (``accumulate_main_grad=True``, Megatron / NxD convention): a weight with
+an fp32 ``main_grad`` receives the kernel's fp32 weight gradient there. The forward op takes, per such
+weight, an fp32 zero-stride "sink" input made from the parameter by ``_MainGradSink``; the backward
+formula returns the fp32 gradient for the sink (the autograd engine casts a gradient to its input's
+dtype, so it must be an fp32 input) and None for the weight; the sink's backward adds it to
+``main_grad``. The ops stay functional (opcheck, torch.compile).
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import Optional
 
@@ -76,6 +84,8 @@ from torch import Tensor, nn
 
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
+from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
+from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
 
 __all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "FORWARD_NUMERICS",
            "resolve_checkpoint_policy", "resolve_backend"]
@@ -129,17 +139,6 @@ def resolve_checkpoint_policy(checkpoint) -> tuple:
     return tuple(n in names for n in CHECKPOINT_NAMES)
 
 
-def _neuron_stack() -> str | None:
-    """'torchneuron' or 'xla' when a Neuron torch stack is importable, else None."""
-    for mod, name in (("torch_neuronx", "torchneuron"), ("torch_xla", "xla")):
-        try:
-            importlib.import_module(mod)
-            return name
-        except Exception:  # noqa: BLE001 - any import failure means "not available"
-            continue
-    return None
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """"auto" -> a concrete backend for tensors on `device` (module docstring); validates the others."""
     if backend not in BACKENDS:
@@ -149,7 +148,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     kind = device.type
     if kind == "cpu":
         return "simulator"
-    if kind in ("neuron", "xla", "privateuseone"):
+    if kind in NEURON_DEVICE_STACKS:
         return "neuron"
     if kind == "meta":
         return "emulate"
@@ -240,16 +239,6 @@ def _from_numpy(a, device) -> Tensor:
     return t.to(device)
 
 
-def _kernel_kwargs(nl, ckpts, clamps, fp8, scheme, precision, wg):
-    from .config import ClampLimits
-
-    clamp = ClampLimits(*clamps) if any(c is not None for c in clamps) else None
-    kw = dict(zip(CHECKPOINT_NAMES, ckpts))
-    kw.update(clamp_limits=clamp, fp8_x4_dtype=getattr(nl, f"{fp8}_x4"), quant_scheme=scheme,
-              weight_grad_dtype=getattr(nl, wg), matmul_precision=precision)
-    return kw
-
-
 def _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc):
     """The real kernel on the NKI CPU simulator (torch -> numpy -> torch)."""
     if scale_rule != "neuron":
@@ -260,67 +249,11 @@ def _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
 
     from .mlp_bwd_mxfp8_kernel import mlp_backward_mxfp8_nki
 
-    kw = _kernel_kwargs(nl, [_to_numpy(c) for c in ckpts], clamps, fp8, scheme, precision, wg)
+    kw = kernel_kwargs(nl, [_to_numpy(c) for c in ckpts], clamps, fp8, scheme, precision, wg)
     outs = nki.simulate(mlp_backward_mxfp8_nki)[lnc](
         output_grad=_to_numpy(dy), hidden_states=_to_numpy(x), down_proj_weight=_to_numpy(w_down),
         gate_up_weights=_to_numpy(w_gu), **kw)
     return tuple(_from_numpy(o, dy.device) for o in outs)
-
-
-_TORCHNEURON_OPS = {}
-
-
-def _torchneuron_kernel_op(lnc: int):
-    """The kernel registered with ``torch_neuronx.nki_op`` (TorchNeuron, SDK 2.30+). UNTESTED here.
-
-    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html
-    """
-    if lnc in _TORCHNEURON_OPS:
-        return _TORCHNEURON_OPS[lnc]
-    from torch_neuronx import nki_op
-
-    from .mlp_bwd_mxfp8_kernel import mlp_backward_mxfp8_nki
-
-    @nki_op(f"nkilib_neuron::mlp_backward_mxfp8_lnc{lnc}", mutates_args=())
-    def op(output_grad: Tensor, hidden_states: Tensor, down_proj_weight: Tensor, gate_up_weights: Tensor,
-           gate_pre: Optional[Tensor], gate_act: Optional[Tensor], up: Optional[Tensor],
-           intermediate: Optional[Tensor], gate_lower: Optional[float], gate_upper: Optional[float],
-           up_lower: Optional[float], up_upper: Optional[float], fp8_dtype: str, quant_scheme: str,
-           matmul_precision: str, weight_grad_dtype: str) -> tuple[Tensor, Tensor, Tensor]:
-        import nki.language as nl
-
-        kw = _kernel_kwargs(nl, (gate_pre, gate_act, up, intermediate),
-                            (gate_lower, gate_upper, up_lower, up_upper), fp8_dtype, quant_scheme,
-                            matmul_precision, weight_grad_dtype)
-        return mlp_backward_mxfp8_nki[lnc](output_grad=output_grad, hidden_states=hidden_states,
-                                           down_proj_weight=down_proj_weight, gate_up_weights=gate_up_weights, **kw)
-
-    _TORCHNEURON_OPS[lnc] = op
-    return op
-
-
-def _neuron_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc):
-    """The kernel on a Neuron device (TorchNeuron via nki_op, else a direct nki.jit call). UNTESTED here."""
-    import nkilib
-
-    if scale_rule != "neuron":
-        raise ValueError(f"scale_rule={scale_rule!r} is only available with backend='emulate'; the hardware's "
-                         f"quantize_mx uses the 'neuron' rule")
-    if nkilib.BACKEND != "neuron":
-        raise RuntimeError("backend='neuron' needs the Neuron SDK's nki package (this process uses nkilib's CPU "
-                           "simulator); use backend='simulator' or 'emulate' off Trainium")
-    stack = _neuron_stack()
-    if stack is None:
-        raise RuntimeError("backend='neuron' needs torch-neuronx (TorchNeuron) or torch-xla with the Neuron plugin")
-    if stack == "torchneuron":
-        return tuple(_torchneuron_kernel_op(lnc)(dy, x, w_down, w_gu, *ckpts, *clamps, fp8, scheme, precision, wg))
-    import nki.language as nl
-
-    from .mlp_bwd_mxfp8_kernel import mlp_backward_mxfp8_nki
-
-    kw = _kernel_kwargs(nl, ckpts, clamps, fp8, scheme, precision, wg)
-    return tuple(mlp_backward_mxfp8_nki[lnc](output_grad=dy, hidden_states=x, down_proj_weight=w_down,
-                                             gate_up_weights=w_gu, **kw))
 
 
 def _run_backward(backend, dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc):
@@ -332,7 +265,9 @@ def _run_backward(backend, dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, prec
     if backend == "simulator":
         return _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc)
     if backend == "neuron":
-        return _neuron_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc)
+        raise RuntimeError("nkilib::swiglu_mlp_mxfp8_backward does not run the Neuron path: swiglu_mlp_mxfp8 sends "
+                           "Neuron tensors to the nki_op registration (TorchNeuron) or the XLA autograd.Function "
+                           "(mlp_bwd_mxfp8_neuron.py)")
     raise ValueError(f"backend must be one of {BACKENDS[1:]} here, got {backend!r}")
 
 
@@ -368,90 +303,158 @@ def swiglu_mlp_mxfp8_backward_op(
     return tuple(o.contiguous() for o in outs)
 
 
-@swiglu_mlp_mxfp8_backward_op.register_fake
-def _backward_fake(output_grad, hidden_states, gate_up_weight, down_weight, gate_pre, gate_act, up, intermediate,
-                   gate_lower, gate_upper, up_lower, up_upper, fp8_dtype, quant_scheme, matmul_precision, scale_rule,
-                   weight_grad_dtype, backend, lnc):
+def backward_fake(output_grad, hidden_states, gate_up_weight, down_weight, gate_pre, gate_act, up, intermediate,
+                  gate_lower, gate_upper, up_lower, up_upper, fp8_dtype, quant_scheme, matmul_precision, scale_rule,
+                  weight_grad_dtype, backend, lnc):
+    """Shapes / dtypes of the backward op: (dX [S, H] bf16, dW_gate_up [2I, H], dW_down [H, I] in
+    weight_grad_dtype). Shared by the CPU op and the TorchNeuron nki_op registration."""
     wg = getattr(torch, weight_grad_dtype)
     return (torch.empty_like(hidden_states, dtype=torch.bfloat16, memory_format=torch.contiguous_format),
             gate_up_weight.new_empty(gate_up_weight.shape, dtype=wg),
             down_weight.new_empty(down_weight.shape, dtype=wg))
 
 
-@torch.library.custom_op("nkilib::swiglu_mlp_mxfp8", mutates_args=())
-def swiglu_mlp_mxfp8_op(
-    x: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
-    gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float], up_upper: Optional[float],
-    fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str, weight_grad_dtype: str,
-    forward_numerics: str, backend: str, lnc: int,
-    save_gate_pre: bool, save_gate_act: bool, save_up: bool, save_intermediate: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Forward of the clamped SwiGLU MLP on x [S, H]: (y [S, H] in x's dtype, gate_pre, gate_act, up,
-    intermediate [S, I] bf16). The options after the clamps are carried for the backward; the save_*
-    flags choose what the autograd formula keeps."""
+swiglu_mlp_mxfp8_backward_op.register_fake(backward_fake)
+
+
+def forward_impl(x, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower, up_upper, fp8_dtype, quant_scheme,
+                 matmul_precision, scale_rule, forward_numerics):
+    """Body of the forward ops: (y [S, H] in x's dtype, gate_pre, gate_act, up, intermediate [S, I] bf16)."""
     mm_opts = dict(matmul_precision=matmul_precision, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
                    scale_rule=scale_rule)
     return _forward_math(x, gate_up_weight, down_weight, (gate_lower, gate_upper, up_lower, up_upper),
                          forward_numerics, mm_opts)
 
 
-@swiglu_mlp_mxfp8_op.register_fake
-def _forward_fake(x, gate_up_weight, down_weight, *args):
+@torch.library.custom_op("nkilib::swiglu_mlp_mxfp8", mutates_args=())
+def swiglu_mlp_mxfp8_op(
+    x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, gate_up_grad_sink: Optional[Tensor],
+    down_grad_sink: Optional[Tensor],
+    gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float], up_upper: Optional[float],
+    fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str, weight_grad_dtype: str,
+    forward_numerics: str, backend: str, lnc: int,
+    save_gate_pre: bool, save_gate_act: bool, save_up: bool, save_intermediate: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward of the clamped SwiGLU MLP on x [S, H]: (y [S, H] in x's dtype, gate_pre, gate_act, up,
+    intermediate [S, I] bf16). The *_grad_sink inputs (fp32 [2I, H] / [H, I] or None) only receive the
+    fp32 weight gradients in the backward (see _MainGradSink); the options after the clamps are carried
+    for the backward; the save_* flags choose what the autograd formula keeps."""
+    return forward_impl(x, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower, up_upper, fp8_dtype,
+                        quant_scheme, matmul_precision, scale_rule, forward_numerics)
+
+
+def forward_fake(x, gate_up_weight, down_weight, *args):
+    """Shapes / dtypes of the forward ops (CPU custom op and TorchNeuron nki_op)."""
     s, n_i = x.shape[0], gate_up_weight.shape[0] // 2
     ck = [x.new_empty((s, n_i), dtype=torch.bfloat16) for _ in CHECKPOINT_NAMES]
     return (x.new_empty((s, down_weight.shape[0])), *ck)
 
 
-def _setup_context(ctx, inputs, output):
-    x, w_gu, w_down = inputs[:3]
-    options = inputs[3:15]  # clamps (4), fp8, scheme, precision, scale_rule, wg, forward_numerics, backend, lnc
-    keep = inputs[15:19]
+swiglu_mlp_mxfp8_op.register_fake(forward_fake)
+
+
+def setup_context(ctx, inputs, output):
+    """Autograd context of the forward ops: saves x, the weights and the kept checkpoints."""
+    x, w_gu, w_down, sink_gu, sink_down = inputs[:5]
+    options = inputs[5:17]  # clamps (4), fp8, scheme, precision, scale_rule, wg, forward_numerics, backend, lnc
+    keep = inputs[17:21]
     _, *ckpts = output
     ctx.mark_non_differentiable(*ckpts)
     ctx.save_for_backward(x, w_gu, w_down, *[c if k else None for c, k in zip(ckpts, keep)])
     ctx.options = options
+    ctx.sinks = (sink_gu is not None, sink_down is not None)
 
 
-def _backward(ctx, grad_y, *unused_checkpoint_grads):
-    x, w_gu, w_down, *ckpts = ctx.saved_tensors
-    (gl, gu, ul, uu, fp8, scheme, precision, rule, wg, _fwd_numerics, backend, lnc) = ctx.options
-    bf = torch.bfloat16
-    dx, dw_gu, dw_down = swiglu_mlp_mxfp8_backward_op(
-        grad_y.to(bf), x.to(bf), w_gu.to(bf), w_down.to(bf), *ckpts, gl, gu, ul, uu, fp8, scheme, precision, rule,
-        wg, backend, lnc)
-    return (dx.to(x.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype)) + (None,) * 16
+def route_weight_grads(sinks: tuple, weights: tuple, weight_grads: tuple) -> tuple:
+    """Gradients for (gate_up_weight, down_weight, gate_up_grad_sink, down_grad_sink).
+
+    A weight with a sink gets None (its fp32 gradient goes to the sink, i.e. to param.main_grad);
+    one without gets the kernel's gradient cast to the weight's dtype.
+    """
+    (sink_gu, sink_down), (w_gu, w_down), (dw_gu, dw_down) = sinks, weights, weight_grads
+    return (None if sink_gu else dw_gu.to(w_gu.dtype), None if sink_down else dw_down.to(w_down.dtype),
+            dw_gu if sink_gu else None, dw_down if sink_down else None)
 
 
-swiglu_mlp_mxfp8_op.register_autograd(_backward, setup_context=_setup_context)
+def make_backward_formula(backward_op):
+    """The register_autograd backward of a forward op, calling `backward_op` (the CPU custom op, or the
+    TorchNeuron nki_op whose body is the kernel)."""
 
-
-# ----------------------------------------------------------------------------------------------
-# PyTorch/XLA path (torch <= 2.9 with torch-xla): autograd.Function, UNTESTED here
-# ----------------------------------------------------------------------------------------------
-
-
-class _XlaSwiGLUMLP(torch.autograd.Function):
-    """Forward in torch ops on XLA tensors; backward calls ``mlp_backward_mxfp8_nki[lnc]`` with XLA tensors
-    (the NKI PyTorch/XLA integration, https://awsdocs-neuron.readthedocs-hosted.com/en/v2.28.0/nki/guides/
-    framework_custom_op.html). Not exercised in this repository (no Neuron device)."""
-
-    @staticmethod
-    def forward(ctx, x2, gate_up_weight, down_weight, clamps, options, keep):
-        fp8, scheme, precision, rule, wg, forward_numerics, lnc = options
-        mm_opts = dict(matmul_precision=precision, fp8_dtype=fp8, quant_scheme=scheme, scale_rule=rule)
-        y, *ckpts = _forward_math(x2, gate_up_weight, down_weight, clamps, forward_numerics, mm_opts)
-        ctx.save_for_backward(x2, gate_up_weight, down_weight, *[c if k else None for c, k in zip(ckpts, keep)])
-        ctx.clamps, ctx.options = clamps, options
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, *unused_checkpoint_grads):
         x, w_gu, w_down, *ckpts = ctx.saved_tensors
-        fp8, scheme, precision, rule, wg, _, lnc = ctx.options
+        (gl, gu, ul, uu, fp8, scheme, precision, rule, wg, _fwd_numerics, backend, lnc) = ctx.options
         bf = torch.bfloat16
-        dx, dw_gu, dw_down = _neuron_backward(grad_y.to(bf), x.to(bf), w_gu.to(bf), w_down.to(bf), ckpts, ctx.clamps,
-                                              fp8, scheme, precision, rule, wg, lnc)
-        return dx.to(x.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype), None, None, None
+        dx, dw_gu, dw_down = backward_op(
+            grad_y.to(bf), x.to(bf), w_gu.to(bf), w_down.to(bf), *ckpts, gl, gu, ul, uu, fp8, scheme, precision,
+            rule, wg, backend, lnc)
+        return (dx.to(x.dtype), *route_weight_grads(ctx.sinks, (w_gu, w_down), (dw_gu, dw_down))) + (None,) * 16
+
+    return backward
+
+
+swiglu_mlp_mxfp8_op.register_autograd(make_backward_formula(swiglu_mlp_mxfp8_backward_op),
+                                      setup_context=setup_context)
+
+# TorchNeuron: register the nki_op ops at import, like the documented module-level decorators, so that
+# torch.compile never traces a registration (no-op where torch_neuronx or its nki_op is missing).
+register_torchneuron_ops_if_available()
+
+
+# ----------------------------------------------------------------------------------------------
+# fp32 gradient accumulation into param.main_grad (Megatron / NxD convention)
+# ----------------------------------------------------------------------------------------------
+
+
+class _MainGradSink(torch.autograd.Function):
+    """param -> a zero-stride fp32 zero tensor of param's shape that carries param's fp32 gradient.
+
+    The forward op takes this tensor as an extra input and returns the kernel's fp32 weight gradient
+    for it (and None for the bf16 weight itself). The engine casts a gradient to its input's dtype, so
+    only an fp32 input lets the fp32 gradient through unrounded; a zero-stride tensor costs no memory.
+    The backward here adds that gradient to ``param.main_grad``. Like Megatron's fused gradient
+    accumulation, ``param.grad`` is left alone, except that a parameter carrying the
+    ``grad_added_to_main_grad`` attribute gets it set to True and a zero ``.grad`` contribution, so
+    hooks on the gradient accumulator still fire (what Megatron-LM's distributed optimizer expects).
+    """
+
+    @staticmethod
+    def forward(ctx, param):
+        ctx.param = param
+        return torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        param = ctx.param
+        param.main_grad.add_(grad)
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
+            return torch.zeros_like(param)
+        return None
+
+
+def _main_grad_sinks(accumulate_main_grad: bool, params: dict) -> list:
+    """One sink per parameter (None where no fp32 main_grad accumulation applies).
+
+    Raises:
+        TypeError: accumulate_main_grad not a bool.
+        ValueError: a main_grad that is not an fp32 tensor of the parameter's shape and device.
+    """
+    if not isinstance(accumulate_main_grad, bool):
+        raise TypeError(f"accumulate_main_grad must be True or False, got {accumulate_main_grad!r}")
+    sinks = []
+    for name, p in params.items():
+        main_grad = getattr(p, "main_grad", None) if accumulate_main_grad else None
+        if main_grad is None or not (torch.is_grad_enabled() and p.requires_grad):
+            sinks.append(None)
+            continue
+        if not isinstance(main_grad, Tensor) or main_grad.dtype != torch.float32 or \
+                main_grad.shape != p.shape or main_grad.device != p.device:
+            got = (f"{main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}" if isinstance(main_grad, Tensor)
+                   else type(main_grad).__name__)
+            raise ValueError(f"{name}.main_grad must be a float32 tensor of shape {tuple(p.shape)} on {p.device} "
+                             f"(accumulate_main_grad=True), got {got}")
+        sinks.append(_MainGradSink.apply(p))
+    return sinks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +465,7 @@ class _XlaSwiGLUMLP(torch.autograd.Function):
 def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, checkpoint="all",
                      clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", weight_grad_dtype=None,
                      matmul_precision="mxfp8", scale_rule="neuron", forward_numerics="torch", backend="auto",
-                     lnc: int | None = None) -> Tensor:
+                     lnc: int | None = None, accumulate_main_grad: bool = False) -> Tensor:
     """Clamped SwiGLU MLP y = (silu(clamp(x W_gate^T)) * clamp(x W_up^T)) W_down^T with the MXFP8 NKI backward.
 
     Dimensions:
@@ -477,20 +480,30 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
         clamp_limits: ClampLimits (or a dict of its fields) of a clamped SwiGLU, or None.
         fp8_dtype: "float8_e4m3fn" (default) or "float8_e5m2" (or the torch float8 dtype).
         quant_scheme: "1x32" (OCP groups, default) or "wrapX".
-        weight_grad_dtype: None (float32 if a parameter is float32, else bfloat16), torch.bfloat16 or
-            torch.float32: the dtype the kernel writes the weight gradients in.
+        weight_grad_dtype: None (float32 if a parameter is float32 or accumulates into main_grad, else
+            bfloat16), torch.bfloat16 or torch.float32: the dtype the kernel writes the weight gradients in.
         matmul_precision: "mxfp8" (Trn3, default) or "bf16" (Trn2's path).
         scale_rule: "neuron" (quantize_mx's rule, default); "rceil" / "ocp_floor" need backend="emulate".
         forward_numerics: "torch" (bf16 torch projections) or "kernel" (the kernel's recompute numerics).
         backend: "auto", "simulator", "emulate" or "neuron" (module docstring).
-        lnc: LNC degree of the kernel launch (1 or 2); None: 2 on Neuron, 1 elsewhere.
+        lnc: LNC degree of the kernel launch (1 or 2). None: 1 off Neuron; on Neuron the value of
+            NEURON_LOGICAL_NC_CONFIG (unset: 1, the documented default). On Neuron an lnc that differs
+            from NEURON_LOGICAL_NC_CONFIG is an error (the launch must match the runtime).
+        accumulate_main_grad: opt-in fp32 gradient accumulation (Megatron / NxD convention): a weight
+            that has a ``main_grad`` attribute (an fp32 tensor of its shape) gets the kernel's fp32
+            weight gradient added to ``main_grad`` (never rounded to the parameter's dtype) and its
+            ``.grad`` is left alone (a parameter with ``grad_added_to_main_grad`` gets that flag set and
+            a zero ``.grad``); a weight without ``main_grad`` gets its ``.grad`` as usual. The kernel
+            then writes fp32 weight gradients (weight_grad_dtype must be None or float32).
 
     Returns:
         y [..., H] in x's dtype.
 
     Raises:
-        TypeError / ValueError: wrong types, shapes, dtypes, devices, option values or policy names.
-        RuntimeError: a device with no kernel path under backend="auto", or backend="neuron" off Neuron.
+        TypeError / ValueError: wrong types, shapes, dtypes, devices, option values or policy names,
+            an lnc that contradicts NEURON_LOGICAL_NC_CONFIG, a malformed main_grad.
+        RuntimeError: a device with no kernel path under backend="auto", or backend="neuron" off a
+            Neuron device.
     """
     h, _ = _check_inputs(x, gate_up_weight, down_weight)
     keep = resolve_checkpoint_policy(checkpoint)
@@ -505,17 +518,29 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     if scale_rule != "neuron" and resolved != "emulate":
         raise ValueError(f"scale_rule={scale_rule!r} needs backend='emulate' (the kernel's quantize_mx implements "
                          f"the 'neuron' rule); got backend={backend!r} (-> {resolved!r})")
-    if lnc is None:
-        lnc = 2 if resolved == "neuron" else 1
-    if lnc not in (1, 2) or isinstance(lnc, bool):
+    if lnc is not None and (isinstance(lnc, bool) or lnc not in (1, 2)):
         raise ValueError(f"lnc must be 1 or 2, got {lnc!r}")
+    stack = None
+    if resolved == "neuron":
+        stack = neuron_stack(x.device)
+        lnc = resolve_neuron_lnc(lnc)
+    elif lnc is None:
+        lnc = 1
+    sink_gu, sink_down = _main_grad_sinks(accumulate_main_grad, {"gate_up_weight": gate_up_weight,
+                                                                 "down_weight": down_weight})
+    if sink_gu is not None or sink_down is not None:
+        if weight_grad_dtype is not None and wg != "float32":
+            raise ValueError(f"accumulate_main_grad=True accumulates fp32 weight gradients; weight_grad_dtype must "
+                             f"be None or torch.float32, got {weight_grad_dtype!r}")
+        wg = "float32"
     x2 = x.reshape(-1, h)
-    if x.device.type == "xla":
-        y2 = _XlaSwiGLUMLP.apply(x2, gate_up_weight, down_weight, clamps,
-                                 (fp8, quant_scheme, matmul_precision, scale_rule, wg, forward_numerics, lnc), keep)
+    if stack == "xla":
+        y2 = XlaSwiGLUMLP.apply(x2, gate_up_weight, down_weight, sink_gu, sink_down, clamps,
+                                (fp8, quant_scheme, matmul_precision, scale_rule, wg, forward_numerics, lnc), keep)
     else:
-        y2, *_ = swiglu_mlp_mxfp8_op(x2, gate_up_weight, down_weight, *clamps, fp8, quant_scheme, matmul_precision,
-                                     scale_rule, wg, forward_numerics, resolved, lnc, *keep)
+        forward_op = torchneuron_ops()[0] if stack == "torchneuron" else swiglu_mlp_mxfp8_op
+        y2, *_ = forward_op(x2, gate_up_weight, down_weight, sink_gu, sink_down, *clamps, fp8, quant_scheme,
+                            matmul_precision, scale_rule, wg, forward_numerics, resolved, lnc, *keep)
     return y2.reshape(x.shape)
 
 
@@ -529,14 +554,16 @@ class SwiGLUMLP(nn.Module):
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype,
-            matmul_precision, scale_rule, forward_numerics, lnc: as in ``swiglu_mlp_mxfp8``.
+            matmul_precision, scale_rule, forward_numerics, lnc, accumulate_main_grad: as in
+            ``swiglu_mlp_mxfp8`` (with accumulate_main_grad=True, give the parameters an fp32
+            ``main_grad`` before the forward, as Megatron / NxD optimizers do).
         device, dtype: of the parameters (dtype bfloat16 or float32; default torch's default dtype).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, checkpoint="all", backend="auto",
                  clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", weight_grad_dtype=None,
-                 matmul_precision="mxfp8", scale_rule="neuron", forward_numerics="torch", lnc=None, device=None,
-                 dtype=None):
+                 matmul_precision="mxfp8", scale_rule="neuron", forward_numerics="torch", lnc=None,
+                 accumulate_main_grad=False, device=None, dtype=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
@@ -548,7 +575,8 @@ class SwiGLUMLP(nn.Module):
         self.options = dict(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits, fp8_dtype=fp8_dtype,
                             quant_scheme=quant_scheme, weight_grad_dtype=weight_grad_dtype,
                             matmul_precision=matmul_precision, scale_rule=scale_rule,
-                            forward_numerics=forward_numerics, lnc=lnc)
+                            forward_numerics=forward_numerics, lnc=lnc,
+                            accumulate_main_grad=accumulate_main_grad)
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size, **factory))
@@ -566,4 +594,5 @@ class SwiGLUMLP(nn.Module):
         o = self.options
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"checkpoint={o['checkpoint']!r}, backend={o['backend']!r}, fp8_dtype={o['fp8_dtype']!r}, "
-                f"quant_scheme={o['quant_scheme']!r}, matmul_precision={o['matmul_precision']!r}")
+                f"quant_scheme={o['quant_scheme']!r}, matmul_precision={o['matmul_precision']!r}, "
+                f"accumulate_main_grad={o['accumulate_main_grad']!r}")
