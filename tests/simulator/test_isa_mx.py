@@ -544,7 +544,22 @@ def test_reject_scale_offset_not_in_0_4_8_12():
 
 
 def test_reject_scale_view_too_short():
-    _rejects(_qmx(src_shape=(64, 64), scale_shape=(32, 16)), r"must span 36 rows")
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(32, 16)),
+             r"quantize_mx: argument 'dst_scale' .* has 32 partitions; expected at least 64 rows \(P=64 > 32")
+
+
+def test_reject_scale_view_covering_only_the_written_rows_when_p_over_32():
+    # rows 0..3 and 32..35 hold the scales of P=64, but the documented oversize rule wants [P, F/4]
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(36, 16)), r"has 36 partitions; expected at least 64 rows")
+
+
+def test_packed_scale_view_spans_p_minus_its_offset(monkeypatch):
+    monkeypatch.setenv("NKILIB_SIM_STRICT", "0")  # _qmx's src is never written; only validation matters here
+    for offset in (4, 12):
+        kernel = _qmx(src_shape=(64, 64), scale_shape=(64, 16), scale_offset=offset)
+        simulate(kernel)  # 64 - offset rows: exactly the oversize rule for a packed view
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(63, 16), scale_offset=4),
+             r"has 59 partitions; expected at least 60 rows .*quadrant offset 4")
 
 
 def test_reject_scale_other_quadrant():
@@ -601,7 +616,24 @@ def test_reject_matmul_scale_dtype():
 
 
 def test_reject_matmul_scale_too_few_rows():
-    _rejects(_mm(k=128, ss_rows=64), r"'stationary_scale' has 64 partitions.*span 100 rows")
+    _rejects(_mm(k=128, ss_rows=64), r"nc_matmul_mx: argument 'stationary_scale' .* has 64 partitions; expected at "
+                                     r"least 128 rows \(P=128 > 32")
+    _rejects(_mm(k=64, ss_rows=36), r"'stationary_scale' .* has 36 partitions; expected at least 64 rows")
+
+
+def test_reject_matmul_scales_in_another_quadrant():
+    def kernel():
+        st = nl.ndarray((128, 32), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        mv = nl.ndarray((128, 32), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        ss = nl.ndarray((128, 32), nl.uint8, buffer=nl.sbuf)
+        ms = nl.ndarray((128, 32), nl.uint8, buffer=nl.sbuf)
+        dst = nl.ndarray((32, 32), nl.float32, buffer=nl.psum)
+        # K=32 data in quadrant 0, its 4 scale rows taken from quadrant 1
+        nisa.nc_matmul_mx(dst=dst, stationary=st[0:32, :], moving=mv[0:32, :], stationary_scale=ss[32:36, :],
+                          moving_scale=ms[0:4, :])
+
+    _rejects(kernel, r"nc_matmul_mx: argument 'stationary_scale' starts at partition 32 \(quadrant 1\) but "
+                     r"'stationary' .* starts at partition 0 \(quadrant 0\); expected the scales in the data's quadrant")
 
 
 def test_reject_matmul_dst_not_psum():

@@ -25,6 +25,8 @@ from ...tensor import checked_read, checked_write
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version
 from .matmul import check_tiling, psum_accumulate
 
+_QMX_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html"
+_MXFP_GUIDE_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html"
 _QUADRANT = 32
 _GROUP_PARTITIONS = 8  # an MX group spans 8 partitions x 4 packed elements
 # packed scale views (spec §5.1 "Scale packing", nki-library ALLOWED_P_SCALE_IDX_OFFSETS)
@@ -60,11 +62,20 @@ def _check_scale(instr, arg, scale, groups, free, free_what):
     if start % _QUADRANT not in _SCALE_OFFSETS:
         fail(instr, f"argument '{arg}' starts at partition {start} (offset {start % _QUADRANT} in its quadrant); "
                     f"scale views must start at quadrant offset {list(_SCALE_OFFSETS)} (spec §5.1 scale packing)")
-    need = _scale_rows_needed(groups)
+    data_partitions = groups * _GROUP_PARTITIONS
+    if data_partitions <= _QUADRANT:
+        need = _scale_rows_needed(groups)
+        rule = f"{need} rows (a [P/8, F/4] tile is enough for P <= 32 data partitions)"
+    else:
+        # Oversize rule: for P > 32 the scale tile is [P, F/4] (quantize_mx docs; mxfp matmul guide,
+        # "P <= 32: [P//8, F//4]; P > 32: [P, F//4]"); a packed view starting at quadrant offset o
+        # (0/4/8/12) spans the P rows of its quadrants from there on: P - o rows.
+        need = data_partitions - start % _QUADRANT
+        rule = (f"{need} rows (P={data_partitions} > 32 data partitions need a [P, F/4] scale tile, "
+                f"less its quadrant offset {start % _QUADRANT})")
     if count < need:
-        fail(instr, f"argument '{arg}' has {count} partitions but its {groups} scale group rows live in rows "
-                    f"32*(g//4) + g%4 up to row {need - 1} of the view; it must span {need} rows "
-                    "(a 4-row view is enough only for 32 data partitions, spec §5.1)")
+        fail(instr, f"argument '{arg}' ('{scale.name}') has {count} partitions; expected at least {rule}; "
+                    f"see {_QMX_URL} and {_MXFP_GUIDE_URL}")
     return scale, start
 
 
@@ -197,8 +208,16 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     if dst.shape[0] != m or dst.free_size != n:
         fail(instr, f"dst must be [{m}, {n}] (stationary free x moving free), got {dst.shape}")
     groups = k // _GROUP_PARTITIONS
-    ss, _ = _check_scale(instr, "stationary_scale", stationary_scale, groups, m, "stationary free size M")
-    ms, _ = _check_scale(instr, "moving_scale", moving_scale, groups, n, "moving free size N")
+    ss, ss_start = _check_scale(instr, "stationary_scale", stationary_scale, groups, m, "stationary free size M")
+    ms, ms_start = _check_scale(instr, "moving_scale", moving_scale, groups, n, "moving free size N")
+    for arg, data, scale_start in (("stationary", st, ss_start), ("moving", mv, ms_start)):
+        # mxfp matmul guide: the scales of a group live in the 32-partition quadrant the group's data
+        # came from (quantize_mx checks the same for its output).
+        data_start, _ = data.partition_info()
+        if scale_start // _QUADRANT != data_start // _QUADRANT:
+            fail(instr, f"argument '{arg}_scale' starts at partition {scale_start} (quadrant {scale_start // _QUADRANT}) "
+                        f"but '{arg}' ('{data.name}') starts at partition {data_start} (quadrant "
+                        f"{data_start // _QUADRANT}); expected the scales in the data's quadrant ({_MXFP_GUIDE_URL})")
     check_tiling(instr, tile_position, tile_size, k, m, allow_column=False)
     ss_rows = _quadrant_row_views(ss, groups)
     ms_rows = _quadrant_row_views(ms, groups)
