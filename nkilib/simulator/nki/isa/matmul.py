@@ -44,6 +44,31 @@ def check_tiling(instr, tile_position, tile_size, k, m, allow_column=True):
     return column
 
 
+_TRN2_ARCH_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html"
+
+
+def check_psum_bank(instr, dst):
+    """NeuronCore-v3 (trn2): a matmul output must fit in one 2 KiB PSUM bank per partition (Trainium2
+    architecture guide, PSUM section). NeuronCore-v4 matmuls may span banks (nc_matmul_mx's N limit is
+    the whole PSUM in the 2.32 docs), so the rule is checked on v3 only. PSUM tensors start on a bank
+    boundary (nl.ndarray), so bank k of a partition row is bytes [2048k, 2048(k+1)) of the tensor."""
+    target = ctx().target
+    if target.nc_version != 3:
+        return
+    row = dst.row_elems
+    lo = hi = dst.offset % row
+    for n, s in zip(dst.shape[1:], dst.strides[1:]):
+        lo += min(0, (n - 1) * s)
+        hi += max(0, (n - 1) * s)
+    isz = dst.dtype.itemsize
+    byte_lo, byte_hi = lo * isz, (hi + 1) * isz - 1
+    bank = target.psum_bank_bytes
+    if byte_lo // bank != byte_hi // bank:
+        fail(instr, f"argument 'dst' ('{dst.name}', shape {dst.shape}) covers bytes [{byte_lo}, {byte_hi}] of each "
+                    f"PSUM partition, crossing from bank {byte_lo // bank} into bank {byte_hi // bank}; expected the "
+                    f"matmul output to fit one {bank}-byte PSUM bank per partition on {target.name} ({_TRN2_ARCH_URL})")
+
+
 def psum_accumulate(instr, dst, result, accumulate):
     """Write a fp32 matmul result into PSUM with the `accumulate` rule (spec §5.3, §10 Q7)."""
     # `1 in (None, True, False)` is true in Python: check the type so 0/1/"yes" are rejected too
@@ -112,6 +137,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         if dst.shape[0] != m or dst.free_size != k:
             fail(instr, f"is_transpose: dst must be [{m}, {k}], got {dst.shape}")
         check_tiling(instr, tile_position, tile_size, k, m)
+        check_psum_bank(instr, dst)
         c.record(instr=instr, engine="tensor", reads=[("stationary", st), ("moving", mv)], writes=[("dst", dst)],
                  K=k, M=m, N=k, in_dtype=str(st.dtype), transpose=True, perf_mode="none")
         raw = checked_read(st, instr, "stationary")
@@ -149,6 +175,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if dst.shape[0] != m or dst.free_size != n:
         fail(instr, f"dst must be [{m}, {n}] (stationary free x moving free), got {dst.shape}")
     column = check_tiling(instr, tile_position, tile_size, k, m)
+    check_psum_bank(instr, dst)
     if column and perf == C.matmul_perf_mode.double_row:
         fail(instr, "perf_mode double_row cannot be combined with column tiling")
     c.record(instr=instr, engine="tensor", reads=[("stationary", st), ("moving", mv)], writes=[("dst", dst)],
