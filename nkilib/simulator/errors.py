@@ -24,3 +24,8 @@ class RaceError(NkiValidationError):
 
 class OutOfBoundsError(NkiValidationError, IndexError):
     """An index, slice or access pattern reaches outside its tensor's storage."""
+
+
+class RaceWarning(UserWarning):
+    """Two LNC programs wrote identical values to overlapping shared_hbm bytes in one epoch (defined
+    result; see runtime.py's race rule)."""

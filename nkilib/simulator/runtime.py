@@ -20,18 +20,26 @@ Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulato
 
 Race rule (LNC>1, ours): within one epoch (between two barriers), if one program writes bytes
 of a `shared_hbm` tensor that another program reads or writes in the same epoch, a RaceError is
-raised at the second access (whichever program runs second detects it).
+raised at the second access (whichever program runs second detects it). One exception: a write of
+bytes identical to what the other program wrote in the epoch only warns (RaceWarning). The docs
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.core_barrier.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html) describe the
+barrier for "disjoint portions" written by each core and consumed afterwards; they do not call
+overlapping writes of equal data a race, and the final memory is the same in either order, so the
+result is defined. Differing values (order-dependent result) and read/write overlaps stay errors. In
+shape-only runs (no numerics) the values are unknown and an overlapping write warns as well.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CapacityError, NkiValidationError, RaceError
+from .errors import CapacityError, NkiValidationError, RaceError, RaceWarning
 from .settings import Settings
 
 _tls = threading.local()
@@ -235,11 +243,13 @@ class Launch:
                 raise _Aborted()
 
     # ---- race detection on shared_hbm ----
-    def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str):
+    def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str, new_bytes=None):
         """Record program p's access to `storage` bytes; raise RaceError on a same-epoch conflict.
 
         `byte_index_view_fn(mask)` returns a view of `mask` (flat, one entry per storage byte)
-        restricted to the accessed bytes.
+        restricted to the accessed bytes. `new_bytes` (writes with numerics): the bytes about to be
+        written, shaped like that view, to tell a write of identical values (RaceWarning) from a real
+        write-write race (module docstring).
         """
         state = storage.race_state
         mine = state.get(p)
@@ -252,6 +262,13 @@ class Launch:
             conflict = byte_index_view_fn(other[2])  # other program's writes
             if conflict.any():
                 kind = "writes" if write else "reads"
+                if write and self._same_bytes(storage, byte_index_view_fn, conflict, new_bytes):
+                    warnings.warn(RaceWarning(
+                        f"{what}: program {p} writes shared_hbm tensor '{storage.name}' bytes that program {q} also "
+                        f"wrote in the same epoch (after barrier #{self.barriers_passed}); "
+                        + ("the values are identical, so the result does not depend on the order"
+                           if new_bytes is not None else "values are not simulated in this run")), stacklevel=4)
+                    continue
                 raise RaceError(
                     f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} wrote "
                     f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
@@ -262,3 +279,12 @@ class Launch:
                     f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
                 )
         byte_index_view_fn(mine[2 if write else 1])[...] = True
+
+    @staticmethod
+    def _same_bytes(storage, byte_index_view_fn, conflict, new_bytes) -> bool:
+        """Do the bytes about to be written equal the bytes now in storage wherever they overlap another
+        program's writes? Without numerics (no values) the answer is taken as yes (module docstring)."""
+        if new_bytes is None or storage.data is None:
+            return True
+        current = byte_index_view_fn(storage.data).view(np.uint8)
+        return bool(np.array_equal(current[conflict], new_bytes[conflict]))

@@ -550,6 +550,24 @@ def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
     return raw.astype(np.float32)
 
 
+def checked_copy_read(view: NkiTensor, instr: str, arg: str):
+    """Read the source of a data-movement instruction (tensor_copy, dma_copy): (raw values or None, written).
+
+    Reading never-written memory is legal on hardware (the values are garbage): copying a whole
+    quantize_mx scale tile whose padding rows were never written is valid NKI. So a copy does not raise;
+    `written` (per source element in row-major order, or None when all were written) goes to
+    `checked_write(..., written=)`, which keeps the destination elements marked never-written. The poison
+    travels with the data, and strict mode raises where a compute instruction *uses* it (checked_read).
+    """
+    st = view.storage
+    written = None
+    if not view.byte_mask_view(st.written).all():
+        mask = view.written_elements()
+        if not mask.all():
+            written = mask.reshape(-1)
+    return _read(view, instr, arg), written
+
+
 def checked_read(view: NkiTensor, instr: str, arg: str):
     """Read a view for an instruction: uninitialised-read check, race bookkeeping; raw values or None."""
     ctx = runtime.current()
@@ -561,7 +579,14 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
             bad = np.argwhere(~ok)
             raise UninitializedReadError(
                 f"{instr}: argument '{arg}' reads {int((~ok).sum())} element(s) of tensor '{st.name}' that were never "
-                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape})")
+                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape}); "
+                "a copy may move never-written values, a computation may not use them")
+    return _read(view, instr, arg)
+
+
+def _read(view: NkiTensor, instr: str, arg: str):
+    ctx = runtime.current()
+    st = view.storage
     if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
         ctx.launch.note_access(st, view.byte_mask_view, False, ctx.program_id, f"{instr} '{arg}'")
     if not ctx.numerics:
@@ -569,16 +594,31 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
     return view._np().copy()
 
 
-def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False) -> None:
-    """Write values (already in the view's shape or reshapeable to it) and mark bytes written."""
+def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False, written=None) -> None:
+    """Write values (already in the view's shape or reshapeable to it) and mark bytes written.
+
+    `written`: from checked_copy_read; elements copied from never-written memory stay never-written.
+    """
     ctx = runtime.current()
     st = view.storage
-    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
-        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'")
-    st.modified = True
+    vals = None
     if ctx.numerics and values is not None:
-        vals = cast_values(values, view.dtype, view.np_dtype)
-        view._np()[...] = vals.reshape(view.shape)
-    view.byte_mask_view(st.written)[...] = True
+        vals = cast_values(values, view.dtype, view.np_dtype).reshape(view.shape)
+    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
+        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'",
+                               new_bytes=None if vals is None else _as_bytes(view, vals))
+    st.modified = True
+    if vals is not None:
+        view._np()[...] = vals
+    byte_mask = view.byte_mask_view(st.written)
+    if written is None:
+        byte_mask[...] = True
+    else:
+        byte_mask[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
     if matmul and st.mm_written is not None:
         view.byte_mask_view(st.mm_written)[...] = True
+
+
+def _as_bytes(view: NkiTensor, vals: np.ndarray) -> np.ndarray:
+    """Values in the view's storage dtype as bytes, shaped like byte_mask_view (view.shape + (itemsize,))."""
+    return np.ascontiguousarray(vals, dtype=view.np_dtype).view(np.uint8).reshape(view.shape + (view.itemsize_storage,))

@@ -254,21 +254,44 @@ def test_quantize_ocp_floor_switch(monkeypatch):
     np.testing.assert_array_equal(old[rows], scales)
 
 
-def test_quantize_pad_rows_unwritten_raise_on_read():
+def _copy_whole_scale_tile_kernel(use_pad_row):
+    """quantize_mx P=64, then move the WHOLE scale tile (pad rows 4..31, 36..63 never written) through
+    SBUF (tensor_copy) and HBM scratch (dma_copy); optionally compute with a pad row."""
     def kernel(src):
         s = nl.ndarray((64, 32), src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=s, src=src)
         q = nl.ndarray((64, 8), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
         sc = nl.ndarray((64, 8), nl.uint8, buffer=nl.sbuf)
         nisa.quantize_mx(dst=q, src=s, dst_scale=sc)
-        out = nl.ndarray((64, 8), nl.uint8, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out[0:4, :], src=sc[0:4, :])    # written rows: fine
-        nisa.dma_copy(dst=out[32:36, :], src=sc[32:36, :])
-        nisa.dma_copy(dst=out[4:5, :], src=sc[4:5, :])     # pad row: never written
+        sc2 = nl.ndarray((64, 8), nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sc2, src=sc)                   # whole tile, pad rows included: legal
+        scratch = nl.ndarray((64, 8), nl.uint8, buffer=nl.private_hbm)
+        nisa.dma_copy(dst=scratch, src=sc2)                 # whole tile to HBM: legal
+        back = nl.ndarray((64, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=back, src=scratch)                # and back, converted: still a copy
+        out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0:4, :], src=back[0:4, :])    # the written rows
+        nisa.dma_copy(dst=out[4:8, :], src=back[32:36, :])
+        if use_pad_row:
+            bumped = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=bumped, data=back[4:5, :], op0=nl.add, operand0=1.0)  # a use of garbage
         return out
 
-    with pytest.raises(UninitializedReadError, match=r"dma_copy: argument 'src' reads 8 element\(s\).*never written"):
-        simulate(kernel, src=randn(0, (64, 32), BF16))
+    return kernel
+
+
+def test_quantize_pad_rows_copy_whole_tile_is_legal():
+    x = randn(0, (64, 32), BF16)
+    out = simulate(_copy_whole_scale_tile_kernel(use_pad_row=False), src=x)
+    _, scales = mx.hw_quantize_tile(x, E4, "neuron")
+    np.testing.assert_array_equal(out, scales.astype(np.float32))
+
+
+def test_quantize_pad_rows_poison_travels_and_use_raises():
+    # the never-written mark follows the data through both copies; the computation names itself
+    with pytest.raises(UninitializedReadError,
+                       match=r"tensor_scalar: argument 'data' reads 8 element\(s\) of tensor .* never written"):
+        simulate(_copy_whole_scale_tile_kernel(use_pad_row=True), src=randn(0, (64, 32), BF16))
 
 
 # ------------------------------------------------------------------------------------------------

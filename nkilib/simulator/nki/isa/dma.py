@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...tensor import checked_read, checked_write, to_float32
+from ...tensor import checked_copy_read, checked_read, checked_write, to_float32
 from ._common import NkiInstruction, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 
@@ -45,15 +45,15 @@ def dma_copy(dst, src, priority=None, oob_mode=C.oob_mode.error, dge_mode=C.dge_
     c = ctx()
     c.record(instr=instr, engine="dma", reads=[("src", src)], writes=[("dst", dst)],
              bytes=dst.size * max(dst.dtype.itemsize, src.dtype.itemsize), dge_mode=dge_mode.name)
-    raw = checked_read(src, instr, "src")
+    raw, written = checked_copy_read(src, instr, "src")  # a copy may move never-written values (tensor.py)
     if raw is None:
-        checked_write(dst, instr, "dst", None)
+        checked_write(dst, instr, "dst", None, written=written)
         return NkiInstruction(name)
     # elements are paired in each view's row-major order (spec §10 Q18)
     values = raw.reshape(-1) if dst.dtype == src.dtype else to_float32(src, raw).reshape(-1)
     if dst.dtype == src.dtype and values.dtype != dst.np_dtype:
         values = values.astype(dst.np_dtype)
-    checked_write(dst, instr, "dst", values)
+    checked_write(dst, instr, "dst", values, written=written)
     return NkiInstruction(name)
 
 
