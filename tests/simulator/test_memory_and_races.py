@@ -352,14 +352,23 @@ def test_error_in_one_program_does_not_hang_the_other():
         _run_with_timeout(lambda: simulate(k, lnc=2, a=randn(13, (4, 4))))
 
 
-def test_core_barrier_argument_rules():
+def test_core_barrier_under_lnc1_is_accepted(set_target):
+    # 2.33 core_barrier page: cores=(0, 1) "applies at LNC degree 1 and 2" (unconditional barriers in
+    # nki-library kernels run at LNC1 too); one program here, so it returns at once
     def lnc1(a):
         out = hbm_store(sbuf_load(a))
         nisa.core_barrier(out, (0, 1))
         return out
 
-    with pytest.raises(NkiValidationError, match=r"core_barrier: is LNC2-only; this launch has 1 program"):
-        simulate(lnc1, a=randn(14, (2, 2)))
+    a = randn(14, (2, 2))
+    for target in ("trn2", "trn3"):
+        set_target(target)
+        np.testing.assert_array_equal(simulate(lnc1, a=a), a)
+    res = run_kernel(lnc1, (a,), trace=True)
+    assert [r.instr for r in res.trace].count("core_barrier") == 1
+
+
+def test_core_barrier_argument_rules():
 
     def bad(kind):
         def k(a):
