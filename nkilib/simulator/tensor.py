@@ -22,6 +22,30 @@ from .dtypes import NkiDType, as_nki_dtype
 ON_CHIP = ("sbuf", "psum")
 HBM_KINDS = ("private_hbm", "shared_hbm")
 
+_APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
+_NKITENSOR_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html"
+# SBUF/PSUM access patterns address "up to four-dimensional arrays" in the free dimension (access-pattern guide)
+MAX_FREE_DIMS = 4
+
+
+def merged_free_dims(pairs) -> int:
+    """Free dimensions a list of (size, stride) pairs needs in a hardware access pattern: size-1 dims
+    vanish and a dim that continues its inner neighbour (stride == inner stride * inner size) merges
+    into it, as the compiler lowers views (so [P, 2, 3, 4, 5, 6] contiguous is one free dim)."""
+    merged = []
+    for n, s in reversed([(n, s) for n, s in pairs if n > 1]):
+        if merged and s == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1])
+        else:
+            merged.append((n, s))
+    return len(merged)
+
+
+def not_simulated(what: str) -> NkiValidationError:
+    """The error for a documented NKI feature this simulator does not implement (README, 'Simulator limits')."""
+    return NkiValidationError(f"{what} is part of the documented NKI API but is not simulated by nkilib's simulator "
+                              "(README, 'Simulator limits')")
+
 
 def _prod(xs) -> int:
     return int(math.prod(xs))
@@ -212,6 +236,51 @@ class NkiTensor:
     def get_pattern(self):
         return [[s, n] for s, n in zip(self.strides, self.shape)]
 
+    def free_access_dims(self) -> int:
+        """Free dims of this on-chip view's hardware access pattern (see merged_free_dims)."""
+        return merged_free_dims(list(zip(self.shape[1:], self.strides[1:])))
+
+    def is_indirect(self) -> bool:
+        return False  # indirect views (vector_select, indirect, ap(vector_offset=)) are not simulated
+
+    def reshape_dim(self, dim, shape):
+        """Split dim `dim` into `shape` (one -1 allowed); a view, no copy. On-chip tensors keep their
+        partition dim (only a trivial split of dim 0 into itself)."""
+        dim = operator.index(dim)
+        if not -self.ndim <= dim < self.ndim:
+            raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
+        dim %= self.ndim
+        sizes = list(shape if isinstance(shape, (tuple, list)) else (shape,))
+        n = self.shape[dim]
+        if sizes.count(-1) > 1:
+            raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: at most one -1 allowed, got {tuple(sizes)}")
+        if -1 in sizes:
+            known = _prod(s for s in sizes if s != -1)
+            sizes[sizes.index(-1)] = n // known if known and n % known == 0 else -1
+        if any(s < 1 for s in sizes) or _prod(sizes) != n:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: cannot split dim {dim} of size {n} into {tuple(shape)}")
+        if self.on_chip and dim == 0 and len(sizes) != 1:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, got {tuple(sizes)}")
+        inner = _row_major(sizes)
+        shape_ = list(self.shape[:dim]) + sizes + list(self.shape[dim + 1:])
+        strides = list(self.strides[:dim]) + [st * self.strides[dim] for st in inner] + list(self.strides[dim + 1:])
+        return NkiTensor(self._storage, self.dtype, shape_, strides, self.offset)
+
+    def flatten_dims(self, *args, **kwargs):
+        # whether the end bound is inclusive is not stated in the 2.32 API; refuse rather than guess
+        raise not_simulated(f"tensor '{self.name}'.flatten_dims ({_NKITENSOR_URL})")
+
+    def rearrange(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.rearrange ({_NKITENSOR_URL}); use reshape/permute")
+
+    def vector_select(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.vector_select (indirect addressing, {_NKITENSOR_URL})")
+
+    def indirect(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.indirect (tensor indirection, {_NKITENSOR_URL})")
+
     # ---- raw numpy access (used by the isa layer only) ----
     def _np(self) -> np.ndarray:
         isz = self.itemsize_storage
@@ -401,11 +470,16 @@ class NkiTensor:
     reinterpret_cast = view
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """Raw access pattern over the underlying storage (spec §2.5).
+        """Raw access pattern over the underlying storage.
 
-        Not composable: pattern and an int `offset` address the storage, ignoring this view's
-        shape/strides; `offset=None` inherits this view's storage offset (0.5.0+ default;
-        spec §10 Q8 resolution: absolute storage offset).
+        `pattern` ([step, num] pairs, outermost first) addresses the storage, ignoring this view's
+        shape and strides. `offset` (elements of the pattern's dtype) is RELATIVE to this view's storage
+        offset: the 2.32 `NkiTensor.ap` docstring (offset "added to the view's base storage offset",
+        offset=0 keeps the base; the 2.30 docstring still said "from start of storage"), newest meaning,
+        chosen over the access-pattern guide's absolute reading (docs/simulator-strict.md; both URLs:
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html). On a base allocation (offset 0: every nki-library use) both
+        readings agree; on a sliced view an out-of-range result names both readings.
         """
         if scalar_offset is not None or vector_offset is not None:
             raise NkiValidationError(
@@ -420,28 +494,42 @@ class NkiTensor:
         steps = [int(p[0]) for p in pairs]
         nums = [int(p[1]) for p in pairs]
         new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
-        if offset is None:
-            byte_off = self.offset * self.itemsize_storage
-            if byte_off % new_isz:
-                raise NkiValidationError(
-                    f"tensor '{self.name}'.ap: inherited offset of {byte_off} bytes is not a multiple of {new} size")
-            offset = byte_off // new_isz
+        byte_off = self.offset * self.itemsize_storage
+        if byte_off % new_isz:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.ap: the view's storage offset of {byte_off} bytes is not a multiple of {new} size")
+        base = byte_off // new_isz
+        start = base + (0 if offset is None else operator.index(offset))
+        hint = ""
+        if offset is not None and base:
+            hint = (f"; note: offset={offset} is relative to this view's storage offset {base} (2.32 NkiTensor.ap "
+                    f"docstring), not absolute as in the access-pattern guide: call .ap on the base tensor for an "
+                    f"absolute offset ({_NKITENSOR_URL}, {_APS_URL})")
         if self.on_chip:
             # row checks before the storage bounds check, so a pattern leaving its row gets this message
             row = self._storage.row_bytes // new_isz
             if nums[0] > 1 and steps[0] != row:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.ap: the partition step must equal the per-partition element count {row} "
-                    f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal (spec §2.5)")
+                    f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal "
+                    f"({_APS_URL})")
             if len(nums) < 2:
                 raise NkiValidationError(f"tensor '{self.name}'.ap: on-chip patterns need a partition pair and >= 1 free pair")
-            free_lo = offset % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
-            free_hi = offset % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            free = merged_free_dims(list(zip(nums[1:], steps[1:])))
+            if free > MAX_FREE_DIMS:
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.ap: pattern {pairs} needs {free} free dimensions after merging contiguous "
+                    f"ones; expected at most {MAX_FREE_DIMS} (SBUF/PSUM access patterns, {_APS_URL})")
+            free_lo = start % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            free_hi = start % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
             if free_lo < 0 or free_hi >= row:
                 raise OutOfBoundsError(
                     f"tensor '{self.name}'.ap: free access [{free_lo}, {free_hi}] leaves the partition row of {row} "
-                    f"elements (pattern {pairs}, offset {offset})")
-        return NkiTensor(self._storage, new, nums, steps, offset)
+                    f"elements (pattern {pairs}, storage offset {start}){hint}")
+        try:
+            return NkiTensor(self._storage, new, nums, steps, start)
+        except OutOfBoundsError as e:
+            raise OutOfBoundsError(f"{e}{hint}") from None
 
 
 def _row_major(shape):

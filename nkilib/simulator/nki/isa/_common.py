@@ -10,8 +10,10 @@ import numpy as np
 
 from ... import runtime
 from ...errors import NkiValidationError
-from ...tensor import NkiTensor
+from ...tensor import MAX_FREE_DIMS, NkiTensor
 from .constants import engine
+
+APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
 
 
 class NkiInstruction:
@@ -55,6 +57,11 @@ def on_chip(instr: str, arg: str, t, buffers=("sbuf", "psum")) -> NkiTensor:
         t.partition_info()
     except NkiValidationError as e:
         fail(instr, f"argument '{arg}': {e}")
+    free_dims = t.free_access_dims()
+    if free_dims > MAX_FREE_DIMS:
+        fail(instr, f"argument '{arg}' ('{t.name}', shape {t.shape}, strides {t.strides}) needs {free_dims} free "
+                    f"dimensions in its access pattern after merging contiguous ones; expected at most {MAX_FREE_DIMS} "
+                    f"(SBUF/PSUM access patterns, {APS_URL})")
     return t
 
 
