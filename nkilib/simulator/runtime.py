@@ -12,9 +12,9 @@ Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulato
   (CPython frees it as soon as the last view of its storage is dropped);
 - an SBUF tensor of shape [P, F...] occupies prod(F) * itemsize bytes in *every* partition
   (the NKI allocator reserves a free-byte range across partitions; budgets in nki-library are
-  per-partition bytes, spec §6.4);
+  per-partition bytes);
 - a PSUM tensor occupies its per-partition bytes rounded up to whole 2 KiB banks (an
-  accumulation group lives in banks; at most 8 outstanding groups, spec §5.3 "PSUM geometry");
+  accumulation group lives in banks; 8 banks per partition, Trainium2/3 architecture guides);
 - the sum over live tensors may not exceed the target's per-partition capacity
   (hardware.py: 224 KiB SBUF trn2, 256 KiB trn3, 16 KiB PSUM).
 
@@ -113,7 +113,7 @@ class ProgramContext:
         self.phase = None  # label attached to trace records (set by trace.label_phases)
         self.unnamed_shared = 0  # per-program counter to link unnamed shared_hbm allocations
         self.private_hbm = []  # keep private allocations alive for the launch
-        # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (spec §5.7)
+        # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (nki.isa.activation page)
         self.act_reduce_regs = np.zeros(128, np.float32)
 
     @property
@@ -150,7 +150,7 @@ class Launch:
         self._failed = None
         self.contexts = [ProgramContext(self, p) for p in range(lnc)]
 
-    # ---- shared HBM linking (spec §1.2 INFERRED / §10 Q14) ----
+    # ---- shared HBM linking (inferred: unnamed shared_hbm tensors link by allocation order, docs/simulator.md) ----
     def link_shared(self, key, make, shape, dtype, program_id):
         """Return the shared storage for `key`, creating it on first use; checks the other program agrees."""
         existing = self.shared.get(key)
@@ -224,7 +224,8 @@ class Launch:
             returned = sorted(q for q in self._done if q not in self._arrived)
             raise NkiValidationError(
                 f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program(s) "
-                f"{returned} returned without reaching it; LNC programs must execute identical control flow (spec §1.2)"
+                f"{returned} returned without reaching it; LNC programs must execute identical control flow "
+                f"(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)"
             )
 
     def barrier(self, p):

@@ -1,4 +1,9 @@
-"""NkiTensor: a strided view over a flat byte storage (spec §2.3 - §2.6).
+"""NkiTensor: a strided view over a flat byte storage.
+
+References: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html (access patterns),
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html (sentinels, conversions).
+
 
 Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
 - `written`: one bool per storage byte, set by every write (uninitialised-read detection);
@@ -52,7 +57,7 @@ def _prod(xs) -> int:
 
 
 def _sentinel_bytes(dtype: NkiDType, np_dtype: np.dtype, count: int) -> np.ndarray:
-    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official simulator, spec §1.3)."""
+    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official CPU simulator guide)."""
     if dtype.category == "float":
         arr = np.full(count, np.nan, dtype=np_dtype)
     elif dtype.category == "scale":
@@ -117,7 +122,7 @@ def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
 
 
 class NkiTensor:
-    """A view of a Storage. Mirrors `nki.language.NkiTensor` (spec §2.3)."""
+    """A view of a Storage. Mirrors `nki.language.NkiTensor`."""
 
     __slots__ = ("_storage", "dtype", "shape", "strides", "offset")
 
@@ -214,7 +219,7 @@ class NkiTensor:
         if count > 1 and self.strides[0] != row:
             raise NkiValidationError(
                 f"tensor '{self.name}': on-chip views must cover contiguous partitions (partition stride "
-                f"{self.strides[0]} != row length {row}); strided partition access is illegal (spec §2.5)"
+                f"{self.strides[0]} != row length {row}); strided partition access is illegal ({_APS_URL})"
             )
         return start, count
 
@@ -308,7 +313,7 @@ class NkiTensor:
     def written_elements(self) -> np.ndarray:
         return self.elements_all(self._storage.written)
 
-    # ---- indexing (spec §2.3 table, first row) ----
+    # ---- indexing (NkiTensor page: numpy-style keys) ----
     def __getitem__(self, key):
         if not isinstance(key, tuple):
             key = (key,)
@@ -441,7 +446,7 @@ class NkiTensor:
         return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
 
     def view(self, dtype):
-        """Bit reinterpretation; the last dim scales by the size ratio (spec §2.3, §2.6)."""
+        """Bit reinterpretation; the last dim scales by the size ratio (NkiTensor page, view)."""
         new = as_nki_dtype(dtype, "view(dtype)")
         if new == self.dtype:
             return self
@@ -545,7 +550,7 @@ def _row_major(shape):
 # ---------------------------------------------------------------------------------------------
 
 def allocate(shape, dtype, buffer_kind: str, name: str = "", init: np.ndarray | None = None) -> NkiTensor:
-    """Allocate a tensor in the running program (spec §2.2)."""
+    """Allocate a tensor in the running program (nki.language.ndarray)."""
     ctx = runtime.current()
     dtype = as_nki_dtype(dtype, "nl.ndarray dtype")
     try:
@@ -589,13 +594,14 @@ _INT_RANGES = {}
 
 
 def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.ndarray:
-    """Convert fp32 (or integer) compute results to `dtype` storage (spec §3.3).
+    """Convert fp32 (or integer) compute results to `dtype` storage (the 2.32 CPU simulator guide and
+    release notes).
 
     Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
-    e5m2/e4m3, NaN for e4m3fn): spec §10 Q10 recommendation. tfloat32: RNE to 10 mantissa bits.
-    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, spec §1.3); NaN -> 0.
+    e5m2/e4m3, NaN for e4m3fn): our choice, undocumented (docs/simulator.md). tfloat32: RNE to 10 mantissa bits.
+    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, 2.32 release notes); NaN -> 0.
     Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
-    tensor_copy, transpose mode) are bit-exact, NaN payloads included (spec §3.3, §5.5, §5.6);
+    tensor_copy, transpose mode) are bit-exact, NaN payloads included (tensor_copy / dma_copy pages);
     a float round trip through fp32 would canonicalise NaN payloads.
     """
     if isinstance(values, np.ndarray) and values.dtype == np_dtype and dtype != "tfloat32":
@@ -627,7 +633,7 @@ def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.n
 
 
 def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
-    """Decode raw storage values of `view` to float32 for fp32 engine math (spec §3.3)."""
+    """Decode raw storage values of `view` to float32 for fp32 engine math."""
     cat = view.dtype.category
     if cat == "x4":
         raise NkiValidationError(f"tensor '{view.name}': packed {view.dtype} data cannot be used in arithmetic")

@@ -1,4 +1,8 @@
-"""Operand validation shared by every instruction (one place for each rule of spec §7).
+"""Operand validation shared by every instruction (one place for each rule).
+
+Sources: the 2.32 nki.isa API pages (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html),
+the access-pattern guide (APS_URL below) and the NKI migration guides
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html).
 
 Every error names the instruction, the argument and the offending value.
 """
@@ -13,11 +17,12 @@ from ...errors import NkiValidationError
 from ...tensor import MAX_FREE_DIMS, NkiTensor
 from .constants import engine
 
+_MIGRATION_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html"
 APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
 
 
 class NkiInstruction:
-    """Handle returned by every ISA call (spec §4 `depends_on`); scheduling hints are no-ops here."""
+    """Handle returned by every ISA call (nki.isa API: `depends_on`); scheduling hints are no-ops here."""
 
     __slots__ = ("name",)
 
@@ -69,7 +74,8 @@ def hbm_or_sbuf(instr: str, arg: str, t) -> NkiTensor:
     t = tensor_arg(instr, arg, t)
     kind = t.storage.buffer_kind
     if kind == "psum":
-        fail(instr, f"argument '{arg}' ('{t.name}') is in PSUM; DMA cannot access PSUM (NKI 0.3.0+, spec §5.6)")
+        fail(instr, f"argument '{arg}' ('{t.name}') is in PSUM; DMA cannot access PSUM (NKI 0.3.0+, "
+                    f"{_MIGRATION_URL})")
     if t.on_chip:
         on_chip(instr, arg, t, ("sbuf",))
     return t
@@ -103,7 +109,7 @@ def require_nc_version(instr: str, minimum: int, what: str = "") -> None:
 
 
 def scalar_or_vector(instr: str, arg: str, value, data: NkiTensor, allow_none=False):
-    """A compile-time scalar or a [P, 1] tile (spec §7 rule 20). Returns (float|None, tensor|None)."""
+    """A compile-time scalar or a [P, 1] tile (scale/bias/operand docs of each instruction: shape (data.shape[0], 1)). Returns (float|None, tensor|None)."""
     if value is None:
         if allow_none:
             return None, None
@@ -137,7 +143,7 @@ def flat2d(values: np.ndarray, t: NkiTensor) -> np.ndarray:
 
 
 def alu_op(instr: str, arg: str, op):
-    """An `nl.<op>` operator identifier (spec §5.13); anything else is rejected by name."""
+    """An `nl.<op>` operator identifier (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html); anything else is rejected by name."""
     from ..language.ops import Op
 
     if not isinstance(op, Op):
@@ -146,7 +152,7 @@ def alu_op(instr: str, arg: str, op):
 
 
 def gpsimd_no_psum(instr: str, eng, *tiles) -> None:
-    """GpSimd cannot access PSUM (spec §5 general rules, §7 rule 11). `tiles` are (arg, view) pairs."""
+    """GpSimd cannot access PSUM (GpSimd instruction pages of the 2.32 nki.isa API). `tiles` are (arg, view) pairs."""
     if eng == engine.gpsimd:
         for arg, t in tiles:
             if t is not None and t.storage.buffer_kind == "psum":

@@ -16,14 +16,15 @@ from .dtypes import (  # noqa: F401  (re-exported dtype names)
 )
 from .ops import OPS as _OPS
 
-bool = bool_  # noqa: A001 - nki-library writes nl.bool (spec §3.1)
+bool = bool_  # noqa: A001 - nki-library writes nl.bool
 
 # operator identifiers: nl.add, nl.silu, ... (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
 globals().update(_OPS)
 
 
 class MemoryRegion(str, _enum.Enum):
-    """Buffers (spec §2.1). String names are rejected by nl.ndarray since 0.3.0."""
+    """Buffers (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html). String names
+    are rejected by nl.ndarray since 0.3.0 (migration guide)."""
 
     sbuf = "sbuf"
     psum = "psum"
@@ -35,7 +36,7 @@ sbuf = MemoryRegion.sbuf
 psum = MemoryRegion.psum
 private_hbm = MemoryRegion.private_hbm
 shared_hbm = MemoryRegion.shared_hbm
-hbm = MemoryRegion.private_hbm  # nl.hbm is an alias of private_hbm (spec §1.2)
+hbm = MemoryRegion.private_hbm  # nl.hbm is an alias of private_hbm (nki.language.hbm page)
 
 
 def is_hbm(buffer) -> bool:
@@ -55,7 +56,7 @@ def is_sbuf(buffer) -> bool:
 
 
 class NKIObject:
-    """Base class for user classes used inside kernels (spec §1.1)."""
+    """Base class for user classes used inside kernels (NKI language guide)."""
 
 
 def _buffer_kind(buffer, what: str) -> str:
@@ -131,7 +132,7 @@ def zeros_like(x, dtype=None, buffer=None, name=""):
     return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
 
 
-# ---- SPMD (spec §1.2) ----
+# ---- SPMD (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html) ----
 def program_id(axis=0):
     ctx = _runtime.current()
     if axis not in (0,):
@@ -150,7 +151,7 @@ def program_ndim():
     return _runtime.current().grid_ndim
 
 
-# ---- loops (spec §4: all aliases of Python range, fully unrolled) ----
+# ---- loops (static loops: all aliases of Python range, fully unrolled) ----
 def affine_range(start, stop=None, step=1):
     return range(start, stop, step) if stop is not None else range(start)
 
@@ -160,7 +161,7 @@ static_range = affine_range
 
 
 def ds(start, size):
-    """Dynamic slice == slice(start, start + size) for a static start (spec §2.4)."""
+    """Dynamic slice == slice(start, start + size) for a static start (nki.language.ds page)."""
     start = _operator.index(start)
     size = _operator.index(size)
     if size < 1:
@@ -177,7 +178,8 @@ def device_print(print_prefix, tensor):
 
 
 class _TileSize:
-    """`nl.tile_size` (spec §6.4). SBUF sizes are per target (INFERRED from §6.2)."""
+    """`nl.tile_size` (nki.language.tile_size page). SBUF sizes are per target (inferred from the
+    Trainium2/3 architecture guides; hardware.py)."""
 
     pmax = 128
     gemm_stationary_fmax = 128
