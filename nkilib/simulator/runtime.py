@@ -269,11 +269,11 @@ class Launch:
                         f"wrote in the same epoch (after barrier #{self.barriers_passed}); "
                         + ("the values are identical, so the result does not depend on the order"
                            if new_bytes is not None else "values are not simulated in this run")), stacklevel=4)
-                    continue
-                raise RaceError(
-                    f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} wrote "
-                    f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
-                )
+                else:
+                    raise RaceError(
+                        f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} "
+                        f"wrote in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier "
+                        "between them")
             if write and byte_index_view_fn(other[1]).any():
                 raise RaceError(
                     f"{what}: program {p} writes shared_hbm tensor '{storage.name}' bytes that program {q} read "

@@ -28,7 +28,8 @@ ON_CHIP = ("sbuf", "psum")
 HBM_KINDS = ("private_hbm", "shared_hbm")
 
 _APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
-_NKITENSOR_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html"
+_NKITENSOR_URL = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/"
+                  "nki.language.NkiTensor.html")
 # SBUF/PSUM access patterns address "up to four-dimensional arrays" in the free dimension (access-pattern guide)
 MAX_FREE_DIMS = 4
 
@@ -253,7 +254,8 @@ class NkiTensor:
         partition dim (only a trivial split of dim 0 into itself)."""
         dim = operator.index(dim)
         if not -self.ndim <= dim < self.ndim:
-            raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
         dim %= self.ndim
         sizes = list(shape if isinstance(shape, (tuple, list)) else (shape,))
         n = self.shape[dim]
@@ -267,7 +269,8 @@ class NkiTensor:
                 f"tensor '{self.name}'.reshape_dim: cannot split dim {dim} of size {n} into {tuple(shape)}")
         if self.on_chip and dim == 0 and len(sizes) != 1:
             raise NkiValidationError(
-                f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, got {tuple(sizes)}")
+                f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, "
+                f"got {tuple(sizes)}")
         inner = _row_major(sizes)
         shape_ = list(self.shape[:dim]) + sizes + list(self.shape[dim + 1:])
         strides = list(self.strides[:dim]) + [st * self.strides[dim] for st in inner] + list(self.strides[dim + 1:])
@@ -483,8 +486,9 @@ class NkiTensor:
         offset=0 keeps the base; the 2.30 docstring still said "from start of storage"), newest meaning,
         chosen over the access-pattern guide's absolute reading (docs/simulator-strict.md; both URLs:
         https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
-        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html). On a base allocation (offset 0: every nki-library use) both
-        readings agree; on a sliced view an out-of-range result names both readings.
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html). On a base
+        allocation (offset 0: every nki-library use) both readings agree; on a sliced view an
+        out-of-range result names both readings.
         """
         if scalar_offset is not None or vector_offset is not None:
             raise NkiValidationError(
@@ -502,7 +506,8 @@ class NkiTensor:
         byte_off = self.offset * self.itemsize_storage
         if byte_off % new_isz:
             raise NkiValidationError(
-                f"tensor '{self.name}'.ap: the view's storage offset of {byte_off} bytes is not a multiple of {new} size")
+                f"tensor '{self.name}'.ap: the view's storage offset of {byte_off} bytes is not a multiple of "
+                f"{new} size")
         base = byte_off // new_isz
         start = base + (0 if offset is None else operator.index(offset))
         hint = ""

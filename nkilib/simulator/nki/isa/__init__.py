@@ -17,7 +17,7 @@ from .mx import nc_matmul_mx, quantize_mx  # noqa: F401
 from .sync import core_barrier, get_nc_sub_version, get_nc_version  # noqa: F401
 from .transpose import nc_transpose  # noqa: F401
 
-# deprecated engine aliases still used by nki-library (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html)
+# deprecated engine aliases still used by nki-library (listed in the 2.32 nki.isa API)
 tensor_engine = engine.tensor
 vector_engine = engine.vector
 scalar_engine = engine.scalar

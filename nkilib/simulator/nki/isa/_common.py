@@ -1,7 +1,8 @@
 """Operand validation shared by every instruction (one place for each rule).
 
-Sources: the 2.32 nki.isa API pages (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html),
-the access-pattern guide (APS_URL below) and the NKI migration guides
+Sources: the 2.32 nki.isa API pages
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html), the access-pattern
+guide (APS_URL below) and the NKI migration guides
 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html).
 
 Every error names the instruction, the argument and the offending value.
@@ -109,7 +110,8 @@ def require_nc_version(instr: str, minimum: int, what: str = "") -> None:
 
 
 def scalar_or_vector(instr: str, arg: str, value, data: NkiTensor, allow_none=False):
-    """A compile-time scalar or a [P, 1] tile (scale/bias/operand docs of each instruction: shape (data.shape[0], 1)). Returns (float|None, tensor|None)."""
+    """A compile-time scalar or a [P, 1] tile (the scale/bias/operand docs of each instruction: shape
+    (data.shape[0], 1)). Returns (float|None, tensor|None)."""
     if value is None:
         if allow_none:
             return None, None
@@ -143,7 +145,8 @@ def flat2d(values: np.ndarray, t: NkiTensor) -> np.ndarray:
 
 
 def alu_op(instr: str, arg: str, op):
-    """An `nl.<op>` operator identifier (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html); anything else is rejected by name."""
+    """An `nl.<op>` operator identifier; anything else is rejected by name
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)."""
     from ..language.ops import Op
 
     if not isinstance(op, Op):
@@ -152,7 +155,9 @@ def alu_op(instr: str, arg: str, op):
 
 
 def gpsimd_no_psum(instr: str, eng, *tiles) -> None:
-    """GpSimd cannot access PSUM (GpSimd instruction pages of the 2.32 nki.isa API). `tiles` are (arg, view) pairs."""
+    """GpSimd cannot access PSUM (GpSimd instruction pages of the 2.32 nki.isa API).
+
+    `tiles` are (arg, view) pairs."""
     if eng == engine.gpsimd:
         for arg, t in tiles:
             if t is not None and t.storage.buffer_kind == "psum":

@@ -1,4 +1,5 @@
-"""Simulated `nki.language` (2.32 API: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html).
+"""Simulated `nki.language`
+(2.32 API: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html).
 
 Only the documented names are public: helpers this module needs are imported under `_` names, and
 documented functions that are not simulated resolve (module `__getattr__`) to a stub that raises
@@ -18,13 +19,14 @@ from .ops import OPS as _OPS
 
 bool = bool_  # noqa: A001 - nki-library writes nl.bool
 
-# operator identifiers: nl.add, nl.silu, ... (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
+# operator identifiers: nl.add, nl.silu, ...
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
 globals().update(_OPS)
 
 
 class MemoryRegion(str, _enum.Enum):
-    """Buffers (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html). String names
-    are rejected by nl.ndarray since 0.3.0 (migration guide)."""
+    """Buffers (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html).
+    String names are rejected by nl.ndarray since 0.3.0 (migration guide)."""
 
     sbuf = "sbuf"
     psum = "psum"
@@ -67,7 +69,6 @@ def _buffer_kind(buffer, what: str) -> str:
     return buffer.value
 
 
-_PSUM_BANK_BYTES = 2048
 _MIGRATION_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html"
 
 
@@ -84,10 +85,11 @@ def _check_address(address, kind: str, shape) -> None:
             f"nl.ndarray: address must be a (partition_offset, free_offset) pair of ints, got {address!r}") from None
     if p_off < 0 or f_off < 0:
         raise _NkiValidationError(f"nl.ndarray: address offsets must be >= 0, got {address!r}")
-    if kind == "psum" and f_off % _PSUM_BANK_BYTES:
+    bank = _runtime.current().target.psum_bank_bytes
+    if kind == "psum" and f_off % bank:
         raise _NkiValidationError(
             f"nl.ndarray: argument 'address' places PSUM tensor {tuple(shape)} at free byte offset {f_off}; expected "
-            f"a multiple of the {_PSUM_BANK_BYTES}-byte PSUM bank (a PSUM tensor starts at a bank boundary, "
+            f"a multiple of the {bank}-byte PSUM bank (a PSUM tensor starts at a bank boundary, "
             f"{_MIGRATION_URL})")
 
 
