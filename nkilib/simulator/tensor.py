@@ -1,13 +1,15 @@
 """NkiTensor: a strided view over a flat byte storage.
 
-References: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
-https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html (access patterns),
-https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html (sentinels, conversions).
-
+References:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html (access patterns)
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html (sentinels, conversions)
 
 Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
-- `written`: one bool per storage byte, set by every write (uninitialised-read detection);
-- `mm_written` (PSUM only): one bool per byte, set by matmul writes (accumulate=None rule, §5.3).
+- `written`: one bool per storage byte, set by every write (uninitialised-read detection); a copy
+  (checked_copy_read -> checked_write(written=)) carries the source's never-written elements along,
+  and computations (checked_read) raise on them in strict mode;
+- `mm_written` (PSUM only): one bool per byte, set by matmul writes (nc_matmul accumulate=None rule).
 A view is (storage, dtype, offset, shape, strides) with offset/strides in elements of the view's
 dtype, so reinterpretation (`.view`, `.ap(dtype=)`) is a byte-level re-view of the same storage.
 On-chip (SBUF/PSUM) storages have a partition dim 0 whose stride is the per-partition row length.
