@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from .errors import CapacityError, NkiValidationError, OutOfBoundsError, RaceError, UninitializedReadError  # noqa: F401
+from .errors import (  # noqa: F401
+    CapacityError, NkiValidationError, OutOfBoundsError, RaceError, RaceWarning, UninitializedReadError,
+)
 from .launcher import RunResult, ShapeSpec, run_kernel  # noqa: F401
 from .settings import current_settings  # noqa: F401
 

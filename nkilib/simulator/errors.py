@@ -34,3 +34,8 @@ class DivergentControlFlowError(NkiValidationError):
 class IndirectHazardError(NkiValidationError):
     """One indirect DMA would write the same destination element twice (duplicate indices): the
     write order is unspecified on hardware, so the result would be a hazard, not last-writer-wins."""
+
+
+class RaceWarning(UserWarning):
+    """Two LNC programs wrote identical values to overlapping shared_hbm bytes in one epoch (defined
+    result; see runtime.py's race rule)."""

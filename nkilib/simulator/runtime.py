@@ -12,9 +12,9 @@ Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulato
   (CPython frees it as soon as the last view of its storage is dropped);
 - an SBUF tensor of shape [P, F...] occupies prod(F) * itemsize bytes in *every* partition
   (the NKI allocator reserves a free-byte range across partitions; budgets in nki-library are
-  per-partition bytes, spec §6.4);
+  per-partition bytes);
 - a PSUM tensor occupies its per-partition bytes rounded up to whole 2 KiB banks (an
-  accumulation group lives in banks; at most 8 outstanding groups, spec §5.3 "PSUM geometry");
+  accumulation group lives in banks; 8 banks per partition, Trainium2/3 architecture guides);
 - the sum over live tensors may not exceed the target's per-partition capacity
   (hardware.py: 224 KiB SBUF trn2, 256 KiB trn3, 16 KiB PSUM).
 
@@ -23,19 +23,27 @@ barrier, when a program returns while another waits, and at the end (control_flo
 
 Race rule (LNC>1, ours): within one epoch (between two barriers), if one program writes bytes
 of a `shared_hbm` tensor that another program reads or writes in the same epoch, a RaceError is
-raised at the second access (whichever program runs second detects it).
+raised at the second access (whichever program runs second detects it). One exception: a write of
+bytes identical to what the other program wrote in the epoch only warns (RaceWarning). The docs
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.core_barrier.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html) describe the
+barrier for "disjoint portions" written by each core and consumed afterwards; they do not call
+overlapping writes of equal data a race, and the final memory is the same in either order, so the
+result is defined. Differing values (order-dependent result) and read/write overlaps stay errors. In
+shape-only runs (no numerics) the values are unknown and an overlapping write warns as well.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .control_flow import check_same_control_flow
-from .errors import CapacityError, NkiValidationError, RaceError
+from .errors import CapacityError, NkiValidationError, RaceError, RaceWarning
 from .settings import Settings
 
 _tls = threading.local()
@@ -109,7 +117,7 @@ class ProgramContext:
         self.phase = None  # label attached to trace records (set by trace.label_phases)
         self.unnamed_shared = 0  # per-program counter to link unnamed shared_hbm allocations
         self.private_hbm = []  # keep private allocations alive for the launch
-        # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (spec §5.7)
+        # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (nki.isa.activation page)
         self.act_reduce_regs = np.zeros(128, np.float32)
         # dynamic loops entered so far (control_flow.LoopEntry), compared across LNC programs
         self.dynamic_loops = []
@@ -153,7 +161,7 @@ class Launch:
         self._failed = None
         self.contexts = [ProgramContext(self, p) for p in range(lnc)]
 
-    # ---- shared HBM linking (spec §1.2 INFERRED / §10 Q14) ----
+    # ---- shared HBM linking (inferred: unnamed shared_hbm tensors link by allocation order, docs/simulator.md) ----
     def link_shared(self, key, make, shape, dtype, program_id):
         """Return the shared storage for `key`, creating it on first use; checks the other program agrees."""
         existing = self.shared.get(key)
@@ -231,7 +239,8 @@ class Launch:
             returned = sorted(q for q in self._done if q not in self._arrived)
             raise NkiValidationError(
                 f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program(s) "
-                f"{returned} returned without reaching it; LNC programs must execute identical control flow (spec §1.2)"
+                f"{returned} returned without reaching it; LNC programs must execute identical control flow "
+                f"(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)"
             )
 
     def barrier(self, p):
@@ -251,11 +260,13 @@ class Launch:
                 raise _Aborted()
 
     # ---- race detection on shared_hbm ----
-    def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str):
+    def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str, new_bytes=None):
         """Record program p's access to `storage` bytes; raise RaceError on a same-epoch conflict.
 
         `byte_index_view_fn(mask)` returns a view of `mask` (flat, one entry per storage byte)
-        restricted to the accessed bytes.
+        restricted to the accessed bytes. `new_bytes` (writes with numerics): the bytes about to be
+        written, shaped like that view, to tell a write of identical values (RaceWarning) from a real
+        write-write race (module docstring).
         """
         state = storage.race_state
         mine = state.get(p)
@@ -268,13 +279,31 @@ class Launch:
             conflict = byte_index_view_fn(other[2])  # other program's writes
             if conflict.any():
                 kind = "writes" if write else "reads"
-                raise RaceError(
-                    f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} wrote "
-                    f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
-                )
+                if write and self._same_bytes(storage, byte_index_view_fn, conflict, new_bytes):
+                    warnings.warn(RaceWarning(
+                        f"{what}: program {p} writes shared_hbm tensor '{storage.name}' bytes that program {q} also "
+                        f"wrote in the same epoch (after barrier #{self.barriers_passed}); "
+                        + ("the values are identical, so the result does not depend on the order"
+                           if new_bytes is not None else "values are not simulated in this run")), stacklevel=4)
+                else:
+                    raise RaceError(
+                        f"{what}: program {p} {kind} shared_hbm tensor '{storage.name}' bytes that program {q} "
+                        f"wrote in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier "
+                        "between them")
             if write and byte_index_view_fn(other[1]).any():
                 raise RaceError(
                     f"{what}: program {p} writes shared_hbm tensor '{storage.name}' bytes that program {q} read "
                     f"in the same epoch (after barrier #{self.barriers_passed}); add nisa.core_barrier between them"
                 )
         byte_index_view_fn(mine[2 if write else 1])[...] = True
+
+    @staticmethod
+    def _same_bytes(storage, byte_index_view_fn, conflict, new_bytes) -> bool:
+        """Do the bytes about to be written equal the bytes now in storage wherever they overlap another
+        program's writes? Without numerics (no values) the answer is taken as yes (module docstring)."""
+        if storage.data is None:
+            return True
+        if new_bytes is None:  # numerics on but the writer did not pass its bytes: cannot prove equal
+            return False
+        current = byte_index_view_fn(storage.data).view(np.uint8)
+        return bool(np.array_equal(current[conflict], new_bytes[conflict]))

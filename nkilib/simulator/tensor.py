@@ -1,8 +1,15 @@
-"""NkiTensor: a strided view over a flat byte storage (spec §2.3 - §2.6).
+"""NkiTensor: a strided view over a flat byte storage.
+
+References:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html (access patterns)
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html (sentinels, conversions)
 
 Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
-- `written`: one bool per storage byte, set by every write (uninitialised-read detection);
-- `mm_written` (PSUM only): one bool per byte, set by matmul writes (accumulate=None rule, §5.3).
+- `written`: one bool per storage byte, set by every write (uninitialised-read detection); a copy
+  (checked_copy_read -> checked_write(written=)) carries the source's never-written elements along,
+  and computations (checked_read) raise on them in strict mode;
+- `mm_written` (PSUM only): one bool per byte, set by matmul writes (nc_matmul accumulate=None rule).
 A view is (storage, dtype, offset, shape, strides) with offset/strides in elements of the view's
 dtype, so reinterpretation (`.view`, `.ap(dtype=)`) is a byte-level re-view of the same storage.
 On-chip (SBUF/PSUM) storages have a partition dim 0 whose stride is the per-partition row length.
@@ -23,13 +30,38 @@ from .indirect import make_indirect_view, reject_indirect
 ON_CHIP = ("sbuf", "psum")
 HBM_KINDS = ("private_hbm", "shared_hbm")
 
+_APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
+_NKITENSOR_URL = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/"
+                  "nki.language.NkiTensor.html")
+# SBUF/PSUM access patterns address "up to four-dimensional arrays" in the free dimension (access-pattern guide)
+MAX_FREE_DIMS = 4
+
+
+def merged_free_dims(pairs) -> int:
+    """Free dimensions a list of (size, stride) pairs needs in a hardware access pattern: size-1 dims
+    vanish and a dim that continues its inner neighbour (stride == inner stride * inner size) merges
+    into it, as the compiler lowers views (so [P, 2, 3, 4, 5, 6] contiguous is one free dim)."""
+    merged = []
+    for n, s in reversed([(n, s) for n, s in pairs if n > 1]):
+        if merged and s == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1])
+        else:
+            merged.append((n, s))
+    return len(merged)
+
+
+def not_simulated(what: str) -> NkiValidationError:
+    """The error for a documented NKI feature this simulator does not implement (README, 'Simulator limits')."""
+    return NkiValidationError(f"{what} is part of the documented NKI API but is not simulated by nkilib's simulator "
+                              "(README, 'Simulator limits')")
+
 
 def _prod(xs) -> int:
     return int(math.prod(xs))
 
 
 def _sentinel_bytes(dtype: NkiDType, np_dtype: np.dtype, count: int) -> np.ndarray:
-    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official simulator, spec §1.3)."""
+    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official CPU simulator guide)."""
     if dtype.category == "float":
         arr = np.full(count, np.nan, dtype=np_dtype)
     elif dtype.category == "scale":
@@ -94,7 +126,7 @@ def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
 
 
 class NkiTensor:
-    """A view of a Storage. Mirrors `nki.language.NkiTensor` (spec §2.3)."""
+    """A view of a Storage. Mirrors `nki.language.NkiTensor`."""
 
     __slots__ = ("_storage", "dtype", "shape", "strides", "offset", "_vector_index")
 
@@ -199,7 +231,7 @@ class NkiTensor:
         if count > 1 and self.strides[0] != row:
             raise NkiValidationError(
                 f"tensor '{self.name}': on-chip views must cover contiguous partitions (partition stride "
-                f"{self.strides[0]} != row length {row}); strided partition access is illegal (spec §2.5)"
+                f"{self.strides[0]} != row length {row}); strided partition access is illegal ({_APS_URL})"
             )
         return start, count
 
@@ -220,6 +252,50 @@ class NkiTensor:
 
     def get_pattern(self):
         return [[s, n] for s, n in zip(self.strides, self.shape)]
+
+    def free_access_dims(self) -> int:
+        """Free dims of this on-chip view's hardware access pattern (see merged_free_dims)."""
+        return merged_free_dims(list(zip(self.shape[1:], self.strides[1:])))
+
+    def reshape_dim(self, dim, shape):
+        """Split dim `dim` into `shape` (one -1 allowed); a view, no copy. On-chip tensors keep their
+        partition dim (only a trivial split of dim 0 into itself)."""
+        dim = operator.index(dim)
+        if not -self.ndim <= dim < self.ndim:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
+        dim %= self.ndim
+        sizes = list(shape if isinstance(shape, (tuple, list)) else (shape,))
+        n = self.shape[dim]
+        if sizes.count(-1) > 1:
+            raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: at most one -1 allowed, got {tuple(sizes)}")
+        if -1 in sizes:
+            known = _prod(s for s in sizes if s != -1)
+            sizes[sizes.index(-1)] = n // known if known and n % known == 0 else -1
+        if any(s < 1 for s in sizes) or _prod(sizes) != n:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: cannot split dim {dim} of size {n} into {tuple(shape)}")
+        if self.on_chip and dim == 0 and len(sizes) != 1:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, "
+                f"got {tuple(sizes)}")
+        inner = _row_major(sizes)
+        shape_ = list(self.shape[:dim]) + sizes + list(self.shape[dim + 1:])
+        strides = list(self.strides[:dim]) + [st * self.strides[dim] for st in inner] + list(self.strides[dim + 1:])
+        return NkiTensor(self._storage, self.dtype, shape_, strides, self.offset)
+
+    def flatten_dims(self, *args, **kwargs):
+        # whether the end bound is inclusive is not stated in the 2.32 API; refuse rather than guess
+        raise not_simulated(f"tensor '{self.name}'.flatten_dims ({_NKITENSOR_URL})")
+
+    def rearrange(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.rearrange ({_NKITENSOR_URL}); use reshape/permute")
+
+    def vector_select(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.vector_select (indirect addressing, {_NKITENSOR_URL})")
+
+    def indirect(self, *args, **kwargs):
+        raise not_simulated(f"tensor '{self.name}'.indirect (tensor indirection, {_NKITENSOR_URL})")
 
     # ---- raw numpy access (used by the isa layer only) ----
     def _np(self) -> np.ndarray:
@@ -248,7 +324,7 @@ class NkiTensor:
     def written_elements(self) -> np.ndarray:
         return self.elements_all(self._storage.written)
 
-    # ---- indexing (spec §2.3 table, first row) ----
+    # ---- indexing (NkiTensor page: numpy-style keys) ----
     def __getitem__(self, key):
         reject_indirect(self, f"tensor '{self.name}'.__getitem__")
         if not isinstance(key, tuple):
@@ -387,7 +463,7 @@ class NkiTensor:
         return NkiTensor(self._storage, self.dtype, shape, strides, self.offset)
 
     def view(self, dtype):
-        """Bit reinterpretation; the last dim scales by the size ratio (spec §2.3, §2.6)."""
+        """Bit reinterpretation; the last dim scales by the size ratio (NkiTensor page, view)."""
         reject_indirect(self, f"tensor '{self.name}'.view")
         new = as_nki_dtype(dtype, "view(dtype)")
         if new == self.dtype:
@@ -417,13 +493,20 @@ class NkiTensor:
     reinterpret_cast = view
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """Raw access pattern over the underlying storage (spec §2.5).
+        """Raw access pattern over the underlying storage.
 
-        Not composable: pattern and an int `offset` address the storage, ignoring this view's
-        shape/strides; `offset=None` inherits this view's storage offset (0.5.0+ default;
-        spec §10 Q8 resolution: absolute storage offset).
+        `pattern` ([step, num] pairs, outermost first) addresses the storage, ignoring this view's
+        shape and strides. `offset` (elements of the pattern's dtype) is RELATIVE to this view's storage
+        offset: the 2.32 `NkiTensor.ap` docstring (offset "added to the view's base storage offset",
+        offset=0 keeps the base; the 2.30 docstring still said "from start of storage"), newest meaning,
+        chosen over the access-pattern guide's absolute reading (docs/simulator-strict.md; both URLs:
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html). On a base
+        allocation (offset 0: every nki-library use) both readings agree; on a sliced view an
+        out-of-range result names both readings.
         `vector_offset=` (an SBUF index tile, HBM tensors, indirect_dim=0) makes an indirect view whose
-        rows a DMA instruction resolves at run time: see `nkilib/simulator/indirect.py`.
+        rows a DMA instruction resolves at run time: see `nkilib/simulator/indirect.py`. `scalar_offset=`
+        (a VirtualRegister) moves the start by its current value along `indirect_dim` (registers.py).
         """
         if vector_offset is not None:
             return make_indirect_view(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
@@ -437,41 +520,53 @@ class NkiTensor:
         steps = [int(p[0]) for p in pairs]
         nums = [int(p[1]) for p in pairs]
         new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
-        if offset is None:
-            byte_off = self.offset * self.itemsize_storage
-            if byte_off % new_isz:
-                raise NkiValidationError(
-                    f"tensor '{self.name}'.ap: inherited offset of {byte_off} bytes is not a multiple of {new} size")
-            offset = byte_off // new_isz
+        byte_off = self.offset * self.itemsize_storage
+        if byte_off % new_isz:
+            raise NkiValidationError(
+                f"tensor '{self.name}'.ap: the view's storage offset of {byte_off} bytes is not a multiple of "
+                f"{new} size")
+        base = byte_off // new_isz
+        start = base + (0 if offset is None else operator.index(offset))
+        hint = ""
+        if offset is not None and base:
+            hint = (f"; note: offset={offset} is relative to this view's storage offset {base} (2.32 NkiTensor.ap "
+                    f"docstring), not absolute as in the access-pattern guide: call .ap on the base tensor for an "
+                    f"absolute offset ({_NKITENSOR_URL}, {_APS_URL})")
         dynamic = None
         if scalar_offset is not None:
             from .nki.isa.registers import scalar_offset_elements
 
             dynamic = scalar_offset_elements(self, scalar_offset, indirect_dim, new, new_isz)
-            offset += dynamic[1]
+            start += dynamic[1]
         if self.on_chip:
             # row checks before the storage bounds check, so a pattern leaving its row gets this message
             row = self._storage.row_bytes // new_isz
             if nums[0] > 1 and steps[0] != row:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.ap: the partition step must equal the per-partition element count {row} "
-                    f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal (spec §2.5)")
+                    f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal "
+                    f"({_APS_URL})")
             if len(nums) < 2:
                 raise NkiValidationError(f"tensor '{self.name}'.ap: on-chip patterns need a partition pair and >= 1 free pair")
-            free_lo = offset % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
-            free_hi = offset % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            free = merged_free_dims(list(zip(nums[1:], steps[1:])))
+            if free > MAX_FREE_DIMS:
+                raise NkiValidationError(
+                    f"tensor '{self.name}'.ap: pattern {pairs} needs {free} free dimensions after merging contiguous "
+                    f"ones; expected at most {MAX_FREE_DIMS} (SBUF/PSUM access patterns, {_APS_URL})")
+            free_lo = start % row + sum(min(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
+            free_hi = start % row + sum(max(0, (n - 1) * s) for s, n in zip(steps[1:], nums[1:]))
             if free_lo < 0 or free_hi >= row:
                 dyn = "" if dynamic is None else f", including scalar_offset register value {dynamic[0]}"
                 raise OutOfBoundsError(
                     f"tensor '{self.name}'.ap: free access [{free_lo}, {free_hi}] leaves the partition row of {row} "
-                    f"elements (pattern {pairs}, offset {offset}{dyn})")
-        if dynamic is None:
-            return NkiTensor(self._storage, new, nums, steps, offset)
+                    f"elements (pattern {pairs}, storage offset {start}{dyn}){hint}")
         try:
-            return NkiTensor(self._storage, new, nums, steps, offset)
+            return NkiTensor(self._storage, new, nums, steps, start)
         except OutOfBoundsError as e:
-            raise OutOfBoundsError(f"tensor '{self.name}'.ap: scalar_offset register value {dynamic[0]} "
-                                   f"(indirect_dim {indirect_dim}) addresses outside the tensor: {e}") from None
+            if dynamic is not None:
+                raise OutOfBoundsError(f"tensor '{self.name}'.ap: scalar_offset register value {dynamic[0]} "
+                                       f"(indirect_dim {indirect_dim}) addresses outside the tensor: {e}") from None
+            raise OutOfBoundsError(f"{e}{hint}") from None
 
 
 def _row_major(shape):
@@ -487,7 +582,7 @@ def _row_major(shape):
 # ---------------------------------------------------------------------------------------------
 
 def allocate(shape, dtype, buffer_kind: str, name: str = "", init: np.ndarray | None = None) -> NkiTensor:
-    """Allocate a tensor in the running program (spec §2.2)."""
+    """Allocate a tensor in the running program (nki.language.ndarray)."""
     ctx = runtime.current()
     dtype = as_nki_dtype(dtype, "nl.ndarray dtype")
     try:
@@ -531,13 +626,14 @@ _INT_RANGES = {}
 
 
 def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.ndarray:
-    """Convert fp32 (or integer) compute results to `dtype` storage (spec §3.3).
+    """Convert fp32 (or integer) compute results to `dtype` storage (the 2.32 CPU simulator guide and
+    release notes).
 
     Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
-    e5m2/e4m3, NaN for e4m3fn): spec §10 Q10 recommendation. tfloat32: RNE to 10 mantissa bits.
-    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, spec §1.3); NaN -> 0.
+    e5m2/e4m3, NaN for e4m3fn): our choice, undocumented (docs/simulator.md). tfloat32: RNE to 10 mantissa bits.
+    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, 2.32 release notes); NaN -> 0.
     Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
-    tensor_copy, transpose mode) are bit-exact, NaN payloads included (spec §3.3, §5.5, §5.6);
+    tensor_copy, transpose mode) are bit-exact, NaN payloads included (tensor_copy / dma_copy pages);
     a float round trip through fp32 would canonicalise NaN payloads.
     """
     if isinstance(values, np.ndarray) and values.dtype == np_dtype and dtype != "tfloat32":
@@ -569,7 +665,7 @@ def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.n
 
 
 def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
-    """Decode raw storage values of `view` to float32 for fp32 engine math (spec §3.3)."""
+    """Decode raw storage values of `view` to float32 for fp32 engine math."""
     cat = view.dtype.category
     if cat == "x4":
         raise NkiValidationError(f"tensor '{view.name}': packed {view.dtype} data cannot be used in arithmetic")
@@ -578,6 +674,24 @@ def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
         out = np.ldexp(np.ones(b.shape, np.float32), b - 127)
         return np.where(b == 255, np.float32(np.nan), out).astype(np.float32)
     return raw.astype(np.float32)
+
+
+def checked_copy_read(view: NkiTensor, instr: str, arg: str):
+    """Read the source of a data-movement instruction (tensor_copy, dma_copy): (raw values or None, written).
+
+    Reading never-written memory is legal on hardware (the values are garbage): copying a whole
+    quantize_mx scale tile whose padding rows were never written is valid NKI. So a copy does not raise;
+    `written` (per source element in row-major order, or None when all were written) goes to
+    `checked_write(..., written=)`, which keeps the destination elements marked never-written. The poison
+    travels with the data, and strict mode raises where a compute instruction *uses* it (checked_read).
+    """
+    st = view.storage
+    written = None
+    if not view.byte_mask_view(st.written).all():
+        mask = view.written_elements()
+        if not mask.all():
+            written = mask.reshape(-1)
+    return _read(view, instr, arg), written
 
 
 def checked_read(view: NkiTensor, instr: str, arg: str):
@@ -592,7 +706,14 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
             bad = np.argwhere(~ok)
             raise UninitializedReadError(
                 f"{instr}: argument '{arg}' reads {int((~ok).sum())} element(s) of tensor '{st.name}' that were never "
-                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape})")
+                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape}); "
+                "a copy may move never-written values, a computation may not use them")
+    return _read(view, instr, arg)
+
+
+def _read(view: NkiTensor, instr: str, arg: str):
+    ctx = runtime.current()
+    st = view.storage
     if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
         ctx.launch.note_access(st, view.byte_mask_view, False, ctx.program_id, f"{instr} '{arg}'")
     if not ctx.numerics:
@@ -600,17 +721,32 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
     return view._np().copy()
 
 
-def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False) -> None:
-    """Write values (already in the view's shape or reshapeable to it) and mark bytes written."""
+def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False, written=None) -> None:
+    """Write values (already in the view's shape or reshapeable to it) and mark bytes written.
+
+    `written`: from checked_copy_read; elements copied from never-written memory stay never-written.
+    """
     reject_indirect(view, f"{instr}: argument '{arg}'")
     ctx = runtime.current()
     st = view.storage
-    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
-        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'")
-    st.modified = True
+    vals = None
     if ctx.numerics and values is not None:
-        vals = cast_values(values, view.dtype, view.np_dtype)
-        view._np()[...] = vals.reshape(view.shape)
-    view.byte_mask_view(st.written)[...] = True
+        vals = cast_values(values, view.dtype, view.np_dtype).reshape(view.shape)
+    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
+        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'",
+                               new_bytes=None if vals is None else _as_bytes(view, vals))
+    st.modified = True
+    if vals is not None:
+        view._np()[...] = vals
+    byte_mask = view.byte_mask_view(st.written)
+    if written is None:
+        byte_mask[...] = True
+    else:
+        byte_mask[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
     if matmul and st.mm_written is not None:
         view.byte_mask_view(st.mm_written)[...] = True
+
+
+def _as_bytes(view: NkiTensor, vals: np.ndarray) -> np.ndarray:
+    """Values in the view's storage dtype as bytes, shaped like byte_mask_view (view.shape + (itemsize,))."""
+    return np.ascontiguousarray(vals, dtype=view.np_dtype).view(np.uint8).reshape(view.shape + (view.itemsize_storage,))

@@ -1,6 +1,5 @@
 """hw_quantize_tile, the K-interleave invariant, hw_matmul_mx and mx_matmul (nkilib.mx)."""
 
-import time
 
 import ml_dtypes
 import numpy as np
@@ -216,22 +215,6 @@ def test_hw_matmul_errors():
         mx.hw_matmul_mx(w, w, np.zeros((32, 4), np.uint8), s, E4, E4)  # quadrant rows, not groups
     with pytest.raises(ValueError, match="K="):
         mx.hw_matmul_mx(w, np.zeros((64, 4), np.uint32), s, np.zeros((8, 4), np.uint8), E4, E4)
-
-
-def test_hw_matmul_speed():
-    rng = np.random.default_rng(8)
-    sw, mw = random_words(rng, (128, 128), E4), random_words(rng, (128, 512), E5)
-    ss = rng.integers(110, 140, (16, 128)).astype(np.uint8)
-    ms = rng.integers(110, 140, (16, 512)).astype(np.uint8)
-    mx.hw_matmul_mx(sw, mw, ss, ms, E4, E5)
-    best = min(_timed(lambda: mx.hw_matmul_mx(sw, mw, ss, ms, E4, E5)) for _ in range(5))
-    assert best < 0.1, best
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,19 +23,6 @@ REMAINING = {
     "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py",
     "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/tiled_matmul.py",
     "nkilib/simulator/cost.py",
-    "nkilib/simulator/nki/__init__.py",
-    "nkilib/simulator/nki/isa/__init__.py",
-    "nkilib/simulator/nki/isa/_common.py",
-    "nkilib/simulator/nki/isa/constants.py",
-    "nkilib/simulator/nki/isa/copy.py",
-    "nkilib/simulator/nki/isa/dma.py",
-    "nkilib/simulator/nki/isa/matmul.py",
-    "nkilib/simulator/nki/isa/mx.py",
-    "nkilib/simulator/nki/isa/sync.py",
-    "nkilib/simulator/nki/language/__init__.py",
-    "nkilib/simulator/nki/language/ops.py",
-    "nkilib/simulator/runtime.py",
-    "nkilib/simulator/tensor.py",
 }
 _ANCHOR_REF = re.compile(r"docs/simulator\.md#([A-Za-z0-9_\-]+)")
 

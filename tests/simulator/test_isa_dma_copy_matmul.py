@@ -353,7 +353,9 @@ def test_memset_values():
 @pytest.mark.parametrize("dtype,value,msg", [
     (nl.int32, 1.0, "value for integer dtype int32 must be an int, got float 1.0"),
     (nl.uint8, True, "must be an int, got bool"),
-    (nl.float32, 1, "value for float dtype float32 must be a float, got int 1"),
+    (nl.float32, 16777217, "int 16777217 is not exactly representable in dtype float32"),
+    (nl.bfloat16, 257, "int 257 is not exactly representable in dtype bfloat16"),
+    (nl.int8, 128, r"value' 128 is outside the range \[-128, 127\] of dtype int8"),
     (nl.bfloat16, "1.0", "must be a float, got str"),
     (nl.float8_e4m3fn_x4, 1, "packed dtype float8_e4m3fn_x4 can only be set to 0"),
     (nl.float4_e2m1fn_x4, 0.5, "can only be set to 0"),

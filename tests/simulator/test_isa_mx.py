@@ -254,21 +254,44 @@ def test_quantize_ocp_floor_switch(monkeypatch):
     np.testing.assert_array_equal(old[rows], scales)
 
 
-def test_quantize_pad_rows_unwritten_raise_on_read():
+def _copy_whole_scale_tile_kernel(use_pad_row):
+    """quantize_mx P=64, then move the WHOLE scale tile (pad rows 4..31, 36..63 never written) through
+    SBUF (tensor_copy) and HBM scratch (dma_copy); optionally compute with a pad row."""
     def kernel(src):
         s = nl.ndarray((64, 32), src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=s, src=src)
         q = nl.ndarray((64, 8), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
         sc = nl.ndarray((64, 8), nl.uint8, buffer=nl.sbuf)
         nisa.quantize_mx(dst=q, src=s, dst_scale=sc)
-        out = nl.ndarray((64, 8), nl.uint8, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out[0:4, :], src=sc[0:4, :])    # written rows: fine
-        nisa.dma_copy(dst=out[32:36, :], src=sc[32:36, :])
-        nisa.dma_copy(dst=out[4:5, :], src=sc[4:5, :])     # pad row: never written
+        sc2 = nl.ndarray((64, 8), nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sc2, src=sc)                   # whole tile, pad rows included: legal
+        scratch = nl.ndarray((64, 8), nl.uint8, buffer=nl.private_hbm)
+        nisa.dma_copy(dst=scratch, src=sc2)                 # whole tile to HBM: legal
+        back = nl.ndarray((64, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=back, src=scratch)                # and back, converted: still a copy
+        out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0:4, :], src=back[0:4, :])    # the written rows
+        nisa.dma_copy(dst=out[4:8, :], src=back[32:36, :])
+        if use_pad_row:
+            bumped = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=bumped, data=back[4:5, :], op0=nl.add, operand0=1.0)  # a use of garbage
         return out
 
-    with pytest.raises(UninitializedReadError, match=r"dma_copy: argument 'src' reads 8 element\(s\).*never written"):
-        simulate(kernel, src=randn(0, (64, 32), BF16))
+    return kernel
+
+
+def test_quantize_pad_rows_copy_whole_tile_is_legal():
+    x = randn(0, (64, 32), BF16)
+    out = simulate(_copy_whole_scale_tile_kernel(use_pad_row=False), src=x)
+    _, scales = mx.hw_quantize_tile(x, E4, "neuron")
+    np.testing.assert_array_equal(out, scales.astype(np.float32))
+
+
+def test_quantize_pad_rows_poison_travels_and_use_raises():
+    # the never-written mark follows the data through both copies; the computation names itself
+    with pytest.raises(UninitializedReadError,
+                       match=r"tensor_scalar: argument 'data' reads 8 element\(s\) of tensor .* never written"):
+        simulate(_copy_whole_scale_tile_kernel(use_pad_row=True), src=randn(0, (64, 32), BF16))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,7 +567,22 @@ def test_reject_scale_offset_not_in_0_4_8_12():
 
 
 def test_reject_scale_view_too_short():
-    _rejects(_qmx(src_shape=(64, 64), scale_shape=(32, 16)), r"must span 36 rows")
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(32, 16)),
+             r"quantize_mx: argument 'dst_scale' .* has 32 partitions; expected at least 64 rows \(P=64 > 32")
+
+
+def test_reject_scale_view_covering_only_the_written_rows_when_p_over_32():
+    # rows 0..3 and 32..35 hold the scales of P=64, but the documented oversize rule wants [P, F/4]
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(36, 16)), r"has 36 partitions; expected at least 64 rows")
+
+
+def test_packed_scale_view_spans_p_minus_its_offset(monkeypatch):
+    monkeypatch.setenv("NKILIB_SIM_STRICT", "0")  # _qmx's src is never written; only validation matters here
+    for offset in (4, 12):
+        kernel = _qmx(src_shape=(64, 64), scale_shape=(64, 16), scale_offset=offset)
+        simulate(kernel)  # 64 - offset rows: exactly the oversize rule for a packed view
+    _rejects(_qmx(src_shape=(64, 64), scale_shape=(63, 16), scale_offset=4),
+             r"has 59 partitions; expected at least 60 rows .*quadrant offset 4")
 
 
 def test_reject_scale_other_quadrant():
@@ -601,7 +639,24 @@ def test_reject_matmul_scale_dtype():
 
 
 def test_reject_matmul_scale_too_few_rows():
-    _rejects(_mm(k=128, ss_rows=64), r"'stationary_scale' has 64 partitions.*span 100 rows")
+    _rejects(_mm(k=128, ss_rows=64), r"nc_matmul_mx: argument 'stationary_scale' .* has 64 partitions; expected at "
+                                     r"least 128 rows \(P=128 > 32")
+    _rejects(_mm(k=64, ss_rows=36), r"'stationary_scale' .* has 36 partitions; expected at least 64 rows")
+
+
+def test_reject_matmul_scales_in_another_quadrant():
+    def kernel():
+        st = nl.ndarray((128, 32), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        mv = nl.ndarray((128, 32), nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        ss = nl.ndarray((128, 32), nl.uint8, buffer=nl.sbuf)
+        ms = nl.ndarray((128, 32), nl.uint8, buffer=nl.sbuf)
+        dst = nl.ndarray((32, 32), nl.float32, buffer=nl.psum)
+        # K=32 data in quadrant 0, its 4 scale rows taken from quadrant 1
+        nisa.nc_matmul_mx(dst=dst, stationary=st[0:32, :], moving=mv[0:32, :], stationary_scale=ss[32:36, :],
+                          moving_scale=ms[0:4, :])
+
+    _rejects(kernel, r"nc_matmul_mx: argument 'stationary_scale' starts at partition 32 \(quadrant 1\) but "
+                     r"'stationary' .* starts at partition 0 \(quadrant 0\); expected the scales in the data's quadrant")
 
 
 def test_reject_matmul_dst_not_psum():

@@ -263,17 +263,31 @@ def test_platform_target_override(monkeypatch, value, version):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", value)
     seen = []
     res = run_kernel(_version_kernel(seen), (randn(11, (2, 2)),))
-    assert seen == [version]
-    assert seen[0] == nisa.nc_version(version)
+    assert seen == [nisa.nc_version(version)]
     assert res.target == ("trn2" if version == 3 else "trn3")
-    assert nisa.get_nc_version() == version  # outside a launch: the environment's target
+    assert nisa.get_nc_version() == nisa.nc_version(version)  # outside a launch: the environment's target
 
 
 def test_default_target_is_trn3():
     seen = []
     simulate(_version_kernel(seen), a=randn(12, (2, 2)))
     assert seen == [nisa.nc_version.gen4]
-    assert seen[0] >= nisa.nc_version.gen3 and seen[0] >= 4
+
+
+def test_enums_are_plain_enums_as_documented():
+    # 2.32 API: plain Enum; ordering, int() and comparison with ints do not work on the real toolchain
+    version = nisa.nc_version.gen4
+    with pytest.raises(TypeError):
+        version >= nisa.nc_version.gen3  # noqa: B015
+    with pytest.raises(TypeError):
+        int(version)
+    assert version != 4 and version == nisa.nc_version.gen4
+    for enum_cls in (nisa.engine, nisa.dge_mode, nisa.oob_mode, nisa.reduce_cmd, nisa.dma_engine, nisa.nc_version):
+        member = next(iter(enum_cls))
+        with pytest.raises(TypeError):
+            int(member)
+        with pytest.raises(TypeError):
+            member < member  # noqa: B015
 
 
 @pytest.mark.parametrize("value", ["trn1", "gen2", "inf2", "trn9", "bogus"])
@@ -289,11 +303,11 @@ def test_nki_nc_version_honoured(monkeypatch):
     monkeypatch.setenv("NKI_NC_VERSION", "gen3")
     seen = []
     simulate(_version_kernel(seen), a=randn(14, (2, 2)))
-    assert seen == [3]
+    assert seen == [nisa.nc_version.gen3]
     # the documented override wins when both are set
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     simulate(_version_kernel(seen), a=randn(14, (2, 2)))
-    assert seen == [3, 4]
+    assert seen == [nisa.nc_version.gen3, nisa.nc_version.gen4]
     monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE")
     monkeypatch.setenv("NKI_NC_VERSION", "gen2")
     with pytest.raises(ValueError, match="gen2"):
@@ -307,4 +321,4 @@ def test_settings_read_per_launch(set_target):
     simulate(k, a=randn(15, (2, 2)))
     set_target("trn3")
     simulate(k, a=randn(15, (2, 2)))
-    assert seen == [3, 4]
+    assert seen == [nisa.nc_version.gen3, nisa.nc_version.gen4]

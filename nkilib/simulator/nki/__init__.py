@@ -1,17 +1,24 @@
-"""Simulated top-level `nki` module: jit, simulate, cpu_simulate (spec §1.1, §1.3)."""
-from __future__ import annotations
+"""Simulated top-level `nki` module: jit, simulate, cpu_simulate
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html).
 
-import functools
-import os
+Helpers are imported under `_` names so that only documented names (and the submodules `isa`,
+`language`, `typing`, `compiler`, `tensor`) are public.
+"""
+import functools as _functools
+import os as _os
 
-from .. import runtime
-from ..errors import NkiValidationError
+from .. import runtime as _runtime
+from ..errors import NkiValidationError as _NkiValidationError
 from . import isa, language  # noqa: F401
+
+_LNC_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html"
+_MIGRATION_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html"
 
 
 def _check_lnc(lnc):
     if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc not in (1, 2):
-        raise NkiValidationError(f"kernel[lnc]: LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} (spec §1.1)")
+        raise _NkiValidationError(f"kernel[lnc]: LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} ({_LNC_URL})")
     return lnc
 
 
@@ -20,12 +27,12 @@ class Kernel:
 
     def __init__(self, fn, options):
         if "platform_target" in options:
-            raise NkiValidationError("nki.jit: platform_target= was removed in NKI 0.3.0; use "
-                                     "NEURON_PLATFORM_TARGET_OVERRIDE (spec §1.1)")
-        options.pop("mode", None)  # deprecated and ignored since 0.3.0 (spec §1.1)
+            raise _NkiValidationError("nki.jit: platform_target= was removed in NKI 0.3.0; use "
+                                     f"NEURON_PLATFORM_TARGET_OVERRIDE ({_MIGRATION_URL})")
+        options.pop("mode", None)  # deprecated and ignored since 0.3.0 (_MIGRATION_URL)
         self.fn = fn
         self.options = options
-        functools.update_wrapper(self, fn)
+        _functools.update_wrapper(self, fn)
 
     def __getitem__(self, lnc):
         return LaunchSpec(self, _check_lnc(lnc), grid_ndim=1)
@@ -44,11 +51,11 @@ class LaunchSpec:
         self.kernel, self.lnc, self.grid_ndim = kernel, lnc, grid_ndim
 
     def __call__(self, *args, **kwargs):
-        if runtime.current(optional=True) is not None:
-            raise NkiValidationError(
+        if _runtime.current(optional=True) is not None:
+            raise _NkiValidationError(
                 f"{self.kernel.fn.__name__}: an @nki.jit kernel was called from inside a kernel; sub-kernels must "
-                "not be decorated with nki.jit (spec §1.1)")
-        if os.environ.get("NKI_SIMULATOR", "0") == "1":
+                f"not be decorated with nki.jit ({_MIGRATION_URL})")
+        if _os.environ.get("NKI_SIMULATOR", "0") == "1":
             from ..launcher import run_kernel
 
             return run_kernel(self.kernel.fn, args, kwargs, lnc=self.lnc, grid_ndim=self.grid_ndim).outputs
@@ -91,4 +98,4 @@ def simulate(kernel):
     raise TypeError(f"nki.simulate: expected a kernel or function, got {kernel!r}")
 
 
-cpu_simulate = simulate  # nki-library harness spelling (spec §1.3 item 3)
+cpu_simulate = simulate  # nki-library's test harness spelling (aws-neuron/nki-library test/utils/simulation_setup.py)

@@ -741,13 +741,12 @@ def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, ga
     NaN scale, so the whole group's products are NaN); nothing raises on them.
     """
     # ---- options ----
-    on_trn3 = nisa.get_nc_version() >= nisa.nc_version.gen4
+    on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
     precision = matmul_precision if matmul_precision is not None else ("mxfp8" if on_trn3 else "bf16")
     kernel_assert(precision in MATMUL_PRECISIONS,
                   f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
     kernel_assert(precision != "mxfp8" or on_trn3,
-                  f"matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
-                  f"gen{int(nisa.get_nc_version())} (Trn2): use matmul_precision='bf16'")
+                  "matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is Trn2 (NeuronCore-v3): use matmul_precision='bf16'")
     kernel_assert(str(fp8_x4_dtype) in FP8_X4_DTYPE_NAMES,
                   f"fp8_x4_dtype must be one of {list(FP8_X4_DTYPE_NAMES)}, got {fp8_x4_dtype!r}")
     kernel_assert(quant_scheme in QUANT_SCHEMES, f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")

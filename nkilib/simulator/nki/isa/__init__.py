@@ -1,4 +1,9 @@
-"""Simulated `nki.isa` (spec §5). One implementation per instruction, grouped by engine/topic."""
+"""Simulated `nki.isa` (2.32 API: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html).
+
+One implementation per instruction, grouped by engine/topic in private submodules; only documented
+names are public. Documented instructions that are not simulated resolve (module `__getattr__`) to a
+stub that raises "not simulated" when called, never an AttributeError (README, "Simulator limits").
+"""
 from ...errors import NkiValidationError  # noqa: F401
 from ._common import NkiInstruction  # noqa: F401
 from .constants import dge_mode, dma_engine, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401
@@ -14,9 +19,45 @@ from .registers import VirtualRegister, register_alloc, register_load, register_
 from .sync import core_barrier, get_nc_sub_version, get_nc_version  # noqa: F401
 from .transpose import nc_transpose  # noqa: F401
 
-# deprecated engine aliases still used by nki-library (spec §5.12)
+# deprecated engine aliases still used by nki-library (listed in the 2.32 nki.isa API)
 tensor_engine = engine.tensor
 vector_engine = engine.vector
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
 unknown_engine = engine.unknown
+
+
+# Documented in the 2.32 nki.isa API but not simulated here (full list: the 2.32 nki.isa index above).
+_NOT_SIMULATED = frozenset({
+    "activate2", "tensor_partition_reduce", "tensor_tensor_scan", "tensor_scalar_reduce", "tensor_scalar_cumulative",
+    "tensor_copy_predicated", "exponential", "dropout", "affine_select", "range_select", "select_reduce",
+    "sequence_bounds", "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "dma_compute", "max8",
+    "nc_find_index8", "nc_match_replace8", "nc_stream_shuffle", "register_alloc", "register_load", "register_move",
+    "register_store", "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed",
+    "nonzero_with_count", "topk",
+})
+
+
+def __getattr__(name):
+    if name in _NOT_SIMULATED:
+        def not_simulated(*args, **kwargs):
+            raise NkiValidationError(
+                f"nisa.{name} is part of the documented nki.isa API but is not simulated by nkilib's simulator "
+                "(README, 'Simulator limits')")
+
+        not_simulated.__name__ = name
+        return not_simulated
+    raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")
+
+
+def _drop_submodule_names():
+    """The engine submodules (copy, dma, mx, ...) are implementation files, not documented names;
+    `constants` stays (documented: `from nki.isa.constants import oob_mode`)."""
+    import types
+
+    for key, value in list(globals().items()):
+        if isinstance(value, types.ModuleType) and not key.startswith("_") and key != "constants":
+            del globals()[key]
+
+
+_drop_submodule_names()

@@ -1,4 +1,9 @@
-"""Operand validation shared by every instruction (one place for each rule of spec §7).
+"""Operand validation shared by every instruction (one place for each rule).
+
+Sources: the 2.32 nki.isa API pages
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html), the access-pattern
+guide (APS_URL below) and the NKI migration guides
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html).
 
 Every error names the instruction, the argument and the offending value.
 """
@@ -10,12 +15,15 @@ import numpy as np
 
 from ... import runtime
 from ...errors import NkiValidationError
-from ...tensor import NkiTensor
+from ...tensor import MAX_FREE_DIMS, NkiTensor
 from .constants import engine
+
+_MIGRATION_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html"
+APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
 
 
 class NkiInstruction:
-    """Handle returned by every ISA call (spec §4 `depends_on`); scheduling hints are no-ops here."""
+    """Handle returned by every ISA call (nki.isa API: `depends_on`); scheduling hints are no-ops here."""
 
     __slots__ = ("name",)
 
@@ -55,6 +63,11 @@ def on_chip(instr: str, arg: str, t, buffers=("sbuf", "psum")) -> NkiTensor:
         t.partition_info()
     except NkiValidationError as e:
         fail(instr, f"argument '{arg}': {e}")
+    free_dims = t.free_access_dims()
+    if free_dims > MAX_FREE_DIMS:
+        fail(instr, f"argument '{arg}' ('{t.name}', shape {t.shape}, strides {t.strides}) needs {free_dims} free "
+                    f"dimensions in its access pattern after merging contiguous ones; expected at most {MAX_FREE_DIMS} "
+                    f"(SBUF/PSUM access patterns, {APS_URL})")
     return t
 
 
@@ -62,14 +75,16 @@ def hbm_or_sbuf(instr: str, arg: str, t) -> NkiTensor:
     t = tensor_arg(instr, arg, t)
     kind = t.storage.buffer_kind
     if kind == "psum":
-        fail(instr, f"argument '{arg}' ('{t.name}') is in PSUM; DMA cannot access PSUM (NKI 0.3.0+, spec §5.6)")
+        fail(instr, f"argument '{arg}' ('{t.name}') is in PSUM; DMA cannot access PSUM (NKI 0.3.0+, "
+                    f"{_MIGRATION_URL})")
     if t.on_chip:
         on_chip(instr, arg, t, ("sbuf",))
     return t
 
 
 def same_partitions_and_free(instr: str, a_name: str, a: NkiTensor, b_name: str, b: NkiTensor) -> None:
-    """Spec §7 rule 5: equal partition counts and elements per partition."""
+    """Equal partition counts and elements per partition (the tile-shape rule of the elementwise nki.isa pages,
+    e.g. https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)."""
     if a.shape[0] != b.shape[0]:
         fail(instr, f"'{a_name}' has {a.shape[0]} partitions but '{b_name}' has {b.shape[0]} (shapes {a.shape} vs {b.shape})")
     if a.free_size != b.free_size:
@@ -96,7 +111,8 @@ def require_nc_version(instr: str, minimum: int, what: str = "") -> None:
 
 
 def scalar_or_vector(instr: str, arg: str, value, data: NkiTensor, allow_none=False):
-    """A compile-time scalar or a [P, 1] tile (spec §7 rule 20). Returns (float|None, tensor|None)."""
+    """A compile-time scalar or a [P, 1] tile (the scale/bias/operand docs of each instruction: shape
+    (data.shape[0], 1)). Returns (float|None, tensor|None)."""
     if value is None:
         if allow_none:
             return None, None
@@ -130,7 +146,8 @@ def flat2d(values: np.ndarray, t: NkiTensor) -> np.ndarray:
 
 
 def alu_op(instr: str, arg: str, op):
-    """An `nl.<op>` operator identifier (spec §5.13); anything else is rejected by name."""
+    """An `nl.<op>` operator identifier; anything else is rejected by name
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)."""
     from ..language.ops import Op
 
     if not isinstance(op, Op):
@@ -139,7 +156,9 @@ def alu_op(instr: str, arg: str, op):
 
 
 def gpsimd_no_psum(instr: str, eng, *tiles) -> None:
-    """GpSimd cannot access PSUM (spec §5 general rules, §7 rule 11). `tiles` are (arg, view) pairs."""
+    """GpSimd cannot access PSUM (GpSimd instruction pages of the 2.32 nki.isa API).
+
+    `tiles` are (arg, view) pairs."""
     if eng == engine.gpsimd:
         for arg, t in tiles:
             if t is not None and t.storage.buffer_kind == "psum":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...tensor import checked_read, checked_write, to_float32
+from ...tensor import checked_copy_read, checked_read, checked_write, to_float32
 from ._common import NkiInstruction, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 from .dma_indirect import indirect_dma_copy, indirect_dma_transpose
@@ -65,7 +65,8 @@ def dma_copy(dst, src, priority=None, oob_mode=C.oob_mode.error, dge_mode=C.dge_
         fail(instr, f"element counts differ: dst {dst.shape} has {dst.size}, src {src.shape} has {src.size}")
     if dst.dtype != src.dtype:
         if dst.dtype.is_x4 or src.dtype.is_x4:
-            fail(instr, f"dtype conversion {src.dtype} -> {dst.dtype} is not supported for MX x4 dtypes (spec §5.6)")
+            fail(instr, f"dtype conversion {src.dtype} -> {dst.dtype} is not supported for MX x4 dtypes "
+                       "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_copy.html)")
         if dge_mode == C.dge_mode.hwdge:
             fail(instr, f"dge_mode=hwdge requires equal dtypes, got src {src.dtype} and dst {dst.dtype}")
     if dst.is_indirect() or src.is_indirect():
@@ -74,15 +75,15 @@ def dma_copy(dst, src, priority=None, oob_mode=C.oob_mode.error, dge_mode=C.dge_
     c = ctx()
     c.record(instr=instr, engine="dma", reads=[("src", src)], writes=[("dst", dst)],
              bytes=dst.size * max(dst.dtype.itemsize, src.dtype.itemsize), dge_mode=dge_mode.name)
-    raw = checked_read(src, instr, "src")
+    raw, written = checked_copy_read(src, instr, "src")  # a copy may move never-written values (tensor.py)
     if raw is None:
-        checked_write(dst, instr, "dst", None)
+        checked_write(dst, instr, "dst", None, written=written)
         return NkiInstruction(name)
-    # elements are paired in each view's row-major order (spec §10 Q18)
+    # elements are paired in each view's row-major order (docs/simulator.md#choice-dma-pairing)
     values = raw.reshape(-1) if dst.dtype == src.dtype else to_float32(src, raw).reshape(-1)
     if dst.dtype == src.dtype and values.dtype != dst.np_dtype:
         values = values.astype(dst.np_dtype)
-    checked_write(dst, instr, "dst", values)
+    checked_write(dst, instr, "dst", values, written=written)
     return NkiInstruction(name)
 
 

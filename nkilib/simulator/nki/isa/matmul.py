@@ -1,8 +1,13 @@
-"""Tensor Engine matmul: nc_matmul (spec §5.3). nc_matmul_mx lives in mx.py, nc_transpose in transpose.py.
+"""Tensor Engine matmul: nc_matmul. nc_matmul_mx lives in mx.py, nc_transpose in transpose.py.
+
+References:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html (nc_matmul docs)
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium3_arch.html ([TRN3])
 
 Numerics model (documented choice): within one instruction the contraction is computed exactly
 (float64 products and sums of fp32-exact inputs) and rounded once to float32 — the hardware
-accumulates in fp32 in an undocumented order (spec §5.3, §9 "Matmul"); across instructions PSUM
+accumulates in fp32 in an undocumented order (nc_matmul docs); across instructions PSUM
 accumulation is a float32 add (bf16 PSUM on v4: fp32 add then RNE to bf16, [TRN3]).
 """
 from __future__ import annotations
@@ -20,7 +25,7 @@ _WIDE = (D.float32, D.tfloat32)
 
 
 def check_tiling(instr, tile_position, tile_size, k, m, allow_column=True):
-    """Validate PE-array tiling (spec §5.3 'Tiling'); returns True when column tiling is used."""
+    """Validate PE-array tiling (nc_matmul docs, tile_position/tile_size); returns True when column tiling is used."""
     tp, ts = tuple(tile_position or ()), tuple(tile_size or ())
     if bool(tp) != bool(ts):
         fail(instr, f"tile_position and tile_size must be set together, got {tp!r} and {ts!r}")
@@ -44,8 +49,35 @@ def check_tiling(instr, tile_position, tile_size, k, m, allow_column=True):
     return column
 
 
+_NC_MATMUL_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html"
+_TRN2_ARCH_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html"
+
+
+def check_psum_bank(instr, dst):
+    """NeuronCore-v3 (trn2): a matmul output must fit in one 2 KiB PSUM bank per partition (Trainium2
+    architecture guide, PSUM section). NeuronCore-v4 matmuls may span banks (nc_matmul_mx's N limit is
+    the whole PSUM in the 2.32 docs), so the rule is checked on v3 only. PSUM tensors start on a bank
+    boundary (nl.ndarray), so bank k of a partition row is bytes [2048k, 2048(k+1)) of the tensor."""
+    target = ctx().target
+    if target.nc_version != 3:
+        return
+    row = dst.row_elems
+    lo = hi = dst.offset % row
+    for n, s in zip(dst.shape[1:], dst.strides[1:]):
+        lo += min(0, (n - 1) * s)
+        hi += max(0, (n - 1) * s)
+    isz = dst.dtype.itemsize
+    byte_lo, byte_hi = lo * isz, (hi + 1) * isz - 1
+    bank = target.psum_bank_bytes
+    if byte_lo // bank != byte_hi // bank:
+        fail(instr, f"argument 'dst' ('{dst.name}', shape {dst.shape}) covers bytes [{byte_lo}, {byte_hi}] of each "
+                    f"PSUM partition, crossing from bank {byte_lo // bank} into bank {byte_hi // bank}; expected the "
+                    f"matmul output to fit one {bank}-byte PSUM bank per partition on {target.name} ({_TRN2_ARCH_URL})")
+
+
 def psum_accumulate(instr, dst, result, accumulate):
-    """Write a fp32 matmul result into PSUM with the `accumulate` rule (spec §5.3, §10 Q7)."""
+    """Write a fp32 matmul result into PSUM with the `accumulate` rule (nc_matmul docs; the
+    per-element first-write model is our choice, docs/simulator.md)."""
     # `1 in (None, True, False)` is true in Python: check the type so 0/1/"yes" are rejected too
     if accumulate is not None and not isinstance(accumulate, (bool, np.bool_)):
         fail(instr, f"accumulate must be None, True or False, got {accumulate!r}")
@@ -71,12 +103,12 @@ def _uninit_accumulate(instr, dst):
     if ctx().settings.strict:
         raise NkiValidationError(
             f"nisa.{instr}: accumulate=True on PSUM tensor '{dst.name}' elements never written by a matmul; "
-            "undefined on hardware (spec §5.3)")
+            f"undefined on hardware ({_NC_MATMUL_URL})")
 
 
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
               accumulate=None, tile_position=(), tile_size=(), perf_mode=C.matmul_perf_mode.none, name=None):
-    """dst[m, n] (=/+=) sum_k stationary[k, m] * moving[k, n] (spec §5.3)."""
+    """dst[m, n] (=/+=) sum_k stationary[k, m] * moving[k, n] (nc_matmul docs)."""
     instr = "nc_matmul"
     c = ctx()
     target = c.target
@@ -108,10 +140,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         if mv.shape != (k, k) and not (mv.shape[0] == k and mv.free_size == k):
             fail(instr, f"is_transpose: moving must be a [{k}, {k}] identity, got shape {mv.shape}")
         if dst.dtype != st.dtype:
-            fail(instr, f"is_transpose: dst dtype {dst.dtype} must equal the stationary dtype {st.dtype} (spec §5.3)")
+            fail(instr, f"is_transpose: dst dtype {dst.dtype} must equal the stationary dtype {st.dtype} "
+                        f"({_NC_MATMUL_URL})")
         if dst.shape[0] != m or dst.free_size != k:
             fail(instr, f"is_transpose: dst must be [{m}, {k}], got {dst.shape}")
         check_tiling(instr, tile_position, tile_size, k, m)
+        check_psum_bank(instr, dst)
         c.record(instr=instr, engine="tensor", reads=[("stationary", st), ("moving", mv)], writes=[("dst", dst)],
                  K=k, M=m, N=k, in_dtype=str(st.dtype), transpose=True, perf_mode="none")
         raw = checked_read(st, instr, "stationary")
@@ -120,7 +154,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             checked_write(dst, instr, "dst", None, matmul=True)
             return NkiInstruction(name)
         if not np.array_equal(to_float32(mv, ident).reshape(k, k), np.eye(k, dtype=np.float32)):
-            fail(instr, "is_transpose: moving must be an identity matrix (bit-accurate transpose mode, spec §5.3)")
+            fail(instr, f"is_transpose: moving must be an identity matrix (bit-accurate transpose mode, "
+                        f"{_NC_MATMUL_URL})")
         checked_write(dst, instr, "dst", raw.reshape(k, m).T.copy(), matmul=True)
         return NkiInstruction(name)
 
@@ -149,6 +184,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if dst.shape[0] != m or dst.free_size != n:
         fail(instr, f"dst must be [{m}, {n}] (stationary free x moving free), got {dst.shape}")
     column = check_tiling(instr, tile_position, tile_size, k, m)
+    check_psum_bank(instr, dst)
     if column and perf == C.matmul_perf_mode.double_row:
         fail(instr, "perf_mode double_row cannot be combined with column tiling")
     c.record(instr=instr, engine="tensor", reads=[("stationary", st), ("moving", mv)], writes=[("dst", dst)],

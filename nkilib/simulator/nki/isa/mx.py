@@ -1,19 +1,20 @@
 """MX (microscaling) instructions of NeuronCore-v4: quantize_mx (Vector) and nc_matmul_mx (Tensor).
 
-Spec §5.1 / §5.2 / §7 rule 9. The numerics live in one place, `nkilib.mx` (`hw_quantize_tile`,
-`hw_matmul_mx`); this module only validates operands, handles the SBUF quadrant layout of the
-scales and the PSUM accumulate rule (shared with nc_matmul), so simulator and reference agree bit
-for bit.
+The numerics live in one place, `nkilib.mx` (`hw_quantize_tile`, `hw_matmul_mx`); this module only
+validates operands, handles the SBUF quadrant layout of the scales and the PSUM accumulate rule
+(shared with nc_matmul), so simulator and reference agree bit for bit.
 
-Scale quadrant layout (spec §5.1): group row g (data partitions 8g..8g+7, relative to the data
-start) owns scale row r(g) = 32*(g//4) + g%4 relative to the scale view start, i.e. the first
-4 partitions of each quadrant. quantize_mx writes ONLY those rows (the other rows keep whatever
-they held, spec §10 Q3) and nc_matmul_mx reads only those rows, so a matmul whose scales were
-never produced by quantize_mx trips the strict uninitialised-read check.
+Scale quadrant layout (quantize_mx docs; mxfp matmul guide): group row g (data partitions 8g..8g+7,
+relative to the data start) owns scale row r(g) = 32*(g//4) + g%4 relative to the scale view start,
+i.e. the first 4 partitions of each quadrant. quantize_mx writes ONLY those rows (the other rows keep
+whatever they held: nki-library calls them "random garbage") and nc_matmul_mx reads only those rows,
+so a matmul whose scales were never produced by quantize_mx trips the strict uninitialised-read check.
+Copying a whole scale tile is legal: the never-written mark travels with the copy (tensor.py).
 
 References:
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html (mxfp matmul guide)
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ from ...tensor import checked_read, checked_write
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version
 from .matmul import check_tiling, psum_accumulate
 
+_MM_MX_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html"
+_QMX_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html"
+_MXFP_GUIDE_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/mxfp-matmul.html"
 _QUADRANT = 32
 _GROUP_PARTITIONS = 8  # an MX group spans 8 partitions x 4 packed elements
-# packed scale views (spec §5.1 "Scale packing", nki-library ALLOWED_P_SCALE_IDX_OFFSETS)
+# packed scale views (mxfp matmul guide, "Packing Scale Values"; nki-library ALLOWED_P_SCALE_IDX_OFFSETS)
 _SCALE_OFFSETS = (0, 4, 8, 12)
 _QMX_SRC = (D.float16, D.bfloat16)
 _QMX_DST = (D.float8_e4m3fn_x4, D.float8_e5m2_x4)
@@ -50,7 +54,7 @@ def _quadrant_row_views(scale, groups: int):
 
 
 def _check_scale(instr, arg, scale, groups, free, free_what):
-    """Scale operand rules shared by quantize_mx and nc_matmul_mx (spec §5.1, §5.2)."""
+    """Scale operand rules shared by quantize_mx and nc_matmul_mx (quantize_mx / nc_matmul_mx docs)."""
     scale = on_chip(instr, arg, scale, ("sbuf",))
     dtype_in(instr, arg, scale, _SCALE)
     if scale.free_size != free:
@@ -59,22 +63,32 @@ def _check_scale(instr, arg, scale, groups, free, free_what):
     start, count = scale.partition_info()
     if start % _QUADRANT not in _SCALE_OFFSETS:
         fail(instr, f"argument '{arg}' starts at partition {start} (offset {start % _QUADRANT} in its quadrant); "
-                    f"scale views must start at quadrant offset {list(_SCALE_OFFSETS)} (spec §5.1 scale packing)")
-    need = _scale_rows_needed(groups)
+                    f"scale views must start at quadrant offset {list(_SCALE_OFFSETS)} (packing scale values, "
+                    f"{_MXFP_GUIDE_URL})")
+    data_partitions = groups * _GROUP_PARTITIONS
+    if data_partitions <= _QUADRANT:
+        need = _scale_rows_needed(groups)
+        rule = f"{need} rows (a [P/8, F/4] tile is enough for P <= 32 data partitions)"
+    else:
+        # Oversize rule: for P > 32 the scale tile is [P, F/4] (quantize_mx docs; mxfp matmul guide,
+        # "P <= 32: [P//8, F//4]; P > 32: [P, F//4]"); a packed view starting at quadrant offset o
+        # (0/4/8/12) spans the P rows of its quadrants from there on: P - o rows.
+        need = data_partitions - start % _QUADRANT
+        rule = (f"{need} rows (P={data_partitions} > 32 data partitions need a [P, F/4] scale tile, "
+                f"less its quadrant offset {start % _QUADRANT})")
     if count < need:
-        fail(instr, f"argument '{arg}' has {count} partitions but its {groups} scale group rows live in rows "
-                    f"32*(g//4) + g%4 up to row {need - 1} of the view; it must span {need} rows "
-                    "(a 4-row view is enough only for 32 data partitions, spec §5.1)")
+        fail(instr, f"argument '{arg}' ('{scale.name}') has {count} partitions; expected at least {rule}; "
+                    f"see {_QMX_URL} and {_MXFP_GUIDE_URL}")
     return scale, start
 
 
 def quantize_mx(dst, src, dst_scale, name=None):
-    """MX-quantize an SBUF tile (Vector Engine, NeuronCore-v4; spec §5.1).
+    """MX-quantize an SBUF tile (Vector Engine, NeuronCore-v4; quantize_mx docs).
 
     Group (g, j) = src[8g:8g+8, 4j:4j+4] shares one E8M0 scale byte, written to dst_scale row
     32*(g//4) + g%4 (relative to the scale view), column j; dst[p, j] packs the four fp8 codes of
     src[p, 4j:4j+4]. Scale rule: settings.qmx_scale_rule ("neuron" = SDK 2.31+ default,
-    "ocp_floor" = SDK <= 2.30), env NKILIB_QMX_SCALE_RULE (spec §10 Q1).
+    "ocp_floor" = SDK <= 2.30), env NKILIB_QMX_SCALE_RULE (2.31 release notes: "alternative emax"; docs/simulator.md).
 
     Args:
         dst: SBUF float8_e4m3fn_x4 / float8_e5m2_x4 [P, F/4].
@@ -97,7 +111,7 @@ def quantize_mx(dst, src, dst_scale, name=None):
         fail(instr, f"src free size {f} (shape {src.shape}) must be a multiple of 4")
     src_start, _ = src.partition_info()
     if src_start % _QUADRANT:
-        # nki-library: "data at quadrant start q*32" (spec §5.1): groups never straddle quadrants.
+        # nki-library: "data at quadrant start q*32": groups never straddle quadrants.
         fail(instr, f"src starts at partition {src_start}; quantize_mx data must start at a quadrant boundary "
                     "(multiple of 32)")
     dst = on_chip(instr, "dst", dst, ("sbuf",))
@@ -111,12 +125,12 @@ def quantize_mx(dst, src, dst_scale, name=None):
     dst_start, _ = dst.partition_info()
     if dst_start != src_start:
         fail(instr, f"dst starts at partition {dst_start} but src at {src_start}; data and output must start in "
-                    "the same quadrant (spec §5.1)")
+                    f"the same quadrant ({_QMX_URL})")
     groups = p // _GROUP_PARTITIONS
     dst_scale, scale_start = _check_scale(instr, "dst_scale", dst_scale, groups, f // 4, "src free size / 4")
     if scale_start // _QUADRANT != src_start // _QUADRANT:
         # 2.28 docs: "dst and dst_scale must reside in the same SBUF quadrant(s)"; newer nki-library:
-        # "data and scales must start at the same quadrant offset" (spec §5.1).
+        # "data and scales must start at the same quadrant offset".
         fail(instr, f"dst_scale starts at partition {scale_start} (quadrant {scale_start // _QUADRANT}) but src "
                     f"starts in quadrant {src_start // _QUADRANT}; scales must start in the data's quadrant")
     rule = c.settings.qmx_scale_rule
@@ -149,7 +163,7 @@ def _read_scales(instr, arg, scale, groups):
 
 def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
                  accumulate=None, name=None):
-    """MX matmul with built-in dequantization (Tensor Engine, NeuronCore-v4; spec §5.2).
+    """MX matmul with built-in dequantization (Tensor Engine, NeuronCore-v4; nc_matmul_mx docs).
 
     dst[m, n] (=/+=) sum_{p<K} sum_{k<4} S[p,m,k] 2^(ss[r(p//8),m]-127) V[p,n,k] 2^(ms[r(p//8),n]-127),
     with S/V the decoded x4 elements and r(g) = 32*(g//4) + g%4. Effective contraction 4K.
@@ -161,7 +175,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
         stationary_scale: SBUF uint8 / float8_e8m0fnu, M elements per partition, quadrant layout.
         moving_scale: SBUF uint8 / float8_e8m0fnu, N elements per partition, quadrant layout.
         tile_position, tile_size: row tiling only: tile_size=(row, 128), tile_position=(start, 0).
-        accumulate: None (first write overwrites, then accumulate), True or False (spec §5.3).
+        accumulate: None (first write overwrites, then accumulate), True or False (nc_matmul docs).
         name: instruction name (unused by the simulator).
     """
     instr = "nc_matmul_mx"
@@ -180,12 +194,12 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     if mv.shape[0] != k:
         fail(instr, f"stationary and moving must have the same partition (contraction) size, got {k} and {mv.shape[0]}")
     if k % _QUADRANT or k > 128:
-        fail(instr, f"contraction partitions K={k} must be a multiple of 32 and <= 128 (spec §5.2)")
+        fail(instr, f"contraction partitions K={k} must be a multiple of 32 and <= 128 ({_MM_MX_URL})")
     m, n = st.free_size, mv.free_size
     if m % 2 or m > 128:
-        fail(instr, f"stationary free size M={m} must be even and <= 128 (spec §5.2)")
-    # N limit: the 2.31+ "entire PSUM" limit (4096 fp32 / 8192 bf16) from hardware.py (spec §5.2, §10 Q5:
-    # docs <= 2.30 said one bank); nki.isa.nc_matmul_mx.html (v2.32.0).
+        fail(instr, f"stationary free size M={m} must be even and <= 128 ({_MM_MX_URL})")
+    # N limit: the 2.31+ "entire PSUM" limit (4096 fp32 / 8192 bf16) from hardware.py (nc_matmul_mx docs
+    # v2.32.0; docs <= 2.30 said one bank).
     if dst.dtype == D.float32:
         n_max = target.matmul_moving_fmax_fp32
     elif dst.dtype == D.bfloat16:
@@ -197,8 +211,16 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     if dst.shape[0] != m or dst.free_size != n:
         fail(instr, f"dst must be [{m}, {n}] (stationary free x moving free), got {dst.shape}")
     groups = k // _GROUP_PARTITIONS
-    ss, _ = _check_scale(instr, "stationary_scale", stationary_scale, groups, m, "stationary free size M")
-    ms, _ = _check_scale(instr, "moving_scale", moving_scale, groups, n, "moving free size N")
+    ss, ss_start = _check_scale(instr, "stationary_scale", stationary_scale, groups, m, "stationary free size M")
+    ms, ms_start = _check_scale(instr, "moving_scale", moving_scale, groups, n, "moving free size N")
+    for arg, data, scale_start in (("stationary", st, ss_start), ("moving", mv, ms_start)):
+        # mxfp matmul guide: the scales of a group live in the 32-partition quadrant the group's data
+        # came from (quantize_mx checks the same for its output).
+        data_start, _ = data.partition_info()
+        if scale_start // _QUADRANT != data_start // _QUADRANT:
+            fail(instr, f"argument '{arg}_scale' starts at partition {scale_start} (quadrant {scale_start // _QUADRANT}) "
+                        f"but '{arg}' ('{data.name}') starts at partition {data_start} (quadrant "
+                        f"{data_start // _QUADRANT}); expected the scales in the data's quadrant ({_MXFP_GUIDE_URL})")
     check_tiling(instr, tile_position, tile_size, k, m, allow_column=False)
     ss_rows = _quadrant_row_views(ss, groups)
     ms_rows = _quadrant_row_views(ms, groups)

@@ -1,4 +1,9 @@
-"""Synchronisation and target queries: core_barrier, get_nc_version (spec §1.2, §1.4)."""
+"""Synchronisation and target queries: core_barrier, get_nc_version.
+
+References:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.core_barrier.html
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.get_nc_version.html
+"""
 from __future__ import annotations
 
 from ...tensor import NkiTensor
@@ -7,12 +12,16 @@ from ._common import NkiInstruction, ctx, fail, require_nc_version
 
 
 def core_barrier(data, cores, engine=C.engine.gpsimd, name=None):
-    """Both LNC2 cores block until both reach the barrier; `data` is the shared_hbm tensor they sync on."""
+    """Both cores block until both reach the barrier; `data` is the shared_hbm tensor they sync on.
+
+    LNC degree: the 2.33 page says cores=(0, 1) "applies at LNC degree 1 and 2" (at LNC1 the two physical
+    cores of an HBM stack run separate kernels); older pages said "only ... when LNC is enabled". We follow
+    the newest: under LNC1 the call is validated and recorded, and there is no second program in this
+    launch to wait for, so it returns at once (docs/simulator-strict.md).
+    """
     instr = "core_barrier"
     require_nc_version(instr, 3)
     c = ctx()
-    if c.num_programs != 2:
-        fail(instr, f"is LNC2-only; this launch has {c.num_programs} program(s) (launch with kernel[2])")
     if tuple(cores) != (0, 1):
         fail(instr, f"cores must be (0, 1), got {tuple(cores)!r}")
     if not isinstance(data, NkiTensor) or data.storage.buffer_kind != "shared_hbm":
@@ -21,7 +30,8 @@ def core_barrier(data, cores, engine=C.engine.gpsimd, name=None):
     if not isinstance(engine, C.engine):
         fail(instr, f"engine must be an nisa.engine member, got {engine!r}")
     c.record(instr=instr, engine=engine.name, barrier=True)
-    c.launch.barrier(c.program_id)
+    if c.num_programs > 1:
+        c.launch.barrier(c.program_id)
     return NkiInstruction(name)
 
 

@@ -1,28 +1,33 @@
-"""Simulated `nki.language` (spec §1.2, §2, §3, §4, §5.13, §6.4)."""
-from __future__ import annotations
+"""Simulated `nki.language`
+(2.32 API: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html).
 
-import enum
-import operator
+Only the documented names are public: helpers this module needs are imported under `_` names, and
+documented functions that are not simulated resolve (module `__getattr__`) to a stub that raises
+"not simulated" when called, never an AttributeError (README, "Simulator limits").
+"""
+import enum as _enum
+import operator as _operator
 
-from ... import runtime
-from ...errors import NkiValidationError
-from ...tensor import NkiTensor, allocate  # noqa: F401  (nl.NkiTensor is public API, spec §2.3)
+from ... import runtime as _runtime
+from ...errors import NkiValidationError as _NkiValidationError
+from ...tensor import NkiTensor, allocate as _allocate  # noqa: F401  (nl.NkiTensor is public API)
 from .dtypes import (  # noqa: F401  (re-exported dtype names)
-    ALL_DTYPES, NkiDType, bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4,
-    float8_e5m2, float8_e5m2_x4, float8_e8m0fnu, float16, float32, int8, int16, int32, tfloat32, uint8, uint16,
-    uint32,
+    bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4,
+    float8_e8m0fnu, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
 )
-from .ops import OPS, Op  # noqa: F401  (re-exported)
+from .ops import OPS as _OPS
 from .control import dynamic_range, fori_loop, while_loop  # noqa: F401  (dynamic loops)
 
-bool = bool_  # noqa: A001 - nki-library writes nl.bool (spec §3.1)
+bool = bool_  # noqa: A001 - nki-library writes nl.bool
 
-# operator identifiers: nl.add, nl.silu, ... (spec §5.13)
-globals().update(OPS)
+# operator identifiers: nl.add, nl.silu, ...
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
+globals().update(_OPS)
 
 
-class MemoryRegion(str, enum.Enum):
-    """Buffers (spec §2.1). String names are rejected by nl.ndarray since 0.3.0."""
+class MemoryRegion(str, _enum.Enum):
+    """Buffers (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.language.html).
+    String names are rejected by nl.ndarray since 0.3.0 (migration guide)."""
 
     sbuf = "sbuf"
     psum = "psum"
@@ -34,41 +39,67 @@ sbuf = MemoryRegion.sbuf
 psum = MemoryRegion.psum
 private_hbm = MemoryRegion.private_hbm
 shared_hbm = MemoryRegion.shared_hbm
-hbm = MemoryRegion.private_hbm  # nl.hbm is an alias of private_hbm (spec §1.2)
+hbm = MemoryRegion.private_hbm  # nl.hbm is an alias of private_hbm (nki.language.hbm page)
 
 
-def is_hbm(buf) -> bool:
-    return buf in (private_hbm, shared_hbm)
+def is_hbm(buffer) -> bool:
+    return buffer in (private_hbm, shared_hbm)
 
 
-def is_on_chip(buf) -> bool:
-    return buf in (sbuf, psum)
+def is_on_chip(buffer) -> bool:
+    return buffer in (sbuf, psum)
 
 
-def is_psum(buf) -> bool:
-    return buf == psum
+def is_psum(buffer) -> bool:
+    return buffer == psum
 
 
-def is_sbuf(buf) -> bool:
-    return buf == sbuf
+def is_sbuf(buffer) -> bool:
+    return buffer == sbuf
 
 
 class NKIObject:
-    """Base class for user classes used inside kernels (spec §1.1)."""
+    """Base class for user classes used inside kernels (NKI language guide)."""
 
 
 def _buffer_kind(buffer, what: str) -> str:
     if not isinstance(buffer, MemoryRegion):
-        raise NkiValidationError(
+        raise _NkiValidationError(
             f"{what}: buffer must be one of nl.sbuf, nl.psum, nl.hbm, nl.private_hbm, nl.shared_hbm; got {buffer!r} "
             "(string buffer names are rejected since NKI 0.3.0)")
     return buffer.value
 
 
+_MIGRATION_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html"
+
+
+def _check_address(address, kind: str, shape) -> None:
+    """`address=(partition_offset, free_byte_offset)` (NKI 0.3.0+). PSUM placements must start at a 2 KiB
+    bank boundary (migration guide, "Address Placement": a PSUM tensor at `(0, bank * 2048)`; any other free
+    offset is a compiler error)."""
+    if address is None:
+        return
+    try:
+        p_off, f_off = (_operator.index(a) for a in address)
+    except (TypeError, ValueError):
+        raise _NkiValidationError(
+            f"nl.ndarray: address must be a (partition_offset, free_offset) pair of ints, got {address!r}") from None
+    if p_off < 0 or f_off < 0:
+        raise _NkiValidationError(f"nl.ndarray: address offsets must be >= 0, got {address!r}")
+    bank = _runtime.current().target.psum_bank_bytes
+    if kind == "psum" and f_off % bank:
+        raise _NkiValidationError(
+            f"nl.ndarray: argument 'address' places PSUM tensor {tuple(shape)} at free byte offset {f_off}; expected "
+            f"a multiple of the {bank}-byte PSUM bank (a PSUM tensor starts at a bank boundary, "
+            f"{_MIGRATION_URL})")
+
+
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    """Allocate an uninitialised tensor (NaN / 4 sentinels). `address` is accepted and ignored
-    (the official simulator also allocates each tensor independently, spec §2.2)."""
-    return allocate(shape, dtype, _buffer_kind(buffer, "nl.ndarray"), name or "")
+    """Allocate an uninitialised tensor (NaN / 4 sentinels). A valid `address` is otherwise ignored (the
+    official simulator also allocates each tensor independently)."""
+    kind = _buffer_kind(buffer, "nl.ndarray")
+    _check_address(address, kind, shape)
+    return _allocate(shape, dtype, kind, name or "")
 
 
 def _filled(shape, dtype, buffer, name, value, what):
@@ -77,8 +108,8 @@ def _filled(shape, dtype, buffer, name, value, what):
 
     kind = _buffer_kind(buffer, what)
     if kind not in ("sbuf", "psum"):
-        raise NkiValidationError(f"{what}: only on-chip buffers can be filled (memset), got {kind}")
-    t = allocate(shape, dtype, kind, name or "")
+        raise _NkiValidationError(f"{what}: only on-chip buffers can be filled (memset), got {kind}")
+    t = _allocate(shape, dtype, kind, name or "")
     dt = t.dtype
     memset(dst=t, value=(int(value) if dt.is_int else float(value)))
     return t
@@ -104,26 +135,26 @@ def zeros_like(x, dtype=None, buffer=None, name=""):
     return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
 
 
-# ---- SPMD (spec §1.2) ----
+# ---- SPMD (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html) ----
 def program_id(axis=0):
-    ctx = runtime.current()
+    ctx = _runtime.current()
     if axis not in (0,):
-        raise NkiValidationError(f"nl.program_id: axis must be 0 for a 1-D launch grid, got {axis!r}")
+        raise _NkiValidationError(f"nl.program_id: axis must be 0 for a 1-D launch grid, got {axis!r}")
     return ctx.program_id
 
 
 def num_programs(axes=0):
-    ctx = runtime.current()
+    ctx = _runtime.current()
     if axes not in (0, None):
-        raise NkiValidationError(f"nl.num_programs: axes must be 0 for a 1-D launch grid, got {axes!r}")
+        raise _NkiValidationError(f"nl.num_programs: axes must be 0 for a 1-D launch grid, got {axes!r}")
     return ctx.num_programs
 
 
 def program_ndim():
-    return runtime.current().grid_ndim
+    return _runtime.current().grid_ndim
 
 
-# ---- loops (spec §4: all aliases of Python range, fully unrolled) ----
+# ---- loops (static loops: all aliases of Python range, fully unrolled) ----
 def affine_range(start, stop=None, step=1):
     return range(start, stop, step) if stop is not None else range(start)
 
@@ -133,22 +164,25 @@ static_range = affine_range
 
 
 def ds(start, size):
-    """Dynamic slice == slice(start, start + size) for a static start (spec §2.4)."""
-    start = operator.index(start)
-    size = operator.index(size)
+    """Dynamic slice == slice(start, start + size) for a static start (nki.language.ds page)."""
+    start = _operator.index(start)
+    size = _operator.index(size)
     if size < 1:
-        raise NkiValidationError(f"nl.ds: size must be >= 1, got {size}")
+        raise _NkiValidationError(f"nl.ds: size must be >= 1, got {size}")
     return slice(start, start + size)
 
 
-def device_print(prefix, tensor):
+def device_print(print_prefix, tensor):
+    """Print `print_prefix` and the tile's values to stdout, as the official CPU simulator does
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.device_print.html)."""
     from ...tensor import checked_read
 
-    print(prefix, checked_read(tensor, "nl.device_print", "tensor"))
+    print(print_prefix, checked_read(tensor, "nl.device_print", "tensor"))
 
 
 class _TileSize:
-    """`nl.tile_size` (spec §6.4). SBUF sizes are per target (INFERRED from §6.2)."""
+    """`nl.tile_size` (nki.language.tile_size page). SBUF sizes are per target (inferred from the
+    Trainium2/3 architecture guides; hardware.py)."""
 
     pmax = 128
     gemm_stationary_fmax = 128
@@ -161,7 +195,7 @@ class _TileSize:
 
     @staticmethod
     def _target():
-        ctx = runtime.current(optional=True)
+        ctx = _runtime.current(optional=True)
         if ctx is not None:
             return ctx.target
         from ...settings import current_settings
@@ -185,5 +219,32 @@ class _TileSize:
 
 
 tile_size = _TileSize()
+
+# the submodules holding the dtype table and operator objects are not part of the documented namespace
+del dtypes, ops  # noqa: F821 - bound by the relative imports above
+
+# Documented in the 2.32 nki.language API but not simulated here: accessing them works (kernels may
+# reference them at import), calling them raises (README, "Simulator limits").
+_NOT_SIMULATED = frozenset({
+    "load", "store", "load_transpose2d", "matmul", "transpose", "divide", "cos", "tan", "ceil", "floor",
+    "trunc", "negative", "fmod", "mod", "sum", "max", "min", "mean", "prod", "var", "all", "softmax",
+    "rms_norm", "where", "dropout", "broadcast_to", "expand_dims", "gather_flattened", "rand", "random_seed",
+    "shared_constant", "shared_identity_matrix", "prelu",
+})
+
+
+def __getattr__(name):
+    if name in _NOT_SIMULATED:
+        def not_simulated(*args, **kwargs):
+            raise _NkiValidationError(
+                f"nl.{name} is part of the documented nki.language API but is not simulated by nkilib's simulator "
+                "(README, 'Simulator limits'); express it with nki.isa instructions")
+
+        not_simulated.__name__ = name
+        return not_simulated
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
+
+
+del control  # the implementation submodule bound by the import above; not a documented name
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,10 +1,11 @@
-"""ALU operators and activation functions: the `op=` identifiers of nki.isa (spec §5.13).
+"""ALU operators and activation functions: the `op=` identifiers of nki.isa
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html, "shared tables").
 
 `nl.add`, `nl.silu`, ... are `Op` objects. One object per name; an op may be usable as a binary
 ALU op (tensor_tensor/tensor_scalar), as a unary arithmetic op, as a reduction, and/or as an
 activation function, as the spec's tables say. All math is done on float32 inputs; functions
 are evaluated in float64 and rounded once to float32 (the hardware uses piecewise polynomials,
-spec §10 Q19; only `sin`'s un-reduced range is documented and it is not modelled here).
+not published; only `sin`'s un-reduced range is documented and it is not modelled here).
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ class Op:
         from ...errors import NkiValidationError
 
         raise NkiValidationError(
-            f"nl.{self.name}(...) as a tile-level function is outside the nkilib simulator's surface "
-            f"(README, 'Simulator limits'); use it as op= of an nisa instruction")
+            f"nl.{self.name}(...) as a tile-level function is part of the documented nki.language API but is not "
+            f"simulated by nkilib's simulator (README, 'Simulator limits'); use it as op= of an nisa instruction")
 
 
 def _f(fn):
@@ -82,7 +83,7 @@ def _logical(fn):
 
 
 _OPS = [
-    # binary arithmetic (* = legal reduction, spec §5.13)
+    # binary arithmetic (reduce_identity set = legal reduction op, shared tables)
     Op("add", binary=np.add, reduce_identity=0.0),
     Op("subtract", binary=np.subtract, reduce_identity=0.0),
     Op("multiply", binary=np.multiply, reduce_identity=1.0),
@@ -105,7 +106,7 @@ _OPS = [
     Op("bitwise_or", binary=np.bitwise_or, bitvec=True, reduce_identity=0),
     Op("bitwise_xor", binary=np.bitwise_xor, bitvec=True, reduce_identity=0),
     Op("left_shift", binary=np.left_shift, bitvec=True),
-    Op("right_shift", binary=np.right_shift, bitvec=True),  # logical (unsigned view), spec §5.13
+    Op("right_shift", binary=np.right_shift, bitvec=True),  # logical (unsigned view), shared tables
     Op("invert", unary=np.invert, bitvec=True),
     # unary arithmetic that are also activation functions
     Op("abs", unary=np.abs, activation=np.abs),
@@ -113,7 +114,7 @@ _OPS = [
     Op("relu", unary=lambda x: np.maximum(x, 0), activation=lambda x: np.maximum(x, 0.0)),
     Op("rsqrt", unary=lambda x: 1.0 / np.sqrt(x), activation=lambda x: 1.0 / np.sqrt(x)),
     Op("reciprocal", unary=lambda x: 1.0 / x, activation=lambda x: 1.0 / x),
-    # activation functions (spec §5.13; formulas from nki-library goldens, others standard, INFERRED)
+    # activation functions (shared tables; formulas from nki-library goldens, others standard, INFERRED)
     Op("copy", activation=lambda x: x),
     Op("sigmoid", activation=_sigmoid),
     Op("tanh", activation=np.tanh),
