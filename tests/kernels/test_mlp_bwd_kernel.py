@@ -219,38 +219,43 @@ def test_quant_schemes_wide_range(S, H, I):
         assert np.count_nonzero(bits(out["1x32"][k]) != bits(out["wrapX"][k])) > 0, f"output {k}"
 
 
-PREQ_NAMES = ("down_proj_weight_T", "gate_up_weights_T", "output_grad_T", "hidden_states_T")
-PREQ_CASES = {  # id: (pre-quantized operands, bf16 weights passed as None)
-    "down_T": (("down_proj_weight_T",), ()),
-    "down_T_no_bf16": (("down_proj_weight_T",), ("down_proj_weight",)),
-    "gate_up_T": (("gate_up_weights_T",), ()),
-    "gate_up_T_no_bf16": (("gate_up_weights_T",), ("gate_up_weights",)),
+PREQ_NAMES = ("down_weight_T", "gate_up_weight_T", "output_grad_T", "hidden_states_T", "gate_up_weights")
+PREQ_CASES = {  # id: (pre-quantized operands, bf16 tensors passed as None)
+    "down_T": (("down_weight_T",), ()),
+    "down_T_no_bf16": (("down_weight_T",), ("down_proj_weight",)),
+    "gate_up_T": (("gate_up_weight_T",), ()),
+    "gate_up_recompute_rhs": (("gate_up_weights",), ()),  # W_gu along H: recompute; phase 2 from gate_up_weight_T
     "output_grad_T": (("output_grad_T",), ()),
     "hidden_states_T": (("hidden_states_T",), ()),
-    "all": (PREQ_NAMES, ()),
-    "all_no_bf16_weights": (PREQ_NAMES, ("down_proj_weight", "gate_up_weights")),
+    "all": (PREQ_NAMES, ("down_proj_weight",)),
 }
 
 
+@pytest.mark.parametrize("swizzled", [False, True], ids=["unswizzled", "swizzled"])
 @pytest.mark.parametrize("fp8,scheme", [(nl.float8_e4m3fn_x4, "1x32"), (nl.float8_e5m2_x4, "wrapX")],
                          ids=["e4m3fn_1x32", "e5m2_wrapX"])
 @pytest.mark.parametrize("case", list(PREQ_CASES))
-def test_prequantized_operands(case, fp8, scheme):
-    """Operands pre-quantized with reference.prequantized_operands give outputs bit-equal to the run that
-    quantizes the same bf16 tensors in-kernel (S=100, H=160, I=96: K padded in every orientation).
-    Without the bf16 gate_up_weights, gate_pre and up are given (the recompute needs them); the
-    in-kernel baseline gets the same checkpoints."""
+def test_prequantized_operands(case, fp8, scheme, swizzled):
+    """Operands pre-quantized with reference.prequantized_operands (both layouts) give outputs bit-equal to
+    the run that quantizes the same bf16 tensors in-kernel (S=100, H=160, I=96: K padded in every
+    orientation); the activations stay bf16 where not listed (mixed). gate_up_weights pre-quantized along
+    H serves the recompute only, so phase 2 reads gate_up_weight_T (bf16 [H, 2I], PE-transposed)."""
     names, dropped = PREQ_CASES[case]
     inp = mlp_inputs(100, 160, 96, seed=7)
     opts = dict(fp8_x4_dtype=fp8, quant_scheme=scheme)
-    if "gate_up_weights" in dropped:
-        ckpt = mlp_checkpoints(inp, **opts)
-        inp = {**inp, "gate_pre": ckpt["gate_pre"], "up": ckpt["up"]}
     pq = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"],
-                               inp["gate_up_weights"], fp8_dtype=str(fp8), quant_scheme=scheme)
+                               inp["gate_up_weights"], fp8_dtype=str(fp8), quant_scheme=scheme, names=names,
+                               swizzled=swizzled)
+    swz = {"down_weight_T": "down_weight_is_swizzled", "gate_up_weight_T": "gate_up_weight_T_is_swizzled",
+           "output_grad_T": "output_grad_T_is_swizzled", "hidden_states_T": "hidden_states_T_is_swizzled",
+           "gate_up_weights": "gate_up_weights_is_swizzled"}
     given = {k: pq[k] for n in names for k in (n, n + "_scales")}
+    if swizzled:
+        given.update({swz[n]: True for n in names})
+    if "gate_up_weights" in names and "gate_up_weight_T" not in names:
+        given["gate_up_weight_T"] = np.ascontiguousarray(inp["gate_up_weights"].T)
     base = run_mlp(inp, lnc=2, **opts)
-    out = run_mlp({**inp, **given, **{d: None for d in dropped}}, lnc=2, **opts)
+    out = run_mlp({**{k: v for k, v in inp.items() if k not in dropped and k not in given}, **given}, lnc=2, **opts)
     assert_outputs_identical(base, out, f"pre-quantized {names} vs in-kernel quantization")
     assert_matches_mx_exact(out, mlp_reference(inp, **opts))
 
