@@ -175,15 +175,23 @@ def resolve_operands(a, scheme, mx):
     x_t, dy_t = a["hidden_states_T"], a["output_grad_T"]
     sw = a["is_swizzled"]
 
-    # ---- S, H from a bf16 dY or X; I from a weight ----
+    # ---- S, H from a bf16 dY or X (else S from pre-quantized dY rows, H from a bf16 tensor); I from a weight ----
     dy_pq, x_pq = a["output_grad_scales"] is not None, a["hidden_states_scales"] is not None
     if dy is not None and not dy_pq:
         S, H = _rank2("output_grad", dy, "[S, H]")
-    else:
-        kernel_assert(x is not None and not x_pq,
-                      "output_grad (or output_hidden_states_grad) or hidden_states must be a bf16 [S, H] tensor "
-                      f"(S and H are read from it), got output_grad={'pre-quantized' if dy_pq else dy!r}")
+    elif x is not None and not x_pq:
         S, H = _rank2("hidden_states", x, "[S, H]")
+    else:
+        kernel_assert(dy is not None, "output_grad (or output_hidden_states_grad) [S, H] is required")
+        S = _rank2("output_grad", dy, "[S, Hp/4] words")[1 if sw["output_grad"] else 0]
+        H = None
+        for name, t, axis in (("down_proj_weight", a["down_proj_weight"], 0), ("gate_up_weights", gu, 1),
+                              ("output_grad_T", dy_t, 0), ("hidden_states_T", x_t, 0),
+                              ("gate_proj_weight_T", a["gate_proj_weight_T"], 0)):
+            if H is None and t is not None and str(t.dtype) == "bfloat16":
+                H = _rank2(name, t, "bf16")[axis]
+        kernel_assert(H is not None, "output_grad and hidden_states are pre-quantized: H is read from a bf16 "
+                                     "down_proj_weight, gate_up_weights, output_grad_T or hidden_states_T; none given")
     if a["down_proj_weight"] is not None:
         I = _rank2("down_proj_weight", a["down_proj_weight"], "[H, I]")[1]
     elif gu is not None and a["gate_up_weights_scales"] is None:
