@@ -157,7 +157,8 @@ def test_reference_tiles_mapping(inp, baseline):
 @pytest.mark.parametrize("options,match", [
     (dict(phase2_tiles_n=2, matmul_config=MatmulConfig()), r"either matmul_config or the API reference's phase2_tiles"),
     (dict(phase1_tiles_n=1, recompute_tiles_n=2), r"recompute_tiles_n=2 and phase1_tiles_n=1 differ"),
-    (dict(phase3_tiles_n=5), r"matmul_config.phase3.n_tile=2560 does not fit PSUM .* at most 2048 here"),
+    (dict(phase3_tiles_n=5), r"phase3_tiles_n=5 asks for 5 x 512-column output tiles; phase 3 fits at most 4 here"),
+    (dict(recompute_tiles_n=2), r"recompute_tiles_n=2 asks for .* phase 1 fits at most 1 here"),
     (dict(phase1_tiles_m=0), r"phase1_tiles_m must be a positive int or None, got 0"),
     (dict(recompute_tiles_k=1.5), r"recompute_tiles_k must be a positive int or None, got 1.5"),
 ])

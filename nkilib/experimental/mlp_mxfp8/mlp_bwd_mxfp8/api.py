@@ -62,7 +62,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
-from .config import MatmulConfig, MlpBwdMatmulConfig, TensorDescriptor
+from .config import MatmulConfig, MlpBwdMatmulConfig, TensorDescriptor, max_n_tile
 from .constants import MX_GROUP, MX_K_ALIGN, MX_K_TILE, MX_PACK, N_TILE
 
 WORD_DTYPES = ("uint32", "float8_e4m3fn_x4", "float8_e5m2_x4")
@@ -317,7 +317,7 @@ def resolve_operands(a, scheme, mx):
                           ckpt["gate_act"], ckpt["up"], ckpt["intermediate"], given)
 
 
-def matmul_config_from_tiles(tiles, matmul_config, recompute):
+def matmul_config_from_tiles(tiles, matmul_config, recompute, n_max, transposes):
     """The API reference's phase{1..4}_tiles_{m,n,k} / recompute_tiles_{m,n,k} as a MlpBwdMatmulConfig,
     or `matmul_config` when none is given.
 
@@ -332,6 +332,7 @@ def matmul_config_from_tiles(tiles, matmul_config, recompute):
         tiles: {"phase1": (m, n, k), ..., "recompute": (m, n, k)}, entries None where not given.
         matmul_config: the matmul_config argument.
         recompute: whether gate_pre/up are recomputed.
+        n_max, transposes: the target's moving limit and phase_transposes (config.max_n_tile's PSUM rule).
     """
     for name in PHASE_TILE_NAMES:
         for axis, v in zip("mnk", tiles[name]):
@@ -349,6 +350,12 @@ def matmul_config_from_tiles(tiles, matmul_config, recompute):
                       "tiles, which have one width")
         n1 = nr
     widths = [n1] + [tiles[f"phase{i}"][1] for i in (2, 3, 4)]
+    for i, n in enumerate(widths):
+        name = "recompute" if (i == 0 and recompute and nr is not None) else f"phase{i + 1}"
+        limit = min(n_max, max_n_tile(3 if (i == 0 and recompute) else 1, transposes[i]))
+        kernel_assert(n is None or n * N_TILE <= limit,
+                      f"{name}_tiles_n={n} asks for {n} x {N_TILE}-column output tiles; phase {i + 1} fits at most "
+                      f"{limit // N_TILE} here (PSUM: {limit} fp32 columns per double-buffered accumulator)")
     return MlpBwdMatmulConfig(*[None if n is None else MatmulConfig(n_tile=n * N_TILE) for n in widths])
 
 

@@ -793,8 +793,9 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
                  phase4=(phase4_tiles_m, phase4_tiles_n, phase4_tiles_k),
                  recompute=(recompute_tiles_m, recompute_tiles_n, recompute_tiles_k))
     n_max = 4096 if on_trn3 else 512  # fp32 PSUM moving limit (hardware.py / spec §5.3)
-    config = resolve_matmul_config(matmul_config_from_tiles(tiles, matmul_config, ops.recompute),
-                                   precision == "mxfp8", ops.recompute, n_max, phase_transposes(ops))
+    transposes = phase_transposes(ops)
+    config = resolve_matmul_config(matmul_config_from_tiles(tiles, matmul_config, ops.recompute, n_max, transposes),
+                                   precision == "mxfp8", ops.recompute, n_max, transposes)
 
     S, H, I = ops.S, ops.H, ops.I
     hidden_states_grad = nl.ndarray((S, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
