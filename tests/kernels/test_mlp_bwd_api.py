@@ -176,3 +176,16 @@ def test_reference_positional_order_is_not_silently_accepted(inp):
              "down_proj_weight_T", "gate_up_weights")
     with pytest.raises(KernelInputError, match=r"gate_up_weight_T must have shape \[160, 64\], got \[96, 160\]"):
         nki.simulate(mlp_backward_mxfp8_nki)[1](*[args[n] for n in order])
+
+
+def test_readme_switching_snippet_runs():
+    """The README's "Switching from nki-library" snippet runs as written: both call styles, equal outputs."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Switching from nki-library", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope = {}
+    exec(compile(snippet, "README.md#switching", "exec"), scope)
+    assert scope["dX"].shape == (128, 256) and scope["dW_gu"].shape == (256, 256)

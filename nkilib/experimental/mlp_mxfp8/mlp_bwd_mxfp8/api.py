@@ -158,6 +158,13 @@ def _unswizzle(words, scales, f, kp, scheme):
     return out_words, out_scales
 
 
+def _first(prequantized, bf16, k_axis):
+    """The pre-quantized descriptor when given, else a descriptor of the bf16 tensor (or None)."""
+    if prequantized is not None:
+        return prequantized
+    return TensorDescriptor(bf16, k_axis=k_axis) if bf16 is not None else None
+
+
 def _bf16_td(name, t, shape, k_axis, f_base=0, f_size=-1):
     check_2d(name, t, shape, ("bfloat16",))
     return TensorDescriptor(t, k_axis=k_axis, f_base=f_base, f_size=f_size)
@@ -241,9 +248,9 @@ def resolve_operands(a, scheme, mx):
     if x_bf16 is not None:
         check_2d("hidden_states", x_bf16, (S, H), ("bfloat16",))
 
-    dy_k_h = pre["output_grad"] or (TensorDescriptor(dy_bf16, k_axis=1) if dy_bf16 is not None else None)
+    dy_k_h = _first(pre["output_grad"], dy_bf16, 1)
     kernel_assert(dy_k_h is not None, "output_grad (or output_hidden_states_grad) [S, H] is required")
-    x_k_h = pre["hidden_states"] or (TensorDescriptor(x_bf16, k_axis=1) if x_bf16 is not None else None)
+    x_k_h = _first(pre["hidden_states"], x_bf16, 1)
 
     down = pre["down_weight_T"]
     if down is None and a["down_proj_weight"] is not None:
@@ -273,12 +280,12 @@ def resolve_operands(a, scheme, mx):
         gate_w, up_w = (TensorDescriptor(gu_t_bf16, k_axis=0, f_base=0, f_size=I),
                         TensorDescriptor(gu_t_bf16, k_axis=0, f_base=I, f_size=I))
 
-    x_k_s = pre["hidden_states_T"] or (TensorDescriptor(x_bf16, k_axis=0) if x_bf16 is not None else None)
+    x_k_s = _first(pre["hidden_states_T"], x_bf16, 0)
     if x_k_s is None and x_t_bf16 is not None:
         x_k_s = _bf16_td("hidden_states_T", x_t_bf16, (H, S), 1)
     kernel_assert(x_k_s is not None, "phase 3 needs X: pass hidden_states [S, H] in bf16, or hidden_states_T [H, S] "
                                      "(bf16, or pre-quantized along S with hidden_states_T_scales)")
-    dy_k_s = pre["output_grad_T"] or (TensorDescriptor(dy_bf16, k_axis=0) if dy_bf16 is not None else None)
+    dy_k_s = _first(pre["output_grad_T"], dy_bf16, 0)
     if dy_k_s is None and dy_t_bf16 is not None:
         dy_k_s = _bf16_td("output_grad_T", dy_t_bf16, (H, S), 1)
     kernel_assert(dy_k_s is not None, "phase 4 needs dY along S: pass output_grad_T [H, S] (bf16, or pre-quantized "
