@@ -16,7 +16,7 @@ import nki
 import nki.language as nl
 from nkilib.core.kernel_helpers import KernelInputError
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import MatmulConfig, mlp_backward_mxfp8_nki
-from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import prequantized_operands
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import prequantize, prequantized_operands
 from simkit import (BF16, assert_matches_mx_exact, assert_outputs_identical, mlp_checkpoints, mlp_inputs,
                     mlp_reference, rel_fro, run_mlp)
 
@@ -117,8 +117,8 @@ def test_reference_recompute_from_transposed_gate_up(inp, baseline):
 @pytest.mark.parametrize("swizzled", [False, True], ids=["unswizzled", "swizzled"])
 def test_reference_prequantized(inp, baseline, swizzled):
     """The reference's pre-quantized pairs: dY and X along H (output_grad_scales, hidden_states_scales),
-    down_proj_weight_T (down_weight_scales), gate_up_weights along H, hidden_states_T and output_grad_T
-    along S, each with its *_is_swizzled flag; phase 2 reads the bf16 gate_up_weight_T."""
+    down_proj_weight_T (down_weight_scales), gate_up_weights along H, hidden_states_T, output_grad_T and
+    hidden_T along S, each with its *_is_swizzled flag; phase 2 reads the bf16 gate_up_weight_T."""
     pq = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"],
                                inp["gate_up_weights"], swizzled=swizzled)
     args = reference_style_args(inp)
@@ -129,7 +129,10 @@ def test_reference_prequantized(inp, baseline, swizzled):
                 hidden_states_T=pq["hidden_states_T"], hidden_states_T_scales=pq["hidden_states_T_scales"],
                 output_grad_T=pq["output_grad_T"], output_grad_T_scales=pq["output_grad_T_scales"],
                 gate_up_weight_T=_t(inp["gate_up_weights"]))
-    flags = ("output_grad", "hidden_states", "down_weight", "gate_up_weights", "hidden_states_T", "output_grad_T")
+    # hidden_T pre-quantized along S: validated, not read (phase 4 reads the recomputed intermediate)
+    args["hidden_T"], args["hidden_T_scales"] = prequantize(_t(mlp_checkpoints(inp)["intermediate"]), swizzled=swizzled)
+    flags = ("output_grad", "hidden_states", "down_weight", "gate_up_weights", "hidden_states_T", "output_grad_T",
+             "hidden_T")
     args.update({f"{f}_is_swizzled": swizzled for f in flags})
     assert_outputs_identical(baseline, run_mlp(args, lnc=2), f"reference pre-quantized (swizzled={swizzled})")
 

@@ -55,6 +55,13 @@ E8M0 bytes (value 2**(b - 127), 0xFF = NaN), dtype uint8 or float8_e8m0fnu (the 
       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html).
       The kernel's loads read the unswizzled order, so each program first converts a swizzled operand
       with two HBM->HBM DMAs into its private HBM (correct, not faster).
+
+Published internal names (kept; arguments differ from the API reference): get_program_sharding_info
+(same); compute_phase1..4 take TensorDescriptors with our `k_axis` (not `is_f_by_k`), a MatmulConfig
+`config` instead of TILES_IN_BLOCK_M/N/K, and phase 1 returns phase 2's resident panels (d_gate and d_up
+are one [S, 2I] output); mlp_backward_mxfp8_base_nki takes the outputs first and the operand descriptors
+this module builds (MlpBwdOperands), a MatmulSetup and a resolved MlpBwdMatmulConfig instead of the
+phaseN_tiles_* integers, and allocates its own scratch (no d_gate / d_up / scratch descriptors).
 """
 from __future__ import annotations
 
@@ -114,10 +121,11 @@ def _rank2(name, t, what):
     return t.shape
 
 
-def prequantized_td(name, words, scales, f, k, swizzled, scheme):
+def prequantized_td(name, words, scales, f, k, swizzled, scheme, read=True):
     """Descriptor of a pre-quantized [F, K] operand (module docstring), or None when `scales` is None.
 
-    Swizzled operands are first converted into this program's private HBM (unswizzle)."""
+    Swizzled operands are first converted into this program's private HBM (unswizzle) when `read`;
+    read=False only validates (an operand the kernel does not read)."""
     if scales is None:
         kernel_assert(not swizzled, f"{name}_is_swizzled=True needs the pre-quantized scales of {name}")
         return None
@@ -127,6 +135,8 @@ def prequantized_td(name, words, scales, f, k, swizzled, scheme):
     sshape = (kp // MX_GROUP, f) if swizzled else (f, kp // MX_GROUP)
     check_2d(name, words, wshape, WORD_DTYPES)
     check_2d(f"{name}_scales", scales, sshape, SCALE_DTYPES)
+    if not read:
+        return TensorDescriptor(words, k_axis=1, scales=scales)
     if str(words.dtype) != "uint32":
         words = words.view(nl.uint32)
     if str(scales.dtype) != "uint8":
@@ -212,8 +222,8 @@ def resolve_operands(a, scheme, mx):
     kernel_assert(H % 32 == 0 and I % 32 == 0,
                   f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
 
-    def pq(name, words, scales, f, k):
-        return prequantized_td(name, words, scales, f, k, sw[name], scheme)
+    def pq(name, words, scales, f, k, read=True):
+        return prequantized_td(name, words, scales, f, k, sw[name], scheme, read)
 
     # ---- pre-quantized operands (recognised by their scales) ----
     pre = {
@@ -224,7 +234,7 @@ def resolve_operands(a, scheme, mx):
         "gate_up_weights": pq("gate_up_weights", gu, a["gate_up_weights_scales"], 2 * I, H),
         "output_grad_T": pq("output_grad_T", dy_t, a["output_grad_T_scales"], H, S),
         "hidden_states_T": pq("hidden_states_T", x_t, a["hidden_states_T_scales"], H, S),
-        "hidden_T": pq("hidden_T", a["hidden_T"], a["hidden_T_scales"], I, S),
+        "hidden_T": pq("hidden_T", a["hidden_T"], a["hidden_T_scales"], I, S, read=False),  # validated only
     }
     given = [k for k in pre if pre[k] is not None]
     kernel_assert(mx or not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got 'bf16'")
