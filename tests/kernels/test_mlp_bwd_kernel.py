@@ -9,6 +9,7 @@ Option matrix (pairwise, not the full product):
 |---------------------------------------|------------------------------------------|---------------------------------|
 | test_matches_references               | shape (small S, remainder, aligned, S over 2-3 K tiles) x LNC | e4m3fn, 1x32, bf16 wg |
 | test_clamped_against_oracle           | LNC                                      | all clamps, S=777               |
+| test_scale_rule_golden                | LNC (hand-derived phase-4 values)        | fp32 weight grads               |
 | test_checkpoint_combinations_identical| 16 checkpoint subsets                    | all four clamps, LNC2           |
 | test_given_checkpoints_are_used       | each checkpoint replaced                 | LNC1                            |
 | test_lnc2_odd_tile_counts             | odd tile grids, LNC1 vs LNC2             | e4m3fn, 1x32                    |
@@ -131,6 +132,29 @@ def test_clamped_against_oracle(lnc):
     assert_matches_mx_exact(out, mlp_reference(inp, clamp_limits=ALL_CLAMPS))
     for k, (o, want, measured) in enumerate(zip(out, mlp_torch_oracle(inp, ALL_CLAMPS), (0.2655, 0.2626, 0.0803))):
         assert 0.01 < rel_fro(o, want) <= ORACLE_MARGIN * measured, f"output {k}"
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_scale_rule_golden(lnc):
+    """Hand-derived golden values of phase 4 (dW_down = dY^T @ intermediate, K = S), independent of
+    reference.py and nkilib.mx: pins the quantize_mx scale rule, which kernel and mx_exact share.
+
+    Every dY column is [1.875, 2**-16, 0, ...] along S (one MX group), the intermediate checkpoint's columns
+    [1, 1, 0, ...]. Under the SDK 2.31+ rule the group scale is 2**(0 - 7): 1.875 -> code 240 and 2**-16 ->
+    2**-9 (the smallest e4m3fn subnormal), both exact, so every dW_down element is 1.875 + 2**-16 (fp32
+    weight grads hold it exactly). A scale one step larger flushes 2**-16 to 0 (1.875); one step smaller
+    saturates 480 -> 448 (1.75 + 2**-16)."""
+    S, H, I = 32, 64, 64
+    dy = np.zeros((S, H), np.float32)
+    dy[0], dy[1] = 1.875, 2.0 ** -16
+    inter = np.zeros((S, I), np.float32)
+    inter[:2] = 1.0
+    zeros = np.zeros((S, I), BF16)
+    inp = dict(output_grad=dy.astype(BF16), hidden_states=np.zeros((S, H), BF16),
+               down_proj_weight=np.zeros((H, I), BF16), gate_up_weights=np.zeros((2 * I, H), BF16),
+               gate_pre=zeros, gate_act=zeros, up=zeros, intermediate=inter.astype(BF16))
+    out = run_mlp(inp, lnc=lnc, weight_grad_dtype=nl.float32)
+    assert np.all(out[2] == np.float32(1.875 + 2.0 ** -16)), np.unique(out[2])
 
 
 def test_strict_mode_is_on():
