@@ -110,3 +110,21 @@ def test_mlp_bwd_matmul_config_fields_validated(field):
 def test_matmul_config_types(kwargs, match):
     with pytest.raises(KernelInputError, match=rf"MatmulConfig.{match}"):
         MatmulConfig(**kwargs)
+
+
+def test_bf16_maximum_inputs_emulate_backend():
+    """The torch emulate backend (bit-exact emulation of the kernel) agrees with mx_exact at the bf16 maximum
+    too: its MX matmul multiplies float64 dequantized values, like nkilib.mx.mx_matmul."""
+    pytest.importorskip("torch")
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import mlp_backward_emulate
+    from simkit import to_numpy, to_torch
+
+    inp = mlp_inputs(64, 128, 96, seed=31)
+    for name in ("output_grad", "hidden_states"):
+        a = inp[name].copy()
+        a[3, 7], a[41, 0] = BF16_MAX, 1.9375 * 2.0 ** 127
+        inp[name] = a
+    out = mlp_backward_emulate(*(to_torch(inp[n]) for n in ("output_grad", "hidden_states", "down_proj_weight",
+                                                               "gate_up_weights")))
+    # values and NaN / Inf positions equal (NaN payloads and signs of zero may differ between torch and numpy)
+    assert_matches_mx_exact(tuple(to_numpy(o) for o in out), mlp_reference(inp))
