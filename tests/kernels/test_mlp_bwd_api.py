@@ -81,6 +81,28 @@ def test_release_positional_call(inp, baseline, lnc, checkpoints):
     assert_outputs_identical(baseline, out, "release positional call")
 
 
+def test_release_positional_prequantized(inp, baseline):
+    """The release's positional pre-quantized slots (gate_up_weight_T, its scales, gate_up_weights_scales,
+    down_weight_T, its scales, output_grad_T, its scales, hidden_states_T, its scales), LNC2."""
+    pq = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"],
+                               inp["gate_up_weights"])
+    args = (inp["output_grad"], inp["hidden_states"], None, pq["gate_up_weights"], pq["gate_up_weight_T"],
+            pq["gate_up_weight_T_scales"], pq["gate_up_weights_scales"], pq["down_weight_T"],
+            pq["down_weight_T_scales"], pq["output_grad_T"], pq["output_grad_T_scales"], pq["hidden_states_T"],
+            pq["hidden_states_T_scales"])
+    out = nki.simulate(mlp_backward_mxfp8_nki)[2](*args)
+    assert_outputs_identical(baseline, out, "release positional, all pre-quantized")
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_reference_keyword_call_trn2(inp, set_target, lnc):
+    """On Trn2 (bf16 matmuls, no MX) the reference's call gives the release call's outputs, = mx_exact bf16."""
+    set_target("trn2")
+    base = run_mlp(inp)
+    assert_matches_mx_exact(base, mlp_reference(inp, matmul_precision="bf16"))
+    assert_outputs_identical(base, run_mlp(reference_style_args(inp), lnc=lnc), "trn2 reference")
+
+
 def test_release_pretransposed_bf16_weights(inp, baseline):
     """Only transposed bf16 weights: down_weight_T [I, H] feeds phase 1, gate_up_weight_T [H, 2I] feeds
     phase 2 (PE transposes) and the recompute (column windows); the results are the same numbers."""
