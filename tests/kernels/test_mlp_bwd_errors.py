@@ -98,7 +98,8 @@ PQ_NAMES = ("down_weight_T", "gate_up_weight_T", "output_grad_T", "hidden_states
 @pytest.mark.parametrize("name", PQ_NAMES)
 def test_prequantized_scales_without_data(inp, pq, name):
     inp.pop(name, None)
-    _raises(inp, rf"{name}_scales is given but {name} is None: pass the x4 words too", **{name + "_scales": pq[name + "_scales"]})
+    _raises(inp, rf"{name}_scales is given but {name} is None: pass the x4 words too",
+            **{name + "_scales": pq[name + "_scales"]})
 
 
 @pytest.mark.parametrize("name,match", [("down_weight_T", r"must have shape \[96, 64\], got \[96, 32\]"),
@@ -140,7 +141,8 @@ def test_prequantized_wrong_dtype(inp, pq):
 
 def test_prequantized_scales_wrong_dtype(inp, pq):
     _raises(inp, r"hidden_states_T_scales must have dtype uint8 or float8_e8m0fnu, got float32",
-            hidden_states_T=pq["hidden_states_T"], hidden_states_T_scales=pq["hidden_states_T_scales"].astype(np.float32))
+            hidden_states_T=pq["hidden_states_T"],
+            hidden_states_T_scales=pq["hidden_states_T_scales"].astype(np.float32))
 
 
 def test_prequantized_with_bf16_precision(inp, pq):

@@ -191,6 +191,14 @@ def resolve_operands(a, scheme, mx):
     x, gu, gu_t = a["hidden_states"], a["gate_up_weights"], a["gate_up_weight_T"]
     x_t, dy_t = a["hidden_states_T"], a["output_grad_T"]
     sw = a["is_swizzled"]
+    w_down = a["down_proj_weight"]
+    same = (w_down is not None and gu is not None and hasattr(gu, "shape") and hasattr(w_down, "shape")
+            and tuple(gu.shape) == tuple(w_down.shape))
+    kernel_assert(not same,
+                  f"gate_up_weights [2I, H] has down_proj_weight's shape [H, I] {list(getattr(gu, 'shape', ()))}: "
+                  "this looks like the API reference's positional order (gate_proj_weight_T, up_proj_weight_T, "
+                  "down_proj_weight_T, gate_up_weights, ... after hidden_states); pass the reference's arguments by "
+                  "keyword")
 
     # ---- S, H from a bf16 dY or X (else S from pre-quantized dY rows, H from a bf16 tensor); I from a weight ----
     dy_pq, x_pq = a["output_grad_scales"] is not None, a["hidden_states_scales"] is not None
@@ -304,7 +312,7 @@ def resolve_operands(a, scheme, mx):
     # validated, not read (module docstring): pre-transposed bf16 tensors another operand already serves
     for name, t, shape in (("down_weight_T", down_t_bf16, (I, H)), ("gate_up_weight_T", gu_t_bf16, (H, 2 * I)),
                            ("hidden_states_T", x_t_bf16, (H, S)), ("output_grad_T", dy_t_bf16, (H, S)),
-                           ("gate_up_weights", gu_bf16, (2 * I, H)), ("down_proj_weight", a["down_proj_weight"], (H, I)),
+                           ("gate_up_weights", gu_bf16, (2 * I, H)), ("down_proj_weight", w_down, (H, I)),
                            ("gate_proj_weight_T", a["gate_proj_weight_T"], (H, I)),
                            ("up_proj_weight_T", a["up_proj_weight_T"], (H, I))):
         if t is not None:
