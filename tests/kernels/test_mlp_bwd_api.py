@@ -214,3 +214,16 @@ def test_readme_switching_snippet_runs():
     scope = {}
     exec(compile(snippet, "README.md#switching", "exec"), scope)
     assert scope["dX"].shape == (128, 256) and scope["dW_gu"].shape == (256, 256)
+
+
+@pytest.mark.parametrize("scheme", ["1x32", "wrapX"])
+def test_swizzled_multi_tile_k(scheme):
+    """Swizzled operands whose K spans a full and a partial K tile (S=640: 512 + 128; 2I=576: 512 + 128 after
+    padding to 640), converted by the kernel's DMAs: equal to in-kernel quantization bit for bit."""
+    inp = mlp_inputs(640, 64, 288, seed=40)
+    names = ["output_grad_T", "hidden_states_T", "gate_up_weight_T"]
+    pq = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"],
+                               inp["gate_up_weights"], quant_scheme=scheme, names=names, swizzled=True)
+    flags = {f"{n}_is_swizzled": True for n in names}
+    out = run_mlp({**inp, **pq}, lnc=2, quant_scheme=scheme, **flags)
+    assert_outputs_identical(run_mlp(inp, quant_scheme=scheme), out, f"swizzled multi-tile ({scheme})")
