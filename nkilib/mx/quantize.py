@@ -304,10 +304,10 @@ class MXTensor:
         """Logical shape (same as the quantized tensor)."""
         return self.codes.shape
 
-    def dequantize(self) -> np.ndarray:
-        """Returns the float32 values codes * 2**(scale - 127) [*shape] (see ``dequantize_mx``)."""
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        """Returns the values codes * 2**(scale - 127) [*shape] in ``dtype`` (see ``dequantize_mx``)."""
         return dequantize_mx(
-            self.codes, self.scales, self.axis, self.elem_format, self.scheme, self.k_tile
+            self.codes, self.scales, self.axis, self.elem_format, self.scheme, self.k_tile, dtype
         )
 
 
@@ -354,14 +354,16 @@ def quantize_mx(
 
 
 def dequantize_mx(
-    codes, scales, axis: int, elem_format, scheme: str = "1x32", k_tile: int = 512
+    codes, scales, axis: int, elem_format, scheme: str = "1x32", k_tile: int = 512, dtype=np.float32
 ) -> np.ndarray:
     """Dequantizes MX codes: value = fp8(code) * 2**(scale - 127), scale byte 255 -> NaN.
 
     The float32 result is exact (fp8 values are multiples of 2**-9 / 2**-16 with <= 4 significant
     bits, times 2**(b - 127) >= 2**-127 stays a multiple of 2**-149) except that magnitudes beyond
     the float32 range become +-Inf (only possible for groups whose amax is within one rounding
-    step of the float32 maximum).
+    step of the float32 maximum, e.g. a bf16 value >= 1.9375 * 2**127 whose fp8 code rounds up to
+    2**128). dtype=np.float64 is exact for every code and scale (what mx_matmul multiplies: the
+    Tensor Engine's products are not limited to the float32 range, see ``mx_matmul``).
 
     Args:
         codes: uint8 [..., K, ...] raw fp8 bit patterns (K on ``axis``).
@@ -370,10 +372,13 @@ def dequantize_mx(
         elem_format: fp8 format name (``_x4`` accepted).
         scheme: "1x32" or "wrapX".
         k_tile: K tile length for "wrapX".
+        dtype: np.float32 (default) or np.float64 (exact, no overflow).
 
     Returns:
-        float32 array with the shape of ``codes``.
+        array of ``dtype`` with the shape of ``codes``.
     """
+    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     fmt = element_format(elem_format)
     c = _check_uint(codes, 8, "codes")
     s = _check_uint(scales, 8, "scales")
@@ -391,7 +396,7 @@ def dequantize_mx(
     gidx[pos] = np.arange(G, dtype=np.intp)[:, None]
     se = np.moveaxis(s, ax, -1).astype(np.int32)[..., gidx]  # [..., K]
     with np.errstate(over="ignore"):
-        out = np.ldexp(vals, se - 127).astype(np.float32)
+        out = np.ldexp(vals.astype(np.float64), se - 127).astype(dtype)
     out[se == SCALE_NAN_BYTE] = np.nan
     return np.ascontiguousarray(np.moveaxis(out, -1, ax))
 
@@ -406,7 +411,11 @@ def mx_matmul(a: MXTensor, b: MXTensor, k_tile: int = 512) -> np.ndarray:
     each). Within a tile, the products of dequantized values are exact in float64 (<= 4-bit
     significands each) and are summed in float64; the tile sum is rounded once to float32 and
     added, in tile order, to a float32 accumulator with a float32 add (PSUM accumulate). The first
-    tile overwrites the accumulator. NaN scales / NaN codes propagate as NaN.
+    tile overwrites the accumulator. NaN scales / NaN codes propagate as NaN. The operands are
+    dequantized in float64, so a dequantized value beyond the float32 range (an fp8 code rounded up
+    to 2**128 in a group whose amax is >= 1.9375 * 2**127, e.g. the bf16 maximum) enters the
+    products exactly instead of as Inf, as in nisa.nc_matmul_mx's products (nkilib.mx.hw_matmul_mx;
+    docs/simulator-api.md records the choice); only a tile sum beyond float32 becomes +-Inf.
 
     Args:
         a: MXTensor [M, K] quantized along axis 1.
@@ -434,8 +443,8 @@ def mx_matmul(a: MXTensor, b: MXTensor, k_tile: int = 512) -> np.ndarray:
         raise ValueError(f"mx_matmul: contraction mismatch, a has K={K}, b has K={b.shape[0]}")
     if not isinstance(k_tile, (int, np.integer)) or k_tile <= 0:
         raise ValueError(f"k_tile must be a positive integer, got {k_tile!r}")
-    A = a.dequantize().astype(np.float64)
-    B = b.dequantize().astype(np.float64)
+    A = a.dequantize(np.float64)
+    B = b.dequantize(np.float64)
     acc = None
     with np.errstate(over="ignore", invalid="ignore"):
         for start in range(0, K, int(k_tile)):

@@ -40,7 +40,7 @@ def _bf16(shape):
 @pytest.mark.parametrize("name,match", [
     ("output_grad", r"output_grad must be a 2-D \[S, H\] tensor, got \(1, 32, 64\)"),
     ("hidden_states", r"hidden_states must be 2-D \[32, 64\], got shape \(1, 32, 64\)"),
-    ("down_proj_weight", r"down_proj_weight must be 2-D \[H, I\], got shape \(1, 64, 96\)"),
+    ("down_proj_weight", r"down_proj_weight must be a 2-D \[H, I\] tensor, got \(1, 64, 96\)"),
     ("gate_up_weights", r"gate_up_weights must be 2-D \[192, 64\], got shape \(1, 192, 64\)"),
     ("gate_pre", r"gate_pre must be 2-D \[32, 96\], got shape \(1, 32, 96\)"),
 ])
@@ -92,20 +92,40 @@ def test_h_or_i_not_multiple_of_32(h, i):
 # ---- pre-quantized operands ----
 
 
-@pytest.mark.parametrize("name", ["down_proj_weight_T", "gate_up_weights_T", "output_grad_T", "hidden_states_T"])
-@pytest.mark.parametrize("missing", ["scales", "data"])
-def test_prequantized_data_and_scales_together(inp, pq, name, missing):
-    given = {name: pq[name]} if missing == "scales" else {name + "_scales": pq[name + "_scales"]}
-    state = "given and .*=None" if missing == "scales" else "None and .*=given"
-    _raises(inp, rf"{name} and {name}_scales must be given together, got {name}={state}", **given)
+PQ_NAMES = ("down_weight_T", "gate_up_weight_T", "output_grad_T", "hidden_states_T", "gate_up_weights")
+
+
+@pytest.mark.parametrize("name", PQ_NAMES)
+def test_prequantized_scales_without_data(inp, pq, name):
+    inp.pop(name, None)
+    _raises(inp, rf"{name}_scales is given but {name} is None: pass the x4 words too",
+            **{name + "_scales": pq[name + "_scales"]})
+
+
+@pytest.mark.parametrize("name,match", [("down_weight_T", r"must have shape \[96, 64\], got \[96, 32\]"),
+                                        ("output_grad_T", r"must have dtype bfloat16, got uint32")])
+def test_prequantized_words_without_scales(inp, pq, name, match):
+    """Without its scales an operand is bf16 (the format is inferred from the scales): words fail its checks."""
+    _raises(inp, rf"{name} {match}", **{name: pq[name]})
 
 
 def test_prequantized_wrong_shape(inp, pq):
     """Words quantized along the wrong K (W_down rather than W_down^T): Kp/4 columns do not match."""
     bad = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"].T.copy(),
-                                inp["gate_up_weights"])  # [H, I] words: K = I -> [64, 32]
-    _raises(inp, r"down_proj_weight_T must have shape \[96, 32\], got \[64, 32\]",
-            down_proj_weight_T=bad["down_proj_weight_T"], down_proj_weight_T_scales=pq["down_proj_weight_T_scales"])
+                                inp["gate_up_weights"], names=["down_weight_T"])  # [H, I] words: K = I -> [64, 32]
+    _raises(inp, r"down_weight_T must have shape \[96, 32\], got \[64, 32\]",
+            down_weight_T=bad["down_weight_T"], down_weight_T_scales=pq["down_weight_T_scales"])
+
+
+def test_prequantized_swizzled_shape(inp, pq):
+    """is_swizzled=True expects [Kp/4, F] words: unswizzled [F, Kp/4] words are rejected by shape."""
+    _raises(inp, r"output_grad_T must have shape \[32, 64\], got \[64, 32\]", output_grad_T=pq["output_grad_T"],
+            output_grad_T_scales=pq["output_grad_T_scales"], output_grad_T_is_swizzled=True)
+
+
+def test_swizzled_flag_without_scales(inp):
+    _raises(inp, r"output_grad_T_is_swizzled=True needs the pre-quantized scales of output_grad_T",
+            output_grad_T_is_swizzled=True)
 
 
 def test_prequantized_scales_wrong_shape(inp, pq):
@@ -119,6 +139,12 @@ def test_prequantized_wrong_dtype(inp, pq):
             hidden_states_T_scales=pq["hidden_states_T_scales"])
 
 
+def test_prequantized_scales_wrong_dtype(inp, pq):
+    _raises(inp, r"hidden_states_T_scales must have dtype uint8 or float8_e8m0fnu, got float32",
+            hidden_states_T=pq["hidden_states_T"],
+            hidden_states_T_scales=pq["hidden_states_T_scales"].astype(np.float32))
+
+
 def test_prequantized_with_bf16_precision(inp, pq):
     _raises(inp, r"pre-quantized operands \['output_grad_T'\] need matmul_precision='mxfp8', got 'bf16'",
             matmul_precision="bf16", output_grad_T=pq["output_grad_T"], output_grad_T_scales=pq["output_grad_T_scales"])
@@ -127,25 +153,50 @@ def test_prequantized_with_bf16_precision(inp, pq):
 def test_prequantized_on_trn2_default_precision(inp, pq, set_target):
     set_target("trn2")
     _raises(inp, r"need matmul_precision='mxfp8', got 'bf16'",
-            down_proj_weight_T=pq["down_proj_weight_T"], down_proj_weight_T_scales=pq["down_proj_weight_T_scales"])
+            down_weight_T=pq["down_weight_T"], down_weight_T_scales=pq["down_weight_T_scales"])
 
 
 @pytest.mark.parametrize("given", [(), ("gate_pre",), ("up",)], ids=["none", "gate_pre_only", "up_only"])
-def test_gate_up_weights_none_needs_gate_pre_and_up(inp, pq, given):
-    """Without the bf16 gate_up_weights the phase-0 recompute of gate_pre / up is impossible."""
+def test_recompute_needs_weights_along_h(inp, pq, given):
+    """Without W_gate / W_up along H (only W_gu^T pre-quantized along 2I) gate_pre / up cannot be recomputed."""
     ckpt = mlp_checkpoints(inp)
     inp.update({k: ckpt[k] for k in given})
     inp["gate_up_weights"] = None
-    _raises(inp, r"recomputing gate_pre/up needs gate_up_weights in bf16",
-            gate_up_weights_T=pq["gate_up_weights_T"], gate_up_weights_T_scales=pq["gate_up_weights_T_scales"])
+    _raises(inp, r"recomputing gate_pre/up needs X along H .* and W_gate/W_up along H",
+            gate_up_weight_T=pq["gate_up_weight_T"], gate_up_weight_T_scales=pq["gate_up_weight_T_scales"])
 
 
-def test_weight_none_without_prequantized(inp):
+def test_weight_none_without_alternative(inp):
     inp["down_proj_weight"] = None
-    _raises(inp, r"down_proj_weight is None: pass down_proj_weight_T and down_proj_weight_T_scales")
+    _raises(inp, r"down_proj_weight \[H, I\] \(or down_weight_T \[I, H\]\) is required")
+    inp.update(gate_up_weights=None, gate_up_weight_T=np.zeros((H, 2 * I), BF16))
+    _raises(inp, r"down_proj_weight \[H, I\] \(or down_weight_T \[I, H\], bf16 or pre-quantized with "
+                 r"down_weight_T_scales\) is required")
     inp = mlp_inputs(S, H, I, seed=0)
     inp["gate_up_weights"] = None
-    _raises(inp, r"gate_up_weights is None: pass gate_up_weights_T and gate_up_weights_T_scales")
+    _raises(inp, r"phase 2 needs W_gu: pass gate_up_weights \[2I, H\] in bf16, or gate_up_weight_T")
+
+
+def test_reference_phase2_prequantized_weights_rejected(inp, pq):
+    """The API reference's gate_proj_weight_T pre-quantized along I (phase 2 per half) is not supported."""
+    _raises(inp, r"gate_weight_scales \(pre-quantized gate_proj_weight_T along I\) is not supported.*"
+                 r"gate_up_weight_T_scales", gate_proj_weight_T=np.zeros((H, I // 4), np.uint32),
+            gate_weight_scales=np.zeros((H, I // 32), np.uint8))
+
+
+@pytest.mark.parametrize("a,b,value", [("output_grad", "output_hidden_states_grad", None),
+                                       ("intermediate", "hidden", None),
+                                       ("down_weight_T", "down_proj_weight_T", None)])
+def test_alias_given_twice(inp, a, b, value):
+    t = inp["output_grad"] if a == "output_grad" else _bf16((S, I) if a == "intermediate" else (I, H))
+    _raises({**inp, a: t}, rf"{a} and {b} name the same tensor .*; pass one", **{b: t})
+
+
+def test_scratch_wrong_shape(inp):
+    _raises(inp, r"d_gate_scratch must be None or a \[32, 96\] tensor, got shape \(96, 32\)",
+            d_gate_scratch=_bf16((I, S)))
+    _raises(inp, r"silu_up_mul_gate_grad_T_scratch must be None or a \[192, 32\] tensor",
+            silu_up_mul_gate_grad_T_scratch=_bf16((S, 2 * I)))
 
 
 # ---- options ----

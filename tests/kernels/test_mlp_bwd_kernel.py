@@ -1,18 +1,21 @@
 """Tests of the MXFP8 SwiGLU MLP backward kernel (mlp_backward_mxfp8_nki) on the simulator.
 
-Expected values come from reference.py: mode "mx_exact" (the numerics contract, bit for bit) and mode
-"fp32" (the ideal float64 backward; the reference module is tested on its own in test_mlp_reference.py).
+Expected values come from reference.py's mode "mx_exact" (the numerics contract, bit for bit) and, for
+accuracy, from torch float64 autograd of the forward (simkit.mlp_torch_oracle), which shares no code with
+reference.py or nkilib.mx (the reference module is tested on its own in test_mlp_reference.py).
 Option matrix (pairwise, not the full product):
 
 | test                                  | varied                                   | fixed                           |
 |---------------------------------------|------------------------------------------|---------------------------------|
-| test_matches_references               | shape (small S, remainder, aligned) x LNC | e4m3fn, 1x32, no clamp, bf16 wg |
+| test_matches_references               | shape (small S, remainder, aligned, S over 2-3 K tiles) x LNC | e4m3fn, 1x32, bf16 wg |
+| test_clamped_against_oracle           | LNC                                      | all clamps, S=777               |
+| test_scale_rule_golden                | LNC (hand-derived phase-4 values)        | fp32 weight grads               |
 | test_checkpoint_combinations_identical| 16 checkpoint subsets                    | all four clamps, LNC2           |
 | test_given_checkpoints_are_used       | each checkpoint replaced                 | LNC1                            |
 | test_lnc2_odd_tile_counts             | odd tile grids, LNC1 vs LNC2             | e4m3fn, 1x32                    |
 | test_fp8_formats                      | e4m3fn / e5m2                            | LNC1 and LNC2                   |
 | test_quant_schemes_wide_range         | 1x32 / wrapX, two shapes (pow2 inputs)   | e4m3fn                          |
-| test_prequantized_operands            | each pre-quantized operand, all, weights None | e4m3fn+1x32, e5m2+wrapX    |
+| test_prequantized_operands            | each pre-quantized operand, all, weights None; swizzled layout | e4m3fn+1x32, e5m2+wrapX |
 | test_clamp_patterns                   | 5 clamp patterns                         | LNC2                            |
 | test_clamp_boundary_values            | 4 patterns, values exactly at the limits | given checkpoints               |
 | test_trn2_* / test_trn3_bf16          | target x matmul_precision                | LNC1 and LNC2                   |
@@ -35,23 +38,26 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits, MatmulConfi
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, prequantized_operands
 from nkilib.simulator.settings import current_settings
 from simkit import (BF16, MLP_CHECKPOINTS, assert_matches_mx_exact, assert_outputs_identical, bits, mlp_checkpoints,
-                    mlp_inputs, mlp_reference, run_mlp)
+                    mlp_inputs, mlp_reference, mlp_torch_oracle, rel_fro, run_mlp)
 
-# Accuracy of the e4m3fn kernel against the ideal float64 backward (test_matches_references): the
-# measured maxima over SHAPES and the three outputs are rel_fro 0.080 and 1 - cosine 0.0032 (the S=1
-# case; 0.063..0.070 and 0.0020..0.0024 for S >= 7); the bounds are 1.5x those.
-FP32_REL_FRO_BOUND = 0.12
-FP32_ONE_MINUS_COS_BOUND = 0.0048
-
-SHAPES = [  # (S, H, I)
-    (1, 64, 64),  # single token
-    (7, 96, 160),  # small S, H and I not multiples of 128
-    (32, 128, 128),
-    (100, 160, 96),  # remainder tiles everywhere (S, H, I, 2I)
-    (128, 256, 128),  # aligned
-    (256, 384, 256),  # aligned, several tiles per dimension
-    (128, 128, 384),  # I > H
-]
+# (S, H, I): measured rel_fro of (dX, dW_gu, dW_down) against the torch float64 autograd oracle
+# (simkit.mlp_torch_oracle, independent of reference.py and nkilib.mx), e4m3fn, 1x32, seed S + H + I.
+# test_matches_references bounds each at ORACLE_MARGIN x its measured value.
+SHAPE_ERRORS = {
+    (1, 64, 64): (0.0731, 0.0801, 0.0750),  # single token
+    (7, 96, 160): (0.0697, 0.0679, 0.0632),  # small S, H and I not multiples of 128
+    (32, 128, 128): (0.0669, 0.0672, 0.0672),
+    (100, 160, 96): (0.0678, 0.0691, 0.0672),  # remainder tiles everywhere (S, H, I, 2I)
+    (128, 256, 128): (0.0685, 0.0676, 0.0668),  # aligned
+    (256, 384, 256): (0.0675, 0.0678, 0.0651),  # aligned, several tiles per dimension
+    (128, 128, 384): (0.0682, 0.0684, 0.0662),  # I > H
+    # token contraction (K = S, phases 3 and 4) over several 512-wide K tiles, odd remainders
+    (640, 64, 32): (0.0672, 0.0648, 0.0683),  # 512 + 128
+    (777, 64, 96): (0.0665, 0.0679, 0.0670),  # 512 + 265 (padded to 384)
+    (1100, 96, 64): (0.0685, 0.0679, 0.0675),  # 512 + 512 + 76 (padded to 128)
+}
+SHAPES = list(SHAPE_ERRORS)
+ORACLE_MARGIN = 1.1  # seeds are fixed: the margin covers only platform BLAS differences in the oracle
 
 # Clamp limits that are not bf16 values (bf16 RNE would give -0.25, 0.5, -0.75, 0.5), chosen so that
 # silu of the gate limits lands on another bf16 value than silu of its bf16 rounding: a kernel that
@@ -97,28 +103,58 @@ def _n_differ(a, b):
 
 @pytest.mark.parametrize("S,H,I", SHAPES, ids=[f"S{s}_H{h}_I{i}" for s, h, i in SHAPES])
 def test_matches_references(S, H, I):
-    """All three outputs vs mx_exact (tight) and vs the fp32 ideal (bounded); LNC1 and LNC2 equal.
-
-    Tolerance vs mx_exact: bf16 outputs at most 1 bf16 ulp apart on at most 1e-3 of the elements,
-    fp32 within 1e-6 relative. Measured on the simulator: 0 ulp on 0 elements (bit-exact) for every
-    shape here, both LNC degrees.
-    Measured vs fp32 (e4m3fn, 1x32; per output dX / dW_gu / dW_down): rel_fro 0.063..0.080 and
-    1 - cosine 0.0020..0.0032 (largest for S=1: 0.073 / 0.080 / 0.075 and 0.0027 / 0.0032 / 0.0028);
-    bounds FP32_REL_FRO_BOUND = 0.12 and FP32_ONE_MINUS_COS_BOUND = 0.0048 (1.5x the maxima).
-    """
+    """All three outputs vs mx_exact (bit-exact), LNC1 == LNC2, and vs the torch float64 autograd oracle
+    within ORACLE_MARGIN of the error measured for this shape (SHAPE_ERRORS); the fp32-mode reference
+    agrees with the oracle to 1e-6 (it is the same ideal backward, written independently)."""
     inp = mlp_inputs(S, H, I, seed=S + H + I)
     out1 = run_mlp(inp, lnc=1)
     out2 = run_mlp(inp, lnc=2)
-    ref = mlp_reference(inp)
     assert [o.dtype for o in out1] == [BF16, BF16, BF16]
     assert [o.shape for o in out1] == [(S, H), (2 * I, H), (H, I)]
-    measured = assert_matches_mx_exact(out1, ref)
-    assert all(m == (0, 0.0) for m in measured), measured  # documented: bit-exact on the simulator
+    assert_matches_mx_exact(out1, mlp_reference(inp))
     assert_outputs_identical(out1, out2, "LNC1 vs LNC2")
-    for k, (rel, one_minus_cos) in enumerate(_fp32_errors(out1, mlp_reference(inp, mode="fp32"))):
-        assert rel <= FP32_REL_FRO_BOUND, f"output {k}: rel_fro {rel:.4f} vs fp32"
-        assert one_minus_cos <= FP32_ONE_MINUS_COS_BOUND, f"output {k}: 1 - cosine {one_minus_cos:.5f} vs fp32"
-        assert rel > 0.01  # sanity: fp8 quantization is visible, the comparison is not vacuous
+    oracle = mlp_torch_oracle(inp)
+    for k, (o, want, measured) in enumerate(zip(out1, oracle, SHAPE_ERRORS[(S, H, I)])):
+        err = rel_fro(o, want)
+        assert 0.01 < err <= ORACLE_MARGIN * measured, f"output {k}: rel_fro {err:.4f} vs oracle, measured {measured}"
+    for k, (ideal, want) in enumerate(zip(mlp_reference(inp, mode="fp32"), oracle)):
+        assert rel_fro(ideal, want) < 1e-6, f"output {k}: fp32 reference vs oracle"
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_clamped_against_oracle(lnc):
+    """With all four clamps the kernel stays within ORACLE_MARGIN of its measured error against the torch
+    oracle (S=777: two K tiles of the token contraction). Measured rel_fro 0.2655 / 0.2626 / 0.0803: the
+    recomputed gate_pre / up carry the MX error, so values near a limit (+-0.25..0.75, inside the bulk of
+    the distribution) land on the other side of it and flip their mask bit against the exact forward."""
+    inp = mlp_inputs(777, 64, 96, seed=21)
+    out = run_mlp(inp, lnc=lnc, clamp_limits=ALL_CLAMPS)
+    assert_matches_mx_exact(out, mlp_reference(inp, clamp_limits=ALL_CLAMPS))
+    for k, (o, want, measured) in enumerate(zip(out, mlp_torch_oracle(inp, ALL_CLAMPS), (0.2655, 0.2626, 0.0803))):
+        assert 0.01 < rel_fro(o, want) <= ORACLE_MARGIN * measured, f"output {k}"
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_scale_rule_golden(lnc):
+    """Hand-derived golden values of phase 4 (dW_down = dY^T @ intermediate, K = S), independent of
+    reference.py and nkilib.mx: pins the quantize_mx scale rule, which kernel and mx_exact share.
+
+    Every dY column is [1.875, 2**-16, 0, ...] along S (one MX group), the intermediate checkpoint's columns
+    [1, 1, 0, ...]. Under the SDK 2.31+ rule the group scale is 2**(0 - 7): 1.875 -> code 240 and 2**-16 ->
+    2**-9 (the smallest e4m3fn subnormal), both exact, so every dW_down element is 1.875 + 2**-16 (fp32
+    weight grads hold it exactly). A scale one step larger flushes 2**-16 to 0 (1.875); one step smaller
+    saturates 480 -> 448 (1.75 + 2**-16)."""
+    S, H, I = 32, 64, 64
+    dy = np.zeros((S, H), np.float32)
+    dy[0], dy[1] = 1.875, 2.0 ** -16
+    inter = np.zeros((S, I), np.float32)
+    inter[:2] = 1.0
+    zeros = np.zeros((S, I), BF16)
+    inp = dict(output_grad=dy.astype(BF16), hidden_states=np.zeros((S, H), BF16),
+               down_proj_weight=np.zeros((H, I), BF16), gate_up_weights=np.zeros((2 * I, H), BF16),
+               gate_pre=zeros, gate_act=zeros, up=zeros, intermediate=inter.astype(BF16))
+    out = run_mlp(inp, lnc=lnc, weight_grad_dtype=nl.float32)
+    assert np.all(out[2] == np.float32(1.875 + 2.0 ** -16)), np.unique(out[2])
 
 
 def test_strict_mode_is_on():
@@ -190,12 +226,12 @@ def test_fp8_formats(lnc):
     """e4m3fn and e5m2 each match their mx_exact reference (bit-exact) and give different outputs.
 
     Measured vs fp32 (S=100, H=160, I=96): e4m3fn rel_fro 0.066 / 0.067 / 0.067, e5m2 0.129 / 0.132 /
-    0.130 (one mantissa bit less); bounded here at 1.5x: 0.10 and 0.20.
+    0.130 (one mantissa bit less); bounded here at ORACLE_MARGIN x the largest: 0.074 and 0.146.
     """
     inp = mlp_inputs(100, 160, 96, seed=3)
     ideal = mlp_reference(inp, mode="fp32")
     outs = {}
-    for dt, bound in ((nl.float8_e4m3fn_x4, 0.10), (nl.float8_e5m2_x4, 0.20)):
+    for dt, bound in ((nl.float8_e4m3fn_x4, 0.074), (nl.float8_e5m2_x4, 0.146)):
         outs[dt] = run_mlp(inp, lnc=lnc, fp8_x4_dtype=dt)
         assert_matches_mx_exact(outs[dt], mlp_reference(inp, fp8_x4_dtype=dt))
         assert max(rel for rel, _ in _fp32_errors(outs[dt], ideal)) <= bound
@@ -219,38 +255,43 @@ def test_quant_schemes_wide_range(S, H, I):
         assert np.count_nonzero(bits(out["1x32"][k]) != bits(out["wrapX"][k])) > 0, f"output {k}"
 
 
-PREQ_NAMES = ("down_proj_weight_T", "gate_up_weights_T", "output_grad_T", "hidden_states_T")
-PREQ_CASES = {  # id: (pre-quantized operands, bf16 weights passed as None)
-    "down_T": (("down_proj_weight_T",), ()),
-    "down_T_no_bf16": (("down_proj_weight_T",), ("down_proj_weight",)),
-    "gate_up_T": (("gate_up_weights_T",), ()),
-    "gate_up_T_no_bf16": (("gate_up_weights_T",), ("gate_up_weights",)),
+PREQ_NAMES = ("down_weight_T", "gate_up_weight_T", "output_grad_T", "hidden_states_T", "gate_up_weights")
+PREQ_CASES = {  # id: (pre-quantized operands, bf16 tensors passed as None)
+    "down_T": (("down_weight_T",), ()),
+    "down_T_no_bf16": (("down_weight_T",), ("down_proj_weight",)),
+    "gate_up_T": (("gate_up_weight_T",), ()),
+    "gate_up_recompute_rhs": (("gate_up_weights",), ()),  # W_gu along H: recompute; phase 2 from gate_up_weight_T
     "output_grad_T": (("output_grad_T",), ()),
     "hidden_states_T": (("hidden_states_T",), ()),
-    "all": (PREQ_NAMES, ()),
-    "all_no_bf16_weights": (PREQ_NAMES, ("down_proj_weight", "gate_up_weights")),
+    "all": (PREQ_NAMES, ("down_proj_weight",)),
 }
 
 
 @pytest.mark.parametrize("fp8,scheme", [(nl.float8_e4m3fn_x4, "1x32"), (nl.float8_e5m2_x4, "wrapX")],
                          ids=["e4m3fn_1x32", "e5m2_wrapX"])
-@pytest.mark.parametrize("case", list(PREQ_CASES))
-def test_prequantized_operands(case, fp8, scheme):
-    """Operands pre-quantized with reference.prequantized_operands give outputs bit-equal to the run that
-    quantizes the same bf16 tensors in-kernel (S=100, H=160, I=96: K padded in every orientation).
-    Without the bf16 gate_up_weights, gate_pre and up are given (the recompute needs them); the
-    in-kernel baseline gets the same checkpoints."""
+@pytest.mark.parametrize("case,swizzled", [(c, False) for c in PREQ_CASES] + [("all", True), ("down_T_no_bf16", True)],
+                         ids=[c for c in PREQ_CASES] + ["all-swizzled", "down_T_no_bf16-swizzled"])
+def test_prequantized_operands(case, fp8, scheme, swizzled):
+    """Operands pre-quantized with reference.prequantized_operands (both layouts) give outputs bit-equal to
+    the run that quantizes the same bf16 tensors in-kernel (S=100, H=160, I=96: K padded in every
+    orientation); the activations stay bf16 where not listed (mixed). gate_up_weights pre-quantized along
+    H serves the recompute only, so phase 2 reads gate_up_weight_T (bf16 [H, 2I], PE-transposed)."""
     names, dropped = PREQ_CASES[case]
     inp = mlp_inputs(100, 160, 96, seed=7)
     opts = dict(fp8_x4_dtype=fp8, quant_scheme=scheme)
-    if "gate_up_weights" in dropped:
-        ckpt = mlp_checkpoints(inp, **opts)
-        inp = {**inp, "gate_pre": ckpt["gate_pre"], "up": ckpt["up"]}
     pq = prequantized_operands(inp["output_grad"], inp["hidden_states"], inp["down_proj_weight"],
-                               inp["gate_up_weights"], fp8_dtype=str(fp8), quant_scheme=scheme)
+                               inp["gate_up_weights"], fp8_dtype=str(fp8), quant_scheme=scheme, names=names,
+                               swizzled=swizzled)
+    swz = {"down_weight_T": "down_weight_is_swizzled", "gate_up_weight_T": "gate_up_weight_T_is_swizzled",
+           "output_grad_T": "output_grad_T_is_swizzled", "hidden_states_T": "hidden_states_T_is_swizzled",
+           "gate_up_weights": "gate_up_weights_is_swizzled"}
     given = {k: pq[k] for n in names for k in (n, n + "_scales")}
+    if swizzled:
+        given.update({swz[n]: True for n in names})
+    if "gate_up_weights" in names and "gate_up_weight_T" not in names:
+        given["gate_up_weight_T"] = np.ascontiguousarray(inp["gate_up_weights"].T)
     base = run_mlp(inp, lnc=2, **opts)
-    out = run_mlp({**inp, **given, **{d: None for d in dropped}}, lnc=2, **opts)
+    out = run_mlp({**{k: v for k, v in inp.items() if k not in dropped and k not in given}, **given}, lnc=2, **opts)
     assert_outputs_identical(base, out, f"pre-quantized {names} vs in-kernel quantization")
     assert_matches_mx_exact(out, mlp_reference(inp, **opts))
 
@@ -324,14 +365,14 @@ def test_trn2_defaults_to_bf16(set_target, lnc):
     bf16 mx_exact reference bit-exactly; equal to an explicit matmul_precision='bf16' on trn3.
 
     Measured vs fp32 (S=100, H=160, I=96): rel_fro 0.0032 / 0.0032 / 0.0040, 1 - cosine <= 8e-6 (only
-    the bf16 roundings of d_gate_up, checkpoints and outputs); bounded at 0.006 / 1.2e-5.
+    the bf16 roundings of d_gate_up, checkpoints and outputs); bounded at 0.0045 / 1e-5.
     """
     inp = mlp_inputs(100, 160, 96, seed=3)
     set_target("trn2")
     out = run_mlp(inp, lnc=lnc)
     assert_matches_mx_exact(out, mlp_reference(inp, matmul_precision="bf16"))
     for rel, one_minus_cos in _fp32_errors(out, mlp_reference(inp, mode="fp32")):
-        assert rel <= 0.006 and one_minus_cos <= 1.2e-5
+        assert rel <= 0.0045 and one_minus_cos <= 1e-5
     set_target("trn3")
     assert_outputs_identical(out, run_mlp(inp, lnc=lnc, matmul_precision="bf16"), "trn2 default vs trn3 bf16")
 
@@ -345,14 +386,13 @@ def test_trn2_mxfp8_raises(set_target):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_weight_grad_dtype(lnc):
-    """weight_grad_dtype=fp32: weight grads are float32 and within 1e-6 relative of mx_exact (measured:
-    0, bit-exact); the bf16 run's weight grads are exactly their RNE rounding and dX is unchanged."""
+    """weight_grad_dtype=fp32: weight grads are float32 and bit-equal to mx_exact; the bf16 run's weight
+    grads are exactly their RNE rounding and dX is unchanged."""
     inp = mlp_inputs(100, 160, 96, seed=12)
     o16 = run_mlp(inp, lnc=lnc)
     o32 = run_mlp(inp, lnc=lnc, weight_grad_dtype=nl.float32)
     assert [o.dtype for o in o32] == [BF16, np.float32, np.float32]
-    measured = assert_matches_mx_exact(o32, mlp_reference(inp, weight_grad_dtype=nl.float32))
-    assert measured[1][0] == 0.0 and measured[2][0] == 0.0
+    assert_matches_mx_exact(o32, mlp_reference(inp, weight_grad_dtype=nl.float32))
     assert_outputs_identical(o16, (o32[0], o32[1].astype(BF16), o32[2].astype(BF16)), "bf16 vs rounded fp32")
 
 
@@ -409,7 +449,7 @@ def test_nan_inf_propagate(lnc):
 @pytest.mark.slow
 @pytest.mark.parametrize("S,H,I", [(4096, 4096, 1536), (512, 2880, 2880)], ids=["qwen3_8b_tp8", "gpt_oss_expert"])
 def test_model_shapes(S, H, I):
-    """Model shapes under LNC2 vs mx_exact (tight; measured bit-exact) and fp32 (FP32_* bounds).
+    """Model shapes under LNC2 vs mx_exact (bit-exact) and fp32 (ORACLE_MARGIN x the measured rel_fro).
 
     Measured vs fp32 (dX / dW_gu / dW_down): Qwen3-8B TP8 (S=4096, H=4096, I=1536) rel_fro 0.0677 /
     0.0677 / 0.0661, 1 - cosine 0.00229 / 0.00229 / 0.00219; GPT-OSS expert (S=512, H=2880, I=2880)
@@ -418,7 +458,7 @@ def test_model_shapes(S, H, I):
     """
     inp = mlp_inputs(S, H, I, seed=8)
     out = run_mlp(inp, lnc=2)
-    measured = assert_matches_mx_exact(out, mlp_reference(inp))
-    assert all(m == (0, 0.0) for m in measured), measured
-    for rel, one_minus_cos in _fp32_errors(out, mlp_reference(inp, mode="fp32")):
-        assert rel <= FP32_REL_FRO_BOUND and one_minus_cos <= FP32_ONE_MINUS_COS_BOUND
+    assert_matches_mx_exact(out, mlp_reference(inp))
+    measured = {4096: (0.0677, 0.0677, 0.0661), 512: (0.0677, 0.0676, 0.0661)}[S]
+    for (rel, _), bound in zip(_fp32_errors(out, mlp_reference(inp, mode="fp32")), measured):
+        assert rel <= ORACLE_MARGIN * bound

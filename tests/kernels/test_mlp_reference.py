@@ -453,11 +453,14 @@ def test_prequantized_operands_round_trip(fp8, scheme):
     S, H, I = 192, 200, 96  # K = 200 and 192 need padding; 2I = 192 too
     inp = make_inputs(S, H, I, seed=10)
     ops = R.prequantized_operands(**inp, fp8_dtype=fp8, quant_scheme=scheme)
-    forms = {
-        "down_proj_weight_T": (inp["down_proj_weight"], 0),  # K = H along axis 0 of W_down
-        "gate_up_weights_T": (inp["gate_up_weights"], 0),
-        "output_grad_T": (inp["output_grad"], 0),
+    forms = {  # kernel argument -> ([K, F] matrix, its K axis)
+        "down_weight_T": (inp["down_proj_weight"], 0),  # K = H along axis 0 of W_down
+        "gate_up_weight_T": (inp["gate_up_weights"], 0),  # K = 2I
+        "gate_up_weights": (inp["gate_up_weights"].T, 0),  # K = H (recompute)
+        "output_grad_T": (inp["output_grad"], 0),  # K = S
         "hidden_states_T": (inp["hidden_states"], 0),
+        "output_grad": (inp["output_grad"].T, 0),  # K = H (phase 1)
+        "hidden_states": (inp["hidden_states"].T, 0),
     }
     assert set(ops) == {n for f in forms for n in (f, f + "_scales")}
     for name, (mat, axis) in forms.items():
@@ -475,6 +478,28 @@ def test_prequantized_operands_round_trip(fp8, scheme):
         # plus half an fp8 subnormal step for elements tiny against their group (<= amax * 2**-17)
         m = mat.astype(np.float32).T
         assert np.all(np.abs(deq[:, :K] - m) <= 2.0**-3 * np.abs(m) + 2.0**-16 * np.abs(m).max())
+
+
+@pytest.mark.parametrize("scheme", ["1x32", "wrapX"])
+def test_swizzled_layout(scheme):
+    """prequantize(..., swizzled=True) follows the documented layout (api.py), checked element by element:
+    word row k0/4 + p, column f, byte j holds code [f, k0 + k(p, j)] with k = 4p + j ("1x32") or
+    p + (T/4) j ("wrapX") in each K tile [k0, k0 + T); scale row r, column f = unswizzled scale [f, r];
+    unswizzle_prequantized inverts it."""
+    a = np.random.default_rng(3).standard_normal((5, 700)).astype(np.float32).astype(BF16)  # Kp = 768: 512 + 256
+    words, scales = R.prequantize(a, quant_scheme=scheme)
+    sw_words, sw_scales = R.prequantize(a, quant_scheme=scheme, swizzled=True)
+    codes, sw_bytes = unpack_x4(words), unpack_x4(sw_words.T.copy())  # [F, Kp], [F, Kp] in swizzled order
+    assert sw_words.shape == (192, 5) and sw_scales.shape == (24, 5)
+    for k0, T in ((0, 512), (512, 256)):
+        for p in range(T // 4):
+            for j in range(4):
+                k = 4 * p + j if scheme == "1x32" else p + (T // 4) * j
+                assert np.array_equal(sw_bytes[:, k0 + 4 * p + j], codes[:, k0 + k])
+    assert np.array_equal(sw_scales, scales.T)
+    assert all(np.array_equal(x, y) for x, y in zip(R.unswizzle_prequantized(sw_words, sw_scales, scheme),
+                                                    (words, scales)))
+    assert (scheme == "1x32") == np.array_equal(sw_words, words.T)
 
 
 def test_prequantized_operand_reproduces_phase4():

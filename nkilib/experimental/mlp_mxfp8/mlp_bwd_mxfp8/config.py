@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import nki.language as nl
 
-from ....core.kernel_helpers import KernelInputError
-from .constants import M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE
+from ....core.kernel_helpers import KernelInputError, kernel_assert
+from .constants import (M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE, PSUM_BANK_BYTES,
+                        PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS)
 
 N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (spec §5.2/§5.3)
 
@@ -65,10 +66,14 @@ class MatmulConfig(nl.NKIObject):
     n_tile: int = N_TILE
 
     def __post_init__(self):
-        if not (isinstance(self.m_tile, int) and 2 <= self.m_tile <= M_TILE and self.m_tile % 2 == 0):
+        if not (_is_int(self.m_tile) and 2 <= self.m_tile <= M_TILE and self.m_tile % 2 == 0):
             raise KernelInputError(f"MatmulConfig.m_tile must be an even int in [2, {M_TILE}], got {self.m_tile!r}")
-        if not (isinstance(self.n_tile, int) and 1 <= self.n_tile <= N_TILE_MAX):
+        if not (_is_int(self.n_tile) and 1 <= self.n_tile <= N_TILE_MAX):
             raise KernelInputError(f"MatmulConfig.n_tile must be an int in [1, {N_TILE_MAX}], got {self.n_tile!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,27 @@ class MlpBwdMatmulConfig(nl.NKIObject):
     phase2: MatmulConfig | None = None
     phase3: MatmulConfig | None = None
     phase4: MatmulConfig | None = None
+
+    def __post_init__(self):
+        for name in PHASES:
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, MatmulConfig):
+                raise KernelInputError(f"MlpBwdMatmulConfig.{name} must be a MatmulConfig or None, got {v!r}")
+
+
+PHASES = ("phase1", "phase2", "phase3", "phase4")
+
+
+def psum_banks(n_tile: int) -> int:
+    """PSUM banks (2 KiB per partition) of one fp32 accumulator [128, n_tile]: allocations take whole banks."""
+    return -(-n_tile * 4 // PSUM_BANK_BYTES)
+
+
+def max_n_tile(accumulators: int, transposes: bool) -> int:
+    """Widest n_tile whose accumulators fit PSUM: `accumulators` x PSUM_BUFFERS accumulators of whole
+    banks, plus TRANSPOSE_PSUM_BANKS when the phase transposes operands on the PE array."""
+    free = PSUM_BYTES // PSUM_BANK_BYTES - (TRANSPOSE_PSUM_BANKS if transposes else 0)
+    return free // (accumulators * PSUM_BUFFERS) * (PSUM_BANK_BYTES // 4)
 
 
 def default_matmul_config(mx: bool, recompute: bool) -> MlpBwdMatmulConfig:
@@ -91,28 +117,45 @@ def default_matmul_config(mx: bool, recompute: bool) -> MlpBwdMatmulConfig:
     return MlpBwdMatmulConfig(first, wide, wider, wider)
 
 
-def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int) -> MlpBwdMatmulConfig:
+def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
+                          transposes=(True, True, False, False)) -> MlpBwdMatmulConfig:
     """A concrete per-phase config (returns a new object; never mutates `config`).
 
     None -> default_matmul_config; a MatmulConfig -> used for every phase; an MlpBwdMatmulConfig ->
-    its None phases filled with the defaults. Every n_tile must fit the target's moving limit n_max.
+    its None phases filled with the defaults. Every n_tile must fit the target's moving limit n_max and
+    PSUM (max_n_tile: phase 1 holds 3 accumulators when it recomputes gate_pre/up, else 1; every phase
+    double-buffers them; `transposes[i]`: phase i+1 also transposes on the PE array). A default that
+    does not fit is narrowed; a value the caller gave raises, naming matmul_config.
     """
     default = default_matmul_config(mx, recompute)
     if config is None:
-        resolved = default
+        chosen = MlpBwdMatmulConfig()
     elif isinstance(config, MatmulConfig):
-        resolved = MlpBwdMatmulConfig(config, config, config, config)
+        chosen = MlpBwdMatmulConfig(config, config, config, config)
     elif isinstance(config, MlpBwdMatmulConfig):
-        resolved = MlpBwdMatmulConfig(*[getattr(config, f) or getattr(default, f)
-                                        for f in ("phase1", "phase2", "phase3", "phase4")])
+        chosen = config
     else:
-        raise KernelInputError(f"matmul_config must be None, MatmulConfig or MlpBwdMatmulConfig, got {config!r}")
-    for name in ("phase1", "phase2", "phase3", "phase4"):
-        n_tile = getattr(resolved, name).n_tile
-        if n_tile > n_max:
-            raise KernelInputError(
-                f"matmul_config.{name}.n_tile={n_tile} exceeds this target's matmul moving limit {n_max}")
-    return resolved
+        kernel_assert(False, f"matmul_config must be None, MatmulConfig or MlpBwdMatmulConfig, got {config!r}")
+    resolved = []
+    for i, name in enumerate(PHASES):
+        accumulators = 3 if (name == "phase1" and recompute) else 1
+        limit = min(n_max, max_n_tile(accumulators, transposes[i]))
+        given = getattr(chosen, name)
+        if given is None:
+            d = getattr(default, name)
+            resolved.append(d if d.n_tile <= limit else dataclasses.replace(d, n_tile=limit))
+            continue
+        kernel_assert(given.n_tile <= n_max,
+                      f"matmul_config.{name}.n_tile={given.n_tile} exceeds this target's matmul moving limit {n_max}")
+        if given.n_tile > limit:
+            why = (f"{accumulators} accumulator(s) x {PSUM_BUFFERS} buffers x {psum_banks(given.n_tile)} PSUM banks"
+                   + (f" + {TRANSPOSE_PSUM_BANKS} banks of PE transposes" if transposes[i] else "")
+                   + f" exceed the {PSUM_BYTES // PSUM_BANK_BYTES} PSUM banks")
+            kernel_assert(False, f"matmul_config.{name}.n_tile={given.n_tile} does not fit PSUM ({why}"
+                                 f"{', phase 1 recomputing gate_pre/up' if accumulators > 1 else ''}): "
+                                 f"at most {limit} here")
+        resolved.append(given)
+    return MlpBwdMatmulConfig(*resolved)
 
 
 @dataclass(frozen=True)

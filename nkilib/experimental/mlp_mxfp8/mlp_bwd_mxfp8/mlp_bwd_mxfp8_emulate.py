@@ -151,8 +151,8 @@ def _scale_exponent(amax: torch.Tensor, fmt, scale_rule: str) -> torch.Tensor:
 
 
 def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
-                           scale_rule="neuron", k_tile: int = MX_K_TILE) -> torch.Tensor:
-    """MX-quantizes `t` along `dim` and returns the dequantized float32 values (codes * 2**scale).
+                           scale_rule="neuron", k_tile: int = MX_K_TILE, dtype=torch.float32) -> torch.Tensor:
+    """MX-quantizes `t` along `dim` and returns the dequantized values (codes * 2**scale) in `dtype`.
 
     Same groups, scale bytes and element codes as ``nkilib.mx.quantize_mx(..., scheme=quant_scheme,
     k_tile=k_tile, scale_rule=scale_rule)``: byte = clip(exponent + 127, 0, 254), all-zero group ->
@@ -169,9 +169,10 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
         quant_scheme: "1x32" or "wrapX".
         scale_rule: "neuron" (quantize_mx, SDK 2.31+), "ocp_floor" or "rceil".
         k_tile: K tile of the "wrapX" geometry.
+        dtype: torch.float32 (a code rounded up to 2**128 becomes Inf) or torch.float64 (exact).
 
     Returns:
-        float32 tensor [same shape as t].
+        `dtype` tensor [same shape as t].
     """
     fmt = element_format(fp8_name(fp8_dtype))
     check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
@@ -202,12 +203,14 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
     m = float(fmt.max_normal)
     y = torch.clamp(xg * inv, -m, m)  # saturation; NaN stays NaN (overwritten below)
     codes = y.to(FP8_DTYPES[fmt.name])  # RNE
-    deq = codes.to(torch.float32) * scale  # exact: <= 4 significant bits, magnitude >= 2**-143
+    # exact: <= 4 significant bits, magnitude >= 2**-143; float64 also keeps a code rounded up to 2**128
+    # (amax >= 1.9375 * 2**127) finite, as nc_matmul_mx's products and nkilib.mx.mx_matmul do
+    deq = codes.to(dtype) * scale.to(dtype)
     deq = deq.masked_fill(~finite.unsqueeze(-1), float("nan"))
     if pos is None:
         out = deq.reshape(x.shape)
     else:
-        out = torch.empty_like(x)
+        out = torch.empty_like(x, dtype=dtype)
         out[..., pos] = deq
     return torch.movedim(out, -1, dim)
 
@@ -258,8 +261,8 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
         a = torch.nn.functional.pad(a, (0, kp - k))
         b = torch.nn.functional.pad(b, (0, 0, 0, kp - k))
     opts = dict(fp8_dtype=fp8_dtype, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE)
-    a_q = mx_quantize_dequantize(a, 1, **opts).to(torch.float64)
-    b_q = mx_quantize_dequantize(b, 0, **opts).to(torch.float64)
+    a_q = mx_quantize_dequantize(a, 1, **opts, dtype=torch.float64)
+    b_q = mx_quantize_dequantize(b, 0, **opts, dtype=torch.float64)
     return _tiled_sum(a_q, b_q, MX_K_TILE)
 
 

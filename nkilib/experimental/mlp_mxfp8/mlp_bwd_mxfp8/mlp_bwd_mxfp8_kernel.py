@@ -62,6 +62,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
+from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import (FP8_X4_DTYPE_NAMES, MATMUL_PRECISIONS, MOVING_PANEL_BUDGET_BYTES,
                         MX_K_ALIGN, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
@@ -677,61 +678,64 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     compute_phase3_gate_up_weight_grad_mxfp8(*phase3_args, plan=plan3, stage="all", **p3)
 
 
-def _check_2d(name, t, shape, dtypes):
-    kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
-    kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
-    kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
-
-
-def _prequantized_td(name, words, scales, f, k):
-    """Descriptor of a pre-quantized operand [F, K] (x4 words [F, Kp/4] + scales [F, Kp/32]), or None."""
-    kernel_assert((words is None) == (scales is None),
-                  f"{name} and {name}_scales must be given together, got {name}="
-                  f"{'given' if words is not None else 'None'} and {name}_scales={'given' if scales is not None else 'None'}")
-    if words is None:
-        return None
-    kp = -(-k // MX_K_ALIGN) * MX_K_ALIGN
-    _check_2d(name, words, (f, kp // 4), ("uint32", "float8_e4m3fn_x4", "float8_e5m2_x4"))
-    _check_2d(f"{name}_scales", scales, (f, kp // 32), ("uint8", "float8_e8m0fnu"))
-    if str(words.dtype) != "uint32":
-        words = words.view(nl.uint32)
-    return TensorDescriptor(words, k_axis=1, scales=scales)
-
-
 @nki.jit
-def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, gate_up_weights=None,
-                           down_proj_weight_T=None, down_proj_weight_T_scales=None, gate_up_weights_T=None,
-                           gate_up_weights_T_scales=None, output_grad_T=None, output_grad_T_scales=None,
+def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weight=None, gate_up_weights=None,
+                           gate_up_weight_T=None, gate_up_weight_T_scales=None, gate_up_weights_scales=None,
+                           down_weight_T=None, down_weight_T_scales=None, output_grad_T=None, output_grad_T_scales=None,
                            hidden_states_T=None, hidden_states_T_scales=None, gate_pre=None, gate_act=None, up=None,
-                           intermediate=None, run_with_lnc2=True, matmul_config=None,
-                           fp8_x4_dtype=nl.float8_e4m3fn_x4, spill_reload=True, use_scale_packing=True,
-                           clamp_limits=None, quant_scheme="1x32", weight_grad_dtype=nl.bfloat16,
-                           matmul_precision=None):
+                           intermediate=None, run_with_lnc2=True, matmul_config=None, fp8_x4_dtype=nl.float8_e4m3fn_x4,
+                           spill_reload=True, use_scale_packing=True, clamp_limits=None, *,
+                           output_hidden_states_grad=None, gate_proj_weight_T=None, up_proj_weight_T=None,
+                           down_proj_weight_T=None, hidden_T=None, hidden=None, d_gate_scratch=None, d_up_scratch=None,
+                           silu_up_mul_gate_grad_T_scratch=None, gate_pre_scratch=None, gate_act_scratch=None,
+                           up_scratch=None, hidden_scratch=None,
+                           phase1_tiles_m=None, phase1_tiles_n=None, phase1_tiles_k=None, phase2_tiles_m=None,
+                           phase2_tiles_n=None, phase2_tiles_k=None, phase3_tiles_m=None, phase3_tiles_n=None,
+                           phase3_tiles_k=None, phase4_tiles_m=None, phase4_tiles_n=None, phase4_tiles_k=None,
+                           recompute_tiles_m=None, recompute_tiles_n=None, recompute_tiles_k=None,
+                           output_grad_scales=None, output_grad_is_swizzled=False, down_weight_scales=None,
+                           down_weight_is_swizzled=False, gate_weight_scales=None, gate_weight_is_swizzled=False,
+                           up_weight_scales=None, up_weight_is_swizzled=False, hidden_states_T_is_swizzled=False,
+                           hidden_states_scales=None, hidden_states_is_swizzled=False,
+                           gate_up_weights_is_swizzled=False, output_grad_T_is_swizzled=False, hidden_T_scales=None,
+                           hidden_T_is_swizzled=False, gate_up_weight_T_is_swizzled=False,
+                           quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None):
     """Backward of Y = (silu(X·W_gateᵀ) ⊙ X·W_upᵀ)·W_downᵀ in MXFP8, recomputing missing checkpoints.
+
+    Takes both published signatures unchanged (api.py maps them onto one set of operands): the current
+    nki-library release's, positionally or by keyword (the parameters up to clamp_limits), and the API
+    reference's keyword names (the keyword-only block from output_hidden_states_grad to
+    gate_up_weight_T_is_swizzled; its positional order is not accepted, a reference-ordered positional call
+    fails the shape checks). Aliases: output_grad / output_hidden_states_grad, down_weight_T /
+    down_proj_weight_T, down_weight_T_scales / down_weight_scales, intermediate / hidden.
 
     Dimensions:
         output_grad dY [S, H], hidden_states X [S, H], gate_up_weights W_gu [2I, H] (gate rows first),
-        down_proj_weight W_down [H, I], checkpoints gate_pre / gate_act / up / intermediate [S, I]; all bf16.
-        Pre-quantized alternatives (x4 words uint32 + E8M0 scales uint8, see reference.prequantize):
-        down_proj_weight_T [I, Hp/4] (W_downᵀ along H), gate_up_weights_T [H, 2Ip/4] (W_guᵀ along 2I),
-        output_grad_T [H, Sp/4] (dYᵀ along S), hidden_states_T [H, Sp/4] (Xᵀ along S); `*_scales`
-        [F, Kp/32]; Kp = K rounded up to 128.
+        down_proj_weight W_down [H, I], checkpoints gate_pre / gate_act / up / intermediate [S, I]; bf16.
+        Transposed inputs: down_weight_T [I, H], gate_up_weight_T [H, 2I], gate_proj_weight_T /
+        up_proj_weight_T [H, I], output_grad_T / hidden_states_T [H, S], hidden_T [I, S]: bf16, or
+        pre-quantized along their last (contiguous) dimension when their `*_scales` are given (api.py
+        defines the layouts: unswizzled words [F, Kp/4] + scales [F, Kp/32], or `*_is_swizzled`:
+        [Kp/4, F] + [Kp/32, F]; Kp = K rounded up to 128; reference.prequantize makes both).
+        output_grad, hidden_states and gate_up_weights are pre-quantized along H with output_grad_scales,
+        hidden_states_scales, gate_up_weights_scales. Which tensor each matmul reads: api.py's table.
 
     Args:
-        gate_pre, gate_act, up, intermediate: any subset may be None; only what is missing is recomputed
-            (gate_pre and up need gate_up_weights in bf16). No buffer is allocated for a given checkpoint.
+        gate_pre, gate_act, up, intermediate: any subset may be None; only what is missing is recomputed.
         run_with_lnc2: shard across the two cores of a kernel[2] launch (see the module docstring).
         matmul_config: None, a MatmulConfig for every phase, or an MlpBwdMatmulConfig per phase.
         fp8_x4_dtype: nl.float8_e4m3fn_x4 (default) or nl.float8_e5m2_x4: the MX element format.
         spill_reload: accepted for API compatibility with nki-library; a no-op (panels stay in SBUF).
         use_scale_packing: share one scale tile between four K tiles (partition offsets 0/4/8/12).
         clamp_limits: ClampLimits of a clamped SwiGLU forward, or None.
-        quant_scheme: "1x32" (OCP-contiguous groups of 32 along K, default) or "wrapX" (groups strided
-            by K/4 inside each 512-wide K tile, the nki-library layout).
-        weight_grad_dtype: nl.bfloat16 (default) or nl.float32 for both weight gradients.
-        matmul_precision: "mxfp8" (default on trn3) or "bf16" (nc_matmul; the only choice on trn2, which
-            has no MX instructions).
+        Scratch buffers (d_gate_scratch, ...): None or tensors of the documented shapes; not used (the
+            kernel allocates the HBM scratch it needs). phase{1..4}_tiles_* / recompute_tiles_*: mapped
+            onto MatmulConfig (api.matmul_config_from_tiles); exclusive with matmul_config.
+        quant_scheme (ours, keyword-only): "1x32" (OCP-contiguous groups of 32 along K, default) or
+            "wrapX" (groups strided by K/4 inside each 512-wide K tile, the nki-library layout).
+        weight_grad_dtype (ours): nl.bfloat16 (default) or nl.float32 (or the strings "bfloat16" /
+            "float32") for both weight gradients.
+        matmul_precision (ours): "mxfp8" (default on trn3) or "bf16" (nc_matmul; the only choice on trn2).
 
     Returns:
         (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I]) in
@@ -752,78 +756,53 @@ def mlp_backward_mxfp8_nki(output_grad, hidden_states, down_proj_weight=None, ga
     kernel_assert(quant_scheme in QUANT_SCHEMES, f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")
     kernel_assert(str(weight_grad_dtype) in ("bfloat16", "float32"),
                   f"weight_grad_dtype must be nl.bfloat16 or nl.float32, got {weight_grad_dtype!r}")
+    wg_dtype = nl.float32 if str(weight_grad_dtype) == "float32" else nl.bfloat16
     kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
     kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
     kernel_assert(clamp_limits is None or isinstance(clamp_limits, ClampLimits),
                   f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
     setup = MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing)
 
-    # ---- shapes ----
-    kernel_assert(output_grad is not None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,
-                  f"output_grad must be a 2-D [S, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
-    S, H = output_grad.shape
-    _check_2d("output_grad", output_grad, (S, H), ("bfloat16",))
-    _check_2d("hidden_states", hidden_states, (S, H), ("bfloat16",))
-    if down_proj_weight is not None:
-        kernel_assert(len(down_proj_weight.shape) == 2,
-                      f"down_proj_weight must be 2-D [H, I], got shape {tuple(down_proj_weight.shape)}")
-        I = down_proj_weight.shape[1]
-    elif gate_up_weights is not None:
-        I = gate_up_weights.shape[0] // 2
-    else:
-        kernel_assert(down_proj_weight_T_scales is not None,
-                      "down_proj_weight (or down_proj_weight_T with down_proj_weight_T_scales) is required")
-        I = down_proj_weight_T_scales.shape[0]
-    kernel_assert(H % 32 == 0 and I % 32 == 0,
-                  f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
-    prequant = {
-        "down_proj_weight_T": _prequantized_td("down_proj_weight_T", down_proj_weight_T, down_proj_weight_T_scales, I, H),
-        "gate_up_weights_T": _prequantized_td("gate_up_weights_T", gate_up_weights_T, gate_up_weights_T_scales, H, 2 * I),
-        "output_grad_T": _prequantized_td("output_grad_T", output_grad_T, output_grad_T_scales, H, S),
-        "hidden_states_T": _prequantized_td("hidden_states_T", hidden_states_T, hidden_states_T_scales, H, S),
-    }
-    if precision != "mxfp8":
-        given = [k for k, v in prequant.items() if v is not None]
-        kernel_assert(not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got {precision!r}")
-    if down_proj_weight is not None:
-        _check_2d("down_proj_weight", down_proj_weight, (H, I), ("bfloat16",))
-    else:
-        kernel_assert(prequant["down_proj_weight_T"] is not None,
-                      "down_proj_weight is None: pass down_proj_weight_T and down_proj_weight_T_scales instead")
-    if gate_up_weights is not None:
-        _check_2d("gate_up_weights", gate_up_weights, (2 * I, H), ("bfloat16",))
-    else:
-        kernel_assert(prequant["gate_up_weights_T"] is not None,
-                      "gate_up_weights is None: pass gate_up_weights_T and gate_up_weights_T_scales instead")
-        kernel_assert(gate_pre is not None and up is not None,
-                      "recomputing gate_pre/up needs gate_up_weights in bf16; pass gate_up_weights or both "
-                      "the gate_pre and up checkpoints")
-    for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
-        if ckpt is not None:
-            _check_2d(name, ckpt, (S, I), ("bfloat16",))
-
-    recompute = gate_pre is None or up is None
+    # ---- operands of either call style (api.py) ----
+    swizzled = dict(output_grad=output_grad_is_swizzled, hidden_states=hidden_states_is_swizzled,
+                    down_weight_T=down_weight_is_swizzled, gate_up_weight_T=gate_up_weight_T_is_swizzled,
+                    gate_up_weights=gate_up_weights_is_swizzled, output_grad_T=output_grad_T_is_swizzled,
+                    hidden_states_T=hidden_states_T_is_swizzled, hidden_T=hidden_T_is_swizzled)
+    for name in swizzled:
+        kernel_assert(isinstance(swizzled[name], bool), f"{name}_is_swizzled must be a bool, got {swizzled[name]!r}")
+    kernel_assert(not gate_weight_is_swizzled and not up_weight_is_swizzled,
+                  "gate_weight_is_swizzled / up_weight_is_swizzled: pre-quantized gate_proj_weight_T / "
+                  "up_proj_weight_T are not supported (see api.py); pass gate_up_weight_T pre-quantized along 2I")
+    ops = resolve_operands(dict(
+        output_grad=output_grad, output_hidden_states_grad=output_hidden_states_grad, hidden_states=hidden_states,
+        down_proj_weight=down_proj_weight, gate_up_weights=gate_up_weights, gate_up_weight_T=gate_up_weight_T,
+        gate_up_weight_T_scales=gate_up_weight_T_scales, gate_up_weights_scales=gate_up_weights_scales,
+        down_weight_T=down_weight_T, down_proj_weight_T=down_proj_weight_T, down_weight_T_scales=down_weight_T_scales,
+        down_weight_scales=down_weight_scales, output_grad_T=output_grad_T, output_grad_T_scales=output_grad_T_scales,
+        hidden_states_T=hidden_states_T, hidden_states_T_scales=hidden_states_T_scales,
+        output_grad_scales=output_grad_scales, hidden_states_scales=hidden_states_scales,
+        gate_proj_weight_T=gate_proj_weight_T, up_proj_weight_T=up_proj_weight_T, gate_weight_scales=gate_weight_scales,
+        up_weight_scales=up_weight_scales, hidden_T=hidden_T, hidden_T_scales=hidden_T_scales, gate_pre=gate_pre,
+        gate_act=gate_act, up=up, intermediate=intermediate, hidden=hidden, d_gate_scratch=d_gate_scratch,
+        d_up_scratch=d_up_scratch, silu_up_mul_gate_grad_T_scratch=silu_up_mul_gate_grad_T_scratch,
+        gate_pre_scratch=gate_pre_scratch, gate_act_scratch=gate_act_scratch, up_scratch=up_scratch,
+        hidden_scratch=hidden_scratch, is_swizzled=swizzled), quant_scheme, precision == "mxfp8")
+    tiles = dict(phase1=(phase1_tiles_m, phase1_tiles_n, phase1_tiles_k),
+                 phase2=(phase2_tiles_m, phase2_tiles_n, phase2_tiles_k),
+                 phase3=(phase3_tiles_m, phase3_tiles_n, phase3_tiles_k),
+                 phase4=(phase4_tiles_m, phase4_tiles_n, phase4_tiles_k),
+                 recompute=(recompute_tiles_m, recompute_tiles_n, recompute_tiles_k))
     n_max = 4096 if on_trn3 else 512  # fp32 PSUM moving limit (hardware.py / spec §5.3)
-    config = resolve_matmul_config(matmul_config, precision == "mxfp8", recompute, n_max)
+    transposes = phase_transposes(ops)
+    config = resolve_matmul_config(matmul_config_from_tiles(tiles, matmul_config, ops.recompute, n_max, transposes),
+                                   precision == "mxfp8", ops.recompute, n_max, transposes)
 
-    # ---- operand descriptors (who reads what, in which K orientation) ----
-    dy_k_h = TensorDescriptor(output_grad, k_axis=1)
-    x_k_h = TensorDescriptor(hidden_states, k_axis=1)
-    down_td = prequant["down_proj_weight_T"] or TensorDescriptor(down_proj_weight, k_axis=0)
-    gu_td = prequant["gate_up_weights_T"] or TensorDescriptor(gate_up_weights, k_axis=0)
-    x_k_s = prequant["hidden_states_T"] or TensorDescriptor(hidden_states, k_axis=0)
-    dy_k_s = prequant["output_grad_T"] or TensorDescriptor(output_grad, k_axis=0)
-    gate_w = up_w = None
-    if gate_up_weights is not None:
-        gate_w = TensorDescriptor(gate_up_weights, k_axis=1, f_base=0, f_size=I)
-        up_w = TensorDescriptor(gate_up_weights, k_axis=1, f_base=I, f_size=I)
-
+    S, H, I = ops.S, ops.H, ops.I
     hidden_states_grad = nl.ndarray((S, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
-    gate_up_weight_grad = nl.ndarray((2 * I, H), dtype=weight_grad_dtype, buffer=nl.shared_hbm,
-                                     name="gate_up_weight_grad")
-    down_proj_weight_grad = nl.ndarray((H, I), dtype=weight_grad_dtype, buffer=nl.shared_hbm,
-                                       name="down_proj_weight_grad")
-    mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad, dy_k_h, x_k_h, x_k_s,
-                                dy_k_s, down_td, gu_td, gate_w, up_w, gate_pre, gate_act, up, intermediate, setup,
-                                config, run_with_lnc2, clamp_limits, weight_grad_dtype)
+    gate_up_weight_grad = nl.ndarray((2 * I, H), dtype=wg_dtype, buffer=nl.shared_hbm, name="gate_up_weight_grad")
+    down_proj_weight_grad = nl.ndarray((H, I), dtype=wg_dtype, buffer=nl.shared_hbm, name="down_proj_weight_grad")
+    mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad, ops.dy_k_h, ops.x_k_h,
+                                ops.x_k_s, ops.dy_k_s, ops.down, ops.gate_up, ops.gate_w, ops.up_w, ops.gate_pre,
+                                ops.gate_act, ops.up, ops.intermediate, setup, config, run_with_lnc2, clamp_limits,
+                                wg_dtype)
     return hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad
