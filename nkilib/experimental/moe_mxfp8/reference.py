@@ -251,8 +251,10 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         if ck[0] is None or ck[2] is None:
             ck = list(reference_phase0_recompute(gather_rows(x, ids), w_gu[e], *ck,
                                                  clamp_limits=clamp_limits, **opts))
+        g_pre, g_act, u, h = ck
         d_gu[rows], hs[rows], dw_b = reference_block_phase1(
-            gather_rows(dy, ids), w_down[e], gather_rows(p_flat, slots), *ck, clamp_limits=clamp_limits, **opts)
+            gather_rows(dy, ids), w_down[e], gather_rows(p_flat, slots), g_pre, u, g_act, h,
+            clamp_limits=clamp_limits, **opts)
         valid = slots < t * k
         d_w[slots[valid]] = dw_b[valid]
     # pass B: dX, scatter-added in block order
