@@ -128,7 +128,8 @@ def validate_topk_weights(topk_weights, shape, name: str = "topk_weights") -> np
         raise TypeError(f"{name} must be a floating-point array, got dtype {w.dtype}")
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name} must have the shape of topk_ids {tuple(shape)}, got {tuple(w.shape)}")
-    w32 = w.astype(np.float32)
+    with np.errstate(over="ignore"):
+        w32 = w.astype(np.float32)
     bad = np.argwhere(~np.isfinite(w32))
     if bad.size:
         t, j = (int(v) for v in bad[0])
