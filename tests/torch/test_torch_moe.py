@@ -116,8 +116,9 @@ def test_gradients_are_within_the_mxfp8_error_of_float64_autograd(name):
     _, got = run_op(x, ids, w, wgu, wd, dy, clamp_limits=CLAMP)
     ideal = float64_grads(x, ids, w, wgu, wd, dy, clamp=CLAMP)
     errs = [error_report(to_numpy(g).astype(np.float64), i.numpy())["rel_fro"] for g, i in zip(got, ideal)]
-    # measured (e4m3fn, "all" checkpoints from the BF16 forward): 0.04-0.09 relative Frobenius
-    assert all(err < 0.11 for err in errs), errs
+    # measured (e4m3fn, "all" checkpoints from the BF16 forward): 0.054-0.069 relative Frobenius for dX
+    # and dW_gu, 0.032-0.041 for d_topk_weights and dW_down
+    assert all(0.02 < err < 0.09 for err in errs), errs
 
 
 @pytest.mark.parametrize("name", ["random", "k8", "empty_experts"])
@@ -128,7 +129,7 @@ def test_fp32_reference_matches_float64_autograd(name):
     order = (0, 1, 2, 3)  # dx, d_topk_weights, dW_gu, dW_down
     for i in order:
         err = error_report(ref[i], ideal[i].numpy())["rel_fro"]
-        assert err < 1e-6, (i, err)  # float64 math returned as float32: ~3e-8 measured
+        assert err < 1e-7, (i, err)  # float64 math returned as float32: 2.3e-8-2.7e-8 measured
 
 
 def test_checkpoint_policies_with_gate_pre_and_up_are_identical_to_all():
