@@ -114,9 +114,9 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         x_e, dy_e, p = x[tok], dy[tok], p_flat[slots][:, None]
         g_pre, g_act, u, h = (None if c is None else c[slots] for c in ck_flat)
         if g_pre is None:
-            g_pre = recompute_projection(x_e, w_gu[e, :n_i], **mm.keywords)  # K = H
+            g_pre = recompute_projection(x_e, w_gu[e, :n_i], **mm.keywords)  # K = H, M = R, N = I
         if u is None:
-            u = recompute_projection(x_e, w_gu[e, n_i:], **mm.keywords)  # K = H
+            u = recompute_projection(x_e, w_gu[e, n_i:], **mm.keywords)  # K = H, M = R, N = I
         gc, mask_g = _clamp_and_mask(g_pre.to(f32), gl, gu)
         uc, mask_u = _clamp_and_mask(u.to(f32), ul, uu)
         g_act = _silu32(gc).to(bf) if g_act is None else g_act
@@ -131,6 +131,6 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         hs = (h.to(f32) * p).to(bf)
         part = mm(d_gu, w_gu[e]).to(bf)  # [R, H]: K = 2I, M = R, N = H
         dx[tok] = (dx[tok].to(f32) + part.to(f32)).to(bf)  # the bf16 read-modify-write
-        dw_gu[e] = _fold_weight_grad(d_gu, x_e, block_size, k_tile, mm).to(weight_grad_dtype)  # K = tokens
-        dw_down[e] = _fold_weight_grad(dy_e, hs, block_size, k_tile, mm).to(weight_grad_dtype)  # K = tokens
+        dw_gu[e] = _fold_weight_grad(d_gu, x_e, block_size, k_tile, mm).to(weight_grad_dtype)  # K=tokens, M=2I, N=H
+        dw_down[e] = _fold_weight_grad(dy_e, hs, block_size, k_tile, mm).to(weight_grad_dtype)  # K=tokens, M=H, N=I
     return dx, d_w.reshape(t, k), dw_gu, dw_down

@@ -145,11 +145,11 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps):
             continue
         tok = slots // k
         x_e = xb[tok]
-        gate_pre = x_e @ wgu[e, :n_i].t()  # K = H
-        up = x_e @ wgu[e, n_i:].t()  # K = H
+        gate_pre = x_e @ wgu[e, :n_i].t()  # K = H, M = tokens of e, N = I
+        up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
         gate_act, inter = dense_emu.swiglu_activations(gate_pre, up, clamp_dict)
         hs = (inter.to(f32) * p[slots, None]).to(bf)
-        y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I
+        y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
         for c, v in zip(ckpts, (gate_pre, gate_act, up, inter)):
             c[slots] = v
     return (y.to(x2.dtype), *(c.reshape(t, k, n_i) for c in ckpts))

@@ -249,7 +249,7 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         ids, slots = layout.token_position_to_id[rows], layout.token_position_to_slot[rows]
         ck = [None if c is None else gather_rows(c, slots) for c in flat_ck]
         if ck[0] is None or ck[2] is None:
-            ck = list(reference_phase0_recompute(gather_rows(x, ids), w_gu[e], *ck,
+            ck = list(reference_phase0_recompute(gather_rows(x, ids), w_gu[e], *ck,  # K = H, M = B, N = I
                                                  clamp_limits=clamp_limits, **opts))
         g_pre, g_act, u, h = ck
         d_gu[rows], hs[rows], dw_b = reference_block_phase1(
@@ -270,6 +270,7 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         ids = layout.token_position_to_id[lo * b:hi * b]
         blk = (hi - lo, b)
         fold = dict(weight_grad_dtype=weight_grad_dtype, **opts)
+        # dW_gu[e]: K = tokens, M = 2I, N = H; dW_down[e]: K = tokens, M = H, N = I
         dw_gu.append(reference_weight_grad_fold(d_gu[lo * b:hi * b].reshape(*blk, 2 * n_i),
                                                 gather_rows(x, ids).reshape(*blk, h_dim), **fold))
         dw_down.append(reference_weight_grad_fold(gather_rows(dy, ids).reshape(*blk, h_dim),
