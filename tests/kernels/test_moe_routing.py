@@ -5,7 +5,7 @@ import pytest
 from moekit import ROUTINGS, make_routing
 
 from nkilib.experimental.moe_mxfp8.routing import (build_block_layout, capacity_blocks, check_block_size,
-                                                   validate_topk_ids, validate_topk_weights)
+                                                   validate_block_layout, validate_topk_ids, validate_topk_weights)
 
 
 @pytest.mark.parametrize("block_size", [128, 256])
@@ -19,6 +19,7 @@ def test_layout_invariants(name, block_size):
     assert n == capacity_blocks(t, k, e, b)
     for arr in (lay.token_position_to_id, lay.token_position_to_slot, lay.block_to_expert, lay.expert_block_offsets):
         assert arr.dtype == np.int32
+    validate_block_layout(lay)
     off = lay.expert_block_offsets
     counts = np.bincount(ids.ravel(), minlength=e)
     np.testing.assert_array_equal(np.diff(off), -(-counts // b))  # ceil(count / B) blocks per expert
@@ -90,3 +91,24 @@ def test_weights_validation():
         validate_topk_weights(np.array([[1e39]]), (1, 1))  # overflows float32
     with pytest.raises(TypeError, match="floating-point"):
         validate_topk_weights(np.ones((1, 1), np.int32), (1, 1))
+
+
+def _corrupt(lay, field, fn):
+    arr = getattr(lay, field).copy()
+    fn(arr)
+    return lay._replace(**{field: arr})
+
+
+@pytest.mark.parametrize("field, fn, match", [
+    ("block_to_expert", lambda a: a.__setitem__(0, 1), r"block_to_expert\[0\] = 1, but the offsets give expert 0"),
+    ("expert_block_offsets", lambda a: a.__setitem__(1, a[2] + 1), r"expert_block_offsets must rise"),
+    ("token_position_to_id", lambda a: a.__setitem__(0, a[0] + 1), r"position 0: token_position_to_id = \d+ and"),
+    ("token_position_to_slot", lambda a: a.__setitem__(1, a[0]), r"appears 0 times|disagree"),
+])
+def test_corrupted_layouts_are_rejected(field, fn, match):
+    ids, e = make_routing("random", seed=2)
+    lay = build_block_layout(ids, e)
+    with pytest.raises(ValueError, match=match):
+        validate_block_layout(_corrupt(lay, field, fn))
+    with pytest.raises(ValueError, match="int32 array of shape"):
+        validate_block_layout(lay._replace(block_to_expert=lay.block_to_expert.astype(np.int64)))

@@ -32,7 +32,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # building blocks of the dens
     _up_terms, _weight_grad, _weight_grad_dtype, error_report, reference_phase0_recompute,
     reference_phase2_hidden_states_grad)
 from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
-from .routing import BlockLayout, validate_topk_weights
+from .routing import BlockLayout, validate_block_layout, validate_topk_weights
 
 __all__ = ["MODES", "CHECKPOINT_NAMES", "gather_rows", "reference_block_phase1", "reference_dx_scatter_add",
            "reference_weight_grad_fold", "moe_backward_reference", "error_report"]
@@ -229,8 +229,9 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
     w_gu, w_down = cast(gate_up_weight), cast(down_weight)
     ckpts = (gate_pre, gate_act, up, intermediate)
     w = np.asarray(topk_weights)
+    validate_block_layout(layout)
     _check_shapes(dy, x, w, w_gu, w_down, layout, ckpts)
-    p_flat = validate_topk_weights(w, w.shape).reshape(-1)
+    p_flat = validate_topk_weights(w, (layout.num_tokens, layout.top_k)).reshape(-1)
     if not exact:
         p_flat = _f64(w).reshape(-1)
     t, h_dim = x.shape

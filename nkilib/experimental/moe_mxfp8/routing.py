@@ -20,8 +20,8 @@ import numpy as np
 
 from .constants import BLOCK_ALIGN, DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, TOPK_ID_DTYPES
 
-__all__ = ["BlockLayout", "build_block_layout", "capacity_blocks", "check_block_size", "validate_topk_ids",
-           "validate_topk_weights"]
+__all__ = ["BlockLayout", "build_block_layout", "capacity_blocks", "check_block_size", "validate_block_layout",
+           "validate_topk_ids", "validate_topk_weights"]
 
 
 class BlockLayout(NamedTuple):
@@ -199,3 +199,47 @@ def build_block_layout(topk_ids, num_experts, block_size=DEFAULT_BLOCK_SIZE, cap
     i32 = np.int32
     return BlockLayout(to_id.astype(i32), to_slot.astype(i32), block_to_expert.astype(i32), offsets.astype(i32),
                        t, k, e, b)
+
+
+def validate_block_layout(layout: BlockLayout) -> None:
+    """Checks that a (possibly hand-built) layout is one the kernel can run: int32 arrays of consistent
+    shapes, expert-major blocks matching the offsets, sentinels exactly on padding, token = slot // k,
+    and every routed slot present exactly once.
+
+    Raises:
+        ValueError: naming the field and the first offending value.
+    """
+    t, k, e = layout.num_tokens, layout.top_k, layout.num_experts
+    b = check_block_size(layout.block_size)
+    n = layout.capacity
+    shapes = dict(token_position_to_id=(n * b,), token_position_to_slot=(n * b,), block_to_expert=(n,),
+                  expert_block_offsets=(e + 1,))
+    for name, shape in shapes.items():
+        arr = getattr(layout, name)
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.shape != shape:
+            raise ValueError(f"layout.{name} must be an int32 array of shape {shape}, got "
+                             f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', '')}")
+    off = layout.expert_block_offsets.astype(np.int64)
+    if off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] > n:
+        raise ValueError(f"layout.expert_block_offsets must rise from 0 to at most N={n}, got {off.tolist()}")
+    owner = np.full(n, e, dtype=np.int64)
+    owner[:off[-1]] = np.repeat(np.arange(e), np.diff(off))
+    bad = np.flatnonzero(layout.block_to_expert != owner)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"layout.block_to_expert[{i}] = {layout.block_to_expert[i]}, but the offsets give "
+                         f"expert {owner[i]} (blocks past the used ones hold E={e})")
+    slot = layout.token_position_to_slot.astype(np.int64)
+    tok = layout.token_position_to_id.astype(np.int64)
+    pad = slot == t * k
+    wrong = np.flatnonzero((slot < 0) | (slot > t * k) | np.where(pad, tok != t, tok != slot // k))
+    if wrong.size:
+        i = int(wrong[0])
+        raise ValueError(f"layout position {i}: token_position_to_id = {tok[i]} and token_position_to_slot = "
+                         f"{slot[i]} disagree (valid: slot in [0, T*k) and id = slot // k; padding: T={t} and "
+                         f"T*k={t * k})")
+    counts = np.bincount(slot[~pad], minlength=t * k)
+    if np.any(counts != 1):
+        s_ = int(np.flatnonzero(counts != 1)[0])
+        raise ValueError(f"layout: slot {s_} (token {s_ // k}, j={s_ % k}) appears {counts[s_]} times; every "
+                         f"routed slot must appear exactly once")
