@@ -233,3 +233,17 @@ def test_emulate_is_bit_identical_to_mx_exact_large():
     _, got = run_op(x, tids, w, wgu, wd, dy, clamp_limits=CLAMP, block_size=512)
     want = reference_grads(x, tids, w, wgu, wd, dy, block_size=512, clamp_limits=CLAMP)
     assert_outputs_identical(tuple(to_numpy(g) for g in got), want, "large")
+
+
+def test_id_dtypes_and_weight_dtype():
+    x, ids, w, wgu, wd, dy = leaves("k8", seed=20)
+    y32, g32 = run_op(x, ids.int(), w, wgu, wd, dy)
+    y32, g32 = y32.detach(), tuple(g.clone() for g in g32)
+    y64, g64 = run_op(x, ids.long(), w, wgu, wd, dy)
+    assert torch.equal(y32, y64) and all(torch.equal(a, b) for a, b in zip(g32, g64))
+    wb = w.detach().bfloat16().requires_grad_()
+    _, gb = run_op(x, ids, wb, wgu, wd, dy)
+    assert gb[1].dtype == torch.bfloat16
+    want = reference_grads(x, ids, wb.float(), wgu, wd, dy)[1]  # computed in fp32, returned in bf16
+    np.testing.assert_array_equal(to_numpy(gb[1]).astype(np.float32), want.astype(to_numpy(gb[1]).dtype)
+                                  .astype(np.float32))
