@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ...mx import SCALE_RULES
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import CHECKPOINT_NAMES, _weight_grad_name, resolve_checkpoint_policy
@@ -57,7 +58,6 @@ __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILA
 BACKENDS = ("auto", "emulate")
 #: Backends that need the NKI MoE kernel (not in this release).
 UNAVAILABLE_BACKENDS = ("simulator", "neuron")
-_SCALE_RULES = ("neuron", "rceil", "ocp_floor")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
 _NO_KERNEL = ("the NKI MoE kernel is not in this release (its design is docs/moe.md); use backend='emulate', the "
               "pure-torch implementation of exactly the kernel's numerics")
@@ -288,7 +288,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     fp8 = dense_emu.fp8_name(fp8_dtype)
     dense_emu.check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
     dense_emu.check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
-    dense_emu.check_choice("scale_rule", scale_rule, _SCALE_RULES)
+    dense_emu.check_choice("scale_rule", scale_rule, SCALE_RULES)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
     y2, *_ = moe_swiglu_experts_mxfp8_op(
