@@ -143,7 +143,8 @@ def capacity_blocks(num_tokens, top_k, num_experts, block_size) -> int:
 
     With m = min(E, T*k) non-empty experts at most, sum_e ceil(c_e / B) <= (T*k - m) // B + m
     (a non-empty expert with c tokens needs ceil(c / B) <= (c - 1) // B + 1 blocks; the bound grows
-    with the number of non-empty experts and is reached when m - 1 experts get one token each).
+    with the number of non-empty experts; it is reached for k = 1 when m - 1 experts get one token
+    each, and can be a few blocks loose for k > 1, where an expert holds at most T tokens).
     """
     t = _positive_int("num_tokens", num_tokens)
     k = _positive_int("top_k", top_k)
