@@ -4,6 +4,13 @@ uninitialised-read checks on, precise floating point, the current quantize_mx sc
 import os
 import sys
 
+# One BLAS thread per test process: `pytest -n auto` already runs one worker per core, and the
+# simulator's many small float64 GEMMs run 2-6x slower when each worker also spawns BLAS threads
+# (measured on the 2-core CI machine size). Must be set before numpy is first imported.
+if "numpy" not in sys.modules:
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 import pytest
 
 import nkilib  # noqa: F401  (installs the simulator as `nki` when the Neuron SDK is absent)
