@@ -30,7 +30,7 @@ import numpy as np
 
 from ...indirect import (check_unique_destination, cover_view, element_addresses, mark_written, read_elements,
                          write_elements)
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ._common import NkiInstruction, alu_op, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 from .dma_indirect import IndirectAccess, record_indirect, resolve

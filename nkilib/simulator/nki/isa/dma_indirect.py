@@ -28,7 +28,7 @@ import numpy as np
 
 from ...indirect import (check_unique_destination, contiguous_runs_per_row, cover_view, element_addresses,
                          mark_written, read_elements, resolve_rows, write_elements)
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ._common import ctx, fail, require_nc_version
 from . import constants as C
 

@@ -34,7 +34,8 @@ import numbers
 import numpy as np
 
 from ...errors import NkiValidationError, UninitializedReadError
-from ...tensor import NkiTensor, cast_values, checked_read, checked_write, to_float32
+from ...access import cast_values, checked_read, checked_write, to_float32
+from ...tensor import NkiTensor
 from ._common import NkiInstruction, ctx, fail
 
 INT32_MIN = -(2 ** 31)
