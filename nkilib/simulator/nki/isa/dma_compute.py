@@ -13,10 +13,10 @@ at most 16 sources. With a vector_offset (software DGE, the compiler picks it):
 exactly 2 sources, `unique_indices` must be True ("non-unique indices not yet supported").
 Without a vector_offset the only DGE mode is none (static descriptors).
 
-Choices (docs/simulator-dma.md): the sum is a left fold in `srcs` order in fp32; a scatter-add whose
-indices repeat inside one instruction raises IndirectHazardError (unique indices are required and the
-hardware would race on the read-modify-write); repeated indices in a gather-add only read a row twice
-and are accepted.
+Choices (docs/simulator.md#dma_compute-read-modify-write): the sum is a left fold in `srcs` order in
+fp32; a scatter-add whose indices repeat inside one instruction raises IndirectHazardError (unique
+indices are required and the hardware would race on the read-modify-write); repeated indices in a
+gather-add only read a row twice and are accepted.
 
 Trace: instr "dma_compute", `bytes` = bytes written to dst, `rmw=True` when dst is also a source
 (always for the indirect modes; the read-back of dst is implied), `srcs` = number of sources,

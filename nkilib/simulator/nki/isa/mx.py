@@ -95,7 +95,8 @@ def quantize_mx(dst, src, dst_scale, name=None):
         src: SBUF float16 / bfloat16 [P, F] (extra free dims flattened), P in {32, 64, 96, 128},
             F % 4 == 0, starting at a quadrant boundary.
         dst_scale: SBUF uint8 / float8_e8m0fnu [R, F/4], starting at quadrant offset 0/4/8/12 in
-            the same quadrant as src, R >= 32*((P/8-1)//4) + (P/8-1)%4 + 1.
+            the same quadrant as src; R >= 4 for P = 32, R >= P - (quadrant offset) for P > 32
+            (`_check_scale`).
         name: instruction name (unused by the simulator).
     """
     instr = "quantize_mx"
