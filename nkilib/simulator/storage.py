@@ -25,6 +25,7 @@ HBM_KINDS = ("private_hbm", "shared_hbm")
 
 
 def prod(xs) -> int:
+    """Product of sizes as a Python int (element counts of shapes)."""
     return int(math.prod(xs))
 
 
