@@ -109,7 +109,8 @@ def oversized_tile(shape, dtype, buffer="sbuf"):
     behind nl.ndarray's back (which rejects it) so tests can check that instructions reject it too."""
     from nkilib.simulator import runtime
     from nkilib.simulator.dtypes import as_nki_dtype
-    from nkilib.simulator.tensor import NkiTensor, Storage
+    from nkilib.simulator.storage import Storage
+    from nkilib.simulator.tensor import NkiTensor
 
     ctx = runtime.current()
     dt = as_nki_dtype(dtype)

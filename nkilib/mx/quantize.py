@@ -415,7 +415,7 @@ def mx_matmul(a: MXTensor, b: MXTensor, k_tile: int = 512) -> np.ndarray:
     dequantized in float64, so a dequantized value beyond the float32 range (an fp8 code rounded up
     to 2**128 in a group whose amax is >= 1.9375 * 2**127, e.g. the bf16 maximum) enters the
     products exactly instead of as Inf, as in nisa.nc_matmul_mx's products (nkilib.mx.hw_matmul_mx;
-    docs/simulator-api.md records the choice); only a tile sum beyond float32 becomes +-Inf.
+    docs/kernel-api.md records the choice); only a tile sum beyond float32 becomes +-Inf.
 
     Args:
         a: MXTensor [M, K] quantized along axis 1.

@@ -73,7 +73,7 @@ float16 = NkiDType("float16", 2, "float", np.float16)
 bfloat16 = NkiDType("bfloat16", 2, "float", ml_dtypes.bfloat16)
 float32 = NkiDType("float32", 4, "float", np.float32)
 # tfloat32 (1-8-10) lives in a 32-bit container (INFERRED, docs/simulator.md#choice-tf32-fp32-matmul); rounded to 10
-# mantissa bits on write (see tensor.cast_values).
+# mantissa bits on write (see access.cast_values).
 tfloat32 = NkiDType("tfloat32", 4, "float", np.float32)
 # Legacy Trn2 "float8_e4m3": IEEE-like e4m3 with Inf/NaN, max finite 240
 # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html footnote; nki-library

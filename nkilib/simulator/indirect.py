@@ -25,10 +25,10 @@ import numpy as np
 
 from . import runtime
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
+from .storage import HBM_KINDS
 
 # index tile dtypes of the documented examples: uint32 (dma_copy, dma_transpose), int32 (vector_select)
 INDEX_DTYPES = ("int32", "uint32")
-HBM_KINDS = ("private_hbm", "shared_hbm")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def resolve_rows(view, instr: str, arg: str, oob_skip: bool):
     """Read the index tile of an indirect operand: (rows [R] int64, valid [R] bool), or (None, None)
     in a shape-only run. Raises OutOfBoundsError naming the index value and its position unless
     `oob_skip` (then out-of-bounds rows are marked invalid and not transferred)."""
-    from .tensor import checked_read
+    from .access import checked_read
 
     spec = view._vector_index
     raw = checked_read(spec.index, f"{instr}", f"{arg}.vector_offset")
@@ -278,7 +278,7 @@ def read_elements(view, addrs: np.ndarray, mask: np.ndarray, instr: str, arg: st
 
 def write_elements(view, addrs: np.ndarray, values, mask: np.ndarray, instr: str, arg: str) -> None:
     """Write `values` (shape addrs.shape) where `mask`, casting to the view's dtype; marks bytes written."""
-    from .tensor import cast_values
+    from .access import cast_values
 
     ctx = runtime.current()
     st = view.storage

@@ -16,7 +16,8 @@ from .errors import NkiValidationError, UninitializedReadError
 from .dtypes import as_nki_dtype
 from .runtime import Launch
 from .settings import current_settings
-from .tensor import NkiTensor, Storage, _row_major
+from .storage import Storage
+from .tensor import NkiTensor, row_major
 
 
 @dataclass
@@ -47,7 +48,7 @@ def _spec_tensor(spec: ShapeSpec, arg: str, buffer_kind: str, settings) -> NkiTe
     shape = tuple(int(s) for s in spec.shape) or (1,)
     st = Storage(shape, dtype, buffer_kind, arg, settings.precise_fp, False, -1)
     st.written[...] = True
-    return NkiTensor(st, dtype, shape, _row_major(shape), 0)
+    return NkiTensor(st, dtype, shape, row_major(shape), 0)
 
 
 # ---- host <-> simulator array conversion (numpy, and torch CPU tensors when torch is present) ----
@@ -91,7 +92,7 @@ def _input_tensor(arr: np.ndarray, arg: str, buffer_kind: str, settings, numeric
     shape = arr.shape if arr.ndim else (1,)
     st = Storage(shape, dtype, buffer_kind, arg, settings.precise_fp, numerics, -1, init=init)
     st.host_array = arr
-    return NkiTensor(st, dtype, shape, _row_major(shape), 0)
+    return NkiTensor(st, dtype, shape, row_major(shape), 0)
 
 
 def _to_output(value, inputs_by_storage, strict: bool, numerics: bool):

@@ -1,34 +1,25 @@
-"""NkiTensor: a strided view over a flat byte storage.
+"""NkiTensor: a strided view over a flat byte storage (`storage.py`), and `allocate`.
 
 References:
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html (access patterns)
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html (sentinels, conversions)
 
-Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
-- `written`: one bool per storage byte, set by every write (uninitialised-read detection); a copy
-  (checked_copy_read -> checked_write(written=)) carries the source's never-written elements along,
-  and computations (checked_read) raise on them in strict mode;
-- `mm_written` (PSUM only): one bool per byte, set by matmul writes (nc_matmul accumulate=None rule).
 A view is (storage, dtype, offset, shape, strides) with offset/strides in elements of the view's
 dtype, so reinterpretation (`.view`, `.ap(dtype=)`) is a byte-level re-view of the same storage.
 On-chip (SBUF/PSUM) storages have a partition dim 0 whose stride is the per-partition row length.
+Instructions read and write views through `access.py` (strict reads, race bookkeeping, casts).
 """
 from __future__ import annotations
 
-import math
 import operator
 
-import ml_dtypes
 import numpy as np
 
 from . import runtime
-from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
+from .errors import NkiValidationError, OutOfBoundsError
 from .dtypes import NkiDType, as_nki_dtype
 from .indirect import make_indirect_view, reject_indirect
-
-ON_CHIP = ("sbuf", "psum")
-HBM_KINDS = ("private_hbm", "shared_hbm")
+from .storage import ON_CHIP, Storage, prod
 
 _APS_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html"
 _NKITENSOR_URL = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/"
@@ -54,65 +45,6 @@ def not_simulated(what: str) -> NkiValidationError:
     """The error for a documented NKI feature this simulator does not implement (README, 'Simulator limits')."""
     return NkiValidationError(f"{what} is part of the documented NKI API but is not simulated by nkilib's simulator "
                               "(README, 'Simulator limits')")
-
-
-def _prod(xs) -> int:
-    return int(math.prod(xs))
-
-
-def _sentinel_bytes(dtype: NkiDType, np_dtype: np.dtype, count: int) -> np.ndarray:
-    """Fill pattern of a fresh allocation: NaN for floats, 4 for integers (official CPU simulator guide)."""
-    if dtype.category == "float":
-        arr = np.full(count, np.nan, dtype=np_dtype)
-    elif dtype.category == "scale":
-        arr = np.full(count, 0xFF, dtype=np.uint8)  # E8M0 NaN
-    else:
-        arr = np.full(count, 4, dtype=np_dtype)
-    return arr.view(np.uint8)
-
-
-class Storage:
-    """One allocation: raw bytes + written masks + bookkeeping."""
-
-    __slots__ = (
-        "id", "name", "shape", "dtype", "buffer_kind", "np_dtype", "nbytes", "data", "written",
-        "mm_written", "race_state", "program_id", "host_array", "modified", "__weakref__",
-    )
-
-    def __init__(self, shape, dtype: NkiDType, buffer_kind: str, name: str, precise_fp: bool, numerics: bool,
-                 program_id: int, init: np.ndarray | None = None):
-        self.id = runtime.next_storage_id()
-        self.name = name or f"t{self.id}"
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = dtype
-        self.buffer_kind = buffer_kind
-        self.np_dtype = dtype.storage_np(precise_fp)
-        count = _prod(self.shape)
-        self.nbytes = count * self.np_dtype.itemsize
-        self.program_id = program_id
-        self.host_array = None
-        self.modified = False
-        self.race_state = {}
-        if init is not None:
-            self.data = np.ascontiguousarray(init).reshape(-1).view(np.uint8).copy() if numerics else None
-            self.written = np.ones(self.nbytes, np.bool_)
-        else:
-            self.data = _sentinel_bytes(dtype, self.np_dtype, count).copy() if numerics else None
-            self.written = np.zeros(self.nbytes, np.bool_)
-        self.mm_written = np.zeros(self.nbytes, np.bool_) if buffer_kind == "psum" else None
-
-    @property
-    def on_chip(self) -> bool:
-        return self.buffer_kind in ON_CHIP
-
-    @property
-    def row_bytes(self) -> int:
-        """Storage bytes per partition (on-chip)."""
-        return self.nbytes // self.shape[0]
-
-    @property
-    def nki_bytes_per_partition(self) -> int:
-        return _prod(self.shape[1:]) * self.dtype.itemsize
 
 
 def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
@@ -159,7 +91,7 @@ class NkiTensor:
 
     @property
     def size(self) -> int:
-        return _prod(self.shape)
+        return prod(self.shape)
 
     @property
     def storage(self) -> Storage:
@@ -237,7 +169,7 @@ class NkiTensor:
 
     @property
     def free_size(self) -> int:
-        return _prod(self.shape[1:])
+        return prod(self.shape[1:])
 
     def is_contiguous(self) -> bool:
         dims = list(zip(self.shape, self.strides))
@@ -270,16 +202,16 @@ class NkiTensor:
         if sizes.count(-1) > 1:
             raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: at most one -1 allowed, got {tuple(sizes)}")
         if -1 in sizes:
-            known = _prod(s for s in sizes if s != -1)
+            known = prod(s for s in sizes if s != -1)
             sizes[sizes.index(-1)] = n // known if known and n % known == 0 else -1
-        if any(s < 1 for s in sizes) or _prod(sizes) != n:
+        if any(s < 1 for s in sizes) or prod(sizes) != n:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape_dim: cannot split dim {dim} of size {n} into {tuple(shape)}")
         if self.on_chip and dim == 0 and len(sizes) != 1:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, "
                 f"got {tuple(sizes)}")
-        inner = _row_major(sizes)
+        inner = row_major(sizes)
         shape_ = list(self.shape[:dim]) + sizes + list(self.shape[dim + 1:])
         strides = list(self.strides[:dim]) + [st * self.strides[dim] for st in inner] + list(self.strides[dim + 1:])
         return NkiTensor(self._storage, self.dtype, shape_, strides, self.offset)
@@ -408,9 +340,9 @@ class NkiTensor:
         if shape.count(-1) > 1:
             raise NkiValidationError(f"tensor '{self.name}'.reshape: at most one -1 allowed, got {tuple(shape)}")
         if -1 in shape:
-            known = _prod(s for s in shape if s != -1)
+            known = prod(s for s in shape if s != -1)
             shape[shape.index(-1)] = total // known if known and total % known == 0 else -1
-        if any(s < 1 for s in shape) or _prod(shape) != total:
+        if any(s < 1 for s in shape) or prod(shape) != total:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape: cannot reshape {self.shape} ({total} elements) to {tuple(shape)}")
         if not self.is_contiguous():
@@ -422,9 +354,9 @@ class NkiTensor:
                 raise NkiValidationError(
                     f"tensor '{self.name}'.reshape: on-chip reshape must keep the partition dim {self.shape[0]}, "
                     f"got {tuple(shape)}")
-            free = _row_major(shape[1:])
+            free = row_major(shape[1:])
             return NkiTensor(self._storage, self.dtype, shape, [self.strides[0]] + free, self.offset)
-        return NkiTensor(self._storage, self.dtype, shape, _row_major(shape), self.offset)
+        return NkiTensor(self._storage, self.dtype, shape, row_major(shape), self.offset)
 
     def permute(self, dims):
         reject_indirect(self, f"tensor '{self.name}'.permute")
@@ -499,7 +431,7 @@ class NkiTensor:
         shape and strides. `offset` (elements of the pattern's dtype) is RELATIVE to this view's storage
         offset: the 2.32 `NkiTensor.ap` docstring (offset "added to the view's base storage offset",
         offset=0 keeps the base; the 2.30 docstring still said "from start of storage"), newest meaning,
-        chosen over the access-pattern guide's absolute reading (docs/simulator-strict.md; both URLs:
+        chosen over the access-pattern guide's absolute reading (docs/simulator.md#choice-ap-offset; both URLs:
         https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html,
         https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html). On a base
         allocation (offset 0: every nki-library use) both readings agree; on a sliced view an
@@ -569,7 +501,7 @@ class NkiTensor:
             raise OutOfBoundsError(f"{e}{hint}") from None
 
 
-def _row_major(shape):
+def row_major(shape):
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
@@ -577,9 +509,7 @@ def _row_major(shape):
     return list(reversed(strides))
 
 
-# ---------------------------------------------------------------------------------------------
-# Allocation, value conversion and checked access (used by nki.language and nki.isa)
-# ---------------------------------------------------------------------------------------------
+# Allocation (nki.language.ndarray)
 
 def allocate(shape, dtype, buffer_kind: str, name: str = "", init: np.ndarray | None = None) -> NkiTensor:
     """Allocate a tensor in the running program (nki.language.ndarray)."""
@@ -619,134 +549,4 @@ def allocate(shape, dtype, buffer_kind: str, name: str = "", init: np.ndarray | 
         ctx.memory.allocate(storage, per_part, f"'{storage.name}' {shape} {dtype}")
     elif buffer_kind == "private_hbm":
         ctx.private_hbm.append(storage)
-    return NkiTensor(storage, dtype, shape, _row_major(shape), 0)
-
-
-_INT_RANGES = {}
-
-
-def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.ndarray:
-    """Convert fp32 (or integer) compute results to `dtype` storage (the 2.32 CPU simulator guide and
-    release notes).
-
-    Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
-    e5m2/e4m3, NaN for e4m3fn): our choice, undocumented (docs/simulator.md). tfloat32: RNE to 10 mantissa bits.
-    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, 2.32 release notes); NaN -> 0.
-    Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
-    tensor_copy, transpose mode) are bit-exact, NaN payloads included (tensor_copy / dma_copy pages);
-    a float round trip through fp32 would canonicalise NaN payloads.
-    """
-    if isinstance(values, np.ndarray) and values.dtype == np_dtype and dtype != "tfloat32":
-        return values
-    if dtype.category == "float":
-        v = np.asarray(values, dtype=np.float32)
-        if dtype == "tfloat32":
-            bits = v.view(np.uint32).astype(np.uint64)
-            lsb = (bits >> 13) & 1
-            rounded = ((bits + 0x0FFF + lsb) & ~np.uint64(0x1FFF)).astype(np.uint32)
-            finite = np.isfinite(v)
-            v = np.where(finite, rounded.view(np.float32), v)
-        return v.astype(np_dtype)
-    if dtype.category in ("int", "uint", "bool"):
-        v = np.asarray(values)
-        if v.dtype.kind == "f" or v.dtype == ml_dtypes.bfloat16:
-            v = np.rint(np.nan_to_num(v.astype(np.float64), nan=0.0))
-            info = np.iinfo(np_dtype)
-            v = np.clip(v, info.min, info.max)
-        else:
-            info = np.iinfo(np_dtype)
-            v = np.clip(v.astype(np.int64), info.min, info.max)
-        return v.astype(np_dtype)
-    # x4 / e8m0 scale: raw bits, no conversion
-    v = np.asarray(values)
-    if v.dtype != np_dtype:
-        raise NkiValidationError(f"cannot convert {v.dtype} values to {dtype}: packed/scale dtypes are raw bits")
-    return v
-
-
-def to_float32(view: NkiTensor, raw: np.ndarray) -> np.ndarray:
-    """Decode raw storage values of `view` to float32 for fp32 engine math."""
-    cat = view.dtype.category
-    if cat == "x4":
-        raise NkiValidationError(f"tensor '{view.name}': packed {view.dtype} data cannot be used in arithmetic")
-    if cat == "scale":
-        b = raw.astype(np.int32)
-        out = np.ldexp(np.ones(b.shape, np.float32), b - 127)
-        return np.where(b == 255, np.float32(np.nan), out).astype(np.float32)
-    return raw.astype(np.float32)
-
-
-def checked_copy_read(view: NkiTensor, instr: str, arg: str):
-    """Read the source of a data-movement instruction (tensor_copy, dma_copy): (raw values or None, written).
-
-    Reading never-written memory is legal on hardware (the values are garbage): copying a whole
-    quantize_mx scale tile whose padding rows were never written is valid NKI. So a copy does not raise;
-    `written` (per source element in row-major order, or None when all were written) goes to
-    `checked_write(..., written=)`, which keeps the destination elements marked never-written. The poison
-    travels with the data, and strict mode raises where a compute instruction *uses* it (checked_read).
-    """
-    st = view.storage
-    written = None
-    if not view.byte_mask_view(st.written).all():
-        mask = view.written_elements()
-        if not mask.all():
-            written = mask.reshape(-1)
-    return _read(view, instr, arg), written
-
-
-def checked_read(view: NkiTensor, instr: str, arg: str):
-    """Read a view for an instruction: uninitialised-read check, race bookkeeping; raw values or None."""
-    reject_indirect(view, f"{instr}: argument '{arg}'")
-    ctx = runtime.current()
-    st = view.storage
-    # one flat reduction over the byte mask first (fast); the per-element mask only to report an error
-    if ctx.settings.strict and not view.byte_mask_view(st.written).all():
-        ok = view.written_elements()
-        if not ok.all():
-            bad = np.argwhere(~ok)
-            raise UninitializedReadError(
-                f"{instr}: argument '{arg}' reads {int((~ok).sum())} element(s) of tensor '{st.name}' that were never "
-                f"written (first at view index {tuple(int(i) for i in bad[0])}; view shape {view.shape}); "
-                "a copy may move never-written values, a computation may not use them")
-    return _read(view, instr, arg)
-
-
-def _read(view: NkiTensor, instr: str, arg: str):
-    ctx = runtime.current()
-    st = view.storage
-    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
-        ctx.launch.note_access(st, view.byte_mask_view, False, ctx.program_id, f"{instr} '{arg}'")
-    if not ctx.numerics:
-        return None
-    return view._np().copy()
-
-
-def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = False, written=None) -> None:
-    """Write values (already in the view's shape or reshapeable to it) and mark bytes written.
-
-    `written`: from checked_copy_read; elements copied from never-written memory stay never-written.
-    """
-    reject_indirect(view, f"{instr}: argument '{arg}'")
-    ctx = runtime.current()
-    st = view.storage
-    vals = None
-    if ctx.numerics and values is not None:
-        vals = cast_values(values, view.dtype, view.np_dtype).reshape(view.shape)
-    if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
-        ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'",
-                               new_bytes=None if vals is None else _as_bytes(view, vals))
-    st.modified = True
-    if vals is not None:
-        view._np()[...] = vals
-    byte_mask = view.byte_mask_view(st.written)
-    if written is None:
-        byte_mask[...] = True
-    else:
-        byte_mask[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
-    if matmul and st.mm_written is not None:
-        view.byte_mask_view(st.mm_written)[...] = True
-
-
-def _as_bytes(view: NkiTensor, vals: np.ndarray) -> np.ndarray:
-    """Values in the view's storage dtype as bytes, shaped like byte_mask_view (view.shape + (itemsize,))."""
-    return np.ascontiguousarray(vals, dtype=view.np_dtype).view(np.uint8).reshape(view.shape + (view.itemsize_storage,))
+    return NkiTensor(storage, dtype, shape, row_major(shape), 0)

@@ -74,3 +74,43 @@ def test_cited_doc_anchors_exist():
         if target not in anchors:
             broken.append(f"docs/simulator.md: #{target}")
     assert not broken, f"references to missing docs/simulator.md anchors: {broken}"
+
+
+def _doc_section(title: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def _bullet_names(section: str, prefix: str) -> set:
+    """Backticked names of the bullet of `section` that starts with `prefix`."""
+    bullet = next(b for b in section.split("\n- ") if b.startswith(prefix))
+    return set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", bullet))
+
+
+def test_not_simulated_lists_match_the_stubs():
+    import nki.isa as nisa
+    import nki.language as nl
+
+    section = _doc_section("Not simulated")
+    assert _bullet_names(section, "`nki.isa` (stubs)") == set(nisa._NOT_SIMULATED)
+    assert _bullet_names(section, "`nki.language` (stubs)") - {"op", "nl"} >= set(nl._NOT_SIMULATED)
+    for name in nisa._NOT_SIMULATED:  # a stub never shadows an implemented instruction
+        assert not callable(nisa.__dict__.get(name)), f"nisa.{name} is implemented but listed as not simulated"
+
+
+def test_every_exported_isa_function_is_documented():
+    import enum
+
+    import nki.isa as nisa
+
+    exported = {n for n in dir(nisa) if not n.startswith("_") and callable(getattr(nisa, n))
+                and not isinstance(getattr(nisa, n), (type, enum.Enum))}
+    section = _doc_section("Instructions (`nki.isa`)")
+    paragraph = section.split("Every exported `nki.isa` function:")[1].split("\n\n")[0]
+    listed = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", paragraph))
+    assert listed >= exported, f"docs/simulator.md does not list {sorted(exported - listed)}"
+    headings = set(re.findall(r"^### .*$", section, flags=re.M))
+    undocumented = sorted(n for n in exported if not any(f"`{n}`" in h or f"`nisa.{n}`" in h for h in headings))
+    assert not undocumented, f"no '### ...' entry in docs/simulator.md for nisa.{undocumented}"

@@ -27,14 +27,14 @@ gpsimd_engine = engine.gpsimd
 unknown_engine = engine.unknown
 
 
-# Documented in the 2.32 nki.isa API but not simulated here (full list: the 2.32 nki.isa index above).
+# Documented in the 2.32 nki.isa API but not simulated here (full list: the 2.32 nki.isa index above;
+# docs/simulator.md#not-simulated lists the same names).
 _NOT_SIMULATED = frozenset({
     "activate2", "tensor_partition_reduce", "tensor_tensor_scan", "tensor_scalar_reduce", "tensor_scalar_cumulative",
     "tensor_copy_predicated", "exponential", "dropout", "affine_select", "range_select", "select_reduce",
-    "sequence_bounds", "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "dma_compute", "max8",
-    "nc_find_index8", "nc_match_replace8", "nc_stream_shuffle", "register_alloc", "register_load", "register_move",
-    "register_store", "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state", "set_rng_seed",
-    "nonzero_with_count", "topk",
+    "sequence_bounds", "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "max8", "nc_find_index8",
+    "nc_match_replace8", "nc_stream_shuffle", "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state",
+    "set_rng_seed", "nonzero_with_count", "topk",
 })
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ... import dtypes as D
 from ..language.ops import evaluate_activation
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from . import constants as C
 from ._common import (NkiInstruction, alu_op, ctx, fail, numeric_operand, on_chip, require_nc_version,
                       same_partitions_and_free, scalar_or_vector)

@@ -10,7 +10,7 @@ import numbers
 
 import numpy as np
 
-from ...tensor import checked_copy_read, checked_write, to_float32
+from ...access import checked_copy_read, checked_write, to_float32
 from . import constants as C
 from ._common import NkiInstruction, ctx, fail, on_chip, resolve_engine, same_partitions_and_free
 
@@ -25,7 +25,7 @@ def _engine_buffers(instr, eng, *tiles):
 def tensor_copy(dst, src, engine=C.engine.unknown, name=None):
     """Copy a tile: same dtype -> bit-exact; otherwise through fp32 then RNE to dst.
 
-    Never-written source elements are copied as never-written (tensor.checked_copy_read): a copy is not
+    Never-written source elements are copied as never-written (access.checked_copy_read): a copy is not
     a use; the instruction that computes with them raises in strict mode.
     """
     instr = "tensor_copy"

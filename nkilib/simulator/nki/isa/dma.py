@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...tensor import checked_copy_read, checked_read, checked_write, to_float32
+from ...access import checked_copy_read, checked_read, checked_write, to_float32
 from ._common import NkiInstruction, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 from .dma_indirect import indirect_dma_copy, indirect_dma_transpose
@@ -75,7 +75,7 @@ def dma_copy(dst, src, priority=None, oob_mode=C.oob_mode.error, dge_mode=C.dge_
     c = ctx()
     c.record(instr=instr, engine="dma", reads=[("src", src)], writes=[("dst", dst)],
              bytes=dst.size * max(dst.dtype.itemsize, src.dtype.itemsize), dge_mode=dge_mode.name)
-    raw, written = checked_copy_read(src, instr, "src")  # a copy may move never-written values (tensor.py)
+    raw, written = checked_copy_read(src, instr, "src")  # a copy may move never-written values (access.py)
     if raw is None:
         checked_write(dst, instr, "dst", None, written=written)
         return NkiInstruction(name)

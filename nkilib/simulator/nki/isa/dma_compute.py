@@ -13,10 +13,10 @@ at most 16 sources. With a vector_offset (software DGE, the compiler picks it):
 exactly 2 sources, `unique_indices` must be True ("non-unique indices not yet supported").
 Without a vector_offset the only DGE mode is none (static descriptors).
 
-Choices (docs/simulator-dma.md): the sum is a left fold in `srcs` order in fp32; a scatter-add whose
-indices repeat inside one instruction raises IndirectHazardError (unique indices are required and the
-hardware would race on the read-modify-write); repeated indices in a gather-add only read a row twice
-and are accepted.
+Choices (docs/simulator.md#dma_compute-read-modify-write): the sum is a left fold in `srcs` order in
+fp32; a scatter-add whose indices repeat inside one instruction raises IndirectHazardError (unique
+indices are required and the hardware would race on the read-modify-write); repeated indices in a
+gather-add only read a row twice and are accepted.
 
 Trace: instr "dma_compute", `bytes` = bytes written to dst, `rmw=True` when dst is also a source
 (always for the indirect modes; the read-back of dst is implied), `srcs` = number of sources,
@@ -30,7 +30,7 @@ import numpy as np
 
 from ...indirect import (check_unique_destination, cover_view, element_addresses, mark_written, read_elements,
                          write_elements)
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ._common import NkiInstruction, alu_op, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 from .dma_indirect import IndirectAccess, record_indirect, resolve

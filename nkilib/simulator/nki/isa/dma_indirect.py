@@ -10,8 +10,8 @@ Semantics (2.32 API pages):
 - DGE modes (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dge.html): only
   software DGE (GpSimd-generated descriptors) does indirect DMA; `unknown` selects it; NeuronCore-v3+.
 
-Choices where the docs are silent (docs/simulator-dma.md): a scatter whose rows write the same
-destination element twice raises IndirectHazardError (write order unspecified); for dma_copy the
+Choices where the docs are silent (docs/simulator.md#indirect-dma-and-rmw): a scatter whose rows write
+the same destination element twice raises IndirectHazardError (write order unspecified); for dma_copy the
 pattern's row count must equal the number of indices; an indirect operand on both sides is rejected.
 
 Trace contract (cost model): attrs `indirect=True`, `dge_mode="swdge"`, `rows` (rows transferred),
@@ -28,7 +28,7 @@ import numpy as np
 
 from ...indirect import (check_unique_destination, contiguous_runs_per_row, cover_view, element_addresses,
                          mark_written, read_elements, resolve_rows, write_elements)
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ._common import ctx, fail, require_nc_version
 from . import constants as C
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import dtypes as D
-from ...tensor import NkiTensor, checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
+from ...tensor import NkiTensor
 from . import constants as C
 from ._common import (NkiInstruction, alu_op, ctx, fail, gpsimd_no_psum, not_both_psum, numeric_operand, on_chip,
                       require_nc_version, resolve_engine, same_partitions_and_free, scalar_or_vector)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import NkiValidationError
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ... import dtypes as D
 from . import constants as C
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version

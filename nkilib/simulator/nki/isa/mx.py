@@ -9,7 +9,7 @@ relative to the data start) owns scale row r(g) = 32*(g//4) + g%4 relative to th
 i.e. the first 4 partitions of each quadrant. quantize_mx writes ONLY those rows (the other rows keep
 whatever they held: nki-library calls them "random garbage") and nc_matmul_mx reads only those rows,
 so a matmul whose scales were never produced by quantize_mx trips the strict uninitialised-read check.
-Copying a whole scale tile is legal: the never-written mark travels with the copy (tensor.py).
+Copying a whole scale tile is legal: the never-written mark travels with the copy (access.py).
 
 References:
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
@@ -22,7 +22,7 @@ import numpy as np
 
 from .... import mx as mxlib
 from ... import dtypes as D
-from ...tensor import checked_read, checked_write
+from ...access import checked_read, checked_write
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version
 from .matmul import check_tiling, psum_accumulate
 
@@ -95,7 +95,8 @@ def quantize_mx(dst, src, dst_scale, name=None):
         src: SBUF float16 / bfloat16 [P, F] (extra free dims flattened), P in {32, 64, 96, 128},
             F % 4 == 0, starting at a quadrant boundary.
         dst_scale: SBUF uint8 / float8_e8m0fnu [R, F/4], starting at quadrant offset 0/4/8/12 in
-            the same quadrant as src, R >= 32*((P/8-1)//4) + (P/8-1)%4 + 1.
+            the same quadrant as src; R >= 4 for P = 32, R >= P - (quadrant offset) for P > 32
+            (`_check_scale`).
         name: instruction name (unused by the simulator).
     """
     instr = "quantize_mx"

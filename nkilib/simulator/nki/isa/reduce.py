@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from ...tensor import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32
 from ._common import NkiInstruction, alu_op, ctx, fail, numeric_operand, on_chip
 from .elementwise import _MASK32, _from_bits, _rows_bits
 

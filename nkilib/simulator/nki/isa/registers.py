@@ -34,7 +34,8 @@ import numbers
 import numpy as np
 
 from ...errors import NkiValidationError, UninitializedReadError
-from ...tensor import NkiTensor, cast_values, checked_read, checked_write, to_float32
+from ...access import cast_values, checked_read, checked_write, to_float32
+from ...tensor import NkiTensor
 from ._common import NkiInstruction, ctx, fail
 
 INT32_MIN = -(2 ** 31)
@@ -234,8 +235,8 @@ def scalar_offset_elements(view: NkiTensor, reg, indirect_dim, new, new_isz: int
     `offset + value * prod(shape[d+1:])` elements (in the pattern's dtype); see
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html
     (`input_tensor.ap([[512, 128], [1, 512]], scalar_offset=i)` steps i rows of 512) and
-    docs/simulator-dynamic.md. Only a VirtualRegister is simulated as the offset. Called by
-    `NkiTensor.ap`; `new` is the pattern's dtype and `new_isz` its storage itemsize.
+    docs/simulator.md#registers-and-dynamic-control-flow. Only a VirtualRegister is simulated as the
+    offset. Called by `NkiTensor.ap`; `new` is the pattern's dtype and `new_isz` its storage itemsize.
     """
     what = f"tensor '{view.name}'.ap"
     if not isinstance(reg, VirtualRegister):

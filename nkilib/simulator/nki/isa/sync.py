@@ -17,7 +17,7 @@ def core_barrier(data, cores, engine=C.engine.gpsimd, name=None):
     LNC degree: the 2.33 page says cores=(0, 1) "applies at LNC degree 1 and 2" (at LNC1 the two physical
     cores of an HBM stack run separate kernels); older pages said "only ... when LNC is enabled". We follow
     the newest: under LNC1 the call is validated and recorded, and there is no second program in this
-    launch to wait for, so it returns at once (docs/simulator-strict.md).
+    launch to wait for, so it returns at once (docs/simulator.md#choice-core-barrier-lnc1).
     """
     instr = "core_barrier"
     require_nc_version(instr, 3)

@@ -2,7 +2,7 @@
 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html)."""
 from __future__ import annotations
 
-from ...tensor import checked_read, checked_write
+from ...access import checked_read, checked_write
 from . import constants as C
 from ._common import NkiInstruction, ctx, fail, on_chip, resolve_engine
 

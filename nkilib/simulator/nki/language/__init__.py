@@ -175,7 +175,7 @@ def ds(start, size):
 def device_print(print_prefix, tensor):
     """Print `print_prefix` and the tile's values to stdout, as the official CPU simulator does
     (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.device_print.html)."""
-    from ...tensor import checked_read
+    from ...access import checked_read
 
     print(print_prefix, checked_read(tensor, "nl.device_print", "tensor"))
 

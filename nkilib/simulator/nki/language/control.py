@@ -13,7 +13,7 @@ traced once. The simulator runs them eagerly: the bounds are read from their reg
 loop starts, and the body runs once per iteration with the current iteration value, so the trace
 holds the instructions of the iterations actually taken.
 
-Choices where the docs are silent (docs/simulator-dynamic.md):
+Choices where the docs are silent (docs/simulator.md#registers-and-dynamic-control-flow):
 - the body receives a VirtualRegister in every case (2.32 semantics; 2.33's NkiScalar, used when
   both bounds are ints, is not simulated);
 - a register that bounds a running loop is frozen until the loop ends (whether the hardware
