@@ -1,7 +1,7 @@
 """Calibrate the cost model against BF16 GEMM times measured on Trainium3 (LNC2) by AWS.
 
 Models every shape of ../shared/data/trn3_bf16_gemm_measured.json (beside the repo) with
-`nkilib.simulator.cost.predict_bf16_gemm_time` (nkilib/examples/bf16_matmul.py, shape-only
+`nkilib.examples.bf16_matmul.predict_bf16_gemm_time` (that kernel, shape-only
 simulation + engine-level schedule), prints predicted vs measured per shape and the median absolute
 percentage error, and writes the table as JSON.
 
@@ -55,7 +55,7 @@ def fit_launch_overhead(rows):
 
 
 def run(entries, target="trn3", progress=True):
-    from nkilib.simulator.cost import predict_bf16_gemm_time_report
+    from nkilib.examples.bf16_matmul import predict_bf16_gemm_time_report
 
     try:
         from tqdm import tqdm

@@ -1,7 +1,28 @@
 """Hardware facts of the simulated targets, in one place.
 
-Every number carries its source (tags refer to ../shared/nki-spec.md §0 and §6).
-The cost model (cost.py) reads its engine numbers from here too.
+Every number carries its source as a tag; the tags are public Neuron documentation pages:
+
+| tag | page |
+|---|---|
+| [LEGACY] | Beta-1 API pages with "Estimated instruction cost" formulas (the last to publish them), e.g. https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html (same URL per instruction) |
+| [MATMUL] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html |
+| [MATMULMX] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html |
+| [QMX] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html |
+| [DMAT] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_transpose.html |
+| [TRN1] | Trainium/Inferentia2 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium_inferentia2_arch.html |
+| [TRN2] | Trainium2 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html |
+| [TRN3] | Trainium3 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium3_arch.html |
+| [PERF] | NKI performance guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki_perf_guide.html |
+| [DMA] | DMA overview: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/nki-dma-overview.html |
+| [DMABW] | DMA bandwidth guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html |
+| [DGE] | DGE reference: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dge.html |
+| [CHIP2] / [CHIP3] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-hardware/trainium2.html, .../trainium3.html |
+| [LNCdoc] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-features/logical-neuroncore-config.html |
+| [SIM] | NKI CPU simulator guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html |
+
+INFERRED marks a number we derived (the reasoning is given); ESTIMATE marks a number the docs do not
+give, with the range we believe and why. The cost model (nkilib/simulator/cost/) reads its engine
+numbers from here.
 """
 from __future__ import annotations
 
@@ -14,7 +35,7 @@ KIB = 1024
 # Trainium3 BF16 GEMM times (../shared/data/trn3_bf16_gemm_measured.json) by
 # simulations/calibrate_bf16_gemm.py: median of (measured - modeled makespan) over the 21
 # launch-dominated shapes (makespan < 40 us) = 12.3 us; the smallest GEMMs take >= 25 us although
-# their data movement and compute model at ~10 us. See cost.py "Calibration".
+# their data movement and compute model at ~10 us. See nkilib/simulator/cost "Calibration".
 KERNEL_LAUNCH_OVERHEAD_S = 12e-6
 
 
@@ -41,7 +62,7 @@ class TargetSpec:
     hbm_bytes_per_s_per_chip: float
     dma_engines_per_core: int
     dma_bytes_per_s_per_engine: float
-    # ---- cost model (cost.py); every value below carries its source at the TRN2/TRN3 definitions ----
+    # ---- cost model (nkilib/simulator/cost); every value below carries its source at the TRN2/TRN3 definitions ----
     dma_theoretical_bytes_per_s_per_engine: float  # peak of one DMA engine (descriptor overhead excluded)
     dma_payload_full_rate_bytes: int  # contiguous bytes per descriptor at which an engine sustains its rate
     dma_partitions_per_engine: int  # a transfer is split over up to 16 engines, ~8 SBUF partitions each
@@ -62,10 +83,10 @@ class TargetSpec:
     kernel_launch_overhead_s: float  # fixed per-kernel-call cost added to the makespan (CALIBRATED)
 
 
-# NeuronCore-v3 (Trainium2). SBUF 128 x 224 KiB, PSUM 128 x 16 KiB = 8 banks x 2 KiB [TRN2] (spec §6.2).
-# Matmul moving free <= 512 on v2/v3 = one fp32 PSUM bank; fp32 dst only (spec §5.3).
-# TensorE 2.4 GHz; VectorE 0.96 GHz; ScalarE/GpSimd 1.2 GHz [TRN2] (spec §6.2).
-# HBM 2.9 TB/s/chip ([CHIP2]; [TRN2] says 3.0; spec §10 Q17 — the lower figure is used);
+# NeuronCore-v3 (Trainium2). SBUF 128 x 224 KiB, PSUM 128 x 16 KiB = 8 banks x 2 KiB [TRN2].
+# Matmul moving free <= 512 on v2/v3 = one fp32 PSUM bank; fp32 dst only [MATMUL].
+# TensorE 2.4 GHz; VectorE 0.96 GHz; ScalarE/GpSimd 1.2 GHz [TRN2].
+# HBM 2.9 TB/s/chip ([CHIP2]; [TRN2] says 3.0; the docs disagree — the lower figure is used);
 # 16 DMA engines/core at 23 B/ns sustained each [DMABW].
 TRN2 = TargetSpec(
     name="trn2",
@@ -85,35 +106,35 @@ TRN2 = TargetSpec(
     hbm_bytes_per_s_per_chip=2.9e12,
     dma_engines_per_core=16,
     dma_bytes_per_s_per_engine=23e9,
-    # 27.2 GB/s theoretical per engine (NC-v2/v3) [DMA] (spec §6.2).
+    # 27.2 GB/s theoretical per engine (NC-v2/v3) [DMA].
     dma_theoretical_bytes_per_s_per_engine=27.2e9,
     # cost model ------------------------------------------------------------------------------
-    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW] (spec §6.2).
+    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW].
     dma_payload_full_rate_bytes=4096,
-    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA] (spec §6.2).
+    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA].
     dma_partitions_per_engine=8,
-    # 16 DMA queues per engine, FIFO within a queue [DMA] (spec §6.2): up to 16 DMAs in flight per core.
+    # 16 DMA queues per engine, FIFO within a queue [DMA]: up to 16 DMAs in flight per core.
     dma_queues_per_core=16,
-    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW] (spec §6.2, §8).
+    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW].
     dma_fixed_latency_s=1.3e-6,
-    # hwdge transpose needs src.shape[0] == 16 (spec §5.6): each partition receives 16-element pieces.
+    # hwdge transpose needs src.shape[0] == 16 [DMAT]: each partition receives 16-element pieces.
     dma_transpose_block_elems=16,
-    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc] (spec §1.2, §6.1).
+    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc].
     hbm_stacks_per_chip=4,
-    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY] (spec §8).
+    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY].
     min_ii_cycles=64,
     matmul_min_cycles=64,
     matmul_fp32_factor=4,
-    # "LoadStationary up to 4x faster than MM of equal free size" (nki_perf_guide, spec §8): a [K, M]
+    # "LoadStationary up to 4x faster than MM of equal free size" [PERF]: a [K, M]
     # stationary costs M/4 cycles; INFERRED not hidden behind the previous MultiplyMoving.
     matmul_stationary_load_speedup=4,
-    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1] (spec §8).
+    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1].
     engine_access_overhead_cycles=60,
-    # GPSIMD_START ~= 150 cycles [LEGACY] (spec §8).
+    # GPSIMD_START ~= 150 cycles [LEGACY].
     gpsimd_start_cycles=150,
-    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency (spec §8).
+    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency [DMA].
     barrier_latency_s=1.3e-6,
-    # VectorE perf modes 2x/4x BF16 [TRN2]; ScalarE 2x mode is NC-v4 only [TRN3] (spec §8).
+    # VectorE perf modes 2x/4x BF16 [TRN2]; ScalarE 2x mode is NC-v4 only [TRN3].
     vector_fast_modes=True,
     scalar_fast_modes=False,
     quantize_mx_elems_per_cycle=0,  # no quantize_mx on NC-v3
@@ -121,9 +142,9 @@ TRN2 = TargetSpec(
     kernel_launch_overhead_s=KERNEL_LAUNCH_OVERHEAD_S,
 )
 
-# NeuronCore-v4 (Trainium3). SBUF 32 MiB -> 128 x 256 KiB (INFERRED by division, spec §6.2 / §10 Q17);
-# PSUM same as v3. nc_matmul(_mx) moving free <= 4096 fp32 / 8192 bf16 dst (2.31+ docs, spec §5.2/§5.3,
-# OPEN Q5: the larger limit is enforced). TensorE 2.4 GHz, VectorE/ScalarE/GpSimd 1.2 GHz [TRN3].
+# NeuronCore-v4 (Trainium3). SBUF 32 MiB -> 128 x 256 KiB (INFERRED by division: [TRN3] gives 32 MiB per core, no per-partition figure);
+# PSUM same as v3. nc_matmul(_mx) moving free <= 4096 fp32 / 8192 bf16 dst ([MATMUL], [MATMULMX] 2.31+,
+# the larger limit of the newest docs is enforced). TensorE 2.4 GHz, VectorE/ScalarE/GpSimd 1.2 GHz [TRN3].
 # HBM 4.7 TB/s ([TRN3]; [CHIP3] says 4.9 — the lower figure is used); 16 DMA engines at 33 B/ns [DMABW].
 TRN3 = TargetSpec(
     name="trn3",
@@ -143,45 +164,45 @@ TRN3 = TargetSpec(
     hbm_bytes_per_s_per_chip=4.7e12,
     dma_engines_per_core=16,
     dma_bytes_per_s_per_engine=33e9,
-    # 38.4 GB/s theoretical per engine (NC-v4) [DMA] (spec §6.2).
+    # 38.4 GB/s theoretical per engine (NC-v4) [DMA].
     dma_theoretical_bytes_per_s_per_engine=38.4e9,
     # cost model ------------------------------------------------------------------------------
-    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW] (spec §6.2).
+    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW].
     dma_payload_full_rate_bytes=4096,
-    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA] (spec §6.2).
+    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA].
     dma_partitions_per_engine=8,
-    # 16 DMA queues per engine, FIFO within a queue [DMA] (spec §6.2): up to 16 DMAs in flight per core.
+    # 16 DMA queues per engine, FIFO within a queue [DMA]: up to 16 DMAs in flight per core.
     dma_queues_per_core=16,
-    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW] (spec §6.2, §8).
+    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW].
     dma_fixed_latency_s=1.3e-6,
-    # hwdge transpose needs src.shape[0] == 16 (spec §5.6): each partition receives 16-element pieces.
+    # hwdge transpose needs src.shape[0] == 16 [DMAT]: each partition receives 16-element pieces.
     dma_transpose_block_elems=16,
-    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc] (spec §1.2, §6.1).
+    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc].
     hbm_stacks_per_chip=4,
-    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY] (spec §8).
+    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY].
     min_ii_cycles=64,
     matmul_min_cycles=64,
     matmul_fp32_factor=4,
-    # "LoadStationary up to 4x faster than MM of equal free size" (nki_perf_guide, spec §8): a [K, M]
+    # "LoadStationary up to 4x faster than MM of equal free size" [PERF]: a [K, M]
     # stationary costs M/4 cycles; INFERRED not hidden behind the previous MultiplyMoving.
     matmul_stationary_load_speedup=4,
-    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1] (spec §8).
+    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1].
     engine_access_overhead_cycles=60,
-    # GPSIMD_START ~= 150 cycles [LEGACY] (spec §8).
+    # GPSIMD_START ~= 150 cycles [LEGACY].
     gpsimd_start_cycles=150,
-    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency (spec §8).
+    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency [DMA].
     barrier_latency_s=1.3e-6,
-    # VectorE perf modes [TRN2] carried to v4; ScalarE 2x BF16 tensor_copy/tensor_scalar [TRN3] (spec §8).
+    # VectorE perf modes [TRN2] carried to v4; ScalarE 2x BF16 tensor_copy/tensor_scalar [TRN3].
     vector_fast_modes=True,
     scalar_fast_modes=True,
-    # quantize_mx: 4 input elements per partition per cycle [TRN3] (spec §5.1).
+    # quantize_mx: 4 input elements per partition per cycle [TRN3].
     quantize_mx_elems_per_cycle=4,
     kernel_launch_overhead_s=KERNEL_LAUNCH_OVERHEAD_S,
 )
 
 TARGETS = {"trn2": TRN2, "trn3": TRN3}
 
-# Accepted spellings of NEURON_PLATFORM_TARGET_OVERRIDE / NKI_NC_VERSION (spec §1.4).
+# Accepted spellings of NEURON_PLATFORM_TARGET_OVERRIDE / NKI_NC_VERSION ([SIM]).
 # trn1/inf2/gen2 exist in NKI but are not modelled here (this project targets Trn2/Trn3).
 TARGET_ALIASES = {"trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
 

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from simkit import BF16, randn
-from nkilib.examples.bf16_matmul import bf16_matmul
+from nkilib.examples.bf16_matmul import bf16_matmul, predict_bf16_gemm_time
 from nkilib.simulator import ShapeSpec, run_kernel
-from nkilib.simulator.cost import (CostModelError, instr_cost, model_kernel, predict_bf16_gemm_time, schedule)
+from nkilib.simulator.cost import CostModelError, instr_cost, model_kernel, schedule
 from nkilib.simulator.hardware import TRN2, TRN3
 from nkilib.simulator.trace import InstrRecord, OperandInfo
 

@@ -1,0 +1,118 @@
+"""Finite SBUF/PSUM: the allocator's reuse dependencies and the occupancy a schedule needs."""
+from __future__ import annotations
+
+from ..hardware import TargetSpec
+
+
+def _memory_reuse_deps(records, target: TargetSpec) -> dict:
+    """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
+
+    Each on-chip allocation lives from the first to the last trace record that touches it (the
+    liveness a compiler's allocator sees, in program order) and is placed first-fit in its core's
+    per-partition address space (PSUM in whole 2 KiB banks). When a tile is placed on bytes that
+    an earlier, dead tile occupied, its first access must wait for that tile's last access (WAR/WAW
+    through the reused memory). Without this every allocation would be fresh memory and the
+    schedule could overlap more buffers than the core holds.
+    Placement is next-fit: the search starts where the previous allocation of that space ended and
+    wraps around, so the memory freed longest ago is reused first (an allocator that leaves room
+    for overlap when there is space; the NKI allocator's policy is not documented — INFERRED).
+    If fragmentation leaves no gap, the tile waits for every tile live at that point (conservative).
+    """
+    first, last, size = {}, {}, {}
+    for r in records:
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.buffer, op.storage_id)
+            first.setdefault(key, r.seq)
+            last[key] = r.seq
+            nbytes = op.alloc_bytes_per_partition
+            if op.buffer == "psum":
+                nbytes = -(-nbytes // target.psum_bank_bytes) * target.psum_bank_bytes
+            size[key] = nbytes
+    capacity = {"sbuf": target.sbuf_bytes_per_partition, "psum": target.psum_bytes_per_partition}
+    starts, ends = {}, {}
+    for key, seq in first.items():
+        starts.setdefault(seq, []).append(key)
+    for key, seq in last.items():
+        ends.setdefault(seq, []).append(key)
+    live = {}  # (program, buffer) -> {key: (lo, hi)}
+    dead = {}  # (program, buffer) -> list of (lo, hi, last_seq)
+    cursor = {}  # (program, buffer) -> end of the previous placement (next-fit)
+    deps = {}
+
+    def fit(ranges, nbytes, begin, limit):
+        lo = begin
+        for a, b in ranges:
+            if b <= begin:
+                continue
+            if lo + nbytes <= a:
+                break
+            lo = max(lo, b)
+        return lo if lo + nbytes <= limit else None
+
+    for r in records:
+        for key in starts.get(r.seq, ()):
+            space = (key[0], key[1])
+            ranges = sorted(live.setdefault(space, {}).values())
+            nbytes, cap = size[key], capacity[key[1]]
+            lo = fit(ranges, nbytes, cursor.get(space, 0), cap)
+            if lo is None:
+                lo = fit(ranges, nbytes, 0, cap)  # wrap around
+            graveyard = dead.setdefault(space, [])
+            if lo is None:  # fragmented: wait for every live tile, reuse from 0
+                deps.setdefault(r.seq, set()).update(last[k] for k in live[space] if last[k] < r.seq)
+                lo = 0
+            hi = lo + nbytes
+            cursor[space] = hi
+            kept = []
+            for a, b, q in graveyard:
+                if a < hi and lo < b:
+                    deps.setdefault(r.seq, set()).add(q)
+                    if a < lo:
+                        kept.append((a, lo, q))
+                    if hi < b:
+                        kept.append((hi, b, q))
+                else:
+                    kept.append((a, b, q))
+            dead[space] = kept
+            live[space][key] = (lo, hi)
+        for key in ends.get(r.seq, ()):
+            space = (key[0], key[1])
+            lo, hi = live[space].pop(key)
+            dead[space].append((lo, hi, r.seq))
+    return deps
+
+
+
+def scheduled_occupancy(sched, target: TargetSpec) -> list:
+    """Peak SBUF/PSUM bytes per partition per core *under the modeled schedule*.
+
+    The simulator's capacity check counts a tile live while Python can reach it (program order),
+    but the schedule overlaps loads of the next tile with work on the previous one, which on
+    hardware needs both buffers at once. Here an on-chip allocation is live from the start of the
+    first instruction touching it to the end of the last one (PSUM rounded to whole banks, as in
+    the capacity rule); the sweep gives the occupancy the modeled overlap really requires.
+    """
+    spans = {}
+    for i, r in enumerate(sched.records):
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.storage_id)
+            lo, hi, buf, nbytes = spans.get(key, (sched.start[i], sched.end[i], op.buffer, op.alloc_bytes_per_partition))
+            spans[key] = (min(lo, sched.start[i]), max(hi, sched.end[i]), buf, nbytes)
+    bank = target.psum_bank_bytes
+    events = {}
+    for (prog, _), (lo, hi, buf, nbytes) in spans.items():
+        if buf == "psum":
+            nbytes = -(-nbytes // bank) * bank
+        events.setdefault((prog, buf), []).extend([(lo, nbytes), (hi, -nbytes)])
+    peaks = [{"sbuf": 0, "psum": 0} for _ in range(sched.lnc)]
+    for (prog, buf), evs in events.items():
+        live = 0
+        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):  # frees before allocations at equal times
+            live += delta
+            peaks[prog][buf] = max(peaks[prog][buf], live)
+    return peaks
+
