@@ -68,7 +68,7 @@ attribute before '/' or ':' (when the ISA layer records it), else `phase_of(reco
 `model_kernel`/`CostReport`, else "kernel".
 """
 from .allocator import scheduled_occupancy
-from .modeling import model_kernel
+from .modeling import model_kernel, rescore
 from .operands import CostModelError
 from .pricing import COST_FUNCTIONS, DmaWork, InstrCost, dma_work, instr_cost
 from .report import CostReport
@@ -76,5 +76,5 @@ from .scheduler import Schedule, schedule
 
 __all__ = [
     "COST_FUNCTIONS", "CostModelError", "CostReport", "DmaWork", "InstrCost", "Schedule", "dma_work", "instr_cost",
-    "model_kernel", "schedule", "scheduled_occupancy",
+    "model_kernel", "rescore", "schedule", "scheduled_occupancy",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..hardware import TargetSpec, resolve_target
+from ..hardware import TargetSpec, resolve_target, with_scenario
 from .report import CostReport
 from .scheduler import schedule
 
@@ -24,7 +24,7 @@ def _target_env(target):
 
 
 def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool = False, kwargs=None,
-                 phase_of=None, precision=None, model_flops=None) -> CostReport:
+                 phase_of=None, precision=None, model_flops=None, scenario: str | None = None) -> CostReport:
     """Run `kernel_fn` on the simulator with a trace and model its cost.
 
     Args:
@@ -38,6 +38,8 @@ def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool 
         phase_of: optional callable(InstrRecord) -> phase label (see module docstring).
         precision: peak used for MFU: "bf16" / "fp8" / "mx" / "fp32" (default: from the matmuls).
         model_flops: FLOPs of the modeled computation (default: sum of matmul FLOPs in the trace).
+        scenario: "central" / "pessimistic": which end of the estimated constants (hardware.py) to use
+            (default: the target's own, "central" for the named targets).
     """
     from ..launcher import run_kernel
 
@@ -45,8 +47,19 @@ def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool 
     args, kw = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
     kw.update(kwargs or {})
     spec = resolve_target(target) if not isinstance(target, TargetSpec) else target
+    if scenario is not None:
+        spec = with_scenario(spec, scenario)
     with _target_env(spec):
         res = run_kernel(fn, args, kw, lnc=lnc, trace=True, numerics=numerics)
     sched = schedule(res.trace, spec, lnc)
     return CostReport.from_schedule(sched, spec, phase_of=phase_of, precision=precision, model_flops=model_flops,
                                     memory_peak=res.peak_bytes_per_partition)
+
+
+def rescore(report: CostReport, scenario: str) -> CostReport:
+    """The same trace as `report`, scheduled again with the estimated constants at `scenario`'s end
+    ("central" / "pessimistic"): a band without running the kernel twice."""
+    spec = with_scenario(report.target, scenario)
+    sched = schedule(report.schedule.records, spec, report.schedule.lnc)
+    return CostReport(sched, spec, list(report.phases), report.precision, report.model_flops, list(report.memory_peak),
+                      spec.kernel_launch_overhead_s if report.launch_overhead_s else 0.0)

@@ -4,28 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hardware import TargetSpec
-from .operands import (CostModelError, _contig_run_elems, _elems_per_partition, _find, _free_elems, _is_contiguous,
-                       _itemsize, _on_chip, _onchip_ops, _op_name, _ops, _parts)
+from .dma import DmaWork, dma_work
+from .operands import (CostModelError, _elems_per_partition, _find, _free_elems, _is_contiguous, _on_chip, _onchip_ops,
+                       _op_name, _parts)
 
 _COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
 _TWO_BYTE = ("bfloat16", "float16")
 _FP8 = ("float8_e4m3", "float8_e5m2", "float8_e4m3fn")
-
-
-@dataclass
-class DmaWork:
-    """What a DMA transfer asks of the DMA engines."""
-
-    nbytes: int
-    payload: int  # contiguous bytes per descriptor
-    engines: int  # DMA engines the transfer is split over
-    hbm_bytes: int  # bytes read from + written to HBM
-    rate_per_engine: float  # bytes/s of one engine at this payload
-    transpose: bool = False
-
-    @property
-    def max_rate(self) -> float:
-        return self.engines * self.rate_per_engine
 
 
 @dataclass
@@ -38,11 +23,14 @@ class InstrCost:
     cycles: float = 0.0
     flops: float = 0.0  # model FLOPs (matmuls, not transposes)
     dma: DmaWork | None = None
+    shared_bus: bool = False  # uses the SBUF bus VectorE's perf modes share with GpSimd [TRN2]
 
 
 def _engine_clock(target: TargetSpec, engine: str) -> float:
+    # the Sync engine is a sequencer without a data path [TRN1]; its clock is not documented: the
+    # GpSimd/ScalarE clock is used (INFERRED)
     clocks = {"tensor": target.tensor_clock_hz, "vector": target.vector_clock_hz,
-              "scalar": target.scalar_clock_hz, "gpsimd": target.gpsimd_clock_hz}
+              "scalar": target.scalar_clock_hz, "gpsimd": target.gpsimd_clock_hz, "sync": target.gpsimd_clock_hz}
     if engine not in clocks:
         raise CostModelError(f"unknown compute engine {engine!r}")
     return clocks[engine]
@@ -121,19 +109,33 @@ def _cost_nc_transpose(rec, target):
     data = _find(rec.reads, "data", "src") or rec.reads[0]
     p, f = _parts(data), _free_elems(data)
     if rec.engine == "tensor":
-        cyc = max(p, min(target.matmul_min_cycles, f))  # [LEGACY] Tensor: max(P, min(64, F))
+        # [LEGACY] Tensor: max(P, min(64, F)) for the MultiplyMoving of the identity; the data is the
+        # stationary ("nc_matmul(transpose_input, identity)", [TRN1]): its F columns load first, exposed
+        # like every LoadStationary here (see _stationary_load_cycles). NC-v4 background transposes [TRN3]
+        # are not modeled (the hardware decides when they run).
+        cyc = max(p, min(target.matmul_min_cycles, f)) + _stationary_load_cycles(f, target)
         return InstrCost("compute", "tensor", cyc / target.tensor_clock_hz, cyc)
     return _act_like(rec, target, f)  # Vector: max(MIN_II, N)
 
 
 def _cost_quantize_mx(rec, target):
+    """4 source elements / partition / cycle in VectorE's 4x mode [TRN3], which needs unit-stride data
+    operands [TRN2]; a strided source (e.g. the 4 packed elements taken from 4 rows) runs slower
+    (`quantize_mx_strided_elems_per_cycle`)."""
     src = _find(rec.reads, "src") or rec.reads[0]
-    per = target.quantize_mx_elems_per_cycle or 1
-    return _act_like(rec, target, _free_elems(src) / per)
+    dst = _find(rec.writes, "dst")
+    contiguous = all(_is_contiguous(o) for o in (src, dst) if o is not None)
+    per = target.quantize_mx_elems_per_cycle if contiguous else target.quantize_mx_strided_elems_per_cycle
+    c = _act_like(rec, target, _free_elems(src) / (per or 1))
+    c.shared_bus = True  # a VectorE perf mode (4x / 2x)
+    return c
 
 
 def _cost_copy_like(rec, target):
-    return _act_like(rec, target, _elems_per_partition(rec) / _perf_factor(rec, target))
+    factor = _perf_factor(rec, target)
+    c = _act_like(rec, target, _elems_per_partition(rec) / factor)
+    c.shared_bus = rec.engine == "vector" and factor > 1
+    return c
 
 
 def _cost_memset(rec, target):
@@ -156,7 +158,9 @@ def _cost_tensor_tensor(rec, target):
     # [LEGACY] N if one input PSUM + one SBUF, or both SBUF, all bf16, add/mul/sub, unit stride; else 2N
     if (psum_in == 1 and len(ins) == 2) or (psum_in == 0 and all_bf16 and fast_op
                                             and all(_is_contiguous(o) for o in _onchip_ops(rec))):
-        return _act_like(rec, target, n)
+        c = _act_like(rec, target, n)
+        c.shared_bus = rec.engine == "vector" and psum_in == 0  # the 2x perf mode [TRN2]
+        return c
     return _act_like(rec, target, 2 * n)
 
 
@@ -217,33 +221,30 @@ def _cost_exponential(rec, target):
     return _act_like(rec, target, _elems_per_partition(rec) / 4)
 
 
-def dma_work(rec, target: TargetSpec) -> DmaWork:
-    """Bytes, descriptor payload, engines and per-engine rate of one DMA record."""
-    ops = _ops(rec)
-    if not ops:
-        raise CostModelError(f"{rec.instr}: DMA record without operands")
-    nbytes = int(rec.attrs.get("bytes") or max(o.nbytes for o in ops))
-    transpose = bool(rec.attrs.get("transpose")) or rec.instr == "dma_transpose"
-    if transpose:
-        # hwdge transpose moves [16 x n] blocks: every partition receives 16-element pieces ([DMAT]; INFERRED)
-        dst = rec.writes[0] if rec.writes else ops[0]
-        payload = target.dma_transpose_block_elems * _itemsize(dst.dtype)
-    else:
-        payload = min(_contig_run_elems(o) * _itemsize(o.dtype) for o in ops)
-    payload = max(1, min(payload, nbytes))
-    chip = [o for o in ops if _on_chip(o)]
-    parts = max((_parts(o) for o in chip), default=target.num_partitions)
-    engines = min(target.dma_engines_per_core, max(1, -(-parts // target.dma_partitions_per_engine)))
-    hbm = sum(o.nbytes for o in ops if not _on_chip(o))
-    # per-descriptor overhead p0 such that a 4 KiB payload runs at the sustained rate [DMABW]
-    theo, sust = target.dma_theoretical_bytes_per_s_per_engine, target.dma_bytes_per_s_per_engine
-    p0 = target.dma_payload_full_rate_bytes * (theo / sust - 1.0)
-    rate = min(sust, theo * payload / (payload + p0))
-    return DmaWork(nbytes, payload, engines, hbm, rate, transpose)
-
-
 def _cost_dma(rec, target):
     return InstrCost("dma", "dma", dma=dma_work(rec, target))
+
+
+def _control_engine(rec) -> str:
+    """Engine whose sequencer runs a control instruction: its own when it is a compute engine, else Sync."""
+    return rec.engine if rec.engine in _COMPUTE_ENGINES else "sync"
+
+
+def _cost_dynamic_loop(rec, target):
+    """Hardware loop overhead: `trip_count` compare-and-branch iterations (ESTIMATE, hardware.py). The body's
+    instructions are traced (and priced) once per iteration taken; this prices only the loop control."""
+    eng = _control_engine(rec)
+    cyc = int(rec.attrs.get("trip_count") or 0) * target.dynamic_loop_iteration_cycles
+    return InstrCost("compute", eng, cyc / _engine_clock(target, eng), cyc)
+
+
+def _cost_register(rec, target):
+    """register_alloc / register_move: a sequencer ALU op; register_load / register_store: one SBUF access
+    (the ~60-cycle access-initiation overhead [TRN1]). ESTIMATE, see hardware.py."""
+    eng = _control_engine(rec)
+    memory = rec.instr in ("register_load", "register_store")
+    cyc = target.engine_access_overhead_cycles if memory else target.register_alu_cycles
+    return InstrCost("compute", eng, cyc / _engine_clock(target, eng), cyc)
 
 
 def _cost_barrier(rec, target):
@@ -284,7 +285,13 @@ COST_FUNCTIONS = {
     "dma_compute": _cost_dma,
     "sendrecv": _cost_dma,
     "core_barrier": _cost_barrier,
+    "dynamic_loop": _cost_dynamic_loop,
+    "register_alloc": _cost_register,
+    "register_move": _cost_register,
+    "register_load": _cost_register,
+    "register_store": _cost_register,
 }
+_ANY_ENGINE = (_cost_dma, _cost_barrier, _cost_nc_matmul, _cost_nc_matmul_mx, _cost_dynamic_loop, _cost_register)
 
 
 def instr_cost(rec, target: TargetSpec) -> InstrCost:
@@ -294,7 +301,10 @@ def instr_cost(rec, target: TargetSpec) -> InstrCost:
         raise CostModelError(
             f"no cost formula for instruction '{rec.instr}' (engine {rec.engine}, trace seq {rec.seq}); "
             f"add one to nkilib.simulator.cost.COST_FUNCTIONS (known: {sorted(COST_FUNCTIONS)})")
-    if fn not in (_cost_dma, _cost_barrier, _cost_nc_matmul, _cost_nc_matmul_mx) and rec.engine not in _COMPUTE_ENGINES:
+    if fn not in _ANY_ENGINE and rec.engine not in _COMPUTE_ENGINES:
         raise CostModelError(f"{rec.instr}: engine {rec.engine!r} is not a compute engine")
-    return fn(rec, target)
+    cost = fn(rec, target)
+    if cost.kind == "compute" and rec.engine == "gpsimd" and any(o.buffer == "sbuf" for o in _onchip_ops(rec)):
+        cost.shared_bus = True  # GpSimd's SBUF access shares the bus with VectorE's perf modes [TRN2]
+    return cost
 

@@ -70,6 +70,50 @@ class CostReport:
                    for p in self.scheduled_peak)
 
     @property
+    def plan_errors(self) -> list:
+        """Capacity violations, each a message: the kernel's plan (program-order peak, as the simulator
+        counts it) or the overlap the modeled schedule needs exceeds a core's SBUF/PSUM per partition.
+        Usable SBUF is the documented capacity ([TRN2]: 224 KiB, [TRN3]: 32 MiB / 128 = 256 KiB); the docs
+        state no compiler reservation. A report with plan errors has no valid time."""
+        t = self.target
+        limits = {"sbuf": t.sbuf_bytes_per_partition, "psum": t.psum_bytes_per_partition}
+        out = []
+        for what, peaks in (("plan", self.memory_peak), ("modeled overlap", self.scheduled_peak)):
+            for core, peak in enumerate(peaks):
+                for buf, limit in limits.items():
+                    if peak.get(buf, 0) > limit:
+                        out.append(f"core {core}: the {what} needs {peak[buf] / 1024:.1f} KiB of {buf.upper()} per "
+                                   f"partition, the target has {limit / 1024:.0f} KiB")
+        return out
+
+    def hbm_traffic(self) -> dict:
+        """HBM bytes moved vs the compulsory minimum: every HBM tensor read before any write (an input) is
+        read once and every written one is written once (outputs); tensors written then read back
+        (scratch) add a write and a read. Extents are the byte ranges touched, deduplicated over cores."""
+        seen = {}
+        for r in self.schedule.records:
+            for kind, ops in (("r", r.reads), ("w", r.writes)):
+                for o in ops:
+                    if o.buffer in ("sbuf", "psum"):
+                        continue
+                    st = seen.setdefault(o.storage_id, {"first": kind, "lo": o.byte_lo, "hi": o.byte_hi,
+                                                        "read": False, "written": False})
+                    st["lo"], st["hi"] = min(st["lo"], o.byte_lo), max(st["hi"], o.byte_hi)
+                    st["read" if kind == "r" else "written"] = True
+        compulsory = scratch = 0
+        for st in seen.values():
+            extent = st["hi"] - st["lo"]
+            if st["first"] == "r":
+                compulsory += extent * (2 if st["written"] else 1)
+            elif st["read"]:
+                scratch += 2 * extent
+            else:
+                compulsory += extent
+        moved = sum(self.schedule.hbm_bytes.values())
+        return {"moved_bytes": moved, "compulsory_bytes": compulsory, "scratch_bytes": scratch,
+                "moved_over_compulsory": moved / compulsory if compulsory else None}
+
+    @property
     def makespan_s(self) -> float:
         return self.schedule.makespan
 
@@ -131,8 +175,11 @@ class CostReport:
             ph["hbm_bytes_per_s"] = ph["hbm_bytes"] / span
             ph["arithmetic_intensity"] = ph["flops"] / ph["hbm_bytes"] if ph["hbm_bytes"] else None
         hbm = sum(s.hbm_bytes.values())
+        traffic = self.hbm_traffic()
         return {
-            "target": self.target.name, "lnc": s.lnc, "instructions": len(s.records),
+            "target": self.target.name, "scenario": self.target.scenario, "lnc": s.lnc,
+            "instructions": len(s.records), "plan_errors": self.plan_errors,
+            "hbm_compulsory_bytes": traffic["compulsory_bytes"], "hbm_scratch_bytes": traffic["scratch_bytes"],
             "makespan_s": s.makespan, "launch_overhead_s": self.launch_overhead_s, "modeled_time_s": t,
             "precision": self.precision, "model_flops": self.model_flops, "peak_flops_per_s": self.peak_flops,
             "mfu": self.model_flops / (t * self.peak_flops) if t else 0.0,
@@ -149,13 +196,14 @@ class CostReport:
     def table(self) -> str:
         j = self.to_json()
         lines = [
-            f"target {j['target']}  lnc {j['lnc']}  instructions {j['instructions']}",
+            f"target {j['target']} ({j['scenario']} estimate)  lnc {j['lnc']}  instructions {j['instructions']}",
             f"modeled time {j['modeled_time_s'] * 1e6:10.2f} us  (makespan {j['makespan_s'] * 1e6:.2f} us + launch "
             f"{j['launch_overhead_s'] * 1e6:.2f} us)",
             f"TensorE MFU ({j['precision']}) {j['mfu'] * 100:6.2f} %  (kernel only {j['mfu_kernel_only'] * 100:.2f} %), "
             f"model FLOPs {j['model_flops']:.4g}",
             f"HBM {j['hbm_bytes'] / 1e6:10.3f} MB  utilisation {j['hbm_utilisation'] * 100:6.2f} % of "
-            f"{j['hbm_peak_bytes_per_s'] / 1e9:.0f} GB/s",
+            f"{j['hbm_peak_bytes_per_s'] / 1e9:.0f} GB/s; compulsory {j['hbm_compulsory_bytes'] / 1e6:.3f} MB, "
+            f"scratch round trips {j['hbm_scratch_bytes'] / 1e6:.3f} MB",
             "",
             f"{'core':>4} {'engine':<8} {'busy us':>10} {'util %':>7} {'instrs':>7}",
         ]
@@ -177,9 +225,8 @@ class CostReport:
         for p, m in enumerate(self.scheduled_peak):
             lines.append(f"core {p} occupancy the modeled overlap needs: SBUF {m['sbuf'] / 1024:.1f} KiB, "
                          f"PSUM {m['psum'] / 1024:.1f} KiB per partition")
-        if self.scheduled_capacity_exceeded:
-            lines.append("WARNING: the modeled schedule overlaps more buffers than SBUF/PSUM hold; "
-                         "the modeled time is optimistic")
+        for e in j["plan_errors"]:
+            lines.append(f"PLAN ERROR: {e}; the modeled time is not valid")
         return "\n".join(lines)
 
     def plot(self, out_dir, prefix="cost") -> list:

@@ -1,6 +1,7 @@
 """Scheduler: places every trace record on its core's engines, DMA queues and barriers."""
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from ..hardware import resolve_target
 from .allocator import _memory_reuse_deps
 from .dependencies import _Tracker
 from .operands import CostModelError
-from .pricing import instr_cost
+from .pricing import _engine_clock, instr_cost
 
 
 @dataclass
@@ -31,6 +32,26 @@ class Schedule:
     def engine_of(self, i) -> str:
         return self.costs[i].engine
 
+
+
+class _Timeline:
+    """Busy intervals of one resource (a DGE instance, the shared SBUF bus); earliest-fit placement."""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+
+    def earliest(self, t: float, duration: float) -> float:
+        """Earliest start >= t of a free interval of `duration`."""
+        k = bisect.bisect_right(self.ends, t)
+        while k < len(self.starts) and self.starts[k] < t + duration:
+            t = max(t, self.ends[k])
+            k += 1
+        return t
+
+    def add(self, start: float, end: float) -> None:
+        k = bisect.bisect_left(self.starts, start)
+        self.starts.insert(k, start)
+        self.ends.insert(k, end)
 
 
 def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
@@ -70,7 +91,7 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
         preds[i] = tuple(d)
     if len(set(barrier_count.values())) > 1:
         raise CostModelError(f"programs reached different numbers of core_barriers: {barrier_count}")
-    for i, extra in _memory_reuse_deps(records, target).items():
+    for i, extra in _memory_reuse_deps(records, target, preds).items():
         preds[i] = tuple(set(preds[i]) | {q for q in extra if q != i})
     succ = [[] for _ in range(n)]
     for i, ps in enumerate(preds):
@@ -84,16 +105,35 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     dep_ready = [0.0] * n
     dep_arg = [None] * n  # predecessor with the latest end
 
+    def sw_dge(i):
+        return costs[i].kind == "dma" and costs[i].dma.dge == "sw"
+
+    def queue_engine(i):
+        """In-order engine queue an instruction occupies: its engine; software-DGE DMAs: GpSimd [DGE]."""
+        return costs[i].engine if costs[i].kind == "compute" else "gpsimd" if sw_dge(i) else None
+
     queues = {}  # (p, engine) -> list of seqs (program order)
     for i, r in enumerate(records):
-        if costs[i].kind == "compute":
-            queues.setdefault((r.program, costs[i].engine), []).append(i)
+        if queue_engine(i):
+            queues.setdefault((r.program, queue_engine(i)), []).append(i)
     qpos = {k: 0 for k in queues}
     free = {k: 0.0 for k in queues}
     last_on = {k: None for k in queues}
     busy = {k: 0.0 for k in queues}
 
     dma_pending = {p: [] for p in programs}  # heap of (ready, seq)
+    dge_units = {p: [_Timeline() for _ in range(max(1, target.dge_instances_per_core))] for p in programs}
+    shared_bus = {p: _Timeline() for p in programs}  # VectorE perf modes + GpSimd SBUF access [TRN2]
+    hop_clock = {}
+
+    def hop(i, j):
+        """Semaphore latency when j (on an in-order engine) waits for i on another engine [TRN1]."""
+        eng_j = queue_engine(j)
+        if eng_j is None or costs[i].kind == "barrier" or queue_engine(i) == eng_j:
+            return 0.0
+        if eng_j not in hop_clock:
+            hop_clock[eng_j] = target.semaphore_hop_cycles / _engine_clock(target, eng_j)
+        return hop_clock[eng_j]
     barrier_arrivals = {}  # k -> {p: (time, seq)}
     known = []  # stack of seqs whose end just became known
 
@@ -103,7 +143,12 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
 
     def on_deps_known(i):
         c = costs[i]
-        if c.kind == "dma":
+        if c.kind == "dma" and c.dma.dge == "hw":  # one of the core's DGE instances, earliest free [TRN2]
+            units = dge_units[records[i].program]
+            begin, unit = min((u.earliest(dep_ready[i], c.dma.dge_seconds), k) for k, u in enumerate(units))
+            units[unit].add(begin, begin + c.dma.dge_seconds)
+            heapq.heappush(dma_pending[records[i].program], (begin + c.dma.dge_seconds, i))
+        elif c.kind == "dma" and c.dma.dge == "none":
             heapq.heappush(dma_pending[records[i].program], (dep_ready[i], i))
         elif c.kind == "barrier":
             k = barrier_index[i]
@@ -122,8 +167,9 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
             while known:
                 i = known.pop()
                 for s in succ[i]:
-                    if dep_arg[s] is None or end[i] >= dep_ready[s]:
-                        dep_ready[s], dep_arg[s] = end[i], i
+                    t = end[i] + hop(i, s)
+                    if dep_arg[s] is None or t >= dep_ready[s]:
+                        dep_ready[s], dep_arg[s] = t, i
                     cnt[s] -= 1
                     if cnt[s] == 0:
                         on_deps_known(s)
@@ -135,17 +181,26 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
                         s, why = free[k], last_on[k]
                     else:
                         s, why = dep_ready[i], dep_arg[i]
-                    e = s + costs[i].seconds
-                    busy[k] += costs[i].seconds
+                    c = costs[i]
+                    duration = c.dma.dge_seconds if c.kind == "dma" else c.seconds
+                    if c.shared_bus and target.vector_gpsimd_shared_bus:
+                        bus = shared_bus[k[0]]
+                        s = bus.earliest(s, duration)
+                        bus.add(s, s + duration)
+                    e = s + duration
+                    busy[k] += duration
                     free[k], last_on[k] = e, i
-                    set_end(i, s, e, why)
+                    if c.kind == "dma":  # descriptors built: the transfer waits for a DMA queue
+                        heapq.heappush(dma_pending[k[0]], (e, i))
+                    else:
+                        set_end(i, s, e, why)
                     pos += 1
                     progress = True
                 qpos[k] = pos
             progress = progress or bool(known)
 
     for i in range(n):
-        if cnt[i] == 0 and costs[i].kind != "compute":
+        if cnt[i] == 0 and not queue_engine(i):
             on_deps_known(i)
     drain()
 
