@@ -72,12 +72,10 @@ def test_hardware_dge_adds_600ns_per_dma_and_two_instances_serve_a_core():
     assert static.makespan == pytest.approx(LAT_S + nbytes / 528e9)  # host-built descriptors
 
 
-def test_pessimistic_end_one_dge_instance_and_90_percent_dma_rate():
+def test_pessimistic_end_moves_dma_at_90_percent_of_the_documented_rate():
     nbytes = 128 * 2048 * 2
     s = schedule([_load(0)], PESS, 1)
     assert s.makespan == pytest.approx(DGE_S + LAT_S + nbytes / (0.9 * 528e9))
-    s2 = schedule([_load(0), _load(1)], PESS, 1)
-    assert s2.start[1] == pytest.approx(2 * DGE_S)
 
 
 def test_dma_transpose_at_documented_fraction_of_dma_throughput():

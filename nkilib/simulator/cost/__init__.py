@@ -30,9 +30,15 @@ Per-instruction costs (pricing.py):
   p0 chosen so that a 4 KiB payload reaches the documented sustained rate ("≥4 KiB per partition to
   sustain peak", [DMABW]) — a fixed per-descriptor overhead derived from theoretical vs sustained
   rates (trn3: 38.4 vs 33 B/ns per engine => p0 = 670 B, ~17 ns). Plus a fixed ~1.3 us
-  semaphore-to-start latency per transfer that uses no bandwidth ([DMA]). Transposing DMAs write
-  16-element pieces per partition (hwdge transpose blocks of 16 rows, nki.isa.dma_transpose page):
-  p = 16 x itemsize (INFERRED, the docs give no DMA-transpose throughput).
+  semaphore-to-start latency per transfer that uses no bandwidth ([DMA]), preceded by descriptor
+  generation (dma.py): ~600 ns on one of the core's two hardware DGE instances [TRN2] (dge_mode
+  hwdge/unknown), GpSimd cycles per descriptor in its program order (swdge, indirect DMAs [DGE]), or
+  nothing (dge_mode none). DMA transposes run at the documented 90% (from HBM) / 50% (SBUF->SBUF) of
+  the DMA rate [TRN2]; read-modify-write DMAs move the destination bytes twice (read + write), except
+  into SBUF on NC-v4 [TRN3].
+- TensorE transposes load their data as the stationary (nc_matmul(data, identity) [TRN1]);
+  quantize_mx runs 4 elements/cycle only with unit-stride operands (VectorE's 4x mode [TRN2, TRN3]).
+- Control records: dynamic_loop (per iteration taken) and register_* ops (ESTIMATE, hardware.py).
 
 Scheduler (scheduler.py):
 - every compute engine (tensor / vector / scalar / gpsimd) of every core runs its instructions in
@@ -46,6 +52,9 @@ Scheduler (scheduler.py):
   access. Overlap of loads with compute therefore needs buffers that really fit (the report also
   gives the occupancy the schedule needs: `scheduled_peak_bytes_per_partition`). The allocator
   policy is INFERRED;
+- a compute instruction waiting on another engine's instruction (or a DMA) pays a semaphore hop
+  (ESTIMATE, hardware.py); at the pessimistic end VectorE perf-mode instructions and GpSimd SBUF
+  instructions serialise on their shared bus [TRN2];
 - DMA: each core has `dma_queues_per_core` transfers in flight; a transfer becomes ready when its
   inputs are ready, waits for a free queue (ready order), spends the fixed latency, then moves its
   bytes. Transfers in flight share the core's 16 DMA engines (processor sharing weighted by the
@@ -55,6 +64,14 @@ Scheduler (scheduler.py):
   earlier instructions of its core, completes when both cores arrived (+ a semaphore latency), and
   every later instruction of the core waits for it;
 - makespan = last end; modeled kernel time = makespan + `kernel_launch_overhead_s`.
+
+Band: constants the docs do not pin down are ESTIMATEs with a range (hardware.py); `scenario=
+"central"` uses the central values, "pessimistic" the worst ends (`hardware.PESSIMISTIC_OVERRIDES`);
+`rescore(report, scenario)` reschedules a report's trace at the other end.
+
+Capacity: `CostReport.plan_errors` lists every core whose plan (program-order peak) or modeled overlap
+needs more SBUF/PSUM than the target has; such a report has no valid time (the study refuses it).
+Choices where the docs are silent are recorded in docs/simulator-cost.md.
 
 Calibration (simulations/calibrate_bf16_gemm.py, measured BF16 GEMMs on Trainium3 LNC2): all engine
 and DMA numbers are the documented ones. Two choices were made against the measurements: the

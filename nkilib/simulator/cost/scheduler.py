@@ -129,7 +129,7 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     def hop(i, j):
         """Semaphore latency when j (on an in-order engine) waits for i on another engine [TRN1]."""
         eng_j = queue_engine(j)
-        if eng_j is None or costs[i].kind == "barrier" or queue_engine(i) == eng_j:
+        if eng_j is None or costs[i].kind == "barrier" or costs[i].engine == eng_j:
             return 0.0
         if eng_j not in hop_clock:
             hop_clock[eng_j] = target.semaphore_hop_cycles / _engine_clock(target, eng_j)
