@@ -314,3 +314,40 @@ def test_freed_sbuf_reuse_serialises_only_when_two_tiles_do_not_fit(kib, overlap
         assert sched.start[load2] < sched.end[store1]
     else:
         assert sched.start[load2] >= sched.end[store1]
+
+
+def _elementwise(instr, engine, n, dtype="float32", **attrs):
+    return rec(0, instr, engine, [chip("data", "sbuf", dtype, (128, n))], [chip("dst", "sbuf", dtype, (128, n))],
+               **attrs)
+
+
+@pytest.mark.parametrize("record, cycles", [
+    # [LEGACY] formulas + the 60-cycle access overhead [TRN1]; N = 256 elements per partition
+    (_elementwise("tensor_scalar", "vector", 256), 60 + 256),  # fp32: no perf mode
+    (_elementwise("tensor_scalar_reduce", "vector", 256), 60 + 256 + 64),  # max(MIN_II, N) + MIN_II
+    (_elementwise("tensor_tensor_scan", "vector", 256), 60 + 512),  # max(MIN_II, 2N)
+    (_elementwise("bn_stats", "vector", 256), 60 + 256),
+    (_elementwise("bn_aggr", "vector", 48), 60 + 13 * 48 / 3),  # max(MIN_II, 13 N / 3)
+    (_elementwise("max8", "vector", 256), 60 + 256),  # N, no MIN_II floor
+    (_elementwise("nc_find_index8", "vector", 32), 60 + 32),
+    (_elementwise("tensor_reduce", "vector", 256, dtype="bfloat16", op="add"), 60 + 128),  # bf16 add: N/2
+    (_elementwise("tensor_reduce", "vector", 256, op="add"), 60 + 256),
+    (_elementwise("reciprocal", "vector", 256), 60 + 8 * 256),  # Vector: max(MIN_II, 8N)
+    (_elementwise("reciprocal", "scalar", 256), 60 + 256),
+    (_elementwise("exponential", "vector", 256), 60 + 64),  # 4x ScalarE exp [TRN3]: N/4, MIN_II floor
+    (_elementwise("activation", "scalar", 512), 60 + 512),
+    (_elementwise("affine_select", "gpsimd", 100), 150 + 100),  # GPSIMD_START + N, no access overhead
+])
+def test_documented_formula_of_each_instruction(record, cycles):
+    assert instr_cost(record, TRN3).cycles == pytest.approx(cycles)
+
+
+def test_scalar_tensor_tensor_fast_case_and_barrier_latency():
+    def stt(dtype, op0, n):
+        return rec(0, "scalar_tensor_tensor", "vector",
+                   [chip("data", "sbuf", dtype, (128, n)), chip("operand1", "sbuf", dtype, (128, n))],
+                   [chip("dst", "sbuf", dtype, (128, n))], op0=op0, op1="multiply")
+    assert instr_cost(stt("bfloat16", "subtract", 256), TRN3).cycles == 60 + 256  # bf16 sub/mul, N even: N
+    assert instr_cost(stt("float32", "subtract", 256), TRN3).cycles == 60 + 512  # else 2N
+    barrier = instr_cost(rec(0, "core_barrier", "gpsimd", barrier=True), TRN3)
+    assert barrier.kind == "barrier" and barrier.seconds == pytest.approx(1.3e-6)
