@@ -268,14 +268,15 @@ def _load_calibration_module():
 
 def test_calibration_script_runs_on_a_subset(tmp_path, capsys):
     mod = _load_calibration_module()
-    if not os.path.exists(mod.DEFAULT_DATA):
-        pytest.skip(f"measured data not found at {mod.DEFAULT_DATA}")
+    assert os.path.exists(mod.DEFAULT_DATA), f"measured GEMM data missing: {mod.DEFAULT_DATA}"
     summary, rows = mod.main(["--subset", "3", "--max-flops", "3e9", "--out", str(tmp_path), "--quiet"])
     assert len(rows) == 3 and summary["shapes"] == 3
     for r in rows:
         assert math.isfinite(r["predicted_s"]) and r["predicted_s"] > r["makespan_s"] > 0
         assert r["measured_s"] > 0
     assert math.isfinite(summary["median_abs_error_pct"]) and summary["median_abs_error_pct"] >= 0
+    assert summary["fit_set"]["shapes"] + summary["holdout"]["shapes"] == 3
+    assert all(r["predicted_pessimistic_s"] >= r["predicted_s"] for r in rows)  # the band's ends are ordered
     with open(os.path.join(tmp_path, "calibrate_bf16_gemm.json")) as f:
         assert len(json.load(f)["shapes"]) == 3
     assert "median |error|" in capsys.readouterr().out
