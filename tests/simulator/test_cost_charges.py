@@ -212,3 +212,28 @@ def test_hbm_traffic_against_the_compulsory_minimum():
     assert traffic["moved_bytes"] == 5 * nbytes
     assert traffic["compulsory_bytes"] == 2 * nbytes  # X once + Y once
     assert traffic["scratch_bytes"] == 2 * nbytes
+
+
+@pytest.mark.parametrize("last_read_needs_q", [False, True])
+def test_fragmented_sbuf_waits_for_the_covered_tile_or_is_a_plan_error(last_read_needs_q):
+    """P (200 KiB) is live when Q (100 KiB) is allocated: no gap fits. Q goes over P and waits for P's final
+    access, unless that access itself needs Q (waiting would deadlock): then the overlap exceeds SBUF and
+    the report has a plan error."""
+    p, q = new_id(), new_id()
+    kp, kq = 200 * 1024, 100 * 1024
+    tp, tq = (128, kp // 4), (128, kq // 4)
+    reads = [chip("src", "sbuf", "float32", (128, 16), sid=p, alloc=kp)]
+    if last_read_needs_q:
+        reads.append(chip("src2", "sbuf", "float32", (128, 16), sid=q, alloc=kq))
+    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])], [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
+         rec(1, "dma_copy", "dma", [hbm("src", "float32", tq, tq[1])], [chip("dst", "sbuf", "float32", tq, sid=q, alloc=kq)]),
+         rec(2, "tensor_copy", "vector", reads, [chip("dst", "sbuf", "float32", (128, 16))])]
+    s = schedule(t, TRN3, 1)
+    report = CostReport.from_schedule(s, TRN3)
+    if last_read_needs_q:
+        assert s.start[1] < s.end[2]
+        assert report.plan_errors == ["core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, "
+                                      "the target has 256 KiB"]
+    else:
+        assert s.start[1] >= s.end[2]  # Q's load waited for P's last read
+        assert report.plan_errors == []

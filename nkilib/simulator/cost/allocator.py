@@ -8,12 +8,13 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
 
     Each on-chip allocation lives from the first to the last trace record that touches it (the
-    liveness a compiler's allocator sees, in program order) and is placed first-fit in its core's
-    per-partition address space (PSUM in whole 2 KiB banks). When a tile is placed on bytes that
+    liveness a compiler's allocator sees, in program order) and is placed in its core's
+    per-partition address space (PSUM in whole 2 KiB banks; placement policy below). When a tile is placed on bytes that
     an earlier, dead tile occupied, its first access must wait for the final accesses of that tile
     (WAR/WAW through the reused memory): the last one on each in-order engine and every DMA (DMA
-    queues complete out of order, so the last access in program order need not end last). Without this every allocation would be fresh memory and the
-    schedule could overlap more buffers than the core holds.
+    queues complete out of order, so the last access in program order need not end last). Without
+    this every allocation would be fresh memory and the schedule could overlap more buffers than
+    the core holds.
     Placement is next-fit: the search starts where the previous allocation of that space ended and
     wraps around, so the memory freed longest ago is reused first (an allocator that leaves room
     for overlap when there is space; the NKI allocator's policy is not documented — INFERRED).
@@ -23,6 +24,8 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     lowest address where none of those accesses depends on the tile's first access (`preds`: the data
     dependencies, else no such placement is tried). If there is none, it is placed at 0 without waiting
     and the report's scheduled occupancy shows the excess (a plan error there).
+    `placements` (optional dict, for diagnostics) receives key -> (lo, hi, first seq) and, under
+    "fragmented", one (key, bytes, waited) entry per fragmentation fallback.
     """
     first, last, size = {}, {}, {}
     tails = {}  # key -> {engine: last seq} (in-order engines) and {("dma", seq): seq} (every DMA)

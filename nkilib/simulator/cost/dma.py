@@ -90,7 +90,8 @@ def dma_work(rec, target: TargetSpec) -> DmaWork:
         dst = rec.writes[0] if rec.writes else None
         into_hbm = dst is not None and not _on_chip(dst)
         passes = 2 if into_hbm else target.rmw_sbuf_passes
-        src_hbm = sum(o.nbytes for o in rec.reads if not _on_chip(o) and (dst is None or o.storage_id != dst.storage_id))
+        src_hbm = sum(o.nbytes for o in rec.reads
+                      if not _on_chip(o) and (dst is None or o.storage_id != dst.storage_id))
         hbm = max(hbm, src_hbm + (2 * nbytes if into_hbm else 0))  # read + write of the destination rows
         nbytes *= passes
     mode = _mode(rec)
