@@ -82,5 +82,8 @@ def test_readme_bf16_column_and_speedup_match_the_study(model):
     row, mx = _check_mxfp8(model)
     bf16 = _model(model, "trn3", "bf16")
     _check_band(row["BF16 mode"], bf16["central"]["modeled_time_s"], bf16["pessimistic"]["modeled_time_s"], 1e3)
+    if mx["central"]["modeled_time_s"] is None:  # MXFP8 refused: no speedup to quote
+        assert row["MXFP8 / BF16"] == ""
+        return
     ratio = float(re.findall(r"[\d.]+", row["MXFP8 / BF16"])[0])
     assert bf16["central"]["modeled_time_s"] / mx["central"]["modeled_time_s"] == pytest.approx(ratio, rel=0.01)
