@@ -1,14 +1,18 @@
 """Calibrate the cost model against BF16 GEMM times measured on Trainium3 (LNC2) by AWS.
 
-Models every shape of ../shared/data/trn3_bf16_gemm_measured.json (beside the repo) with
-`nkilib.simulator.cost.predict_bf16_gemm_time` (nkilib/examples/bf16_matmul.py, shape-only
-simulation + engine-level schedule), prints predicted vs measured per shape and the median absolute
-percentage error, and writes the table as JSON.
+Models every shape of simulations/data/trn3_bf16_gemm_measured.json (mirrored from the public
+aws-neuron/nki-library test cache, see its "source" field) with
+`nkilib.examples.bf16_matmul.predict_bf16_gemm_time` (that kernel, shape-only simulation +
+engine-level schedule) at the model's central estimate and its pessimistic end, prints predicted vs
+measured per shape and the median absolute percentage error, and writes the table as JSON.
 
     python simulations/calibrate_bf16_gemm.py [--subset N] [--out DIR] [--data PATH] [--max-flops F]
 
-Parameters: all engine and DMA numbers are the documented ones (nkilib/simulator/hardware.py); the
-only fitted number is `kernel_launch_overhead_s` (hardware.py), see `fit_launch_overhead` below.
+Parameters: engine and DMA numbers are the documented ones or labelled estimates
+(nkilib/simulator/hardware.py); the only fitted number is `kernel_launch_overhead_s` (hardware.py),
+fitted on the launch-dominated shapes (modeled makespan < 40 us, see `fit_launch_overhead`). The
+other shapes are the holdout: their error is reported separately, as the model's error on shapes
+that played no part in the fit.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "trn3_bf16_gemm_measured.json")
+DEFAULT_DATA = os.path.join(HERE, "data", "trn3_bf16_gemm_measured.json")
 
 
 def load_entries(path):
@@ -55,7 +59,8 @@ def fit_launch_overhead(rows):
 
 
 def run(entries, target="trn3", progress=True):
-    from nkilib.simulator.cost import predict_bf16_gemm_time_report
+    from nkilib.examples.bf16_matmul import predict_bf16_gemm_time_report
+    from nkilib.simulator.cost import rescore
 
     try:
         from tqdm import tqdm
@@ -66,26 +71,38 @@ def run(entries, target="trn3", progress=True):
     for e in tqdm(entries, desc="modeling GEMMs", disable=not progress):
         t0 = time.time()
         rep = predict_bf16_gemm_time_report(e["M"], e["K"], e["N"], lnc=e.get("num_lnc", 2), target=target)
+        pess = rescore(rep, "pessimistic")
         pred = rep.modeled_time_s
         meas = e["time_s"]
         rows.append({
             "name": e["name"], "M": e["M"], "K": e["K"], "N": e["N"], "lnc": e.get("num_lnc", 2),
             "measured_s": meas, "predicted_s": pred, "makespan_s": rep.makespan_s,
+            "predicted_pessimistic_s": pess.modeled_time_s,
             "error_pct": 100.0 * (pred - meas) / meas,
+            "error_pessimistic_pct": 100.0 * (pess.modeled_time_s - meas) / meas,
+            "fit_set": rep.makespan_s < LAUNCH_DOMINATED_MAKESPAN_S,
             "measured_mfu_pct": e.get("mfu_percent"), "predicted_mfu_pct": 100.0 * rep.to_json()["mfu"],
             "instructions": len(rep.schedule.records), "model_wall_s": time.time() - t0,
         })
     return rows
 
 
+def _abs_stats(errs):
+    errs = [abs(e) for e in errs]
+    return {"shapes": len(errs), "median_abs_error_pct": statistics.median(errs) if errs else None,
+            "mean_abs_error_pct": statistics.fmean(errs) if errs else None,
+            "max_abs_error_pct": max(errs) if errs else None}
+
+
 def summarize(rows):
+    stats = _abs_stats([r["error_pct"] for r in rows])
     errs = [abs(r["error_pct"]) for r in rows]
     return {
-        "shapes": len(rows),
-        "median_abs_error_pct": statistics.median(errs) if errs else None,
-        "mean_abs_error_pct": statistics.fmean(errs) if errs else None,
-        "max_abs_error_pct": max(errs) if errs else None,
+        **stats,
         "within_20pct": sum(e <= 20 for e in errs),
+        "fit_set": _abs_stats([r["error_pct"] for r in rows if r["fit_set"]]),
+        "holdout": _abs_stats([r["error_pct"] for r in rows if not r["fit_set"]]),
+        "holdout_pessimistic": _abs_stats([r["error_pessimistic_pct"] for r in rows if not r["fit_set"]]),
         "best_fit_launch_overhead_s": fit_launch_overhead(rows),
     }
 
@@ -111,14 +128,20 @@ def main(argv=None):
     summary = summarize(rows)
     spec = resolve_target(args.target)
     print(f"{'shape':<52} {'M':>6} {'K':>6} {'N':>6} {'meas us':>9} {'pred us':>9} {'err %':>7} "
-          f"{'MFU meas':>8} {'MFU pred':>8}")
+          f"{'pess us':>9} {'MFU meas':>8} {'MFU pred':>8}")
     for r in rows:
         print(f"{r['name'][:52]:<52} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['measured_s'] * 1e6:9.1f} "
-              f"{r['predicted_s'] * 1e6:9.1f} {r['error_pct']:7.1f} {r['measured_mfu_pct'] or 0:8.1f} "
+              f"{r['predicted_s'] * 1e6:9.1f} {r['error_pct']:7.1f} {r['predicted_pessimistic_s'] * 1e6:9.1f} "
+              f"{r['measured_mfu_pct'] or 0:8.1f} "
               f"{r['predicted_mfu_pct']:8.1f}")
     print(f"\nshapes {summary['shapes']}  median |error| {summary['median_abs_error_pct']:.1f} %  "
           f"mean {summary['mean_abs_error_pct']:.1f} %  max {summary['max_abs_error_pct']:.1f} %  "
           f"within 20 %: {summary['within_20pct']}/{summary['shapes']}")
+    for name in ("fit_set", "holdout", "holdout_pessimistic"):
+        st = summary[name]
+        if st["shapes"]:
+            print(f"{name:<20} shapes {st['shapes']:3d}  median |error| {st['median_abs_error_pct']:.1f} %  "
+                  f"max {st['max_abs_error_pct']:.1f} %")
     fit = summary["best_fit_launch_overhead_s"]
     print(f"launch overhead used {spec.kernel_launch_overhead_s * 1e6:.1f} us; fitted on this run: "
           + (f"{fit * 1e6:.1f} us" if fit is not None else "n/a (no launch-dominated shape)"))

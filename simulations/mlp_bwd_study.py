@@ -1,15 +1,21 @@
 """MLP backward study: modeled Trn2/Trn3 time, MFU and phase breakdown on model presets.
 
     python simulations/mlp_bwd_study.py [--models qwen3-8b-tp8 ...] [--seq 4096] [--lnc 2]
-        [--recompute none|all] [--numerics-max-flops 2e10] [--out simulations/out/mlp_bwd] [--plots]
+        [--recompute none|all] [--band | --central | --pessimistic] [--numerics-max-flops 2e10]
+        [--out simulations/out/mlp_bwd] [--plots]
 
 For each preset it models the whole backward (quantization, transposes and epilogue included) with
 the engine-level cost model in shape-only mode: MXFP8 and BF16 modes on trn3, BF16 on trn2. It
-reports modeled time, TensorE MFU (model FLOPs 12·S·H·I, +4·S·H·I with full recompute, over the
-peak of the chosen precision), the MXFP8/BF16 speedup, per-phase spans and the engines on the
-critical path of each phase (the report that says what limits the kernel). When a shape is small
-enough (--numerics-max-flops) it also runs the kernel numerically and reports its error against
-the mx_exact and fp32 references. Results go to --out as JSON (plus PNG plots with --plots).
+reports modeled time and TensorE MFU (model FLOPs 12·S·H·I, +4·S·H·I with full recompute, over the
+peak of the chosen precision) as a band: the model's central estimate and its pessimistic end (the
+estimated constants of nkilib/simulator/hardware.py at their worst ends; `--central` or
+`--pessimistic` prints one end only). Also the MXFP8/BF16 speedup (central), HBM bytes moved next to
+the compulsory minimum (inputs read once, outputs written once), and the engines on the critical
+path. A shape whose plan or modeled overlap needs more SBUF/PSUM than the target has is refused: its
+row says what it needs and no time is reported (the JSON keeps the would-be numbers under
+"invalid_modeled_time_s"). When a shape is small enough (--numerics-max-flops) it also runs the
+kernel numerically and reports its error against the mx_exact and fp32 references. Results go to
+--out as JSON (plus PNG plots with --plots).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, mlp_backward_reference  # noqa: E402
 from nkilib.models import PRESETS, preset  # noqa: E402
 from nkilib.simulator import ShapeSpec  # noqa: E402
-from nkilib.simulator.cost import model_kernel  # noqa: E402
+from nkilib.simulator.cost import model_kernel, rescore  # noqa: E402
 from nkilib.simulator.trace import label_phases  # noqa: E402
 
 DEFAULT_MODELS = ("qwen3-8b-tp1", "qwen3-8b-tp4", "qwen3-8b-tp8", "qwen3-32b-tp1", "qwen3-32b-tp4", "qwen3-32b-tp8",
@@ -56,13 +62,62 @@ def shape_inputs(S, H, I, recompute: bool) -> dict:
     return inputs
 
 
-def model_one(S, H, I, target, precision, lnc, recompute):
+def model_one(S, H, I, target, precision, lnc, recompute, scenarios=("central",)):
+    """{scenario: CostReport} of the kernel at one shape (one shape-only run, scheduled per scenario)."""
     flops = (16 if recompute else 12) * S * H * I
     with label_phases(kernel_module, PHASES):
         report = model_kernel(kernel_module.mlp_backward_mxfp8_nki, shape_inputs(S, H, I, recompute), lnc=lnc,
                               target=target, kwargs={"matmul_precision": precision},
-                              precision="mx" if precision == "mxfp8" else "bf16", model_flops=flops)
-    return report
+                              precision="mx" if precision == "mxfp8" else "bf16", model_flops=flops,
+                              scenario=scenarios[0])
+    out = {scenarios[0]: report}
+    for sc in scenarios[1:]:
+        out[sc] = rescore(report, sc)
+    return out
+
+
+def summarize(report) -> dict:
+    """The study's numbers for one report; a report with plan errors gets no time."""
+    j = report.to_json()
+    crit = {}
+    for ph in j["phases"].values():
+        for eng, v in ph["critical_path_by_engine_s"].items():
+            crit[eng] = crit.get(eng, 0.0) + v
+    out = {"modeled_time_s": None, "mfu": None, "plan_errors": j["plan_errors"], "hbm_bytes": j["hbm_bytes"],
+           "hbm_compulsory_bytes": j["hbm_compulsory_bytes"], "hbm_scratch_bytes": j["hbm_scratch_bytes"],
+           "critical_path_by_engine_s": crit, "phases": j["phases"], "engines": j["engines"],
+           "memory_peak": j["memory_peak_bytes_per_partition"],
+           "scheduled_peak": j["scheduled_peak_bytes_per_partition"]}
+    if j["plan_errors"]:
+        out["invalid_modeled_time_s"], out["invalid_mfu"] = j["modeled_time_s"], j["mfu"]
+    else:
+        out["modeled_time_s"], out["mfu"] = j["modeled_time_s"], j["mfu"]
+    return out
+
+
+def format_rows(results, models, scenarios) -> list:
+    """Table lines as printed by main (also used by tests that compare the README with the study)."""
+    lines = [f"{'model':<22}{'mode':<14}" + "".join(f"{sc + ' ms':>16}{'MFU %':>7}" for sc in scenarios)
+             + f"{'MX/BF16':>9}{'HBM MB / min':>16}  limiting engines on the critical path (central)"]
+    for model in models:
+        base = results[f"{model}/trn3/bf16"][scenarios[0]]["modeled_time_s"]
+        for target, precision in MODES:
+            r = results[f"{model}/{target}/{precision}"]
+            first = r[scenarios[0]]
+            cells = ""
+            for sc in scenarios:
+                t, m = r[sc]["modeled_time_s"], r[sc]["mfu"]
+                cells += f"{t * 1e3:>16.3f}{m * 100:>7.1f}" if t is not None else f"{'refused':>16}{'':>7}"
+            t0 = first["modeled_time_s"]
+            speed = f"{base / t0:.2f}x" if (target, precision) == ("trn3", "mxfp8") and base and t0 else ""
+            hbm = f"{first['hbm_bytes'] / 1e6:.0f} / {first['hbm_compulsory_bytes'] / 1e6:.0f}"
+            crit = first["critical_path_by_engine_s"]
+            total = sum(crit.values()) or 1.0
+            limit = ", ".join(f"{e} {100 * v / total:.0f}%" for e, v in sorted(crit.items(), key=lambda kv: -kv[1])[:3])
+            lines.append(f"{model:<22}{target + '/' + precision:<14}{cells}{speed:>9}{hbm:>16}  {limit}")
+            for sc in scenarios:
+                lines.extend(f"{'':<36}refused ({sc}): {e}" for e in r[sc]["plan_errors"])
+    return lines
 
 
 def numerics(S, H, I, lnc):
@@ -84,7 +139,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--numerics-max-flops", type=float, default=2e10)
     ap.add_argument("--out", default=os.path.join("simulations", "out", "mlp_bwd"))
     ap.add_argument("--plots", action="store_true")
+    band = ap.add_mutually_exclusive_group()
+    band.add_argument("--band", dest="scenarios", action="store_const", const=("central", "pessimistic"),
+                      help="central estimate and pessimistic end (default)")
+    band.add_argument("--central", dest="scenarios", action="store_const", const=("central",))
+    band.add_argument("--pessimistic", dest="scenarios", action="store_const", const=("pessimistic",),
+                      help="estimated constants at their worst ends (nkilib/simulator/hardware.py)")
     args = ap.parse_args(argv)
+    scenarios = args.scenarios or ("central", "pessimistic")
     try:
         from tqdm import tqdm
     except ImportError:  # progress bar is optional (pip install .[sim])
@@ -96,30 +158,15 @@ def main(argv=None) -> dict:
     for model, target, precision in tqdm(jobs, desc="modeling", unit="run"):
         shape = preset(model)
         S, H, I = args.seq, shape.hidden, shape.intermediate
-        rep = model_one(S, H, I, target, precision, args.lnc, args.recompute == "all")
-        j = rep.to_json()
+        reports = model_one(S, H, I, target, precision, args.lnc, args.recompute == "all", scenarios)
         key = f"{model}/{target}/{precision}"
-        results[key] = {"S": S, "H": H, "I": I, "modeled_time_s": j["modeled_time_s"], "mfu": j["mfu"],
-                        "hbm_bytes": j["hbm_bytes"], "phases": j["phases"], "engines": j["engines"],
-                        "memory_peak": j["memory_peak_bytes_per_partition"]}
+        results[key] = {"S": S, "H": H, "I": I, **{sc: summarize(rep) for sc, rep in reports.items()}}
         with open(os.path.join(args.out, key.replace("/", "_") + ".txt"), "w") as f:
-            f.write(rep.table() + "\n")
+            f.write("\n\n".join(rep.table() for rep in reports.values()) + "\n")
         if args.plots:
-            rep.plot(args.out, prefix=key.replace("/", "_"))
-    print(f"\n{'model':<22}{'mode':<14}{'time ms':>10}{'MFU %':>8}{'MX/BF16':>9}  limiting engines on the critical path")
-    for model in args.models:
-        t_bf16 = results[f"{model}/trn3/bf16"]["modeled_time_s"]
-        for target, precision in MODES:
-            r = results[f"{model}/{target}/{precision}"]
-            crit = {}
-            for ph in r["phases"].values():
-                for eng, v in ph["critical_path_by_engine_s"].items():
-                    crit[eng] = crit.get(eng, 0.0) + v
-            total = sum(crit.values()) or 1.0
-            limit = ", ".join(f"{e} {100 * v / total:.0f}%" for e, v in sorted(crit.items(), key=lambda kv: -kv[1])[:3])
-            speed = f"{t_bf16 / r['modeled_time_s']:.2f}x" if (target, precision) == ("trn3", "mxfp8") else ""
-            print(f"{model:<22}{target + '/' + precision:<14}{r['modeled_time_s'] * 1e3:>10.3f}"
-                  f"{r['mfu'] * 100:>8.1f}{speed:>9}  {limit}")
+            reports[scenarios[0]].plot(args.out, prefix=key.replace("/", "_"))
+    print()
+    print("\n".join(format_rows(results, args.models, scenarios)))
     for model in args.models:
         shape = preset(model)
         flops = 12 * args.seq * shape.hidden * shape.intermediate

@@ -1,7 +1,7 @@
 """BF16 tiled matmul NKI kernel: C[M, N] = A[M, K] @ B[K, N] (bf16 in HBM, fp32 PSUM accumulation).
 
 This is the kernel the cost model is calibrated with (simulations/calibrate_bf16_gemm.py,
-`nkilib.simulator.cost.predict_bf16_gemm_time`). It is plain NKI (runs unchanged on the simulator).
+`predict_bf16_gemm_time` below). It is plain NKI (runs unchanged on the simulator).
 
 Layout of A (`a_layout`):
 - ``"km"`` (default): the caller passes A already K-major, ``a`` = A^T with shape [K, M]. TensorE
@@ -134,3 +134,24 @@ def bf16_matmul(a, b, a_layout="km"):
 
 
 bf16_matmul_kernel = nki.jit(bf16_matmul)
+
+
+def predict_bf16_gemm_time_report(M: int, K: int, N: int, lnc: int = 2, target: str = "trn3"):
+    """CostReport of this kernel for C[M,N] = A[M,K] @ B[K,N] (A given K-major; shape-only simulator run)."""
+    import ml_dtypes
+
+    from ..simulator.cost import model_kernel  # lazy: only the cost model needs the simulator here
+    from ..simulator.launcher import ShapeSpec
+
+    bf16 = ml_dtypes.bfloat16
+    return model_kernel(bf16_matmul, (ShapeSpec((K, M), bf16), ShapeSpec((K, N), bf16)), lnc=lnc, target=target,
+                        model_flops=2.0 * M * K * N, precision="bf16")
+
+
+def predict_bf16_gemm_time(M: int, K: int, N: int, lnc: int = 2, target: str = "trn3") -> float:
+    """Modeled time (seconds) of C[M,N] = A[M,K] @ B[K,N] in BF16 with this kernel.
+
+    Includes the calibrated per-call launch overhead. Compare with new measurements via
+    simulations/calibrate_bf16_gemm.py.
+    """
+    return predict_bf16_gemm_time_report(M, K, N, lnc=lnc, target=target).modeled_time_s

@@ -22,7 +22,6 @@ REMAINING = {
     "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
     "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py",
     "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/tiled_matmul.py",
-    "nkilib/simulator/cost.py",
 }
 _ANCHOR_REF = re.compile(r"docs/simulator\.md#([A-Za-z0-9_\-]+)")
 

@@ -7,39 +7,12 @@ import os
 
 import pytest
 
+from costkit import chip, hbm, new_id, rec
 from simkit import BF16, randn
-from nkilib.examples.bf16_matmul import bf16_matmul
+from nkilib.examples.bf16_matmul import bf16_matmul, predict_bf16_gemm_time
 from nkilib.simulator import ShapeSpec, run_kernel
-from nkilib.simulator.cost import (CostModelError, instr_cost, model_kernel, predict_bf16_gemm_time, schedule)
+from nkilib.simulator.cost import CostModelError, instr_cost, model_kernel, schedule
 from nkilib.simulator.hardware import TRN2, TRN3
-from nkilib.simulator.trace import InstrRecord, OperandInfo
-
-ISZ = {"bfloat16": 2, "float32": 4, "float16": 2}
-_ids = iter(range(10_000, 1_000_000))
-
-
-def chip(arg, buffer, dtype, shape, sid=None, p0=0, f0=0):
-    """OperandInfo of a contiguous [P, F] on-chip tile (free bytes f0.. of partitions p0..)."""
-    s = ISZ[dtype]
-    P, F = shape
-    row = 1 << 20  # storage row length (bytes); only needs to exceed the tile
-    return OperandInfo(arg, sid or next(_ids), "t", buffer, dtype, shape, p0, p0 + P, f0, f0 + F * s, P * F * s,
-                       p0 * row + f0, (row, s), s)
-
-
-def hbm(arg, dtype, shape, row_elems, r0=0, c0=0, sid=None):
-    """OperandInfo of a [R, C] tile of a row-major HBM matrix with `row_elems` columns."""
-    s = ISZ[dtype]
-    R, C = shape
-    off = (r0 * row_elems + c0) * s
-    return OperandInfo(arg, sid or next(_ids), "h", "shared_hbm", dtype, shape, 0, 1, off,
-                       off + ((R - 1) * row_elems + C) * s, R * C * s, off, (row_elems * s, s), s)
-
-
-def rec(seq, instr, engine, reads=(), writes=(), program=0, **attrs):
-    return InstrRecord(seq, program, instr, engine, tuple(reads), tuple(writes), attrs)
-
-
 # ---------------------------------------------------------------------------------------------
 # per-instruction costs, hand-computed from spec §6.2 / §8
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +94,7 @@ def test_other_documented_formulas():
     assert instr_cost(act, TRN3).cycles == 60 + 512 + 64  # + MIN_II for the reduction
     tr = rec(0, "nc_transpose", "tensor", [chip("data", "sbuf", "bfloat16", (128, 96))],
              [chip("dst", "psum", "bfloat16", (96, 128))])
-    assert instr_cost(tr, TRN3).cycles == 128  # max(P, min(64, F))
+    assert instr_cost(tr, TRN3).cycles == 128 + 96 / 4  # max(P, min(64, F)) + LoadStationary of the F=96 columns
 
 
 def test_dma_rate_from_payload():
@@ -155,6 +128,8 @@ def _mm(seq, st, mv, dst, program=0):
 
 MM_S = 544 / 2.4e9
 COPY_S = 572 / 1.2e9  # fp32 PSUM [128, 512] -> SBUF on VectorE/ScalarE
+HOP_S = 100 / 1.2e9  # semaphore hop to a 1.2 GHz engine waiting on another engine (ESTIMATE, hardware.py)
+DGE_S = 600e-9  # hardware DGE time per DMA instruction [TRN2]
 
 
 def test_independent_engines_overlap():
@@ -169,7 +144,7 @@ def test_independent_engines_overlap():
 
 
 def test_raw_dependency_serialises_and_disjoint_regions_do_not():
-    acc = next(_ids)
+    acc = new_id()
     a = chip("stationary", "sbuf", "bfloat16", (128, 128))
     b = chip("moving", "sbuf", "bfloat16", (128, 512))
     t = [_mm(0, a, b, chip("dst", "psum", "float32", (128, 512), sid=acc)),
@@ -179,14 +154,14 @@ def test_raw_dependency_serialises_and_disjoint_regions_do_not():
          rec(2, "tensor_copy", "scalar", [chip("src", "psum", "float32", (128, 16), sid=acc, f0=4096)],
              [chip("dst", "sbuf", "bfloat16", (128, 16))])]
     s = schedule(t, TRN3, 1)
-    assert s.start[1] == pytest.approx(MM_S)
+    assert s.start[1] == pytest.approx(MM_S + HOP_S)  # TensorE -> VectorE: one semaphore hop
     assert s.blocker[1] == 0
     assert s.start[2] == 0.0
-    assert s.makespan == pytest.approx(MM_S + COPY_S)
+    assert s.makespan == pytest.approx(MM_S + HOP_S + COPY_S)
 
 
 def test_war_and_waw_dependencies():
-    x = next(_ids)
+    x = new_id()
     t = [rec(0, "tensor_copy", "vector", [chip("src", "sbuf", "float32", (128, 512), sid=x)],
              [chip("dst", "sbuf", "bfloat16", (128, 512))]),
          # WAR: ScalarE overwrites what VectorE is reading
@@ -195,20 +170,20 @@ def test_war_and_waw_dependencies():
          # WAW: GpSimd writes the same bytes again
          rec(2, "memset", "gpsimd", writes=[chip("dst", "sbuf", "float32", (128, 512), sid=x)])]
     s = schedule(t, TRN3, 1)
-    assert s.start[1] == pytest.approx(s.end[0])
-    assert s.start[2] == pytest.approx(s.end[1])
+    assert s.start[1] == pytest.approx(s.end[0] + HOP_S)
+    assert s.start[2] == pytest.approx(s.end[1] + HOP_S)
 
 
 def test_strided_hbm_tiles_of_one_matrix_are_independent():
-    c = next(_ids)
+    c = new_id()
     t = [rec(i, "dma_copy", "dma", [chip("src", "sbuf", "bfloat16", (128, 512))],
              [hbm("dst", "bfloat16", (128, 512), 4096, r0=0, c0=512 * i, sid=c)]) for i in range(2)]
     s = schedule(t, TRN3, 1)
-    assert s.start[0] == s.start[1] == 0.0  # disjoint column blocks: no WAW
+    assert s.start[0] == s.start[1] == pytest.approx(DGE_S)  # disjoint column blocks: no WAW; 2 DGE instances
     t2 = [rec(i, "dma_copy", "dma", [chip("src", "sbuf", "bfloat16", (128, 512))],
               [hbm("dst", "bfloat16", (128, 512), 4096, r0=64 * i, c0=0, sid=c + 1)]) for i in range(2)]
     s2 = schedule(t2, TRN3, 1)
-    assert s2.start[1] == pytest.approx(s2.end[0])  # overlapping rows: WAW serialises
+    assert s2.start[1] == pytest.approx(s2.end[0] + DGE_S)  # overlapping rows: WAW serialises
 
 
 def test_concurrent_dmas_share_bandwidth():
@@ -217,9 +192,9 @@ def test_concurrent_dmas_share_bandwidth():
                    [chip("dst", "sbuf", "bfloat16", (128, 2048))])
     nbytes = 128 * 2048 * 2
     one = schedule([load(0)], TRN3, 1)
-    assert one.makespan == pytest.approx(1.3e-6 + nbytes / 528e9)  # latency + bytes / (16 x 33 GB/s)
+    assert one.makespan == pytest.approx(DGE_S + 1.3e-6 + nbytes / 528e9)  # DGE + latency + bytes / (16 x 33 GB/s)
     two = schedule([load(0), load(1)], TRN3, 1)
-    assert two.makespan == pytest.approx(1.3e-6 + 2 * nbytes / 528e9)  # both in flight, half the rate each
+    assert two.makespan == pytest.approx(DGE_S + 1.3e-6 + 2 * nbytes / 528e9)  # both in flight, half the rate each
 
 
 def test_barrier_synchronises_two_programs():
@@ -293,14 +268,15 @@ def _load_calibration_module():
 
 def test_calibration_script_runs_on_a_subset(tmp_path, capsys):
     mod = _load_calibration_module()
-    if not os.path.exists(mod.DEFAULT_DATA):
-        pytest.skip(f"measured data not found at {mod.DEFAULT_DATA}")
+    assert os.path.exists(mod.DEFAULT_DATA), f"measured GEMM data missing: {mod.DEFAULT_DATA}"
     summary, rows = mod.main(["--subset", "3", "--max-flops", "3e9", "--out", str(tmp_path), "--quiet"])
     assert len(rows) == 3 and summary["shapes"] == 3
     for r in rows:
         assert math.isfinite(r["predicted_s"]) and r["predicted_s"] > r["makespan_s"] > 0
         assert r["measured_s"] > 0
     assert math.isfinite(summary["median_abs_error_pct"]) and summary["median_abs_error_pct"] >= 0
+    assert summary["fit_set"]["shapes"] + summary["holdout"]["shapes"] == 3
+    assert all(r["predicted_pessimistic_s"] >= r["predicted_s"] for r in rows)  # the band's ends are ordered
     with open(os.path.join(tmp_path, "calibrate_bf16_gemm.json")) as f:
         assert len(json.load(f)["shapes"]) == 3
     assert "median |error|" in capsys.readouterr().out
@@ -339,3 +315,40 @@ def test_freed_sbuf_reuse_serialises_only_when_two_tiles_do_not_fit(kib, overlap
         assert sched.start[load2] < sched.end[store1]
     else:
         assert sched.start[load2] >= sched.end[store1]
+
+
+def _elementwise(instr, engine, n, dtype="float32", **attrs):
+    return rec(0, instr, engine, [chip("data", "sbuf", dtype, (128, n))], [chip("dst", "sbuf", dtype, (128, n))],
+               **attrs)
+
+
+@pytest.mark.parametrize("record, cycles", [
+    # [LEGACY] formulas + the 60-cycle access overhead [TRN1]; N = 256 elements per partition
+    (_elementwise("tensor_scalar", "vector", 256), 60 + 256),  # fp32: no perf mode
+    (_elementwise("tensor_scalar_reduce", "vector", 256), 60 + 256 + 64),  # max(MIN_II, N) + MIN_II
+    (_elementwise("tensor_tensor_scan", "vector", 256), 60 + 512),  # max(MIN_II, 2N)
+    (_elementwise("bn_stats", "vector", 256), 60 + 256),
+    (_elementwise("bn_aggr", "vector", 48), 60 + 13 * 48 / 3),  # max(MIN_II, 13 N / 3)
+    (_elementwise("max8", "vector", 256), 60 + 256),  # N, no MIN_II floor
+    (_elementwise("nc_find_index8", "vector", 32), 60 + 32),
+    (_elementwise("tensor_reduce", "vector", 256, dtype="bfloat16", op="add"), 60 + 128),  # bf16 add: N/2
+    (_elementwise("tensor_reduce", "vector", 256, op="add"), 60 + 256),
+    (_elementwise("reciprocal", "vector", 256), 60 + 8 * 256),  # Vector: max(MIN_II, 8N)
+    (_elementwise("reciprocal", "scalar", 256), 60 + 256),
+    (_elementwise("exponential", "vector", 256), 60 + 64),  # 4x ScalarE exp [TRN3]: N/4, MIN_II floor
+    (_elementwise("activation", "scalar", 512), 60 + 512),
+    (_elementwise("affine_select", "gpsimd", 100), 150 + 100),  # GPSIMD_START + N, no access overhead
+])
+def test_documented_formula_of_each_instruction(record, cycles):
+    assert instr_cost(record, TRN3).cycles == pytest.approx(cycles)
+
+
+def test_scalar_tensor_tensor_fast_case_and_barrier_latency():
+    def stt(dtype, op0, n):
+        return rec(0, "scalar_tensor_tensor", "vector",
+                   [chip("data", "sbuf", dtype, (128, n)), chip("operand1", "sbuf", dtype, (128, n))],
+                   [chip("dst", "sbuf", dtype, (128, n))], op0=op0, op1="multiply")
+    assert instr_cost(stt("bfloat16", "subtract", 256), TRN3).cycles == 60 + 256  # bf16 sub/mul, N even: N
+    assert instr_cost(stt("float32", "subtract", 256), TRN3).cycles == 60 + 512  # else 2N
+    barrier = instr_cost(rec(0, "core_barrier", "gpsimd", barrier=True), TRN3)
+    assert barrier.kind == "barrier" and barrier.seconds == pytest.approx(1.3e-6)

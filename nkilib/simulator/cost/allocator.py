@@ -1,0 +1,176 @@
+"""Finite SBUF/PSUM: the allocator's reuse dependencies and the occupancy a schedule needs."""
+from __future__ import annotations
+
+from ..hardware import TargetSpec
+
+
+def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict | None = None) -> dict:
+    """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
+
+    Each on-chip allocation lives from the first to the last trace record that touches it (the
+    liveness a compiler's allocator sees, in program order) and is placed in its core's
+    per-partition address space (PSUM in whole 2 KiB banks; placement policy below). When a tile is placed on bytes that
+    an earlier, dead tile occupied, its first access must wait for the final accesses of that tile
+    (WAR/WAW through the reused memory): the last one on each in-order engine and every DMA (DMA
+    queues complete out of order, so the last access in program order need not end last). Without
+    this every allocation would be fresh memory and the schedule could overlap more buffers than
+    the core holds.
+    Placement is next-fit: the search starts where the previous allocation of that space ended and
+    wraps around, so the memory freed longest ago is reused first (an allocator that leaves room
+    for overlap when there is space; the NKI allocator's policy is not documented — INFERRED).
+    If fragmentation leaves no gap (the program-order live set fits, the simulator checks that, but not
+    in one piece), the tile is placed over live tiles that die soonest and waits for their final
+    accesses (a compiler would have placed them apart; waiting is what the overlap would cost), at the
+    lowest address where none of those accesses depends on the tile's first access (`preds`: the data
+    dependencies, else no such placement is tried). If there is none, it is placed at 0 without waiting
+    and the report's scheduled occupancy shows the excess (a plan error there).
+    `placements` (optional dict, for diagnostics) receives key -> (lo, hi, first seq) and, under
+    "fragmented", one (key, bytes, waited) entry per fragmentation fallback.
+    """
+    first, last, size = {}, {}, {}
+    tails = {}  # key -> {engine: last seq} (in-order engines) and {("dma", seq): seq} (every DMA)
+    for r in records:
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.buffer, op.storage_id)
+            first.setdefault(key, r.seq)
+            last[key] = r.seq
+            tails.setdefault(key, {})[("dma", r.seq) if r.engine == "dma" else r.engine] = r.seq
+            nbytes = op.alloc_bytes_per_partition
+            if op.buffer == "psum":
+                nbytes = -(-nbytes // target.psum_bank_bytes) * target.psum_bank_bytes
+            size[key] = nbytes
+    capacity = {"sbuf": target.sbuf_bytes_per_partition, "psum": target.psum_bytes_per_partition}
+    starts, ends = {}, {}
+    for key, seq in first.items():
+        starts.setdefault(seq, []).append(key)
+    for key, seq in last.items():
+        ends.setdefault(seq, []).append(key)
+    live = {}  # (program, buffer) -> {key: (lo, hi)}
+    dead = {}  # (program, buffer) -> list of (lo, hi, final access seqs)
+    cursor = {}  # (program, buffer) -> end of the previous placement (next-fit)
+    deps = {}
+
+    prev_on_engine, last_on_engine = {}, {}
+    for r in records:
+        if r.engine != "dma":
+            key = (r.program, r.engine)
+            prev_on_engine[r.seq] = last_on_engine.get(key)
+            last_on_engine[key] = r.seq
+
+    def depends(later, first):
+        """True if `later` waits (data dependency or in-order engine) on `first`, transitively."""
+        if preds is None:
+            return True
+        stack, seen = [later], set()
+        while stack:
+            q = stack.pop()
+            if q == first:
+                return True
+            if q < first or q in seen:
+                continue
+            seen.add(q)
+            stack.extend(preds[q])
+            if prev_on_engine.get(q) is not None:
+                stack.append(prev_on_engine[q])
+        return False
+
+    def fit(ranges, nbytes, begin, limit):
+        lo = begin
+        for a, b in ranges:
+            if b <= begin:
+                continue
+            if lo + nbytes <= a:
+                break
+            lo = max(lo, b)
+        return lo if lo + nbytes <= limit else None
+
+    for r in records:
+        for key in starts.get(r.seq, ()):
+            space = (key[0], key[1])
+            ranges = sorted(live.setdefault(space, {}).values())
+            nbytes, cap = size[key], capacity[key[1]]
+            lo = fit(ranges, nbytes, cursor.get(space, 0), cap)
+            if lo is None:
+                lo = fit(ranges, nbytes, 0, cap)  # wrap around
+            graveyard = dead.setdefault(space, [])
+            if lo is None:  # fragmented: wait for the live tiles it covers (see docstring)
+                lo, waits = _place_over_live(live[space], tails, last, nbytes, cap, r.seq, depends)
+                deps.setdefault(r.seq, set()).update(waits)
+                if placements is not None:
+                    placements.setdefault("fragmented", []).append((key, nbytes, bool(waits)))
+            hi = lo + nbytes
+            cursor[space] = hi
+            kept = []
+            for a, b, q in graveyard:
+                if a < hi and lo < b:
+                    deps.setdefault(r.seq, set()).update(q)
+                    if a < lo:
+                        kept.append((a, lo, q))
+                    if hi < b:
+                        kept.append((hi, b, q))
+                else:
+                    kept.append((a, b, q))
+            dead[space] = kept
+            live[space][key] = (lo, hi)
+            if placements is not None:
+                placements[key] = (lo, hi, r.seq)
+        for key in ends.get(r.seq, ()):
+            space = (key[0], key[1])
+            lo, hi = live[space].pop(key)
+            dead[space].append((lo, hi, tuple(tails[key].values())))
+    return deps
+
+
+
+def _place_over_live(live, tails, last, nbytes, cap, first_seq, depends):
+    """(lo, seqs to wait for) for a tile that fits no gap: candidate starts are 0 and the ends of live
+    tiles; the covered live tiles must not depend on `first_seq`; the one whose covered tiles die
+    soonest (program order) wins. No valid candidate: (0, ()) — the overlap is then over capacity."""
+    best = None
+    for lo in sorted({0} | {b for a, b in live.values()}):
+        hi = lo + nbytes
+        if hi > cap:
+            continue
+        covered = [k for k, (a, b) in live.items() if a < hi and lo < b]
+        waits = [q for k in covered for q in tails[k].values()]
+        if any(q > first_seq and depends(q, first_seq) for q in waits):
+            continue
+        cost = max((last[k] for k in covered), default=-1)
+        if best is None or cost < best[0]:
+            best = (cost, lo, [q for q in waits if q != first_seq])
+    return (best[1], best[2]) if best else (0, ())
+
+
+def scheduled_occupancy(sched, target: TargetSpec) -> list:
+    """Peak SBUF/PSUM bytes per partition per core *under the modeled schedule*.
+
+    The simulator's capacity check counts a tile live while Python can reach it (program order),
+    but the schedule overlaps loads of the next tile with work on the previous one, which on
+    hardware needs both buffers at once. Here an on-chip allocation is live from the start of the
+    first instruction touching it to the end of the last one (PSUM rounded to whole banks, as in
+    the capacity rule); the sweep gives the occupancy the modeled overlap really requires.
+    """
+    spans = {}
+    for i, r in enumerate(sched.records):
+        for op in r.reads + r.writes:
+            if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
+                continue
+            key = (r.program, op.storage_id)
+            lo, hi, buf, nbytes = spans.get(key, (sched.start[i], sched.end[i], op.buffer, op.alloc_bytes_per_partition))
+            spans[key] = (min(lo, sched.start[i]), max(hi, sched.end[i]), buf, nbytes)
+    bank = target.psum_bank_bytes
+    events = {}
+    for (prog, _), (lo, hi, buf, nbytes) in spans.items():
+        if buf == "psum":
+            nbytes = -(-nbytes // bank) * bank
+        events.setdefault((prog, buf), []).extend([(lo, nbytes), (hi, -nbytes)])
+    peaks = [{"sbuf": 0, "psum": 0} for _ in range(sched.lnc)]
+    for (prog, buf), evs in events.items():
+        live = 0
+        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):  # frees before allocations at equal times
+            live += delta
+            peaks[prog][buf] = max(peaks[prog][buf], live)
+    return peaks
+
