@@ -31,68 +31,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nkilib  # noqa: E402,F401
 import nki  # noqa: E402
 from nkilib.examples.mlp_backward import make_inputs  # noqa: E402
+from nkilib.examples.mlp_backward_cost import model_mlp_backward, summarize  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, mlp_backward_reference  # noqa: E402
 from nkilib.models import PRESETS, preset  # noqa: E402
-from nkilib.simulator import ShapeSpec  # noqa: E402
-from nkilib.simulator.cost import model_kernel, rescore  # noqa: E402
-from nkilib.simulator.trace import label_phases  # noqa: E402
 
 DEFAULT_MODELS = ("qwen3-8b-tp1", "qwen3-8b-tp4", "qwen3-8b-tp8", "qwen3-32b-tp1", "qwen3-32b-tp4", "qwen3-32b-tp8",
                   "llama3-8b-tp8",
                   "llama3-70b-tp8", "gpt-oss-20b-expert", "deepseek-v3-expert")
-PHASES = {
-    "compute_phase1_down_proj_mm_grad_mxfp8": "phase0+1",
-    "compute_phase2_hidden_states_grad_mxfp8": "phase2",
-    "compute_phase3_gate_up_weight_grad_mxfp8": "phase3",
-    "compute_phase4_down_weight_grad_mxfp8": "phase4",
-}
 MODES = (("trn3", "mxfp8"), ("trn3", "bf16"), ("trn2", "bf16"))
-
-
-def shape_inputs(S, H, I, recompute: bool) -> dict:
-    bf16 = nki.language.bfloat16
-    inputs = {
-        "output_grad": ShapeSpec((S, H), bf16), "hidden_states": ShapeSpec((S, H), bf16),
-        "gate_up_weights": ShapeSpec((2 * I, H), bf16), "down_proj_weight": ShapeSpec((H, I), bf16),
-    }
-    if not recompute:
-        for name in ("gate_pre", "gate_act", "up", "intermediate"):
-            inputs[name] = ShapeSpec((S, I), bf16)
-    return inputs
-
-
-def model_one(S, H, I, target, precision, lnc, recompute, scenarios=("central",)):
-    """{scenario: CostReport} of the kernel at one shape (one shape-only run, scheduled per scenario)."""
-    flops = (16 if recompute else 12) * S * H * I
-    with label_phases(kernel_module, PHASES):
-        report = model_kernel(kernel_module.mlp_backward_mxfp8_nki, shape_inputs(S, H, I, recompute), lnc=lnc,
-                              target=target, kwargs={"matmul_precision": precision},
-                              precision="mx" if precision == "mxfp8" else "bf16", model_flops=flops,
-                              scenario=scenarios[0])
-    out = {scenarios[0]: report}
-    for sc in scenarios[1:]:
-        out[sc] = rescore(report, sc)
-    return out
-
-
-def summarize(report) -> dict:
-    """The study's numbers for one report; a report with plan errors gets no time."""
-    j = report.to_json()
-    crit = {}
-    for ph in j["phases"].values():
-        for eng, v in ph["critical_path_by_engine_s"].items():
-            crit[eng] = crit.get(eng, 0.0) + v
-    out = {"modeled_time_s": None, "mfu": None, "plan_errors": j["plan_errors"], "hbm_bytes": j["hbm_bytes"],
-           "hbm_compulsory_bytes": j["hbm_compulsory_bytes"], "hbm_scratch_bytes": j["hbm_scratch_bytes"],
-           "critical_path_by_engine_s": crit, "phases": j["phases"], "engines": j["engines"],
-           "memory_peak": j["memory_peak_bytes_per_partition"],
-           "scheduled_peak": j["scheduled_peak_bytes_per_partition"]}
-    if j["plan_errors"]:
-        out["invalid_modeled_time_s"], out["invalid_mfu"] = j["modeled_time_s"], j["mfu"]
-    else:
-        out["modeled_time_s"], out["mfu"] = j["modeled_time_s"], j["mfu"]
-    return out
 
 
 def format_rows(results, models, scenarios) -> list:
@@ -158,7 +105,7 @@ def main(argv=None) -> dict:
     for model, target, precision in tqdm(jobs, desc="modeling", unit="run"):
         shape = preset(model)
         S, H, I = args.seq, shape.hidden, shape.intermediate
-        reports = model_one(S, H, I, target, precision, args.lnc, args.recompute == "all", scenarios)
+        reports = model_mlp_backward(S, H, I, target, precision, args.lnc, args.recompute == "all", scenarios)
         key = f"{model}/{target}/{precision}"
         results[key] = {"S": S, "H": H, "I": I, **{sc: summarize(rep) for sc, rep in reports.items()}}
         with open(os.path.join(args.out, key.replace("/", "_") + ".txt"), "w") as f:

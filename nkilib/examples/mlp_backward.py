@@ -4,7 +4,9 @@
         [--scheme 1x32|wrapX] [--checkpoints all|none] [--target trn3|trn2]
 
 Errors are reported against the MX-exact reference (same quantization, fp32 accumulation: should be
-~0) and against the fp32 ideal backward (the quantization error of MXFP8).
+~0) and against the fp32 ideal backward (the quantization error of MXFP8). Then the cost model's
+modeled time, MFU and band (central estimate, pessimistic end) of the same call
+(`--no-model` skips it; see nkilib/examples/mlp_backward_cost.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import nki
 
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_backward_mxfp8_nki
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, mlp_backward_reference
+from .mlp_backward_cost import band_line
 from ..models import PRESETS, preset
 
 OUTPUT_NAMES = ("hidden_states_grad", "gate_up_weight_grad", "down_proj_weight_grad")
@@ -46,6 +49,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--scheme", default="1x32", choices=("1x32", "wrapX"))
     ap.add_argument("--target", default="trn3", choices=("trn3", "trn2"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-model", action="store_true", help="skip the cost-model estimate")
     args = ap.parse_args(argv)
     os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = args.target
     shape = preset(args.model)
@@ -72,6 +76,11 @@ def main(argv=None) -> dict:
         table[name] = {"vs_mx_exact": e_exact, "vs_fp32": e_ideal}
         print(f"{name:<24}{e_exact['max_abs']:>22.3e}{e_exact['rel_fro']:>12.2e}"
               f"{e_ideal['rel_fro']:>20.3e}{e_ideal['cosine']:>12.6f}")
+    if not args.no_model:
+        # the call above passed no checkpoints: the kernel recomputed them (16·S·H·I model FLOPs)
+        table["modeled"] = band_line(args.seq, shape.hidden, shape.intermediate, args.target, precision, args.lnc,
+                                     recompute=True)
+        print("\n" + table["modeled"])
     return table
 
 

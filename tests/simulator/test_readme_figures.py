@@ -55,7 +55,7 @@ def _model(model, target, precision):
 
     study = _study()
     shape = preset(model)
-    reports = study.model_one(4096, shape.hidden, shape.intermediate, target, precision, 2, False,
+    reports = study.model_mlp_backward(4096, shape.hidden, shape.intermediate, target, precision, 2, False,
                               ("central", "pessimistic"))
     return {sc: study.summarize(r) for sc, r in reports.items()}
 
