@@ -159,14 +159,37 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k + 1023) << 52).view(torch.float64)
 
 
+@functools.lru_cache(maxsize=32)
+def _code_table(fmt_name: str, dtype, device_str: str) -> torch.Tensor:
+    """Value of each of the 256 fp8 codes (torch's own exact fp8 -> float cast), as a lookup table."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPES[fmt_name])
+    return codes.to(dtype).to(device_str)
+
+
+def _decode(codes: torch.Tensor, fmt_name: str, dtype) -> torch.Tensor:
+    """fp8 codes -> float values, through a 256-entry table (same values as ``codes.to(dtype)``).
+
+    Why a table: torch's CPU fp8 -> float cast runs ~10x slower than one gather of int32 indices
+    (measured: 21 ms vs 2.4 ms for 1.4M values, one thread). The gather walks the codes in memory
+    order (a permuted view where the codes are strided, e.g. quantized along a transposed operand).
+    """
+    table = _code_table(fmt_name, dtype, str(codes.device))
+    order = sorted(range(codes.dim()), key=lambda d: -codes.stride(d))
+    flat = codes.permute(order)
+    if not flat.is_contiguous():  # not a permutation of a dense block: gather by shape
+        return table[codes.view(torch.uint8).to(torch.int32)]
+    vals = table.index_select(0, flat.view(torch.uint8).reshape(-1).to(torch.int32)).view(flat.shape)
+    inverse = [order.index(d) for d in range(codes.dim())]
+    return vals.permute(inverse)
+
+
 def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
     """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out)."""
+    # float32 first (exact upcast): mixed bf16 x float32 products and torch.aminmax are several times
+    # slower on CPU than float32 ops and separate amin / amax (measured, one thread).
+    xv = xv.to(torch.float32)
     # amax with NaN/Inf propagation (max(hi, -lo) = max |v|; NaN anywhere in a group -> NaN)
-    if len(dims) == 1:
-        lo, hi = torch.aminmax(xv, dim=dims[0], keepdim=True)
-    else:
-        lo, hi = xv.amin(dim=dims, keepdim=True), xv.amax(dim=dims, keepdim=True)
-    amax = torch.maximum(hi, -lo).to(torch.float32)
+    amax = torch.maximum(xv.amax(dim=dims, keepdim=True), -xv.amin(dim=dims, keepdim=True))
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, torch.zeros((), dtype=torch.float32, device=amax.device))
     sexp = _scale_exponent(amax, fmt, scale_rule)
@@ -180,9 +203,9 @@ def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) 
     inv = torch.where(finite, _pow2(-kexp).to(torch.float32),
                       torch.full((), float("nan"), dtype=torch.float32, device=amax.device))
     m = float(fmt.max_normal)
-    y = xv * inv  # float32 (bf16 / fp16 inputs promote exactly)
+    y = xv * inv
     y.clamp_(-m, m)  # saturation (clip-then-RNE = RNE-then-saturate, proof in nkilib.mx.quantize)
-    deq = y.to(FP8_DTYPES[fmt.name]).to(out_dtype)  # RNE, then exact upcast
+    deq = _decode(y.to(FP8_DTYPES[fmt.name]), fmt.name, out_dtype)  # RNE, then exact upcast
     # codes * 2**kexp: exact (<= 4 significant bits, magnitude >= 2**-143 > float32's 2**-149)
     return deq.mul_(_pow2(kexp).to(out_dtype))
 
