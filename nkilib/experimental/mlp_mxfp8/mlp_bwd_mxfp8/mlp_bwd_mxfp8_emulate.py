@@ -31,6 +31,23 @@ Exactness argument (why this matches the NumPy reference and the simulator bit f
     * activations: float64 tanh of torch and NumPy may differ in the last float64 ulp, which
       changes the float32 rounding with probability ~2**-29 per element.
 
+The vectorised quantizer (``_quantize_dequantize``) changes no arithmetic, only how it is laid out:
+    * groups are views of the operand (``_group_views``): a reshape of the quantized axis into
+      [K/32, 32] ("1x32") or, per K tile, into [4, P/8, 8] whose axes 1 and 3 are exactly the members
+      8g + i + P*j of nkilib.mx.group_positions ("wrapX"); no gather, no copy of a transposed operand;
+    * amax = max(amax(v), -amin(v)) over those axes: negation and max are exact, a NaN anywhere
+      propagates, +-Inf gives Inf (then the group is marked non-finite);
+    * powers of two are built from their float64 bits ((k + 1023) << 52), exact by construction;
+    * a group holding NaN/Inf gets a NaN multiplier instead of a mask: NaN survives the clamp and
+      the fp8 cast, so all its values come out NaN, as in nkilib.mx;
+    * fp8 codes are decoded through a 256-entry table made by torch's own (exact) fp8 -> float cast.
+    tests/torch/test_emulate_numerics.py checks all of this bit for bit against nkilib.mx on
+    adversarial values (ties, saturation, subnormals, zero / NaN / Inf groups, strided inputs).
+
+Speed (simulations/emulate_speed.py): the per-tile exact sums are float64 GEMMs, which bounds the
+emulation from below by the float64 / plain-dtype GEMM throughput ratio (measured ~2.5x for float32
+on an AVX2 CPU, ~10x for bf16 on an H100); the quantizer adds ~15-25% on CPU.
+
 No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
 
 Dimensions:
@@ -217,6 +234,10 @@ def _quantize_dequantize(x: torch.Tensor, dim: int, fmt, quant_scheme: str, scal
     if k == 0 or k % MX_GROUP:
         raise ValueError(f"the quantized axis length K={k} must be a positive multiple of {MX_GROUP}")
     group_positions(k, quant_scheme, k_tile)  # validates the wrapX geometry (cached)
+    if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
+        # a transposed view (e.g. d_gu.t()): work on the row-major storage, whose reductions and
+        # elementwise passes run 2-3x faster on CPU (measured); the values are the same, only the view differs
+        return _quantize_dequantize(x.t(), 1 - dim, fmt, quant_scheme, scale_rule, k_tile, out_dtype).t()
     outs = [_qdq_blocks(v, dims, fmt, scale_rule, out_dtype).reshape(
         *x.shape[:dim], -1, *x.shape[dim + 1:]) for v, dims in _group_views(x, dim, quant_scheme, k_tile)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
