@@ -298,3 +298,20 @@ def test_contract_matmul_is_layout_independent_and_exact():
     for aa, bb in ((ta, tb), (ta.t().contiguous().t(), tb.t().contiguous().t())):
         got = emu.contract_matmul(aa, bb, **opts).numpy()
         assert np.array_equal(bits(got), bits(want))
+
+
+def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32():
+    """amax = 1.9375 * 2**127 (neuron rule, e4m3fn): scale 2**120, quotient 248 is a tie between 240 and
+    256 and rounds to the even code 256, i.e. 2**128: Inf in float32, finite (and exact) in float64;
+    all other values agree between the two output dtypes."""
+    r = np.random.default_rng(9)
+    x = r.standard_normal((2, 64)).astype(np.float32)
+    x[0, 5] = np.float32(1.9375 * 2.0 ** 127)
+    t = torch.from_numpy(x)
+    f32 = emu.mx_quantize_dequantize(t, 1)
+    f64 = emu.mx_quantize_dequantize(t, 1, dtype=torch.float64)
+    assert f64.dtype == torch.float64 and f64[0, 5].item() == 2.0 ** 128 and torch.isinf(f32[0, 5])
+    keep = torch.isfinite(f32)
+    assert int((~keep).sum()) == 1 and torch.equal(f32[keep].double(), f64[keep])
+    with pytest.raises(ValueError, match="dtype"):
+        emu.mx_quantize_dequantize(t, 1, dtype=torch.float16)

@@ -223,7 +223,9 @@ def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) 
     y = xv * inv
     y.clamp_(-m, m)  # saturation (clip-then-RNE = RNE-then-saturate, proof in nkilib.mx.quantize)
     deq = _decode(y.to(FP8_DTYPES[fmt.name]), fmt.name, out_dtype)  # RNE, then exact upcast
-    # codes * 2**kexp: exact (<= 4 significant bits, magnitude >= 2**-143 > float32's 2**-149)
+    # codes * 2**kexp: exact (<= 4 significant bits, magnitude >= 2**-143 > float32's 2**-149), except that
+    # in float32 a code rounded up to 2**128 or more (amax >= 1.9375 * 2**127) overflows to Inf; float64
+    # (the matmul's operands) keeps it finite, as nc_matmul_mx's products and nkilib.mx.mx_matmul do
     return deq.mul_(_pow2(kexp).to(out_dtype))
 
 
@@ -261,8 +263,8 @@ _EXACT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
-                           scale_rule="neuron", k_tile: int = MX_K_TILE) -> torch.Tensor:
-    """MX-quantizes `t` along `dim` and returns the dequantized float32 values (codes * 2**scale).
+                           scale_rule="neuron", k_tile: int = MX_K_TILE, dtype=torch.float32) -> torch.Tensor:
+    """MX-quantizes `t` along `dim` and returns the dequantized values (codes * 2**scale) in `dtype`.
 
     Same groups, scale bytes and element codes as ``nkilib.mx.quantize_mx(..., scheme=quant_scheme,
     k_tile=k_tile, scale_rule=scale_rule)``: byte = clip(exponent + 127, 0, 254), all-zero group ->
@@ -280,15 +282,18 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
         quant_scheme: "1x32" or "wrapX".
         scale_rule: "neuron" (quantize_mx, SDK 2.31+), "ocp_floor" or "rceil".
         k_tile: K tile of the "wrapX" geometry.
+        dtype: torch.float32 (a code rounded up to 2**128 becomes Inf) or torch.float64 (exact).
 
     Returns:
-        float32 tensor [same shape as t].
+        `dtype` tensor [same shape as t].
     """
     fmt = element_format(fp8_name(fp8_dtype))
     check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
     check_choice("scale_rule", scale_rule, SCALE_RULES)
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     x = t if t.dtype in _EXACT_INPUTS else t.to(torch.float32)
-    return _quantize_dequantize(x, dim % max(x.dim(), 1), fmt, quant_scheme, scale_rule, k_tile, torch.float32)
+    return _quantize_dequantize(x, dim % max(x.dim(), 1), fmt, quant_scheme, scale_rule, k_tile, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
