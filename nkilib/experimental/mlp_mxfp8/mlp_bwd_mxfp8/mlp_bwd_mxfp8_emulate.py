@@ -46,7 +46,7 @@ The vectorised quantizer (``_quantize_dequantize``) changes no arithmetic, only 
 
 Speed (simulations/emulate_speed.py): the per-tile exact sums are float64 GEMMs, which bounds the
 emulation from below by the float64 / plain-dtype GEMM throughput ratio (measured ~2.5x for float32
-on an AVX2 CPU, ~10x for bf16 on an H100); the quantizer adds ~15-25% on CPU.
+on an AVX2 CPU, ~10x for bf16 on an H100); the quantizer adds ~15-30% on CPU.
 
 No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
 
