@@ -183,3 +183,135 @@ def test_emulate_scale_rules_change_the_gradients():
     outs = {rule: _emulate(inputs, scale_rule=rule) for rule in ("neuron", "rceil", "ocp_floor")}
     for a, b in (("neuron", "rceil"), ("neuron", "ocp_floor"), ("rceil", "ocp_floor")):
         assert not np.array_equal(bits(outs[a][0]), bits(outs[b][0])), (a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# the vectorised quantizer and the matmul's fast paths (groups as views, fp8 decode by table,
+# strided operands): bit equality with nkilib.mx on adversarial values
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_grid(fmt: str) -> np.ndarray:
+    """The finite non-negative values of an fp8 format, float32, sorted."""
+    grid = np.arange(256, dtype=np.uint8).view(FP8[fmt][1]).astype(np.float32)
+    return np.unique(np.abs(grid[np.isfinite(grid)]))
+
+
+def _adversarial_groups(fmt: str, rule: str, seed: int) -> np.ndarray:
+    """Groups [n, 32] float32 whose quotients v / 2**k hit fp8 ties (exact midpoints, both parities),
+    their float32 neighbours, fp8 values, saturating values, fp8 and float32 subnormals, signed zeros;
+    plus all-zero groups, groups with a float32-subnormal amax, groups at the top of float32, and
+    NaN / +Inf / -Inf groups. The group scale k is read from nkilib.mx (test data, not expectations)."""
+    r = np.random.default_rng(seed)
+    grid = _fp8_grid(fmt)
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)
+    q = np.concatenate([grid, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0)),
+                        grid[-1:] * np.float32(1.5), np.float32([2.0 ** -140, 0.0])])
+    leads = [m * np.float32(2.0) ** e for e in (-133, -120, -60, -3, 0, 9, 60, 120) for m in (1.0, 1.5, 1.75, 1.96875)]
+    groups = []
+    for lead in leads:
+        lead = np.float32(lead)
+        byte = quantize_mx(np.full((1, 32), lead, np.float32), 1, fmt, rule).scales[0, 0]
+        scale = np.float32(2.0) ** (int(byte) - 127)
+        vals = q[np.abs(q) * scale < lead] * scale  # quotients exact (powers of two), below the lead
+        for _ in range(3):
+            g = r.choice(vals, 31) * r.choice(np.float32([-1.0, 1.0]), 31)
+            groups.append(np.concatenate([[lead * r.choice([-1, 1])], g]).astype(np.float32))
+    special = np.zeros((6, 32), np.float32)
+    special[1, 3] = -0.0
+    special[2] = r.standard_normal(32) * np.float32(2.0 ** -135)  # amax a float32 subnormal
+    special[3] = np.float32(3.4e38) * r.choice([-1.0, 1.0], 32)
+    special[4] = r.standard_normal(32)
+    special[4, 9] = np.nan
+    special[5] = r.standard_normal(32)
+    special[5, 31] = -np.inf
+    inf_group = r.standard_normal(32).astype(np.float32)
+    inf_group[0] = np.inf
+    return np.concatenate([np.stack(groups), special, inf_group[None]]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
+def test_vectorised_quantizer_on_adversarial_values(fmt, rule):
+    """1x32 groups as views of the quantized axis, along the last, the first and a middle axis of a
+    3-D tensor, on contiguous and transposed (strided) inputs, float32 and bf16 / fp16 inputs."""
+    g = _adversarial_groups(fmt, rule, seed=7)
+    n = g.shape[0] - g.shape[0] % 4
+    x = g[:n].reshape(4, n // 4 * 32)  # [4, K]: consecutive groups along K
+    want = quantize_mx(x, 1, fmt, rule).dequantize()
+    _assert_same_values(emu.mx_quantize_dequantize(torch.from_numpy(x), 1, fmt, "1x32", rule).numpy(), want)
+    # the same groups along axis 0 of a transposed (column-major) view, and along the middle axis of a 3-D tensor
+    xt = torch.from_numpy(x).t()  # [K, 4] with strides (1, K)
+    assert not xt.is_contiguous()
+    _assert_same_values(emu.mx_quantize_dequantize(xt, 0, fmt, "1x32", rule).numpy(), want.T)
+    x3 = np.ascontiguousarray(np.broadcast_to(x.T[None], (2, *x.T.shape)))  # [2, K, 4]
+    got3 = emu.mx_quantize_dequantize(torch.from_numpy(x3), 1, fmt, "1x32", rule).numpy()
+    _assert_same_values(got3[1], want.T)
+    # narrower input dtypes upcast exactly: same result as their float32 values
+    for tdt, ndt in ((torch.bfloat16, ml_dtypes.bfloat16), (torch.float16, np.float16)):
+        with np.errstate(over="ignore"):
+            xn = x.astype(ndt)
+        want_n = quantize_mx(xn.astype(np.float32), 1, fmt, rule).dequantize()
+        got_n = emu.mx_quantize_dequantize(torch.from_numpy(xn.astype(np.float32)).to(tdt), 1, fmt, "1x32", rule)
+        _assert_same_values(got_n.numpy(), want_n)
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("K", [128, 640, 1024, 1152])
+def test_wrapx_groups_as_views_match_nkilib_mx(fmt, K):
+    """wrapX without gathers: full 512 tiles and a short last tile (128 / 640 / 1152) of adversarial
+    groups scattered over the wrapped positions, along either axis of a [K, N] operand."""
+    g = _adversarial_groups(fmt, "neuron", seed=K)
+    r = np.random.default_rng(K)
+    rows = [g[r.integers(0, g.shape[0], K // 32)].reshape(-1) for _ in range(3)]
+    x = np.stack(rows).astype(np.float32)  # [3, K]
+    x = x[:, r.permutation(K)]  # wrapX groups gather strided positions: mix the groups' members
+    want = quantize_mx(x, 1, fmt, "neuron", scheme="wrapX", k_tile=512).dequantize()
+    _assert_same_values(emu.mx_quantize_dequantize(torch.from_numpy(x), 1, fmt, "wrapX").numpy(), want)
+    xt = torch.from_numpy(x.T.copy())  # [K, 3] contiguous: quantized along axis 0
+    _assert_same_values(emu.mx_quantize_dequantize(xt, 0, fmt, "wrapX").numpy(), want.T)
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+def test_fp8_decode_table_equals_torch_cast(fmt):
+    """The 256-entry decode table gives torch's own fp8 -> float values (NaN codes NaN, -0 kept), in
+    memory order for permuted layouts and through the shape-indexed fallback for other strides."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8[fmt][0]).reshape(16, 16)
+    for layout in (codes, codes.t(), codes[::2, ::3]):
+        for dtype in (torch.float32, torch.float64):
+            got, want = emu._decode(layout, fmt, dtype), layout.to(dtype)
+            assert got.shape == want.shape and torch.equal(torch.isnan(got), torch.isnan(want))
+            ok = ~torch.isnan(want)
+            assert torch.equal(got[ok].view(torch.int64 if dtype == torch.float64 else torch.int32),
+                               want[ok].view(torch.int64 if dtype == torch.float64 else torch.int32))
+
+
+def test_contract_matmul_is_layout_independent_and_exact():
+    """Strided operands (the backward passes transposed views) give the same bits as contiguous ones,
+    and both equal nkilib.mx.mx_matmul (wrapX, e5m2: K = 640 is a 512 tile plus a 128 tile)."""
+    r = np.random.default_rng(4)
+    a = (r.standard_normal((48, 640)) * np.exp2(r.integers(-8, 8, (48, 1)))).astype(ml_dtypes.bfloat16)
+    b = r.standard_normal((640, 40)).astype(ml_dtypes.bfloat16)
+    opts = dict(fp8_dtype="float8_e5m2", quant_scheme="wrapX")
+    want = mx_matmul(quantize_mx(a, 1, "float8_e5m2", scheme="wrapX"), quantize_mx(b, 0, "float8_e5m2", scheme="wrapX"))
+    ta, tb = to_torch(a), to_torch(b)
+    for aa, bb in ((ta, tb), (ta.t().contiguous().t(), tb.t().contiguous().t())):
+        got = emu.contract_matmul(aa, bb, **opts).numpy()
+        assert np.array_equal(bits(got), bits(want))
+
+
+def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32():
+    """amax = 1.9375 * 2**127 (neuron rule, e4m3fn): scale 2**120, quotient 248 is a tie between 240 and
+    256 and rounds to the even code 256, i.e. 2**128: Inf in float32, finite (and exact) in float64;
+    all other values agree between the two output dtypes."""
+    r = np.random.default_rng(9)
+    x = r.standard_normal((2, 64)).astype(np.float32)
+    x[0, 5] = np.float32(1.9375 * 2.0 ** 127)
+    t = torch.from_numpy(x)
+    f32 = emu.mx_quantize_dequantize(t, 1)
+    f64 = emu.mx_quantize_dequantize(t, 1, dtype=torch.float64)
+    assert f64.dtype == torch.float64 and f64[0, 5].item() == 2.0 ** 128 and torch.isinf(f32[0, 5])
+    keep = torch.isfinite(f32)
+    assert int((~keep).sum()) == 1 and torch.equal(f32[keep].double(), f64[keep])
+    with pytest.raises(ValueError, match="dtype"):
+        emu.mx_quantize_dequantize(t, 1, dtype=torch.float16)

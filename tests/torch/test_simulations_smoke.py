@@ -95,3 +95,20 @@ def test_profile_script_follows_the_documented_neuron_explorer_flow(tmp_path, mo
     assert nums == {"summary.0.total_time_us": 640.0, "summary.0.pe_utilization": 0.7}
     assert mod.device_time_s(nums, None) == pytest.approx(640e-6)
     assert mod.device_time_s(nums, "pe_utilization") == 0.7 and mod.device_time_s({}, None) is None
+
+
+def test_emulate_speed_script_times_and_checks(tmp_path, capsys):
+    """simulations/emulate_speed.py on a tiny shape: a row with positive times and consistent ratios,
+    the device-vs-CPU identity check (CPU vs CPU here: must hold), the JSON and the printed table."""
+    out = tmp_path / "speed.json"
+    res = _load("emulate_speed").main(["--device", "cpu", "--shape", "64", "128", "96", "--repeats", "1",
+                                       "--warmup", "0", "--check", "--out", str(out)])
+    (row,) = res["rows"]
+    assert (row["S"], row["H"], row["I"]) == (64, 128, 96)
+    for key in ("plain_bwd_ms", "emulate_bwd_ms", "plain_step_ms", "emulate_step_ms"):
+        assert row[key] > 0, key
+    assert row["ratio_bwd"] == pytest.approx(row["emulate_bwd_ms"] / row["plain_bwd_ms"])
+    assert res["device_matches_cpu_bitwise"] is True
+    assert res["env"]["plain_dtype"] == "float32"
+    assert json.loads(out.read_text())["rows"][0]["S"] == 64
+    assert "plain bwd" in capsys.readouterr().out

@@ -1,0 +1,231 @@
+"""Speed of the `emulate` backend (bit-exact MXFP8 backward in torch) against plain torch autograd.
+
+Usage (from the repository root):
+    python simulations/emulate_speed.py --device cpu --threads 1        # both presets, CPU
+    python simulations/emulate_speed.py --device cuda                   # both presets, CUDA
+    python simulations/emulate_speed.py --device cpu --shape 256 512 768 --repeats 2
+
+What is compared (same SwiGLU MLP, same inputs; W_gu [2I, H], W_down [H, I], x and dY [S, H]):
+    plain bwd:   torch autograd's backward of y = (silu(x W_gate^T) * (x W_up^T)) W_down^T with every
+                 tensor in the plain dtype (`.backward()` only; the forward runs untimed).
+    emulate bwd: mlp_backward_emulate(dY, x, W_down, W_gu, gate_pre, gate_act, up, intermediate): the
+                 backward the layer runs with backend="emulate", checkpoint="all" (MXFP8 e4m3fn, 1x32,
+                 scale rule "neuron"), bit-identical to the kernel.
+    plain step:  forward + backward of the plain autograd MLP.
+    emulate step: the same forward matmuls in the plain dtype, the kernel's SwiGLU formulas for the bf16
+                 checkpoints (swiglu_activations), then emulate bwd: what a training step with the
+                 emulate backend costs when its forward runs at plain speed.
+    Ratios are emulate / plain (the goal: <= 2).
+
+The plain dtype (--plain-dtype auto) is bfloat16 on CUDA and float32 on CPU: torch's CPU bf16 GEMM is
+~50x slower than its fp32 GEMM on CPUs without AVX512-BF16 / AMX (measured on an AVX2 EPYC: 3.2 s vs
+60 ms for [512, 1024] x [1024, 2816], one thread), so a bf16 CPU baseline would flatter the emulation.
+On CPU with --threads 1 the timer is the thread's CPU time (time.thread_time: robust on a loaded,
+shared machine; the load average is recorded); otherwise wall time. On CUDA: torch.cuda.Event timing
+after warmup, synchronised. With --check (default on CUDA) it also checks that the emulation gives
+bit-identical gradients on the device and on the CPU (small shape).
+
+Writes simulations/out/emulate_speed_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+try:
+    import nkilib  # noqa: F401
+except ImportError:  # running from a checkout without installing: add the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import nkilib  # noqa: F401
+
+import torch  # noqa: E402
+
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
+
+#: name -> (S, H, I)
+PRESETS = {
+    "qwen3-8b-tp8": (4096, 4096, 1536),  # Qwen3-8B (H=4096, I=12288) with I split over 8 ranks
+    "small": (512, 1024, 2816),  # the shape of issue 14's first measurement
+}
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", choices=("all", *PRESETS), default="all")
+    p.add_argument("--shape", type=int, nargs=3, metavar=("S", "H", "I"), help="one shape instead of the presets")
+    p.add_argument("--plain-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median; CPU 3, CUDA 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (CPU 1, CUDA 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="device vs CPU bit-identity check on a small shape (default: on for CUDA)")
+    p.add_argument("--out", default=None, help="JSON path (default simulations/out/emulate_speed_<device>.json)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_inputs(S: int, H: int, I: int, device, seed: int) -> dict:
+    """bf16 operands of a trained-looking MLP: unit-variance x, 1/sqrt(fan-in) weights, small dY."""
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    t = {"x": torch.randn(S, H, generator=g),
+         "dy": torch.randn(S, H, generator=g) * 1e-2,
+         "w_gu": torch.randn(2 * I, H, generator=g) * H ** -0.5,
+         "w_down": torch.randn(H, I, generator=g) * I ** -0.5}
+    return {k: v.to(bf).to(device) for k, v in t.items()}
+
+
+class Timer:
+    """Median milliseconds of `fn` over repeats, after warmup (CUDA events / thread CPU time / wall)."""
+
+    def __init__(self, device: str, repeats: int, warmup: int, cpu_time: bool):
+        self.device, self.repeats, self.warmup, self.cpu_time = device, repeats, warmup, cpu_time
+        self.kind = "cuda_event" if device == "cuda" else ("thread_cpu_time" if cpu_time else "wall")
+
+    def __call__(self, fn, setup=None) -> float:
+        """`setup()` (untimed) runs before each call and its result is passed to `fn`."""
+        times = []
+        for i in range(self.warmup + self.repeats):
+            arg = setup() if setup is not None else None
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(arg)
+                end.record()
+                torch.cuda.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                clock = time.thread_time if self.cpu_time else time.perf_counter
+                t0 = clock()
+                fn(arg)
+                ms = (clock() - t0) * 1e3
+            if i >= self.warmup:
+                times.append(ms)
+        return statistics.median(times)
+
+
+def plain_forward(t: dict, dtype, requires_grad: bool):
+    """(y, leaves) of the plain SwiGLU MLP in `dtype`."""
+    leaves = [t[k].to(dtype).requires_grad_(requires_grad) for k in ("x", "w_gu", "w_down")]
+    x, w_gu, w_down = leaves
+    n_i = w_gu.shape[0] // 2
+    h = x @ w_gu.t()  # K=H, M=S, N=2I
+    a = torch.nn.functional.silu(h[:, :n_i]) * h[:, n_i:]
+    y = a @ w_down.t()  # K=I, M=S, N=H
+    return y, leaves
+
+
+def emulate_step(t: dict, dtype):
+    """Forward matmuls in `dtype`, the kernel's bf16 checkpoints, then the emulated backward."""
+    with torch.no_grad():
+        x, w_gu = t["x"].to(dtype), t["w_gu"].to(dtype)
+        n_i = w_gu.shape[0] // 2
+        gate_pre = (x @ w_gu[:n_i].t()).to(torch.bfloat16)  # K=H, M=S, N=I
+        up = (x @ w_gu[n_i:].t()).to(torch.bfloat16)  # K=H, M=S, N=I
+        gate_act, intermediate = emu.swiglu_activations(gate_pre, up)
+        _y = (intermediate.to(dtype) @ t["w_down"].to(dtype).t())  # K=I, M=S, N=H
+        return emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], gate_pre, gate_act, up,
+                                        intermediate)
+
+
+def checkpoints(t: dict) -> dict:
+    """bf16 checkpoints as the layer's forward saves them (bf16 matmuls computed in float32)."""
+    x, w_gu = t["x"].float(), t["w_gu"].float()
+    n_i = w_gu.shape[0] // 2
+    gate_pre = (x @ w_gu[:n_i].t()).to(torch.bfloat16)  # K=H, M=S, N=I
+    up = (x @ w_gu[n_i:].t()).to(torch.bfloat16)  # K=H, M=S, N=I
+    gate_act, intermediate = emu.swiglu_activations(gate_pre, up)
+    return dict(gate_pre=gate_pre, gate_act=gate_act, up=up, intermediate=intermediate)
+
+
+def measure(S: int, H: int, I: int, device: str, dtype, timer: Timer, seed: int) -> dict:
+    t = make_inputs(S, H, I, device, seed)
+    ck = checkpoints(t)
+    dy_plain = t["dy"].to(dtype)
+
+    def plain_bwd(graph):
+        graph[0].backward(dy_plain)
+
+    def plain_step(_):
+        y, _leaves = plain_forward(t, dtype, True)
+        y.backward(dy_plain)
+
+    def emu_bwd(_):
+        emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck)
+
+    row = {"S": S, "H": H, "I": I}
+    row["plain_bwd_ms"] = timer(plain_bwd, setup=lambda: plain_forward(t, dtype, True))
+    row["emulate_bwd_ms"] = timer(emu_bwd)
+    row["plain_step_ms"] = timer(plain_step)
+    row["emulate_step_ms"] = timer(lambda _: emulate_step(t, dtype))
+    row["ratio_bwd"] = row["emulate_bwd_ms"] / row["plain_bwd_ms"]
+    row["ratio_step"] = row["emulate_step_ms"] / row["plain_step_ms"]
+    return row
+
+
+def device_matches_cpu(device: str, seed: int) -> bool:
+    """Bit-identity of the emulated gradients on `device` and on the CPU (small shape, two options)."""
+    t = make_inputs(256, 384, 320, "cpu", seed)  # K = 320 -> padded to 384; 2I = 640 (a 512 + 128 tile)
+    ck = checkpoints(t)
+    same = True
+    for opts in (dict(), dict(quant_scheme="wrapX", fp8_dtype="float8_e5m2", scale_rule="rceil")):
+        ref = emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck, **opts)
+        got = emu.mlp_backward_emulate(*(t[k].to(device) for k in ("dy", "x", "w_down", "w_gu")),
+                                       **{k: v.to(device) for k, v in ck.items()}, **opts)
+        same &= all(torch.equal(r.view(torch.int16), g.cpu().view(torch.int16)) for r, g in zip(ref, got))
+    return same
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.plain_dtype) if args.plain_dtype != "auto" else (
+        torch.bfloat16 if device == "cuda" else torch.float32)
+    repeats = args.repeats if args.repeats is not None else (10 if device == "cuda" else 3)
+    warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
+    timer = Timer(device, repeats, warmup, cpu_time=(device == "cpu" and torch.get_num_threads() == 1))
+    shapes = [tuple(args.shape)] if args.shape else (
+        list(PRESETS.values()) if args.preset == "all" else [PRESETS[args.preset]])
+    env = {"device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+           or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "plain_dtype": str(dtype).replace("torch.", ""), "timer": timer.kind, "repeats": repeats,
+           "warmup": warmup, "loadavg_before": os.getloadavg(), "cpu_count": os.cpu_count()}
+    print(f"emulate backend vs plain autograd on {env['device_name']} ({device}), plain dtype "
+          f"{env['plain_dtype']}, timer {timer.kind}, threads {env['threads']}, load {env['loadavg_before'][0]:.1f} "
+          f"on {env['cpu_count']} CPUs, median of {repeats} after {warmup} warmup")
+    header = (f"{'S':>6} {'H':>6} {'I':>6} | {'plain bwd':>10} {'emu bwd':>10} {'ratio':>6} | "
+              f"{'plain step':>10} {'emu step':>10} {'ratio':>6}   (ms)")
+    print(header)
+    rows = []
+    for S, H, I in shapes:
+        r = measure(S, H, I, device, dtype, timer, args.seed)
+        rows.append(r)
+        print(f"{S:>6} {H:>6} {I:>6} | {r['plain_bwd_ms']:>10.1f} {r['emulate_bwd_ms']:>10.1f} {r['ratio_bwd']:>6.2f} | "
+              f"{r['plain_step_ms']:>10.1f} {r['emulate_step_ms']:>10.1f} {r['ratio_step']:>6.2f}", flush=True)
+    env["loadavg_after"] = os.getloadavg()
+    result = {"env": env, "rows": rows}
+    if args.check if args.check is not None else device == "cuda":
+        result["device_matches_cpu_bitwise"] = device_matches_cpu(device, args.seed)
+        print(f"emulated gradients on {device} bit-identical to the CPU's: {result['device_matches_cpu_bitwise']}")
+    out = args.out or os.path.join(OUT_DIR, f"emulate_speed_{device}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
