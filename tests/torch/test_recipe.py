@@ -120,3 +120,17 @@ def test_cross_field_rules_and_overrides():
     assert "accumulate_main_grad" not in Recipe().to_kwargs()
     assert Recipe(accumulate_main_grad=True).to_kwargs()["accumulate_main_grad"] is True
     assert get_recipe("mxfp8_e4m3_rceil_emulate").describe() == "Recipe(scale_rule='rceil', backend='emulate')"
+
+
+def test_accepts_recipe_wrapper_lets_explicit_keywords_win():
+    from nkilib.recipe_call import accepts_recipe
+
+    op = accepts_recipe(swiglu_mlp_mxfp8)
+    x, w_gu, w_down, _ = _problem()
+    via_recipe = op(x, w_gu, w_down, recipe="mxfp8_e5m2", backend="emulate", forward_numerics="kernel")
+    loose = swiglu_mlp_mxfp8(x, w_gu, w_down, fp8_dtype="float8_e5m2", backend="emulate", forward_numerics="kernel")
+    assert torch.equal(via_recipe, loose)
+    assert not torch.equal(via_recipe, op(x, w_gu, w_down, recipe="mxfp8_e4m3_emulate", forward_numerics="kernel"))
+    assert torch.equal(op(x, w_gu, w_down, backend="emulate"), swiglu_mlp_mxfp8(x, w_gu, w_down, backend="emulate"))
+    with pytest.raises(ValueError, match=r"Recipe has no field\(s\) \['fp8'\]"):
+        op(x, w_gu, w_down, recipe="mxfp8_e5m2", fp8="e4m3fn")
