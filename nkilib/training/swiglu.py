@@ -66,11 +66,11 @@ class _FusedGateUp(torch.autograd.Function):
     and delivers what the op added to a main_grad buffer into the two parameters' main_grad."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor, main_grad_mode: bool, main_grad_buffer) -> Tensor:
+    def forward(ctx, gate: Tensor, up: Tensor, adjacent: bool, main_grad_mode: bool, main_grad_buffer) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.n_gate = gate.shape[0]
         ctx.params, ctx.main_grad_mode, ctx.buffer = (gate, up), main_grad_mode, main_grad_buffer
-        if rows_are_adjacent(gate, up):
+        if adjacent:
             return _stacked_view(gate, up)
         return torch.cat([gate, up])
 
@@ -84,12 +84,12 @@ class _FusedGateUp(torch.autograd.Function):
             up.main_grad.add_(ctx.buffer[ctx.n_gate:])
             ctx.buffer.zero_()
         if grad is None:
-            return None, None, None, None
+            return None, None, None, None, None
         if ctx.main_grad_mode:  # the op's sink set the fused operand's flag and sent this zero gradient
             for p in (gate, up):
                 if hasattr(p, "grad_added_to_main_grad"):
                     p.grad_added_to_main_grad = True
-        return grad[:ctx.n_gate], grad[ctx.n_gate:], None, None
+        return grad[:ctx.n_gate], grad[ctx.n_gate:], None, None, None
 
 
 def fused_gate_up(gate: Tensor, up: Tensor, accumulate_main_grad: bool = False, main_grad_buffers=None) -> Tensor:
@@ -103,11 +103,15 @@ def fused_gate_up(gate: Tensor, up: Tensor, accumulate_main_grad: bool = False, 
         main_grad_buffers: a dict in which that buffer is kept and reused across calls (per module);
             None: a new buffer per call.
     """
+    # torch.compile cannot trace storage pointers: compiled code takes the copy path (the compiler may
+    # still fuse the cat away)
+    eager = not torch.compiler.is_compiling()
+    adjacent = eager and rows_are_adjacent(gate, up)
     mains = [getattr(p, "main_grad", None) for p in (gate, up)]
     if not (accumulate_main_grad and torch.is_grad_enabled() and all(isinstance(m, Tensor) for m in mains)):
-        return _FusedGateUp.apply(gate, up, False, None)
-    if rows_are_adjacent(*mains):
-        fused = _FusedGateUp.apply(gate, up, True, None)
+        return _FusedGateUp.apply(gate, up, adjacent, False, None)
+    if eager and rows_are_adjacent(*mains):
+        fused = _FusedGateUp.apply(gate, up, adjacent, True, None)
         fused.main_grad = _stacked_view(*mains)
     else:
         shape = (gate.shape[0] + up.shape[0], *gate.shape[1:])
@@ -115,7 +119,7 @@ def fused_gate_up(gate: Tensor, up: Tensor, accumulate_main_grad: bool = False, 
         buffer = store.get("gate_up")
         if buffer is None or buffer.shape != shape or buffer.device != gate.device:
             buffer = store["gate_up"] = torch.zeros(shape, dtype=torch.float32, device=gate.device)
-        fused = _FusedGateUp.apply(gate, up, True, buffer)
+        fused = _FusedGateUp.apply(gate, up, adjacent, True, buffer)
         fused.main_grad = buffer
     if any(hasattr(p, "grad_added_to_main_grad") for p in (gate, up)):
         fused.grad_added_to_main_grad = False

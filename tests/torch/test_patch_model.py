@@ -219,3 +219,19 @@ def test_fused_gate_up_delivers_main_grad(adjacent_main_grads):
     assert torch.equal(up.main_grad, first[32:] + added[32:])
     assert gate.grad is None and up.grad is None  # the fp32 gradient went to main_grad only
     assert ("gate_up" in buffers) != adjacent_main_grads
+
+
+@pytest.mark.slow  # compile time (~10-30 s on 2 cores), not problem size
+def test_patched_mlp_under_torch_compile_fullgraph():
+    model = _model("llama", num_hidden_layers=1)
+    patch_model(model, "mxfp8_e4m3_emulate")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 8, TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
+    y_eager = mlp(x)
+    y_eager.sum().backward()
+    grads_eager = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    y_compiled = torch.compile(mlp, fullgraph=True)(x)  # compiled code takes the copy path (no data_ptr)
+    y_compiled.sum().backward()
+    assert torch.equal(y_compiled, y_eager)
+    assert all(torch.equal(p.grad, g) for p, g in zip(mlp.parameters(), grads_eager))
