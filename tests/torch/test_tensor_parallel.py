@@ -27,16 +27,19 @@ def _problem(seed=0):
     return x, dy, w_gu, w_down
 
 
-def _rank_step(rank, world, sequence_parallel):
+def _rank_step(rank, world, sequence_parallel, sequence_dim=0):
     x, dy, w_gu, w_down = _problem()
-    mlp = TensorParallelSwiGLUMLP.from_full(w_gu, w_down, sequence_parallel=sequence_parallel, recipe=RECIPE)
+    mlp = TensorParallelSwiGLUMLP.from_full(w_gu, w_down, sequence_parallel=sequence_parallel,
+                                            sequence_dim=sequence_dim, recipe=RECIPE)
     if sequence_parallel:
         rows = slice(rank * S // world, (rank + 1) * S // world)
         x, dy = x[rows], dy[rows]
-    x = x.clone().requires_grad_(True)
+    # sequence_dim=1: the same tokens laid out [B, S, H] (HF's layout)
+    x, dy = x.movedim(0, sequence_dim).clone().requires_grad_(True), dy.movedim(0, sequence_dim)
     y = mlp(x)
     y.backward(dy)
-    return dict(y=y.detach(), dx=x.grad, dw_gu=mlp.gate_up_proj.weight.grad, dw_down=mlp.down_proj.weight.grad,
+    return dict(y=y.detach().movedim(sequence_dim, 0), dx=x.grad.movedim(sequence_dim, 0),
+                dw_gu=mlp.gate_up_proj.weight.grad, dw_down=mlp.down_proj.weight.grad,
                 w_gu=mlp.gate_up_proj.weight.detach(), w_down=mlp.down_proj.weight.detach())
 
 
@@ -54,11 +57,11 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_matches_full_op(world, sequence_parallel):
+@pytest.mark.parametrize("world, sequence_parallel, sequence_dim",
+                         [(2, False, 0), (4, False, 0), (2, True, 0), (4, True, 0), (2, True, 1)])
+def test_tensor_parallel_matches_full_op(world, sequence_parallel, sequence_dim):
     full = _full_step()  # first, so that the forked ranks inherit every lazy import of the op
-    ranks = run_ranks(world, _rank_step, sequence_parallel, timeout=60)
+    ranks = run_ranks(world, _rank_step, sequence_parallel, sequence_dim, timeout=60)
     n = I // world
     for r, out in enumerate(ranks):
         gate_rows, up_rows = slice(r * n, (r + 1) * n), slice(I + r * n, I + (r + 1) * n)
@@ -77,3 +80,24 @@ def test_tensor_parallel_matches_full_op(world, sequence_parallel):
     print(f"tp={world} sp={sequence_parallel}: rel. error y {err_y:.2e}, dX {err_dx:.2e}")
     # measured 3.0e-3 (tp=2) and 3.6e-3 (tp=4) for both: bf16 rounding of partial sums (bf16 u = 3.9e-3)
     assert 0 < err_y < 5e-3 and 0 < err_dx < 5e-3
+
+
+def _construction_errors(rank, world):
+    _, _, w_gu, w_down = _problem()
+    messages = []
+    for shards in ((w_gu[:64], w_down[:, :64]), (w_gu[:128, :32], w_down[:, :64]), (w_gu[:80], w_down[:, :40])):
+        try:
+            TensorParallelSwiGLUMLP(*shards, recipe=RECIPE)
+            messages.append("accepted")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_construction_errors_name_the_shapes():
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        TensorParallelSwiGLUMLP(*_problem()[2:])
+    messages = run_ranks(1, _construction_errors, timeout=60)[0]
+    assert "shards must be gate_up [2I/tp, H] and down [H, I/tp], got (64, 64) and (64, 64)" in messages[0]
+    assert "shards must be gate_up [2I/tp, H] and down [H, I/tp], got (128, 32) and (64, 64)" in messages[1]
+    assert "I/tp must be a multiple of 32 (MX groups must not straddle ranks), got 40" in messages[2]
