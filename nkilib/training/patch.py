@@ -11,15 +11,12 @@ swapped module.
 Registered (dense SwiGLU MLPs; ``nn.Linear`` gate_proj / up_proj / down_proj without bias, SiLU):
     LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP (the dense layers of Qwen3-MoE).
 
-Extension point for MoE blocks: ``register_swap(class_name, swap_fn)``. The sparse MoE blocks of
-Qwen3-MoE and Mixtral keep their router (``gate``) and call ``self.experts(hidden [T, H], top_k_index
-[T, k], top_k_weights [T, k])``; their ``experts`` module holds ``gate_up_proj`` [E, 2I, H] (gate rows
-first) and ``down_proj`` [E, H, I], which is exactly the layout of ``moe_swiglu_experts_mxfp8(x, topk_ids,
-topk_weights, gate_up_weight [E, 2I, H], down_weight [E, H, I])``. The MoE swap therefore replaces
-``experts`` (class ``Qwen3MoeExperts`` / ``MixtralExperts``) with a module that keeps those two
-Parameter objects under the same names (no copy) and calls the MoE op; the router and the block's
-forward stay the model's. Until that op is part of this package those classes are listed in
-``PENDING_CLASSES`` with the reason, and ``patch_model`` reports them (or raises with strict=True).
+MoE experts (``Qwen3MoeExperts``, ``MixtralExperts``; nkilib/training/moe.py): the ``experts`` module of a
+sparse MoE block is replaced by ``HFMoEExperts`` (same two Parameters, same keys) calling
+``moe_swiglu_experts_mxfp8``; the router and the block's forward stay the model's. Registered only when
+this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with the reason.
+GPT-OSS experts stay pending (a different gated function; see PENDING_CLASSES). Further classes:
+``register_swap(class_name, swap_fn)``.
 """
 from __future__ import annotations
 
@@ -29,6 +26,7 @@ from typing import Callable
 from torch import nn
 
 from ..recipe import Recipe, as_recipe
+from .moe import MOE_EXPERTS_CLASSES, HFMoEExperts, moe_kwargs, moe_op_available
 from .swiglu import HFSwiGLUMLP
 
 __all__ = ["PatchReport", "patch_model", "register_swap", "swappable_classes", "DENSE_SWIGLU_CLASSES",
@@ -39,8 +37,9 @@ DENSE_SWIGLU_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3
 
 #: Known MoE classes not swapped yet, with the reason (reported by patch_model).
 PENDING_CLASSES = {
-    "Qwen3MoeExperts": "needs moe_swiglu_experts_mxfp8 (nkilib.experimental.moe_mxfp8), not in this build",
-    "MixtralExperts": "needs moe_swiglu_experts_mxfp8 (nkilib.experimental.moe_mxfp8), not in this build",
+    **({} if moe_op_available() else {
+        name: "needs moe_swiglu_experts_mxfp8 (nkilib.experimental.moe_mxfp8), not in this build"
+        for name in MOE_EXPERTS_CLASSES}),
     "GptOssExperts": "GPT-OSS experts are not the op's SwiGLU: gate * sigmoid(1.702 * gate) instead of silu, "
                      "(up + 1) as the linear factor, biases on both projections, and gate/up interleaved in a "
                      "[E, H, 2I] layout",
@@ -85,14 +84,24 @@ def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
 
 
-def _reconfigure(module: HFSwiGLUMLP, recipe: Recipe, name: str) -> nn.Module:
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__)
+
+
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    if isinstance(module, HFMoEExperts):
+        moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
     module.recipe = recipe
     return module
 
 
 for _cls in DENSE_SWIGLU_CLASSES:
     register_swap(_cls, _swap_dense)
+if moe_op_available():
+    for _cls in MOE_EXPERTS_CLASSES:
+        register_swap(_cls, _swap_experts)
 register_swap(HFSwiGLUMLP.__name__, _reconfigure)
+register_swap(HFMoEExperts.__name__, _reconfigure)
 
 
 def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchReport:

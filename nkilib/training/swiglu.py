@@ -44,7 +44,7 @@ from ..recipe import Recipe, as_recipe
 
 __all__ = ["HFSwiGLUMLP", "fused_gate_up", "rows_are_adjacent"]
 
-_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU; transformers.activations.SiLUActivation
+SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU; transformers.activations.SiLUActivation
 
 
 def rows_are_adjacent(first: Tensor, second: Tensor) -> bool:
@@ -138,7 +138,7 @@ def check_hf_swiglu(mlp: nn.Module, where: str) -> None:
         if lin.weight.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"{where}.{name}.weight must be bfloat16 or float32, got {lin.weight.dtype}")
     act = getattr(mlp, "act_fn", None)
-    if type(act).__name__ not in _SILU_CLASSES:
+    if type(act).__name__ not in SILU_CLASSES:
         raise ValueError(f"{where}.act_fn must be SiLU (hidden_act='silu') for a SwiGLU MLP, got {type(act).__name__}")
     n_i, h = mlp.gate_proj.weight.shape
     if tuple(mlp.up_proj.weight.shape) != (n_i, h) or tuple(mlp.down_proj.weight.shape) != (h, n_i):

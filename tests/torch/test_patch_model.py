@@ -169,17 +169,14 @@ def test_unsupported_modules_are_named():
         patch_model(_model("llama"), recipe=3)
 
 
-def test_moe_model_reports_pending_experts():
-    config = transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         mlp_only_layers=[0])
+def test_gpt_oss_experts_are_reported_not_swapped():
+    config = transformers.GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.experts: Qwen3MoeExperts"):
+    model = transformers.GptOssForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts: GptOssExperts: GPT-OSS experts"):
         patch_model(model)
-    report = patch_model(model, "mxfp8_e4m3_emulate", strict=False)
-    assert report.patched == ("model.layers.0.mlp",)  # the dense Qwen3MoeMLP layer
-    assert list(report.unsupported) == ["model.layers.1.mlp.experts"]
-    assert type(model.model.layers[1].mlp.gate).__name__ == "Qwen3MoeTopKRouter"  # router untouched
+    with pytest.raises(ValueError, match="no module of a swappable class"):  # nothing else to swap
+        patch_model(model, strict=False)
 
 
 class _MainGradConsumer(torch.autograd.Function):
