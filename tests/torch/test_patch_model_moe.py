@@ -26,9 +26,12 @@ def _model(family, seed=0):
     if family == "qwen3_moe":  # layer 0 dense (Qwen3MoeMLP), layer 1 sparse
         config = transformers.Qwen3MoeConfig(**TINY, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32, mlp_only_layers=[0])
-        return transformers.Qwen3MoeForCausalLM(config).eval()
-    config = transformers.MixtralConfig(**TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
-    return transformers.MixtralForCausalLM(config).eval()
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(**TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    model.set_experts_implementation("eager")  # the per-expert loop (grouped_mm has no float64 for the oracle)
+    return model.eval()
 
 
 def _rel(a, b):
