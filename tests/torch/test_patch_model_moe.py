@@ -18,7 +18,8 @@ from nkilib.training.moe import HFMoEExperts  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64)
-EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+MXFP8_GRAD_PARAMS = ("experts.gate_up_proj", "experts.down_proj", "gate_proj.weight", "up_proj.weight",
+                     "down_proj.weight")
 
 
 def _model(family, seed=0):
@@ -62,19 +63,23 @@ def test_moe_experts_swapped_router_kept(family):
     logits_p, grads_p = _run(patched, ids)
     _, grads_i = _run(ideal, ids)
     assert torch.equal(patched(ids).logits.argmax(-1), original(ids).logits.argmax(-1))
-    err_logits = _rel(logits_p, logits_o)
     errors = {n: _rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
-    print(family, f"logits {err_logits:.1e}", {n: f"{e:.1e}" for n, e in errors.items() if "mlp" in n})
-    assert 0 < err_logits < 2e-3  # our experts compute in bf16 (the fp32 original does not)
+    # measured (both families): logits 4.5e-4..6.1e-4; expert and dense MLP weights 3.1e-2..5.3e-2; the
+    # norm feeding an MLP up to 6.4e-2; routers 3.3e-2..8.2e-2 (their gradient goes through the op's
+    # d(topk_weights) and the softmax, which cancels); everything else up to 8.1e-3
+    assert 0 < _rel(logits_p, logits_o) < 2e-3  # our experts compute in bf16 (the fp32 original does not)
     for name, err in errors.items():
-        if name.endswith(EXPERT_PARAMS):
-            assert 1e-2 < err < 8e-2, (name, err)  # the MXFP8 error
-        else:
+        if name.endswith(MXFP8_GRAD_PARAMS):
+            assert 1.5e-2 < err < 7e-2, (name, err)
+        elif name.endswith("post_attention_layernorm.weight"):
             assert err < 8e-2, (name, err)
+        elif name.endswith("mlp.gate.weight"):
+            assert err < 1e-1, (name, err)
+        else:
+            assert err < 2e-2, (name, err)
     # the router is the model's and trains: its gradient comes through the op's topk_weights gradient
-    router = "model.layers.1.mlp.gate.weight"
     assert type(patched.model.layers[1].mlp.gate).__name__.endswith("TopKRouter")
-    assert errors[router] < 8e-2
+    assert "model.layers.1.mlp.gate.weight" in errors
 
 
 def test_moe_recipe_fields_without_counterpart_are_refused():
