@@ -204,7 +204,8 @@ class TensorParallelSwiGLUMLP(nn.Module):
         self.recipe = as_recipe(recipe)
 
     @classmethod
-    def from_full(cls, gate_up_weight: Tensor, down_weight: Tensor, *, group=None, **kwargs) -> "TensorParallelSwiGLUMLP":
+    def from_full(cls, gate_up_weight: Tensor, down_weight: Tensor, *, group=None,
+                  **kwargs) -> "TensorParallelSwiGLUMLP":
         """This rank's module from the full weights [2I, H] and [H, I] (copies the local shards)."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         with torch.no_grad():
@@ -229,6 +230,7 @@ class TensorParallelSwiGLUMLP(nn.Module):
             return _ReduceFromGroup.apply(y_partial, self.group)
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.down_proj.weight.shape[0]}, local_intermediate_size={self.local_intermediate_size}, "
+        return (f"hidden_size={self.down_proj.weight.shape[0]}, "
+                f"local_intermediate_size={self.local_intermediate_size}, "
                 f"tp={self.world}, rank={self.rank}, sequence_parallel={self.sequence_parallel}, "
                 f"recipe={self.recipe.describe()}")
