@@ -1,0 +1,154 @@
+"""``patch_model``: put the MXFP8 SwiGLU op into a Hugging Face model, in place, in one call.
+
+    report = nkilib.patch_model(model, recipe="mxfp8_e4m3_default")
+
+Every submodule whose class is registered (``swappable_classes()``) is replaced by the module its swap
+function returns; the replacement keeps the model's parameter objects and names, so ``state_dict()``
+and ``load_state_dict()`` use the model's own keys and an optimizer built before the swap still holds
+the right parameters. Calling ``patch_model`` again on a patched model changes the recipe of every
+swapped module.
+
+Registered (dense SwiGLU MLPs; ``nn.Linear`` gate_proj / up_proj / down_proj without bias, SiLU):
+    LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, Qwen3MoeMLP (the dense layers of Qwen3-MoE).
+
+MoE experts (``Qwen3MoeExperts``, ``MixtralExperts``; nkilib/training/moe.py): the ``experts`` module of a
+sparse MoE block is replaced by ``HFMoEExperts`` (same two Parameters, same keys) calling
+``moe_swiglu_experts_mxfp8``; the router and the block's forward stay the model's. Registered only when
+this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with the reason.
+GPT-OSS experts stay pending (a different gated function; see PENDING_CLASSES). Further classes:
+``register_swap(class_name, swap_fn)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from ..recipe import Recipe, as_recipe
+from .moe import MOE_EXPERTS_CLASSES, HFMoEExperts, moe_kwargs, moe_op_available
+from .swiglu import HFSwiGLUMLP
+
+__all__ = ["PatchReport", "patch_model", "register_swap", "swappable_classes", "DENSE_SWIGLU_CLASSES",
+           "PENDING_CLASSES"]
+
+#: Hugging Face classes of dense SwiGLU MLPs (transformers 4.4x-5.x: LlamaMLP and its copies).
+DENSE_SWIGLU_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP")
+
+#: Known MoE classes not swapped yet, with the reason (reported by patch_model).
+PENDING_CLASSES = {
+    **({} if moe_op_available() else {
+        name: "needs moe_swiglu_experts_mxfp8 (nkilib.experimental.moe_mxfp8), not in this build"
+        for name in MOE_EXPERTS_CLASSES}),
+    "GptOssExperts": "GPT-OSS experts are not the op's SwiGLU: gate * sigmoid(1.702 * gate) instead of silu, "
+                     "(up + 1) as the linear factor, biases on both projections, and gate/up interleaved in a "
+                     "[E, H, 2I] layout",
+}
+
+#: swap_fn(module, recipe, qualified_name) -> the replacement module (may be `module` itself).
+SwapFn = Callable[[nn.Module, Recipe, str], nn.Module]
+
+_SWAPS: dict = {}
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What patch_model did: qualified names of the swapped modules and of known modules left as they are.
+
+    Attributes:
+        patched: names of swapped (or re-configured) modules, in model order.
+        unsupported: name -> reason, for modules of a PENDING_CLASSES class (only with strict=False).
+    """
+
+    patched: tuple = ()
+    unsupported: dict = field(default_factory=dict)
+
+
+def register_swap(class_name: str, swap_fn: SwapFn, *, replace: bool = False) -> None:
+    """Make patch_model replace modules whose class is named `class_name` by ``swap_fn(module, recipe, name)``.
+
+    Raises:
+        ValueError: `class_name` already registered and replace is False.
+    """
+    if class_name in _SWAPS and not replace:
+        raise ValueError(f"a swap for {class_name!r} is already registered; pass replace=True to override it")
+    _SWAPS[class_name] = swap_fn
+
+
+def swappable_classes() -> tuple:
+    """Class names patch_model swaps, sorted."""
+    return tuple(sorted(_SWAPS))
+
+
+def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
+
+
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__)
+
+
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    if isinstance(module, HFMoEExperts):
+        moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
+    module.recipe = recipe
+    return module
+
+
+for _cls in DENSE_SWIGLU_CLASSES:
+    register_swap(_cls, _swap_dense)
+if moe_op_available():
+    for _cls in MOE_EXPERTS_CLASSES:
+        register_swap(_cls, _swap_experts)
+register_swap(HFSwiGLUMLP.__name__, _reconfigure)
+register_swap(HFMoEExperts.__name__, _reconfigure)
+
+
+def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchReport:
+    """Swap, in place, every registered module of `model` for one whose backward is the MXFP8 op.
+
+    Args:
+        model: a torch module (typically a transformers PreTrainedModel); changed in place.
+        recipe: a Recipe, a preset name (nkilib.recipe.PRESETS) or None (the default preset).
+        strict: raise on modules of a known but not yet supported class (PENDING_CLASSES); False leaves
+            them as they are and lists them in the report.
+
+    Returns:
+        PatchReport.
+
+    Raises:
+        ValueError: a registered module that does not fit the op (bias, activation, sizes; the message
+            names the module), or a model with nothing to swap.
+        NotImplementedError: strict and a PENDING_CLASSES module is present.
+    """
+    recipe = as_recipe(recipe)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SWAPS or
+             type(m).__name__ in PENDING_CLASSES]
+    pending = {name: f"{type(m).__name__}: {PENDING_CLASSES[type(m).__name__]}" for name, m in found
+               if type(m).__name__ not in _SWAPS}
+    if pending and strict:
+        lines = "\n".join(f"  {n}: {r}" for n, r in pending.items())
+        raise NotImplementedError(f"patch_model: these modules cannot be swapped yet (strict=True):\n{lines}\n"
+                                  f"pass strict=False to swap the rest and leave these as they are")
+    patched = []
+    for name, module in found:
+        if name in pending:
+            continue
+        swapped = _SWAPS[type(module).__name__](module, recipe, name)
+        if swapped is not module:
+            _set_submodule(model, name, swapped)
+        patched.append(name)
+    if not patched:
+        raise ValueError(f"patch_model: no module of a swappable class {swappable_classes()} in "
+                         f"{type(model).__name__}")
+    return PatchReport(patched=tuple(patched), unsupported=pending)
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    if not name:
+        raise ValueError(f"patch_model: the model itself is a {type(model).__name__}; wrap it in a parent module "
+                         f"or use HFSwiGLUMLP.from_hf(model) directly")
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
