@@ -9,8 +9,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_torch",
-                    reason="the MoE op is not part of this branch (it lands with the moe branch)")
 
 from nkilib import get_recipe, patch_model  # noqa: E402
 from nkilib.training import HFSwiGLUMLP  # noqa: E402

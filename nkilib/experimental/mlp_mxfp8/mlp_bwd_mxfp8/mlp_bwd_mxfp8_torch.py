@@ -82,6 +82,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ....recipe_call import accepts_recipe
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
@@ -462,6 +463,7 @@ def _main_grad_sinks(accumulate_main_grad: bool, params: dict) -> list:
 # ----------------------------------------------------------------------------------------------
 
 
+@accepts_recipe
 def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, checkpoint="all",
                      clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", weight_grad_dtype=None,
                      matmul_precision="mxfp8", scale_rule="neuron", forward_numerics="torch", backend="auto",
