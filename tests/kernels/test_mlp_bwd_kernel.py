@@ -34,8 +34,8 @@ from nkilib.core.kernel_helpers import KernelInputError
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits, MatmulConfig, MlpBwdMatmulConfig
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, prequantized_operands
 from nkilib.simulator.settings import current_settings
-from simkit import (BF16, MLP_CHECKPOINTS, assert_matches_mx_exact, assert_outputs_identical, bits, mlp_checkpoints,
-                    mlp_inputs, mlp_reference, run_mlp)
+from simkit import (BF16, MLP_CHECKPOINTS, assert_matches_mx_exact, assert_outputs_identical, bits,
+                    count_bits_differ, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp)
 
 # Accuracy of the e4m3fn kernel against the ideal float64 backward (test_matches_references): the
 # measured maxima over SHAPES and the three outputs are rel_fro 0.080 and 1 - cosine 0.0032 (the S=1
@@ -86,8 +86,7 @@ def _matmul_counts(result):
     return counts
 
 
-def _n_differ(a, b):
-    return sum(int(np.count_nonzero(bits(x) != bits(y))) for x, y in zip(a, b))
+_n_differ = count_bits_differ
 
 
 # ----------------------------------------------------------------------------------------------
