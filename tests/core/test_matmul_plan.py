@@ -11,7 +11,7 @@ import pytest
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import CoreSplit, Epilogue, MatmulPlan, MatmulSetup, StoreEpilogue, TensorDescriptor
+from nkilib.core.matmul import CoreSplit, MatmulPlan, MatmulSetup, StoreEpilogue, TensorDescriptor
 from nkilib.core.matmul.constants import PARTITIONS
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import MatmulConfig, get_program_sharding_info
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import _bf16, _mm
@@ -29,11 +29,20 @@ def test_core_split_ranges(m, n, cores, prefer_m, want):
     assert [CoreSplit(cores, i).ranges(m, n, prefer_m) for i in range(cores)] == want
 
 
-class _TwoOutputs(Epilogue):
-    """Evicts product 0 to out0 and product 1 to out1 (bf16), one SBUF tile each per output tile."""
+class _TwoOutputs(nl.NKIObject):
+    """Epilogue: evicts product 0 to out0 and product 1 to out1 (bf16), one SBUF tile each per output tile."""
 
     def __init__(self, out0, out1):
         self.outs = (out0, out1)
+
+    def prepare(self, plan):
+        pass
+
+    def finish(self):
+        pass
+
+    def held_bytes(self, n_tile):
+        return 0
 
     def tile(self, i, m0, msz, n0, nsz, accumulators):
         for out, acc in zip(self.outs, accumulators):

@@ -7,4 +7,4 @@ constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
 from .panels import Panel, PanelSource, ResidentPanels, matmul_panels, panel_bytes_per_partition, panel_from_rows  # noqa: F401
-from .plan import CoreSplit, Epilogue, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
+from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401

@@ -27,9 +27,10 @@ from .panels import PanelSource, blocks, k_tiles, load_panel, matmul_panels, pan
 
 
 def usable_sbuf_bytes() -> int:
-    """Usable SBUF bytes per partition of the target: nl.tile_size.sbuf_fmax_bytes ("maximum free
-    dimension of a tile on SBUF buffer, in bytes"; total_available_sbuf_size is deprecated since NKI 0.4:
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/nki.language.tile_size.html)."""
+    """Usable SBUF bytes per partition of the target: nl.tile_size.sbuf_fmax_bytes. The tile_size page
+    deprecates total_available_sbuf_size (since NKI 0.4.0b4) and names sbuf_fmax_bytes as "the usable
+    per-partition size": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/nki.language.tile_size.html
+    (same text on the v2.33.0 page)."""
     return nl.tile_size.sbuf_fmax_bytes
 
 
@@ -84,27 +85,8 @@ def psum_buffers(n_tile):
     return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
 
 
-class Epilogue(nl.NKIObject):
-    """What a plan does with each finished output tile (subclasses override tile; the rest is optional)."""
-
-    def prepare(self, plan) -> None:
-        """Called once, right after the plan allocates its PSUM accumulators (allocate rotating tiles here)."""
-
-    def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
-        """Tile i (rows [m0, m0+msz), columns [n0, n0+nsz)) is complete: accumulators[p] is product p's
-        PSUM tile (fp32 [128, n_tile]; valid [:msz, :nsz])."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """Called after the last tile."""
-
-    def held_bytes(self, n_tile) -> int:
-        """SBUF bytes per partition the epilogue holds between tiles."""
-        return 0
-
-
-class StoreEpilogue(Epilogue):
-    """Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
+class StoreEpilogue(nl.NKIObject):
+    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
     in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
     store may trail the next tiles' evictions)."""
 
@@ -155,7 +137,16 @@ class MatmulPlan(nl.NKIObject):
         split: the kernel's CoreSplit; ranges: this core's ((m_lo, m_hi), (n_lo, n_hi)) when the caller
             fixes them (default split.ranges(m_total, n_total)); resident: ResidentPanels already on chip
             (built by an earlier phase) as the one stationary operand, for its rows and all N columns.
-        epilogue: an Epilogue (StoreEpilogue to write out[M, N] to HBM).
+        epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
+            NKIObject with the methods
+              prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
+                  rotating tiles here);
+              tile(i, m0, msz, n0, nsz, accumulators): tile i (rows [m0, m0+msz), columns [n0, n0+nsz))
+                  is complete; accumulators[p] is product p's fp32 PSUM tile [128, n_tile], valid [:msz, :nsz];
+              finish(): after the last tile;
+              held_bytes(n_tile): SBUF bytes per partition it holds between tiles.
+            (A protocol, not a base class: NKI before 0.7 takes classes derived from NKIObject alone, and
+            class inheritance arrives with 0.7's Python tracing; see docs/simulator-structure.md.)
     """
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),

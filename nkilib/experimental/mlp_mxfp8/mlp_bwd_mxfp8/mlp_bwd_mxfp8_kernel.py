@@ -64,7 +64,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
-from ....core.matmul import (CoreSplit, Epilogue, MatmulPlan, MatmulSetup, ResidentPanels, StoreEpilogue,
+from ....core.matmul import (CoreSplit, MatmulPlan, MatmulSetup, ResidentPanels, StoreEpilogue,
                              panel_bytes_per_partition, panel_from_rows)
 from ....core.phase_graph import Phase, PhaseGraph
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
@@ -166,8 +166,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     return plan.epilogue.resident if stage == "all" else plan
 
 
-class SwigluBackwardEpilogue(Epilogue):
-    """Phase 1's epilogue per [msz, nsz] tile of [S, I]: d_gate / d_up from dI (and the recomputed
+class SwigluBackwardEpilogue(nl.NKIObject):
+    """Phase 1's epilogue (a MatmulPlan epilogue) per [msz, nsz] tile of [S, I]: d_gate / d_up from dI (and the recomputed
     gate_pre / up), the intermediate for phase 4, stores of d_gate_up.
 
     With the moving panels resident (m-major), a whole d_gate_up row block [msz, 2I] is finished per S
@@ -234,6 +234,10 @@ class SwigluBackwardEpilogue(Epilogue):
                     nisa.dma_copy(dst=out[m0:m0 + msz, c:c + width], src=rows[:msz, c:c + width])
             if self.fused:
                 self.pending.append((m_rel, msz, rows, two_i))
+
+    def held_bytes(self, n_tile) -> int:
+        """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
+        return 0
 
     def finish(self) -> None:
         self.panels.extend(_phase2_panels(self.pending, self.setup))
