@@ -97,7 +97,7 @@ def _split(split, run_with_lnc2) -> CoreSplit:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Phase 0+1: dI = dY·W_downᵀ-tiles (and gate_pre / up when recomputed) with the SwiGLU derivative as epilogue
+# Phase 0+1: dI = dY·W_down (and gate_pre / up when recomputed), the SwiGLU derivative as epilogue
 # ---------------------------------------------------------------------------------------------------
 def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act_td, up_td, d_gate_up_td, scratch_td,
                                            down_weight_td, s_base, dtype, fp8_x4_dtype, config=None,
@@ -108,7 +108,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     """Phase 1 (with the phase-0 recompute fused per tile): d_gate, d_up [S, I] and the intermediate.
 
     One MatmulPlan over this core's [S, I] tiles with up to three products sharing each output tile:
-    dI = dY @ W_downᵀ (K=H), and when not given gate_pre = X @ W_gateᵀ, up = X @ W_upᵀ (K=H); its
+    dI = dY @ W_down (K=H), and when not given gate_pre = X @ W_gateᵀ, up = X @ W_upᵀ (K=H); its
     epilogue (SwigluBackwardEpilogue) is the SwiGLU derivative. Tiles run S-tile-major when the moving
     panels (W_down, W_gate, W_up) are resident, else n-major with the dY (and X) panels of this core's rows
     resident when they fit, so each is transposed and quantized once rather than once per I block.
@@ -167,8 +167,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
 
 
 class SwigluBackwardEpilogue(nl.NKIObject):
-    """Phase 1's epilogue (a MatmulPlan epilogue) per [msz, nsz] tile of [S, I]: d_gate / d_up from dI (and the recomputed
-    gate_pre / up), the intermediate for phase 4, stores of d_gate_up.
+    """Phase 1's MatmulPlan epilogue per [msz, nsz] tile of [S, I]: d_gate / d_up from dI (and the
+    recomputed gate_pre / up), the intermediate for phase 4, stores of d_gate_up.
 
     With the moving panels resident (m-major), a whole d_gate_up row block [msz, 2I] is finished per S
     tile: it is gathered in SBUF, stored once with 2I-long runs and, when asked (keep_for_phase2), one S
