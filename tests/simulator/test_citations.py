@@ -17,11 +17,6 @@ FORBIDDEN = re.compile(r"/work/shared|nki-spec\.md|(?i:spec(?: sections?)? §)|/
 # converts them with the "Source map" table of docs/simulator.md. Remove a file from this set once
 # it is converted (its strict xfail then turns into a failure that says so).
 REMAINING = {
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/config.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/constants.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/tiled_matmul.py",
     "nkilib/simulator/cost.py",
 }
 _ANCHOR_REF = re.compile(r"docs/simulator\.md#([A-Za-z0-9_\-]+)")
