@@ -4,13 +4,13 @@ Nothing here is mutated after construction: resolution functions return new obje
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import nki.language as nl
 
 from ....core.kernel_helpers import KernelInputError
+from ....core.matmul.descriptor import TensorDescriptor  # noqa: F401  (re-exported: the kernel's public name)
 from .constants import M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE
 
 N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (spec §5.2/§5.3)
@@ -113,45 +113,3 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int) -> MlpB
             raise KernelInputError(
                 f"matmul_config.{name}.n_tile={n_tile} exceeds this target's matmul moving limit {n_max}")
     return resolved
-
-
-@dataclass(frozen=True)
-class TensorDescriptor(nl.NKIObject):
-    """One matmul operand in HBM and how its contraction axis K lies.
-
-    Dimensions:
-        k_axis=0: `tensor` is [K, F] (K = rows, F contiguous), e.g. hidden_states [S, H] as the K=S operand.
-        k_axis=1: `tensor` is [F, K] (K contiguous), e.g. output_grad [S, H] as the K=H operand.
-        Pre-quantized (`scales` given, k_axis must be 1): `tensor` holds x4 words [F, Kp/4] (uint32) and
-        `scales` uint8 [F, Kp/32], Kp = K padded to a multiple of 128 (see reference.prequantize).
-
-    `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights).
-    """
-
-    tensor: object
-    k_axis: int
-    scales: object = None
-    f_base: int = 0
-    f_size: int = -1  # -1: to the end of F
-
-    @property
-    def prequantized(self) -> bool:
-        return self.scales is not None
-
-    @property
-    def k_size(self) -> int:
-        if self.prequantized:
-            return self.scales.shape[1] * 32
-        return self.tensor.shape[self.k_axis]
-
-    @property
-    def f_total(self) -> int:
-        """F extent of the underlying tensor (row length for k_axis=1 is K)."""
-        return self.tensor.shape[1 - self.k_axis]
-
-    @property
-    def f_extent(self) -> int:
-        return self.f_total - self.f_base if self.f_size < 0 else self.f_size
-
-    def window(self, f_base: int, f_size: int) -> "TensorDescriptor":
-        return dataclasses.replace(self, f_base=self.f_base + f_base, f_size=f_size)

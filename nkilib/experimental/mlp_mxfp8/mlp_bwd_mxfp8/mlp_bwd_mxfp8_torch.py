@@ -82,8 +82,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ....core import options
 from . import mlp_bwd_mxfp8_emulate as emu
-from .constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
+from .constants import MX_GROUP
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
 from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
 
@@ -98,8 +99,6 @@ BACKENDS = ("auto", "simulator", "emulate", "neuron")
 FORWARD_NUMERICS = ("torch", "kernel")
 _SCALE_RULES = ("neuron", "rceil", "ocp_floor")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
-_WG_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", "bfloat16": "bfloat16", "float32": "float32",
-             "bf16": "bfloat16", "fp32": "float32"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,9 +160,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def _weight_grad_name(weight_grad_dtype, gate_up_weight: Tensor, down_weight: Tensor) -> str:
     if weight_grad_dtype is None:
         return "float32" if torch.float32 in (gate_up_weight.dtype, down_weight.dtype) else "bfloat16"
-    if weight_grad_dtype not in _WG_NAMES:
-        raise ValueError(f"weight_grad_dtype must be None, torch.bfloat16 or torch.float32, got {weight_grad_dtype!r}")
-    return _WG_NAMES[weight_grad_dtype]
+    return options.weight_grad_dtype(weight_grad_dtype, spelled="None, torch.bfloat16 or torch.float32")
 
 
 def _check_inputs(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor) -> tuple:
@@ -507,12 +504,12 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     """
     h, _ = _check_inputs(x, gate_up_weight, down_weight)
     keep = resolve_checkpoint_policy(checkpoint)
-    clamps = emu.clamp_tuple(clamp_limits)
-    fp8 = emu.fp8_name(fp8_dtype)
-    emu.check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
-    emu.check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
-    emu.check_choice("scale_rule", scale_rule, _SCALE_RULES)
-    emu.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
+    clamps = options.clamp_values(clamp_limits)
+    fp8 = options.fp8_format(fp8_dtype)
+    options.quant_scheme(quant_scheme)
+    options.matmul_precision(matmul_precision)
+    options.check_choice("scale_rule", scale_rule, _SCALE_RULES)
+    options.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
     if scale_rule != "neuron" and resolved != "emulate":

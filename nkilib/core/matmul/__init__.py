@@ -1,0 +1,10 @@
+"""The matmul layer shared by nkilib kernels (dense MLP backward, grouped MoE experts).
+
+descriptor.py: operand descriptors (TensorDescriptor) and numeric setup (MatmulSetup);
+panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transposes) -> PSUM matmuls;
+plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps), CoreSplit, StoreEpilogue;
+constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
+"""
+from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
+from .panels import Panel, PanelSource, ResidentPanels, matmul_panels, panel_bytes_per_partition, panel_from_rows  # noqa: F401
+from .plan import CoreSplit, Epilogue, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
