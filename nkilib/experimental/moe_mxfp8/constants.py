@@ -1,0 +1,19 @@
+"""Constants of the MoE expert backward (block layout and numerics), in one place.
+
+The MX geometry (groups of 32, K padded to 128, 512-long MX K tiles, 128-long BF16 K tiles) is the
+dense MLP backward's; it is imported from there so both kernels share one definition.
+"""
+from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE  # noqa: F401
+
+#: A block of B routed tokens is the K of the weight-gradient matmuls: B is a multiple of the MX
+#: K alignment (32-element groups packed x4 -> 128) so no group mixes two experts' tokens.
+BLOCK_ALIGN = MX_K_ALIGN
+#: B <= one MX K tile: each block is exactly one nc_matmul_mx per weight-gradient output tile, so
+#: the per-expert fp32 sum over blocks has one order whatever loop nest the kernel uses (docs/moe.md).
+MAX_BLOCK_SIZE = MX_K_TILE
+#: Default B: the smallest aligned block (least padding for small per-expert token counts).
+DEFAULT_BLOCK_SIZE = 128
+#: Columns of I per partial sum of the routing-weight gradient <dI, h> (one fp32 PSUM bank).
+ROUTING_GRAD_TILE = 512
+#: Accepted dtypes of topk_ids.
+TOPK_ID_DTYPES = ("int32", "int64")
