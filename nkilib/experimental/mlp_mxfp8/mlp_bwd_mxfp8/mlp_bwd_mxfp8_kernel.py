@@ -67,6 +67,7 @@ from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
 from ....core.matmul import (CoreSplit, Epilogue, MatmulPlan, MatmulSetup, ResidentPanels, StoreEpilogue,
                              panel_bytes_per_partition, panel_from_rows)
 from ....core.phase_graph import Phase, PhaseGraph
+from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import (FP8_X4_DTYPE_NAMES, MATMUL_PRECISIONS, MX_K_ALIGN, PARTITIONS,
                         PHASE2_STATIONARY_BUDGET_BYTES, QUANT_SCHEMES)
@@ -262,79 +263,24 @@ def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
     return tile[:msz, :nsz]
 
 
-def _clamp_and_mask(x, lower, upper, msz, nsz, ncols):
-    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
-
-    x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
-    counterpart of reference._clamp_and_mask (NumPy) and the emulate backend's (torch).
-    """
-    has_lower, has_upper = lower != None, upper != None  # noqa: E711
-    if not has_lower and not has_upper:
-        return x, None
-    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
-    if has_lower and has_upper:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
-                           operand1=float(upper))
-        lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower))
-        # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
-        nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
-                                  operand1=lo_ok[:msz, :nsz])
-    elif has_lower:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower))
-    else:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper))
-    return c, m
-
-
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz, ncols, d_gate_dst,
                           d_up_dst):
-    """Epilogue of one [msz, nsz] tile in fp32: SwiGLU derivative, clamp masks, intermediate.
+    """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
+    derivative, clamp masks, intermediate.
 
     Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
     stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
-    fp32 is exact, so no fp32 copies are made). The products with the PSUM tile dI run on VectorE (one
-    PSUM input: N cycles); products of two SBUF tiles run on GpSimd (idle otherwise) and the
-    activations on ScalarE, so the three engines share the epilogue.
+    fp32 is exact, so no fp32 copies are made).
     """
-    gc, mask_g = _clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
-    uc, mask_u = _clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
-    act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    act = None
     if gate_act_td != None:  # noqa: E711
+        act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
-    else:
-        nisa.activation(dst=act[:msz, :nsz], op=nl.silu, data=gc)  # gate_act = bf16(silu(gc))
-    a = act[:msz, :nsz]
+        act = act[:msz, :nsz]
+    terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
     if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
-        inter = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=inter[:msz, :nsz], data1=a, data2=uc, op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=inter[:msz, :nsz])
-    # d_up = bf16((dI * a) * mask_u)
-    if mask_u == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply)
-    else:
-        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
-        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g)
-    sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=gc)
-    t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
-    if mask_g == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-    else:
-        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
+    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst)
 
 
 # ---------------------------------------------------------------------------------------------------
