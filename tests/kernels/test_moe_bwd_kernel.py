@@ -10,6 +10,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_adversarial_routing_bit_exact | empty experts, all to one expert (2 blocks),  | LNC2, e4m3fn, 1x32, B=128;     |
 |                                    | k = E, k = 1; T = 37 / 130 / 20 / 45          | vs fp32 reported               |
 | test_lnc1_equals_lnc2              | unsorted ids, recompute, clamps, I > 512      | LNC1 vs LNC2                   |
+| test_small_budgets_...             | weights loaded per block, 1-tile groups       | LNC2                           |
 | test_checkpoint_subsets            | 3 checkpoint subsets, B = 256                 | LNC1                           |
 | test_trn2_bf16                     | trn2 target (matmul_precision bf16 default)   | LNC2                           |
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
@@ -126,6 +127,19 @@ def test_lnc1_equals_lnc2():
     out1, out2 = run(kernel, lnc=1), run(kernel, lnc=2)
     assert_outputs_identical(out1, out2, "LNC1 vs LNC2")
     assert_outputs_identical(out1, moe_backward_reference(**ref), "vs mx_exact")
+
+
+def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
+    """Weight panels loaded inside the block loops (no resident budget) and one weight-gradient tile per
+    accumulator group (a block loop per tile; under LNC2 core 1 has fewer tiles and runs empty groups, so
+    both cores still take the same loops): the same bits as mx_exact."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+
+    monkeypatch.setattr(K, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    monkeypatch.setattr(K, "WEIGHT_GRAD_ACC_BUDGET_BYTES", 0)
+    T, E, k, H, I = 40, 2, 1, 160, 64
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=29, checkpoints=("gate_pre", "up"))
+    assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "small budgets vs mx_exact")
 
 
 @pytest.mark.parametrize("checkpoints", [("gate_pre", "up"), ("gate_act", "intermediate"),

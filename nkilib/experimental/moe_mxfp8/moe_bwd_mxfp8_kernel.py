@@ -439,7 +439,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype.
 
     The routing index values are data: the kernel trusts the layout (routing.py validates topk_ids on the
-    host); an id >= T or slot >= T*k is a padding sentinel and is skipped.
+    host); an id >= T or slot >= T*k is a padding sentinel and is skipped. The layout's block_to_expert is
+    not an argument: the loops are expert-major (static expert, run-time block range from
+    expert_block_offsets), which keeps each expert's weights static and loaded once per expert.
     """
     on_trn3 = nisa.get_nc_version() >= nisa.nc_version.gen4
     precision = matmul_precision if matmul_precision is not None else ("mxfp8" if on_trn3 else "bf16")
