@@ -15,6 +15,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_trn2_bf16                     | trn2 target (matmul_precision bf16 default)   | LNC2                           |
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
 | test_large_options (slow)          | wrapX, e5m2, fp32 weight grads, B = 256       | LNC2                           |
+| test_k8_and_single_token (slow)    | k = E = 8; T = 1, E = 1                       | LNC2                           |
 """
 from __future__ import annotations
 
@@ -195,3 +196,11 @@ def test_large_options():
                            checkpoints=("gate_pre",), clamp_limits=CLAMPS, quant_scheme="wrapX",
                            fp8_x4_dtype=nl.float8_e5m2_x4, weight_grad_dtype=nl.float32)
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "wrapX e5m2 fp32-wg vs mx_exact")
+
+
+@pytest.mark.slow
+def test_k8_and_single_token():
+    """k = E = 8 (the issue's k = 8) with the intermediate checkpoint, and T = 1 with E = 1, under LNC2."""
+    for T, E, k, checkpoints in ((9, 8, 8, ("intermediate",)), (1, 1, 1, ())):
+        kernel, ref = moe_case(T, E, 32, 32, routing("random", T, E, k, seed=8), seed=31, checkpoints=checkpoints)
+        assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), f"T={T} k={k} vs mx_exact")
