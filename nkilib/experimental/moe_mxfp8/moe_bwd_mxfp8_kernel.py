@@ -189,8 +189,8 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
         p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=p, value=0.0)
         ctx.gather(p, ctx.weights, slots, 0, 1)
-        g_ck, a_ck = _gathered_checkpoint(ctx, ctx.gate_pre, slots, m), _gathered_checkpoint(ctx, ctx.gate_act, slots, m)
-        u_ck, h_ck = _gathered_checkpoint(ctx, ctx.up, slots, m), _gathered_checkpoint(ctx, ctx.intermediate, slots, m)
+        g_ck, a_ck, u_ck, h_ck = (_gathered_checkpoint(ctx, c, slots, m)
+                                  for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
         d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
         hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
         d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -347,7 +347,8 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
                 a, b = lp[m_blocks.index((m0, msz))], rp[n_blocks.index((n0, nsz))]
                 for t in range(n_k):
                     part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(part[:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), setup)  # K=K tile of the block's tokens, M=msz, N=nsz
+                    # K=one K tile of the block's tokens, M=msz, N=nsz
+                    matmul_panels(part[:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), setup)
                     nisa.tensor_tensor(dst=acc[:msz, :], data1=acc[:msz, :], data2=part[:msz, :nsz], op=nl.add)
 
         nl.fori_loop(lo, hi, body)
@@ -460,7 +461,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                   f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
     kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
-                  f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], got {block_size!r}")
+                  f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
+                  f"got {block_size!r}")
     # ---- shapes ----
     kernel_assert(output_grad is not None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,
                   f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
@@ -470,7 +472,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     kernel_assert(gate_up_weight is not None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,
                   f"gate_up_weight must be a 3-D [E, 2I, H] tensor, got {getattr(gate_up_weight, 'shape', None)!r}")
     E, two_i = gate_up_weight.shape[0], gate_up_weight.shape[1]
-    kernel_assert(two_i % 2 == 0, f"gate_up_weight must be [E, 2I, H] with an even 2I, got {list(gate_up_weight.shape)}")
+    kernel_assert(two_i % 2 == 0,
+                  f"gate_up_weight must be [E, 2I, H] with an even 2I, got {list(gate_up_weight.shape)}")
     I = two_i // 2
     _check("gate_up_weight", gate_up_weight, (E, 2 * I, H), ("bfloat16",))
     _check("down_weight", down_weight, (E, H, I), ("bfloat16",))
