@@ -41,6 +41,12 @@ Pass B/C read scratch rows written by both cores, hence one core_barrier between
 byte is written by two cores, so no race is possible. The number of accumulator groups in pass C (each
 a loop) is derived from core 0's (larger) share, so both cores enter the same loops.
 
+Performance notes (not modeled yet: the cost model prices shape-only traces, and a shape-only run cannot
+register_load the routing). Under LNC2 a core's share of a B = 128 block is 64 rows, half the PE array's
+stationary width in pass A: use B >= 256 with LNC2. Every expert's weight panels are loaded once per pass
+even when the expert is empty (there is no run-time branch; a zero-trip loop skips only the block work).
+Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
+
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.
 """
