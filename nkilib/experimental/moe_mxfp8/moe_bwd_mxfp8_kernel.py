@@ -46,6 +46,10 @@ register_load the routing). Under LNC2 a core's share of a B = 128 block is 64 r
 stationary width in pass A: use B >= 256 with LNC2. Every expert's weight panels are loaded once per pass
 even when the expert is empty (there is no run-time branch; a zero-trip loop skips only the block work).
 Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
+Pass C adds each block's product into the fp32 SBUF accumulator on VectorE: with one MX K tile per block
+that [128, 512] add costs about as much as the matmul, so pass C is likely VectorE-bound at B = 128-256 (a
+PSUM-resident accumulator across loop iterations would remove it, but the dynamic-loops guide advises
+carrying loop state in SBUF/HBM, and the reference's fold starts from +0).
 
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.
