@@ -24,8 +24,8 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
     C  compute_phase3_expert_weight_grads_mxfp8, per expert: dW_gu[e] = sum_b d_gate_up_bᵀ X_b and
        dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
        B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
-       an fp32 SBUF accumulator (loop state lives in SBUF, not PSUM: each dynamic-loop iteration ends with
-       a drain of all engines, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html),
+       an fp32 SBUF accumulator (the fori_loop page: "carry any other loop state through SBUF/HBM",
+       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.fori_loop.html),
        stored once; an empty expert's accumulator stays +0, so its gradients are exact zeros.
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
@@ -48,8 +48,8 @@ even when the expert is empty (there is no run-time branch; a zero-trip loop ski
 Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
 Pass C adds each block's product into the fp32 SBUF accumulator on VectorE: with one MX K tile per block
 that [128, 512] add costs about as much as the matmul, so pass C is likely VectorE-bound at B = 128-256 (a
-PSUM-resident accumulator across loop iterations would remove it, but the dynamic-loops guide advises
-carrying loop state in SBUF/HBM, and the reference's fold starts from +0).
+PSUM-resident accumulator across loop iterations would remove it, but the fori_loop page says to carry
+loop state through SBUF/HBM).
 
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.
