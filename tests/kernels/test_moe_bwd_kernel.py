@@ -16,6 +16,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
 | test_large_options (slow)          | wrapX, e5m2, fp32 weight grads, B = 256       | LNC2                           |
 | test_k8_and_single_token (slow)    | k = E = 8; T = 1, E = 1                       | LNC2                           |
+| test_random_shapes_and_routings    | seeded random shapes, routings, options (slow)| LNC1 or LNC2                   |
 """
 from __future__ import annotations
 
@@ -204,3 +205,21 @@ def test_k8_and_single_token():
     for T, E, k, checkpoints in ((9, 8, 8, ("intermediate",)), (1, 1, 1, ())):
         kernel, ref = moe_case(T, E, 32, 32, routing("random", T, E, k, seed=8), seed=31, checkpoints=checkpoints)
         assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), f"T={T} k={k} vs mx_exact")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes_and_routings(seed):
+    """Seeded random (T, E, k, H, I, B, LNC, checkpoint subset) with a random set of empty experts."""
+    r = np.random.default_rng(100 + seed)
+    E = int(r.integers(2, 7))
+    k = int(r.integers(1, E + 1))
+    T, H, I = int(r.integers(1, 300)), 32 * int(r.integers(1, 6)), 32 * int(r.integers(1, 20))
+    used = np.sort(r.choice(E, size=max(k, int(r.integers(k, E + 1))), replace=False))
+    ids = np.stack([r.permutation(used)[:k] for _ in range(T)]).astype(np.int32)
+    names = ("gate_pre", "gate_act", "up", "intermediate")
+    checkpoints = tuple(n for n in names if r.random() < 0.5)
+    B, lnc = int(r.choice([128, 256])), int(r.choice([1, 2]))
+    kernel, ref = moe_case(T, E, H, I, ids, seed=seed, block_size=B, checkpoints=checkpoints, clamp_limits=CLAMPS)
+    what = f"T={T} E={E} k={k} H={H} I={I} B={B} lnc={lnc} used={used.tolist()} ckpt={checkpoints}"
+    assert_outputs_identical(run(kernel, lnc=lnc), moe_backward_reference(**ref), what)
