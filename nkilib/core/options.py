@@ -92,6 +92,25 @@ def weight_grad_dtype(value, what: str = "weight_grad_dtype", spelled: str = "bf
     return name
 
 
+def kernel_numerics(precision_arg, on_trn3: bool, fp8_x4_dtype, scheme, weight_grad_dtype_arg) -> tuple:
+    """(matmul precision, weight-grad dtype name) of an NKI kernel entry point (dense MLP and MoE backward),
+    from their matmul_precision, fp8_x4_dtype, quant_scheme and weight_grad_dtype arguments.
+
+    matmul_precision None picks "mxfp8" on Trn3 and "bf16" on Trn2 (on_trn3: the target is NeuronCore-v4);
+    "mxfp8" on Trn2 is rejected (no MX instructions). fp8_x4_dtype must be a packed x4 dtype, weight_grad_dtype
+    a dtype or its full name (no short names).
+    """
+    precision = matmul_precision(precision_arg if precision_arg != None  # noqa: E711
+                                 else ("mxfp8" if on_trn3 else "bf16"))
+    if precision == "mxfp8" and not on_trn3:
+        raise KernelInputError("matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
+                               "Trn2 (NeuronCore-v3): use matmul_precision='bf16'")
+    fp8_format(fp8_x4_dtype, what="fp8_x4_dtype", x4_only=True)
+    quant_scheme(scheme)
+    wg = weight_grad_dtype(weight_grad_dtype_arg, spelled="nl.bfloat16 or nl.float32", short_names=False)
+    return precision, wg
+
+
 def clamp_values(clamp_limits, what: str = "clamp_limits") -> tuple:
     """(non_linear_lower, non_linear_upper, linear_lower, linear_upper) as floats or None (no bound).
 

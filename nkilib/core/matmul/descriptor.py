@@ -17,7 +17,8 @@ class TensorDescriptor(nl.NKIObject):
         Pre-quantized (`scales` given, k_axis must be 1): `tensor` holds x4 words [F, Kp/4] (uint32) and
         `scales` uint8 [F, Kp/32], Kp = K padded to a multiple of 128 (see reference.prequantize).
 
-    `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights).
+    `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights); `k_base`/`k_len`
+    a window of K (e.g. one expert's rows of stacked expert weights reshaped to [E*K, F]; not with scales).
     """
 
     tensor: object
@@ -25,6 +26,8 @@ class TensorDescriptor(nl.NKIObject):
     scales: object = None
     f_base: int = 0
     f_size: int = -1  # -1: to the end of F
+    k_base: int = 0
+    k_len: int = -1  # -1: to the end of K
 
     @property
     def prequantized(self) -> bool:
@@ -34,7 +37,9 @@ class TensorDescriptor(nl.NKIObject):
     def k_size(self) -> int:
         if self.prequantized:
             return self.scales.shape[1] * 32
-        return self.tensor.shape[self.k_axis]
+        if self.k_len >= 0:
+            return self.k_len
+        return self.tensor.shape[self.k_axis] - self.k_base
 
     @property
     def f_total(self) -> int:

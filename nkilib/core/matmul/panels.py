@@ -79,7 +79,7 @@ def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
     row = op.f_total
     if partial or f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
-    base = k0 * row + op.f_base + f0
+    base = (op.k_base + k0) * row + op.f_base + f0
     if not partial:
         src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
         nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
@@ -140,8 +140,8 @@ def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi):
     natural = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
     if k_hi < k_pad_hi:
         nisa.memset(dst=natural[:rows, k_hi - k_lo:width], value=0.0)
-    c = op.f_base + f0
-    nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, k_lo:k_hi])
+    c, kb = op.f_base + f0, op.k_base
+    nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, kb + k_lo:kb + k_hi])
     return natural
 
 
@@ -295,11 +295,56 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
             tile = builder.bf16_tile(t)
             if f_size < f_pad:
                 nisa.memset(dst=tile[:valid, :], value=0.0)
-            c0 = op.f_base + f0
-            nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
+            c0, r0 = op.f_base + f0, op.k_base + k0
+            nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[r0:r0 + valid, c0:c0 + f_size])
             builder.data.append(tile[:valid, :])
             builder.scales.append(None)
     return builder.panel()
+
+
+def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
+                          zero_fill: bool = False) -> Panel:
+    """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
+    gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
+
+    load_rows(dst, first, step, count) must DMA the F columns of rows first, first + step, ...
+    (count rows) into the SBUF view dst [count, f_size]. MXFP8: one call per slot j of each K tile
+    (rows k(p, j) of the scheme, see _slot_geometry) straight into the interleaved staging tile, then
+    quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
+    zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
+    leaves them untouched; zero rows add nothing and do not move a group's scale).
+
+    Dimensions:
+        result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
+    """
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    for t in range(len(tiles)):
+        k0, valid, padded = tiles[t]
+        if setup.is_mx:
+            P = padded // MX_PACK
+            step_p, step_j = _slot_geometry(setup.scheme, P)
+            stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if zero_fill or valid < padded or f_size < f_pad:
+                nisa.memset(dst=stage[:P, :, :], value=0.0)
+            for j in range(MX_PACK):
+                rows = _rows_in_slot(valid, j, step_p, step_j, P)
+                if rows:
+                    load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
+            builder.add_mx(t, padded, stage[:P, :, :f_pad].permute((0, 2, 1)))
+        else:
+            tile = builder.bf16_tile(t)
+            if zero_fill or f_size < f_pad:
+                nisa.memset(dst=tile[:valid, :], value=0.0)
+            load_rows(tile[:valid, :f_size], k0, 1, valid)
+            builder.data.append(tile[:valid, :])
+            builder.scales.append(None)
+    return builder.panel()
+
+
+def single_k_tile(panel: Panel, t: int) -> Panel:
+    """K tile t of a panel as a one-tile Panel (a fold that adds each K tile's product separately)."""
+    return Panel([panel.data[t]], [panel.scales[t]], panel.f_pad)
 
 
 def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:

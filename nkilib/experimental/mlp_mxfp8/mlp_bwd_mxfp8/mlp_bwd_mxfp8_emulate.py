@@ -49,7 +49,7 @@ import torch
 from ....core import options
 from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
 from ....mx import SCALE_RULES, element_format, group_positions
-from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
 
 __all__ = [
     "FP8_DTYPES",
@@ -133,7 +133,7 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
         `dtype` tensor [same shape as t].
     """
     fmt = element_format(fp8_name(fp8_dtype))
-    check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
+    options.quant_scheme(quant_scheme)
     check_choice("scale_rule", scale_rule, SCALE_RULES)
     x = torch.movedim(t.to(torch.float32), dim, -1)
     k = x.shape[-1]
@@ -208,7 +208,7 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"contract_matmul: incompatible operand shapes {tuple(a.shape)} @ {tuple(b.shape)}")
-    check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
+    options.matmul_precision(matmul_precision)
     a = a.to(torch.bfloat16)
     b = b.to(torch.bfloat16)
     if matmul_precision == "bf16":

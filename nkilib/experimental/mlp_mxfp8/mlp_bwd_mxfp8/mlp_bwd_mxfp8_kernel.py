@@ -68,6 +68,7 @@ from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
 from ....core.matmul import (CoreSplit, MatmulPlan, MatmulSetup, ResidentPanels, StoreEpilogue,
                              panel_bytes_per_partition, panel_from_rows)
 from ....core.phase_graph import Phase, PhaseGraph
+from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
 from .constants import MX_K_ALIGN, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
@@ -267,79 +268,24 @@ def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
     return tile[:msz, :nsz]
 
 
-def _clamp_and_mask(x, lower, upper, msz, nsz, ncols):
-    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
-
-    x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
-    counterpart of reference._clamp_and_mask (NumPy) and the emulate backend's (torch).
-    """
-    has_lower, has_upper = lower != None, upper != None  # noqa: E711
-    if not has_lower and not has_upper:
-        return x, None
-    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
-    if has_lower and has_upper:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
-                           operand1=float(upper))
-        lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower))
-        # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
-        nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
-                                  operand1=lo_ok[:msz, :nsz])
-    elif has_lower:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower))
-    else:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper))
-    return c, m
-
-
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz, ncols, d_gate_dst,
                           d_up_dst):
-    """Epilogue of one [msz, nsz] tile in fp32: SwiGLU derivative, clamp masks, intermediate.
+    """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
+    derivative, clamp masks, intermediate.
 
     Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
     stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
-    fp32 is exact, so no fp32 copies are made). The products with the PSUM tile dI run on VectorE (one
-    PSUM input: N cycles); products of two SBUF tiles run on GpSimd (idle otherwise) and the
-    activations on ScalarE, so the three engines share the epilogue.
+    fp32 is exact, so no fp32 copies are made).
     """
-    gc, mask_g = _clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
-    uc, mask_u = _clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
-    act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    act = None
     if gate_act_td != None:  # noqa: E711
+        act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
-    else:
-        nisa.activation(dst=act[:msz, :nsz], op=nl.silu, data=gc)  # gate_act = bf16(silu(gc))
-    a = act[:msz, :nsz]
+        act = act[:msz, :nsz]
+    terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
     if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
-        inter = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=inter[:msz, :nsz], data1=a, data2=uc, op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=inter[:msz, :nsz])
-    # d_up = bf16((dI * a) * mask_u)
-    if mask_u == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply)
-    else:
-        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
-        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g)
-    sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=gc)
-    t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
-    if mask_g == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-    else:
-        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
+    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -557,16 +503,10 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
     NaN/Inf in the inputs propagate like the reference (an MX group containing NaN/Inf quantizes to a
     NaN scale, so the whole group's products are NaN); nothing raises on them.
     """
-    # ---- options (nkilib.core.options: the checks and messages the reference and torch layers share) ----
+    # ---- options (nkilib.core.options: the checks and messages the reference, torch and MoE layers share) ----
     on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
-    precision = options.matmul_precision(matmul_precision if matmul_precision != None  # noqa: E711
-                                         else ("mxfp8" if on_trn3 else "bf16"))
-    kernel_assert(precision != "mxfp8" or on_trn3,
-                  "matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is Trn2 "
-                  "(NeuronCore-v3): use matmul_precision='bf16'")
-    options.fp8_format(fp8_x4_dtype, what="fp8_x4_dtype", x4_only=True)
-    options.quant_scheme(quant_scheme)
-    wg_name = options.weight_grad_dtype(weight_grad_dtype, spelled="nl.bfloat16 or nl.float32", short_names=False)
+    precision, wg_name = options.kernel_numerics(matmul_precision, on_trn3, fp8_x4_dtype, quant_scheme,
+                                                 weight_grad_dtype)
     wg_dtype = nl.float32 if wg_name == "float32" else nl.bfloat16
     kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
     kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
