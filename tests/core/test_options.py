@@ -98,3 +98,15 @@ def test_every_layer_rejects_alike():
 
     with pytest.raises(KernelInputError, match=r"quant_scheme must be one of \('1x32', 'wrapX'\), got '2x16'"):
         emu.mx_quantize_dequantize(torch.zeros(4, 64), 1, quant_scheme="2x16")
+
+
+def test_kernel_numerics_defaults_and_target():
+    """The kernels' precision default follows the target; MXFP8 on Trn2 is refused with the way out."""
+    assert options.kernel_numerics(None, True, nl.float8_e4m3fn_x4, "1x32", nl.bfloat16) == ("mxfp8", "bfloat16")
+    assert options.kernel_numerics(None, False, nl.float8_e4m3fn_x4, "wrapX", "float32") == ("bf16", "float32")
+    with pytest.raises(KernelInputError, match=r"matmul_precision='mxfp8' needs Trn3 .* use matmul_precision='bf16'"):
+        options.kernel_numerics("mxfp8", False, nl.float8_e4m3fn_x4, "1x32", nl.bfloat16)
+    with pytest.raises(KernelInputError, match=r"fp8_x4_dtype must be one of \['float8_e4m3fn_x4', "):
+        options.kernel_numerics("mxfp8", True, nl.float8_e4m3fn, "1x32", nl.bfloat16)
+    with pytest.raises(KernelInputError, match=r"weight_grad_dtype must be nl.bfloat16 or nl.float32, got 'fp32'"):
+        options.kernel_numerics("bf16", True, nl.float8_e4m3fn_x4, "1x32", "fp32")

@@ -60,12 +60,11 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core import options
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
-from ...core.matmul import (CoreSplit, MatmulSetup, TensorDescriptor, k_tiles, load_panel, matmul_panels,
+from ...core.matmul import (CoreSplit, TensorDescriptor, k_tiles, load_panel, matmul_panels,
                             panel_bytes_per_partition, panel_from_row_loader, panel_from_rows, single_k_tile)
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
+from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_ACC_BUDGET_BYTES)
@@ -454,13 +453,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     not an argument: the loops are expert-major (static expert, run-time block range from
     expert_block_offsets), which keeps each expert's weights static and loaded once per expert.
     """
-    on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
-    precision, wg_name = options.kernel_numerics(matmul_precision, on_trn3, fp8_x4_dtype, quant_scheme,
-                                                 weight_grad_dtype)
-    wg_dtype = nl.float32 if wg_name == "float32" else nl.bfloat16
-    kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
-    kernel_assert(clamp_limits is None or isinstance(clamp_limits, ClampLimits),
-                  f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
+    setup, wg_dtype, _ = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing,
+                                                weight_grad_dtype, run_with_lnc2, clamp_limits)
     kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
@@ -499,7 +493,6 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         if ckpt is not None:
             _check(name, ckpt, (T, k, I), ("bfloat16",))
 
-    setup = MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing)
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
                      clamp_limits or ClampLimits())
     ctx.dy, ctx.x = output_grad, hidden_states

@@ -47,12 +47,11 @@ import torch
 from torch import Tensor, nn
 
 from ...core import options
-from ...mx import SCALE_RULES
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_neuron import kernel_kwargs
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
-                                                           resolve_checkpoint_policy)
+                                                           check_numeric_options, resolve_checkpoint_policy)
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
@@ -320,11 +319,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend)
     keep = resolve_checkpoint_policy(checkpoint)
-    clamps = options.clamp_values(clamp_limits)
-    fp8 = options.fp8_format(fp8_dtype)
-    options.quant_scheme(quant_scheme)
-    options.matmul_precision(matmul_precision)
-    options.check_choice("scale_rule", scale_rule, SCALE_RULES)
+    clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
     y2, *_ = moe_swiglu_experts_mxfp8_op(

@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import KernelInputError, kernel_assert
+from ....core.matmul.descriptor import MatmulSetup
 from ....core.matmul.descriptor import TensorDescriptor  # noqa: F401  (re-exported: the kernel's public name)
-from ....core.options import clamp_values
+from ....core.options import clamp_values, kernel_numerics
 from .constants import (M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE, PSUM_BANK_BYTES,
                         PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS)
 
@@ -146,3 +148,22 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
         resolved.append(given)
     return MlpBwdMatmulConfig(*resolved)
 
+
+
+def resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing, weight_grad_dtype,
+                           run_with_lnc2, clamp_limits) -> tuple:
+    """The numeric and launch options of a kernel entry point (the dense MLP and the MoE backward), checked once.
+
+    Returns (MatmulSetup, weight-gradient dtype nl.bfloat16 / nl.float32, on_trn3). Precision, fp8 format,
+    quant scheme and weight-grad dtype go through nkilib.core.options.kernel_numerics (messages shared with the
+    references and the torch layers); on_trn3: the target is NeuronCore-v4 (nc_version compared with ==,
+    enums support equality only).
+    """
+    on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
+    precision, wg_name = kernel_numerics(matmul_precision, on_trn3, fp8_x4_dtype, quant_scheme, weight_grad_dtype)
+    kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
+    kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
+    kernel_assert(clamp_limits == None or isinstance(clamp_limits, ClampLimits),  # noqa: E711
+                  f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
+    wg_dtype = nl.float32 if wg_name == "float32" else nl.bfloat16
+    return MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing), wg_dtype, on_trn3

@@ -63,14 +63,13 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core import options
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
-from ....core.matmul import (CoreSplit, MatmulPlan, MatmulSetup, ResidentPanels, StoreEpilogue,
+from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue,
                              panel_bytes_per_partition, panel_from_rows)
 from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
-from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_matmul_config
+from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
 from .constants import MX_K_ALIGN, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
 
 __all__ = [
@@ -503,16 +502,9 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
     NaN/Inf in the inputs propagate like the reference (an MX group containing NaN/Inf quantizes to a
     NaN scale, so the whole group's products are NaN); nothing raises on them.
     """
-    # ---- options (nkilib.core.options: the checks and messages the reference, torch and MoE layers share) ----
-    on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
-    precision, wg_name = options.kernel_numerics(matmul_precision, on_trn3, fp8_x4_dtype, quant_scheme,
-                                                 weight_grad_dtype)
-    wg_dtype = nl.float32 if wg_name == "float32" else nl.bfloat16
-    kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
-    kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
-    kernel_assert(clamp_limits == None or isinstance(clamp_limits, ClampLimits),  # noqa: E711
-                  f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
-    setup = MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing)
+    # ---- options (config.resolve_kernel_options: shared with the MoE kernel, messages with the references) ----
+    setup, wg_dtype, on_trn3 = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing,
+                                                      weight_grad_dtype, run_with_lnc2, clamp_limits)
 
     # ---- operands of either call style (api.py) ----
     swizzled = dict(output_grad=output_grad_is_swizzled, hidden_states=hidden_states_is_swizzled,
@@ -537,7 +529,7 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
         gate_act=gate_act, up=up, intermediate=intermediate, hidden=hidden, d_gate_scratch=d_gate_scratch,
         d_up_scratch=d_up_scratch, silu_up_mul_gate_grad_T_scratch=silu_up_mul_gate_grad_T_scratch,
         gate_pre_scratch=gate_pre_scratch, gate_act_scratch=gate_act_scratch, up_scratch=up_scratch,
-        hidden_scratch=hidden_scratch, is_swizzled=swizzled), quant_scheme, precision == "mxfp8")
+        hidden_scratch=hidden_scratch, is_swizzled=swizzled), quant_scheme, setup.is_mx)
     tiles = dict(phase1=(phase1_tiles_m, phase1_tiles_n, phase1_tiles_k),
                  phase2=(phase2_tiles_m, phase2_tiles_n, phase2_tiles_k),
                  phase3=(phase3_tiles_m, phase3_tiles_n, phase3_tiles_k),
@@ -546,7 +538,7 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
     n_max = 4096 if on_trn3 else 512  # fp32 PSUM moving limit (hardware.py; docs/simulator.md#choice-mx-moving-limit)
     transposes = phase_transposes(ops)
     config = resolve_matmul_config(matmul_config_from_tiles(tiles, matmul_config, ops.recompute, n_max, transposes),
-                                   precision == "mxfp8", ops.recompute, n_max, transposes)
+                                   setup.is_mx, ops.recompute, n_max, transposes)
 
     S, H, I = ops.S, ops.H, ops.I
     hidden_states_grad = nl.ndarray((S, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")

@@ -83,6 +83,7 @@ import torch
 from torch import Tensor, nn
 
 from ....core import options
+from ....mx import SCALE_RULES
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
@@ -97,7 +98,6 @@ CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
 BACKENDS = ("auto", "simulator", "emulate", "neuron")
 #: forward_numerics= choices (see the module docstring).
 FORWARD_NUMERICS = ("torch", "kernel")
-_SCALE_RULES = ("neuron", "rceil", "ocp_floor")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -155,6 +155,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         f"swiglu_mlp_mxfp8: no NKI kernel path for tensors on device '{device}' (the kernel runs on Neuron "
         f"devices, and on CPU in the simulator); pass backend='emulate' for the pure-torch emulation of the "
         f"kernel's exact numerics on this device, or move the tensors to CPU / a Neuron device")
+
+
+def check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule) -> tuple:
+    """(clamps (4 floats or None), fp8 format name) of a torch op's numeric options (this layer's and the MoE
+    experts' op), validated by nkilib.core.options like the kernels and references; scale_rule one of
+    nkilib.mx.SCALE_RULES."""
+    clamps = options.clamp_values(clamp_limits)
+    fp8 = options.fp8_format(fp8_dtype)
+    options.quant_scheme(quant_scheme)
+    options.matmul_precision(matmul_precision)
+    options.check_choice("scale_rule", scale_rule, SCALE_RULES)
+    return clamps, fp8
 
 
 def _weight_grad_name(weight_grad_dtype, gate_up_weight: Tensor, down_weight: Tensor) -> str:
@@ -504,11 +516,7 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     """
     h, _ = _check_inputs(x, gate_up_weight, down_weight)
     keep = resolve_checkpoint_policy(checkpoint)
-    clamps = options.clamp_values(clamp_limits)
-    fp8 = options.fp8_format(fp8_dtype)
-    options.quant_scheme(quant_scheme)
-    options.matmul_precision(matmul_precision)
-    options.check_choice("scale_rule", scale_rule, _SCALE_RULES)
+    clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
     options.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
