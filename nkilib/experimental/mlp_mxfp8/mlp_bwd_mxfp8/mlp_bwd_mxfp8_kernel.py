@@ -120,7 +120,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
         d_gate_up_td: [S, 2I] bf16 output (d_gate | d_up); scratch_td: [S, I] bf16 intermediate output,
         or None when the intermediate is not needed / given.
         Recompute operands (only when gate_pre/up are None): hidden_states_td X [S, H] (k_axis=1),
-        gate_weight_td / up_weight_td: W_gate / W_up [I, H] windows of gate_up_weights (k_axis=1).
+        gate_weight_td / up_weight_td: W_gate / W_up (K=H, F=I): [I, H] windows of gate_up_weights (k_axis=1,
+        bf16 or pre-quantized) or gate_proj_weight_T / up_proj_weight_T [H, I] (k_axis=0; api.py's table).
 
     Args:
         s_base: first token row (the kernel processes all S rows from s_base; 0 for a full call).
