@@ -48,6 +48,39 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
+# ---- bit equality (the one set of helpers every test uses; torch tensors are compared via to_numpy) ----
+def _as_array(a) -> np.ndarray:
+    return to_numpy(a) if hasattr(a, "detach") else np.asarray(a)
+
+
+def bits_equal(a, b) -> bool:
+    """Same dtype, shape and bit pattern (numpy arrays or torch tensors)."""
+    a, b = _as_array(a), _as_array(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(bits(a), bits(b))
+
+
+def count_bits_differ(outs_a, outs_b) -> int:
+    """How many elements differ in bit pattern across two tuples of same-shaped outputs."""
+    return sum(int(np.count_nonzero(bits(_as_array(x)) != bits(_as_array(y)))) for x, y in zip(outs_a, outs_b))
+
+
+def assert_bits_equal(got, want, what: str = "", nan_equal: bool = False) -> None:
+    """Bit equality of two arrays; nan_equal: compare float32 values, NaNs only at the same positions
+    (any payload)."""
+    got, want = _as_array(got), _as_array(want)
+    if not nan_equal:
+        assert got.dtype == want.dtype and got.shape == want.shape, \
+            f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+        diff = int(np.count_nonzero(bits(got) != bits(want)))
+        assert diff == 0, f"{what}: {diff} of {got.size} elements differ"
+        return
+    got32, want32 = got.astype(np.float32), want.astype(np.float32)
+    nan = np.isnan(want32)
+    np.testing.assert_array_equal(np.isnan(got32), nan, err_msg=f"{what}: NaN positions")
+    diff = int(np.count_nonzero(bits(got32[~nan]) != bits(want32[~nan])))
+    assert diff == 0, f"{what}: {diff} values differ"
+
+
 def in_kernel(body):
     """Run `body()` inside a simulated LNC1 launch (for view/allocation checks); returns its result as is."""
     result = []
@@ -226,9 +259,7 @@ def assert_outputs_identical(a, b, what: str = "") -> None:
     """Bit equality of two output tuples (dtypes too; NaNs compare by bit pattern)."""
     assert len(a) == len(b), what
     for i, (x, y) in enumerate(zip(a, b)):
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{what} output {i}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
-        diff = int(np.count_nonzero(bits(x) != bits(y)))
-        assert diff == 0, f"{what} output {i}: {diff} of {x.size} elements differ"
+        assert_bits_equal(x, y, f"{what} output {i}")
 
 
 def assert_matches_mx_exact(out, ref, max_ulp: int = 0, max_fraction: float = 0.0, rel_fp32: float = 0.0) -> list:

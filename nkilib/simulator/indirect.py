@@ -166,7 +166,7 @@ def resolve_rows(view, instr: str, arg: str, oob_skip: bool):
 
 def check_unique_destination(view, rows, valid, instr: str, arg: str, why: str) -> None:
     """Reject two transferred rows of one instruction writing the same destination element."""
-    if rows is None:
+    if rows is None or not valid.any():  # shape-only run, or every row skipped (oob_mode.skip)
         return
     addrs = element_addresses(view, rows)
     live = np.flatnonzero(valid)

@@ -37,8 +37,8 @@ from nkilib.core.kernel_helpers import KernelInputError
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits, MatmulConfig, MlpBwdMatmulConfig
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, prequantized_operands
 from nkilib.simulator.settings import current_settings
-from simkit import (BF16, MLP_CHECKPOINTS, assert_matches_mx_exact, assert_outputs_identical, bits, mlp_checkpoints,
-                    mlp_inputs, mlp_reference, mlp_torch_oracle, rel_fro, run_mlp)
+from simkit import (BF16, MLP_CHECKPOINTS, assert_matches_mx_exact, assert_outputs_identical, bits,
+                    count_bits_differ, mlp_checkpoints, mlp_inputs, mlp_reference, mlp_torch_oracle, rel_fro, run_mlp)
 
 # (S, H, I): measured rel_fro of (dX, dW_gu, dW_down) against the torch float64 autograd oracle
 # (simkit.mlp_torch_oracle, independent of reference.py and nkilib.mx), e4m3fn, 1x32, seed S + H + I.
@@ -92,8 +92,7 @@ def _matmul_counts(result):
     return counts
 
 
-def _n_differ(a, b):
-    return sum(int(np.count_nonzero(bits(x) != bits(y))) for x, y in zip(a, b))
+_n_differ = count_bits_differ
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,11 +3,12 @@
 Model shapes (e.g. Qwen3-8B TP1, K = 2I = 24576) take plans that the small default-suite shapes never
 reach: panels not resident, groups of stationary loads, K-streamed groups with several PSUM
 accumulators, phase 1 without the on-chip d_gate_up path. Shrinking the SBUF budgets (module
-constants of the kernel) routes small shapes through those plans; outputs must still equal
+constants of the matmul plan layer, nkilib.core.matmul.plan) routes small shapes through those plans; outputs must still equal
 `mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
 """
 import pytest
 
+from nkilib.core.matmul import plan as plan_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from simkit import assert_matches_mx_exact, mlp_inputs, mlp_reference, run_mlp
 
@@ -15,18 +16,18 @@ from simkit import assert_matches_mx_exact, mlp_inputs, mlp_reference, run_mlp
 @pytest.fixture
 def tiny_budgets(monkeypatch):
     """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles."""
-    monkeypatch.setattr(kernel_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(kernel_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(kernel_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
-    monkeypatch.setattr(kernel_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
+    monkeypatch.setattr(plan_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
     calls = {"streamed": 0}
-    original = kernel_module._TiledGemm._run_streamed
+    original = plan_module.MatmulPlan._run_streamed
 
     def counting(self):
         calls["streamed"] += 1
         return original(self)
 
-    monkeypatch.setattr(kernel_module._TiledGemm, "_run_streamed", counting)
+    monkeypatch.setattr(plan_module.MatmulPlan, "_run_streamed", counting)
     return calls
 
 

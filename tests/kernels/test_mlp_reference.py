@@ -14,20 +14,12 @@ import pytest
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import reference as R
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 from nkilib.mx import MXTensor, mx_matmul, quantize_mx, unpack_x4
-from simkit import BF16, bits
+from simkit import BF16, bits, mlp_inputs
 
 FP8S = ("float8_e4m3fn", "float8_e5m2")
 
 
-def make_inputs(S, H, I, seed):
-    """Seeded bf16 inputs with unit-scale activations and 1/sqrt(fan_in) weights."""
-    r = np.random.default_rng(seed)
-    return dict(
-        output_grad=r.standard_normal((S, H)).astype(np.float32).astype(BF16),
-        hidden_states=r.standard_normal((S, H)).astype(np.float32).astype(BF16),
-        down_proj_weight=(r.standard_normal((H, I)) / np.sqrt(I)).astype(np.float32).astype(BF16),
-        gate_up_weights=(r.standard_normal((2 * I, H)) / np.sqrt(H)).astype(np.float32).astype(BF16),
-    )
+make_inputs = mlp_inputs  # simkit: seeded bf16 inputs, unit activations and 1/sqrt(fan_in) weights
 
 
 def _clip(v, lo, hi):

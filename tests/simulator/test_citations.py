@@ -13,16 +13,6 @@ DOC = ROOT / "docs" / "simulator.md"
 # the former out-of-repo research notes (nki-spec.md and its section numbers, design.md) and scratch
 # notes nobody else has
 FORBIDDEN = re.compile(r"/work/shared|nki-spec\.md|(?i:spec(?: sections?)? §)|/tmp/\S+\.md|(?<![\w/.-])design\.md")
-# Files that still cite the notes: other helpers were editing them in parallel; the coordinator
-# converts them with the "Source map" table of docs/simulator.md. Remove a file from this set once
-# it is converted (its strict xfail then turns into a failure that says so).
-REMAINING = {
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/config.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/constants.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py",
-    "nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/tiled_matmul.py",
-}
 _ANCHOR_REF = re.compile(r"docs/simulator\.md#([A-Za-z0-9_\-]+)")
 
 
@@ -33,23 +23,12 @@ def _sources(*dirs):
                 yield p.relative_to(ROOT).as_posix()
 
 
-def _param(rel):
-    if rel in REMAINING:
-        return pytest.param(rel, marks=pytest.mark.xfail(strict=True, reason="remaining files converted by the coordinator"))
-    return rel
-
-
-@pytest.mark.parametrize("rel", [_param(r) for r in _sources("nkilib")])
+@pytest.mark.parametrize("rel", list(_sources("nkilib")))
 def test_no_out_of_repo_citations(rel):
     text = (ROOT / rel).read_text(encoding="utf-8")
     hits = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in FORBIDDEN.finditer(text)]
     assert not hits, f"{rel} cites files outside the repository ({'; '.join(hits[:5])}); cite the public URL " \
                      "or docs/simulator.md#<anchor> instead (table 'Source map' in docs/simulator.md)"
-
-
-def test_remaining_list_names_existing_files():
-    missing = sorted(r for r in REMAINING if not (ROOT / r).is_file())
-    assert not missing, f"REMAINING lists files that do not exist: {missing}"
 
 
 def _doc_anchors() -> set:

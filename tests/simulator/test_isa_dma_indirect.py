@@ -173,6 +173,15 @@ def test_scatter_oob_skip_writes_only_valid_rows():
     np.testing.assert_array_equal(out, expect)
 
 
+def test_scatter_with_every_row_skipped_writes_nothing():
+    """All indices are padding sentinels (e.g. an LNC2 core's rows of a block that is all padding): no row
+    is transferred, no hazard to check."""
+    base = randn(21, (20, 6))
+    idx = np.full((4, 1), 20, np.int32)
+    out = simulate(_scatter_kernel(oob=nisa.oob_mode.skip), src=randn(22, (4, 6)), idx=idx, base=base)
+    np.testing.assert_array_equal(out, base)
+
+
 def test_row_that_leaves_the_storage_is_out_of_bounds():
     # index 9 is a valid row of the [10, 8] tensor, but offset 4 makes its 8 elements run past the end
     idx = np.array([[1], [9]], np.uint32)

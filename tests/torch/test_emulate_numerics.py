@@ -15,7 +15,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.mx import mx_matmul, quantize_mx  # noqa: E402
 from simkit import (  # noqa: E402
-    MLP_CHECKPOINTS, MLP_OPERANDS, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs, mlp_reference,
+    MLP_CHECKPOINTS, MLP_OPERANDS, assert_bits_equal, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs, mlp_reference,
     run_mlp, to_numpy, to_torch)
 
 FP8 = {"float8_e4m3fn": (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0),
@@ -32,11 +32,7 @@ def _emulate(inputs, **options):
 
 def _assert_same_values(got: np.ndarray, want: np.ndarray):
     """Bit equality, except that NaNs only need to be NaN at the same positions."""
-    got32, want32 = got.astype(np.float32), want.astype(np.float32)
-    nan = np.isnan(want32)
-    np.testing.assert_array_equal(np.isnan(got32), nan)
-    assert np.array_equal(bits(got32[~nan]), bits(want32[~nan])), \
-        f"{int(np.count_nonzero(bits(got32[~nan]) != bits(want32[~nan])))} values differ"
+    assert_bits_equal(got, want, nan_equal=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_torch as T
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # noqa: E402
     error_report, mlp_backward_reference, reference_phase0_recompute)
-from simkit import assert_outputs_identical, to_numpy  # noqa: E402
+from simkit import assert_outputs_identical, bits_equal, to_numpy  # noqa: E402
 
 CLAMP = ClampLimits(non_linear_lower=-0.6, non_linear_upper=0.5, linear_lower=-0.4, linear_upper=0.45)
 SUBSETS = [tuple(n for n, k in zip(T.CHECKPOINT_NAMES, keep) if k)
@@ -68,11 +68,7 @@ def mx(checkpoint="all", **kw):
     return lambda x, wgu, wd: swiglu_mlp_mxfp8(x, wgu, wd, checkpoint=checkpoint, **kw)
 
 
-def bitwise_equal(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16 if a.element_size() == 2
-                                                                            else torch.int32),
-                                                                     b.view(torch.int16 if b.element_size() == 2
-                                                                            else torch.int32))
+bitwise_equal = bits_equal  # simkit: dtype, shape and bit pattern
 
 
 def rel(a, b) -> float:

@@ -1,6 +1,6 @@
-"""MXFP8 Mixture-of-Experts SwiGLU expert backward: routing layout, NumPy references, PyTorch op.
+"""MXFP8 Mixture-of-Experts SwiGLU expert backward: routing layout, NumPy references, NKI kernel, PyTorch op.
 
-The NKI kernel is not in this release (docs/moe.md is its design). ``moe_swiglu_experts_mxfp8`` and
+The NKI kernel is moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki (imported on demand: it needs `nki`). ``moe_swiglu_experts_mxfp8`` and
 ``MoESwiGLUExperts`` (moe_bwd_mxfp8_torch.py) are imported lazily, so this package imports without torch.
 """
 from .routing import BlockLayout, build_block_layout, capacity_blocks, validate_topk_ids  # noqa: F401

@@ -17,3 +17,20 @@ DEFAULT_BLOCK_SIZE = 128
 ROUTING_GRAD_TILE = 512
 #: Accepted dtypes of topk_ids.
 TOPK_ID_DTYPES = ("int32", "int64")
+
+# ---- the NKI kernel (moe_bwd_mxfp8_kernel.py) ----
+from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401
+
+#: Columns of I per phase-1 output tile: one fp32 PSUM bank, and the routing-gradient partial sums'
+#: tile (each phase-1 tile is exactly one ROUTING_GRAD_TILE, so the fold order is the reference's).
+PHASE1_N_TILE = ROUTING_GRAD_TILE
+#: Columns of H per dX tile and per weight-gradient output tile (one fp32 PSUM bank).
+MOE_N_TILE = 512
+#: LNC2 splits a block's rows in units of this many tokens (even M for nc_matmul_mx).
+ROW_SPLIT_UNIT = 32
+#: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above
+#: it the panels are loaded per block inside the loop.
+RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
+#: SBUF bytes per partition of the fp32 weight-gradient accumulators of one pass over an expert's
+#: blocks; larger outputs take several passes (each re-reads the blocks).
+WEIGHT_GRAD_ACC_BUDGET_BYTES = 64 * 1024

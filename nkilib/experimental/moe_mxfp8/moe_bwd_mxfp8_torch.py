@@ -25,9 +25,11 @@ kernel writes them in weight_grad_dtype: float32 when a parameter is float32, el
 Backends (``backend=``):
     "emulate": pure torch, bit-identical to reference.moe_backward_reference(mode="mx_exact"), on any
         device (CPU, CUDA).
-    "auto": "emulate" (the only backend of this release).
-    "simulator" / "neuron": the NKI MoE kernel is not in this release; asking for them raises
-        NotImplementedError (they will run the kernel of docs/moe.md once it exists).
+    "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, LNC1) on the CPU simulator
+        (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
+        bit-identical to "emulate"; scale_rule "neuron" only).
+    "auto": "emulate" (fast on any device).
+    "neuron": not in this release (NotImplementedError).
 
 Input checks: shapes, dtypes and devices before the op (errors name the argument); the routing's
 values (ids in [0, E), no id twice in a token, finite weights) inside the op, on the actual data
@@ -44,10 +46,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ...mx import SCALE_RULES
+from ...core import options
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
-from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import CHECKPOINT_NAMES, _weight_grad_name, resolve_checkpoint_policy
+from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_neuron import kernel_kwargs
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
+                                                           check_numeric_options, resolve_checkpoint_policy)
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
@@ -55,21 +59,23 @@ from .moe_bwd_mxfp8_emulate import moe_backward_emulate
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
 
 #: backend= values accepted in this release.
-BACKENDS = ("auto", "emulate")
-#: Backends that need the NKI MoE kernel (not in this release).
-UNAVAILABLE_BACKENDS = ("simulator", "neuron")
+BACKENDS = ("auto", "emulate", "simulator")
+#: Backends not in this release (the kernel on a Neuron device).
+UNAVAILABLE_BACKENDS = ("neuron",)
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
-_NO_KERNEL = ("the NKI MoE kernel is not in this release (its design is docs/moe.md); use backend='emulate', the "
-              "pure-torch implementation of exactly the kernel's numerics")
+_NO_KERNEL = ("the NKI MoE kernel does not run on a Neuron device in this release; use backend='simulator' (the "
+              "kernel on the CPU simulator) or backend='emulate', the pure-torch implementation of exactly the "
+              "kernel's numerics")
 
 
 def resolve_backend(backend) -> str:
-    """'auto' -> 'emulate'; 'simulator' / 'neuron' -> NotImplementedError; anything else -> ValueError."""
+    """'auto' -> 'emulate'; 'emulate' / 'simulator' as is; 'neuron' -> NotImplementedError; anything else ->
+    ValueError."""
     if backend in UNAVAILABLE_BACKENDS:
         raise NotImplementedError(f"moe_swiglu_experts_mxfp8: backend={backend!r} is not available: {_NO_KERNEL}")
     if backend not in BACKENDS:
         raise ValueError(f"moe_swiglu_experts_mxfp8: backend must be one of {BACKENDS}, got {backend!r}")
-    return "emulate"
+    return "emulate" if backend == "auto" else backend
 
 
 def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tuple:
@@ -138,7 +144,7 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps):
     p = w.reshape(-1).to(f32)
     ckpts = [x2.new_zeros((t * k, n_i), dtype=bf) for _ in CHECKPOINT_NAMES]
     y = torch.zeros(t, h_dim, dtype=f32, device=x2.device)
-    clamp_dict = dict(zip(dense_emu.CLAMP_NAMES, clamps))
+    clamp_dict = dict(zip(options.CLAMP_NAMES, clamps))
     for e in range(e_num):
         slots = torch.nonzero(flat == e).squeeze(1)
         if slots.numel() == 0:
@@ -175,15 +181,44 @@ def moe_swiglu_experts_mxfp8_backward_op(
         down_weight [E, H, I], checkpoints [T, k, I] or None -> (dX [T, H] bf16, d_topk_weights [T, k]
         float32, dW_gate_up [E, 2I, H], dW_down [E, H, I] in weight_grad_dtype).
     """
+    if backend == "simulator":
+        return _simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
+                                   (gate_pre, gate_act, up, intermediate), (gate_lower, gate_upper, up_lower, up_upper),
+                                   fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size)
     if backend != "emulate":
         raise NotImplementedError(f"nkilib::moe_swiglu_experts_mxfp8_backward: backend={backend!r}: {_NO_KERNEL}")
     outs = moe_backward_emulate(
         output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, gate_pre, gate_act, up,
         intermediate, block_size=block_size,
-        clamp_limits=dict(zip(dense_emu.CLAMP_NAMES, (gate_lower, gate_upper, up_lower, up_upper))),
+        clamp_limits=dict(zip(options.CLAMP_NAMES, (gate_lower, gate_upper, up_lower, up_upper))),
         fp8_dtype=fp8_dtype, quant_scheme=quant_scheme, matmul_precision=matmul_precision,
         weight_grad_dtype=getattr(torch, weight_grad_dtype), scale_rule=scale_rule)
     return tuple(o.contiguous() for o in outs)
+
+
+def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg,
+                        block_size):
+    """moe_backward_mxfp8_nki on the NKI CPU simulator (LNC1): torch -> numpy, the block layout of the
+    routing, the kernel, numpy -> torch (outputs on dy's device)."""
+    if scale_rule != "neuron":
+        raise ValueError(f"scale_rule={scale_rule!r} is only available with backend='emulate'; the kernel (and so the "
+                         f"simulator) uses quantize_mx's 'neuron' rule")
+    import nki
+    import nki.language as nl
+
+    from .moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
+
+    layout = routing.build_block_layout(_to_numpy(ids), w_gu.shape[0], block_size)
+    t, k, n_i = ids.shape[0], ids.shape[1], w_gu.shape[1] // 2
+    kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(t, k, n_i) for c in ckpts],
+                       clamps, fp8, scheme, precision, wg)
+    outs = nki.simulate(moe_backward_mxfp8_nki)[1](
+        output_grad=_to_numpy(dy.to(torch.bfloat16)), hidden_states=_to_numpy(x.to(torch.bfloat16)),
+        topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
+        down_weight=_to_numpy(w_down.to(torch.bfloat16)), token_position_to_id=layout.token_position_to_id,
+        token_position_to_slot=layout.token_position_to_slot, expert_block_offsets=layout.expert_block_offsets,
+        block_size=block_size, run_with_lnc2=False, **kw)
+    return tuple(_from_numpy(o, dy.device).contiguous() for o in outs)
 
 
 @moe_swiglu_experts_mxfp8_backward_op.register_fake
@@ -271,7 +306,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         scale_rule: "neuron" (quantize_mx's rule, default), "rceil" or "ocp_floor" (studies).
         block_size: B of the kernel's block layout (multiple of 128, <= 512); fixes the order of the
             weight-gradient sums.
-        backend: "auto" or "emulate" ("simulator" / "neuron": NotImplementedError in this release).
+        backend: "auto" (= "emulate"), "emulate" or "simulator" ("neuron": NotImplementedError in this release).
 
     Returns:
         y [..., H] in x's dtype.
@@ -279,16 +314,12 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     Raises:
         TypeError / ValueError: wrong types, shapes, dtypes, devices, option values, routing values
             (ids out of range, negative or repeated within a token; non-finite weights).
-        NotImplementedError: backend "simulator" or "neuron" (no NKI MoE kernel in this release).
+        NotImplementedError: backend "neuron" (not in this release).
     """
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend)
     keep = resolve_checkpoint_policy(checkpoint)
-    clamps = dense_emu.clamp_tuple(clamp_limits)
-    fp8 = dense_emu.fp8_name(fp8_dtype)
-    dense_emu.check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
-    dense_emu.check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
-    dense_emu.check_choice("scale_rule", scale_rule, SCALE_RULES)
+    clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
     y2, *_ = moe_swiglu_experts_mxfp8_op(

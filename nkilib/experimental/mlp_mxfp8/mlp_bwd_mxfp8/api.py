@@ -68,7 +68,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
+from ....core.kernel_helpers import kernel_assert, round_up
 from .config import MatmulConfig, MlpBwdMatmulConfig, TensorDescriptor, max_n_tile
 from .constants import MX_GROUP, MX_K_ALIGN, MX_K_TILE, MX_PACK, N_TILE
 

@@ -5,16 +5,19 @@ Nothing here is mutated after construction: resolution functions return new obje
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
+import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import KernelInputError, kernel_assert
+from ....core.matmul.descriptor import MatmulSetup
+from ....core.matmul.descriptor import TensorDescriptor  # noqa: F401  (re-exported: the kernel's public name)
+from ....core.options import clamp_values, kernel_numerics
 from .constants import (M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE, PSUM_BANK_BYTES,
                         PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS)
 
-N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (spec §5.2/§5.3)
+N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (docs/simulator.md#choice-mx-moving-limit)
 
 
 @dataclass(frozen=True)
@@ -35,19 +38,7 @@ class ClampLimits(nl.NKIObject):
     linear_upper: float | None = None
 
     def __post_init__(self):
-        for name in ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise KernelInputError(f"ClampLimits.{name} must be a float or None, got {v!r}")
-            if math.isnan(v):
-                raise KernelInputError(f"ClampLimits.{name} must not be NaN")
-        for side in ("non_linear", "linear"):
-            lo, hi = getattr(self, f"{side}_lower"), getattr(self, f"{side}_upper")
-            if lo is not None and hi is not None and not lo < hi:
-                raise KernelInputError(
-                    f"ClampLimits: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
+        clamp_values(self, what="ClampLimits")  # the one clamp validation (nkilib.core.options)
 
     @property
     def has_gate_clamp(self) -> bool:
@@ -158,43 +149,21 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
     return MlpBwdMatmulConfig(*resolved)
 
 
-@dataclass(frozen=True)
-class TensorDescriptor(nl.NKIObject):
-    """One matmul operand in HBM and how its contraction axis K lies.
 
-    Dimensions:
-        k_axis=0: `tensor` is [K, F] (K = rows, F contiguous), e.g. hidden_states [S, H] as the K=S operand.
-        k_axis=1: `tensor` is [F, K] (K contiguous), e.g. output_grad [S, H] as the K=H operand.
-        Pre-quantized (`scales` given, k_axis must be 1): `tensor` holds x4 words [F, Kp/4] (uint32) and
-        `scales` uint8 [F, Kp/32], Kp = K padded to a multiple of 128 (see reference.prequantize).
+def resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing, weight_grad_dtype,
+                           run_with_lnc2, clamp_limits) -> tuple:
+    """The numeric and launch options of a kernel entry point (the dense MLP and the MoE backward), checked once.
 
-    `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights).
+    Returns (MatmulSetup, weight-gradient dtype nl.bfloat16 / nl.float32, on_trn3). Precision, fp8 format,
+    quant scheme and weight-grad dtype go through nkilib.core.options.kernel_numerics (messages shared with the
+    references and the torch layers); on_trn3: the target is NeuronCore-v4 (nc_version compared with ==,
+    enums support equality only).
     """
-
-    tensor: object
-    k_axis: int
-    scales: object = None
-    f_base: int = 0
-    f_size: int = -1  # -1: to the end of F
-
-    @property
-    def prequantized(self) -> bool:
-        return self.scales is not None
-
-    @property
-    def k_size(self) -> int:
-        if self.prequantized:
-            return self.scales.shape[1] * 32
-        return self.tensor.shape[self.k_axis]
-
-    @property
-    def f_total(self) -> int:
-        """F extent of the underlying tensor (row length for k_axis=1 is K)."""
-        return self.tensor.shape[1 - self.k_axis]
-
-    @property
-    def f_extent(self) -> int:
-        return self.f_total - self.f_base if self.f_size < 0 else self.f_size
-
-    def window(self, f_base: int, f_size: int) -> "TensorDescriptor":
-        return dataclasses.replace(self, f_base=self.f_base + f_base, f_size=f_size)
+    on_trn3 = nisa.get_nc_version() == nisa.nc_version.gen4
+    precision, wg_name = kernel_numerics(matmul_precision, on_trn3, fp8_x4_dtype, quant_scheme, weight_grad_dtype)
+    kernel_assert(isinstance(run_with_lnc2, bool), f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}")
+    kernel_assert(isinstance(use_scale_packing, bool), f"use_scale_packing must be a bool, got {use_scale_packing!r}")
+    kernel_assert(clamp_limits == None or isinstance(clamp_limits, ClampLimits),  # noqa: E711
+                  f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}")
+    wg_dtype = nl.float32 if wg_name == "float32" else nl.bfloat16
+    return MatmulSetup(precision, fp8_x4_dtype, quant_scheme, use_scale_packing), wg_dtype, on_trn3

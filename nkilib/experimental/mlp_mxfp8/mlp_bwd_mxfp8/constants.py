@@ -1,38 +1,14 @@
-"""Tile geometry and numeric constants of the MLP backward kernels, in one place."""
+"""Constants of the MLP backward kernels, in one place: the shared matmul layer's geometry, accepted
+numeric choices and budgets (defined in nkilib/core/matmul/constants.py, re-exported here) and this
+kernel's own tiling defaults."""
 
-PARTITIONS = 128  # SBUF/PSUM partitions (nl.tile_size.pmax)
-MX_GROUP = 32  # MX block size along K (OCP MX v1.0)
-MX_PACK = 4  # fp8 values per x4 word
-MX_K_TILE = 512  # logical K per nc_matmul_mx: 128 partitions x 4 packed values (spec §5.2)
-MX_K_ALIGN = 128  # quantize_mx needs a multiple of 32 partitions -> K padded to 4 * 32
-BF16_K_TILE = 128  # logical K per nc_matmul (partition dim)
-M_TILE = 128  # stationary free size limit (gemm_stationary_fmax)
-N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn2)
-SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (spec §5.1)
-SCALE_PACK_STRIDE = 4
+from ....core.matmul.constants import (  # noqa: F401  (re-exported for the kernel, references and torch layer)
+    BF16_K_TILE, FP8_X4_DTYPE_NAMES, M_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, MX_PACK, N_TILE,
+    PARTITIONS, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, QUANT_SCHEMES, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE,
+    SPLIT_ALIGN, TRANSPOSE_PSUM_BANKS,
+)
 
-FP8_X4_DTYPE_NAMES = ("float8_e4m3fn_x4", "float8_e5m2_x4")  # accepted fp8_x4_dtype values
-QUANT_SCHEMES = ("1x32", "wrapX")
-MATMUL_PRECISIONS = ("mxfp8", "bf16")
 MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double-buffered = 4 of 8)
 MX_N_TILE_WEIGHT_GRAD = 2048  # phases 3-4 (no PE transposes): 2 x 8 KiB accumulators = all of PSUM
 MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
-PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
-PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
-MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when panels are not resident
-STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
-STATIONARY_GROUP_BUDGET_BYTES = 112 * 1024  # stationary loads kept while the moving panels are swept (neither fits)
-STREAM_STATIONARY_BUDGET_BYTES = 208 * 1024  # stationary group of a K-streamed plan (moving needs only K-tile quads)
-STREAM_STATIONARY_HEADROOM_BYTES = 48 * 1024  # SBUF the K-streamed plan leaves for everything else (MXFP8)
-STREAM_STATIONARY_HEADROOM_BF16_BYTES = 64 * 1024  # the same for BF16 panels (one tile per 128-row K tile)
-STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
-PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
-PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
-TRANSPOSE_PSUM_BANKS = 2  # PE-transpose tiles live while a phase's accumulators are (two in flight)
-SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
-STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
-NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
-STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
-RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
-PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

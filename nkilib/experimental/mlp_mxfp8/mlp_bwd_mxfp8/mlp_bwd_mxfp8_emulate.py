@@ -63,8 +63,10 @@ import math
 
 import torch
 
+from ....core import options
+from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
 from ....mx import SCALE_RULES, element_format, group_positions
-from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_GROUP, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
 
 __all__ = [
     "FP8_DTYPES",
@@ -81,62 +83,18 @@ __all__ = [
 #: torch dtypes of the MX element formats.
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
-CLAMP_NAMES = ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper")
-
 
 # ----------------------------------------------------------------------------------------------
-# option handling
+# option handling: nkilib.core.options (shared with the kernel, the NumPy reference and the torch layer)
 # ----------------------------------------------------------------------------------------------
 
 
 def fp8_name(fp8_dtype) -> str:
     """Canonical fp8 format name from a string ("float8_e4m3fn", "e4m3fn", "..._x4") or a torch dtype."""
-    if isinstance(fp8_dtype, torch.dtype):
-        for name, dt in FP8_DTYPES.items():
-            if dt == fp8_dtype:
-                return name
-        raise ValueError(f"fp8_dtype must be one of {tuple(FP8_DTYPES)}, got {fp8_dtype}")
-    s = str(fp8_dtype)
-    if s in ("e4m3fn", "e5m2"):
-        s = "float8_" + s
-    try:
-        return element_format(s).name
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"fp8_dtype must be one of {tuple(FP8_DTYPES)}, got {fp8_dtype!r}") from None
+    return options.fp8_format(fp8_dtype)
 
 
-def check_choice(what: str, value, choices) -> str:
-    if value not in choices:
-        raise ValueError(f"{what} must be one of {tuple(choices)}, got {value!r}")
-    return value
-
-
-def clamp_tuple(clamp_limits) -> tuple:
-    """(gate_lower, gate_upper, up_lower, up_upper) of a ClampLimits / mapping / None (None = no bound)."""
-    if clamp_limits is None:
-        return (None, None, None, None)
-    if isinstance(clamp_limits, dict):
-        unknown = set(clamp_limits) - set(CLAMP_NAMES)
-        if unknown:
-            raise ValueError(f"clamp_limits: unknown keys {sorted(unknown)}; accepted: {list(CLAMP_NAMES)}")
-        vals = tuple(clamp_limits.get(n) for n in CLAMP_NAMES)
-    elif all(hasattr(clamp_limits, n) for n in CLAMP_NAMES):
-        vals = tuple(getattr(clamp_limits, n) for n in CLAMP_NAMES)
-    else:
-        raise TypeError(f"clamp_limits must be a ClampLimits, a dict with keys {list(CLAMP_NAMES)}, or None; "
-                        f"got {clamp_limits!r}")
-    out = []
-    for name, v in zip(CLAMP_NAMES, vals):
-        if v is None:
-            out.append(None)
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:  # v != v: NaN (no math.isnan: dynamo)
-            raise ValueError(f"clamp_limits.{name} must be a float or None, got {v!r}")
-        out.append(float(v))
-    for lo, hi, side in ((out[0], out[1], "non_linear"), (out[2], out[3], "linear")):
-        if lo is not None and hi is not None and not lo < hi:
-            raise ValueError(f"clamp_limits: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
-    return tuple(out)
+clamp_tuple = options.clamp_values  # (gate_lower, gate_upper, up_lower, up_upper) of a ClampLimits / dict / None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,7 +246,7 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
         `dtype` tensor [same shape as t].
     """
     fmt = element_format(fp8_name(fp8_dtype))
-    check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
+    options.quant_scheme(quant_scheme)
     check_choice("scale_rule", scale_rule, SCALE_RULES)
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -338,13 +296,13 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"contract_matmul: incompatible operand shapes {tuple(a.shape)} @ {tuple(b.shape)}")
-    check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
+    options.matmul_precision(matmul_precision)
     a = a.to(torch.bfloat16)
     b = b.to(torch.bfloat16)
     if matmul_precision == "bf16":
         return _tiled_sum(a.to(torch.float64), b.to(torch.float64), BF16_K_TILE)
     fmt = element_format(fp8_name(fp8_dtype))
-    check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
+    options.quant_scheme(quant_scheme)
     check_choice("scale_rule", scale_rule, SCALE_RULES)
     k = a.shape[1]
     kp = -(-k // MX_K_ALIGN) * MX_K_ALIGN
@@ -455,8 +413,8 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
         (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I])
         with the weight gradients in weight_grad_dtype.
     """
-    if weight_grad_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"weight_grad_dtype must be torch.bfloat16 or torch.float32, got {weight_grad_dtype}")
+    weight_grad_dtype = getattr(torch, options.weight_grad_dtype(weight_grad_dtype,
+                                                                 spelled="torch.bfloat16 or torch.float32"))
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
                            quant_scheme=quant_scheme, scale_rule=scale_rule)
     gl, gu, ul, uu = clamp_tuple(clamp_limits)

@@ -82,9 +82,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ....core import options
+from ....mx import SCALE_RULES
 from ....recipe_call import accepts_recipe
 from . import mlp_bwd_mxfp8_emulate as emu
-from .constants import MATMUL_PRECISIONS, MX_GROUP, QUANT_SCHEMES
+from .constants import MX_GROUP
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
 from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
 
@@ -97,10 +99,7 @@ CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
 BACKENDS = ("auto", "simulator", "emulate", "neuron")
 #: forward_numerics= choices (see the module docstring).
 FORWARD_NUMERICS = ("torch", "kernel")
-_SCALE_RULES = ("neuron", "rceil", "ocp_floor")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
-_WG_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", "bfloat16": "bfloat16", "float32": "float32",
-             "bf16": "bfloat16", "fp32": "float32"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,12 +158,22 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         f"kernel's exact numerics on this device, or move the tensors to CPU / a Neuron device")
 
 
+def check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule) -> tuple:
+    """(clamps (4 floats or None), fp8 format name) of a torch op's numeric options (this layer's and the MoE
+    experts' op), validated by nkilib.core.options like the kernels and references; scale_rule one of
+    nkilib.mx.SCALE_RULES."""
+    clamps = options.clamp_values(clamp_limits)
+    fp8 = options.fp8_format(fp8_dtype)
+    options.quant_scheme(quant_scheme)
+    options.matmul_precision(matmul_precision)
+    options.check_choice("scale_rule", scale_rule, SCALE_RULES)
+    return clamps, fp8
+
+
 def _weight_grad_name(weight_grad_dtype, gate_up_weight: Tensor, down_weight: Tensor) -> str:
     if weight_grad_dtype is None:
         return "float32" if torch.float32 in (gate_up_weight.dtype, down_weight.dtype) else "bfloat16"
-    if weight_grad_dtype not in _WG_NAMES:
-        raise ValueError(f"weight_grad_dtype must be None, torch.bfloat16 or torch.float32, got {weight_grad_dtype!r}")
-    return _WG_NAMES[weight_grad_dtype]
+    return options.weight_grad_dtype(weight_grad_dtype, spelled="None, torch.bfloat16 or torch.float32")
 
 
 def _check_inputs(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor) -> tuple:
@@ -357,12 +366,12 @@ swiglu_mlp_mxfp8_op.register_fake(forward_fake)
 def setup_context(ctx, inputs, output):
     """Autograd context of the forward ops: saves x, the weights and the kept checkpoints."""
     x, w_gu, w_down, sink_gu, sink_down = inputs[:5]
-    options = inputs[5:17]  # clamps (4), fp8, scheme, precision, scale_rule, wg, forward_numerics, backend, lnc
+    call_options = inputs[5:17]  # clamps (4), fp8, scheme, precision, scale_rule, wg, forward_numerics, backend, lnc
     keep = inputs[17:21]
     _, *ckpts = output
     ctx.mark_non_differentiable(*ckpts)
     ctx.save_for_backward(x, w_gu, w_down, *[c if k else None for c, k in zip(ckpts, keep)])
-    ctx.options = options
+    ctx.options = call_options
     ctx.sinks = (sink_gu is not None, sink_down is not None)
 
 
@@ -509,12 +518,8 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     """
     h, _ = _check_inputs(x, gate_up_weight, down_weight)
     keep = resolve_checkpoint_policy(checkpoint)
-    clamps = emu.clamp_tuple(clamp_limits)
-    fp8 = emu.fp8_name(fp8_dtype)
-    emu.check_choice("quant_scheme", quant_scheme, QUANT_SCHEMES)
-    emu.check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
-    emu.check_choice("scale_rule", scale_rule, _SCALE_RULES)
-    emu.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
+    clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
+    options.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
     if scale_rule != "neuron" and resolved != "emulate":

@@ -1,8 +1,8 @@
 """NumPy references of the MXFP8 SwiGLU MLP backward kernel (no nki, no torch).
 
 Two modes:
-    * ``"mx_exact"``: the kernel's numerics contract (/tmp/numerics_contract.md, mirrored in the
-      docstrings below) reproduced bit for bit: K padded to 128, MX quantization along each matmul's
+    * ``"mx_exact"``: the kernel's numerics contract (written down in the docstrings below)
+      reproduced bit for bit: K padded to 128, MX quantization along each matmul's
       contraction axis (``nkilib.mx.quantize_mx``, scale rule "neuron", K tiles of 512), per-tile
       float32 accumulation (``nkilib.mx.mx_matmul``), float32 elementwise math with activations
       evaluated in float64 and rounded once to float32, bf16 (RNE) at the contract's rounding points.
@@ -28,9 +28,9 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from ....mx import (deinterleave_k, dequantize_mx, element_format, interleave_k, mx_matmul, pack_x4, quantize_mx,
-                    unpack_x4)
-from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_K_ALIGN, MX_K_TILE, QUANT_SCHEMES
+from ....core import options
+from ....mx import deinterleave_k, dequantize_mx, interleave_k, mx_matmul, pack_x4, quantize_mx, unpack_x4
+from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_K_ALIGN, MX_K_TILE
 
 __all__ = [
     "MODES",
@@ -87,32 +87,16 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-def _fp8_name(fp8_dtype) -> str:
-    # element_format accepts the "_x4" spellings too and names the accepted values on error.
-    return element_format(fp8_dtype).name
-
-
-def _check_scheme(quant_scheme: str) -> str:
-    if quant_scheme not in QUANT_SCHEMES:
-        raise ValueError(f"quant_scheme must be one of {QUANT_SCHEMES}, got {quant_scheme!r}")
-    return quant_scheme
-
-
-def _check_precision(matmul_precision: str) -> str:
-    if matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(
-            f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}"
-        )
-    return matmul_precision
+# fp8 format / quant scheme / matmul precision / weight-grad dtype / clamps: validated by nkilib.core.options,
+# shared with the kernel, the torch emulation and the torch layer.
+_fp8_name = options.fp8_format
+_check_scheme = options.quant_scheme
+_check_precision = options.matmul_precision
 
 
 def _weight_grad_dtype(weight_grad_dtype) -> np.dtype:
-    key = weight_grad_dtype if isinstance(weight_grad_dtype, str) else np.dtype(weight_grad_dtype).name
-    if key not in _WEIGHT_GRAD_DTYPES:
-        raise ValueError(
-            f"weight_grad_dtype must be one of {tuple(_WEIGHT_GRAD_DTYPES)}, got {weight_grad_dtype!r}"
-        )
-    return _WEIGHT_GRAD_DTYPES[key]
+    name = options.weight_grad_dtype(weight_grad_dtype, spelled=f"one of {tuple(_WEIGHT_GRAD_DTYPES)}")
+    return _WEIGHT_GRAD_DTYPES[name]
 
 
 def _bf16(x) -> np.ndarray:
@@ -156,7 +140,7 @@ def _act(fn, x32: np.ndarray, mode: str) -> np.ndarray:
 
 
 def _limit(clamp_limits, name: str, mode: str):
-    v = None if clamp_limits is None else getattr(clamp_limits, name)
+    v = options.clamp_values(clamp_limits)[options.CLAMP_NAMES.index(name)]
     if v is None:
         return None
     # mx_exact: limits enter as np.float32(limit) (contract); fp32 mode keeps the exact float.

@@ -1,8 +1,9 @@
-"""The one tiled-matmul helper every phase uses: HBM operand -> SBUF panel (quantized on-chip along
-K for MXFP8, or plain bf16) -> accumulating matmuls into a PSUM tile.
+"""Operand panels of the shared matmul layer: HBM operand -> SBUF panel (quantized on-chip along K for
+MXFP8, or plain bf16) -> accumulating matmuls into a PSUM tile. plan.py tiles whole matmuls with these.
 
-MXFP8 K tiles (spec §5.1/§5.2): a K tile of up to 512 logical rows lives on P = T/4 partitions with
-4 values per x4 word. The logical index of (partition p, slot j) is
+MXFP8 K tiles (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html): a K tile of up to 512 logical rows lives
+on P = T/4 partitions with 4 values per x4 word. The logical index of (partition p, slot j) is
     "1x32":  k = 4p + j        (groups of 8 partitions x 4 slots = 32 consecutive k: OCP-contiguous)
     "wrapX": k = p + P*j       (groups strided by P inside the tile)
 so quantize_mx's hardware group (8 partitions x 4 free) is exactly the scheme's group. K is padded
@@ -16,31 +17,24 @@ Layouts (how a bf16 operand reaches quantize_mx's [P, F, 4] source):
         (4 KiB runs), transpose each slot's column set on the PE array into PSUM, copy to stage
         [P, F, 4] on ScalarE. (Interleaving by DMA alone would move 8-byte runs, far below DMA
         efficiency: the cost model showed phases 1-2 DMA-bound that way.) panel_from_rows does the
-        same for rows already in SBUF (phase 1's d_gate_up rows become phase 2's stationary).
+        same for rows already in SBUF (e.g. the MLP backward's d_gate_up rows become phase 2's stationary).
+
+Traced-code idioms (NKI 0.3+ compiler; the kernel must trace on 2.32 as well as 2.33): no `is` / `is not`
+(`==` / `!=` instead, https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/nki-0-3-0-update-guide.html),
+dictionaries only with string keys and classes derived from NKIObject alone
+(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/nki-language-guide.html): panels are
+kept in lists indexed by position, never in int-keyed dicts.
 """
 from __future__ import annotations
 
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import round_up
+from ..kernel_helpers import round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
                         SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
+from .descriptor import MatmulSetup
 
-
-
-class MatmulSetup(nl.NKIObject):
-    """Numeric choices shared by all matmuls of one kernel call (immutable by convention)."""
-
-    def __init__(self, precision: str, x4_dtype, scheme: str, use_scale_packing: bool):
-        self.precision = precision
-        self.x4_dtype = x4_dtype
-        self.scheme = scheme
-        self.use_scale_packing = use_scale_packing
-
-    @property
-    def is_mx(self) -> bool:
-        return self.precision == "mxfp8"
 
 
 class Panel(nl.NKIObject):
@@ -85,7 +79,7 @@ def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
     row = op.f_total
     if partial or f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
-    base = k0 * row + op.f_base + f0
+    base = (op.k_base + k0) * row + op.f_base + f0
     if not partial:
         src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
         nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
@@ -103,7 +97,8 @@ def _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup):
 
     chunks: [(c0, rows, natural, k_lo)]: SBUF [rows, *] bf16 tiles holding columns k_lo.. of F rows
     c0..c0+rows of a K-contiguous operand (zero beyond K). Slot j of the interleaved layout is the
-    column set k(p, j), p < P, of the natural tile, transposed on the PE array (bit-exact, spec §5.4)
+    column set k(p, j), p < P, of the natural tile, transposed on the PE array (bit-exact,
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html)
     into PSUM and copied to SBUF on ScalarE (VectorE carries quantize_mx).
     """
     P = padded // MX_PACK
@@ -145,8 +140,8 @@ def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi):
     natural = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
     if k_hi < k_pad_hi:
         nisa.memset(dst=natural[:rows, k_hi - k_lo:width], value=0.0)
-    c = op.f_base + f0
-    nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, k_lo:k_hi])
+    c, kb = op.f_base + f0, op.k_base
+    nisa.dma_copy(dst=natural[:rows, :k_hi - k_lo], src=op.tensor[c:c + rows, kb + k_lo:kb + k_hi])
     return natural
 
 
@@ -165,13 +160,13 @@ def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
     nisa.dma_copy(dst=codes_sb[:, :f_size, :], src=src)
     groups_row = kp // 32
     for quadrant in range(P // 32):
-        # groups 4q..4q+3 of this tile -> scale rows 32q..32q+3 (quadrant layout, spec §5.1)
+        # groups 4q..4q+3 of this tile -> scale rows 32q..32q+3 (quadrant layout, quantize_mx page above)
         src = op.scales.ap(pattern=[[1, 4], [groups_row, f_size]],
                            offset=(op.f_base + f0) * groups_row + k0 // 32 + 4 * quadrant)
         nisa.dma_copy(dst=scale[32 * quadrant:32 * quadrant + 4, :f_size], src=src)
 
 
-class _PanelBuilder:
+class _PanelBuilder(nl.NKIObject):
     """Accumulates the K tiles [t_lo, t_lo + count) of one panel.
 
     MXFP8: all K tiles of a panel share one SBUF allocation (words [128, count, F_pad], scales [128,
@@ -189,7 +184,7 @@ class _PanelBuilder:
 
     def words(self, t, P):
         """SBUF [P, F_pad] x4 words (MXFP8) for K tile t."""
-        if self._data_tile is None:
+        if self._data_tile == None:  # noqa: E711
             self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
                                          buffer=nl.sbuf)
         return self._data_tile[:P, t - self.t_lo, :]
@@ -203,7 +198,7 @@ class _PanelBuilder:
         """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
         i = t - self.t_lo
         packing = self.setup.use_scale_packing
-        if self._scale_tile is None:
+        if self._scale_tile == None:  # noqa: E711
             n = -(-self.count // SCALE_PACK_SLOTS) if packing else self.count
             self._scale_tile = nl.ndarray((PARTITIONS, n, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
         if packing:
@@ -268,19 +263,21 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
         # [K, F] operand: DMA into a ring of STAGING_BUFFERS staging tiles, issued STAGING_BUFFERS K tiles
         # ahead of the quantizes. The ring is placed before the panel's words, so it frees one contiguous
         # block when the panel is done (no staging-sized holes between the words: next-fit placement).
-        ring, staged = [], {}
+        ring, staged = [], [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
 
         def stage_tile(t):
             k0, valid, padded = tiles[t]
             slot = (t - t_lo) % STAGING_BUFFERS
             if slot == len(ring):
                 ring.append(nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf))
-            staged[t] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, ring[slot])
+            staged[t - t_lo] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, ring[slot])
 
         for t in range(t_lo, min(t_hi, t_lo + STAGING_BUFFERS)):
             stage_tile(t)
         for t in range(t_lo, t_hi):
-            builder.add_mx(t, tiles[t][2], staged.pop(t))
+            src, staged[t - t_lo] = staged[t - t_lo], None
+            builder.add_mx(t, tiles[t][2], src)
+            src = None
             if t + STAGING_BUFFERS < t_hi:
                 stage_tile(t + STAGING_BUFFERS)
         return builder.panel()
@@ -298,11 +295,56 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
             tile = builder.bf16_tile(t)
             if f_size < f_pad:
                 nisa.memset(dst=tile[:valid, :], value=0.0)
-            c0 = op.f_base + f0
-            nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[k0:k0 + valid, c0:c0 + f_size])
+            c0, r0 = op.f_base + f0, op.k_base + k0
+            nisa.dma_copy(dst=tile[:valid, :f_size], src=op.tensor[r0:r0 + valid, c0:c0 + f_size])
             builder.data.append(tile[:valid, :])
             builder.scales.append(None)
     return builder.panel()
+
+
+def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
+                          zero_fill: bool = False) -> Panel:
+    """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
+    gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
+
+    load_rows(dst, first, step, count) must DMA the F columns of rows first, first + step, ...
+    (count rows) into the SBUF view dst [count, f_size]. MXFP8: one call per slot j of each K tile
+    (rows k(p, j) of the scheme, see _slot_geometry) straight into the interleaved staging tile, then
+    quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
+    zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
+    leaves them untouched; zero rows add nothing and do not move a group's scale).
+
+    Dimensions:
+        result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
+    """
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    for t in range(len(tiles)):
+        k0, valid, padded = tiles[t]
+        if setup.is_mx:
+            P = padded // MX_PACK
+            step_p, step_j = _slot_geometry(setup.scheme, P)
+            stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if zero_fill or valid < padded or f_size < f_pad:
+                nisa.memset(dst=stage[:P, :, :], value=0.0)
+            for j in range(MX_PACK):
+                rows = _rows_in_slot(valid, j, step_p, step_j, P)
+                if rows:
+                    load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
+            builder.add_mx(t, padded, stage[:P, :, :f_pad].permute((0, 2, 1)))
+        else:
+            tile = builder.bf16_tile(t)
+            if zero_fill or f_size < f_pad:
+                nisa.memset(dst=tile[:valid, :], value=0.0)
+            load_rows(tile[:valid, :f_size], k0, 1, valid)
+            builder.data.append(tile[:valid, :])
+            builder.scales.append(None)
+    return builder.panel()
+
+
+def single_k_tile(panel: Panel, t: int) -> Panel:
+    """K tile t of a panel as a one-tile Panel (a fold that adds each K tile's product separately)."""
+    return Panel([panel.data[t]], [panel.scales[t]], panel.f_pad)
 
 
 def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
@@ -353,7 +395,10 @@ class PanelSource(nl.NKIObject):
     load_width: when set, columns are loaded and quantized in super-panels of that width (aligned to
     `lo`) and requests are served as column slices of them. For [K, F] operands this turns 256-byte
     DMA runs of a 128-column stationary tile into load_width*2-byte runs.
+    The loaded panels are two parallel lists (first column, Panel): NKI dictionaries take string keys only.
     """
+
+    resident = False  # panels are loaded on demand (ResidentPanels: built on chip by an earlier phase)
 
     def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool, lo: int = 0, hi: int = -1,
                  load_width: int = 0, capacity: int = 1):
@@ -365,17 +410,26 @@ class PanelSource(nl.NKIObject):
         self.lo = lo
         self.hi = op.f_extent if hi < 0 else hi
         self.load_width = load_width
-        self.cache = {}
+        self.keys = []  # first column of each loaded panel
+        self.panels = []  # the loaded Panels, parallel to keys
 
     def _padded(self, n: int) -> int:
         return n + (n % 2 if self.pad_even else 0)
 
     def _load(self, f0: int, f_size: int) -> Panel:
-        if f0 not in self.cache:
-            if not self.keep_all and len(self.cache) >= self.capacity:
-                self.cache.clear()
-            self.cache[f0] = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup)
-        return self.cache[f0]
+        if f0 in self.keys:
+            return self.panels[self.keys.index(f0)]
+        if not self.keep_all and len(self.keys) >= self.capacity:
+            self.release()
+        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup)
+        self.keys.append(f0)
+        self.panels.append(panel)
+        return panel
+
+    def release(self) -> None:
+        """Drop every loaded panel (its SBUF is free once no caller holds it)."""
+        self.keys = []
+        self.panels = []
 
     def load_key(self, f0: int) -> int:
         """First column of the load (super-panel) that serves column f0."""
@@ -389,22 +443,27 @@ class PanelSource(nl.NKIObject):
         base = self.lo + (f0 - self.lo) // self.load_width * self.load_width
         whole = self._load(base, min(self.load_width, self.hi - base))
         off, width = f0 - base, self._padded(f_size)
-        scales = [None if sc is None else sc[:, off:off + width] for sc in whole.scales]
+        scales = [None if sc == None else sc[:, off:off + width] for sc in whole.scales]  # noqa: E711
         return Panel([d[:, off:off + width] for d in whole.data], scales, width)
 
 
 class ResidentPanels(nl.NKIObject):
     """Stationary panels built on chip by an earlier phase for rows [lo, hi) in tiles of m_tile rows:
-    panels[f0] is the Panel of rows [f0, f0 + m_tile) (a PanelSource-like `get`)."""
+    panels[j] is the Panel of rows [lo + j*m_tile, lo + (j+1)*m_tile) (a PanelSource-like `get`)."""
 
-    def __init__(self, lo: int, hi: int, m_tile: int, panels: dict):
+    resident = True
+
+    def __init__(self, lo: int, hi: int, m_tile: int, panels: list):
         self.lo = lo
         self.hi = hi
         self.m_tile = m_tile
         self.panels = panels
 
     def get(self, f0: int, f_size: int) -> Panel:
-        return self.panels[f0]
+        return self.panels[(f0 - self.lo) // self.m_tile]
+
+    def release(self) -> None:
+        self.panels.clear()  # in place: the phase that built them holds the same list
 
 
 def blocks(lo: int, hi: int, size: int):

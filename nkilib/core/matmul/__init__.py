@@ -1,0 +1,11 @@
+"""The matmul layer shared by nkilib kernels (dense MLP backward, grouped MoE experts).
+
+descriptor.py: operand descriptors (TensorDescriptor) and numeric setup (MatmulSetup);
+panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transposes) -> PSUM matmuls;
+plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps), CoreSplit, StoreEpilogue;
+constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
+"""
+from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
+from .panels import (Panel, PanelSource, ResidentPanels, k_tiles, load_panel, matmul_panels,  # noqa: F401
+                     panel_bytes_per_partition, panel_from_row_loader, panel_from_rows, single_k_tile)
+from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401

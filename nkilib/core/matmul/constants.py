@@ -1,0 +1,40 @@
+"""Tile geometry, accepted numeric choices and SBUF/PSUM budgets of the shared matmul layer, in one place.
+
+Kernels re-export what they use from here (e.g. the MLP backward's constants.py); nothing else defines them.
+"""
+
+PARTITIONS = 128  # SBUF/PSUM partitions (nl.tile_size.pmax)
+MX_GROUP = 32  # MX block size along K (OCP MX v1.0)
+MX_PACK = 4  # fp8 values per x4 word
+# MX tile geometry: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html
+# and https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
+MX_K_TILE = 512  # logical K per nc_matmul_mx: 128 partitions x 4 packed values (nc_matmul_mx page)
+MX_K_ALIGN = 128  # quantize_mx needs a multiple of 32 partitions -> K padded to 4 * 32
+BF16_K_TILE = 128  # logical K per nc_matmul (partition dim)
+M_TILE = 128  # stationary free size limit (gemm_stationary_fmax)
+N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn2)
+SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (quantize_mx page)
+SCALE_PACK_STRIDE = 4
+
+FP8_X4_DTYPE_NAMES = ("float8_e4m3fn_x4", "float8_e5m2_x4")  # accepted fp8_x4_dtype values
+QUANT_SCHEMES = ("1x32", "wrapX")
+MATMUL_PRECISIONS = ("mxfp8", "bf16")
+
+PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
+PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
+MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when panels are not resident
+STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
+STATIONARY_GROUP_BUDGET_BYTES = 112 * 1024  # stationary loads kept while the moving panels are swept (neither fits)
+STREAM_STATIONARY_BUDGET_BYTES = 208 * 1024  # stationary group of a K-streamed plan (moving needs only K-tile quads)
+STREAM_STATIONARY_HEADROOM_BYTES = 48 * 1024  # SBUF the K-streamed plan leaves for everything else (MXFP8)
+STREAM_STATIONARY_HEADROOM_BF16_BYTES = 64 * 1024  # the same for BF16 panels (one tile per 128-row K tile)
+STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
+PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
+PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
+TRANSPOSE_PSUM_BANKS = 2  # PE-transpose tiles live while a phase's accumulators are (two in flight)
+SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
+STATIONARY_LOAD_WIDTH = 1024  # columns per stationary load of a [K, F] operand (2 KiB bf16 DMA runs)
+NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)
+STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
+RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
+PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

@@ -1,0 +1,375 @@
+"""Matmul plans: out[M, N] = stationary[K, M]ᵀ @ moving[K, N] for this core's output tiles, with tiling,
+core split and epilogue decided once, runnable in steps around other plans.
+
+A plan is built from operand descriptors (TensorDescriptor, one per stationary and moving operand), the
+products to form (pairs of a stationary and a moving operand sharing the output tile, e.g. the MLP
+backward's dI, gate_pre and up all tile [S, I] with dY or X stationary), the output extent [M, N], the
+core split (CoreSplit, computed once per kernel) and an epilogue that consumes each tile's PSUM
+accumulators (StoreEpilogue: evict and store to HBM; a kernel passes its own, e.g. the SwiGLU derivative).
+Kernels with a run-time loop over blocks (grouped MoE experts) build one plan per block from windowed
+descriptors (TensorDescriptor.window) and the same split.
+
+Operands that do not fit SBUF: moving panels all resident (m-major) > stationary panels all resident
+(n-major) > K-streamed groups > stationary groups (see MatmulPlan).
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ..kernel_helpers import ceil_div, shard_range
+from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
+                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
+                        SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
+                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
+from .panels import PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
+
+
+def usable_sbuf_bytes() -> int:
+    """Usable SBUF bytes per partition of the target: nl.tile_size.sbuf_fmax_bytes. The tile_size page
+    deprecates total_available_sbuf_size (since NKI 0.4.0b4) and names sbuf_fmax_bytes as "the usable
+    per-partition size": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/nki.language.tile_size.html
+    (same text on the v2.33.0 page)."""
+    return nl.tile_size.sbuf_fmax_bytes
+
+
+class CoreSplit(nl.NKIObject):
+    """The LNC split of one kernel launch (num_cores programs; this one is shard_id), decided once.
+
+    ranges() gives each core near-equal contiguous halves (in multiples of SPLIT_ALIGN) of the larger
+    output dimension when it has at least SPLIT_ALIGN per core, else of the other: out[M, N] = a[M, K] @
+    b[K, N] split along M reads a/2 + b per core, along N a + b/2, so splitting the larger one minimises
+    the operand bytes a core reads.
+    """
+
+    def __init__(self, num_cores: int, shard_id: int):
+        self.num_cores = num_cores
+        self.shard_id = shard_id
+
+    def ranges(self, m_total: int, n_total: int, prefer_m: bool = False):
+        """This core's ([m_lo, m_hi), [n_lo, n_hi)) of an [M, N] output. prefer_m: split M whenever it has
+        SPLIT_ALIGN rows per core (e.g. a stationary operand transposed on the PE array: halving it halves
+        the transposes and lets the half stay resident)."""
+        if self.num_cores == 1:
+            return (0, m_total), (0, n_total)
+        enough = SPLIT_ALIGN * self.num_cores
+        split_m = ((m_total >= n_total or prefer_m) and m_total >= enough) or n_total < enough
+        axis_total = m_total if split_m else n_total
+        lo, hi = shard_range(ceil_div(axis_total, SPLIT_ALIGN), self.num_cores, self.shard_id)
+        lo, hi = min(lo * SPLIT_ALIGN, axis_total), min(hi * SPLIT_ALIGN, axis_total)
+        return ((lo, hi), (0, n_total)) if split_m else ((0, m_total), (lo, hi))
+
+
+def fit_width(requested, ops, setup, budget, quantum):
+    """Largest width <= requested (a multiple of `quantum`, at least one quantum) whose panels of all
+    `ops` (every K tile) fit `budget` SBUF bytes per partition. Large K (e.g. 2I = 24576) narrows the
+    tiles instead of overflowing SBUF."""
+    per_column = sum(panel_bytes_per_partition(op.k_size, quantum, setup) for op in ops) / quantum
+    fitting = int(budget // per_column) // quantum * quantum
+    return max(quantum, min(requested, fitting))
+
+
+def stationary_load_width(op, m_tile, setup):
+    """Super-panel width for a [K, F] stationary operand: whole m tiles, about STATIONARY_LOAD_WIDTH
+    columns within the stationary budget (K-contiguous and pre-quantized operands gain nothing from
+    it: 0 = per tile)."""
+    if op.k_axis != 0 or op.prequantized:
+        return 0
+    wanted = max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
+    return fit_width(wanted, [op], setup, STATIONARY_PANEL_BUDGET_BYTES, m_tile)
+
+
+def psum_buffers(n_tile):
+    """PSUM_BUFFERS fp32 accumulators [128, n_tile], used round-robin across output tiles."""
+    return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
+
+
+class StoreEpilogue(nl.NKIObject):
+    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
+    in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
+    store may trail the next tiles' evictions)."""
+
+    def __init__(self, out_hbm, out_dtype):
+        self.out_hbm = out_hbm
+        self.out_dtype = out_dtype
+        self.results = None
+
+    def prepare(self, plan) -> None:
+        self.results = [nl.ndarray((PARTITIONS, plan.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
+                        for _ in range(RESULT_BUFFERS)]
+
+    def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        res = self.results[i % RESULT_BUFFERS]
+        nisa.tensor_copy(dst=res[:msz, :nsz], src=accumulators[0][:msz, :nsz], engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def store_streamed(self, m0, msz, n0, nsz, acc, engine) -> None:
+        """Eviction of a K-streamed group's tile (one SBUF tile each, on `engine`)."""
+        res = nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=self.out_dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
+        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def finish(self) -> None:
+        self.results = None
+
+    def held_bytes(self, n_tile) -> int:
+        return RESULT_BUFFERS * n_tile * self.out_dtype.itemsize
+
+
+class MatmulPlan(nl.NKIObject):
+    """Products out_p[M, N] = stationary[s_p][K, M]ᵀ @ moving[m_p][K, N] for this core's output tiles.
+
+    Dimensions:
+        stationary: TensorDescriptors whose F axis is M (rows [m_lo, m_hi) are this core's); moving:
+        TensorDescriptors whose F axis is N; every product's operands share K. products: (s, m) index pairs
+        (default one product of stationary[0] and moving[0]).
+
+    Tiling, decided once: every moving panel of this core stays resident (quantized once) when all of
+    them fit PANEL_CACHE_BUDGET_BYTES, and tiles run m-major so each stationary panel is also quantized
+    once; else, when all stationary panels fit, they stay resident and tiles run n-major (each moving
+    panel loaded once); otherwise (groups=True, one product) K-streamed groups (_run_streamed) when the
+    moving operand can be loaded by K tile and that holds more stationary panels, else n-major inside
+    groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
+    moving panels swept once per group).
+
+    Args:
+        split: the kernel's CoreSplit; ranges: this core's ((m_lo, m_hi), (n_lo, n_hi)) when the caller
+            fixes them (default split.ranges(m_total, n_total)); resident: ResidentPanels already on chip
+            (built by an earlier phase) as the one stationary operand, for its rows and all N columns.
+        epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
+            NKIObject with the methods
+              prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
+                  rotating tiles here);
+              tile(i, m0, msz, n0, nsz, accumulators): tile i (rows [m0, m0+msz), columns [n0, n0+nsz))
+                  is complete; accumulators[p] is product p's fp32 PSUM tile [128, n_tile], valid [:msz, :nsz];
+              finish(): after the last tile;
+              held_bytes(n_tile): SBUF bytes per partition it holds between tiles.
+            (A protocol, not a base class: NKI before 0.7 takes classes derived from NKIObject alone, and
+            class inheritance arrives with 0.7's Python tracing; see docs/simulator-structure.md.)
+    """
+
+    def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
+                 ranges=None, resident=None, groups=True):
+        self.setup = setup
+        self.epilogue = epilogue
+        self.products = products
+        self.done = 0
+        self.accumulators = None
+        self.stream = None
+        self.stationary_ops, self.moving_ops = stationary, moving
+        if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
+            ranges = ((resident.lo, resident.hi), (0, n_total))
+        if ranges == None:  # noqa: E711
+            ranges = split.ranges(m_total, n_total)
+        (m_lo, m_hi), (n_lo, n_hi) = ranges
+        self.ranges = ranges
+        self.n_width = n_hi - n_lo
+        self.m_tile = config.m_tile
+        self.n_tile = config.n_tile
+        self.keep_moving = False
+        self.stationary, self.moving = [], []
+        if m_lo >= m_hi or n_lo >= n_hi:
+            self.order = []
+            return
+        self.keep_moving = (sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving)
+                            <= PANEL_CACHE_BUDGET_BYTES)
+        keep_stationary = (not self.keep_moving and
+                           sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary)
+                           <= PANEL_CACHE_BUDGET_BYTES)
+        self.n_tile = fit_width(config.n_tile, moving, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
+        m_group = 0
+        if resident != None:  # noqa: E711
+            self.stationary, self.m_tile = [resident], resident.m_tile
+        else:
+            for op in stationary:
+                load_width = stationary_load_width(op, self.m_tile, setup)
+                # neither operand fits: keep a group of stationary loads (each quantized once) and sweep the
+                # moving panels once per group instead of once per m tile
+                capacity = 1
+                if groups and not self.keep_moving and not keep_stationary:
+                    load = load_width or self.m_tile
+                    capacity = max(1, int(STATIONARY_GROUP_BUDGET_BYTES //
+                                          panel_bytes_per_partition(op.k_size, load, setup)))
+                    m_group = capacity * load // self.m_tile
+                self.stationary.append(PanelSource(op, setup, pad_even=True, keep_all=keep_stationary, lo=m_lo,
+                                                   hi=m_hi, load_width=load_width, capacity=capacity))
+        self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving) for op in moving]
+        # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
+        b_op = moving[0]
+        if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
+            per_tile = panel_bytes_per_partition(stationary[0].k_size, self.m_tile, setup)
+            # the budget is tuned for trn3's 256 KiB; smaller SBUFs (trn2: 224 KiB) keep the same headroom
+            headroom = STREAM_STATIONARY_HEADROOM_BYTES if setup.is_mx else STREAM_STATIONARY_HEADROOM_BF16_BYTES
+            budget = min(STREAM_STATIONARY_BUDGET_BYTES, usable_sbuf_bytes() - headroom)
+            g = min(int(budget // per_tile), PSUM_BYTES // (STREAM_N_TILE * 4), ceil_div(m_hi - m_lo, self.m_tile))
+            if g > m_group:
+                self.stream = (g, blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, STREAM_N_TILE))
+                self.stationary = [PanelSource(stationary[0], setup, pad_even=True, keep_all=False, lo=m_lo,
+                                               hi=m_hi, capacity=g)]
+        self.order = tile_order(blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, self.n_tile),
+                                m_outer=self.keep_moving, m_group=m_group)
+
+    # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
+    def _load_bytes(self, source, width) -> int:
+        """SBUF bytes per partition of one load of `source` (a PanelSource) `width` columns wide."""
+        if source.load_width:
+            width = source.load_width
+        return panel_bytes_per_partition(source.op.k_size, width, self.setup)
+
+    def held_bytes(self) -> int:
+        """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
+        if not self.order:
+            return 0
+        total = 0
+        for st, op in zip(self.stationary, self.stationary_ops):
+            if st.resident:
+                total += panel_bytes_per_partition(op.k_size, st.hi - st.lo, self.setup)
+            elif st.keep_all:
+                total += panel_bytes_per_partition(st.op.k_size, st.hi - st.lo, self.setup)
+            else:
+                total += st.capacity * self._load_bytes(st, self.order[0][0][1])
+        for mv in self.moving:
+            total += panel_bytes_per_partition(mv.op.k_size, self.n_width if mv.keep_all else self.n_tile, self.setup)
+        return total + self.epilogue.held_bytes(self.n_tile)
+
+    def first_bytes(self) -> int:
+        """SBUF bytes per partition that loading the first tile's panels takes (with MXFP8 staging)."""
+        if not self.order:
+            return 0
+        (_, msz), (_, nsz) = self.order[0]
+        total, widest = 0, nsz
+        for mv in self.moving:
+            total += self._load_bytes(mv, nsz)
+        for st in self.stationary:
+            if not st.resident:
+                total += self._load_bytes(st, msz)
+                widest = max(widest, st.load_width or msz)
+        staging = STAGING_BUFFERS * MX_PACK * 2 * widest if self.setup.is_mx else 0
+        return total + staging
+
+    def can_prefetch(self, nxt) -> bool:
+        """Whether `nxt`'s first panels may load while this plan's last tiles run: neither is K-streamed
+        (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
+        if self.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
+            return False
+        budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
+        return self.held_bytes() + nxt.first_bytes() <= budget
+
+    def stationary_on_chip(self) -> bool:
+        """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
+        loads then read only the moving operand."""
+        return len(self.stationary) > 0 and self.stationary[0].resident
+
+    def last_load(self) -> int:
+        """Index of the last tile whose panels are not all loaded by earlier tiles (mirrors PanelSource's
+        caching): after it this plan loads nothing, so the next plan's first panels can load then."""
+        if self.stream != None:  # noqa: E711
+            return len(self.order) - 1
+        last = 0
+        sources = ([(s, 0) for s in self.stationary] + [(m, 1) for m in self.moving])
+        loaded = [[] for _ in sources]  # first columns each source holds, as its cache would
+        for i, ((m0, _), (n0, _)) in enumerate(self.order):
+            for (source, axis), keys in zip(sources, loaded):
+                if source.resident:
+                    continue
+                key = source.load_key(n0 if axis else m0)
+                if key not in keys:
+                    if not source.keep_all and len(keys) >= source.capacity:
+                        keys.clear()
+                    keys.append(key)
+                    last = i
+        return last
+
+    def prefetch(self, lo: int, hi: int) -> None:
+        """Issue the loads of tiles [lo, hi) now (e.g. while another plan computes)."""
+        for (m0, msz), (n0, nsz) in self.order[lo:hi]:
+            for s, m in self.products:
+                self.stationary[s].get(m0, msz)
+                self.moving[m].get(n0, nsz)
+
+    # ---- running ----
+    def _run_streamed(self) -> None:
+        """All tiles with a group of g stationary panels resident and the moving operand streamed in
+        quads of K tiles: for each n block, every K slice is loaded once and multiplied into the g
+        PSUM accumulators of the group (each accumulates its K tiles in order, like matmul_panels).
+
+        For a stationary too large to keep and moving panels too large to sweep often (e.g. the MLP
+        backward's phase 2 at I = 12288: K = 2I = 24576): PSUM, not SBUF, bounds the moving width (g
+        accumulators of STREAM_N_TILE), so g stationary panels share each moving pass (the moving operand
+        is read m_tiles / g times). The group's evictions alternate VectorE / ScalarE: they gate the next
+        n block's matmuls.
+        """
+        g, m_blocks, n_blocks = self.stream
+        setup, b_op = self.setup, self.moving[0].op
+        n_k = len(k_tiles(b_op.k_size, setup))
+        evictions = 0
+        a_panels = accs = None
+        for lo in range(0, len(m_blocks), g):
+            group = m_blocks[lo:lo + g]
+            # drop the previous group's panels and accumulators (all of PSUM) before loading this group
+            # (its PE transposes use PSUM too)
+            a_panels = accs = acc = None
+            a_panels = [self.stationary[0].get(m0, msz) for m0, msz in group]
+            # the next n block's first matmuls wait for these tiles' evictions (WAR)
+            accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
+            for n0, nsz in n_blocks:
+                for t0 in range(0, n_k, SCALE_PACK_SLOTS):
+                    t1 = min(n_k, t0 + SCALE_PACK_SLOTS)
+                    b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
+                    for a, acc in zip(a_panels, accs):
+                        matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
+                    b = None
+                for (m0, msz), acc in zip(group, accs):
+                    engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
+                    self.epilogue.store_streamed(m0, msz, n0, nsz, acc, engine)
+                    evictions += 1
+        self.done = len(self.order)
+
+    def run(self, hi: int = -1) -> None:
+        """Compute the tiles not done yet, up to (excluding) hi (-1: all)."""
+        hi = len(self.order) if hi < 0 else hi
+        if self.done >= hi:
+            return
+        if self.stream != None:  # noqa: E711
+            assert self.done == 0 and hi == len(self.order), "K-streamed plans run in one step"
+            self._run_streamed()
+            return
+        if self.accumulators == None:  # noqa: E711
+            # allocated once per plan (PSUM_BUFFERS accumulators per product; the epilogue's rotating tiles),
+            # so a run split around another plan's prefetch allocates nothing new mid-phase
+            self.accumulators = [psum_buffers(self.n_tile) for _ in self.products]
+            self.epilogue.prepare(self)
+        for i in range(self.done, hi):
+            (m0, msz), (n0, nsz) = self.order[i]
+            finished = []
+            for p, (s, m) in enumerate(self.products):
+                a = self.stationary[s].get(m0, msz)
+                psum = self.accumulators[p][i % PSUM_BUFFERS]
+                matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
+                finished.append(psum)
+                a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
+            self.epilogue.tile(i, m0, msz, n0, nsz, finished)
+        self.done = hi
+
+    def release(self) -> None:
+        """Drop every panel and buffer this plan holds (their SBUF/PSUM is free for the next phase)."""
+        self.accumulators = None
+        for source in self.stationary + self.moving:
+            source.release()
+
+    def step(self, stage: str) -> "MatmulPlan":
+        """stage "head": run the tiles up to the last one that loads a panel (last_load); "first": load the
+        first tile's panels (prefetch while another plan computes); "all": run the remaining tiles, finish
+        the epilogue and release the panels. (PhaseGraph calls these; see nkilib/core/phase_graph.py.)"""
+        if stage == "head":
+            if self.stream == None and self.order:  # noqa: E711
+                self.run(max(self.done, self.last_load() + 1))
+        elif stage == "first":
+            if self.stream == None and self.order:  # noqa: E711
+                self.prefetch(0, 1)
+        elif stage == "all":
+            self.run()
+            self.epilogue.finish()
+            self.release()
+        return self

@@ -1,0 +1,126 @@
+"""A kernel declared as a graph of matmul phases; the instruction order is derived from it.
+
+Each Phase names the buffers it reads and writes. The graph orders the phases by their data
+dependencies (a stable topological sort: among ready phases, declaration order decides), puts a
+sync point before a phase that reads a buffer other cores wrote since the last one (`shared` buffers,
+written piecewise by every core: the barrier is emitted only under LNC2), and overlaps neighbours:
+  * a phase's first panels load while the previous phase runs its last tiles, the ones that load
+    nothing (MatmulPlan.step "head" / "first" / "all"), when no sync point separates them, the next
+    phase reads nothing the previous writes, and both fit SBUF (MatmulPlan.can_prefetch);
+  * the first panels of the phase right after a sync point load before it when they read no buffer
+    the sync point protects (e.g. phase 1's on-chip panels as stationary and an input as moving).
+A barrier is a fence (it waits for every earlier instruction of the core), so fewer and later is better.
+
+Phases run through their `step` callables (the kernel's phase functions), so each instruction is
+issued inside the phase function that owns it (cost reports label instructions by phase function).
+"""
+from __future__ import annotations
+
+import nki.language as nl
+
+from .kernel_helpers import kernel_assert
+
+
+class Phase(nl.NKIObject):
+    """One node of a PhaseGraph.
+
+    Args:
+        name: unique name (string).
+        build: callable(outputs) -> MatmulPlan; issues no instruction. `outputs` holds the values that
+            earlier phases' "all" steps returned, by phase name.
+        step: callable(plan, stage) -> value; runs stage "head", "first" or "all" of the plan (the value
+            of "all" is recorded in outputs[name]).
+        reads / writes: names of the buffers the phase reads / writes.
+        stationary_reads: the subset of `reads` its stationary operand comes from; the first tile's loads
+            do not read it when the plan's stationary panels are already on chip.
+    """
+
+    def __init__(self, name, build, step, reads=(), writes=(), stationary_reads=()):
+        self.name = name
+        self.build = build
+        self.step = step
+        self.reads = reads
+        self.writes = writes
+        self.stationary_reads = stationary_reads
+        self.plan = None
+
+    def first_reads(self):
+        """Buffers that loading the first tile's panels reads."""
+        if self.plan.stationary_on_chip():
+            return [r for r in self.reads if r not in self.stationary_reads]
+        return list(self.reads)
+
+
+class PhaseGraph(nl.NKIObject):
+    """Phases with data dependencies, run in a derived order with sync points and overlap (module docstring).
+
+    Args:
+        num_cores: programs of the launch (the barrier is issued only when > 1).
+        shared: names of buffers every core writes a part of and other cores read (need a sync point).
+        barrier: callable() issuing the kernel's core barrier.
+    """
+
+    def __init__(self, num_cores, shared, barrier):
+        self.num_cores = num_cores
+        self.shared = shared
+        self.barrier = barrier
+        self.phases = []
+        self.outputs = dict()  # phase name -> value of its "all" step (string keys: NKI dictionaries)
+
+    def add(self, phase) -> Phase:
+        kernel_assert(all(p.name != phase.name for p in self.phases),
+                      f"PhaseGraph.add: phase names must be unique, got {phase.name!r} twice")
+        self.phases.append(phase)
+        return phase
+
+    def _depends(self, later, earlier) -> bool:
+        return any(w in later.reads for w in earlier.writes)
+
+    def order(self):
+        """The phases in dependency order; ties (independent phases) keep declaration order."""
+        done, pending = [], list(self.phases)
+        while pending:
+            ready = [p for p in pending if not any(self._depends(p, q) for q in pending if q.name != p.name)]
+            kernel_assert(len(ready) > 0, f"PhaseGraph: cyclic dependencies among {[p.name for p in pending]}")
+            done.append(ready[0])
+            pending = [p for p in pending if p.name != ready[0].name]
+        return done
+
+    def schedule(self):
+        """[(phase, protected)] in run order: `protected` lists the shared buffers other cores wrote since
+        the last sync point when the phase reads one of them (a sync point precedes it), else is empty."""
+        dirty, out = [], []
+        for phase in self.order():
+            protected = dirty if any(r in dirty for r in phase.reads) else []
+            if protected:
+                dirty = []
+            out.append((phase, protected))
+            dirty = dirty + [w for w in phase.writes if w in self.shared and w not in dirty]
+        return out
+
+    def _plan(self, phase):
+        if phase.plan == None:  # noqa: E711  (NKI traced code: no `is`)
+            phase.plan = phase.build(self.outputs)
+        return phase.plan
+
+    def run(self) -> dict:
+        """Run every phase; returns the outputs of their "all" steps by name."""
+        steps = self.schedule()
+        for i, (phase, protected) in enumerate(steps):
+            plan = self._plan(phase)
+            if protected:
+                # the first panels may load before the fence when they read nothing it protects
+                if not any(r in protected for r in phase.first_reads()):
+                    phase.step(plan, "first")
+                if self.num_cores > 1:
+                    self.barrier()
+            if i + 1 < len(steps):
+                nxt, nxt_protected = steps[i + 1]
+                if not nxt_protected and not any(w in nxt.reads for w in phase.writes):
+                    nxt_plan = self._plan(nxt)
+                    if plan.can_prefetch(nxt_plan):
+                        phase.step(plan, "head")
+                        nxt.step(nxt_plan, "first")
+            self.outputs[phase.name] = phase.step(plan, "all")
+            phase.plan = None
+        return self.outputs

@@ -1,0 +1,117 @@
+"""The SwiGLU backward epilogue on chip, shared by the dense MLP backward and the grouped MoE expert backward.
+
+Per [msz, nsz] output tile of the down-projection gradient dI (fp32, PSUM or SBUF), with the forward's
+gate_pre / up (bf16 tiles) and optionally its gate_act / intermediate:
+    gc, maskG = clampG(gate_pre), uc, maskU = clampU(up)
+    a = gate_act or bf16(silu(gc)),  intermediate = bf16(a * uc)
+    d_up = bf16((dI * a) * maskU),  d_gate = bf16(((dI * uc) * silu'(gc)) * maskG)
+every product a float32 multiply, left to right (the numerics contract of
+nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py, reference_phase1_down_proj_grad). The MoE kernel
+applies its routing weight to dI first (dh = dI * p) and feeds dh here.
+
+Split in two so a kernel can use the forward terms (e.g. the intermediate, for the routing-weight gradient)
+between them: swiglu_forward_terms, then intermediate_tile (optional), then swiglu_backward_tile.
+Engines: products with a PSUM operand on VectorE, products of two SBUF tiles on GpSimd, activations on
+ScalarE, so the three share the epilogue.
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .matmul.constants import PARTITIONS
+
+
+class SwigluTerms(nl.NKIObject):
+    """Forward terms of one [msz, nsz] tile: gc / uc (clamped, fp32 views or the bf16 inputs when
+    unclamped), masks (fp32 0/1 views or None), a = gate_act (bf16 view)."""
+
+    def __init__(self, gc, mask_g, uc, mask_u, act, msz, nsz, ncols):
+        self.gc, self.mask_g, self.uc, self.mask_u, self.act = gc, mask_g, uc, mask_u, act
+        self.msz, self.nsz, self.ncols = msz, nsz, ncols
+
+
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols):
+    """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
+
+    x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
+    counterpart of reference._clamp_and_mask (NumPy) and the emulate backends' (torch).
+    """
+    has_lower, has_upper = lower != None, upper != None  # noqa: E711
+    if not has_lower and not has_upper:
+        return x, None
+    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
+    if has_lower and has_upper:
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
+                           operand1=float(upper))
+        lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower))
+        # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
+        nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
+                                  operand1=lo_ok[:msz, :nsz])
+    elif has_lower:
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower))
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower))
+    else:
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper))
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper))
+    return c, m
+
+
+def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols) -> SwigluTerms:
+    """Clamps, masks and gate_act of one tile.
+
+    Dimensions:
+        gate_pre, up: bf16 [msz, nsz] SBUF views; gate_act: bf16 [msz, nsz] view of the checkpoint, or
+        None (computed: bf16(silu(gc)) on ScalarE); clamp: ClampLimits-like (four attributes, None = no bound).
+    """
+    gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
+    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
+    if gate_act == None:  # noqa: E711
+        act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.activation(dst=act[:msz, :nsz], op=nl.silu, data=gc)  # gate_act = bf16(silu(gc))
+        gate_act = act[:msz, :nsz]
+    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, msz, nsz, ncols)
+
+
+def intermediate_tile(terms: SwigluTerms):
+    """intermediate = bf16(gate_act * uc) [msz, nsz] (GpSimd), a new SBUF view."""
+    inter = nl.ndarray((PARTITIONS, terms.ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=inter[:terms.msz, :terms.nsz], data1=terms.act, data2=terms.uc, op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
+    return inter[:terms.msz, :terms.nsz]
+
+
+def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst) -> None:
+    """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * silu'(gc)) * maskG) into the bf16 SBUF
+    views d_gate_dst / d_up_dst (the caller stores them).
+
+    Dimensions:
+        d_i: fp32 [msz, nsz] (PSUM or SBUF); d_gate_dst, d_up_dst: bf16 [msz, nsz].
+    """
+    msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
+    a, uc, mask_u, mask_g = terms.act, terms.uc, terms.mask_u, terms.mask_g
+    # d_up = bf16((dI * a) * mask_u)
+    if mask_u == None:  # noqa: E711
+        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply)
+    else:
+        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g)
+    sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=terms.gc)
+    t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
+    if mask_g == None:  # noqa: E711
+        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+    else:
+        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)

@@ -1,0 +1,515 @@
+"""MXFP8 MoE SwiGLU expert backward with run-time routing (NKI): the kernel of reference.py's `mx_exact`.
+
+One traced kernel serves every routing of the same static shapes (T, k, E, H, I), block size B and
+capacity N: the routing arrives as the block layout of routing.py (build_block_layout) in HBM, and
+the kernel walks it with run-time loops (nl.fori_loop) whose trip counts are register-loaded from
+`expert_block_offsets`:
+
+    for each expert e (static):  blocks [offsets[e], offsets[e+1])  (0 trips for an empty expert)
+
+so every expert's weights are static inside its loop (loaded once per expert, not per block), and
+only the token rows are data: they are gathered by indirect DMA (dma_copy with an `.ap(vector_offset=)`
+view, oob_mode.skip for the padding sentinel T) straight into the on-chip layouts the matmuls need,
+and dX contributions are scatter-added back to token rows by dma_compute (a read-modify-write DMA in
+fp32, one bf16 rounding) -- no permute / unpermute pass over HBM.
+
+Passes (reference.moe_backward_reference's order; docs/moe.md):
+    A  compute_phase1_block_grads_mxfp8, per block: gather dY (and X for a recompute, and the given
+       checkpoints by slot); dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up
+       (K=H); epilogue: the routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI,
+       the dense kernel's SwiGLU derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up and hs
+       rows go to HBM scratch in block-position order, d_topk_weights is scattered by slot.
+    B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
+       to bf16 and scatter-added into dX (block order = expert order per token, like the reference).
+    C  compute_phase3_expert_weight_grads_mxfp8, per expert: dW_gu[e] = sum_b d_gate_up_bᵀ X_b and
+       dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
+       B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
+       an fp32 SBUF accumulator (the fori_loop page: "carry any other loop state through SBUF/HBM",
+       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.fori_loop.html),
+       stored once; an empty expert's accumulator stays +0, so its gradients are exact zeros.
+
+LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
+bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
+across cores is undefined behaviour, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html);
+the work is split on free dimensions:
+    A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples): it writes only its
+       rows of the scratch and only their slots of d_topk_weights;
+    B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
+       and one core's scatter-adds to a token row are issued in block order on that core;
+    C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
+Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
+byte is written by two cores, so no race is possible. The number of accumulator groups in pass C (each
+a loop) is derived from core 0's (larger) share, so both cores enter the same loops.
+
+Performance notes (not modeled yet: the cost model prices shape-only traces, and a shape-only run cannot
+register_load the routing). Under LNC2 a core's share of a B = 128 block is 64 rows, half the PE array's
+stationary width in pass A: use B >= 256 with LNC2. Every expert's weight panels are loaded once per pass
+even when the expert is empty (there is no run-time branch; a zero-trip loop skips only the block work).
+Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
+Pass C adds each block's product into the fp32 SBUF accumulator on VectorE: with one MX K tile per block
+that [128, 512] add costs about as much as the matmul, so pass C is likely VectorE-bound at B = 128-256 (a
+PSUM-resident accumulator across loop iterations would remove it, but the fori_loop page says to carry
+loop state through SBUF/HBM).
+
+MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
+(matmul_precision, default by target); the numerics are reference.py's per precision.
+"""
+from __future__ import annotations
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
+from ...core.matmul import (CoreSplit, TensorDescriptor, k_tiles, load_panel, matmul_panels,
+                            panel_bytes_per_partition, panel_from_row_loader, panel_from_rows, single_k_tile)
+from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
+from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
+from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
+                        RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_ACC_BUDGET_BYTES)
+
+__all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
+           "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
+
+
+def _blocks(lo, hi, size):
+    """[(start, length)] covering [lo, hi) in pieces of `size`."""
+    return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
+
+
+class MoeContext(nl.NKIObject):
+    """Everything the passes share: shapes, HBM tensors (flattened views), numeric setup, core split.
+
+    Dimensions:
+        dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
+        offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
+        checkpoints: [T*k, I] bf16 or None; scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM).
+    """
+
+    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp):
+        self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
+        self.setup, self.split, self.clamp = setup, split, clamp
+
+    def f_pad(self, rows):
+        """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""
+        return rows + (rows % 2 if self.setup.is_mx else 0)
+
+    def k_width(self, k_size):
+        """Columns of a natural [rows, K] tile: K padded to the MX K alignment (zero beyond K)."""
+        return round_up(k_size, MX_K_ALIGN) if self.setup.is_mx else k_size
+
+    def expert_bounds(self, e):
+        """Registers (lo, hi) with expert e's blocks [offsets[e], offsets[e+1])."""
+        lo, hi = nisa.register_alloc(), nisa.register_alloc()
+        nisa.register_load(lo, self.offsets[e:e + 1])
+        nisa.register_load(hi, self.offsets[e + 1:e + 2])
+        return lo, hi
+
+    def positions(self, table, i, first, step, count):
+        """SBUF [count, 1] int32 index tile: table[i, first + step*r] (token ids or slots of block i)."""
+        idx = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=table.ap([[step, count], [1, 1]], offset=first, scalar_offset=i, indirect_dim=0))
+        return idx
+
+    def gather(self, dst, src2d, idx, f0, f_size):
+        """dst [count, f_size] <- src2d[idx[r], f0:f0+f_size] by indirect DMA (padding sentinels skipped:
+        those rows of dst keep their bytes, so callers zero dst first)."""
+        row = src2d.shape[1]
+        view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
+
+    def block_rows(self, scratch, i, r0, count, step, f0, f_size):
+        """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""
+        F = scratch.shape[2]
+        return scratch.ap([[step * F, count], [1, f_size]], offset=r0 * F + f0, scalar_offset=i, indirect_dim=0)
+
+
+class ExpertPanels(nl.NKIObject):
+    """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
+    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop."""
+
+    def __init__(self, op, tiles, setup):
+        self.op, self.tiles, self.setup = op, tiles, setup
+        total = sum(panel_bytes_per_partition(op.k_size, nsz, setup) for _, nsz in tiles)
+        self.resident = total <= RESIDENT_WEIGHT_BUDGET_BYTES
+        self.panels = [load_panel(op, n0, nsz, nsz, setup) for n0, nsz in tiles] if self.resident else []
+
+    def get(self, j):
+        if self.resident:
+            return self.panels[j]
+        n0, nsz = self.tiles[j]
+        return load_panel(self.op, n0, nsz, nsz, self.setup)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pass A: phase 0 (recompute) + phase 1 per block, routing-weight gradient fused into the epilogue
+# ---------------------------------------------------------------------------------------------------
+def _gathered_natural(ctx, src2d, ids, m, k_size):
+    """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K)."""
+    width = ctx.k_width(k_size)
+    nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=nat[:m, :], value=0.0)
+    ctx.gather(nat[:m, :k_size], src2d, ids, 0, k_size)
+    return nat
+
+
+def _gathered_checkpoint(ctx, ckpt, slots, m):
+    """SBUF [128, I] bf16 rows of a [T*k, I] checkpoint by slot (zero for padding), or None."""
+    if ckpt == None:  # noqa: E711
+        return None
+    tile = nl.ndarray((PARTITIONS, ctx.I), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=tile[:m, :], value=0.0)
+    ctx.gather(tile[:m, :], ckpt, slots, 0, ctx.I)
+    return tile
+
+
+def _projection_tile(ckpt_tile, psum, m, n0, nsz):
+    """bf16 [m, nsz] view: the gathered checkpoint's columns, or bf16(psum) of the recompute (RNE)."""
+    if ckpt_tile != None:  # noqa: E711
+        return ckpt_tile[:m, n0:n0 + nsz]
+    tile = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=tile[:m, :nsz], src=psum[:m, :nsz])
+    return tile[:m, :nsz]
+
+
+def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
+    """Phases 0-1 of block i (expert e) for this core's rows: d_gate_up and hs rows to the scratch,
+    d_topk_weights of the block's slots.
+
+    Dimensions (per chunk of m <= 128 rows of the block):
+        dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
+        recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
+        outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i), d_w [m] (by slot).
+
+    Args:
+        ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels
+            (w_gate / w_up None when gate_pre / up are given).
+    """
+    I, H = ctx.I, ctx.H
+    for r0, m in _blocks(ctx.row_lo, ctx.row_hi, PARTITIONS):
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        f_pad = ctx.f_pad(m)
+        dy_panel = panel_from_rows(_gathered_natural(ctx, ctx.dy, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
+        x_panel = None
+        if w_gate != None or w_up != None:  # noqa: E711
+            x_panel = panel_from_rows(_gathered_natural(ctx, ctx.x, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
+        p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=p, value=0.0)
+        ctx.gather(p, ctx.weights, slots, 0, 1)
+        g_ck, a_ck, u_ck, h_ck = (_gathered_checkpoint(ctx, c, slots, m)
+                                  for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
+        d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        for j, (n0, nsz) in enumerate(_blocks(0, I, PHASE1_N_TILE)):
+            d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+            matmul_panels(d_i[:f_pad, :nsz], dy_panel, w_down.get(j), ctx.setup)  # K=H, M=m, N=nsz
+            g_psum = u_psum = None
+            if w_gate != None:  # noqa: E711
+                g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(g_psum[:f_pad, :nsz], x_panel, w_gate.get(j), ctx.setup)  # K=H, M=m, N=nsz
+            if w_up != None:  # noqa: E711
+                u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(u_psum[:f_pad, :nsz], x_panel, w_up.get(j), ctx.setup)  # K=H, M=m, N=nsz
+            gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
+            up = _projection_tile(u_ck, u_psum, m, n0, nsz)
+            act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
+            terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
+            h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
+            _routing_grad_tile(d_i[:m, :nsz], h, d_w, j, m, nsz)
+            # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
+            dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=p)
+            swiglu_backward_tile(dh[:m, :nsz], terms, d_gu[:m, n0:n0 + nsz], d_gu[:m, I + n0:I + n0 + nsz])
+            # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
+            nisa.tensor_scalar(dst=hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=p)
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=d_gu[:m, :])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, I), src=hs[:m, :])
+        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+
+
+def _routing_grad_tile(d_i, h, acc, j, m, nsz):
+    """acc [m, 1] (+)= sum over the tile's columns of dI * f32(h): fp32 products, one fp32 reduce per
+    PHASE1_N_TILE (= ROUTING_GRAD_TILE) columns, fp32 accumulation across tiles (tile 0 overwrites)."""
+    prod = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod[:m, :nsz], data1=d_i, data2=h, op=nl.multiply)
+    if j == 0:
+        nisa.tensor_reduce(dst=acc, op=nl.add, data=prod[:m, :nsz], axis=1)
+        return
+    part = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part, op=nl.add, data=prod[:m, :nsz], axis=1)
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pass B: dX = d_gate_up_b W_gu[e] scatter-added to token rows
+# ---------------------------------------------------------------------------------------------------
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
+    """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
+
+    Dimensions:
+        d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
+        ExpertPanels over this core's H tiles) -> part [m, nsz] bf16 -> dma_compute scatter-add into
+        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+    """
+    two_i = 2 * ctx.I
+    for r0, m in _blocks(0, ctx.B, PARTITIONS):
+        if not w_gu.tiles:
+            continue
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        width = ctx.k_width(two_i)
+        nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if width > two_i:
+            nisa.memset(dst=nat[:m, two_i:], value=0.0)
+        nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
+        f_pad = ctx.f_pad(m)
+        panel = panel_from_rows(nat[:m, :], m, two_i, f_pad, ctx.setup)
+        for j, (h0, hsz) in enumerate(w_gu.tiles):
+            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
+            matmul_panels(acc[:f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
+            part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=part[:m, :hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
+            rows = ctx.dx.ap([[ctx.H, m], [1, hsz]], offset=h0, vector_offset=ids, indirect_dim=0)
+            nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :hsz]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pass C: per-expert weight gradients, K = tokens, folded over the expert's blocks in fp32
+# ---------------------------------------------------------------------------------------------------
+class BlockRowSource(nl.NKIObject):
+    """A K = tokens operand of block i: rows of a [N, B, F] scratch (`scratch`), or token rows gathered
+    from a [T, F] tensor (`table` with the block's token ids). rows(i, f0, f_size) -> a load_rows callable
+    for panel_from_row_loader."""
+
+    def __init__(self, ctx, scratch=None, table=None):
+        self.ctx, self.scratch, self.table = ctx, scratch, table
+        self.gathered = table != None  # noqa: E711
+        self.f_total = table.shape[1] if self.gathered else scratch.shape[2]
+
+    def rows(self, i, f0, f_size, index_cache):
+        ctx, scratch, table = self.ctx, self.scratch, self.table
+
+        def load_rows(dst, first, step, count):
+            if table == None:  # noqa: E711
+                nisa.dma_copy(dst=dst, src=ctx.block_rows(scratch, i, first, count, step, f0, f_size))
+                return
+            key = (first, step, count)
+            if key not in index_cache[0]:
+                index_cache[0].append(key)
+                index_cache[1].append(ctx.positions(ctx.ids2d, i, first, step, count))
+            ctx.gather(dst, table, index_cache[1][index_cache[0].index(key)], f0, f_size)
+
+        return load_rows
+
+
+def _tile_groups(ctx, m_total, n_total):
+    """This core's output tiles of an [M, N] weight gradient in groups whose fp32 accumulators fit
+    WEIGHT_GRAD_ACC_BUDGET_BYTES; the group count is core 0's (the larger share), so both cores run the
+    same number of block loops (a core with fewer tiles runs empty groups)."""
+    per_group = max(1, WEIGHT_GRAD_ACC_BUDGET_BYTES // (MOE_N_TILE * 4))
+
+    def tiles_of(split):
+        (m_lo, m_hi), (n_lo, n_hi) = split.ranges(m_total, n_total)
+        return [(mb, nb) for mb in _blocks(m_lo, m_hi, PARTITIONS) for nb in _blocks(n_lo, n_hi, MOE_N_TILE)]
+
+    mine = tiles_of(ctx.split)
+    groups = max(1, ceil_div(len(tiles_of(CoreSplit(ctx.split.num_cores, 0))), per_group))
+    return [mine[g * per_group:(g + 1) * per_group] for g in range(groups)]
+
+
+def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype):
+    """out[e] [M, N] = wg(sum over expert e's blocks b of lhs_bᵀ [M, B] @ rhs_b [B, N]) (K = B tokens).
+
+    Dimensions:
+        lhs, rhs: BlockRowSource of F = M and F = N; out: [E, M, N] in wg_dtype (shared HBM).
+        dW_gu: lhs = d_gate_up (scratch, F=2I), rhs = X (gathered, F=H); dW_down: lhs = dY (gathered,
+        F=H), rhs = hs (scratch, F=I).
+    Each block's K tiles (MXFP8: the whole block, B <= 512; BF16: 128 rows) are multiplied separately and
+    added to the fp32 SBUF accumulator in order: acc = fp32(acc + mm(tile)) from +0, as the reference.
+    """
+    setup, B = ctx.setup, ctx.B
+    n_k = len(k_tiles(B, setup))
+    for group in _tile_groups(ctx, m_total, n_total):
+        accs = []
+        for (m0, msz), (n0, nsz) in group:
+            acc = nl.ndarray((PARTITIONS, nsz), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=acc[:msz, :], value=0.0)
+            accs.append(acc)
+        m_blocks, n_blocks = [], []
+        for mb, nb in group:
+            if mb not in m_blocks:
+                m_blocks.append(mb)
+            if nb not in n_blocks:
+                n_blocks.append(nb)
+        lo, hi = ctx.expert_bounds(e)
+
+        def body(i, group=group, accs=accs, m_blocks=m_blocks, n_blocks=n_blocks):
+            cache_l, cache_r = ([], []), ([], [])
+            lp = [panel_from_row_loader(lhs.rows(i, m0, msz, cache_l), B, msz, ctx.f_pad(msz), setup, lhs.gathered)
+                  for m0, msz in m_blocks]
+            rp = [panel_from_row_loader(rhs.rows(i, n0, nsz, cache_r), B, nsz, nsz, setup, rhs.gathered)
+                  for n0, nsz in n_blocks]
+            for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
+                a, b = lp[m_blocks.index((m0, msz))], rp[n_blocks.index((n0, nsz))]
+                for t in range(n_k):
+                    part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                    # K=one K tile of the block's tokens, M=msz, N=nsz
+                    matmul_panels(part[:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), setup)
+                    nisa.tensor_tensor(dst=acc[:msz, :], data1=acc[:msz, :], data2=part[:msz, :nsz], op=nl.add)
+
+        nl.fori_loop(lo, hi, body)
+        for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
+            res = nl.ndarray((PARTITIONS, nsz), dtype=wg_dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res[:msz, :], src=acc[:msz, :], engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Base kernel: the three passes over the experts
+# ---------------------------------------------------------------------------------------------------
+def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
+    """Passes A, B, C (module docstring) for a validated MoeContext; outputs are ctx.dx, ctx.d_weights,
+    ctx.d_gate_up_weight, ctx.d_down_weight."""
+    E, H, I, setup, split = ctx.E, ctx.H, ctx.I, ctx.setup, ctx.split
+    # this core's rows of each block (pass A) and H columns of dX (pass B)
+    lo, hi = shard_range(ctx.B // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
+    ctx.row_lo, ctx.row_hi = lo * ROW_SPLIT_UNIT, hi * ROW_SPLIT_UNIT
+    c_lo, c_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, split.shard_id)
+    h_lo, h_hi = min(c_lo * SPLIT_ALIGN, H), min(c_hi * SPLIT_ALIGN, H)
+    # dX starts at zero (this core's columns; its scatter-adds follow on the same core)
+    zeros = nl.ndarray((PARTITIONS, max(1, h_hi - h_lo)), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    for t0, tsz in _blocks(0, ctx.T if h_hi > h_lo else 0, PARTITIONS):
+        nisa.dma_copy(dst=ctx.dx[t0:t0 + tsz, h_lo:h_hi], src=zeros[:tsz, :])
+    i_tiles = _blocks(0, I, PHASE1_N_TILE)
+    gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
+    # ---- pass A ----
+    for e in range(E):
+        w_down = ExpertPanels(TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H), i_tiles, setup)
+        w_gate = w_up = None
+        if ctx.gate_pre == None:  # noqa: E711
+            w_gate = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I), i_tiles, setup)
+        if ctx.up == None:  # noqa: E711
+            w_up = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I), i_tiles, setup)
+        b_lo, b_hi = ctx.expert_bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i, e=e, wd=w_down, wg=w_gate, wu=w_up:
+                     compute_phase1_block_grads_mxfp8(ctx, e, i, wd, wg, wu))
+    if split.num_cores > 1:
+        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # passes B and C read both cores' scratch rows
+    # ---- pass B ----
+    h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
+    for e in range(E):
+        w_gu = ExpertPanels(TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I), h_tiles, setup)
+        b_lo, b_hi = ctx.expert_bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i, e=e, w=w_gu: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w))
+    # ---- pass C ----
+    d_gu_src, x_src = BlockRowSource(ctx, scratch=ctx.d_gu), BlockRowSource(ctx, table=ctx.x)
+    dy_src, hs_src = BlockRowSource(ctx, table=ctx.dy), BlockRowSource(ctx, scratch=ctx.hs)
+    for e in range(E):
+        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H, wg_dtype)
+        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_down_weight, dy_src, hs_src, H, I, wg_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------
+def _check(name, t, shape, dtypes):
+    kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
+    kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
+
+
+@nki.jit
+def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_weight, down_weight,
+                           token_position_to_id, token_position_to_slot, expert_block_offsets, gate_pre=None,
+                           gate_act=None, up=None, intermediate=None, block_size=128, run_with_lnc2=True,
+                           fp8_x4_dtype=nl.float8_e4m3fn_x4, use_scale_packing=True, clamp_limits=None,
+                           quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None):
+    """Backward of y[t] = sum_j p[t, j] · W_down[e]·(silu(W_gate[e]·x[t]) ⊙ W_up[e]·x[t]) over the routed experts.
+
+    Dimensions:
+        output_grad dY [T, H], hidden_states X [T, H] (bf16); topk_weights p [T, k] float32;
+        gate_up_weight [E, 2I, H] (per expert gate rows then up rows), down_weight [E, H, I] (bf16);
+        routing (routing.build_block_layout, int32): token_position_to_id [N*B], token_position_to_slot
+        [N*B], expert_block_offsets [E+1]; checkpoints gate_pre / gate_act / up / intermediate [T, k, I]
+        bf16 (one row per routed pair, slot t*k + j).
+
+    Args:
+        block_size: B (static; multiple of 128, at most 512); N = len(token_position_to_id) / B.
+        gate_pre, gate_act, up, intermediate: any subset may be None (recomputed per block).
+        run_with_lnc2: shard across the two cores of a kernel[2] launch (module docstring).
+        fp8_x4_dtype, use_scale_packing, clamp_limits, quant_scheme, weight_grad_dtype, matmul_precision:
+            as in the dense mlp_backward_mxfp8_nki (matmul_precision default: "mxfp8" on trn3, "bf16" on trn2).
+
+    Returns:
+        (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
+        d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype.
+
+    The routing index values are data: the kernel trusts the layout (routing.py validates topk_ids on the
+    host); an id >= T or slot >= T*k is a padding sentinel and is skipped. The layout's block_to_expert is
+    not an argument: the loops are expert-major (static expert, run-time block range from
+    expert_block_offsets), which keeps each expert's weights static and loaded once per expert.
+    """
+    setup, wg_dtype, _ = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing,
+                                                weight_grad_dtype, run_with_lnc2, clamp_limits)
+    kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
+                  BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
+                  f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
+                  f"got {block_size!r}")
+    # ---- shapes ----
+    kernel_assert(output_grad is not None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,
+                  f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
+    T, H = output_grad.shape
+    _check("output_grad", output_grad, (T, H), ("bfloat16",))
+    _check("hidden_states", hidden_states, (T, H), ("bfloat16",))
+    kernel_assert(gate_up_weight is not None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,
+                  f"gate_up_weight must be a 3-D [E, 2I, H] tensor, got {getattr(gate_up_weight, 'shape', None)!r}")
+    E, two_i = gate_up_weight.shape[0], gate_up_weight.shape[1]
+    kernel_assert(two_i % 2 == 0,
+                  f"gate_up_weight must be [E, 2I, H] with an even 2I, got {list(gate_up_weight.shape)}")
+    I = two_i // 2
+    _check("gate_up_weight", gate_up_weight, (E, 2 * I, H), ("bfloat16",))
+    _check("down_weight", down_weight, (E, H, I), ("bfloat16",))
+    kernel_assert(H % 32 == 0 and I % 32 == 0,
+                  f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
+    kernel_assert(topk_weights is not None and hasattr(topk_weights, "shape") and len(topk_weights.shape) == 2
+                  and topk_weights.shape[0] == T,
+                  f"topk_weights must be [T, k] with T={T}, got {getattr(topk_weights, 'shape', None)!r}")
+    k = topk_weights.shape[1]
+    _check("topk_weights", topk_weights, (T, k), ("float32",))
+    kernel_assert(k <= E, f"topk_weights has k={k} experts per token but E={E} experts: k must be <= E")
+    kernel_assert(token_position_to_id is not None and hasattr(token_position_to_id, "shape")
+                  and len(token_position_to_id.shape) == 1 and token_position_to_id.shape[0] % block_size == 0,
+                  f"token_position_to_id must be [N*B] with B=block_size={block_size}, got "
+                  f"{getattr(token_position_to_id, 'shape', None)!r}")
+    N = token_position_to_id.shape[0] // block_size
+    _check("token_position_to_id", token_position_to_id, (N * block_size,), ("int32",))
+    _check("token_position_to_slot", token_position_to_slot, (N * block_size,), ("int32",))
+    _check("expert_block_offsets", expert_block_offsets, (E + 1,), ("int32",))
+    for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
+        if ckpt is not None:
+            _check(name, ckpt, (T, k, I), ("bfloat16",))
+
+    ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
+                     clamp_limits or ClampLimits())
+    ctx.dy, ctx.x = output_grad, hidden_states
+    ctx.weights = topk_weights.reshape((T * k, 1))
+    ctx.ids2d = token_position_to_id.reshape((N, block_size))
+    ctx.slots2d = token_position_to_slot.reshape((N, block_size))
+    ctx.offsets = expert_block_offsets
+    ctx.gu_rows = gate_up_weight.reshape((E * 2 * I, H))
+    ctx.down_rows = down_weight.reshape((E * H, I))
+    ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate = (
+        None if c is None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))
+    ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
+    ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
+    dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
+    d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
+    ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))
+    ctx.d_gate_up_weight = nl.ndarray((E, 2 * I, H), dtype=wg_dtype, buffer=nl.shared_hbm, name="gate_up_weight_grad")
+    ctx.d_down_weight = nl.ndarray((E, H, I), dtype=wg_dtype, buffer=nl.shared_hbm, name="down_weight_grad")
+    moe_backward_mxfp8_base_nki(ctx, wg_dtype)
+    return dx, d_weights, ctx.d_gate_up_weight, ctx.d_down_weight

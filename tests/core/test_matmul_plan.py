@@ -1,0 +1,103 @@
+"""nkilib.core.matmul.plan: the core split and MatmulPlan beyond the dense kernel's own use.
+
+The dense kernel's phases are covered bit-exactly by tests/kernels; here a plan computes several products
+sharing a stationary operand with a custom epilogue (the shape of phase 1), and plans run per block of
+rows of windowed descriptors (the shape of a grouped-experts kernel's loop over token blocks). Expected
+values come from the NumPy reference's contract matmul (reference._mm), not from the plan.
+"""
+import numpy as np
+import pytest
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from nkilib.core.matmul import CoreSplit, MatmulPlan, MatmulSetup, StoreEpilogue, TensorDescriptor
+from nkilib.core.matmul.constants import PARTITIONS
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import MatmulConfig, get_program_sharding_info
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import _bf16, _mm
+from simkit import BF16, assert_outputs_identical, randn, simulate
+
+
+@pytest.mark.parametrize("m, n, cores, prefer_m, want", [
+    (512, 300, 1, False, [((0, 512), (0, 300))]),
+    (512, 300, 2, False, [((0, 256), (0, 300)), ((256, 512), (0, 300))]),  # M larger: 4 blocks of 128, 2 each
+    (300, 1000, 2, False, [((0, 300), (0, 512)), ((0, 300), (512, 1000))]),  # N larger: 8 blocks, 4 each
+    (300, 1000, 2, True, [((0, 256), (0, 1000)), ((256, 300), (0, 1000))]),  # prefer M: 3 blocks -> 2 + 1
+    (200, 100, 2, False, [((0, 128), (0, 100)), ((128, 200), (0, 100))]),  # N < 256: split M anyway
+])
+def test_core_split_ranges(m, n, cores, prefer_m, want):
+    assert [CoreSplit(cores, i).ranges(m, n, prefer_m) for i in range(cores)] == want
+
+
+class _TwoOutputs(nl.NKIObject):
+    """Epilogue: evicts product 0 to out0 and product 1 to out1 (bf16), one SBUF tile each per output tile."""
+
+    def __init__(self, out0, out1):
+        self.outs = (out0, out1)
+
+    def prepare(self, plan):
+        pass
+
+    def finish(self):
+        pass
+
+    def held_bytes(self, n_tile):
+        return 0
+
+    def tile(self, i, m0, msz, n0, nsz, accumulators):
+        for out, acc in zip(self.outs, accumulators):
+            res = nl.ndarray((PARTITIONS, acc.shape[1]), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res[:msz, :nsz], src=acc[:msz, :nsz])
+            nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+
+def _setup(precision):
+    return MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
+
+
+@nki.jit
+def _shared_stationary_kernel(a, b, c, precision):
+    """out_b = a @ b and out_c = a @ c in one plan: a [M, K] stationary (K contiguous), b, c [K, N] moving."""
+    M, N = a.shape[0], b.shape[1]
+    out_b = nl.ndarray((M, N), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    out_c = nl.ndarray((M, N), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    split = CoreSplit(*get_program_sharding_info(True))
+    plan = MatmulPlan([TensorDescriptor(a, k_axis=1)], [TensorDescriptor(b, k_axis=0), TensorDescriptor(c, k_axis=0)],
+                      M, N, _setup(precision), MatmulConfig(m_tile=128, n_tile=256), split, _TwoOutputs(out_b, out_c),
+                      products=((0, 0), (0, 1)), groups=False)
+    plan.step("all")
+    return out_b, out_c
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_products_sharing_a_stationary_operand(precision, lnc):
+    M, K, N = 300, 640, 520  # partial m tile, two MX K tiles (second partial), partial n tile
+    a, b, c = randn(1, (M, K), BF16), randn(2, (K, N), BF16), randn(3, (K, N), BF16)
+    got = simulate(_shared_stationary_kernel, lnc, a=a, b=b, c=c, precision=precision)
+    want = tuple(_bf16(_mm(a, w, precision, "float8_e4m3fn", "1x32")) for w in (b, c))
+    assert_outputs_identical(got, want, f"{precision} lnc{lnc}")
+
+
+@nki.jit
+def _blocked_kernel(x, w, block):
+    """out = x @ w computed as one plan per block of `block` rows of x (windowed descriptors, like a run over
+    token blocks), each split across the launch's cores."""
+    S, N = x.shape[0], w.shape[1]
+    out = nl.ndarray((S, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    split = CoreSplit(*get_program_sharding_info(True))
+    x_td = TensorDescriptor(x, k_axis=1)
+    for s0 in range(0, S, block):
+        rows = min(block, S - s0)
+        plan = MatmulPlan([x_td.window(s0, rows)], [TensorDescriptor(w, k_axis=0)], rows, N, _setup("mxfp8"),
+                          MatmulConfig(), split, StoreEpilogue(out[s0:s0 + rows, :], nl.float32))
+        plan.step("all")
+    return out
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_plans_over_row_blocks_of_windowed_operands(lnc):
+    S, K, N = 384, 256, 384
+    x, w = randn(4, (S, K), BF16), randn(5, (K, N), BF16)
+    got = simulate(_blocked_kernel, lnc, x=x, w=w, block=256)
+    assert_outputs_identical((got,), (_mm(x, w, "mxfp8", "float8_e4m3fn", "1x32"),), f"lnc{lnc}")

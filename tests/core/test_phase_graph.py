@@ -1,0 +1,126 @@
+"""PhaseGraph: the order, sync points and overlaps are derived from what phases read and write.
+
+Fake plans record the steps the graph asks for (no kernel), so each rule is checked on its own.
+"""
+import pytest
+
+from nkilib.core.kernel_helpers import KernelInputError
+from nkilib.core.phase_graph import Phase, PhaseGraph
+
+
+class FakePlan:
+    def __init__(self, prefetchable=True, on_chip=False):
+        self.prefetchable = prefetchable
+        self.on_chip = on_chip
+
+    def can_prefetch(self, nxt):
+        return self.prefetchable and nxt.prefetchable
+
+    def stationary_on_chip(self):
+        return self.on_chip
+
+
+def _graph(log, num_cores=2, shared=("shared",)):
+    return PhaseGraph(num_cores, shared=shared, barrier=lambda: log.append("barrier"))
+
+
+def _phase(log, name, reads=(), writes=(), plan=None, stationary_reads=(), built=None):
+    plan = plan or FakePlan()
+
+    def build(outputs):
+        if built is not None:
+            built.append((name, dict(outputs)))
+        return plan
+
+    def step(p, stage):
+        assert p is plan
+        log.append(f"{name}:{stage}")
+        return f"{name}-out"
+
+    return Phase(name, build, step, reads=reads, writes=writes, stationary_reads=stationary_reads)
+
+
+def test_order_follows_dependencies_then_declaration():
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "c", reads=("b_out",), writes=("c_out",)))
+    g.add(_phase(log, "a", reads=("x",), writes=("a_out",)))
+    g.add(_phase(log, "b", reads=("a_out",), writes=("b_out",)))
+    g.add(_phase(log, "d", reads=("x",), writes=("d_out",)))
+    assert [p.name for p in g.order()] == ["a", "b", "c", "d"]
+
+
+def test_mlp_backward_shape_schedule():
+    """The dense backward's declaration: phase 1 writes shared buffers; 2, 4, 3 read them. One barrier after
+    phase 1; phase 2's first panels before it (stationary on chip); 2 -> 4 -> 3 overlapped."""
+    log, built = [], []
+    g = _graph(log, shared=("d_gate_up", "intermediate"))
+    g.add(_phase(log, "p1", reads=("dY", "X"), writes=("d_gate_up", "intermediate"), built=built))
+    g.add(_phase(log, "p2", reads=("d_gate_up", "W_gu"), writes=("dX",), stationary_reads=("d_gate_up",),
+                 plan=FakePlan(on_chip=True), built=built))
+    g.add(_phase(log, "p4", reads=("dY", "intermediate"), writes=("dW_down",), built=built))
+    g.add(_phase(log, "p3", reads=("d_gate_up", "X"), writes=("dW_gu",), built=built))
+    outputs = g.run()
+    assert log == ["p1:all", "p2:first", "barrier", "p2:head", "p4:first", "p2:all", "p4:head", "p3:first",
+                   "p4:all", "p3:all"]
+    assert outputs == {"p1": "p1-out", "p2": "p2-out", "p4": "p4-out", "p3": "p3-out"}
+    # a later phase is planned after the earlier phases it needs have run (phase 2 takes phase 1's panels)
+    assert dict(built)["p2"] == {"p1": "p1-out"}
+
+
+def test_no_early_load_when_first_panels_read_protected_data():
+    log = []
+    g = _graph(log)
+    g.add(_phase(log, "w", writes=("shared",)))
+    g.add(_phase(log, "r", reads=("shared", "input"), stationary_reads=("shared",), plan=FakePlan(on_chip=False)))
+    g.run()
+    assert log == ["w:all", "barrier", "r:all"]
+
+
+def test_lnc1_keeps_the_sync_point_but_issues_no_barrier():
+    log = []
+    g = _graph(log, num_cores=1)
+    g.add(_phase(log, "w", writes=("shared",)))
+    g.add(_phase(log, "r", reads=("shared",)))
+    g.run()
+    assert log == ["w:all", "r:all"]  # no overlap across the sync point either
+
+
+def test_no_overlap_with_a_phase_that_reads_what_the_previous_writes():
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "a", writes=("t",)))
+    g.add(_phase(log, "b", reads=("t",)))
+    g.add(_phase(log, "c", reads=("u",)))
+    g.run()
+    assert log == ["a:all", "b:head", "c:first", "b:all", "c:all"]
+
+
+def test_no_overlap_when_sbuf_does_not_fit():
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "a", plan=FakePlan(prefetchable=False)))
+    g.add(_phase(log, "b"))
+    g.run()
+    assert log == ["a:all", "b:all"]
+
+
+def test_second_sync_point_when_shared_data_is_written_again():
+    log = []
+    g = _graph(log)
+    g.add(_phase(log, "w1", writes=("shared",)))
+    g.add(_phase(log, "r1", reads=("shared",), writes=("shared",)))
+    g.add(_phase(log, "r2", reads=("shared",)))
+    g.run()
+    assert log.count("barrier") == 2 and log.index("barrier") < log.index("r1:all") < log.index("r2:all")
+
+
+def test_cycles_and_duplicate_names_are_errors():
+    log = []
+    g = _graph(log)
+    g.add(_phase(log, "a", reads=("y",), writes=("x",)))
+    g.add(_phase(log, "b", reads=("x",), writes=("y",)))
+    with pytest.raises(KernelInputError, match=r"cyclic dependencies among \['a', 'b'\]"):
+        g.order()
+    with pytest.raises(KernelInputError, match=r"phase names must be unique, got 'a' twice"):
+        g.add(_phase(log, "a"))
