@@ -146,7 +146,7 @@ class MatmulPlan(nl.NKIObject):
               finish(): after the last tile;
               held_bytes(n_tile): SBUF bytes per partition it holds between tiles.
             (A protocol, not a base class: NKI before 0.7 takes classes derived from NKIObject alone, and
-            class inheritance arrives with 0.7's Python tracing; see docs/simulator-structure.md.)
+            class inheritance arrives with 0.7's Python tracing; see docs/kernel-structure.md.)
     """
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),

@@ -71,7 +71,7 @@ Band: constants the docs do not pin down are ESTIMATEs with a range (hardware.py
 
 Capacity: `CostReport.plan_errors` lists every core whose plan (program-order peak) or modeled overlap
 needs more SBUF/PSUM than the target has; such a report has no valid time (the study refuses it).
-Choices where the docs are silent are recorded in docs/simulator-cost.md.
+Choices where the docs are silent are recorded in docs/cost-model.md.
 
 Calibration (simulations/calibrate_bf16_gemm.py, measured BF16 GEMMs on Trainium3 LNC2): all engine
 and DMA numbers are the documented ones. Two choices were made against the measurements: the
