@@ -39,3 +39,14 @@ class IndirectHazardError(NkiValidationError):
 class RaceWarning(UserWarning):
     """Two LNC programs wrote identical values to overlapping shared_hbm bytes in one epoch (defined
     result; see runtime.py's race rule)."""
+
+
+def not_simulated_stub(qualname: str, api: str, hint: str = ""):
+    """Stand-in for a documented NKI function the simulator does not implement: resolving the name
+    works (kernels may reference it at import time), calling it raises (README, 'Simulator limits')."""
+    def not_simulated(*args, **kwargs):
+        raise NkiValidationError(f"{qualname} is part of the documented {api} API but is not simulated by nkilib's "
+                                 f"simulator (README, 'Simulator limits'){hint}")
+
+    not_simulated.__name__ = qualname.rsplit(".", 1)[-1]
+    return not_simulated

@@ -5,6 +5,7 @@ names are public. Documented instructions that are not simulated resolve (module
 stub that raises "not simulated" when called, never an AttributeError (README, "Simulator limits").
 """
 from ...errors import NkiValidationError  # noqa: F401
+from ...errors import not_simulated_stub as _not_simulated_stub
 from ._common import NkiInstruction  # noqa: F401
 from .constants import dge_mode, dma_engine, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401
 from .activation import activation, activation_reduce  # noqa: F401
@@ -40,13 +41,7 @@ _NOT_SIMULATED = frozenset({
 
 def __getattr__(name):
     if name in _NOT_SIMULATED:
-        def not_simulated(*args, **kwargs):
-            raise NkiValidationError(
-                f"nisa.{name} is part of the documented nki.isa API but is not simulated by nkilib's simulator "
-                "(README, 'Simulator limits')")
-
-        not_simulated.__name__ = name
-        return not_simulated
+        return _not_simulated_stub(f"nisa.{name}", "nki.isa")
     raise AttributeError(f"module 'nki.isa' has no attribute {name!r}")
 
 

@@ -10,6 +10,7 @@ import operator as _operator
 
 from ... import runtime as _runtime
 from ...errors import NkiValidationError as _NkiValidationError
+from ...errors import not_simulated_stub as _not_simulated_stub
 from ...tensor import NkiTensor, allocate as _allocate  # noqa: F401  (nl.NkiTensor is public API)
 from .dtypes import (  # noqa: F401  (re-exported dtype names)
     bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4,
@@ -235,13 +236,7 @@ _NOT_SIMULATED = frozenset({
 
 def __getattr__(name):
     if name in _NOT_SIMULATED:
-        def not_simulated(*args, **kwargs):
-            raise _NkiValidationError(
-                f"nl.{name} is part of the documented nki.language API but is not simulated by nkilib's simulator "
-                "(README, 'Simulator limits'); express it with nki.isa instructions")
-
-        not_simulated.__name__ = name
-        return not_simulated
+        return _not_simulated_stub(f"nl.{name}", "nki.language", "; express it with nki.isa instructions")
     raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
 
 
