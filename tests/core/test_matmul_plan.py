@@ -5,7 +5,6 @@ sharing a stationary operand with a custom epilogue (the shape of phase 1), and 
 rows of windowed descriptors (the shape of a grouped-experts kernel's loop over token blocks). Expected
 values come from the NumPy reference's contract matmul (reference._mm), not from the plan.
 """
-import numpy as np
 import pytest
 
 import nki
