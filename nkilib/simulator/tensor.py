@@ -57,6 +57,20 @@ def _check_widened(storage: Storage, new_dtype: NkiDType, what: str) -> None:
         )
 
 
+
+def _resolve_sizes(shape, total: int, where: str, mismatch: str) -> list:
+    """`shape` (an int or a sequence, at most one -1 inferred) as a list of sizes whose product is `total`."""
+    sizes = list(shape if isinstance(shape, (tuple, list)) else (shape,))
+    if sizes.count(-1) > 1:
+        raise NkiValidationError(f"{where}: at most one -1 allowed, got {tuple(sizes)}")
+    if -1 in sizes:
+        known = prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = total // known if known and total % known == 0 else -1
+    if any(s < 1 for s in sizes) or prod(sizes) != total:
+        raise NkiValidationError(f"{where}: {mismatch}")
+    return sizes
+
+
 class NkiTensor:
     """A view of a Storage. Mirrors `nki.language.NkiTensor`."""
 
@@ -197,16 +211,9 @@ class NkiTensor:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
         dim %= self.ndim
-        sizes = list(shape if isinstance(shape, (tuple, list)) else (shape,))
         n = self.shape[dim]
-        if sizes.count(-1) > 1:
-            raise NkiValidationError(f"tensor '{self.name}'.reshape_dim: at most one -1 allowed, got {tuple(sizes)}")
-        if -1 in sizes:
-            known = prod(s for s in sizes if s != -1)
-            sizes[sizes.index(-1)] = n // known if known and n % known == 0 else -1
-        if any(s < 1 for s in sizes) or prod(sizes) != n:
-            raise NkiValidationError(
-                f"tensor '{self.name}'.reshape_dim: cannot split dim {dim} of size {n} into {tuple(shape)}")
+        sizes = _resolve_sizes(shape, n, f"tensor '{self.name}'.reshape_dim",
+                               f"cannot split dim {dim} of size {n} into {tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)}")
         if self.on_chip and dim == 0 and len(sizes) != 1:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, "
@@ -335,16 +342,10 @@ class NkiTensor:
     # ---- reshaping views ----
     def reshape(self, shape):
         reject_indirect(self, f"tensor '{self.name}'.reshape")
-        shape = list(shape if isinstance(shape, (tuple, list)) else (shape,))
         total = self.size
-        if shape.count(-1) > 1:
-            raise NkiValidationError(f"tensor '{self.name}'.reshape: at most one -1 allowed, got {tuple(shape)}")
-        if -1 in shape:
-            known = prod(s for s in shape if s != -1)
-            shape[shape.index(-1)] = total // known if known and total % known == 0 else -1
-        if any(s < 1 for s in shape) or prod(shape) != total:
-            raise NkiValidationError(
-                f"tensor '{self.name}'.reshape: cannot reshape {self.shape} ({total} elements) to {tuple(shape)}")
+        shape = _resolve_sizes(shape, total, f"tensor '{self.name}'.reshape",
+                               f"cannot reshape {self.shape} ({total} elements) to "
+                               f"{tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)}")
         if not self.is_contiguous():
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape: view with shape {self.shape} and strides {self.strides} is not "
