@@ -101,7 +101,7 @@ class MlpBwdOperands(nl.NKIObject):
 
 
 def check_2d(name, t, shape, dtypes):
-    """t is a 2-D tensor of `shape` with a dtype named in `dtypes` (else KernelInputError naming `name`)."""
+    """t is a 2-D tensor of `shape` with a dtype named in `dtypes` (else AssertionError naming `name`)."""
     kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
     kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
     kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
