@@ -179,13 +179,6 @@ def test_weight_none_without_alternative(inp):
     _raises(inp, r"phase 2 needs W_gu: pass gate_up_weights \[2I, H\] in bf16, or gate_up_weight_T")
 
 
-def test_reference_phase2_prequantized_weights_rejected(inp, pq):
-    """The API reference's gate_proj_weight_T pre-quantized along I (phase 2 per half) is not supported."""
-    _raises(inp, r"gate_weight_scales \(pre-quantized gate_proj_weight_T along I\) is not supported.*"
-                 r"gate_up_weight_T_scales", gate_proj_weight_T=np.zeros((H, I // 4), np.uint32),
-            gate_weight_scales=np.zeros((H, I // 32), np.uint8))
-
-
 @pytest.mark.parametrize("a,b,value", [("output_grad", "output_hidden_states_grad", None),
                                        ("intermediate", "hidden", None),
                                        ("down_weight_T", "down_proj_weight_T", None)])
