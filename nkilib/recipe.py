@@ -37,7 +37,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .core.kernel_helpers import KernelInputError
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_torch as op_module
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
@@ -71,7 +70,7 @@ def _canonical_clamps(value) -> Optional[ClampLimits]:
         return value
     try:
         limits = ClampLimits(*emu.clamp_tuple(value))
-    except (TypeError, ValueError, KernelInputError) as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"Recipe.clamp_limits: {exc}") from None
     return None if all(v is None for v in emu.clamp_tuple(limits)) else limits
 

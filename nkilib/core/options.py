@@ -3,8 +3,12 @@
 The kernel entry point, the NumPy reference (reference.py), the torch emulation (mlp_bwd_mxfp8_emulate.py)
 and the torch layer (mlp_bwd_mxfp8_torch.py) all accept the same choices: the fp8 element format, the MX
 quantization scheme, the matmul precision, the weight-gradient dtype and the SwiGLU clamps. Each layer
-calls these functions, which return the canonical value (a string or a tuple of floats) or raise
-KernelInputError (a ValueError) naming the argument, the accepted values and the value received.
+calls these functions, which return the canonical value (a string or a tuple of floats) or fail with a
+message naming the argument, the accepted values and the value received. How they fail is the caller's:
+`fail=host_fail` (the default; host-side layers: references, emulation, torch ops, option objects built
+before a launch) raises OptionError, a ValueError; the kernel entry points' check (kernel_numerics, called
+inside the traced kernel body) fails through nkilib.core.kernel_helpers.kernel_fail, a builtin
+AssertionError (docs/kernel-structure.md, "raising exceptions").
 
 Pure Python on purpose (no numpy, no torch): it runs at NKI trace time, inside torch.compile graphs and in
 the references alike. Dtype-like values (nl / numpy / ml_dtypes / torch dtypes) are recognised by their
@@ -12,7 +16,7 @@ name (`.name`, `__name__` or `str()`, a leading "torch." dropped).
 """
 from __future__ import annotations
 
-from .kernel_helpers import KernelInputError
+from .kernel_helpers import kernel_fail
 from .matmul.constants import FP8_X4_DTYPE_NAMES, MATMUL_PRECISIONS, QUANT_SCHEMES
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # MX element formats (OCP MX v1.0 FP8 E4M3 / E5M2)
@@ -22,21 +26,30 @@ WEIGHT_GRAD_ALIASES = (("bf16", "bfloat16"), ("fp32", "float32"))  # short names
 CLAMP_NAMES = ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper")
 
 
-def check_choice(what: str, value, choices):
-    """`value` when it is one of `choices`, else KernelInputError "<what> must be one of (...), got <value>"."""
+class OptionError(ValueError):
+    """An invalid option or argument found by host-side code (never raised inside traced kernel code)."""
+
+
+def host_fail(msg: str) -> None:
+    """Raise OptionError(msg): the failure of a host-side check."""
+    raise OptionError(msg)
+
+
+def check_choice(what: str, value, choices, fail=host_fail):
+    """`value` when it is one of `choices`, else fail("<what> must be one of (...), got <value>")."""
     if not _is_str(value) or value not in choices:
-        raise KernelInputError(f"{what} must be one of {tuple(choices)}, got {value!r}")
+        fail(f"{what} must be one of {tuple(choices)}, got {value!r}")
     return value
 
 
-def quant_scheme(value) -> str:
+def quant_scheme(value, fail=host_fail) -> str:
     """"1x32" (OCP-contiguous groups of 32 along K) or "wrapX" (groups strided by K/4 in each 512-wide K tile)."""
-    return check_choice("quant_scheme", value, QUANT_SCHEMES)
+    return check_choice("quant_scheme", value, QUANT_SCHEMES, fail)
 
 
-def matmul_precision(value) -> str:
+def matmul_precision(value, fail=host_fail) -> str:
     """"mxfp8" (quantize_mx + nc_matmul_mx, Trn3) or "bf16" (nc_matmul)."""
-    return check_choice("matmul_precision", value, MATMUL_PRECISIONS)
+    return check_choice("matmul_precision", value, MATMUL_PRECISIONS, fail)
 
 
 def dtype_name(value) -> str:
@@ -52,7 +65,7 @@ def dtype_name(value) -> str:
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
-def fp8_format(value, what: str = "fp8_dtype", x4_only: bool = False) -> str:
+def fp8_format(value, what: str = "fp8_dtype", x4_only: bool = False, fail=host_fail) -> str:
     """The MX element format "float8_e4m3fn" or "float8_e5m2" of `value`.
 
     Accepted: the format names, their packed "_x4" names (nl.float8_e4m3fn_x4), the short names
@@ -65,20 +78,19 @@ def fp8_format(value, what: str = "fp8_dtype", x4_only: bool = False) -> str:
         name = dtype_name(value)
     if x4_only:
         if name not in FP8_X4_DTYPE_NAMES:
-            raise KernelInputError(f"{what} must be one of {list(FP8_X4_DTYPE_NAMES)}, got {value!r}")
+            fail(f"{what} must be one of {list(FP8_X4_DTYPE_NAMES)}, got {value!r}")
         return name[:-len("_x4")]
     if name.endswith("_x4"):
         name = name[:-len("_x4")]
     if name in FP8_SHORT_NAMES:
         name = "float8_" + name
     if name not in FP8_FORMATS:
-        raise KernelInputError(f"{what} must be one of {FP8_FORMATS} (or their _x4 / short names / dtypes), "
-                               f"got {value!r}")
+        fail(f"{what} must be one of {FP8_FORMATS} (or their _x4 / short names / dtypes), got {value!r}")
     return name
 
 
 def weight_grad_dtype(value, what: str = "weight_grad_dtype", spelled: str = "bfloat16 or float32",
-                      short_names: bool = True) -> str:
+                      short_names: bool = True, fail=host_fail) -> str:
     """"bfloat16" or "float32": the dtype both weight gradients are written in (a dtype, its name or, with
     short_names, "bf16" / "fp32").
     `spelled` is how the layer's message names the accepted values (e.g. "nl.bfloat16 or nl.float32");
@@ -88,7 +100,7 @@ def weight_grad_dtype(value, what: str = "weight_grad_dtype", spelled: str = "bf
         if short_names and name == alias:
             name = full
     if name not in WEIGHT_GRAD_DTYPES:
-        raise KernelInputError(f"{what} must be {spelled}, got {value!r}")
+        fail(f"{what} must be {spelled}, got {value!r}")
     return name
 
 
@@ -98,20 +110,22 @@ def kernel_numerics(precision_arg, on_trn3: bool, fp8_x4_dtype, scheme, weight_g
 
     matmul_precision None picks "mxfp8" on Trn3 and "bf16" on Trn2 (on_trn3: the target is NeuronCore-v4);
     "mxfp8" on Trn2 is rejected (no MX instructions). fp8_x4_dtype must be a packed x4 dtype, weight_grad_dtype
-    a dtype or its full name (no short names).
+    a dtype or its full name (no short names). Runs inside the traced kernel body, so a bad value fails
+    through kernel_fail (AssertionError), not OptionError.
     """
     precision = matmul_precision(precision_arg if precision_arg != None  # noqa: E711
-                                 else ("mxfp8" if on_trn3 else "bf16"))
+                                 else ("mxfp8" if on_trn3 else "bf16"), fail=kernel_fail)
     if precision == "mxfp8" and not on_trn3:
-        raise KernelInputError("matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
-                               "Trn2 (NeuronCore-v3): use matmul_precision='bf16'")
-    fp8_format(fp8_x4_dtype, what="fp8_x4_dtype", x4_only=True)
-    quant_scheme(scheme)
-    wg = weight_grad_dtype(weight_grad_dtype_arg, spelled="nl.bfloat16 or nl.float32", short_names=False)
+        kernel_fail("matmul_precision='mxfp8' needs Trn3 (NeuronCore-v4) MX instructions; the target is "
+                    "Trn2 (NeuronCore-v3): use matmul_precision='bf16'")
+    fp8_format(fp8_x4_dtype, what="fp8_x4_dtype", x4_only=True, fail=kernel_fail)
+    quant_scheme(scheme, fail=kernel_fail)
+    wg = weight_grad_dtype(weight_grad_dtype_arg, spelled="nl.bfloat16 or nl.float32", short_names=False,
+                           fail=kernel_fail)
     return precision, wg
 
 
-def clamp_values(clamp_limits, what: str = "clamp_limits") -> tuple:
+def clamp_values(clamp_limits, what: str = "clamp_limits", fail=host_fail) -> tuple:
     """(non_linear_lower, non_linear_upper, linear_lower, linear_upper) as floats or None (no bound).
 
     clamp_limits: None, a ClampLimits (or any object with those four attributes) or a dict with a
@@ -123,26 +137,25 @@ def clamp_values(clamp_limits, what: str = "clamp_limits") -> tuple:
     if isinstance(clamp_limits, dict):
         unknown = sorted(k for k in clamp_limits if k not in CLAMP_NAMES)
         if unknown:
-            raise KernelInputError(f"{what}: unknown keys {unknown}; accepted: {list(CLAMP_NAMES)}")
+            fail(f"{what}: unknown keys {unknown}; accepted: {list(CLAMP_NAMES)}")
         values = tuple(clamp_limits.get(n) for n in CLAMP_NAMES)
     elif all(hasattr(clamp_limits, n) for n in CLAMP_NAMES):
         values = tuple(getattr(clamp_limits, n) for n in CLAMP_NAMES)
     else:
-        raise KernelInputError(f"{what} must be a ClampLimits, a dict with keys {list(CLAMP_NAMES)}, or None; "
-                               f"got {clamp_limits!r}")
+        fail(f"{what} must be a ClampLimits, a dict with keys {list(CLAMP_NAMES)}, or None; got {clamp_limits!r}")
     out = []
     for name, v in zip(CLAMP_NAMES, values):
         if v == None:  # noqa: E711
             out.append(None)
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise KernelInputError(f"{what}.{name} must be a float or None, got {v!r}")
+            fail(f"{what}.{name} must be a float or None, got {v!r}")
         if v != v:  # NaN (math.isnan is not traceable by torch.compile's dynamo)
-            raise KernelInputError(f"{what}.{name} must not be NaN")
+            fail(f"{what}.{name} must not be NaN")
         out.append(float(v))
     for lo, hi, side in ((out[0], out[1], "non_linear"), (out[2], out[3], "linear")):
         if lo != None and hi != None and not lo < hi:  # noqa: E711
-            raise KernelInputError(f"{what}: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
+            fail(f"{what}: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
     return tuple(out)
 
 

@@ -9,9 +9,10 @@ model's state-dict keys) and calls the op; the router and the block stay the mod
 weights stay differentiable (the op returns their gradient), so the router trains as before.
 
 Recipe mapping (``moe_kwargs``): the MoE op takes checkpoint, clamp_limits, fp8_dtype, quant_scheme,
-weight_grad_dtype, matmul_precision, scale_rule and backend ("auto" = "emulate": the NKI MoE kernel is
-not in this release). It has no LNC degree (``lnc`` is ignored), no ``forward_numerics="kernel"`` and no
-``accumulate_main_grad``: recipes asking for those are refused when the module is built.
+weight_grad_dtype, matmul_precision, scale_rule and backend ("auto" = "emulate" off Neuron devices,
+"neuron" on them). The recipe's ``lnc`` is not passed (on Neuron the op reads NEURON_LOGICAL_NC_CONFIG);
+there is no ``forward_numerics="kernel"`` and no ``accumulate_main_grad``: recipes asking for those are
+refused when the module is built.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""Dispatch of backend="neuron" (mlp_bwd_mxfp8_neuron.py) with STUB torch_neuronx / torch_xla modules.
+"""Dispatch of backend="neuron" with STUB torch_neuronx / torch_xla modules: the dense op (mlp_bwd_mxfp8_neuron.py)
+and the MoE op (moe_bwd_mxfp8_neuron.py), both following nkilib/experimental/neuron_dispatch.py.
 
 What these tests can and cannot show: no Neuron device or SDK exists here, so ``torch_neuronx`` and
 ``torch_xla`` are stub modules put into sys.modules, ``nkilib.BACKEND`` is patched to "neuron" and the
-kernel ``mlp_backward_mxfp8_nki`` is replaced by a recorder that returns fixed, distinct tensors. The
+kernels ``mlp_backward_mxfp8_nki`` / ``moe_backward_mxfp8_nki`` are replaced by recorders that return fixed,
+distinct tensors. The
 stubs only check dispatch: which stack is chosen for which device type, which LNC degree, that the
 TorchNeuron path registers its ops through ``nki_op`` with ``register_autograd`` and that the kernel is
 launched once, by keyword, with the expected arguments, and that its outputs reach the right
@@ -26,6 +28,10 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel  # 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as N  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_torch as T  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel, moe_swiglu_experts_mxfp8  # noqa: E402
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_neuron as MN  # noqa: E402
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_torch as M  # noqa: E402
+from nkilib.experimental.moe_mxfp8.routing import build_block_layout  # noqa: E402
 
 S, H, I = 24, 64, 32
 CLAMP = ClampLimits(non_linear_upper=0.5, linear_lower=-0.4, linear_upper=0.45)
@@ -94,18 +100,21 @@ def stubs(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_xla", types.ModuleType("torch_xla"))
     monkeypatch.setitem(sys.modules, "torch_neuronx", torchneuron)
     monkeypatch.setattr(nkilib, "BACKEND", "neuron")
-    kernel = RecordingKernel()
+    kernel, moe_kernel = RecordingKernel(), RecordingMoEKernel()
     monkeypatch.setattr(mlp_bwd_mxfp8_kernel, "mlp_backward_mxfp8_nki", kernel)
+    monkeypatch.setattr(moe_bwd_mxfp8_kernel, "moe_backward_mxfp8_nki", moe_kernel)
     monkeypatch.setattr(N, "_TORCHNEURON_OPS", {})
+    monkeypatch.setattr(MN, "_TORCHNEURON_OPS", {})
     monkeypatch.delenv(N.LNC_ENV_VAR, raising=False)
-    return SimpleNamespace(registered=registered, kernel=kernel, torchneuron=torchneuron,
+    return SimpleNamespace(registered=registered, kernel=kernel, moe_kernel=moe_kernel, torchneuron=torchneuron,
                            xla_only_neuronx=xla_only_neuronx, monkeypatch=monkeypatch)
 
 
-def as_device(monkeypatch, kind):
-    """Make swiglu_mlp_mxfp8 see CPU tensors as tensors of device type `kind` (the real selection runs)."""
+def as_device(monkeypatch, kind, op_module=T):
+    """Make the op of `op_module` (dense T or MoE M) see CPU tensors as tensors of device type `kind` (the
+    real stack selection runs)."""
     real, device = N.neuron_stack, SimpleNamespace(type=kind)
-    monkeypatch.setattr(T, "neuron_stack", lambda _: real(device))
+    monkeypatch.setattr(op_module, "neuron_stack", lambda _: real(device))
 
 
 def make(seed, dtype=torch.bfloat16):
@@ -183,37 +192,38 @@ def test_torchneuron_path_registers_nki_ops_with_autograd_and_launches_with_the_
         swiglu_mlp_mxfp8(x, wgu, wd, backend="neuron", lnc=1)
 
 
-def test_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
-    """Under torch.compile the backward graph holds the kernel op as a single node (recorded with an
-    aot_autograd backend; on Neuron this graph goes to backend="neuron")."""
+def compiled_graphs(fn, *args):
+    """Run fn(*args) under torch.compile(fullgraph) with an aot_autograd backend that records the forward and
+    backward graphs, then backward(ones); returns {"fw": [targets], "bw": [targets]} of call_function nodes."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    as_device(stubs.monkeypatch, "neuron")
     graphs = {}
 
     def record(kind):
         def compiler(gm, example_inputs):
-            graphs[kind] = gm
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
             return make_boxed_func(gm.forward)
         return compiler
 
-    assert N.register_torchneuron_ops_if_available()  # what importing mlp_bwd_mxfp8_torch does on Neuron
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, c: swiglu_mlp_mxfp8(a, b, c, backend="neuron", checkpoint=("gate_pre", "up"),
-                                                        clamp_limits=CLAMP),
-                       backend=aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw")), fullgraph=True)
-    x, wgu, wd = make(1)
-    y = fn(x, wgu, wd)
+    y = torch.compile(fn, backend=aot_autograd(fw_compiler=record("fw"), bw_compiler=record("bw")),
+                      fullgraph=True)(*args)
     y.backward(torch.ones_like(y))
     torch._dynamo.reset()
+    return graphs
 
-    def targets(gm):
-        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
-    bw_kernel_nodes = [t for t in targets(graphs["bw"]) if t.endswith("mlp_backward_mxfp8.default")]
-    assert len(bw_kernel_nodes) == 1, targets(graphs["bw"])
-    assert not any(t.endswith("mlp_backward_mxfp8.default") for t in targets(graphs["fw"]))
+def test_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
+    """Under torch.compile the backward graph holds the kernel op as a single node (recorded with an
+    aot_autograd backend; on Neuron this graph goes to backend="neuron")."""
+    as_device(stubs.monkeypatch, "neuron")
+    assert N.register_torchneuron_ops_if_available()  # what importing mlp_bwd_mxfp8_torch does on Neuron
+    x, wgu, wd = make(1)
+    graphs = compiled_graphs(lambda a, b, c: swiglu_mlp_mxfp8(a, b, c, backend="neuron", checkpoint=("gate_pre", "up"),
+                                                              clamp_limits=CLAMP), x, wgu, wd)
+    assert len([t for t in graphs["bw"] if t.endswith("mlp_backward_mxfp8.default")]) == 1, graphs["bw"]
+    assert not any(t.endswith("mlp_backward_mxfp8.default") for t in graphs["fw"])
     assert len(stubs.kernel.calls) == 1
     _check_kernel_call(stubs.kernel.calls[0], 1, x, wgu, wd, "bfloat16")
     assert torch.equal(wgu.grad, expected_dw_gu((2 * I, H)).bfloat16())
@@ -256,3 +266,133 @@ def test_cpu_backward_op_refuses_the_neuron_backend():
     with pytest.raises(RuntimeError, match="does not run the Neuron path"):
         T.swiglu_mlp_mxfp8_backward_op(x, x, wgu, wd, None, None, None, None, None, None, None, None,
                                        "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", "neuron", 1)
+
+
+# ---- the MoE op (moe_bwd_mxfp8_neuron.py) ----
+
+T_TOK, E_NUM, K_TOP = 10, 4, 2
+MOE_KERNEL_KWARGS = {"output_grad", "hidden_states", "topk_weights", "gate_up_weight", "down_weight",
+                     "token_position_to_id", "token_position_to_slot", "expert_block_offsets", "block_size",
+                     "run_with_lnc2", "gate_pre", "gate_act", "up", "intermediate", "clamp_limits", "fp8_x4_dtype",
+                     "quant_scheme", "weight_grad_dtype", "matmul_precision"}
+
+
+class RecordingMoEKernel:
+    """Stands in for ``moe_backward_mxfp8_nki``: records (lnc, kw) and returns dX, d_topk_weights (float32),
+    dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns above."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, lnc):
+        def launch(*args, **kw):
+            assert not args, "the kernel must be called by keyword"
+            self.calls.append((lnc, kw))
+            wg = torch.float32 if kw["weight_grad_dtype"] == nl.float32 else torch.bfloat16
+            return (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
+                    expected_dw_down(kw["topk_weights"].shape), expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
+                    -expected_moe_dw(kw["down_weight"].shape).to(wg))
+        return launch
+
+
+def expected_moe_dw(shape):
+    return expected_dw_gu((shape[0] * shape[1], shape[2])).reshape(shape)
+
+
+def make_moe(seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T_TOK, H, generator=g).to(dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(E_NUM, generator=g)[:K_TOP] for _ in range(T_TOK)])
+    w = torch.rand(T_TOK, K_TOP, generator=g).requires_grad_()
+    wgu = (torch.randn(E_NUM, 2 * I, H, generator=g) / 8).to(dtype).requires_grad_()
+    wd = (torch.randn(E_NUM, H, I, generator=g) / 8).to(dtype).requires_grad_()
+    return x, ids, w, wgu, wd
+
+
+def _check_moe_kernel_call(call, lnc, x, ids, w, wgu, wd, wg):
+    got_lnc, kw = call
+    assert got_lnc == lnc and kw["run_with_lnc2"] == (lnc == 2)
+    assert set(kw) == MOE_KERNEL_KWARGS
+    assert kw["output_grad"].shape == (T_TOK, H) and kw["output_grad"].dtype == torch.bfloat16
+    assert torch.equal(kw["hidden_states"], x.detach().bfloat16())
+    assert torch.equal(kw["topk_weights"], w.detach().float())
+    assert torch.equal(kw["gate_up_weight"], wgu.detach().bfloat16())
+    assert torch.equal(kw["down_weight"], wd.detach().bfloat16())
+    layout = build_block_layout(ids.numpy(), E_NUM, kw["block_size"])  # the routing, as block layout tensors
+    for name in ("token_position_to_id", "token_position_to_slot", "expert_block_offsets"):
+        assert torch.equal(kw[name], torch.from_numpy(getattr(layout, name))), name
+    # checkpoint=("gate_pre", "up"): one row per routed pair [T, k, I]; the others recomputed by the kernel
+    assert kw["gate_pre"].shape == (T_TOK, K_TOP, I) and kw["up"].shape == (T_TOK, K_TOP, I)
+    assert kw["gate_act"] is None and kw["intermediate"] is None
+    assert kw["clamp_limits"] == CLAMP and kw["weight_grad_dtype"] == getattr(nl, wg)
+    assert kw["fp8_x4_dtype"] == nl.float8_e4m3fn_x4 and kw["quant_scheme"] == "1x32"
+
+
+def _check_moe_grads(x, w, wgu, wd, dtype):
+    assert x.grad.dtype == dtype and torch.equal(x.grad, expected_dx((T_TOK, H)).to(dtype))
+    assert torch.equal(w.grad, expected_dw_down((T_TOK, K_TOP)))
+    assert torch.equal(wgu.grad, expected_moe_dw((E_NUM, 2 * I, H)).to(dtype))
+    assert torch.equal(wd.grad, -expected_moe_dw((E_NUM, H, I)).to(dtype))
+
+
+def test_moe_torchneuron_path_registers_nki_ops_with_autograd_and_launches_with_the_env_lnc(stubs):
+    stubs.monkeypatch.setenv(N.LNC_ENV_VAR, "2")
+    as_device(stubs.monkeypatch, "neuron", M)
+    x, ids, w, wgu, wd = make_moe(5)
+    y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
+                                 clamp_limits=CLAMP)
+    assert stubs.registered == [{"name": MN.TORCHNEURON_BACKWARD_OP, "autograd": False},
+                                {"name": MN.TORCHNEURON_FORWARD_OP, "autograd": True}]
+    assert stubs.moe_kernel.calls == []  # the forward runs in torch
+    y.backward(torch.ones_like(y))
+    assert len(stubs.moe_kernel.calls) == 1 and stubs.kernel.calls == []
+    _check_moe_kernel_call(stubs.moe_kernel.calls[0], 2, x, ids, w, wgu, wd, "bfloat16")
+    _check_moe_grads(x, w, wgu, wd, torch.bfloat16)
+    with pytest.raises(ValueError, match="lnc=1 does not match"):
+        moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", lnc=1)
+
+
+def test_moe_auto_backend_on_a_neuron_device_is_neuron(stubs):
+    assert M.resolve_backend("auto", SimpleNamespace(type="neuron")) == "neuron"
+    assert M.resolve_backend("auto", torch.device("xla", 0)) == "neuron"
+    as_device(stubs.monkeypatch, "neuron", M)
+    stubs.monkeypatch.setattr(M, "resolve_backend", lambda backend, device=None: "neuron")  # CPU tensors here
+    x, ids, w, wgu, wd = make_moe(6)
+    moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd).sum().backward()
+    assert len(stubs.moe_kernel.calls) == 1 and stubs.moe_kernel.calls[0][0] == 1  # LNC unset: 1
+
+
+def test_moe_xla_path_uses_the_autograd_function_and_no_nki_op(stubs):
+    stubs.monkeypatch.setitem(sys.modules, "torch_neuronx", stubs.xla_only_neuronx)
+    as_device(stubs.monkeypatch, "xla", M)
+    x, ids, w, wgu, wd = make_moe(7, dtype=torch.float32)
+    y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
+                                 clamp_limits=CLAMP)
+    assert "XlaMoESwiGLUExperts" in type(y.grad_fn.next_functions[0][0]).__name__
+    y.backward(torch.ones_like(y))
+    assert stubs.registered == []
+    assert len(stubs.moe_kernel.calls) == 1
+    _check_moe_kernel_call(stubs.moe_kernel.calls[0], 1, x, ids, w, wgu, wd, "float32")  # fp32 params
+    _check_moe_grads(x, w, wgu, wd, torch.float32)
+
+
+def test_moe_cpu_backward_op_refuses_the_neuron_backend():
+    x, ids, w, wgu, wd = (t.detach() for t in make_moe(8))
+    with pytest.raises(RuntimeError, match="does not run the Neuron path"):
+        M.moe_swiglu_experts_mxfp8_backward_op(x, x, ids, w, wgu, wd, None, None, None, None, None, None, None, None,
+                                               "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128,
+                                               "neuron", 1)
+
+
+def test_moe_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
+    as_device(stubs.monkeypatch, "neuron", M)
+    assert MN.register_torchneuron_ops_if_available()  # what importing moe_bwd_mxfp8_torch does on Neuron
+    x, ids, w, wgu, wd = make_moe(9)
+    graphs = compiled_graphs(lambda a, p, b, c: moe_swiglu_experts_mxfp8(a, ids, p, b, c, backend="neuron",
+                                                                         checkpoint=("gate_pre", "up"),
+                                                                         clamp_limits=CLAMP), x, w, wgu, wd)
+    assert len([t for t in graphs["bw"] if t.endswith("moe_backward_mxfp8.default")]) == 1, graphs["bw"]
+    assert not any(t.endswith("moe_backward_mxfp8.default") for t in graphs["fw"])
+    assert len(stubs.moe_kernel.calls) == 1
+    _check_moe_kernel_call(stubs.moe_kernel.calls[0], 1, x, ids, w, wgu, wd, "bfloat16")
+    _check_moe_grads(x, w, wgu, wd, torch.bfloat16)

@@ -160,12 +160,12 @@ def test_leading_dimensions_and_forward_value():
 def test_opcheck_and_torch_compile():
     x, ids, w, wgu, wd, dy = leaves("random", seed=17)
     args = (x, ids, w, wgu, wd, None, None, None, None, "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16",
-            128, "emulate", True, False, True, True)
+            128, "emulate", 1, True, False, True, True)
     torch.library.opcheck(M.moe_swiglu_experts_mxfp8_op, args)
     ck = M._forward_math(x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), (None,) * 4)[1:]
     torch.library.opcheck(M.moe_swiglu_experts_mxfp8_backward_op,
                           (dy, x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), *ck, None, None, None, None,
-                           "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128, "emulate"))
+                           "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128, "emulate", 1))
     torch.manual_seed(0)
     model = MoESwiGLUExperts(6, 64, 32, clamp_limits=CLAMP, dtype=torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True)
@@ -208,13 +208,16 @@ def test_bad_inputs(change, exc, match):
         moe_swiglu_experts_mxfp8(**kw)
 
 
-def test_backends_without_the_kernel_say_so():
-    """backend='neuron' (the kernel on a device) is not in this release; 'simulator' is (test_moe_simulator_backend)."""
-    with pytest.raises(NotImplementedError, match="the NKI MoE kernel does not run on a Neuron device in this release"):
+def test_backend_names_and_the_neuron_backend_off_device():
+    """backend='neuron' needs tensors on a Neuron / XLA device (CPU tensors here: a clear error; its dispatch is
+    tested with stubs in test_neuron_dispatch.py); 'auto' on CPU is 'emulate'; unknown names are refused."""
+    with pytest.raises(RuntimeError, match=r"backend='neuron' needs tensors on a Neuron device.*got device type 'cpu'"):
         moe_swiglu_experts_mxfp8(**_bad(), backend="neuron")
-    with pytest.raises(NotImplementedError, match="does not run on a Neuron device in this release"):
-        MoESwiGLUExperts(4, 64, 32, backend="neuron")
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'emulate', 'simulator'\)"):
+    assert M.resolve_backend("auto", torch.device("cpu")) == "emulate"
+    assert MoESwiGLUExperts(4, 64, 32, backend="neuron").options["backend"] == "neuron"
+    with pytest.raises(ValueError, match=r"lnc must be None, 1 or 2, got 3"):
+        MoESwiGLUExperts(4, 64, 32, lnc=3)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'emulate', 'simulator', 'neuron'\)"):
         moe_swiglu_experts_mxfp8(**_bad(), backend="cuda")
 
 

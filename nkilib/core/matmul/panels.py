@@ -30,7 +30,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import round_up
+from ..kernel_helpers import kernel_assert, round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
                         SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
@@ -247,7 +247,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     t_hi = len(tiles) if t_hi < 0 else t_hi
     builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo)
     if op.k_axis == 1 and not op.prequantized:
-        assert (t_lo, t_hi) == (0, len(tiles)), "K-contiguous bf16 operands load whole panels"
+        kernel_assert((t_lo, t_hi) == (0, len(tiles)),
+                      f"K-contiguous bf16 operands load whole panels, got K tiles [{t_lo}, {t_hi}) of {len(tiles)}")
         for group in _natural_groups(tiles, setup):
             k_lo = tiles[group[0]][0]
             k_last, valid_last, padded_last = tiles[group[-1]]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import ceil_div, shard_range
+from ..kernel_helpers import ceil_div, kernel_assert, shard_range
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -332,7 +332,8 @@ class MatmulPlan(nl.NKIObject):
         if self.done >= hi:
             return
         if self.stream != None:  # noqa: E711
-            assert self.done == 0 and hi == len(self.order), "K-streamed plans run in one step"
+            kernel_assert(self.done == 0 and hi == len(self.order),
+                          f"K-streamed plans run in one step, got tiles [{self.done}, {hi}) of {len(self.order)}")
             self._run_streamed()
             return
         if self.accumulators == None:  # noqa: E711

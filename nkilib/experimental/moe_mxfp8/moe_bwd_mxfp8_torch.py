@@ -28,8 +28,12 @@ Backends (``backend=``):
     "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, LNC1) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
         bit-identical to "emulate"; scale_rule "neuron" only).
-    "auto": "emulate" (fast on any device).
-    "neuron": not in this release (NotImplementedError).
+    "neuron": the kernel on a Neuron device (moe_bwd_mxfp8_neuron.py), the stack chosen by the tensors'
+        device type like the dense op's: "neuron" -> TorchNeuron (ops registered with
+        ``torch_neuronx.nki_op`` + ``register_autograd``), "xla" -> PyTorch/XLA (an autograd.Function
+        calling ``moe_backward_mxfp8_nki[lnc]``); the LNC degree from NEURON_LOGICAL_NC_CONFIG
+        (nkilib/experimental/neuron_dispatch.py). UNTESTED on hardware; the dispatch is tested with stubs.
+    "auto": "neuron" for tensors on a Neuron / XLA device, else "emulate" (fast on any device).
 
 Input checks: shapes, dtypes and devices before the op (errors name the argument); the routing's
 values (ids in [0, E), no id twice in a token, finite weights) inside the op, on the actual data
@@ -37,7 +41,9 @@ values (ids in [0, E), no id twice in a token, finite weights) inside the op, on
 
 Registration: torch.library custom ops ``nkilib::moe_swiglu_experts_mxfp8`` (forward, autograd
 registered) and ``nkilib::moe_swiglu_experts_mxfp8_backward``, both with fake implementations, so the
-function works under torch.compile (fullgraph) and passes torch.library.opcheck.
+function works under torch.compile (fullgraph) and passes torch.library.opcheck. On TorchNeuron the same
+schemas are registered through ``nki_op`` (moe_bwd_mxfp8_neuron.torchneuron_ops) and reuse forward_impl,
+the fakes, setup_context and make_backward_formula from here.
 """
 from __future__ import annotations
 
@@ -49,33 +55,36 @@ from torch import Tensor, nn
 from ...core import options
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_neuron import kernel_kwargs
+from ..neuron_dispatch import NEURON_DEVICE_STACKS, kernel_kwargs, neuron_stack, resolve_neuron_lnc
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
                                                            check_numeric_options, resolve_checkpoint_policy)
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
+from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, register_torchneuron_ops_if_available, torchneuron_ops
 
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
 
-#: backend= values accepted in this release.
-BACKENDS = ("auto", "emulate", "simulator")
-#: Backends not in this release (the kernel on a Neuron device).
-UNAVAILABLE_BACKENDS = ("neuron",)
+#: backend= values accepted.
+BACKENDS = ("auto", "emulate", "simulator", "neuron")
+#: Backends accepted by name but not available (none: "neuron" runs the kernel on a Neuron device).
+UNAVAILABLE_BACKENDS = ()
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
-_NO_KERNEL = ("the NKI MoE kernel does not run on a Neuron device in this release; use backend='simulator' (the "
-              "kernel on the CPU simulator) or backend='emulate', the pure-torch implementation of exactly the "
-              "kernel's numerics")
 
 
-def resolve_backend(backend) -> str:
-    """'auto' -> 'emulate'; 'emulate' / 'simulator' as is; 'neuron' -> NotImplementedError; anything else ->
-    ValueError."""
-    if backend in UNAVAILABLE_BACKENDS:
-        raise NotImplementedError(f"moe_swiglu_experts_mxfp8: backend={backend!r} is not available: {_NO_KERNEL}")
+def resolve_backend(backend, device=None) -> str:
+    """'auto' -> 'neuron' for tensors on a Neuron / XLA `device`, else 'emulate'; the others as is;
+    anything else -> ValueError."""
     if backend not in BACKENDS:
         raise ValueError(f"moe_swiglu_experts_mxfp8: backend must be one of {BACKENDS}, got {backend!r}")
-    return "emulate" if backend == "auto" else backend
+    if backend != "auto":
+        return backend
+    return "neuron" if getattr(device, "type", None) in NEURON_DEVICE_STACKS else "emulate"
+
+
+def _check_lnc(lnc) -> None:
+    if lnc is not None and (isinstance(lnc, bool) or lnc not in (1, 2)):
+        raise ValueError(f"moe_swiglu_experts_mxfp8: lnc must be None, 1 or 2, got {lnc!r}")
 
 
 def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tuple:
@@ -172,7 +181,7 @@ def moe_swiglu_experts_mxfp8_backward_op(
     down_weight: Tensor, gate_pre: Optional[Tensor], gate_act: Optional[Tensor], up: Optional[Tensor],
     intermediate: Optional[Tensor], gate_lower: Optional[float], gate_upper: Optional[float],
     up_lower: Optional[float], up_upper: Optional[float], fp8_dtype: str, quant_scheme: str, matmul_precision: str,
-    scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str,
+    scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The MoE expert backward on [T, H] / [T, k] operands (reference.moe_backward_reference's meaning).
 
@@ -184,9 +193,15 @@ def moe_swiglu_experts_mxfp8_backward_op(
     if backend == "simulator":
         return _simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
                                    (gate_pre, gate_act, up, intermediate), (gate_lower, gate_upper, up_lower, up_upper),
-                                   fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size)
+                                   fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size,
+                                   lnc)
+    if backend == "neuron":
+        raise RuntimeError("nkilib::moe_swiglu_experts_mxfp8_backward does not run the Neuron path: "
+                           "moe_swiglu_experts_mxfp8 sends Neuron tensors to the nki_op registration (TorchNeuron) or "
+                           "the XLA autograd.Function (moe_bwd_mxfp8_neuron.py)")
     if backend != "emulate":
-        raise NotImplementedError(f"nkilib::moe_swiglu_experts_mxfp8_backward: backend={backend!r}: {_NO_KERNEL}")
+        raise ValueError(f"nkilib::moe_swiglu_experts_mxfp8_backward: backend must be 'emulate' or 'simulator' here, "
+                         f"got {backend!r}")
     outs = moe_backward_emulate(
         output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, gate_pre, gate_act, up,
         intermediate, block_size=block_size,
@@ -197,8 +212,8 @@ def moe_swiglu_experts_mxfp8_backward_op(
 
 
 def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg,
-                        block_size):
-    """moe_backward_mxfp8_nki on the NKI CPU simulator (LNC1): torch -> numpy, the block layout of the
+                        block_size, lnc):
+    """moe_backward_mxfp8_nki on the NKI CPU simulator (LNC `lnc`): torch -> numpy, the block layout of the
     routing, the kernel, numpy -> torch (outputs on dy's device)."""
     if scale_rule != "neuron":
         raise ValueError(f"scale_rule={scale_rule!r} is only available with backend='emulate'; the kernel (and so the "
@@ -212,22 +227,34 @@ def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme,
     t, k, n_i = ids.shape[0], ids.shape[1], w_gu.shape[1] // 2
     kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(t, k, n_i) for c in ckpts],
                        clamps, fp8, scheme, precision, wg)
-    outs = nki.simulate(moe_backward_mxfp8_nki)[1](
+    outs = nki.simulate(moe_backward_mxfp8_nki)[lnc](
         output_grad=_to_numpy(dy.to(torch.bfloat16)), hidden_states=_to_numpy(x.to(torch.bfloat16)),
         topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
         down_weight=_to_numpy(w_down.to(torch.bfloat16)), token_position_to_id=layout.token_position_to_id,
         token_position_to_slot=layout.token_position_to_slot, expert_block_offsets=layout.expert_block_offsets,
-        block_size=block_size, run_with_lnc2=False, **kw)
+        block_size=block_size, run_with_lnc2=lnc == 2, **kw)
     return tuple(_from_numpy(o, dy.device).contiguous() for o in outs)
 
 
-@moe_swiglu_experts_mxfp8_backward_op.register_fake
-def _backward_fake(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, *rest):
-    wg = getattr(torch, rest[-3])
+def backward_fake(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, *rest):
+    """Shapes / dtypes of the backward ops (CPU custom op and TorchNeuron nki_op)."""
+    wg = getattr(torch, rest[-4])  # rest ends with weight_grad_dtype, block_size, backend, lnc
     return (hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16),
             topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
             gate_up_weight.new_empty(gate_up_weight.shape, dtype=wg),
             down_weight.new_empty(down_weight.shape, dtype=wg))
+
+
+moe_swiglu_experts_mxfp8_backward_op.register_fake(backward_fake)
+
+
+def forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
+                 up_upper):
+    """Body of the forward ops: validates the routing's values, then (y [T, H] in x's dtype, gate_pre, gate_act,
+    up, intermediate [T, k, I] bf16)."""
+    _check_routing_values(topk_ids, topk_weights, gate_up_weight.shape[0])
+    return _forward_math(x, topk_ids, topk_weights, gate_up_weight, down_weight,
+                         (gate_lower, gate_upper, up_lower, up_upper))
 
 
 @torch.library.custom_op("nkilib::moe_swiglu_experts_mxfp8", mutates_args=())
@@ -235,27 +262,30 @@ def moe_swiglu_experts_mxfp8_op(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
     gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float], up_upper: Optional[float],
     fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str, weight_grad_dtype: str,
-    block_size: int, backend: str, save_gate_pre: bool, save_gate_act: bool, save_up: bool, save_intermediate: bool,
+    block_size: int, backend: str, lnc: int, save_gate_pre: bool, save_gate_act: bool, save_up: bool,
+    save_intermediate: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward on x [T, H], topk_ids / topk_weights [T, k]: (y [T, H] in x's dtype, gate_pre, gate_act, up,
     intermediate [T, k, I] bf16). Validates the routing's values first. The options after the clamps are
     carried for the backward; the save_* flags choose what the autograd formula keeps."""
-    _check_routing_values(topk_ids, topk_weights, gate_up_weight.shape[0])
-    return _forward_math(x, topk_ids, topk_weights, gate_up_weight, down_weight,
-                         (gate_lower, gate_upper, up_lower, up_upper))
+    return forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
+                        up_upper)
 
 
-@moe_swiglu_experts_mxfp8_op.register_fake
-def _forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
+def forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
+    """Shapes / dtypes of the forward ops (CPU custom op and TorchNeuron nki_op)."""
     t, k, n_i = x.shape[0], topk_ids.shape[1], gate_up_weight.shape[1] // 2
     ck = [x.new_empty((t, k, n_i), dtype=torch.bfloat16) for _ in CHECKPOINT_NAMES]
     return (x.new_empty((t, down_weight.shape[1])), *ck)
 
 
-_N_OPTIONS = 11  # clamps (4), fp8, scheme, precision, scale_rule, wg, block_size, backend
+moe_swiglu_experts_mxfp8_op.register_fake(forward_fake)
+
+_N_OPTIONS = 12  # clamps (4), fp8, scheme, precision, scale_rule, wg, block_size, backend, lnc
 
 
-def _setup_context(ctx, inputs, output):
+def setup_context(ctx, inputs, output):
+    """Autograd context of the forward ops: saves x, the routing, the weights and the kept checkpoints."""
     x, ids, w, w_gu, w_down = inputs[:5]
     keep = inputs[5 + _N_OPTIONS:]
     _, *ckpts = output
@@ -264,16 +294,27 @@ def _setup_context(ctx, inputs, output):
     ctx.options = inputs[5:5 + _N_OPTIONS]
 
 
-def _backward(ctx, grad_y, *unused_checkpoint_grads):
-    x, ids, w, w_gu, w_down, *ckpts = ctx.saved_tensors
-    bf = torch.bfloat16
-    dx, d_w, dw_gu, dw_down = moe_swiglu_experts_mxfp8_backward_op(
-        grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf), *ckpts, *ctx.options)
-    grads = (dx.to(x.dtype), None, d_w.to(w.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype))
-    return grads + (None,) * (_N_OPTIONS + len(CHECKPOINT_NAMES))
+def make_backward_formula(backward_op):
+    """The register_autograd backward of a forward op, calling `backward_op` (the CPU custom op, or the
+    TorchNeuron nki_op whose body is the kernel)."""
+
+    def backward(ctx, grad_y, *unused_checkpoint_grads):
+        x, ids, w, w_gu, w_down, *ckpts = ctx.saved_tensors
+        bf = torch.bfloat16
+        dx, d_w, dw_gu, dw_down = backward_op(
+            grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf), *ckpts, *ctx.options)
+        grads = (dx.to(x.dtype), None, d_w.to(w.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype))
+        return grads + (None,) * (_N_OPTIONS + len(CHECKPOINT_NAMES))
+
+    return backward
 
 
-moe_swiglu_experts_mxfp8_op.register_autograd(_backward, setup_context=_setup_context)
+moe_swiglu_experts_mxfp8_op.register_autograd(make_backward_formula(moe_swiglu_experts_mxfp8_backward_op),
+                                              setup_context=setup_context)
+
+# TorchNeuron: register the nki_op ops at import (no-op where torch_neuronx or its nki_op is missing), so that
+# torch.compile never traces a registration (as the dense op does).
+register_torchneuron_ops_if_available()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,7 +325,8 @@ moe_swiglu_experts_mxfp8_op.register_autograd(_backward, setup_context=_setup_co
 def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
-                             scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto") -> Tensor:
+                             scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
+                             lnc=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -306,25 +348,40 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         scale_rule: "neuron" (quantize_mx's rule, default), "rceil" or "ocp_floor" (studies).
         block_size: B of the kernel's block layout (multiple of 128, <= 512); fixes the order of the
             weight-gradient sums.
-        backend: "auto" (= "emulate"), "emulate" or "simulator" ("neuron": NotImplementedError in this release).
+        backend: "auto", "emulate", "simulator" or "neuron" (module docstring).
+        lnc: the kernel's LNC degree: None (simulator: 1; neuron: NEURON_LOGICAL_NC_CONFIG, unset = 1), 1 or 2
+            (neuron: must equal NEURON_LOGICAL_NC_CONFIG). Unused by "emulate".
 
     Returns:
         y [..., H] in x's dtype.
 
     Raises:
         TypeError / ValueError: wrong types, shapes, dtypes, devices, option values, routing values
-            (ids out of range, negative or repeated within a token; non-finite weights).
-        NotImplementedError: backend "neuron" (not in this release).
+            (ids out of range, negative or repeated within a token; non-finite weights), an lnc that
+            contradicts NEURON_LOGICAL_NC_CONFIG.
+        RuntimeError: backend "neuron" off a Neuron / XLA device or without its torch stack.
     """
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
-    resolved = resolve_backend(backend)
+    resolved = resolve_backend(backend, x.device)
+    _check_lnc(lnc)
     keep = resolve_checkpoint_policy(checkpoint)
     clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
-    y2, *_ = moe_swiglu_experts_mxfp8_op(
-        x.reshape(t, h), topk_ids.reshape(t, k), topk_weights.reshape(t, k), gate_up_weight, down_weight, *clamps,
-        fp8, quant_scheme, matmul_precision, scale_rule, wg, b, resolved, *keep)
+    stack = None
+    if resolved == "neuron":
+        stack = neuron_stack(x.device)
+        lnc = resolve_neuron_lnc(lnc)
+    elif lnc is None:
+        lnc = 1
+    args = (x.reshape(t, h), topk_ids.reshape(t, k), topk_weights.reshape(t, k), gate_up_weight, down_weight)
+    if stack == "xla":
+        y2 = XlaMoESwiGLUExperts.apply(*args, clamps, (fp8, quant_scheme, matmul_precision, scale_rule, wg, b, lnc),
+                                       keep)
+    else:
+        forward_op = torchneuron_ops()[0] if stack == "torchneuron" else moe_swiglu_experts_mxfp8_op
+        y2, *_ = forward_op(*args, *clamps, fp8, quant_scheme, matmul_precision, scale_rule, wg, b, resolved, lnc,
+                            *keep)
     return y2.reshape(x.shape)
 
 
@@ -339,7 +396,7 @@ class MoESwiGLUExperts(nn.Module):
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype, matmul_precision,
-            scale_rule, block_size: as in ``moe_swiglu_experts_mxfp8``.
+            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8``.
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -348,7 +405,7 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, checkpoint="all",
                  backend="auto", clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
                  weight_grad_dtype=None, matmul_precision="mxfp8", scale_rule="neuron",
-                 block_size: int = DEFAULT_BLOCK_SIZE, device=None, dtype=None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, device=None, dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -357,11 +414,12 @@ class MoESwiGLUExperts(nn.Module):
                 raise ValueError(f"MoESwiGLUExperts: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
         resolve_checkpoint_policy(checkpoint)  # fail at construction, not at the first forward
         resolve_backend(backend)
+        _check_lnc(lnc)
         routing.check_block_size(block_size)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.options = dict(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits, fp8_dtype=fp8_dtype,
                             quant_scheme=quant_scheme, weight_grad_dtype=weight_grad_dtype,
-                            matmul_precision=matmul_precision, scale_rule=scale_rule, block_size=block_size)
+                            matmul_precision=matmul_precision, scale_rule=scale_rule, block_size=block_size, lnc=lnc)
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))

@@ -21,7 +21,9 @@ Operand roles (every matmul operand of the kernel, `Kp` = K rounded up to 128):
 | dY, phase 1 (K=H)                | output_grad + output_grad_scales (pre-quantized [S, Hp/4]); output_grad    |
 | X, recompute (K=H)               | hidden_states + hidden_states_scales; hidden_states                         |
 | W_down, phase 1 (K=H)            | down_weight_T + scales; down_proj_weight [H, I]; down_weight_T bf16 [I, H] |
-| W_gu, phase 2 (K=2I)             | gate_up_weight_T + scales; gate_up_weights [2I, H]; gate_up_weight_T [H, 2I]|
+| W_gu, phase 2 (K=2I)             | gate_up_weight_T + scales; gate_proj_weight_T + gate_weight_scales with    |
+|                                  | up_proj_weight_T + up_weight_scales (halves along I, fused in private HBM);|
+|                                  | gate_up_weights [2I, H]; gate_up_weight_T [H, 2I]                          |
 | W_gate / W_up, recompute (K=H)   | gate_up_weights (+ gate_up_weights_scales); gate_proj_weight_T /           |
 |                                  | up_proj_weight_T [H, I]; gate_up_weight_T [H, 2I]                          |
 | X, phase 3 (K=S)                 | hidden_states_T + scales; hidden_states [S, H]; hidden_states_T bf16 [H, S]|
@@ -32,9 +34,11 @@ hidden_states [S, H] is cheaper than hidden_states_T [H, S] for phase 3. hidden_
 pre-quantized) is validated and not read: phase 4 reads the intermediate [S, I] (`intermediate` /
 `hidden`, or phase 1's recomputed one), which needs no transposes. The scratch buffers are validated
 (shape) and not used: the kernel allocates only the HBM scratch it needs. gate_proj_weight_T /
-up_proj_weight_T pre-quantized along I (gate_weight_scales / up_weight_scales, the reference's phase-2
-operands) are rejected: our phase 2 contracts over 2I with one operand; pre-quantize W_gu^T [H, 2I]
-along 2I and pass it as gate_up_weight_T + gate_up_weight_T_scales.
+up_proj_weight_T pre-quantized along I (gate_weight_scales / up_weight_scales with their *_is_swizzled flags,
+the reference's phase-2 operands; both or neither) feed phase 2, which contracts over 2I with one operand:
+each program copies the two halves' bytes side by side into W_gu^T [H, 2I] pre-quantized along 2I in its
+private HBM (_fuse_halves; no dequantize / requantize). That is the same quantization for "1x32" (groups of
+32 consecutive elements) and for "wrapX" when I % 512 == 0; wrapX with another I is rejected.
 
 Pre-quantized operand ("MX operand" of a logical [F, K] matrix A quantized along K; reference.prequantize
 builds both layouts): K zero-padded to Kp; elements MX-quantized in groups of 32 along K exactly as
@@ -70,7 +74,7 @@ import nki.language as nl
 
 from ....core.kernel_helpers import kernel_assert, round_up
 from .config import MatmulConfig, MlpBwdMatmulConfig, TensorDescriptor, max_n_tile
-from .constants import MX_GROUP, MX_K_ALIGN, MX_K_TILE, MX_PACK, N_TILE
+from .constants import MX_GROUP, MX_K_ALIGN, MX_K_TILE, MX_PACK, N_TILE, PARTITIONS
 
 WORD_DTYPES = ("uint32", "float8_e4m3fn_x4", "float8_e5m2_x4")
 SCALE_DTYPES = ("uint8", "float8_e8m0fnu")
@@ -101,7 +105,7 @@ class MlpBwdOperands(nl.NKIObject):
 
 
 def check_2d(name, t, shape, dtypes):
-    """t is a 2-D tensor of `shape` with a dtype named in `dtypes` (else KernelInputError naming `name`)."""
+    """t is a 2-D tensor of `shape` with a dtype named in `dtypes` (else AssertionError naming `name`)."""
     kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
     kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
     kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
@@ -166,6 +170,58 @@ def _unswizzle(words, scales, f, kp, scheme):
         nisa.dma_copy(dst=dst[:, k0:k0 + T], src=src.ap(pattern=pattern, offset=k0 * f))
     nisa.dma_copy(dst=out_scales[:, :], src=scales.ap(pattern=[[1, f], [f, kp // MX_GROUP]], offset=0))
     return out_words, out_scales
+
+
+def _prequantized_halves(a, fused_given, H, I, scheme):
+    """[(words name, scales name)] of the API reference's pre-quantized phase-2 halves gate_proj_weight_T /
+    up_proj_weight_T (W_gate^T, W_up^T [H, I] quantized along I, gate_weight_scales / up_weight_scales), or []
+    when neither scales tensor is given. Both halves or none; not with a pre-quantized gate_up_weight_T."""
+    names = (("gate_proj_weight_T", "gate_weight_scales"), ("up_proj_weight_T", "up_weight_scales"))
+    given = [sn for n, sn in names if a[sn] is not None]
+    if not given:
+        return []
+    kernel_assert(len(given) == 2, f"{given[0]} is given without {'up' if given[0][0] == 'g' else 'gate'}"
+                                   "_weight_scales: phase 2 reads W_gate^T and W_up^T as one operand, pass both "
+                                   "halves pre-quantized along I (or neither)")
+    kernel_assert(not fused_given, "gate_up_weight_T_scales and gate_weight_scales / up_weight_scales both give a "
+                                   "pre-quantized phase-2 W_gu^T: pass one of them")
+    kernel_assert(scheme == "1x32" or I % MX_K_TILE == 0,
+                  f"gate_weight_scales / up_weight_scales with quant_scheme='wrapX' need I % {MX_K_TILE} == 0, got "
+                  f"I={I}: wrapX groups stride across each {MX_K_TILE}-wide K tile of 2I, so halves quantized along I "
+                  "are a different quantization; pass gate_up_weight_T [H, 2I] pre-quantized along 2I "
+                  "(reference.prequantize(W_gu.T, quant_scheme='wrapX')) with gate_up_weight_T_scales")
+    return list(names)
+
+
+def _fuse_halves(halves, f, i):
+    """Phase 2's W_gu^T [H, 2I] pre-quantized along 2I, assembled in this program's private HBM from the two
+    halves [H, I] pre-quantized along I (descriptors of unswizzled words [H, Ip/4] + scales [H, Ip/32]).
+
+    Halves quantized along I are the fused operand's quantization whenever the MX groups of 2I never span the
+    gate/up boundary and group each half alike: "1x32" groups are 32 consecutive elements (I is a multiple of
+    32); "wrapX" groups depend on the 512-wide K tiles, which coincide when I % 512 == 0 (checked by
+    _prequantized_halves). So the fused codes and scales are the halves' own bytes side by side: word columns
+    [0, I/4) of each half, scale columns [0, I/32), then zero codes (and scale byte 0) up to Kp = 2I rounded up
+    to 128. No values are dequantized or requantized; the copies are HBM->HBM DMAs (correct, not faster).
+    """
+    kp = round_up(2 * i, MX_K_ALIGN)
+    words = nl.ndarray((f, kp // MX_PACK), dtype=nl.uint32, buffer=nl.private_hbm)
+    scales = nl.ndarray((f, kp // MX_GROUP), dtype=nl.uint8, buffer=nl.private_hbm)
+    wi, si = i // MX_PACK, i // MX_GROUP
+    for half in range(2):
+        nisa.dma_copy(dst=words[:, half * wi:(half + 1) * wi], src=halves[half].tensor[:, 0:wi])
+        nisa.dma_copy(dst=scales[:, half * si:(half + 1) * si], src=halves[half].scales[:, 0:si])
+    pad_words, pad_scales = kp // MX_PACK - 2 * wi, kp // MX_GROUP - 2 * si
+    if pad_words > 0:
+        zero_words = nl.ndarray((PARTITIONS, pad_words), dtype=nl.uint32, buffer=nl.sbuf)
+        zero_scales = nl.ndarray((PARTITIONS, pad_scales), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.memset(dst=zero_words, value=0)
+        nisa.memset(dst=zero_scales, value=0)
+        for f0 in range(0, f, PARTITIONS):
+            rows = min(PARTITIONS, f - f0)
+            nisa.dma_copy(dst=words[f0:f0 + rows, 2 * wi:], src=zero_words[:rows, :])
+            nisa.dma_copy(dst=scales[f0:f0 + rows, 2 * si:], src=zero_scales[:rows, :])
+    return TensorDescriptor(words, k_axis=1, scales=scales)
 
 
 def _first(prequantized, bf16, k_axis):
@@ -244,20 +300,19 @@ def resolve_operands(a, scheme, mx):
         "hidden_states_T": pq("hidden_states_T", x_t, a["hidden_states_T_scales"], H, S),
         "hidden_T": pq("hidden_T", a["hidden_T"], a["hidden_T_scales"], I, S, read=False),  # validated only
     }
-    given = [k for k in pre if pre[k] is not None]
+    halves = _prequantized_halves(a, pre["gate_up_weight_T"] is not None, H, I, scheme)
+    given = [k for k in pre if pre[k] is not None] + (["gate_proj_weight_T", "up_proj_weight_T"] if halves else [])
     kernel_assert(mx or not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got 'bf16'")
-    for name in ("gate_proj_weight_T", "up_proj_weight_T"):
-        scale_name = "gate_weight_scales" if name.startswith("gate") else "up_weight_scales"
-        kernel_assert(a[scale_name] is None,
-                      f"{scale_name} (pre-quantized {name} along I) is not supported: phase 2 contracts over 2I "
-                      "with one operand; pass gate_up_weight_T [H, 2I] pre-quantized along 2I with "
-                      "gate_up_weight_T_scales (reference.prequantize(W_gu.T)) instead")
+    if halves:
+        pre["gate_up_weight_T"] = _fuse_halves([pq(n, a[n], a[sn], H, I) for n, sn in halves], H, I)
+    gate_t_bf16 = None if halves else a["gate_proj_weight_T"]
+    up_t_bf16 = None if halves else a["up_proj_weight_T"]
 
     # ---- bf16 tensors (shape and dtype checked where read) ----
     dy_bf16 = dy if pre["output_grad"] is None else None
     x_bf16 = x if pre["hidden_states"] is None else None
     gu_bf16 = gu if pre["gate_up_weights"] is None else None
-    gu_t_bf16 = gu_t if pre["gate_up_weight_T"] is None else None
+    gu_t_bf16 = gu_t if a["gate_up_weight_T_scales"] is None else None  # (the halves leave it bf16 for recompute)
     down_t_bf16 = down_t if pre["down_weight_T"] is None else None
     x_t_bf16 = x_t if pre["hidden_states_T"] is None else None
     dy_t_bf16 = dy_t if pre["output_grad_T"] is None else None
@@ -291,9 +346,9 @@ def resolve_operands(a, scheme, mx):
     elif gu_bf16 is not None:
         gate_w, up_w = (TensorDescriptor(gu_bf16, k_axis=1, f_base=0, f_size=I),
                         TensorDescriptor(gu_bf16, k_axis=1, f_base=I, f_size=I))
-    elif a["gate_proj_weight_T"] is not None or a["up_proj_weight_T"] is not None:
-        gate_w = _bf16_td("gate_proj_weight_T", a["gate_proj_weight_T"], (H, I), 0)
-        up_w = _bf16_td("up_proj_weight_T", a["up_proj_weight_T"], (H, I), 0)
+    elif gate_t_bf16 is not None or up_t_bf16 is not None:
+        gate_w = _bf16_td("gate_proj_weight_T", gate_t_bf16, (H, I), 0)
+        up_w = _bf16_td("up_proj_weight_T", up_t_bf16, (H, I), 0)
     elif gu_t_bf16 is not None:
         gate_w, up_w = (TensorDescriptor(gu_t_bf16, k_axis=0, f_base=0, f_size=I),
                         TensorDescriptor(gu_t_bf16, k_axis=0, f_base=I, f_size=I))
@@ -313,8 +368,7 @@ def resolve_operands(a, scheme, mx):
     for name, t, shape in (("down_weight_T", down_t_bf16, (I, H)), ("gate_up_weight_T", gu_t_bf16, (H, 2 * I)),
                            ("hidden_states_T", x_t_bf16, (H, S)), ("output_grad_T", dy_t_bf16, (H, S)),
                            ("gate_up_weights", gu_bf16, (2 * I, H)), ("down_proj_weight", w_down, (H, I)),
-                           ("gate_proj_weight_T", a["gate_proj_weight_T"], (H, I)),
-                           ("up_proj_weight_T", a["up_proj_weight_T"], (H, I))):
+                           ("gate_proj_weight_T", gate_t_bf16, (H, I)), ("up_proj_weight_T", up_t_bf16, (H, I))):
         if t is not None:
             check_2d(name, t, shape, ("bfloat16",))
     if pre["hidden_T"] is None and a["hidden_T"] is not None:

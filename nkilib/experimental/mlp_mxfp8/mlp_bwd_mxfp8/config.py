@@ -1,6 +1,12 @@
 """Immutable configuration and operand descriptors of the MLP backward kernels.
 
 Nothing here is mutated after construction: resolution functions return new objects.
+
+The config objects (ClampLimits, MatmulConfig, MlpBwdMatmulConfig) check their fields when constructed,
+which users do on the host before the launch: a bad field raises nkilib.core.options.OptionError (a
+ValueError). Inside the traced kernel they are only built from values already checked with kernel_assert
+(AssertionError), so those raises cannot fire there; the resolve_* functions run in the traced body and use
+kernel_assert (docs/kernel-structure.md, "raising exceptions").
 """
 from __future__ import annotations
 
@@ -10,10 +16,10 @@ from dataclasses import dataclass
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import KernelInputError, kernel_assert
+from ....core.kernel_helpers import kernel_assert
 from ....core.matmul.descriptor import MatmulSetup
 from ....core.matmul.descriptor import TensorDescriptor  # noqa: F401  (re-exported: the kernel's public name)
-from ....core.options import clamp_values, kernel_numerics
+from ....core.options import clamp_values, host_fail, kernel_numerics
 from .constants import (M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE, PSUM_BANK_BYTES,
                         PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS)
 
@@ -58,9 +64,9 @@ class MatmulConfig(nl.NKIObject):
 
     def __post_init__(self):
         if not (_is_int(self.m_tile) and 2 <= self.m_tile <= M_TILE and self.m_tile % 2 == 0):
-            raise KernelInputError(f"MatmulConfig.m_tile must be an even int in [2, {M_TILE}], got {self.m_tile!r}")
+            host_fail(f"MatmulConfig.m_tile must be an even int in [2, {M_TILE}], got {self.m_tile!r}")
         if not (_is_int(self.n_tile) and 1 <= self.n_tile <= N_TILE_MAX):
-            raise KernelInputError(f"MatmulConfig.n_tile must be an int in [1, {N_TILE_MAX}], got {self.n_tile!r}")
+            host_fail(f"MatmulConfig.n_tile must be an int in [1, {N_TILE_MAX}], got {self.n_tile!r}")
 
 
 def _is_int(v) -> bool:
@@ -80,7 +86,7 @@ class MlpBwdMatmulConfig(nl.NKIObject):
         for name in PHASES:
             v = getattr(self, name)
             if v is not None and not isinstance(v, MatmulConfig):
-                raise KernelInputError(f"MlpBwdMatmulConfig.{name} must be a MatmulConfig or None, got {v!r}")
+                host_fail(f"MlpBwdMatmulConfig.{name} must be a MatmulConfig or None, got {v!r}")
 
 
 PHASES = ("phase1", "phase2", "phase3", "phase4")

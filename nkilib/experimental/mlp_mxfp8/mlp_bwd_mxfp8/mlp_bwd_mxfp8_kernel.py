@@ -477,7 +477,8 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
         defines the layouts: unswizzled words [F, Kp/4] + scales [F, Kp/32], or `*_is_swizzled`:
         [Kp/4, F] + [Kp/32, F]; Kp = K rounded up to 128; reference.prequantize makes both).
         output_grad, hidden_states and gate_up_weights are pre-quantized along H with output_grad_scales,
-        hidden_states_scales, gate_up_weights_scales. Which tensor each matmul reads: api.py's table.
+        hidden_states_scales, gate_up_weights_scales; gate_proj_weight_T / up_proj_weight_T along I with
+        gate_weight_scales / up_weight_scales (phase 2, both halves). Which tensor each matmul reads: api.py's table.
 
     Args:
         gate_pre, gate_act, up, intermediate: any subset may be None; only what is missing is recomputed.
@@ -511,12 +512,10 @@ def mlp_backward_mxfp8_nki(output_grad=None, hidden_states=None, down_proj_weigh
     swizzled = dict(output_grad=output_grad_is_swizzled, hidden_states=hidden_states_is_swizzled,
                     down_weight_T=down_weight_is_swizzled, gate_up_weight_T=gate_up_weight_T_is_swizzled,
                     gate_up_weights=gate_up_weights_is_swizzled, output_grad_T=output_grad_T_is_swizzled,
-                    hidden_states_T=hidden_states_T_is_swizzled, hidden_T=hidden_T_is_swizzled)
+                    hidden_states_T=hidden_states_T_is_swizzled, hidden_T=hidden_T_is_swizzled,
+                    gate_proj_weight_T=gate_weight_is_swizzled, up_proj_weight_T=up_weight_is_swizzled)
     for name in swizzled:
         kernel_assert(isinstance(swizzled[name], bool), f"{name}_is_swizzled must be a bool, got {swizzled[name]!r}")
-    kernel_assert(not gate_weight_is_swizzled and not up_weight_is_swizzled,
-                  "gate_weight_is_swizzled / up_weight_is_swizzled: pre-quantized gate_proj_weight_T / "
-                  "up_proj_weight_T are not supported (see api.py); pass gate_up_weight_T pre-quantized along 2I")
     ops = resolve_operands(dict(
         output_grad=output_grad, output_hidden_states_grad=output_hidden_states_grad, hidden_states=hidden_states,
         down_proj_weight=down_proj_weight, gate_up_weights=gate_up_weights, gate_up_weight_T=gate_up_weight_T,
