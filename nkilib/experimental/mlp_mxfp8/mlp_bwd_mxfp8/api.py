@@ -101,12 +101,12 @@ class MlpBwdOperands(nl.NKIObject):
 
     @property
     def recompute(self) -> bool:
-        return self.gate_pre is None or self.up is None
+        return self.gate_pre == None or self.up == None  # noqa: E711
 
 
 def check_2d(name, t, shape, dtypes):
     """t is a 2-D tensor of `shape` with a dtype named in `dtypes` (else AssertionError naming `name`)."""
-    kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
+    kernel_assert(t != None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")  # noqa: E711
     kernel_assert(len(t.shape) == 2, f"{name} must be 2-D {list(shape)}, got shape {tuple(t.shape)}")
     kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
@@ -114,9 +114,9 @@ def check_2d(name, t, shape, dtypes):
 
 def _alias(name_a, a, name_b, b):
     """The one of two names for the same tensor that was given (release name, API-reference name)."""
-    kernel_assert(a is None or b is None,
+    kernel_assert(a == None or b == None,  # noqa: E711
                   f"{name_a} and {name_b} name the same tensor (nki-library release / API reference); pass one")
-    return a if a is not None else b
+    return a if a != None else b  # noqa: E711
 
 
 def _rank2(name, t, what):
@@ -126,14 +126,14 @@ def _rank2(name, t, what):
 
 
 def prequantized_td(name, words, scales, f, k, swizzled, scheme, read=True):
-    """Descriptor of a pre-quantized [F, K] operand (module docstring), or None when `scales` is None.
+    """Descriptor of a pre-quantized [F, K] operand (module docstring), or None when `scales` == None.  # noqa: E711
 
     Swizzled operands are first converted into this program's private HBM (unswizzle) when `read`;
     read=False only validates (an operand the kernel does not read)."""
-    if scales is None:
+    if scales == None:  # noqa: E711
         kernel_assert(not swizzled, f"{name}_is_swizzled=True needs the pre-quantized scales of {name}")
         return None
-    kernel_assert(words is not None, f"{name}_scales is given but {name} is None: pass the x4 words too")
+    kernel_assert(words != None, f"{name}_scales is given but {name} is None: pass the x4 words too")  # noqa: E711
     kp = round_up(k, MX_K_ALIGN)
     wshape = (kp // MX_PACK, f) if swizzled else (f, kp // MX_PACK)
     sshape = (kp // MX_GROUP, f) if swizzled else (f, kp // MX_GROUP)
@@ -177,7 +177,7 @@ def _prequantized_halves(a, fused_given, H, I, scheme):
     up_proj_weight_T (W_gate^T, W_up^T [H, I] quantized along I, gate_weight_scales / up_weight_scales), or []
     when neither scales tensor is given. Both halves or none; not with a pre-quantized gate_up_weight_T."""
     names = (("gate_proj_weight_T", "gate_weight_scales"), ("up_proj_weight_T", "up_weight_scales"))
-    given = [sn for n, sn in names if a[sn] is not None]
+    given = [sn for n, sn in names if a[sn] != None]  # noqa: E711
     if not given:
         return []
     kernel_assert(len(given) == 2, f"{given[0]} is given without {'up' if given[0][0] == 'g' else 'gate'}"
@@ -226,9 +226,9 @@ def _fuse_halves(halves, f, i):
 
 def _first(prequantized, bf16, k_axis):
     """The pre-quantized descriptor when given, else a descriptor of the bf16 tensor (or None)."""
-    if prequantized is not None:
+    if prequantized != None:  # noqa: E711
         return prequantized
-    return TensorDescriptor(bf16, k_axis=k_axis) if bf16 is not None else None
+    return TensorDescriptor(bf16, k_axis=k_axis) if bf16 != None else None  # noqa: E711
 
 
 def _bf16_td(name, t, shape, k_axis, f_base=0, f_size=-1):
@@ -248,7 +248,7 @@ def resolve_operands(a, scheme, mx):
     x_t, dy_t = a["hidden_states_T"], a["output_grad_T"]
     sw = a["is_swizzled"]
     w_down = a["down_proj_weight"]
-    same = (w_down is not None and gu is not None and hasattr(gu, "shape") and hasattr(w_down, "shape")
+    same = (w_down != None and gu != None and hasattr(gu, "shape") and hasattr(w_down, "shape")  # noqa: E711
             and tuple(gu.shape) == tuple(w_down.shape))
     kernel_assert(not same,
                   f"gate_up_weights [2I, H] has down_proj_weight's shape [H, I] {list(getattr(gu, 'shape', ()))}: "
@@ -257,29 +257,29 @@ def resolve_operands(a, scheme, mx):
                   "keyword")
 
     # ---- S, H from a bf16 dY or X (else S from pre-quantized dY rows, H from a bf16 tensor); I from a weight ----
-    dy_pq, x_pq = a["output_grad_scales"] is not None, a["hidden_states_scales"] is not None
-    if dy is not None and not dy_pq:
+    dy_pq, x_pq = a["output_grad_scales"] != None, a["hidden_states_scales"] != None  # noqa: E711
+    if dy != None and not dy_pq:  # noqa: E711
         S, H = _rank2("output_grad", dy, "[S, H]")
-    elif x is not None and not x_pq:
+    elif x != None and not x_pq:  # noqa: E711
         S, H = _rank2("hidden_states", x, "[S, H]")
     else:
-        kernel_assert(dy is not None, "output_grad (or output_hidden_states_grad) [S, H] is required")
+        kernel_assert(dy != None, "output_grad (or output_hidden_states_grad) [S, H] is required")  # noqa: E711
         S = _rank2("output_grad", dy, "[S, Hp/4] words")[1 if sw["output_grad"] else 0]
         H = None
         for name, t, axis in (("down_proj_weight", a["down_proj_weight"], 0), ("gate_up_weights", gu, 1),
                               ("output_grad_T", dy_t, 0), ("hidden_states_T", x_t, 0),
                               ("gate_proj_weight_T", a["gate_proj_weight_T"], 0)):
-            if H is None and t is not None and str(t.dtype) == "bfloat16":
+            if H == None and t != None and str(t.dtype) == "bfloat16":  # noqa: E711
                 H = _rank2(name, t, "bf16")[axis]
-        kernel_assert(H is not None, "output_grad and hidden_states are pre-quantized: H is read from a bf16 "
+        kernel_assert(H != None, "output_grad and hidden_states are pre-quantized: H is read from a bf16 "  # noqa: E711
                                      "down_proj_weight, gate_up_weights, output_grad_T or hidden_states_T; none given")
-    if a["down_proj_weight"] is not None:
+    if a["down_proj_weight"] != None:  # noqa: E711
         I = _rank2("down_proj_weight", a["down_proj_weight"], "[H, I]")[1]
-    elif gu is not None and a["gate_up_weights_scales"] is None:
+    elif gu != None and a["gate_up_weights_scales"] == None:  # noqa: E711
         I = _rank2("gate_up_weights", gu, "[2I, H]")[0] // 2
-    elif down_t is not None:
+    elif down_t != None:  # noqa: E711
         shape = _rank2("down_weight_T", down_t, "[I, H]")
-        I = shape[1] if (down_t_scales is not None and sw["down_weight_T"]) else shape[0]
+        I = shape[1] if (down_t_scales != None and sw["down_weight_T"]) else shape[0]  # noqa: E711
     else:
         kernel_assert(False, "down_proj_weight [H, I] (or down_weight_T [I, H], bf16 or pre-quantized with "
                              "down_weight_T_scales) is required")
@@ -300,8 +300,8 @@ def resolve_operands(a, scheme, mx):
         "hidden_states_T": pq("hidden_states_T", x_t, a["hidden_states_T_scales"], H, S),
         "hidden_T": pq("hidden_T", a["hidden_T"], a["hidden_T_scales"], I, S, read=False),  # validated only
     }
-    halves = _prequantized_halves(a, pre["gate_up_weight_T"] is not None, H, I, scheme)
-    given = [k for k in pre if pre[k] is not None] + (["gate_proj_weight_T", "up_proj_weight_T"] if halves else [])
+    halves = _prequantized_halves(a, pre["gate_up_weight_T"] != None, H, I, scheme)  # noqa: E711
+    given = [k for k in pre if pre[k] != None] + (["gate_proj_weight_T", "up_proj_weight_T"] if halves else [])  # noqa: E711
     kernel_assert(mx or not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got 'bf16'")
     if halves:
         pre["gate_up_weight_T"] = _fuse_halves([pq(n, a[n], a[sn], H, I) for n, sn in halves], H, I)
@@ -309,59 +309,59 @@ def resolve_operands(a, scheme, mx):
     up_t_bf16 = None if halves else a["up_proj_weight_T"]
 
     # ---- bf16 tensors (shape and dtype checked where read) ----
-    dy_bf16 = dy if pre["output_grad"] is None else None
-    x_bf16 = x if pre["hidden_states"] is None else None
-    gu_bf16 = gu if pre["gate_up_weights"] is None else None
-    gu_t_bf16 = gu_t if a["gate_up_weight_T_scales"] is None else None  # (the halves leave it bf16 for recompute)
-    down_t_bf16 = down_t if pre["down_weight_T"] is None else None
-    x_t_bf16 = x_t if pre["hidden_states_T"] is None else None
-    dy_t_bf16 = dy_t if pre["output_grad_T"] is None else None
-    if dy_bf16 is not None:
+    dy_bf16 = dy if pre["output_grad"] == None else None  # noqa: E711
+    x_bf16 = x if pre["hidden_states"] == None else None  # noqa: E711
+    gu_bf16 = gu if pre["gate_up_weights"] == None else None  # noqa: E711
+    gu_t_bf16 = gu_t if a["gate_up_weight_T_scales"] == None else None  # noqa: E711 (the halves leave it bf16 for recompute)
+    down_t_bf16 = down_t if pre["down_weight_T"] == None else None  # noqa: E711
+    x_t_bf16 = x_t if pre["hidden_states_T"] == None else None  # noqa: E711
+    dy_t_bf16 = dy_t if pre["output_grad_T"] == None else None  # noqa: E711
+    if dy_bf16 != None:  # noqa: E711
         check_2d("output_grad", dy_bf16, (S, H), ("bfloat16",))
-    if x_bf16 is not None:
+    if x_bf16 != None:  # noqa: E711
         check_2d("hidden_states", x_bf16, (S, H), ("bfloat16",))
 
     dy_k_h = _first(pre["output_grad"], dy_bf16, 1)
-    kernel_assert(dy_k_h is not None, "output_grad (or output_hidden_states_grad) [S, H] is required")
+    kernel_assert(dy_k_h != None, "output_grad (or output_hidden_states_grad) [S, H] is required")  # noqa: E711
     x_k_h = _first(pre["hidden_states"], x_bf16, 1)
 
     down = pre["down_weight_T"]
-    if down is None and a["down_proj_weight"] is not None:
+    if down == None and a["down_proj_weight"] != None:  # noqa: E711
         down = _bf16_td("down_proj_weight", a["down_proj_weight"], (H, I), 0)
-    if down is None and down_t_bf16 is not None:
+    if down == None and down_t_bf16 != None:  # noqa: E711
         down = _bf16_td("down_weight_T", down_t_bf16, (I, H), 1)
 
     gate_up = pre["gate_up_weight_T"]
-    if gate_up is None and gu_bf16 is not None:
+    if gate_up == None and gu_bf16 != None:  # noqa: E711
         gate_up = _bf16_td("gate_up_weights", gu_bf16, (2 * I, H), 0)
-    if gate_up is None and gu_t_bf16 is not None:
+    if gate_up == None and gu_t_bf16 != None:  # noqa: E711
         gate_up = _bf16_td("gate_up_weight_T", gu_t_bf16, (H, 2 * I), 1)
-    kernel_assert(gate_up is not None,
+    kernel_assert(gate_up != None,  # noqa: E711
                   "phase 2 needs W_gu: pass gate_up_weights [2I, H] in bf16, or gate_up_weight_T [H, 2I] (bf16, or "
                   "pre-quantized along 2I with gate_up_weight_T_scales)")
 
     gate_w = up_w = None
-    if pre["gate_up_weights"] is not None:
+    if pre["gate_up_weights"] != None:  # noqa: E711
         gate_w, up_w = pre["gate_up_weights"].window(0, I), pre["gate_up_weights"].window(I, I)
-    elif gu_bf16 is not None:
+    elif gu_bf16 != None:  # noqa: E711
         gate_w, up_w = (TensorDescriptor(gu_bf16, k_axis=1, f_base=0, f_size=I),
                         TensorDescriptor(gu_bf16, k_axis=1, f_base=I, f_size=I))
-    elif gate_t_bf16 is not None or up_t_bf16 is not None:
+    elif gate_t_bf16 != None or up_t_bf16 != None:  # noqa: E711
         gate_w = _bf16_td("gate_proj_weight_T", gate_t_bf16, (H, I), 0)
         up_w = _bf16_td("up_proj_weight_T", up_t_bf16, (H, I), 0)
-    elif gu_t_bf16 is not None:
+    elif gu_t_bf16 != None:  # noqa: E711
         gate_w, up_w = (TensorDescriptor(gu_t_bf16, k_axis=0, f_base=0, f_size=I),
                         TensorDescriptor(gu_t_bf16, k_axis=0, f_base=I, f_size=I))
 
     x_k_s = _first(pre["hidden_states_T"], x_bf16, 0)
-    if x_k_s is None and x_t_bf16 is not None:
+    if x_k_s == None and x_t_bf16 != None:  # noqa: E711
         x_k_s = _bf16_td("hidden_states_T", x_t_bf16, (H, S), 1)
-    kernel_assert(x_k_s is not None, "phase 3 needs X: pass hidden_states [S, H] in bf16, or hidden_states_T [H, S] "
+    kernel_assert(x_k_s != None, "phase 3 needs X: pass hidden_states [S, H] in bf16, or hidden_states_T [H, S] "  # noqa: E711
                                      "(bf16, or pre-quantized along S with hidden_states_T_scales)")
     dy_k_s = _first(pre["output_grad_T"], dy_bf16, 0)
-    if dy_k_s is None and dy_t_bf16 is not None:
+    if dy_k_s == None and dy_t_bf16 != None:  # noqa: E711
         dy_k_s = _bf16_td("output_grad_T", dy_t_bf16, (H, S), 1)
-    kernel_assert(dy_k_s is not None, "phase 4 needs dY along S: pass output_grad_T [H, S] (bf16, or pre-quantized "
+    kernel_assert(dy_k_s != None, "phase 4 needs dY along S: pass output_grad_T [H, S] (bf16, or pre-quantized "  # noqa: E711
                                       "with output_grad_T_scales) when output_grad is pre-quantized")
 
     # validated, not read (module docstring): pre-transposed bf16 tensors another operand already serves
@@ -369,26 +369,26 @@ def resolve_operands(a, scheme, mx):
                            ("hidden_states_T", x_t_bf16, (H, S)), ("output_grad_T", dy_t_bf16, (H, S)),
                            ("gate_up_weights", gu_bf16, (2 * I, H)), ("down_proj_weight", w_down, (H, I)),
                            ("gate_proj_weight_T", gate_t_bf16, (H, I)), ("up_proj_weight_T", up_t_bf16, (H, I))):
-        if t is not None:
+        if t != None:  # noqa: E711
             check_2d(name, t, shape, ("bfloat16",))
-    if pre["hidden_T"] is None and a["hidden_T"] is not None:
+    if pre["hidden_T"] == None and a["hidden_T"] != None:  # noqa: E711
         check_2d("hidden_T", a["hidden_T"], (I, S), ("bfloat16",))
     for name, shape in (("d_gate_scratch", (S, I)), ("d_up_scratch", (S, I)), ("gate_pre_scratch", (S, I)),
                         ("gate_act_scratch", (S, I)), ("up_scratch", (S, I)), ("hidden_scratch", (S, I)),
                         ("silu_up_mul_gate_grad_T_scratch", (2 * I, S))):
-        if a[name] is not None:
+        if a[name] != None:  # noqa: E711
             kernel_assert(hasattr(a[name], "shape") and tuple(a[name].shape) == shape,
                           f"{name} must be None or a {list(shape)} tensor, got shape {getattr(a[name], 'shape', None)}")
 
     ckpt = {}
     for name, t in (("gate_pre", a["gate_pre"]), ("gate_act", a["gate_act"]), ("up", a["up"]),
                     ("intermediate", intermediate)):
-        if t is not None:
+        if t != None:  # noqa: E711
             check_2d(name, t, (S, I), ("bfloat16",))
         ckpt[name] = t
-    kernel_assert(down is not None, "down_proj_weight [H, I] (or down_weight_T [I, H]) is required")
-    if ckpt["gate_pre"] is None or ckpt["up"] is None:
-        kernel_assert(gate_w is not None and x_k_h is not None,
+    kernel_assert(down != None, "down_proj_weight [H, I] (or down_weight_T [I, H]) is required")  # noqa: E711
+    if ckpt["gate_pre"] == None or ckpt["up"] == None:  # noqa: E711
+        kernel_assert(gate_w != None and x_k_h != None,  # noqa: E711
                       "recomputing gate_pre/up needs X along H (hidden_states) and W_gate/W_up along H "
                       "(gate_up_weights, gate_proj_weight_T + up_proj_weight_T or gate_up_weight_T); pass them or "
                       "both the gate_pre and up checkpoints")
@@ -415,27 +415,27 @@ def matmul_config_from_tiles(tiles, matmul_config, recompute, n_max, transposes)
     """
     for name in PHASE_TILE_NAMES:
         for axis, v in zip("mnk", tiles[name]):
-            kernel_assert(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            kernel_assert(v == None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),  # noqa: E711
                           f"{name}_tiles_{axis} must be a positive int or None, got {v!r}")
-    given = [name for name in PHASE_TILE_NAMES if any(v is not None for v in tiles[name])]
+    given = [name for name in PHASE_TILE_NAMES if any(v != None for v in tiles[name])]  # noqa: E711
     if not given:
         return matmul_config
-    kernel_assert(matmul_config is None,
+    kernel_assert(matmul_config == None,  # noqa: E711
                   f"pass either matmul_config or the API reference's {given[0]}_tiles_* arguments, not both")
     n1, nr = tiles["phase1"][1], tiles["recompute"][1]
-    if recompute and nr is not None:
-        kernel_assert(n1 is None or n1 == nr,
+    if recompute and nr != None:  # noqa: E711
+        kernel_assert(n1 == None or n1 == nr,  # noqa: E711
                       f"recompute_tiles_n={nr} and phase1_tiles_n={n1} differ: the recompute is fused into phase 1's "
                       "tiles, which have one width")
         n1 = nr
     widths = [n1] + [tiles[f"phase{i}"][1] for i in (2, 3, 4)]
     for i, n in enumerate(widths):
-        name = "recompute" if (i == 0 and recompute and nr is not None) else f"phase{i + 1}"
+        name = "recompute" if (i == 0 and recompute and nr != None) else f"phase{i + 1}"  # noqa: E711
         limit = min(n_max, max_n_tile(3 if (i == 0 and recompute) else 1, transposes[i]))
-        kernel_assert(n is None or n * N_TILE <= limit,
+        kernel_assert(n == None or n * N_TILE <= limit,  # noqa: E711
                       f"{name}_tiles_n={n} asks for {n} x {N_TILE}-column output tiles; phase {i + 1} fits at most "
                       f"{limit // N_TILE} here (PSUM: {limit} fp32 columns per double-buffered accumulator)")
-    return MlpBwdMatmulConfig(*[None if n is None else MatmulConfig(n_tile=n * N_TILE) for n in widths])
+    return MlpBwdMatmulConfig(*[None if n == None else MatmulConfig(n_tile=n * N_TILE) for n in widths])  # noqa: E711
 
 
 def phase_transposes(ops):

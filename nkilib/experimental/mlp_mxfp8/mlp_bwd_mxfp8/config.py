@@ -48,11 +48,11 @@ class ClampLimits(nl.NKIObject):
 
     @property
     def has_gate_clamp(self) -> bool:
-        return self.non_linear_lower is not None or self.non_linear_upper is not None
+        return self.non_linear_lower != None or self.non_linear_upper != None  # noqa: E711
 
     @property
     def has_up_clamp(self) -> bool:
-        return self.linear_lower is not None or self.linear_upper is not None
+        return self.linear_lower != None or self.linear_upper != None  # noqa: E711
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class MlpBwdMatmulConfig(nl.NKIObject):
     def __post_init__(self):
         for name in PHASES:
             v = getattr(self, name)
-            if v is not None and not isinstance(v, MatmulConfig):
+            if v != None and not isinstance(v, MatmulConfig):  # noqa: E711
                 host_fail(f"MlpBwdMatmulConfig.{name} must be a MatmulConfig or None, got {v!r}")
 
 
@@ -125,7 +125,7 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
     does not fit is narrowed; a value the caller gave raises, naming matmul_config.
     """
     default = default_matmul_config(mx, recompute)
-    if config is None:
+    if config == None:  # noqa: E711
         chosen = MlpBwdMatmulConfig()
     elif isinstance(config, MatmulConfig):
         chosen = MlpBwdMatmulConfig(config, config, config, config)
@@ -138,7 +138,7 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
         accumulators = 3 if (name == "phase1" and recompute) else 1
         limit = min(n_max, max_n_tile(accumulators, transposes[i]))
         given = getattr(chosen, name)
-        if given is None:
+        if given == None:  # noqa: E711
             d = getattr(default, name)
             resolved.append(d if d.n_tile <= limit else dataclasses.replace(d, n_tile=limit))
             continue
