@@ -78,8 +78,9 @@ def resolve_backend(backend) -> str:
     return "emulate" if backend == "auto" else backend
 
 
-def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tuple:
-    """Shapes / dtypes / devices; returns (T, H, I, E, k)."""
+def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight, num_experts=None) -> tuple:
+    """Shapes / dtypes / devices; returns (T, H, I, E, k). num_experts: E when the weights hold only some
+    experts (expert parallelism), else gate_up_weight.shape[0]."""
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         if not isinstance(t, Tensor):
@@ -113,6 +114,7 @@ def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tup
         raise ValueError(f"moe_swiglu_experts_mxfp8: topk_ids must be [..., k] with the leading dimensions of x "
                          f"{lead} (or [T, k] with T = {t}), got shape {tuple(topk_ids.shape)}")
     k = topk_ids.shape[-1]
+    e = e if num_experts is None else num_experts
     if k > e:
         raise ValueError(f"moe_swiglu_experts_mxfp8: topk_ids has k={k} experts per token but there are E={e} "
                          f"experts (a token's experts are distinct, so k <= E)")
@@ -284,7 +286,8 @@ moe_swiglu_experts_mxfp8_op.register_autograd(_backward, setup_context=_setup_co
 def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
-                             scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto") -> Tensor:
+                             scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
+                             ep_group=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -307,6 +310,10 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         block_size: B of the kernel's block layout (multiple of 128, <= 512); fixes the order of the
             weight-gradient sums.
         backend: "auto" (= "emulate"), "emulate" or "simulator" ("neuron": NotImplementedError in this release).
+        ep_group: None, or a torch.distributed process group of ep ranks over which the E experts are sharded
+            (expert parallelism, expert_parallel.py): gate_up_weight / down_weight are then this rank's E/ep
+            experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
+            and tokens travel to their experts' ranks and back as MXFP8 all-to-alls.
 
     Returns:
         y [..., H] in x's dtype.
@@ -316,6 +323,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             (ids out of range, negative or repeated within a token; non-finite weights).
         NotImplementedError: backend "neuron" (not in this release).
     """
+    if ep_group is not None:
+        from .expert_parallel import moe_swiglu_experts_expert_parallel
+
+        return moe_swiglu_experts_expert_parallel(
+            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, checkpoint=checkpoint,
+            clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+            weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision, scale_rule=scale_rule,
+            block_size=block_size, backend=backend)
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend)
     keep = resolve_checkpoint_policy(checkpoint)
