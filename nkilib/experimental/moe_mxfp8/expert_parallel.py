@@ -126,6 +126,11 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _columns(buf: Tensor, start: int, stop=None) -> Tensor:
+    """buf[..., start:stop] in fresh contiguous storage (a dtype view needs an aligned offset, also with 0 or 1 rows)."""
+    return buf[..., start:stop].clone(memory_format=torch.contiguous_format)
+
+
 def _row_bytes(h: int, payload: str) -> int:
     """Bytes of one encoded activation row of H values."""
     return h + h // MX_GROUP if payload == "mxfp8" else 2 * h
@@ -143,9 +148,9 @@ def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tenso
 def _decode_rows(buf: Tensor, h: int, payload: str, fp8: str) -> Tensor:
     """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values)."""
     if payload == "bf16":
-        return buf[:, :2 * h].contiguous().view(torch.bfloat16)
-    codes = buf[:, :h].contiguous().view(FP8_DTYPES[fp8])
-    scales = buf[:, h:h + h // MX_GROUP].contiguous()
+        return _columns(buf, 0, 2 * h).view(torch.bfloat16)
+    codes = _columns(buf, 0, h).view(FP8_DTYPES[fp8])
+    scales = _columns(buf, h, h + h // MX_GROUP)
     return mx_dequantize_rows(codes, scales, torch.float32).to(torch.bfloat16)
 
 
@@ -244,7 +249,7 @@ class _Dispatch(torch.autograd.Function):
         p = weights.reshape(-1, 1).to(torch.float32)[plan.order]
         recv = _all_to_all(torch.cat([rows, _as_bytes(p)], dim=1), plan.expert_splits, plan.token_splits, group)
         c = _row_bytes(h, payload)
-        return _decode_rows(recv, h, payload, fp8), recv[:, c:].contiguous().view(torch.float32)
+        return _decode_rows(recv, h, payload, fp8), _columns(recv, c).view(torch.float32)
 
     @staticmethod
     def backward(ctx, grad_rows, grad_p):
@@ -255,11 +260,11 @@ class _Dispatch(torch.autograd.Function):
         grad_p = grad_p if grad_p is not None else torch.zeros(r, 1, device=plan.order.device)
         send = torch.cat([_as_bytes(grad_rows.to(torch.bfloat16)), _as_bytes(grad_p.to(torch.float32))], dim=1)
         slots = plan.to_slots(_all_to_all(send, plan.token_splits, plan.expert_splits, ctx.group))
-        dx_parts = slots[..., :2 * plan.hidden].contiguous().view(torch.bfloat16)  # [T, k, H]
+        dx_parts = _columns(slots, 0, 2 * plan.hidden).view(torch.bfloat16)  # [T, k, H]
         dx = torch.zeros(plan.num_tokens, plan.hidden, dtype=torch.bfloat16, device=dx_parts.device)
         for j in range(plan.top_k):  # the op's bf16 read-modify-write, ascending expert per token
             dx = (dx.to(torch.float32) + plan.by_expert(dx_parts, j).to(torch.float32)).to(torch.bfloat16)
-        d_w = slots[..., 2 * plan.hidden:].contiguous().view(torch.float32).reshape(plan.num_tokens, plan.top_k)
+        d_w = _columns(slots, 2 * plan.hidden).view(torch.float32).reshape(plan.num_tokens, plan.top_k)
         return dx.to(ctx.x_dtype), d_w.to(ctx.w_dtype), None, None, None, None, None
 
 
