@@ -236,7 +236,7 @@ def test_bad_input_errors():
         assert m["group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" in \
             m["group"] and "got int" in m["group"]
         assert "payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
-        assert "topk_ids" in m["id_range"] and "8" in m["id_range"]  # global ids must lie in [0, E = 8)
+        assert "expert ids must be in [0, 8) (num_experts=8)" in m["id_range"]  # global ids, E = ep * E/ep
         assert "k=9 experts per token but there are E=8 experts" in m["k"]
         assert ("every rank must pass the same local experts E/ep (gate_up_weight.shape[0]), got [4, 3]"
                 in m["peers"])

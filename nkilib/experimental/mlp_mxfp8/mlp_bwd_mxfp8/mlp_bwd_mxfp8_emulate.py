@@ -273,8 +273,9 @@ def mx_quantize_rows(t: torch.Tensor, fp8_dtype="float8_e4m3fn", scale_rule="neu
 
     Same codes and bytes as ``nkilib.mx.quantize_mx(t, axis=-1, scheme="1x32", scale_rule=scale_rule)``
     (the groups and arithmetic of ``mx_quantize_dequantize``; a group holding NaN/Inf gets byte 255 and NaN
-    codes, whose e5m2 bit pattern is torch's, not nkilib.mx's: both decode to NaN); ``mx_dequantize_rows`` inverts it to ``mx_quantize_dequantize(t, -1, ...)``'s values. For
-    payloads that travel quantized (expert-parallel all-to-alls).
+    codes, whose e5m2 bit pattern is torch's, not nkilib.mx's: both decode to NaN); ``mx_dequantize_rows`` inverts
+    it to ``mx_quantize_dequantize(t, -1, ...)``'s values. For payloads that travel quantized (expert-parallel
+    all-to-alls).
 
     Dimensions:
         t [..., K] (K a positive multiple of 32) -> codes [..., K] (torch fp8 dtype), scales [..., K/32] uint8.
