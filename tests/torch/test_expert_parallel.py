@@ -172,6 +172,27 @@ def test_uneven_batches_and_unused_experts():
     assert not ranks[0]["dw_gu"][1].any() and not ranks[1]["dw_down"][2].any()  # experts 1 and 6
 
 
+def _rank_x_grad_on_rank_0_only(rank, world, problem):
+    import torch.distributed as dist
+
+    rows = slice(rank * 24, (rank + 1) * 24)
+    w_gu, w_down = (t.clone().requires_grad_(True) for t in shard_experts(problem["w_gu"], problem["w_down"]))
+    x = problem["x"][rows].clone().requires_grad_(rank == 0)  # topk_weights without gradient on both ranks
+    y = moe_swiglu_experts_mxfp8(x, problem["ids"][rows], problem["w"][rows], w_gu, w_down, ep_group=dist.group.WORLD)
+    y.backward(problem["dy"][rows])
+    return dict(dx=x.grad, dw_gu=w_gu.grad, dw_down=w_down.grad)
+
+
+def test_backward_in_step_when_only_some_ranks_need_dx():
+    # rank 1 needs no input gradient: its dispatch backward still runs (the experts train), so rank 0 gets dX
+    problem = _problem([24, 24], seed=7)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    ranks = run_ranks(2, _rank_x_grad_on_rank_0_only, problem, timeout=60)
+    assert torch.equal(ranks[0]["dx"], ref["dx"][:24]) and ranks[1]["dx"] is None
+    assert torch.equal(torch.cat([r["dw_gu"] for r in ranks]), ref["dw_gu"])
+    assert torch.equal(torch.cat([r["dw_down"] for r in ranks]), ref["dw_down"])
+
+
 def test_row_quantizer_matches_nkilib_mx():
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(6, 128, generator=g) * torch.logspace(-30, 30, 128)).to(torch.bfloat16)

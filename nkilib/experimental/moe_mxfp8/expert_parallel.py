@@ -52,12 +52,13 @@ scale_rule, i.e. ``mx_quantize_dequantize(v.bfloat16(), -1, fp8_dtype, "1x32", s
       (this module's function, not the op's keyword) sends x and dY in bf16 instead (2x the bytes); then every
       result equals the single-process op on x and dY bit for bit (tested).
 
-Constraints: every rank of the group calls with the same E/ep, H, I, payload and fp8 format (checked: one
-all_gather of those, an error on every rank naming the mismatch); x and topk_weights must require grad on all
-ranks alike (a rank whose backward skips the dispatch leaves the others waiting). Split sizes are host lists
-(one device-to-host read of the counts per forward), so this path does not trace under torch.compile. On
-Neuron the same code would run on the XLA / TorchNeuron process group: untested (no device here); a compiled
-XLA graph would need static capacities instead of host split lists.
+Constraints: every rank of the group calls with the same E/ep, H, I, payload and fp8 format (checked: one all_gather
+of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all not (each has
+two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
+that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. Split sizes
+are host lists (one device-to-host read of the counts per forward), so this path does not trace under torch.compile.
+On Neuron the same code would run on the XLA / TorchNeuron process group: untested (no device here); a compiled XLA
+graph would need static capacities instead of host split lists.
 
 Dimensions:
     T: this rank's tokens, k: experts per token, N = T*k: its routed pairs, R: pairs its experts receive,
@@ -66,6 +67,7 @@ Dimensions:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -77,13 +79,15 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (_weight_grad_name, ch
                                                            resolve_checkpoint_policy)
 from . import moe_bwd_mxfp8_torch as moe_op
 from . import routing
-from .constants import DEFAULT_BLOCK_SIZE
 
 __all__ = ["PAYLOADS", "shard_experts", "moe_swiglu_experts_expert_parallel"]
 
 #: payload= values: "mxfp8" (x and dY rows as fp8 codes + E8M0 scales) or "bf16" (bit-exact reference path).
 PAYLOADS = ("mxfp8", "bf16")
 _FP8_NAMES = tuple(FP8_DTYPES)
+#: the op's keyword options and their defaults (one source of truth: the op's signature)
+_OP_OPTIONS = {n: p.default for n, p in inspect.signature(moe_op.moe_swiglu_experts_mxfp8).parameters.items()
+               if p.kind is p.KEYWORD_ONLY and n != "ep_group"}
 # torch >= 2.10 names the tensor all-gather all_gather_single; older releases all_gather_into_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -246,10 +250,14 @@ def _check_peers(local_experts: int, hidden: int, inter: int, payload: str, fp8:
 
 
 class _Dispatch(torch.autograd.Function):
-    """x rows and routing weights to the experts' ranks; backward: dX parts and weight gradients back."""
+    """x rows and routing weights to the experts' ranks; backward: dX parts and weight gradients back.
+
+    `anchor` (the local gate_up_weight) is not read: it makes the outputs require grad whenever the experts train,
+    so this backward, and its collective, runs on every such rank even where x and topk_weights need no gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x2, weights, plan, group, payload, fp8, scale_rule):
+    def forward(ctx, x2, weights, anchor, plan, group, payload, fp8, scale_rule):
         ctx.plan, ctx.group = plan, group
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weights.dtype
         h = plan.hidden
@@ -273,7 +281,7 @@ class _Dispatch(torch.autograd.Function):
         for j in range(plan.top_k):  # the op's bf16 read-modify-write, ascending expert per token
             dx = (dx.to(torch.float32) + plan.by_expert(dx_parts, j).to(torch.float32)).to(torch.bfloat16)
         d_w = _columns(slots, 2 * plan.hidden).view(torch.float32).reshape(plan.num_tokens, plan.top_k)
-        return dx.to(ctx.x_dtype), d_w.to(ctx.w_dtype), None, None, None, None, None
+        return dx.to(ctx.x_dtype), d_w.to(ctx.w_dtype), None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -351,14 +359,10 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
     local_experts = gate_up_weight.shape[0] if gate_up_weight.dim() == 3 else 0
     t, h, n_i, e, k = moe_op._check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight,
                                            num_experts=local_experts * world)
-    opts = dict(checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
-                weight_grad_dtype=None, matmul_precision="mxfp8", scale_rule="neuron",
-                block_size=DEFAULT_BLOCK_SIZE,
-                backend="auto")
-    unknown = sorted(set(options) - set(opts))
+    unknown = sorted(set(options) - set(_OP_OPTIONS))
     if unknown:
         raise TypeError(f"{what}: unexpected keyword arguments {unknown}")
-    opts.update(options)
+    opts = {**_OP_OPTIONS, **options}
     moe_op.resolve_backend(opts["backend"])  # every option checked before the first collective
     resolve_checkpoint_policy(opts["checkpoint"])
     _, fp8 = check_numeric_options(opts["clamp_limits"], opts["fp8_dtype"], opts["quant_scheme"],
@@ -371,7 +375,7 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
     _check_peers(local_experts, h, n_i, payload, fp8, group)
     plan = _exchange_counts(ids2, local_experts, h, group)
     wire = (payload, fp8, opts["scale_rule"])
-    rows, p = _Dispatch.apply(x.reshape(t, h), w2, plan, group, *wire)
+    rows, p = _Dispatch.apply(x.reshape(t, h), w2, gate_up_weight, plan, group, *wire)
     if rows.shape[0]:
         y_rows = moe_op.moe_swiglu_experts_mxfp8(rows, plan.local_ids[:, None], p, gate_up_weight, down_weight,
                                                  **opts)
