@@ -153,7 +153,7 @@ def test_options_and_leading_dimensions():
 
 def test_simulator_backend():
     # the local experts run the NKI kernel on the simulator; the single-process reference is the emulate backend,
-    # bit-identical to the simulator (tests/torch/test_moe_simulator_backend.py) and 3x faster here
+    # bit-identical to the simulator (tests/torch/test_moe_simulator_backend.py) and seconds faster here
     problem = _problem([8, 8], seed=8)
     ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
     _, got = _run(2, problem, [8, 8], backend="simulator")
