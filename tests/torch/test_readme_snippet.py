@@ -37,7 +37,7 @@ def test_readme_training_snippet_runs_and_loss_decreases():
 
 def test_readme_training_integration_snippets_run(monkeypatch):
     pytest.importorskip("transformers")
-    patch_snippet, tp_snippet = _snippets("## Training integration")
+    patch_snippet, tp_snippet, ep_snippet = _snippets("## Training integration")
     lines = _run(patch_snippet, "training-integration")
     assert lines[0] == "('model.layers.0.mlp', 'model.layers.1.mlp')"
     losses = _losses(lines[1:])
@@ -50,3 +50,4 @@ def test_readme_training_integration_snippets_run(monkeypatch):
                         ("WORLD_SIZE", "1"), ("GLOO_SOCKET_IFNAME", "lo")):
         monkeypatch.setenv(name, value)
     assert _run(tp_snippet, "tensor-parallel") == ["0 (512, 64) torch.Size([32, 1, 64])"]
+    assert _run(ep_snippet, "expert-parallel") == ["0 (8, 256, 64) torch.Size([32, 64])"]

@@ -87,8 +87,9 @@ def _check_lnc(lnc) -> None:
         raise ValueError(f"moe_swiglu_experts_mxfp8: lnc must be None, 1 or 2, got {lnc!r}")
 
 
-def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tuple:
-    """Shapes / dtypes / devices; returns (T, H, I, E, k)."""
+def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight, num_experts=None) -> tuple:
+    """Shapes / dtypes / devices; returns (T, H, I, E, k). num_experts: E when the weights hold only some
+    experts (expert parallelism), else gate_up_weight.shape[0]."""
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         if not isinstance(t, Tensor):
@@ -122,6 +123,7 @@ def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight) -> tup
         raise ValueError(f"moe_swiglu_experts_mxfp8: topk_ids must be [..., k] with the leading dimensions of x "
                          f"{lead} (or [T, k] with T = {t}), got shape {tuple(topk_ids.shape)}")
     k = topk_ids.shape[-1]
+    e = e if num_experts is None else num_experts
     if k > e:
         raise ValueError(f"moe_swiglu_experts_mxfp8: topk_ids has k={k} experts per token but there are E={e} "
                          f"experts (a token's experts are distinct, so k <= E)")
@@ -326,7 +328,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
                              scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
-                             lnc=None) -> Tensor:
+                             lnc=None, ep_group=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -351,6 +353,10 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         backend: "auto", "emulate", "simulator" or "neuron" (module docstring).
         lnc: the kernel's LNC degree: None (simulator: 1; neuron: NEURON_LOGICAL_NC_CONFIG, unset = 1), 1 or 2
             (neuron: must equal NEURON_LOGICAL_NC_CONFIG). Unused by "emulate".
+        ep_group: None, or a torch.distributed process group of ep ranks over which the E experts are sharded
+            (expert parallelism, expert_parallel.py): gate_up_weight / down_weight are then this rank's E/ep
+            experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
+            and tokens travel to their experts' ranks and back as MXFP8 all-to-alls.
 
     Returns:
         y [..., H] in x's dtype.
@@ -361,6 +367,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             contradicts NEURON_LOGICAL_NC_CONFIG.
         RuntimeError: backend "neuron" off a Neuron / XLA device or without its torch stack.
     """
+    if ep_group is not None:
+        from .expert_parallel import moe_swiglu_experts_expert_parallel
+
+        return moe_swiglu_experts_expert_parallel(
+            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, checkpoint=checkpoint,
+            clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+            weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision, scale_rule=scale_rule,
+            block_size=block_size, backend=backend, lnc=lnc)
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
     _check_lnc(lnc)

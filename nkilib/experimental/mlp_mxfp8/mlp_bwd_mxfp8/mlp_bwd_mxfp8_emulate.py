@@ -65,7 +65,7 @@ import torch
 
 from ....core import options
 from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
-from ....mx import SCALE_RULES, element_format, group_positions
+from ....mx import SCALE_NAN_BYTE, SCALE_RULES, element_format, group_positions
 from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
 
 __all__ = [
@@ -74,6 +74,8 @@ __all__ = [
     "fp8_name",
     "clamp_tuple",
     "mx_quantize_dequantize",
+    "mx_quantize_rows",
+    "mx_dequantize_rows",
     "contract_matmul",
     "swiglu_activations",
     "recompute_projection",
@@ -158,8 +160,14 @@ def _decode(codes: torch.Tensor, fmt_name: str, dtype) -> torch.Tensor:
     return vals.permute(inverse)
 
 
-def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
-    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out)."""
+def _encode_groups(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str):
+    """MX-encodes the groups of `xv` whose members lie on axes `dims`.
+
+    Returns:
+        (codes, byte, finite): fp8 codes of xv's shape (torch fp8 dtype of `fmt`), the E8M0 byte per group
+        (int64, xv's shape with `dims` of size 1; 0..254, a group holding NaN/Inf gets the byte of amax 0 and
+        NaN codes) and the per-group finiteness mask (bool, same shape as byte).
+    """
     # float32 first (exact upcast): mixed bf16 x float32 products and torch.aminmax are several times
     # slower on CPU than float32 ops and separate amin / amax (measured, one thread).
     xv = xv.to(torch.float32)
@@ -180,11 +188,17 @@ def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) 
     m = float(fmt.max_normal)
     y = xv * inv
     y.clamp_(-m, m)  # saturation (clip-then-RNE = RNE-then-saturate, proof in nkilib.mx.quantize)
-    deq = _decode(y.to(FP8_DTYPES[fmt.name]), fmt.name, out_dtype)  # RNE, then exact upcast
+    return y.to(FP8_DTYPES[fmt.name]), byte, finite  # RNE
+
+
+def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
+    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out)."""
+    codes, byte, _ = _encode_groups(xv, dims, fmt, scale_rule)
+    deq = _decode(codes, fmt.name, out_dtype)  # exact upcast
     # codes * 2**kexp: exact (<= 4 significant bits, magnitude >= 2**-143 > float32's 2**-149), except that
     # in float32 a code rounded up to 2**128 or more (amax >= 1.9375 * 2**127) overflows to Inf; float64
     # (the matmul's operands) keeps it finite, as nc_matmul_mx's products and nkilib.mx.mx_matmul do
-    return deq.mul_(_pow2(kexp).to(out_dtype))
+    return deq.mul_(_pow2(byte - 127).to(out_dtype))
 
 
 def _quantize_dequantize(x: torch.Tensor, dim: int, fmt, quant_scheme: str, scale_rule: str, k_tile: int,
@@ -252,6 +266,52 @@ def mx_quantize_dequantize(t: torch.Tensor, dim: int, fp8_dtype="float8_e4m3fn",
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     x = t if t.dtype in _EXACT_INPUTS else t.to(torch.float32)
     return _quantize_dequantize(x, dim % max(x.dim(), 1), fmt, quant_scheme, scale_rule, k_tile, dtype)
+
+
+def mx_quantize_rows(t: torch.Tensor, fp8_dtype="float8_e4m3fn", scale_rule="neuron"):
+    """MX-quantizes `t` along its last axis in OCP 1x32 groups: the fp8 codes and E8M0 scale bytes themselves.
+
+    Same codes and bytes as ``nkilib.mx.quantize_mx(t, axis=-1, scheme="1x32", scale_rule=scale_rule)``
+    (the groups and arithmetic of ``mx_quantize_dequantize``; a group holding NaN/Inf gets byte 255 and NaN
+    codes, whose e5m2 bit pattern is torch's, not nkilib.mx's: both decode to NaN); ``mx_dequantize_rows`` inverts
+    it to ``mx_quantize_dequantize(t, -1, ...)``'s values. For payloads that travel quantized (expert-parallel
+    all-to-alls).
+
+    Dimensions:
+        t [..., K] (K a positive multiple of 32) -> codes [..., K] (torch fp8 dtype), scales [..., K/32] uint8.
+    """
+    fmt = element_format(fp8_name(fp8_dtype))
+    check_choice("scale_rule", scale_rule, SCALE_RULES)
+    k = t.shape[-1] if t.dim() else 0
+    if k == 0 or k % MX_GROUP:
+        raise ValueError(f"mx_quantize_rows: the last axis must be a positive multiple of {MX_GROUP}, got shape "
+                         f"{tuple(t.shape)}")
+    x = t if t.dtype in _EXACT_INPUTS else t.to(torch.float32)
+    groups = x.reshape(*x.shape[:-1], k // MX_GROUP, MX_GROUP)
+    codes, byte, finite = _encode_groups(groups, (groups.dim() - 1,), fmt, scale_rule)
+    scales = torch.where(finite, byte, torch.full_like(byte, SCALE_NAN_BYTE)).to(torch.uint8)
+    return codes.reshape(x.shape), scales.squeeze(-1)
+
+
+def mx_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """codes * 2**(scale - 127) per 1x32 group of the last axis (scale byte 255 -> NaN); ``mx_quantize_rows``'s
+    inverse. float32 is exact except for codes rounded up to 2**128 or more (Inf); float64 is exact.
+
+    Dimensions:
+        codes [..., K] (torch fp8 dtype), scales [..., K/32] uint8 -> [..., K] in `dtype`.
+    """
+    names = {v: k for k, v in FP8_DTYPES.items()}
+    if codes.dtype not in names:
+        raise TypeError(f"mx_dequantize_rows: codes must be one of {sorted(names.values())}, got {codes.dtype}")
+    k = codes.shape[-1]
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (*codes.shape[:-1], k // MX_GROUP) or k % MX_GROUP:
+        raise ValueError(f"mx_dequantize_rows: scales must be uint8 [..., K/32] = {(*codes.shape[:-1], k // MX_GROUP)}"
+                         f" for codes {tuple(codes.shape)}, got {scales.dtype} {tuple(scales.shape)}")
+    byte = scales.to(torch.int64).unsqueeze(-1)
+    deq = _decode(codes.reshape(*codes.shape[:-1], k // MX_GROUP, MX_GROUP), names[codes.dtype], dtype)
+    deq = deq.mul_(_pow2(byte - 127).to(dtype))
+    deq = torch.where(byte == SCALE_NAN_BYTE, torch.full((), float("nan"), dtype=dtype, device=deq.device), deq)
+    return deq.reshape(codes.shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,384 @@
+"""Expert parallelism for ``moe_swiglu_experts_mxfp8(..., ep_group=group)``: MXFP8 all-to-all dispatch / combine.
+
+Layout: the group's ep ranks shard the E experts in contiguous ranges (ep divides E): rank r holds experts
+r*E/ep .. (r+1)*E/ep - 1 as gate_up_weight [E/ep, 2I, H] and down_weight [E/ep, H, I] (``shard_experts``
+cuts them from full weights). Every rank has its own tokens x [T_r, H] and their routing
+topk_ids / topk_weights [T_r, k] with global expert ids. Following torchao's MXFP8 expert-parallel pipeline
+(https://github.com/pytorch/ao/blob/main/torchao/prototype/moe_training/ep/README.md):
+
+Forward, on `group`:
+    1. counts: every rank counts its routed pairs (t, j) per (destination rank, local expert) and exchanges the
+       [ep, E/ep] counts with one all_to_all_single; the row splits of the payload all-to-alls come from them.
+    2. dispatch: x rows are MX-quantized along H in OCP 1x32 groups (nkilib's torch quantizer,
+       ``mx_quantize_rows``: the op's fp8_dtype and scale_rule), once per token; one row per routed pair, sorted
+       by global expert then token, goes to the expert's rank as bytes [H fp8 codes | H/32 E8M0 scales |
+       the pair's routing weight as 4 fp32 bytes] in one all-to-all.
+    3. the local experts: the op itself (``moe_swiglu_experts_mxfp8`` without a group) on the received rows,
+       each a token with k = 1 (its local expert, its routing weight); received rows are ordered by source
+       rank, then local expert, then token.
+    4. combine: each row's weighted expert output (bf16: the op's bf16 down projection, sent exactly) returns
+       by the inverse all-to-all; the source adds a token's k rows in fp32 in ascending expert order, as the
+       op's y accumulator does, and rounds once to x's dtype.
+Backward (autograd), the mirror:
+    combine's backward: dY rows are MX-quantized along H (1x32, once per token) and sent to the experts as
+    codes + scales; the local op's backward runs there; dispatch's backward returns each row's dX part (bf16,
+    exact) and its routing-weight gradient (fp32, exact) to the token's rank, which folds a token's dX parts
+    in ascending expert order with the op's bf16 read-modify-write. Expert weight gradients stay local.
+
+Numerics (Q(v) = MX quantize-dequantize of bf16(v) along H in 1x32 groups with the op's fp8_dtype and
+scale_rule, i.e. ``mx_quantize_dequantize(v.bfloat16(), -1, fp8_dtype, "1x32", scale_rule)``):
+    * exact contract: with the global batch the concatenation of the ranks' batches in rank order, every result
+      (y, dX, d_topk_weights, each rank's expert weight gradients) equals, bit for bit, the single-process op
+      on the full weights applied to Q(x) with output gradient Q(dY), for every option, backend and checkpoint
+      policy. Why: each expert sees the same rows in the same order (ascending global token) as in the
+      single-process op, so its per-expert math is the same; the op's per-token sums (y in fp32, dX as bf16
+      read-modify-writes) run in ascending expert order in both; what travels unquantized (expert outputs and
+      dX parts in bf16, routing weights and their gradients in fp32) is already in that precision.
+    * against the single-process op on x and dY themselves. Re-quantizing an MX-rounded row with the same groups and
+      rule gives it back (rules rceil and ocp_floor: always, as the group's amax stays in the same binade or its
+      scale halves, which doubles the codes exactly; rule neuron: except in groups whose amax rounds up to the next
+      power of two, doubling the scale, and that hold a code on the finest subnormal step, measured: 1.7e-4 of e4m3
+      groups of heavy-tailed random data, none of the same data in e5m2). So where the op quantizes the same rows
+      along H in the same groups, the payload's rounding changes nothing. dY enters the backward through dI = mm(dY,
+      W_down), an MX matmul over H: with matmul_precision="mxfp8" and quant_scheme="1x32" it quantizes dY in Q's
+      groups, so dX, d_topk_weights and dW_gate_up are unchanged by the dY payload (tested, x on the grid); and
+      through dW_down = mm(dY^T, hs), MX-quantized along tokens: fp8 elements are floating point, so both roundings
+      keep a value's same 4 significant bits (e4m3) unless it lies in the subnormal range of one of its two groups
+      (below ~2**-14 (e4m3) / ~2**-29 (e5m2) of that group's amax, e.g. next to an outlier): dW_down differs only
+      there (tested with an outlier: 3e-6 relative). x is used by the op's BF16 forward, so Q(x) puts one MX
+      rounding of x (relative 2**-4 / sqrt(3) per value for e4m3) into y and, through the forward's activations,
+      into every gradient: 4-6e-2 relative on random data at ep 2 and 4 (measured in
+      tests/torch/test_expert_parallel.py). Unchanged only for x already on the MX grid along H. ``payload="bf16"``
+      (this module's function, not the op's keyword) sends x and dY in bf16 instead (2x the bytes); then every
+      result equals the single-process op on x and dY bit for bit (tested).
+
+Constraints: every rank of the group calls with the same E/ep, H, I, payload and fp8 format (checked: one all_gather
+of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all not (each has
+two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
+that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. Split sizes
+are host lists (one device-to-host read of the counts per forward), so this path does not trace under torch.compile.
+On Neuron the same code would run on the XLA / TorchNeuron process group: untested (no device here); a compiled XLA
+graph would need static capacities instead of host split lists.
+
+Dimensions:
+    T: this rank's tokens, k: experts per token, N = T*k: its routed pairs, R: pairs its experts receive,
+    H: hidden, I: intermediate, E: experts, ep: group size, E/ep: local experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (_weight_grad_name, check_numeric_options,
+                                                           resolve_checkpoint_policy)
+from . import moe_bwd_mxfp8_torch as moe_op
+from . import routing
+
+__all__ = ["PAYLOADS", "shard_experts", "moe_swiglu_experts_expert_parallel"]
+
+#: payload= values: "mxfp8" (x and dY rows as fp8 codes + E8M0 scales) or "bf16" (bit-exact reference path).
+PAYLOADS = ("mxfp8", "bf16")
+_FP8_NAMES = tuple(FP8_DTYPES)
+#: the op's keyword options and their defaults (one source of truth: the op's signature)
+_OP_OPTIONS = {n: p.default for n, p in inspect.signature(moe_op.moe_swiglu_experts_mxfp8).parameters.items()
+               if p.kind is p.KEYWORD_ONLY and n != "ep_group"}
+# torch >= 2.10 names the tensor all-gather all_gather_single; older releases all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _group_size(group, what: str) -> tuple:
+    """(rank in group, group size), or a clear error when `group` is not a usable process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{what}: ep_group needs an initialised torch.distributed process group "
+                           f"(dist.init_process_group), got ep_group={group!r} with none initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what}: ep_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD or "
+                        f"dist.new_group(...)), got {type(group).__name__}")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_experts(gate_up_weight: Tensor, down_weight: Tensor, group=None) -> tuple:
+    """This rank's experts of full weights: views [E/ep, 2I, H] and [E/ep, H, I] (rank r: experts r*E/ep ..).
+
+    Args:
+        gate_up_weight: [E, 2I, H], the same on every rank.
+        down_weight: [E, H, I].
+        group: the expert-parallel process group (None: the default group).
+
+    Raises:
+        ValueError: E not divisible by the group size, or the two weights disagree on E.
+    """
+    group = dist.group.WORLD if group is None else group
+    rank, world = _group_size(group, "shard_experts")
+    e = gate_up_weight.shape[0]
+    if down_weight.shape[0] != e:
+        raise ValueError(f"shard_experts: gate_up_weight and down_weight must have the same number of experts E, "
+                         f"got {e} and {down_weight.shape[0]}")
+    if e % world:
+        raise ValueError(f"shard_experts: the number of experts E={e} (gate_up_weight.shape[0]) must be divisible "
+                         f"by the ep_group size {world}")
+    n = e // world
+    return gate_up_weight[rank * n:(rank + 1) * n], down_weight[rank * n:(rank + 1) * n]
+
+
+# ----------------------------------------------------------------------------------------------
+# payload rows: byte rows [N, C] uint8 (one collective per exchange, no e8m0 / fp8 dtype on the wire)
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    """[N, c] of any dtype -> [N, c * itemsize] uint8 (a view of a contiguous copy)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _columns(buf: Tensor, start: int, stop=None) -> Tensor:
+    """buf[..., start:stop] in fresh contiguous storage: a dtype view needs an aligned storage offset, which a
+    contiguous slice (0 or 1 rows) need not have."""
+    return buf[..., start:stop].clone(memory_format=torch.contiguous_format)
+
+
+def _row_bytes(h: int, payload: str) -> int:
+    """Bytes of one encoded activation row of H values."""
+    return h + h // MX_GROUP if payload == "mxfp8" else 2 * h
+
+
+def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tensor:
+    """[N, H] -> [N, _row_bytes] uint8: bf16(rows) as fp8 codes | E8M0 scales (mxfp8), or as bf16 bytes."""
+    rows = rows.to(torch.bfloat16)
+    if payload == "bf16":
+        return _as_bytes(rows)
+    codes, scales = mx_quantize_rows(rows, fp8, scale_rule)
+    return torch.cat([codes.view(torch.uint8), scales], dim=1)
+
+
+def _decode_rows(buf: Tensor, h: int, payload: str, fp8: str) -> Tensor:
+    """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values)."""
+    if payload == "bf16":
+        return _columns(buf, 0, 2 * h).view(torch.bfloat16)
+    codes = _columns(buf, 0, h).view(FP8_DTYPES[fp8])
+    scales = _columns(buf, h, h + h // MX_GROUP)
+    return mx_dequantize_rows(codes, scales, torch.float32).to(torch.bfloat16)
+
+
+def _all_to_all(buf: Tensor, out_splits: list, in_splits: list, group) -> Tensor:
+    """all_to_all_single of byte rows: in_splits rows to each rank, out_splits rows from each rank."""
+    out = buf.new_empty((sum(out_splits), buf.shape[1]))
+    dist.all_to_all_single(out, buf.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# routing plan: counts exchanged first
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One call's routing on this rank.
+
+    Attributes:
+        order: [N] routed pairs (flat t*k + j) sorted by global expert, then token: the send order.
+        token_splits: rows this rank's tokens send to each rank ([ep] host list).
+        expert_splits: rows this rank's experts receive from each rank ([ep] host list).
+        local_ids: [R] local expert of each received row.
+        expert_order: [T, k] a token's j in ascending expert order (the op's per-token summation order).
+        num_tokens, top_k, hidden: T, k, H.
+    """
+
+    order: Tensor
+    token_splits: list
+    expert_splits: list
+    local_ids: Tensor
+    expert_order: Tensor
+    num_tokens: int
+    top_k: int
+    hidden: int
+
+    def to_slots(self, rows: Tensor) -> Tensor:
+        """Rows in send order [N, C] -> [T, k, C] in (token, j) order."""
+        out = torch.empty_like(rows)
+        out[self.order] = rows
+        return out.reshape(self.num_tokens, self.top_k, -1)
+
+    def by_expert(self, slots: Tensor, j: int) -> Tensor:
+        """[T, C]: for every token, its j-th row in ascending expert order."""
+        return slots[torch.arange(self.num_tokens, device=slots.device), self.expert_order[:, j]]
+
+
+def _exchange_counts(ids: Tensor, local_experts: int, hidden: int, group) -> _Plan:
+    """Counts per (destination rank, local expert) -> all_to_all_single -> the plan of this call."""
+    world = dist.get_world_size(group)
+    t, k = ids.shape
+    flat = ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)  # by expert, then slot (= token: one slot per expert and token)
+    sent = torch.bincount(flat, minlength=local_experts * world)  # [ep * E/ep]: rank-major
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)  # equal splits of E/ep counts
+    per_rank = lambda c: c.reshape(world, local_experts).sum(dim=1).tolist()  # noqa: E731
+    local_ids = torch.repeat_interleave(torch.arange(local_experts).repeat(world), received).to(ids.device)
+    return _Plan(order=order, token_splits=per_rank(sent), expert_splits=per_rank(received), local_ids=local_ids,
+                 expert_order=torch.argsort(ids.to(torch.int64), dim=1), num_tokens=t, top_k=k, hidden=hidden)
+
+
+def _check_peers(local_experts: int, hidden: int, inter: int, payload: str, fp8: str, group) -> None:
+    """All ranks agree on E/ep, H, I, payload and fp8 format (one all_gather; every rank raises alike)."""
+    mine = torch.tensor([local_experts, hidden, inter, PAYLOADS.index(payload), _FP8_NAMES.index(fp8)])
+    table = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    _all_gather_single(table, mine, group=group)
+    table = table.reshape(-1, mine.numel())
+    names = ("local experts E/ep (gate_up_weight.shape[0])", "H", "I", "payload", "fp8_dtype")
+    for col, name in enumerate(names):
+        if not torch.all(table[:, col] == table[0, col]):
+            values = table[:, col].tolist()
+            if name == "payload":
+                values = [PAYLOADS[v] for v in values]
+            elif name == "fp8_dtype":
+                values = [_FP8_NAMES[v] for v in values]
+            raise ValueError(f"moe_swiglu_experts_mxfp8(ep_group=...): every rank must pass the same {name}, got "
+                             f"{values} on ranks 0..{len(values) - 1}")
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd functions
+# ----------------------------------------------------------------------------------------------
+
+
+class _Dispatch(torch.autograd.Function):
+    """x rows and routing weights to the experts' ranks; backward: dX parts and weight gradients back.
+
+    `anchor` (the local gate_up_weight) is not read: it makes the outputs require grad whenever the experts train,
+    so this backward, and its collective, runs on every such rank even where x and topk_weights need no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x2, weights, anchor, plan, group, payload, fp8, scale_rule):
+        ctx.plan, ctx.group = plan, group
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weights.dtype
+        h = plan.hidden
+        rows = _encode_rows(x2, payload, fp8, scale_rule)[plan.order // plan.top_k]  # quantized once per token
+        p = weights.reshape(-1, 1).to(torch.float32)[plan.order]
+        recv = _all_to_all(torch.cat([rows, _as_bytes(p)], dim=1), plan.expert_splits, plan.token_splits, group)
+        c = _row_bytes(h, payload)
+        return _decode_rows(recv, h, payload, fp8), _columns(recv, c).view(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_p):
+        plan = ctx.plan
+        r = len(plan.local_ids)
+        # both exchanges always run (the other ranks wait for them), with zeros for a missing gradient
+        grad_rows = grad_rows if grad_rows is not None else torch.zeros(r, plan.hidden, device=plan.order.device)
+        grad_p = grad_p if grad_p is not None else torch.zeros(r, 1, device=plan.order.device)
+        send = torch.cat([_as_bytes(grad_rows.to(torch.bfloat16)), _as_bytes(grad_p.to(torch.float32))], dim=1)
+        slots = plan.to_slots(_all_to_all(send, plan.token_splits, plan.expert_splits, ctx.group))
+        dx_parts = _columns(slots, 0, 2 * plan.hidden).view(torch.bfloat16)  # [T, k, H]
+        dx = torch.zeros(plan.num_tokens, plan.hidden, dtype=torch.bfloat16, device=dx_parts.device)
+        for j in range(plan.top_k):  # the op's bf16 read-modify-write, ascending expert per token
+            dx = (dx.to(torch.float32) + plan.by_expert(dx_parts, j).to(torch.float32)).to(torch.bfloat16)
+        d_w = _columns(slots, 2 * plan.hidden).view(torch.float32).reshape(plan.num_tokens, plan.top_k)
+        return dx.to(ctx.x_dtype), d_w.to(ctx.w_dtype), None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Expert outputs (bf16) back to their tokens' ranks, summed per token; backward: dY to the experts."""
+
+    @staticmethod
+    def forward(ctx, y_rows, plan, group, out_dtype, payload, fp8, scale_rule):
+        ctx.plan, ctx.group, ctx.options = plan, group, (payload, fp8, scale_rule)
+        slots = plan.to_slots(_all_to_all(_as_bytes(y_rows.to(torch.bfloat16)), plan.token_splits,
+                                          plan.expert_splits, group))
+        parts = slots.contiguous().view(torch.bfloat16)  # [T, k, H]
+        y = torch.zeros(plan.num_tokens, plan.hidden, dtype=torch.float32, device=parts.device)
+        for j in range(plan.top_k):  # the op's fp32 accumulator, ascending expert per token
+            y = y + plan.by_expert(parts, j).to(torch.float32)
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        plan = ctx.plan
+        payload, fp8, scale_rule = ctx.options
+        rows = _encode_rows(grad_y, payload, fp8, scale_rule)[plan.order // plan.top_k]  # quantized once per token
+        recv = _all_to_all(rows, plan.expert_splits, plan.token_splits, ctx.group)
+        return _decode_rows(recv, plan.hidden, payload, fp8), None, None, None, None, None, None
+
+
+class _NoRows(torch.autograd.Function):
+    """The local experts when this rank receives no rows: empty output, exact zero weight gradients (as the
+    single-process op gives an expert without tokens), and the autograd edges that keep this rank's backward
+    collectives in step with the others'."""
+
+    @staticmethod
+    def forward(ctx, rows, p, gate_up_weight, down_weight):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (rows, p, gate_up_weight, down_weight)]
+        return rows.new_zeros(rows.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
+                                       down_weight: Tensor, *, group, payload: str = "mxfp8", **options) -> Tensor:
+    """``moe_swiglu_experts_mxfp8`` with the experts sharded over `group` (module docstring).
+
+    Dimensions:
+        x [..., H] -> y [..., H]; topk_ids, topk_weights [..., k] (or [T, k]) with global ids in [0, E);
+        gate_up_weight [E/ep, 2I, H], down_weight [E/ep, H, I]: this rank's experts.
+
+    Args:
+        x, topk_ids, topk_weights: this rank's tokens and their routing (as in the op).
+        gate_up_weight, down_weight: this rank's E/ep experts (``shard_experts``).
+        group: the expert-parallel torch.distributed process group (ep ranks, E = ep * E/ep).
+        payload: "mxfp8" (default: x and dY travel as fp8 codes + E8M0 scales) or "bf16" (bit-identical to
+            the single-process op; 2x the bytes).
+        **options: the op's keyword options (checkpoint, clamp_limits, fp8_dtype, quant_scheme,
+            weight_grad_dtype, matmul_precision, scale_rule, block_size, backend).
+
+    Returns:
+        y [..., H] in x's dtype.
+
+    Raises:
+        TypeError / ValueError / RuntimeError: as the op, plus a bad group or payload, and ranks that disagree
+            on E/ep, H, I, payload or fp8_dtype (raised on every rank). Every check but the last runs before the
+            first collective.
+    """
+    what = "moe_swiglu_experts_mxfp8(ep_group=...)"
+    _, world = _group_size(group, what)
+    if payload not in PAYLOADS:
+        raise ValueError(f"{what}: payload must be one of {PAYLOADS}, got {payload!r}")
+    local_experts = gate_up_weight.shape[0] if gate_up_weight.dim() == 3 else 0
+    t, h, n_i, e, k = moe_op._check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight,
+                                           num_experts=local_experts * world)
+    unknown = sorted(set(options) - set(_OP_OPTIONS))
+    if unknown:
+        raise TypeError(f"{what}: unexpected keyword arguments {unknown}")
+    opts = {**_OP_OPTIONS, **options}
+    moe_op.resolve_backend(opts["backend"])  # every option checked before the first collective
+    resolve_checkpoint_policy(opts["checkpoint"])
+    _, fp8 = check_numeric_options(opts["clamp_limits"], opts["fp8_dtype"], opts["quant_scheme"],
+                                   opts["matmul_precision"], opts["scale_rule"])
+    _weight_grad_name(opts["weight_grad_dtype"], gate_up_weight, down_weight)
+    routing.check_block_size(opts["block_size"])
+    ids2, w2 = topk_ids.reshape(t, k), topk_weights.reshape(t, k)
+    moe_op._check_routing_values(ids2, w2, e)  # global ids in [0, E)
+
+    _check_peers(local_experts, h, n_i, payload, fp8, group)
+    plan = _exchange_counts(ids2, local_experts, h, group)
+    wire = (payload, fp8, opts["scale_rule"])
+    rows, p = _Dispatch.apply(x.reshape(t, h), w2, gate_up_weight, plan, group, *wire)
+    if rows.shape[0]:
+        y_rows = moe_op.moe_swiglu_experts_mxfp8(rows, plan.local_ids[:, None], p, gate_up_weight, down_weight,
+                                                 **opts)
+    else:
+        y_rows = _NoRows.apply(rows, p, gate_up_weight, down_weight)
+    return _Combine.apply(y_rows, plan, group, x.dtype, *wire).reshape(x.shape)

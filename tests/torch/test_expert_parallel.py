@@ -1,0 +1,274 @@
+"""Expert parallelism (moe_swiglu_experts_mxfp8(..., ep_group=...)) on 2 and 4 gloo ranks against the single-process
+op on the full weights, the global batch being the ranks' batches concatenated in rank order.
+
+What is asserted (expert_parallel.py's module docstring says why):
+    * payload "mxfp8": every result (y, dX, d_topk_weights, each rank's expert weight gradients) is bit-identical
+      to the single-process op on Q(x) with output gradient Q(dY) (Q: MX round trip along H, 1x32), and within
+      the MXFP8 error of the op on x and dY (errors printed);
+    * payload "bf16": bit-identical to the single-process op on x and dY;
+    * x already on the MX grid (scale rule rceil, where re-quantizing is provably the identity): the dY payload
+      changes nothing but dW_down;
+    * every backend and option of the op (recompute, e5m2, float32, the simulator backend);
+    * adversarial routing (ranks receiving no rows, uneven batches, unused experts), a backward where only one
+      rank needs dX, and bad input.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numpy as np  # noqa: E402
+from distkit import run_ranks  # noqa: E402
+
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (  # noqa: E402
+    mx_dequantize_rows, mx_quantize_dequantize, mx_quantize_rows)
+from nkilib.experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8  # noqa: E402
+from nkilib.experimental.moe_mxfp8.expert_parallel import (  # noqa: E402
+    moe_swiglu_experts_expert_parallel, shard_experts)
+from nkilib.mx import quantize_mx  # noqa: E402
+
+E, H, I = 8, 64, 64
+GRADS = ("y", "dx", "dw", "dw_gu", "dw_down")
+
+
+def _problem(tokens_per_rank, k=2, experts=tuple(range(E)), dtype=torch.bfloat16, seed=0):
+    """Global batch (ranks' batches concatenated) with each token's k distinct experts drawn from `experts`."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(tokens_per_rank)
+    pool = torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(experts), generator=g)[:k]] for _ in range(t)])
+    return dict(x=torch.randn(t, H, generator=g).to(dtype), dy=torch.randn(t, H, generator=g).to(dtype), ids=ids,
+                w=torch.rand(t, k, generator=g), w_gu=(torch.randn(E, 2 * I, H, generator=g) / 8).to(dtype),
+                w_down=(torch.randn(E, H, I, generator=g) / 8).to(dtype))
+
+
+def _q(v, **opts):
+    """The payload's round trip Q: MX quantize-dequantize of bf16(v) along H in 1x32 groups, in v's dtype."""
+    return mx_quantize_dequantize(v.to(torch.bfloat16), -1, quant_scheme="1x32", **opts).to(v.dtype)
+
+
+def _step(fn, x, ids, w, w_gu, w_down, dy, **kw):
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    w_gu, w_down = w_gu.clone().requires_grad_(True), w_down.clone().requires_grad_(True)
+    y = fn(x, ids, w, w_gu, w_down, **kw)
+    y.backward(dy)
+    return dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=w_gu.grad, dw_down=w_down.grad)
+
+
+def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
+    import torch.distributed as dist
+
+    lo = sum(tokens_per_rank[:rank])
+    rows = slice(lo, lo + tokens_per_rank[rank])
+    w_gu, w_down = shard_experts(problem["w_gu"], problem["w_down"], dist.group.WORLD)
+    args = [problem[n][rows] for n in ("x", "ids", "w")]
+    if payload == "mxfp8":  # the op's own keyword
+        return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
+                     **kw)
+    return _step(moe_swiglu_experts_expert_parallel, *args, w_gu, w_down, problem["dy"][rows], group=dist.group.WORLD,
+                 payload=payload, **kw)
+
+
+def _run(world, problem, tokens_per_rank, payload="mxfp8", **kw):
+    """(per-rank results, the same gathered as the single-process op's: y / dx / dw concatenated, weight
+    gradients of the ranks' shards concatenated along experts)."""
+    ranks = run_ranks(world, _rank_step, problem, tokens_per_rank, payload, kw, timeout=60)
+    return ranks, {n: torch.cat([r[n] for r in ranks]) for n in GRADS}
+
+
+def _full(problem, x=None, dy=None, **kw):
+    p = problem
+    return _step(moe_swiglu_experts_mxfp8, p["x"] if x is None else x, p["ids"], p["w"], p["w_gu"], p["w_down"],
+                 p["dy"] if dy is None else dy, **{"backend": "emulate", **kw})
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _assert_identical(got, want, names=GRADS):
+    for n in names:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mxfp8_payload_equals_single_process_on_quantized_inputs(world):
+    tokens = [24] * world
+    problem = _problem(tokens)
+    ref_q = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))  # first: the forked ranks inherit its imports
+    ref = _full(problem)
+    ranks, got = _run(world, problem, tokens, backend="emulate")
+    _assert_identical(got, ref_q)
+    errors = {n: _rel(got[n], ref[n]) for n in GRADS}
+    print(f"ep={world}, mxfp8 payload vs the op on unquantized x, dY: " + ", ".join(f"{n} {v:.1e}" for n, v in
+                                                                                   errors.items()))
+    # measured 4.1e-2 .. 5.5e-2 (one e4m3 rounding of x and dY: 2**-4 / sqrt(3) = 3.6e-2 per value)
+    assert all(0 < v < 8e-2 for v in errors.values()), errors
+    n_local = E // world
+    for r, out in enumerate(ranks):  # weight gradients stay local: rank r's are the slice of its experts
+        assert out["dw_gu"].shape == (n_local, 2 * I, H)
+        assert torch.equal(out["dw_down"], ref_q["dw_down"][r * n_local:(r + 1) * n_local])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_payload_is_bit_identical_to_single_process(world):
+    tokens = [24] * world
+    problem = _problem(tokens, seed=1)
+    ref = _full(problem)
+    _, got = _run(world, problem, tokens, payload="bf16", backend="emulate")
+    _assert_identical(got, ref)
+
+
+def test_dy_payload_changes_only_dw_down_when_x_is_on_the_mx_grid():
+    # rceil: re-quantizing an MX-rounded row is the identity (proof in expert_parallel.py), and the op's MX
+    # matmul over H quantizes dY in the payload's groups, so only dW_down (dY quantized along tokens) can differ.
+    # It differs only where the two roundings use different grids: a value in the subnormal range of its H group
+    # but not of its token group. An outlier (1000) in token 5's first H group puts that group's values below
+    # 2**-4 (the 1e-3 next to it, and any small N(0, 1) draw) into its subnormal range (step 2**-7), while along
+    # tokens their neighbours are O(1) (step ~2**-16): only dW_down[e, h, :] for e in token 5's experts, h < 32.
+    problem = _problem([24, 24], seed=2)
+    problem["x"] = _q(problem["x"], scale_rule="rceil")
+    problem["dy"][5, 0], problem["dy"][5, 1] = 1000.0, 1e-3
+    ref = _full(problem, scale_rule="rceil")
+    _, got = _run(2, problem, [24, 24], backend="emulate", scale_rule="rceil")
+    _assert_identical(got, ref, ("y", "dx", "dw", "dw_gu"))
+    experts = problem["ids"][5].tolist()
+    differ = (got["dw_down"] != ref["dw_down"]).nonzero().tolist()
+    assert differ and {e for e, h, _ in differ} <= set(experts) and all(h < 32 for _, h, _ in differ)
+    assert [1, 1] in [[h, 1] for _, h, _ in differ]  # the 1e-3 value's row
+    print(f"dW_down entries that differ: {len(differ)} (rows h < 32 of experts {experts}), rel. error "
+          f"{_rel(got['dw_down'], ref['dw_down']):.1e}")
+
+
+def test_options_and_leading_dimensions():
+    # recompute path (checkpoint "none"), e5m2, float32 activations and parameters, x [B, S, H]
+    problem = _problem([16, 16], dtype=torch.float32, seed=3)
+    kw = dict(checkpoint="none", fp8_dtype="float8_e5m2", block_size=256, backend="emulate")
+    ref = _full(problem, x=_q(problem["x"], fp8_dtype="float8_e5m2"), dy=_q(problem["dy"], fp8_dtype="float8_e5m2"),
+                **kw)
+    shaped = {n: (v.reshape(2, 16, -1) if n in ("x", "dy", "ids", "w") else v) for n, v in problem.items()}
+    _, got = _run(2, shaped, [1, 1], **kw)  # rank r takes batch row r: [1, 16, H]
+    got = {n: v.reshape(ref[n].shape) for n, v in got.items()}
+    _assert_identical(got, ref)
+
+
+def test_simulator_backend():
+    # the local experts run the NKI kernel on the simulator; the single-process reference is the emulate backend,
+    # bit-identical to the simulator (tests/torch/test_moe_simulator_backend.py) and seconds faster here
+    problem = _problem([8, 8], seed=8)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    _, got = _run(2, problem, [8, 8], backend="simulator")
+    _assert_identical(got, ref)
+
+
+def test_all_tokens_to_one_ranks_experts():
+    # every token routed to the last rank's two experts: ranks 0..2 receive no rows (their experts get exact
+    # zero gradients), rank 3 receives every rank's tokens
+    tokens = [8, 24, 1, 12]
+    problem = _problem(tokens, experts=(E - 2, E - 1), seed=4)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    ranks, got = _run(4, problem, tokens, backend="emulate")
+    _assert_identical(got, ref)
+    for out in ranks[:3]:
+        assert not out["dw_gu"].any() and not out["dw_down"].any()
+    assert ranks[3]["dw_gu"].any() and ranks[3]["dw_down"].any()
+
+
+def test_uneven_batches_and_unused_experts():
+    # rank 0 has one token; experts 1 and 6 get none; rank 1 receives rows only from its own tokens' experts
+    tokens = [1, 40]
+    problem = _problem(tokens, k=3, experts=(0, 2, 3, 4, 5, 7), seed=5)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    ranks, got = _run(2, problem, tokens, backend="emulate")
+    _assert_identical(got, ref)
+    assert not ranks[0]["dw_gu"][1].any() and not ranks[1]["dw_down"][2].any()  # experts 1 and 6
+
+
+def _rank_x_grad_on_rank_0_only(rank, world, problem):
+    import torch.distributed as dist
+
+    rows = slice(rank * 24, (rank + 1) * 24)
+    w_gu, w_down = (t.clone().requires_grad_(True) for t in shard_experts(problem["w_gu"], problem["w_down"]))
+    x = problem["x"][rows].clone().requires_grad_(rank == 0)  # topk_weights without gradient on both ranks
+    y = moe_swiglu_experts_mxfp8(x, problem["ids"][rows], problem["w"][rows], w_gu, w_down, ep_group=dist.group.WORLD)
+    y.backward(problem["dy"][rows])
+    return dict(dx=x.grad, dw_gu=w_gu.grad, dw_down=w_down.grad)
+
+
+def test_backward_in_step_when_only_some_ranks_need_dx():
+    # rank 1 needs no input gradient: its dispatch backward still runs (the experts train), so rank 0 gets dX
+    problem = _problem([24, 24], seed=7)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    ranks = run_ranks(2, _rank_x_grad_on_rank_0_only, problem, timeout=60)
+    assert torch.equal(ranks[0]["dx"], ref["dx"][:24]) and ranks[1]["dx"] is None
+    assert torch.equal(torch.cat([r["dw_gu"] for r in ranks]), ref["dw_gu"])
+    assert torch.equal(torch.cat([r["dw_down"] for r in ranks]), ref["dw_down"])
+
+
+def test_row_quantizer_matches_nkilib_mx():
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(6, 128, generator=g) * torch.logspace(-30, 30, 128)).to(torch.bfloat16)
+    x[0, :32] = 0  # all-zero group
+    x[1, 5] = float("nan")  # NaN group
+    x[2, 70] = float("-inf")  # Inf group
+    x[3, 96:] = torch.tensor(3.0e38).to(torch.bfloat16)  # near the bf16 maximum: codes round up to 2**128
+    finite_groups = torch.ones(6, 4, dtype=torch.bool)
+    finite_groups[1, 0] = finite_groups[2, 2] = False
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        for rule in ("neuron", "rceil", "ocp_floor"):
+            codes, scales = mx_quantize_rows(x, fmt, rule)
+            want = quantize_mx(x.float().numpy(), -1, fmt, rule, "1x32")
+            np.testing.assert_array_equal(scales.numpy(), want.scales)
+            finite = finite_groups.repeat_interleave(32, dim=1).numpy()
+            np.testing.assert_array_equal(codes.view(torch.uint8).numpy()[finite], want.codes[finite])
+            back = mx_dequantize_rows(codes, scales, torch.float64)
+            assert torch.equal(back.isnan(), ~finite_groups.repeat_interleave(32, dim=1))
+            assert torch.equal(back.nan_to_num(), mx_quantize_dequantize(x, -1, fmt, "1x32", rule,
+                                                                         dtype=torch.float64).nan_to_num())
+    with pytest.raises(ValueError, match=r"last axis must be a positive multiple of 32, got shape \(2, 48\)"):
+        mx_quantize_rows(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match=r"scales must be uint8 \[\.\.\., K/32\] = \(2, 2\)"):
+        mx_dequantize_rows(*mx_quantize_rows(torch.zeros(2, 64))[:1], torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def _bad_calls(rank, world):
+    import torch.distributed as dist
+
+    p = _problem([4] * world)
+    w_gu, w_down = shard_experts(p["w_gu"], p["w_down"], dist.group.WORLD)
+    x, ids, w = p["x"][:4], p["ids"][:4], p["w"][:4]
+    calls = {
+        "indivisible": lambda: shard_experts(p["w_gu"][:3], p["w_down"][:3], dist.group.WORLD),
+        "group": lambda: moe_swiglu_experts_mxfp8(x, ids, w, w_gu, w_down, ep_group=1),
+        "payload": lambda: moe_swiglu_experts_expert_parallel(x, ids, w, w_gu, w_down, group=dist.group.WORLD,
+                                                              payload="fp4"),
+        "id_range": lambda: moe_swiglu_experts_mxfp8(x, ids + E // 2, w, w_gu, w_down, ep_group=dist.group.WORLD),
+        "k": lambda: moe_swiglu_experts_mxfp8(x, torch.zeros(4, E + 1, dtype=torch.int64), torch.ones(4, E + 1),
+                                              w_gu, w_down, ep_group=dist.group.WORLD),
+        # rank 1 passes one local expert, rank 0 four: caught by the peers' all_gather on every rank
+        "peers": lambda: moe_swiglu_experts_mxfp8(x, torch.tensor([[0, 1]] * 4), w, w_gu[:E // world - rank],
+                                                  w_down[:E // world - rank], ep_group=dist.group.WORLD),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "accepted"
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    return messages
+
+
+def test_bad_input_errors():
+    with pytest.raises(RuntimeError, match="ep_group needs an initialised torch.distributed process group"):
+        moe_swiglu_experts_mxfp8(torch.zeros(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
+                                 torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), ep_group=object())
+    messages = run_ranks(2, _bad_calls, timeout=60)
+    for m in messages:
+        assert "E=3 (gate_up_weight.shape[0]) must be divisible by the ep_group size 2" in m["indivisible"]
+        assert m["group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" in \
+            m["group"] and "got int" in m["group"]
+        assert "payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
+        assert "expert ids must be in [0, 8) (num_experts=8)" in m["id_range"]  # global ids, E = ep * E/ep
+        assert "k=9 experts per token but there are E=8 experts" in m["k"]
+        assert ("every rank must pass the same local experts E/ep (gate_up_weight.shape[0]), got [4, 3]"
+                in m["peers"])
