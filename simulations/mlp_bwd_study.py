@@ -1,7 +1,7 @@
 """MLP backward study: modeled Trn2/Trn3 time, MFU and phase breakdown on model presets.
 
     python simulations/mlp_bwd_study.py [--models qwen3-8b-tp8 ...] [--seq 4096] [--lnc 2]
-        [--recompute none|all] [--transposed] [--band | --central | --pessimistic] [--numerics-max-flops 2e10]
+        [--recompute none|all] [--band | --central | --pessimistic] [--numerics-max-flops 2e10]
         [--out simulations/out/mlp_bwd] [--plots]
 
 For each preset it models the whole backward (quantization, transposes and epilogue included) with
@@ -83,9 +83,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     ap.add_argument("--recompute", default="none", choices=("none", "all"),
                     help="none: all checkpoints given (12·S·H·I FLOPs); all: recompute everything")
-    ap.add_argument("--transposed", action="store_true",
-                    help="also give the seed API's bf16 output_grad_T / hidden_states_T [H, S] (no PE transposes "
-                         "of dY / X along H)")
     ap.add_argument("--numerics-max-flops", type=float, default=2e10)
     ap.add_argument("--out", default=os.path.join("simulations", "out", "mlp_bwd"))
     ap.add_argument("--plots", action="store_true")
@@ -108,8 +105,7 @@ def main(argv=None) -> dict:
     for model, target, precision in tqdm(jobs, desc="modeling", unit="run"):
         shape = preset(model)
         S, H, I = args.seq, shape.hidden, shape.intermediate
-        reports = model_mlp_backward(S, H, I, target, precision, args.lnc, args.recompute == "all", scenarios,
-                                     transposed=args.transposed)
+        reports = model_mlp_backward(S, H, I, target, precision, args.lnc, args.recompute == "all", scenarios)
         key = f"{model}/{target}/{precision}"
         results[key] = {"S": S, "H": H, "I": I, **{sc: summarize(rep) for sc, rep in reports.items()}}
         with open(os.path.join(args.out, key.replace("/", "_") + ".txt"), "w") as f:

@@ -27,18 +27,13 @@ PHASES = {
 SCENARIOS = ("central", "pessimistic")
 
 
-def shape_inputs(S: int, H: int, I: int, recompute: bool, transposed: bool = False) -> dict:
-    """ShapeSpec inputs of one kernel call; `recompute=True` gives no checkpoints; `transposed=True` also
-    gives the seed API's bf16 output_grad_T / hidden_states_T [H, S] (phase 1 then reads dY along H as
-    stored instead of transposing it on the PE array)."""
+def shape_inputs(S: int, H: int, I: int, recompute: bool) -> dict:
+    """ShapeSpec inputs of one kernel call; `recompute=True` gives no checkpoints."""
     bf16 = nki.language.bfloat16
     inputs = {
         "output_grad": ShapeSpec((S, H), bf16), "hidden_states": ShapeSpec((S, H), bf16),
         "gate_up_weights": ShapeSpec((2 * I, H), bf16), "down_proj_weight": ShapeSpec((H, I), bf16),
     }
-    if transposed:
-        inputs["output_grad_T"] = ShapeSpec((H, S), bf16)
-        inputs["hidden_states_T"] = ShapeSpec((H, S), bf16)
     if not recompute:
         for name in ("gate_pre", "gate_act", "up", "intermediate"):
             inputs[name] = ShapeSpec((S, I), bf16)
@@ -46,15 +41,14 @@ def shape_inputs(S: int, H: int, I: int, recompute: bool, transposed: bool = Fal
 
 
 def model_mlp_backward(S: int, H: int, I: int, target: str, precision: str, lnc: int, recompute: bool,
-                       scenarios=("central",), transposed: bool = False) -> dict:
-    """{scenario: CostReport} of the kernel at one shape (one shape-only run, scheduled per scenario);
-    `transposed`: as in shape_inputs.
+                       scenarios=("central",)) -> dict:
+    """{scenario: CostReport} of the kernel at one shape (one shape-only run, scheduled per scenario).
 
     Model FLOPs: 12·S·H·I, +4·S·H·I when every checkpoint is recomputed.
     """
     flops = (16 if recompute else 12) * S * H * I
     with label_phases(kernel_module, PHASES):
-        report = model_kernel(kernel_module.mlp_backward_mxfp8_nki, shape_inputs(S, H, I, recompute, transposed), lnc=lnc,
+        report = model_kernel(kernel_module.mlp_backward_mxfp8_nki, shape_inputs(S, H, I, recompute), lnc=lnc,
                               target=target, kwargs={"matmul_precision": precision},
                               precision="mx" if precision == "mxfp8" else "bf16", model_flops=flops,
                               scenario=scenarios[0])

@@ -269,11 +269,6 @@ def resolve_operands(a, scheme, mx):
     dy_k_h = _first(pre["output_grad"], dy_bf16, 1)
     kernel_assert(dy_k_h is not None, "output_grad (or output_hidden_states_grad) [S, H] is required")
     x_k_h = _first(pre["hidden_states"], x_bf16, 1)
-    # a bf16 [H, S] transpose, when given, is the K=H operand as stored (staged by DMA, no PE transposes)
-    if pre["output_grad"] is None and dy_t_bf16 is not None:
-        dy_k_h = _bf16_td("output_grad_T", dy_t_bf16, (H, S), 0)
-    if pre["hidden_states"] is None and x_t_bf16 is not None:
-        x_k_h = _bf16_td("hidden_states_T", x_t_bf16, (H, S), 0)
 
     down = pre["down_weight_T"]
     if down is None and a["down_proj_weight"] is not None:

@@ -133,7 +133,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     if plan == None:  # noqa: E711
         config = config or MatmulConfig()
         split = _split(split, run_with_lnc2)
-        S = output_grad_td.f_extent - s_base
+        S = output_grad_td.tensor.shape[0] - s_base
         I = down_weight_td.f_extent
         if ranges == None:  # noqa: E711
             ranges = split.ranges(S, I, prefer_m=True)
@@ -421,7 +421,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     intermediate are written by both cores, so the one sync point sits before phase 2, and phase 2's
     first W_gu panel loads before it when its stationary d_gate_up rows are resident.
     """
-    S, two_i = output_grad_td.f_extent, gate_up_weight_grad.shape[0]
+    S, two_i = output_grad_td.tensor.shape[0], gate_up_weight_grad.shape[0]
     I = two_i // 2
     split = CoreSplit(*get_program_sharding_info(run_with_lnc2))  # the one core split of this launch
     d_gate_up = nl.ndarray((S, two_i), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="mlp_bwd_d_gate_up")
