@@ -35,18 +35,15 @@ Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): 
 (m-major) > stationary panels all resident (n-major) > K-streamed groups > stationary groups. Phase 1 keeps
 its dY (and X) panels resident when W_down's are not.
 
-Engines: PSUM evictions of phases 2-4 run on ScalarE (faster clock than VectorE in fp32, and idle after
-phase 1), leaving VectorE to quantize_mx and the phase-1 epilogue. Phases 3-4 use MX_N_TILE_WEIGHT_GRAD-wide
-tiles (fewer stationary loads). Modeled time, MFU band and HBM bytes: README "Current kernel status"
-(`python simulations/mlp_bwd_study.py`).
+Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
+epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
 HBM traffic (per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, gate_pre/gate_act/
 up[S/2, I] and writes its d_gate_up rows (MX words along S, or bf16); phase 2 reads W_gu once and writes
-dX[S/2, H]; phase 3 reads d_gate_up (both halves) and its half of X and writes its dW_gu half; phase 4
-reads its half of dY along S and the intermediate. No HBM->HBM transposes: K-contiguous operands are read
-as stored (NATURAL_LOAD_K columns per DMA) and transposed on the PE array, unless the bf16 transposes
-output_grad_T / hidden_states_T are given (then read as stored, api.py); [K, F] operands are interleaved
-by the DMA pattern.
+dX[S/2, H]; phase 3 reads d_gate_up (both halves) and its half of X; phase 4 its half of dY along S and the
+intermediate. K-contiguous operands are read as stored (NATURAL_LOAD_K columns per DMA) and transposed on
+the PE array, also when output_grad_T / hidden_states_T are given: read as stored, their quantize_mx runs
+on a strided source at half rate, and VectorE is the scarcer engine (modeled TP8 0.80 vs 0.72 ms).
 """
 from __future__ import annotations
 
@@ -362,7 +359,8 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
     """Phase 3: dW_gu [2I, H] = d_gate_upᵀ [2I, S] @ X [S, H] (K=S).
 
     Dimensions:
-        grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0); hidden_states_T_td: X [S, H]
+        grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0), or its MX words along S in the
+        panel layout (phase 1's exchange_along_s); hidden_states_T_td: X [S, H]
         (k_axis=0) or pre-quantized Xᵀ [H, S]; weight_grad_td: [2I, H] output in `dtype`.
         plan / stage / split: as in compute_phase2_hidden_states_grad_mxfp8.
     """
