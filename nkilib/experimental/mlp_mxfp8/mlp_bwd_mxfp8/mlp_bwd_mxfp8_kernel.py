@@ -412,12 +412,15 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
                                 hidden_states_td, hidden_states_T_td, output_grad_T_td, down_weight_td,
                                 gate_up_weight_td, gate_weight_td, up_weight_td, gate_pre, gate_act, up, intermediate,
                                 setup, config, run_with_lnc2, clamp_limits, weight_grad_dtype):
-    """All phases for validated descriptors, declared as a PhaseGraph; allocates only the scratch that is needed.
+    """All phases for validated descriptors, declared as a PhaseGraph, with their HBM scratch (d_gate_up as
+    bf16 rows or as MX words along S, whichever phase 1 plans; the intermediate when recomputed).
 
     The graph derives the order phase 1 -> (core_barrier) -> phase 2 -> phase 4 -> phase 3: phases 2-4
     depend only on phase 1 (their relative order is the declaration order); d_gate_up and the recomputed
     intermediate are written by both cores, so the one sync point sits before phase 2, and phase 2's
-    first W_gu panel loads before it when its stationary d_gate_up rows are resident.
+    first W_gu panel loads before it when its stationary d_gate_up rows are resident. Phase 1 is planned
+    first: whether its epilogue can quantize d_gate_up along S for phase 3 (mx_along_s_applies) decides
+    phase 3's operand.
     """
     S, two_i = output_grad_td.tensor.shape[0], gate_up_weight_grad.shape[0]
     I = two_i // 2
