@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import nki.language as nl
 
+from .constants import MX_PACK
+
 
 @dataclass(frozen=True)
 class TensorDescriptor(nl.NKIObject):
@@ -41,7 +43,7 @@ class TensorDescriptor(nl.NKIObject):
     @property
     def k_size(self) -> int:
         if self.panel_layout:
-            return self.tensor.shape[0] * 4
+            return self.tensor.shape[0] * MX_PACK
         if self.prequantized:
             return self.scales.shape[1] * 32
         if self.k_len >= 0:
