@@ -166,6 +166,64 @@ def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
         nisa.dma_copy(dst=scale[32 * quadrant:32 * quadrant + 4, :f_size], src=src)
 
 
+def stage_row_block(stage, rows_tile, block: int, f_size: int, setup: MatmulSetup) -> None:
+    """Rows already in SBUF as one [K, F] operand's K rows: the 128-row block `block` (0..3) of a 512-row
+    MXFP8 K tile (rows_tile [128, >= f_size] bf16, row r on partition r) into the K tile's interleaved
+    staging tile stage [128, 4, >= f_size] by one SBUF -> SBUF DMA: what _stage_mx_rows loads for the
+    same rows from HBM (logical k = 128*block + r, geometry of _slot_geometry), so quantize_mx gives the
+    same words and scales.
+        "1x32":  k = 4p + j: partitions [32*block, 32*block + 32) take rows 4q + j as slot j (dst [32, 4, F]
+                 and src [128, F] pair in row-major order, docs/simulator.md#choice-dma-pairing);
+        "wrapX": k = p + 128*j: slot `block` takes the block as it is.
+    """
+    if setup.scheme == "1x32":
+        q = PARTITIONS // MX_PACK
+        nisa.dma_copy(dst=stage[q * block:q * (block + 1), :, :f_size], src=rows_tile[:PARTITIONS, :f_size])
+    else:
+        nisa.dma_copy(dst=stage[:PARTITIONS, block, :f_size], src=rows_tile[:PARTITIONS, :f_size])
+
+
+def panel_scale_row(t: int, setup: MatmulSetup) -> int:
+    """First row of K tile t's scales in a panel-layout scale tensor: the scale tile rows its panel
+    holds (four K tiles per 128-row tile at offsets 0/4/8/12 with scale packing, else one each)."""
+    if setup.use_scale_packing:
+        return PARTITIONS * (t // SCALE_PACK_SLOTS) + SCALE_PACK_STRIDE * (t % SCALE_PACK_SLOTS)
+    return PARTITIONS * t
+
+
+def store_k_tile(words, scale, words_hbm, scales_hbm, t: int, setup: MatmulSetup) -> None:
+    """Store one full MXFP8 K tile (words [128, F] x4, scale [128, F] uint8 as quantize_mx wrote it at
+    partition offset 0: rows 32q + r, q, r < 4) in the panel layout (TensorDescriptor.panel_layout)."""
+    nisa.dma_copy(dst=words_hbm[PARTITIONS * t:PARTITIONS * (t + 1), :], src=words)
+    r0 = panel_scale_row(t, setup)
+    for q in range(PARTITIONS // 32):
+        nisa.dma_copy(dst=scales_hbm[r0 + 32 * q:r0 + 32 * q + 4, :], src=scale[32 * q:32 * q + 4, :])
+
+
+def _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi):
+    """K tiles [t_lo, t_hi) of a panel-layout operand: one DMA for the words of all of them (F-long
+    runs of 4-byte words) and one for their scale tiles."""
+    count, cols = t_hi - t_lo, op.f_total
+    builder.words(t_lo, PARTITIONS)  # allocates the panel's words [128, count, f_pad]
+    builder.scale(t_lo)  # and its scale tiles [128, n, f_pad]
+    words, scales = builder._data_tile, builder._scale_tile
+    if f_size < f_pad:
+        nisa.memset(dst=words[:, :, :], value=0)
+        nisa.memset(dst=scales[:, :, :], value=0)
+    c0 = op.f_base + f0
+    src = op.tensor.ap(pattern=[[cols, PARTITIONS], [PARTITIONS * cols, count], [1, f_size]],
+                       offset=PARTITIONS * t_lo * cols + c0)
+    nisa.dma_copy(dst=words[:, :, :f_size], src=src)
+    n_scale = scales.shape[1]
+    src = op.scales.ap(pattern=[[cols, PARTITIONS], [PARTITIONS * cols, n_scale], [1, f_size]],
+                       offset=panel_scale_row(t_lo, setup) * cols + c0)
+    nisa.dma_copy(dst=scales[:, :, :f_size], src=src)
+    for t in range(t_lo, t_hi):
+        builder.data.append(builder.words(t, PARTITIONS))
+        builder.scales.append(builder.scale(t))
+    return builder.panel()
+
+
 class _PanelBuilder(nl.NKIObject):
     """Accumulates the K tiles [t_lo, t_lo + count) of one panel.
 
@@ -246,6 +304,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
     builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo)
+    if op.panel_layout:
+        return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
         kernel_assert((t_lo, t_hi) == (0, len(tiles)),
                       f"K-contiguous bf16 operands load whole panels, got K tiles [{t_lo}, {t_hi}) of {len(tiles)}")

@@ -73,8 +73,8 @@ def fit_width(requested, ops, setup, budget, quantum):
 def stationary_load_width(op, m_tile, setup):
     """Super-panel width for a [K, F] stationary operand: whole m tiles, about STATIONARY_LOAD_WIDTH
     columns within the stationary budget (K-contiguous and pre-quantized operands gain nothing from
-    it: 0 = per tile)."""
-    if op.k_axis != 0 or op.prequantized:
+    it: 0 = per tile; panel-layout operands get wider DMA runs from it)."""
+    if op.k_axis != 0 or (op.prequantized and not op.panel_layout):
         return 0
     wanted = max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
     return fit_width(wanted, [op], setup, STATIONARY_PANEL_BUDGET_BYTES, m_tile)

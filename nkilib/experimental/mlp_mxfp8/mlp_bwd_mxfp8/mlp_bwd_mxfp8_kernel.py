@@ -15,47 +15,35 @@ model shapes (S >= I, S >= H):
 - phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
-Order and the one core_barrier: phase 1 (+ the first W_gu panel of phase 2 when its stationary rows are
-resident) -> core_barrier -> phase 2 -> phase 4 -> phase 3. The barrier is a fence (it waits for every
-earlier instruction of the core), so it sits where little is in flight: after phase 1, whose d_gate_up
-rows phases 2-4 read (both cores' rows for phases 3-4; phase 2 from HBM when not resident, always on
-phase 1's row split so cores never overlap). No fence follows, so each phase's first panels load while
-the previous phase runs its last tiles, the ones that load nothing (MatmulPlan steps "head" / "first" /
-"all"), when both fit SBUF (can_prefetch; not for K-streamed plans, which budget all of SBUF). The
-base kernel declares this as a PhaseGraph (nkilib/core/phase_graph.py): the order, the barrier and the
-overlaps are derived from what each phase reads and writes.
-
-Finite SBUF/PSUM (cost model: first-to-last-access liveness, next-fit placement): each plan allocates
-its PSUM accumulators and RESULT_BUFFERS eviction tiles once and rotates them; a [K, F] panel load
-stages through a ring of STAGING_BUFFERS tiles issued ahead of the quantizes, and an MXFP8 panel is
-one words + one scales allocation (core/matmul/panels.py _PanelBuilder), so freed staging leaves contiguous
-room instead of holes between words tiles.
+Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
+(+ the first W_gu panel of phase 2 when its stationary rows are resident) -> core_barrier -> phase 2 ->
+phase 4 -> phase 3, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
+writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF.
+Finite SBUF/PSUM: each plan allocates its PSUM accumulators and eviction tiles once and rotates them; a
+[K, F] panel load stages through a ring of STAGING_BUFFERS tiles (core/matmul/panels.py).
 
 On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
-d_gate_up row block in SBUF; it is stored once (2I-long DMA runs) for phase 3 and, one S tile later
-(TensorE runs in program order), transposed and quantized along 2I into phase 2's stationary panel.
+d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is transposed and
+quantized along 2I into phase 2's stationary panel. When every core's rows are whole 512-row K tiles
+(mx_along_s_applies), each block is also DMAed SBUF -> SBUF into phase 3's interleaved staging layout
+and, per K tile, quantized along S (spread over the next S tile's epilogues) and stored as MX words +
+scales (panels.store_k_tile); phase 3 reads both cores' halves as they are, and no bf16 d_gate_up goes
+to HBM. Groups are the scheme's groups along S, as before: numerics unchanged. Otherwise the rows are
+stored in bf16 (2I-long runs) for phase 3 (and phase 2 when not resident).
 
-Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): moving panels all resident (m-major) >
-stationary panels all resident (n-major) > K-streamed groups > stationary groups. K-streamed: g
-stationary panels resident (up to STREAM_STATIONARY_BUDGET_BYTES) and the moving operand streamed in
-quads of K tiles into g PSUM accumulators of STREAM_N_TILE columns, so each K slice is loaded once
-per group (TP1 phase 2: d_gate_up rows transposed/quantized once, W_gu read S/(2*128*g) times per
-core). Stationary groups: a group of stationary loads stays while the moving panels are swept. Phase
-1 keeps its dY (and X) panels resident when W_down's are not.
+Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): moving panels all resident
+(m-major) > stationary panels all resident (n-major) > K-streamed groups > stationary groups. Phase 1 keeps
+its dY (and X) panels resident when W_down's are not.
 
-Engines: PSUM evictions of phases 2-4 run on ScalarE (faster clock than VectorE in fp32, and idle
-after phase 1), leaving VectorE to quantize_mx and the phase-1 epilogue; the K-streamed path
-alternates VectorE/ScalarE. Phases 3-4 use MX_N_TILE_WEIGHT_GRAD-wide tiles (fewer stationary loads).
+Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
+epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
-Modeled (trn3 LNC2, S=4096, checkpoints given; nkilib/simulator/cost.py with finite SBUF/PSUM):
-Qwen3-8B TP8 642 us (76.5 % of MXFP8 peak, 3.49x the BF16 mode's 2239 us), TP1 5.12 ms (76.8 %).
-
-HBM traffic (bf16; per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down,
-gate_pre/gate_act/up[S/2, I] and writes d_gate_up[S/2, 2I]; phase 2 reads W_gu once (moving panels
-streamed n-major, stationary resident) and writes dX[S/2, H]; phase 3 reads d_gate_up and X (halves
-of the split operand) and writes its dW_gu half; phase 4 likewise. Modeled Qwen3-8B TP8 (S=4096):
-386 MB in total. No HBM->HBM transposes: K-contiguous operands are read as stored (NATURAL_LOAD_K
-columns per DMA) and transposed on the PE array; [K, F] operands are interleaved by the DMA pattern.
+HBM traffic (per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, gate_pre/gate_act/
+up[S/2, I] and writes its d_gate_up rows (MX words along S, or bf16); phase 2 reads W_gu once and writes
+dX[S/2, H]; phase 3 reads d_gate_up (both halves) and its half of X; phase 4 its half of dY along S and the
+intermediate. K-contiguous operands are read as stored (NATURAL_LOAD_K columns per DMA) and transposed on
+the PE array, also when output_grad_T / hidden_states_T are given: read as stored, their quantize_mx runs
+on a strided source at half rate, and VectorE is the scarcer engine (modeled TP8 0.80 vs 0.72 ms).
 """
 from __future__ import annotations
 
@@ -64,13 +52,13 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
-from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue,
-                             panel_bytes_per_partition, panel_from_rows)
+from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue, panel_bytes_per_partition,
+                             panel_from_rows, stage_row_block, store_k_tile)
 from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import MX_K_ALIGN, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
+from .constants import MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -185,9 +173,20 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.clamp, self.s_base, self.I, self.dtype, self.setup = clamp, s_base, I, dtype, setup
         self.keep_for_phase2 = keep_for_phase2
         self.fused = False
+        self.along_s = None  # (words, scales) HBM panel layout of d_gate_up quantized along S (exchange_along_s)
+        self.stage = None  # interleaved staging tile [128, 4, 2I] of the current 512-row K tile
+        self.along_s_pending = None  # (K tile, stage, words, scale, next column) of a K tile being quantized
         self.resident = None  # ResidentPanels for phase 2 after finish() (fused only)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
+
+    def exchange_along_s(self, words_hbm, scales_hbm) -> None:
+        """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
+        in the panel layout (words_hbm [S/4, 2I] x4, scales_hbm, TensorDescriptor.panel_layout) instead of
+        storing the bf16 rows: phase 3 then reads both cores' halves quantized (half the bytes, no second
+        quantize_mx). Only for S-tile-major plans over whole rows whose S range is in whole 512-row K tiles
+        (the caller checks: mx_along_s_applies)."""
+        self.along_s = (words_hbm, scales_hbm)
 
     def prepare(self, plan) -> None:
         (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
@@ -209,6 +208,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
             self.panels.extend(_phase2_panels(self.pending, self.setup))
+        if self.along_s_pending != None:  # noqa: E711
+            self._quantize_along_s_chunk(n0)
         gate_pre = _bf16_tile(self.gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
         up = _bf16_tile(self.up_td, u_psum, m0, msz, n0, nsz, ncols)
         if self.keep:
@@ -228,14 +229,46 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
             nisa.dma_copy(dst=out[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up)
         elif n0 + nsz == self.n_hi:  # row block complete
-            if (self.n_lo, self.n_hi) == (0, I):
-                nisa.dma_copy(dst=out[m0:m0 + msz, :], src=rows[:msz, :two_i])
-            else:
-                width = self.n_hi - self.n_lo
-                for c in (self.n_lo, I + self.n_lo):
-                    nisa.dma_copy(dst=out[m0:m0 + msz, c:c + width], src=rows[:msz, c:c + width])
+            if self.along_s != None:  # noqa: E711
+                self._quantize_along_s(m0, rows, two_i)
+            # bf16 rows in HBM only for a reader: phase 2 when they are not its resident panels, phase 3
+            # when it does not read the MX words
+            if self.along_s == None or not self.fused:  # noqa: E711
+                if (self.n_lo, self.n_hi) == (0, I):
+                    nisa.dma_copy(dst=out[m0:m0 + msz, :], src=rows[:msz, :two_i])
+                else:
+                    width = self.n_hi - self.n_lo
+                    for c in (self.n_lo, I + self.n_lo):
+                        nisa.dma_copy(dst=out[m0:m0 + msz, c:c + width], src=rows[:msz, c:c + width])
             if self.fused:
                 self.pending.append((m_rel, msz, rows, two_i))
+
+    def _quantize_along_s(self, m0, rows, two_i) -> None:
+        """Row block [m0, m0 + 128) of d_gate_up into its K tile's staging tile; after the K tile's fourth
+        block, quantize it along S (K=S of phase 3) and store it in the panel layout."""
+        block = (m0 % MX_K_TILE) // PARTITIONS
+        if block == 0:
+            self.stage = nl.ndarray((PARTITIONS, MX_PACK, two_i), dtype=nl.bfloat16, buffer=nl.sbuf)
+        stage_row_block(self.stage, rows, block, two_i, self.setup)
+        if block == MX_PACK - 1:
+            words = nl.ndarray((PARTITIONS, two_i), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
+            scale = nl.ndarray((PARTITIONS, two_i), dtype=nl.uint8, buffer=nl.sbuf)
+            self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
+            self.stage = None
+
+    def _quantize_along_s_chunk(self, n0) -> None:
+        """Quantize the next columns of the pending K tile: one n tile's worth per epilogue call of the next
+        S tile (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
+        quantizes and epilogue), and store the K tile after its last chunk."""
+        t, stage, words, scale, c0 = self.along_s_pending
+        two_i = 2 * self.I
+        c1 = min(two_i, c0 + ceil_div(two_i, ceil_div(self.n_hi - self.n_lo, self.ncols)))
+        nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
+        if c1 < two_i:
+            self.along_s_pending = (t, stage, words, scale, c1)
+            return
+        store_k_tile(words, scale, self.along_s[0], self.along_s[1], t, self.setup)
+        self.along_s_pending = None
 
     def held_bytes(self, n_tile) -> int:
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
@@ -243,6 +276,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
 
     def finish(self) -> None:
         self.panels.extend(_phase2_panels(self.pending, self.setup))
+        while self.along_s_pending != None:  # noqa: E711
+            self._quantize_along_s_chunk(self.along_s_pending[4])
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
         self.rows = None
@@ -324,7 +359,8 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
     """Phase 3: dW_gu [2I, H] = d_gate_upᵀ [2I, S] @ X [S, H] (K=S).
 
     Dimensions:
-        grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0); hidden_states_T_td: X [S, H]
+        grad_T_td: d_gate_up [S, 2I] read as the K=S operand (k_axis=0), or its MX words along S in the
+        panel layout (phase 1's exchange_along_s); hidden_states_T_td: X [S, H]
         (k_axis=0) or pre-quantized Xᵀ [H, S]; weight_grad_td: [2I, H] output in `dtype`.
         plan / stage / split: as in compute_phase2_hidden_states_grad_mxfp8.
     """
@@ -356,6 +392,19 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
     return plan if stage == "plan" else plan.step(stage)
 
 
+def mx_along_s_applies(plan1, S, I, split, setup) -> bool:
+    """Whether phase 1 can quantize d_gate_up along S on chip for phase 3 (SwigluBackwardEpilogue.
+    exchange_along_s): MXFP8, phase 1 runs S-tile-major in 128-row tiles, and every core's rows are whole
+    512-row K tiles of phase 3 with all I columns (checked for all cores: phase 3 reads every core's part)."""
+    if not setup.is_mx or not plan1.keep_moving or plan1.m_tile != PARTITIONS or S % MX_K_TILE:
+        return False
+    for core in range(split.num_cores):
+        (lo, hi), cols = CoreSplit(split.num_cores, core).ranges(S, I, prefer_m=True)
+        if cols != (0, I) or lo % MX_K_TILE or hi % MX_K_TILE:
+            return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------
 # The backward as a phase graph
 # ---------------------------------------------------------------------------------------------------
@@ -363,12 +412,15 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
                                 hidden_states_td, hidden_states_T_td, output_grad_T_td, down_weight_td,
                                 gate_up_weight_td, gate_weight_td, up_weight_td, gate_pre, gate_act, up, intermediate,
                                 setup, config, run_with_lnc2, clamp_limits, weight_grad_dtype):
-    """All phases for validated descriptors, declared as a PhaseGraph; allocates only the scratch that is needed.
+    """All phases for validated descriptors, declared as a PhaseGraph, with their HBM scratch (d_gate_up as
+    bf16 rows or as MX words along S, whichever phase 1 plans; the intermediate when recomputed).
 
     The graph derives the order phase 1 -> (core_barrier) -> phase 2 -> phase 4 -> phase 3: phases 2-4
     depend only on phase 1 (their relative order is the declaration order); d_gate_up and the recomputed
     intermediate are written by both cores, so the one sync point sits before phase 2, and phase 2's
-    first W_gu panel loads before it when its stationary d_gate_up rows are resident.
+    first W_gu panel loads before it when its stationary d_gate_up rows are resident. Phase 1 is planned
+    first: whether its epilogue can quantize d_gate_up along S for phase 3 (mx_along_s_applies) decides
+    phase 3's operand.
     """
     S, two_i = output_grad_td.tensor.shape[0], gate_up_weight_grad.shape[0]
     I = two_i // 2
@@ -407,12 +459,29 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return compute_phase4_down_weight_grad_mxfp8(*phase4_args, config=config.phase4, plan=plan, stage=stage,
                                                      **common)
 
+    plan1 = phase1(None, "plan")  # planned first: whether phase 3 can take d_gate_up quantized on chip
+
     def build_phase1(outputs):
-        return phase1(None, "plan")
+        return plan1
 
     def build_phase2(outputs):
         return compute_phase2_hidden_states_grad_mxfp8(*phase2_args, config=config.phase2, resident=outputs["phase1"],
                                                        rows=rows2, stage="plan", **common)
+
+    sync_data = d_gate_up
+    if mx_along_s_applies(plan1, S, I, split, setup):
+        # each core quantizes its own d_gate_up rows along S in phase 1's epilogue and stores the MX words;
+        # phase 3 reads both cores' halves as they are (panels.py panel layout)
+        n_k = S // MX_K_TILE
+        scale_tiles = ceil_div(n_k, MX_PACK) if setup.use_scale_packing else n_k
+        words = nl.ndarray((S // MX_PACK, two_i), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
+                           name="mlp_bwd_d_gate_up_mx")
+        scales = nl.ndarray((PARTITIONS * scale_tiles, two_i), dtype=nl.uint8, buffer=nl.shared_hbm,
+                            name="mlp_bwd_d_gate_up_mx_scales")
+        plan1.epilogue.exchange_along_s(words, scales)
+        phase3_args = phase3_args[:2] + (TensorDescriptor(words, k_axis=0, scales=scales, panel_layout=True),) + \
+            phase3_args[3:]
+        sync_data = words
 
     def build_phase3(outputs):
         return phase3(None, "plan")
@@ -421,7 +490,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return phase4(None, "plan")
 
     def barrier():
-        nisa.core_barrier(data=d_gate_up, cores=(0, 1))
+        nisa.core_barrier(data=sync_data, cores=(0, 1))
 
     graph = PhaseGraph(split.num_cores, shared=("d_gate_up", "intermediate"), barrier=barrier)
     graph.add(Phase("phase1", build_phase1, phase1,

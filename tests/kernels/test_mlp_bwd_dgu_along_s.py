@@ -1,0 +1,50 @@
+"""d_gate_up quantized along S on chip in phase 1's epilogue (SwigluBackwardEpilogue.exchange_along_s).
+
+When every core's S rows are whole 512-row K tiles of phase 3 and phase 1 runs S-tile-major, each core
+stages its finished d_gate_up row blocks into phase 3's interleaved layout (SBUF -> SBUF DMA), quantizes
+them along S and stores the MX words and scales to shared HBM (panels.store_k_tile); after the barrier,
+phase 3 reads both cores' halves as they are. The MX groups are the scheme's groups along S, as when
+phase 3 quantized the bf16 rows itself, so the outputs stay mx_exact bit for bit (pow2 inputs: which
+elements share a group decides the result). Expected values: reference.py mode "mx_exact".
+"""
+from __future__ import annotations
+
+import pytest
+
+import nki.language as nl
+from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+
+MX_WORDS, BF16_ROWS = "mlp_bwd_d_gate_up_mx", "mlp_bwd_d_gate_up"
+
+
+def _hbm_writes(res, name):
+    return sum(1 for r in res.trace for o in r.writes if o.name == name)
+
+
+@pytest.mark.parametrize("scheme, lnc, packing, checkpoints, fp8", [
+    ("1x32", 2, True, True, "float8_e4m3fn_x4"),
+    ("wrapX", 2, True, False, "float8_e5m2_x4"),
+    ("1x32", 1, False, False, "float8_e4m3fn_x4"),
+])
+def test_along_s_path_is_bit_exact(scheme, lnc, packing, checkpoints, fp8):
+    S, H, I = 1024, 128, 64  # LNC2: 512 rows (one K tile of phase 3) per core; LNC1: two K tiles
+    inp = mlp_inputs(S, H, I, seed=11, kind="pow2")
+    if checkpoints:
+        inp = {**inp, **mlp_checkpoints(inp, quant_scheme=scheme, fp8_x4_dtype=getattr(nl, fp8))}
+    options = dict(quant_scheme=scheme, use_scale_packing=packing, fp8_x4_dtype=getattr(nl, fp8))
+    res = run_mlp(inp, lnc=lnc, trace=True, **options)
+    # each core stores its K tiles' words once (S / 512 K tiles in all); no bf16 d_gate_up rows go to HBM
+    # (phase 2 keeps them on chip as its stationary panels)
+    assert _hbm_writes(res, MX_WORDS) == S // 512
+    assert _hbm_writes(res, BF16_ROWS) == 0
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp, **options))
+
+
+def test_rows_not_in_whole_k_tiles_take_the_bf16_path():
+    """S = 768 under LNC2: the cores' rows (512 / 256) are not whole 512-row K tiles of phase 3, so phase 1
+    stores bf16 rows and phase 3 quantizes them; same numerics."""
+    S, H, I = 768, 128, 64
+    inp = mlp_inputs(S, H, I, seed=12, kind="pow2")
+    res = run_mlp(inp, lnc=2, trace=True)
+    assert _hbm_writes(res, MX_WORDS) == 0 and _hbm_writes(res, BF16_ROWS) > 0
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))
