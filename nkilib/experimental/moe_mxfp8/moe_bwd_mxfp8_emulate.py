@@ -25,8 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, _silu32, _silu_dx32, clamp_tuple,
-                                                             contract_matmul, recompute_projection)
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, activation_fns32, clamp_tuple,
+                                                             contract_matmul, linear_factor, recompute_projection)
 from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 
 __all__ = ["routing_grad", "moe_backward_emulate"]
@@ -88,6 +88,7 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
                            quant_scheme=quant_scheme, scale_rule=scale_rule)
     k_tile = MX_K_TILE if matmul_precision == "mxfp8" else BF16_K_TILE
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
+    act_fn, act_dx_fn = activation_fns32(clamp_limits)
     bf, f32 = torch.bfloat16, torch.float32
     dy, x = output_grad.to(bf), hidden_states.to(bf)
     w_gu, w_down = gate_up_weight.to(bf), down_weight.to(bf)
@@ -119,14 +120,15 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
             u = recompute_projection(x_e, w_gu[e, n_i:], **mm.keywords)  # K = H, M = R, N = I
         gc, mask_g = _clamp_and_mask(g_pre.to(f32), gl, gu)
         uc, mask_u = _clamp_and_mask(u.to(f32), ul, uu)
-        g_act = _silu32(gc).to(bf) if g_act is None else g_act
+        uc = linear_factor(uc, clamp_limits)
+        g_act = act_fn(gc).to(bf) if g_act is None else g_act
         a = g_act.to(f32)
         h = (a * uc).to(bf) if h is None else h
         d_i = mm(dy_e, w_down[e])  # [R, I]: K = H, M = R, N = I
         d_w[slots] = routing_grad(d_i, h)
         dh = d_i * p
         d_up = ((dh * a) * mask_u).to(bf)
-        d_gate = (((dh * uc) * _silu_dx32(gc)) * mask_g).to(bf)
+        d_gate = (((dh * uc) * act_dx_fn(gc)) * mask_g).to(bf)
         d_gu = torch.cat([d_gate, d_up], dim=1)  # [R, 2I]
         hs = (h.to(f32) * p).to(bf)
         part = mm(d_gu, w_gu[e]).to(bf)  # [R, H]: K = 2I, M = R, N = H
