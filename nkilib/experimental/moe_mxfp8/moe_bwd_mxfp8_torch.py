@@ -482,15 +482,19 @@ def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
 class MoESwiGLUExperts(nn.Module):
     """E SwiGLU experts applied to routed tokens, with the MXFP8 MoE backward (``moe_swiglu_experts_mxfp8``).
 
-    Parameters (per expert the nn.Linear layout, initialised like nn.Linear without bias):
-        gate_up_weight [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), down_weight [E, H, I].
+    Parameters (per expert the nn.Linear layout, initialised like nn.Linear):
+        gate_up_weight [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), down_weight [E, H, I]; with bias=True also
+        gate_up_bias [E, 2I] and down_bias [E, H] (GPT-OSS; nn.Linear's bias init).
 
     Args:
         num_experts: E.
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype, matmul_precision,
-            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8``.
+            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8`` (GPT-OSS's experts:
+            clamp_limits=ClampLimits(non_linear_upper=7, linear_lower=-7, linear_upper=7, activation="gpt_oss")).
+        bias: add gate_up_bias and down_bias (moe_swiglu_experts_mxfp8's; needs a checkpoint keeping gate_pre
+            and up, and backend "emulate" or "auto" off Neuron).
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -499,7 +503,7 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, checkpoint="all",
                  backend="auto", clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
                  weight_grad_dtype=None, matmul_precision="mxfp8", scale_rule="neuron",
-                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, device=None, dtype=None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, bias: bool = False, device=None, dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -517,6 +521,18 @@ class MoESwiGLUExperts(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        if not isinstance(bias, bool):
+            raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
+        if bias:
+            keep = resolve_checkpoint_policy(checkpoint)
+            if not (keep[0] and keep[2]) or backend not in ("auto", "emulate"):
+                raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up and backend "
+                                 f"'emulate' or 'auto', got checkpoint={checkpoint!r}, backend={backend!r}")
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        else:
+            self.register_parameter("gate_up_bias", None)
+            self.register_parameter("down_bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -525,10 +541,13 @@ class MoESwiGLUExperts(nn.Module):
             for w in (self.gate_up_weight, self.down_weight):
                 for e in range(self.num_experts):
                     nn.init.kaiming_uniform_(w[e], a=5 ** 0.5)
+            for b, fan_in in ((self.gate_up_bias, self.hidden_size), (self.down_bias, self.intermediate_size)):
+                if b is not None:  # nn.Linear's bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    nn.init.uniform_(b, -fan_in ** -0.5, fan_in ** -0.5)
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
-                                        **self.options)
+                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, **self.options)
 
     def extra_repr(self) -> str:
         o = self.options
