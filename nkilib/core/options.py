@@ -27,7 +27,8 @@ CLAMP_NAMES = ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_u
 #: Gated functions of the SwiGLU epilogue (ClampLimits.activation), gc / uc the clamped gate / up:
 #:   "silu": gate_act = silu(gc) = gc*sigmoid(gc), intermediate = gate_act * uc (Llama, Qwen, Mixtral);
 #:   "gpt_oss": gate_act = gelu_apprx_sigmoid(gc) = gc*sigmoid(1.702*gc) (the ScalarE function of that name),
-#:              intermediate = gate_act * (uc + 1) (GPT-OSS's experts, swiglu_alpha = 1.702).
+#:              intermediate = gate_act * (uc + 1) (GPT-OSS's experts, swiglu_alpha = 1.702; the 1.702 of
+#:              gelu_apprx_sigmoid: docs/simulator.md#choice-activation-numerics).
 ACTIVATIONS = ("silu", "gpt_oss")
 #: The linear factor's offset of each activation: intermediate = gate_act * (uc + UP_OFFSETS[activation]).
 UP_OFFSETS = {"silu": 0.0, "gpt_oss": 1.0}

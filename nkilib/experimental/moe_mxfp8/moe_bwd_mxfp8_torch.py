@@ -403,6 +403,8 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             contradicts NEURON_LOGICAL_NC_CONFIG.
         RuntimeError: backend "neuron" off a Neuron / XLA device or without its torch stack.
     """
+    if ep_group is not None and (gate_up_bias is not None or down_bias is not None):
+        raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias / down_bias are not supported with ep_group yet")
     if down_bias is not None:
         y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
                                      clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
@@ -411,8 +413,6 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                                      ep_group=ep_group, gate_up_bias=gate_up_bias)
         return _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_weight.shape)
     if ep_group is not None:
-        if gate_up_bias is not None:
-            raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias is not supported with ep_group")
         from .expert_parallel import moe_swiglu_experts_expert_parallel
 
         return moe_swiglu_experts_expert_parallel(
