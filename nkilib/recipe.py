@@ -37,6 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .core import options
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_torch as op_module
 from .experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
@@ -69,10 +70,10 @@ def _canonical_clamps(value) -> Optional[ClampLimits]:
     if value is None or isinstance(value, ClampLimits):
         return value
     try:
-        limits = ClampLimits(*emu.clamp_tuple(value))
+        limits = ClampLimits(*emu.clamp_tuple(value), activation=options.clamp_activation(value))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Recipe.clamp_limits: {exc}") from None
-    return None if all(v is None for v in emu.clamp_tuple(limits)) else limits
+    return None if limits == ClampLimits() else limits
 
 
 def _canonical_weight_grad(value) -> Optional[str]:

@@ -226,7 +226,8 @@ def mlp_checkpoints(inputs: dict, **options) -> dict:
 
 def mlp_torch_oracle(inputs: dict, clamp_limits=None):
     """The exact gradients by torch float64 autograd of the clamped SwiGLU forward, written here from the
-    math (Y = (silu(clamp(X W_gate^T)) * clamp(X W_up^T)) W_down^T, loss = sum(Y * dY)): an oracle that
+    math (Y = (silu(clamp(X W_gate^T)) * clamp(X W_up^T)) W_down^T, or GPT-OSS's gated function for
+    clamp_limits.activation "gpt_oss", loss = sum(Y * dY)): an oracle that
     shares no code with reference.py or nkilib.mx. torch is used only in tests.
 
     Returns (dX [S, H], dW_gu [2I, H], dW_down [H, I]) float64 numpy arrays.
@@ -244,7 +245,10 @@ def mlp_torch_oracle(inputs: dict, clamp_limits=None):
     if lim is not None:
         gate = torch.clamp(gate, lim.non_linear_lower, lim.non_linear_upper) if lim.has_gate_clamp else gate
         up = torch.clamp(up, lim.linear_lower, lim.linear_upper) if lim.has_up_clamp else up
-    y = (torch.nn.functional.silu(gate) * up) @ w_down.T
+    if getattr(lim, "activation", "silu") == "gpt_oss":  # GPT-OSS: gate * sigmoid(1.702 gate) * (up + 1)
+        y = (gate * torch.sigmoid(1.702 * gate) * (up + 1)) @ w_down.T
+    else:
+        y = (torch.nn.functional.silu(gate) * up) @ w_down.T
     (y * dy).sum().backward()
     return tuple(t.grad.numpy() for t in (x, w_gu, w_down))
 

@@ -24,6 +24,16 @@ FP8_SHORT_NAMES = ("e4m3fn", "e5m2")
 WEIGHT_GRAD_DTYPES = ("bfloat16", "float32")
 WEIGHT_GRAD_ALIASES = (("bf16", "bfloat16"), ("fp32", "float32"))  # short names the torch layer has accepted
 CLAMP_NAMES = ("non_linear_lower", "non_linear_upper", "linear_lower", "linear_upper")
+#: Gated functions of the SwiGLU epilogue (ClampLimits.activation), gc / uc the clamped gate / up:
+#:   "silu": gate_act = silu(gc) = gc*sigmoid(gc), intermediate = gate_act * uc (Llama, Qwen, Mixtral);
+#:   "gpt_oss": gate_act = gelu_apprx_sigmoid(gc) = gc*sigmoid(1.702*gc) (the ScalarE function of that name),
+#:              intermediate = gate_act * (uc + 1) (GPT-OSS's experts, swiglu_alpha = 1.702; the 1.702 of
+#:              gelu_apprx_sigmoid: docs/simulator.md#choice-activation-numerics).
+ACTIVATIONS = ("silu", "gpt_oss")
+#: The linear factor's offset of each activation: intermediate = gate_act * (uc + UP_OFFSETS[activation]).
+UP_OFFSETS = {"silu": 0.0, "gpt_oss": 1.0}
+#: The gate sigmoid's slope of each activation (silu: 1; gelu_apprx_sigmoid: 1.702, fixed by the ScalarE function).
+GATE_ALPHAS = {"silu": 1.0, "gpt_oss": 1.702}
 
 
 class OptionError(ValueError):
@@ -129,15 +139,15 @@ def clamp_values(clamp_limits, what: str = "clamp_limits", fail=host_fail) -> tu
     """(non_linear_lower, non_linear_upper, linear_lower, linear_upper) as floats or None (no bound).
 
     clamp_limits: None, a ClampLimits (or any object with those four attributes) or a dict with a
-    subset of those keys. Each bound is a real number (not bool, not NaN) or None, and each lower bound
+    subset of those keys (and optionally "activation", checked by clamp_activation). Each bound is a real number (not bool, not NaN) or None, and each lower bound
     is smaller than its upper bound.
     """
     if clamp_limits == None:  # noqa: E711
         return (None, None, None, None)
     if isinstance(clamp_limits, dict):
-        unknown = sorted(k for k in clamp_limits if k not in CLAMP_NAMES)
+        unknown = sorted(k for k in clamp_limits if k not in CLAMP_NAMES + ("activation",))
         if unknown:
-            fail(f"{what}: unknown keys {unknown}; accepted: {list(CLAMP_NAMES)}")
+            fail(f"{what}: unknown keys {unknown}; accepted: {list(CLAMP_NAMES + ('activation',))}")
         values = tuple(clamp_limits.get(n) for n in CLAMP_NAMES)
     elif all(hasattr(clamp_limits, n) for n in CLAMP_NAMES):
         values = tuple(getattr(clamp_limits, n) for n in CLAMP_NAMES)
@@ -156,7 +166,23 @@ def clamp_values(clamp_limits, what: str = "clamp_limits", fail=host_fail) -> tu
     for lo, hi, side in ((out[0], out[1], "non_linear"), (out[2], out[3], "linear")):
         if lo != None and hi != None and not lo < hi:  # noqa: E711
             fail(f"{what}: {side}_lower ({lo}) must be smaller than {side}_upper ({hi})")
+    clamp_activation(clamp_limits, what, fail)  # the activation travels with the clamps; checked here once
     return tuple(out)
+
+
+def activation(value, what: str = "activation", fail=host_fail) -> str:
+    """"silu" (default) or "gpt_oss": the SwiGLU epilogue's gated function (ACTIVATIONS)."""
+    return check_choice(what, value, ACTIVATIONS, fail)
+
+
+def clamp_activation(clamp_limits, what: str = "clamp_limits", fail=host_fail) -> str:
+    """The activation carried by `clamp_limits` (its `activation` attribute or key; "silu" when None or
+    absent), checked with activation()."""
+    if clamp_limits == None:  # noqa: E711
+        return "silu"
+    value = clamp_limits.get("activation", "silu") if isinstance(clamp_limits, dict) else \
+        getattr(clamp_limits, "activation", "silu")
+    return activation(value, what=f"{what}.activation", fail=fail)
 
 
 def _is_str(value) -> bool:

@@ -3,9 +3,12 @@
 Per [msz, nsz] output tile of the down-projection gradient dI (fp32, PSUM or SBUF), with the forward's
 gate_pre / up (bf16 tiles) and optionally its gate_act / intermediate:
     gc, maskG = clampG(gate_pre), uc, maskU = clampU(up)
-    a = gate_act or bf16(silu(gc)),  intermediate = bf16(a * uc)
-    d_up = bf16((dI * a) * maskU),  d_gate = bf16(((dI * uc) * silu'(gc)) * maskG)
-every product a float32 multiply, left to right (the numerics contract of
+    a = gate_act or bf16(act(gc)),  intermediate = bf16(a * uc)
+    d_up = bf16((dI * a) * maskU),  d_gate = bf16(((dI * uc) * act'(gc)) * maskG)
+every product a float32 multiply, left to right. The activation is the clamp's (ClampLimits.activation):
+"silu" (act = nl.silu, act' = nl.silu_dx) or "gpt_oss" (act = nl.gelu_apprx_sigmoid = x*sigmoid(1.702x),
+act' = nl.gelu_apprx_sigmoid_dx, and uc replaced by the linear factor fp32(uc + 1), so that
+intermediate = a * (uc + 1) and d_gate's factor is (uc + 1); d_up is unchanged) (the numerics contract of
 nkilib/experimental/mlp_mxfp8/mlp_bwd_mxfp8/reference.py, reference_phase1_down_proj_grad). The MoE kernel
 applies its routing weight to dI first (dh = dI * p) and feeds dh here.
 
@@ -20,15 +23,19 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .matmul.constants import PARTITIONS
+from .kernel_helpers import kernel_fail
+from .options import UP_OFFSETS, clamp_activation
 
 
 class SwigluTerms(nl.NKIObject):
-    """Forward terms of one [msz, nsz] tile: gc / uc (clamped, fp32 views or the bf16 inputs when
-    unclamped), masks (fp32 0/1 views or None), a = gate_act (bf16 view)."""
+    """Forward terms of one [msz, nsz] tile: gc (clamped gate), uc (the linear factor: clamped up, plus 1 for
+    "gpt_oss"; fp32 views, or the bf16 inputs when unclamped and not offset), masks (fp32 0/1 views or None),
+    a = gate_act (bf16 view), act_dx: the ScalarE derivative of the activation (nl.silu_dx or
+    nl.gelu_apprx_sigmoid_dx)."""
 
-    def __init__(self, gc, mask_g, uc, mask_u, act, msz, nsz, ncols):
+    def __init__(self, gc, mask_g, uc, mask_u, act, act_dx, msz, nsz, ncols):
         self.gc, self.mask_g, self.uc, self.mask_u, self.act = gc, mask_g, uc, mask_u, act
-        self.msz, self.nsz, self.ncols = msz, nsz, ncols
+        self.act_dx, self.msz, self.nsz, self.ncols = act_dx, msz, nsz, ncols
 
 
 def clamp_and_mask(x, lower, upper, msz, nsz, ncols):
@@ -65,15 +72,24 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols) -> Swig
 
     Dimensions:
         gate_pre, up: bf16 [msz, nsz] SBUF views; gate_act: bf16 [msz, nsz] view of the checkpoint, or
-        None (computed: bf16(silu(gc)) on ScalarE); clamp: ClampLimits-like (four attributes, None = no bound).
+        None (computed: bf16(act(gc)) on ScalarE); clamp: ClampLimits-like (four bounds, None = no bound, and
+        its activation).
     """
+    activation = clamp_activation(clamp, fail=kernel_fail)
+    act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
+                                                                         nl.gelu_apprx_sigmoid_dx)
     gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
     uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
+    offset = UP_OFFSETS[activation]
+    if offset != 0.0:
+        lin = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lin[:msz, :nsz], data=uc, op0=nl.add, operand0=offset)  # fp32(uc + 1)
+        uc = lin[:msz, :nsz]
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.activation(dst=act[:msz, :nsz], op=nl.silu, data=gc)  # gate_act = bf16(silu(gc))
+        nisa.activation(dst=act[:msz, :nsz], op=act_fn, data=gc)  # gate_act = bf16(act(gc))
         gate_act = act[:msz, :nsz]
-    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, msz, nsz, ncols)
+    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, act_dx, msz, nsz, ncols)
 
 
 def intermediate_tile(terms: SwigluTerms):
@@ -85,7 +101,7 @@ def intermediate_tile(terms: SwigluTerms):
 
 
 def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst) -> None:
-    """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * silu'(gc)) * maskG) into the bf16 SBUF
+    """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
     Dimensions:
@@ -101,9 +117,9 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst) -> None:
         nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
         nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-    # d_gate = bf16(((dI * uc) * silu'(gc)) * mask_g)
+    # d_gate = bf16(((dI * uc) * act'(gc)) * mask_g)
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sd[:msz, :nsz], op=nl.silu_dx, data=terms.gc)
+    nisa.activation(dst=sd[:msz, :nsz], op=terms.act_dx, data=terms.gc)
     t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
     if mask_g == None:  # noqa: E711

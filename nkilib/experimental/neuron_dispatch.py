@@ -124,12 +124,14 @@ def kernel_kwargs(nl, ckpts, clamps, fp8: str, scheme: str, precision: str, wg: 
     Args:
         nl: the ``nki.language`` module (real or simulated) that names the dtypes.
         ckpts: (gate_pre, gate_act, up, intermediate), each an array / tensor or None.
-        clamps: (non_linear_lower, non_linear_upper, linear_lower, linear_upper), floats or None.
+        clamps: (non_linear_lower, non_linear_upper, linear_lower, linear_upper), floats or None, optionally
+            followed by the activation (ClampLimits' fields in order).
         fp8, scheme, precision, wg: option names ("float8_e4m3fn", "1x32", "mxfp8", "float32", ...).
     """
     from .mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 
-    clamp = ClampLimits(*clamps) if any(c is not None for c in clamps) else None
+    clamp = ClampLimits(*clamps)
+    clamp = None if clamp == ClampLimits() else clamp
     kw = dict(zip(("gate_pre", "gate_act", "up", "intermediate"), ckpts))
     kw.update(clamp_limits=clamp, fp8_x4_dtype=getattr(nl, f"{fp8}_x4"), quant_scheme=scheme,
               weight_grad_dtype=getattr(nl, wg), matmul_precision=precision)

@@ -1,4 +1,4 @@
-"""The experts of Hugging Face sparse MoE blocks (Qwen3-MoE, Mixtral) on ``moe_swiglu_experts_mxfp8``.
+"""The experts of Hugging Face sparse MoE blocks (Qwen3-MoE, Mixtral, GPT-OSS) on ``moe_swiglu_experts_mxfp8``.
 
 transformers 5.x keeps a block's router (``gate``) and its forward, and calls
 ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``; the experts module holds
@@ -22,14 +22,20 @@ import importlib.util
 import torch
 from torch import Tensor, nn
 
+from ..core import options
+from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import resolve_checkpoint_policy
 from ..recipe import Recipe, as_recipe
 from .swiglu import SILU_CLASSES, autocast_input
 
-__all__ = ["HFMoEExperts", "moe_kwargs", "moe_op_available", "MOE_EXPERTS_CLASSES"]
+__all__ = ["HFMoEExperts", "HFGptOssExperts", "moe_kwargs", "moe_op_available", "MOE_EXPERTS_CLASSES",
+           "GPT_OSS_EXPERTS_CLASSES"]
 
 #: transformers classes of concatenated-layout SwiGLU experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 MOE_EXPERTS_CLASSES = ("Qwen3MoeExperts", "MixtralExperts")
+#: transformers classes of GPT-OSS experts (interleaved gate_up_proj [E, H, 2I], biases, gelu_apprx_sigmoid gate).
+GPT_OSS_EXPERTS_CLASSES = ("GptOssExperts",)
 _MOE_OP_MODULE = "nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_torch"
 _MOE_FIELDS = ("checkpoint", "clamp_limits", "fp8_dtype", "quant_scheme", "weight_grad_dtype", "matmul_precision",
                "scale_rule", "backend")
@@ -110,4 +116,97 @@ class HFMoEExperts(nn.Module):
     def extra_repr(self) -> str:
         n_e, two_i, h = self.gate_up_proj.shape
         return (f"num_experts={n_e}, hidden_size={h}, intermediate_size={two_i // 2}, "
+                f"recipe={self.recipe.describe()}")
+
+
+class HFGptOssExperts(nn.Module):
+    """Drop-in replacement of transformers' GptOssExperts on ``moe_swiglu_experts_mxfp8`` (activation "gpt_oss").
+
+    GPT-OSS's experts (transformers' GptOssExperts.forward, per routed pair (t, j), e = index, p = weight):
+        gate_up = x[t] gate_up_proj[e] + gate_up_proj_bias[e];  gate, up = gate_up[::2], gate_up[1::2]
+        h = clamp(gate, max=limit) * sigmoid(alpha clamp(gate, max=limit)) * (clamp(up, -limit, limit) + 1)
+        y[t] += p * (h down_proj[e] + down_proj_bias[e])
+    with alpha = 1.702: the op's activation "gpt_oss" with ClampLimits(non_linear_upper=limit,
+    linear_lower=-limit, linear_upper=limit). The router (GptOssTopKRouter) and the block (GptOssMLP) stay the
+    model's; they call ``experts(hidden [T, H], router_indices [T, k], routing_weights [T, k])``.
+
+    Parameters: the model's four, the same objects under the same names (state-dict keys unchanged, no copy
+    held). Layout at the call: down_proj [E, I, H] enters the op as its transpose view [E, H, I]; gate_up_proj
+    [E, H, 2I] interleaves gate and up columns, which no strided view turns into the op's [E, 2I, H] gate-then-up
+    rows, so each forward de-interleaves it (one copy of E*H*2I elements, then the op's bf16 cast; its gradient
+    re-interleaves through autograd, one more copy) and likewise the [E, 2I] bias. The down bias is added in
+    float32 torch ops outside the op (autograd: d_down_proj_bias = sum over pairs of p dY, and <dY, bias> added
+    to the routing-weight gradient).
+
+    Recipe: moe_kwargs(recipe), with clamp_limits replaced by the module's limit and activation; the checkpoint
+    policy must keep gate_pre and up (they hold the bias) and the backend must resolve to "emulate".
+
+    Args:
+        experts: the model's GptOssExperts.
+        recipe: a Recipe, a preset name or None (the default preset).
+        where: the module's qualified name, for error messages.
+    """
+
+    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts"):
+        super().__init__()
+        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        params = [getattr(experts, n, None) for n in names]
+        if not all(isinstance(p, nn.Parameter) for p in params):
+            raise ValueError(f"{where} must hold Parameters {list(names)}")
+        gate_up, gate_up_bias, down, down_bias = params
+        n_e, h, two_i = gate_up.shape if gate_up.dim() == 3 else (0, 0, 1)
+        if not n_e or two_i % 2 or tuple(down.shape) != (n_e, two_i // 2, h) or \
+                tuple(gate_up_bias.shape) != (n_e, two_i) or tuple(down_bias.shape) != (n_e, h):
+            raise ValueError(f"{where}: want gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H], "
+                             f"down_proj_bias [E, H]; got {[tuple(p.shape) for p in params]}")
+        if h % MX_GROUP or (two_i // 2) % MX_GROUP:
+            raise ValueError(f"{where}: hidden size and intermediate size must be multiples of {MX_GROUP}, got "
+                             f"H={h}, I={two_i // 2}")
+        alpha = float(getattr(experts, "alpha", float("nan")))
+        if alpha != options.GATE_ALPHAS["gpt_oss"]:
+            raise ValueError(f"{where}.alpha (swiglu_alpha) must be {options.GATE_ALPHAS['gpt_oss']} (the slope of "
+                             f"ScalarE's gelu_apprx_sigmoid), got {alpha}")
+        limit = getattr(experts, "limit", None)
+        self.clamp_limits = ClampLimits(non_linear_upper=limit, linear_lower=None if limit is None else -limit,
+                                        linear_upper=limit, activation="gpt_oss")
+        self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias = params
+        self.num_experts, self.hidden_size, self.intermediate_size = n_e, h, two_i // 2
+        self.alpha, self.limit = alpha, limit
+        self.where = where
+        self.recipe = as_recipe(recipe)
+        self._op_kwargs()  # refuse an unsupported recipe now, not at the first forward
+
+    def _op_kwargs(self) -> dict:
+        kwargs = dict(moe_kwargs(self.recipe), clamp_limits=self.clamp_limits)
+        keep = resolve_checkpoint_policy(kwargs["checkpoint"])
+        if not (keep[0] and keep[2]):
+            raise ValueError(f"{self.where}: GPT-OSS experts need a recipe whose checkpoint keeps gate_pre and up "
+                             f"(they hold the gate_up bias), got checkpoint={kwargs['checkpoint']!r}")
+        if kwargs["backend"] not in ("auto", "emulate"):
+            raise ValueError(f"{self.where}: GPT-OSS experts run on backend 'emulate' (the kernel has no bias-gradient "
+                             f"epilogue yet), got backend={kwargs['backend']!r}")
+        return kwargs
+
+    def _op_weights(self) -> tuple:
+        """(gate_up_weight [E, 2I, H] gate rows then up rows, down_weight [E, H, I] view, gate_up_bias [E, 2I])."""
+        n_e, h, n_i = self.num_experts, self.hidden_size, self.intermediate_size
+        # [E, H, I, 2] (last: gate, up) -> [E, 2, I, H] -> [E, 2I, H]: a copy (the interleave is not one stride)
+        gate_up = self.gate_up_proj.view(n_e, h, n_i, 2).permute(0, 3, 2, 1).reshape(n_e, 2 * n_i, h)
+        bias = self.gate_up_proj_bias.view(n_e, n_i, 2).transpose(1, 2).reshape(n_e, 2 * n_i)
+        return gate_up, self.down_proj.transpose(1, 2), bias
+
+    def forward(self, hidden_states: Tensor, router_indices: Tensor, routing_weights: Tensor) -> Tensor:
+        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
+
+        gate_up, down, gate_up_bias = self._op_weights()
+        x_op, autocasting = autocast_input(hidden_states)
+        with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+            y = moe_swiglu_experts_mxfp8(x_op, router_indices, routing_weights, gate_up, down,
+                                         gate_up_bias=gate_up_bias, down_bias=self.down_proj_bias,
+                                         **self._op_kwargs())
+        return y.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}, "
                 f"recipe={self.recipe.describe()}")

@@ -13,10 +13,10 @@ Registered (dense SwiGLU MLPs; ``nn.Linear`` gate_proj / up_proj / down_proj wit
 
 MoE experts (``Qwen3MoeExperts``, ``MixtralExperts``; nkilib/training/moe.py): the ``experts`` module of a
 sparse MoE block is replaced by ``HFMoEExperts`` (same two Parameters, same keys) calling
-``moe_swiglu_experts_mxfp8``; the router and the block's forward stay the model's. Registered only when
-this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with the reason.
-GPT-OSS experts stay pending (a different gated function; see PENDING_CLASSES). Further classes:
-``register_swap(class_name, swap_fn)``.
+``moe_swiglu_experts_mxfp8``; ``GptOssExperts`` by ``HFGptOssExperts`` (same four Parameters, same keys; the
+op's activation "gpt_oss" with the model's limit, biases). The router and the block's forward stay the model's.
+Registered only when this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with
+the reason. Further classes: ``register_swap(class_name, swap_fn)``.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from typing import Callable
 from torch import nn
 
 from ..recipe import Recipe, as_recipe
-from .moe import MOE_EXPERTS_CLASSES, HFMoEExperts, moe_kwargs, moe_op_available
+from .moe import GPT_OSS_EXPERTS_CLASSES, MOE_EXPERTS_CLASSES, HFGptOssExperts, HFMoEExperts, moe_kwargs, \
+    moe_op_available
 from .swiglu import HFSwiGLUMLP
 
 __all__ = ["PatchReport", "patch_model", "register_swap", "swappable_classes", "DENSE_SWIGLU_CLASSES",
@@ -39,10 +40,7 @@ DENSE_SWIGLU_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3
 PENDING_CLASSES = {
     **({} if moe_op_available() else {
         name: "needs moe_swiglu_experts_mxfp8 (nkilib.experimental.moe_mxfp8), not in this build"
-        for name in MOE_EXPERTS_CLASSES}),
-    "GptOssExperts": "GPT-OSS experts are not the op's SwiGLU: gate * sigmoid(1.702 * gate) instead of silu, "
-                     "(up + 1) as the linear factor, biases on both projections, and gate/up interleaved in a "
-                     "[E, H, 2I] layout",
+        for name in MOE_EXPERTS_CLASSES + GPT_OSS_EXPERTS_CLASSES}),
 }
 
 #: swap_fn(module, recipe, qualified_name) -> the replacement module (may be `module` itself).
@@ -88,9 +86,20 @@ def _swap_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__)
 
 
+def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__)
+
+
 def _reconfigure(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     if isinstance(module, HFMoEExperts):
         moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
+    if isinstance(module, HFGptOssExperts):
+        old, module.recipe = module.recipe, recipe
+        try:
+            module._op_kwargs()  # refuses a recipe these experts cannot run (names the field)
+        except ValueError:
+            module.recipe = old
+            raise
     module.recipe = recipe
     return module
 
@@ -100,8 +109,11 @@ for _cls in DENSE_SWIGLU_CLASSES:
 if moe_op_available():
     for _cls in MOE_EXPERTS_CLASSES:
         register_swap(_cls, _swap_experts)
+    for _cls in GPT_OSS_EXPERTS_CLASSES:
+        register_swap(_cls, _swap_gpt_oss_experts)
 register_swap(HFSwiGLUMLP.__name__, _reconfigure)
 register_swap(HFMoEExperts.__name__, _reconfigure)
+register_swap(HFGptOssExperts.__name__, _reconfigure)
 
 
 def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchReport:

@@ -31,6 +31,10 @@ REFS = {
     "copy": lambda x: x,
     "silu": lambda x: x * _sigmoid(x),
     "silu_dx": lambda x: _sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x))),
+    # GELU's sigmoid approximation x s(1.702 x) (Hendrycks & Gimpel, arXiv:1606.08415 sec. 2; docs:
+    # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.language.gelu_apprx_sigmoid.html)
+    "gelu_apprx_sigmoid": lambda x: x * _sigmoid(1.702 * x),
+    "gelu_apprx_sigmoid_dx": lambda x: _sigmoid(1.702 * x) + 1.702 * x * _sigmoid(1.702 * x) * _sigmoid(-1.702 * x),
     "sigmoid": _sigmoid,
     "exp": np.exp,
     "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
@@ -239,3 +243,15 @@ def test_activation_rejects_more_than_128_partitions(instr):
 
     with pytest.raises(NkiValidationError, match=r"argument 'dst' partition dimension 256 exceeds maximum 128"):
         run_tiles(body, (), [((2, 1), nl.float32)])
+
+
+@pytest.mark.parametrize("fn", ["silu", "gelu_apprx_sigmoid"])
+def test_activation_dx_is_the_derivative(fn):
+    """<fn>_dx agrees with a central difference of <fn> (both run on the simulator, float32 outputs)."""
+    x = randn(21, (32, 64), scale=3.0)
+    h = np.float32(2.0 ** -6)
+    (f_hi,) = run_tiles(_act(getattr(nl, fn)), (x + h,), [((32, 64), nl.float32)])
+    (f_lo,) = run_tiles(_act(getattr(nl, fn)), (x - h,), [((32, 64), nl.float32)])
+    (dx,) = run_tiles(_act(getattr(nl, fn + "_dx")), (x,), [((32, 64), nl.float32)])
+    step = ((x + h).astype(np.float64) - (x - h).astype(np.float64))
+    np.testing.assert_allclose(dx, (f_hi.astype(np.float64) - f_lo) / step, rtol=0, atol=2e-3)

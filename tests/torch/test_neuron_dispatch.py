@@ -380,8 +380,8 @@ def test_moe_cpu_backward_op_refuses_the_neuron_backend():
     x, ids, w, wgu, wd = (t.detach() for t in make_moe(8))
     with pytest.raises(RuntimeError, match="does not run the Neuron path"):
         M.moe_swiglu_experts_mxfp8_backward_op(x, x, ids, w, wgu, wd, None, None, None, None, None, None, None, None,
-                                               "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128,
-                                               "neuron", 1)
+                                               "silu", "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128,
+                                               "neuron", 1, None)
 
 
 def test_moe_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):

@@ -169,14 +169,26 @@ def test_unsupported_modules_are_named():
         patch_model(_model("llama"), recipe=3)
 
 
-def test_gpt_oss_experts_are_reported_not_swapped():
-    config = transformers.GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts: GptOssExperts: GPT-OSS experts"):
+def test_pending_classes_are_reported_not_swapped(monkeypatch):
+    from nkilib.training.patch import PENDING_CLASSES
+
+    class PendingExperts(torch.nn.Module):  # a known class not swappable yet (GPT-OSS was one until swapped)
+        pass
+
+    monkeypatch.setitem(PENDING_CLASSES, "PendingExperts", "not the op's function yet")
+    model = torch.nn.Sequential(PendingExperts())
+    with pytest.raises(NotImplementedError, match=r"0: PendingExperts: not the op's function yet"):
         patch_model(model)
     with pytest.raises(ValueError, match="no module of a swappable class"):  # nothing else to swap
         patch_model(model, strict=False)
+
+
+def test_gpt_oss_experts_swapped_by_the_default_recipe():
+    config = transformers.GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    report = patch_model(model)
+    assert report.patched == tuple(f"model.layers.{i}.mlp.experts" for i in range(config.num_hidden_layers))
 
 
 class _MainGradConsumer(torch.autograd.Function):

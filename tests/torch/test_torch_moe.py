@@ -159,13 +159,13 @@ def test_leading_dimensions_and_forward_value():
 
 def test_opcheck_and_torch_compile():
     x, ids, w, wgu, wd, dy = leaves("random", seed=17)
-    args = (x, ids, w, wgu, wd, None, None, None, None, "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16",
-            128, "emulate", 1, True, False, True, True)
+    args = (x, ids, w, wgu, wd, None, None, None, None, "silu", "float8_e4m3fn", "1x32", "mxfp8", "neuron",
+            "bfloat16", 128, "emulate", 1, True, False, True, True, None)
     torch.library.opcheck(M.moe_swiglu_experts_mxfp8_op, args)
-    ck = M._forward_math(x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), (None,) * 4)[1:]
+    ck = M._forward_math(x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), (None,) * 4 + ("silu",))[1:]
     torch.library.opcheck(M.moe_swiglu_experts_mxfp8_backward_op,
                           (dy, x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), *ck, None, None, None, None,
-                           "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128, "emulate", 1))
+                           "silu", "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", 128, "emulate", 1, None))
     torch.manual_seed(0)
     model = MoESwiGLUExperts(6, 64, 32, clamp_limits=CLAMP, dtype=torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True)

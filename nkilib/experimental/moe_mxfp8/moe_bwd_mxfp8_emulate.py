@@ -25,8 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, _silu32, _silu_dx32, clamp_tuple,
-                                                             contract_matmul, recompute_projection)
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, activation_fns32, clamp_tuple,
+                                                             contract_matmul, linear_factor, recompute_projection)
 from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 
 __all__ = ["routing_grad", "moe_backward_emulate"]
@@ -67,7 +67,7 @@ def _fold_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, block_size: int, k_t
 def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
                          gate_pre=None, gate_act=None, up=None, intermediate=None, *, block_size: int,
                          clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", matmul_precision="mxfp8",
-                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron"):
+                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron", bias_grad: bool = False):
     """The MoE expert backward of docs/moe.md in torch ops (validated inputs assumed).
 
     Args:
@@ -79,15 +79,19 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         block_size: B of the kernel's layout (fixes the weight-gradient fold).
         clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule: as in the dense emulation.
         weight_grad_dtype: torch.bfloat16 or torch.float32.
+        bias_grad: also return d_gate_up_bias [E, 2I] float32: per expert the sum over its rows of the bf16
+            d_gate_up (the pre-activation gradients the weight gradient folds), in float32 in torch's
+            summation order (not the kernel's contract: the kernel has no bias-gradient epilogue yet).
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
-        d_down_weight [E, H, I] in weight_grad_dtype).
+        d_down_weight [E, H, I] in weight_grad_dtype[, d_gate_up_bias [E, 2I] float32]).
     """
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
                            quant_scheme=quant_scheme, scale_rule=scale_rule)
     k_tile = MX_K_TILE if matmul_precision == "mxfp8" else BF16_K_TILE
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
+    act_fn, act_dx_fn = activation_fns32(clamp_limits)
     bf, f32 = torch.bfloat16, torch.float32
     dy, x = output_grad.to(bf), hidden_states.to(bf)
     w_gu, w_down = gate_up_weight.to(bf), down_weight.to(bf)
@@ -104,6 +108,7 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
     d_w = torch.zeros(t * k, dtype=f32, device=x.device)
     dw_gu = torch.zeros(e_num, two_i, h_dim, dtype=weight_grad_dtype, device=x.device)
     dw_down = torch.zeros(e_num, h_dim, n_i, dtype=weight_grad_dtype, device=x.device)
+    d_bias = torch.zeros(e_num, two_i, dtype=f32, device=x.device)
     start = 0
     for e in range(e_num):  # ascending expert = the kernel's block order
         slots = order[start:start + counts[e]]
@@ -119,18 +124,21 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
             u = recompute_projection(x_e, w_gu[e, n_i:], **mm.keywords)  # K = H, M = R, N = I
         gc, mask_g = _clamp_and_mask(g_pre.to(f32), gl, gu)
         uc, mask_u = _clamp_and_mask(u.to(f32), ul, uu)
-        g_act = _silu32(gc).to(bf) if g_act is None else g_act
+        uc = linear_factor(uc, clamp_limits)
+        g_act = act_fn(gc).to(bf) if g_act is None else g_act
         a = g_act.to(f32)
         h = (a * uc).to(bf) if h is None else h
         d_i = mm(dy_e, w_down[e])  # [R, I]: K = H, M = R, N = I
         d_w[slots] = routing_grad(d_i, h)
         dh = d_i * p
         d_up = ((dh * a) * mask_u).to(bf)
-        d_gate = (((dh * uc) * _silu_dx32(gc)) * mask_g).to(bf)
+        d_gate = (((dh * uc) * act_dx_fn(gc)) * mask_g).to(bf)
         d_gu = torch.cat([d_gate, d_up], dim=1)  # [R, 2I]
+        if bias_grad:
+            d_bias[e] = d_gu.to(f32).sum(dim=0)
         hs = (h.to(f32) * p).to(bf)
         part = mm(d_gu, w_gu[e]).to(bf)  # [R, H]: K = 2I, M = R, N = H
         dx[tok] = (dx[tok].to(f32) + part.to(f32)).to(bf)  # the bf16 read-modify-write
         dw_gu[e] = _fold_weight_grad(d_gu, x_e, block_size, k_tile, mm).to(weight_grad_dtype)  # K=tokens, M=2I, N=H
         dw_down[e] = _fold_weight_grad(dy_e, hs, block_size, k_tile, mm).to(weight_grad_dtype)  # K=tokens, M=H, N=I
-    return dx, d_w.reshape(t, k), dw_gu, dw_down
+    return (dx, d_w.reshape(t, k), dw_gu, dw_down) + ((d_bias,) if bias_grad else ())

@@ -92,11 +92,12 @@ def torchneuron_ops() -> tuple:
         output_grad: Tensor, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
         down_weight: Tensor, gate_pre: Optional[Tensor], gate_act: Optional[Tensor], up: Optional[Tensor],
         intermediate: Optional[Tensor], gate_lower: Optional[float], gate_upper: Optional[float],
-        up_lower: Optional[float], up_upper: Optional[float], fp8_dtype: str, quant_scheme: str,
+        up_lower: Optional[float], up_upper: Optional[float], activation: str, fp8_dtype: str, quant_scheme: str,
         matmul_precision: str, scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         outs = call_kernel(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
-                           (gate_pre, gate_act, up, intermediate), (gate_lower, gate_upper, up_lower, up_upper),
+                           (gate_pre, gate_act, up, intermediate),
+                           (gate_lower, gate_upper, up_lower, up_upper, activation),
                            fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc)
         return tuple(o.contiguous() for o in outs)
 
@@ -106,12 +107,12 @@ def torchneuron_ops() -> tuple:
     def forward_op(
         x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
         gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float],
-        up_upper: Optional[float], fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str,
-        weight_grad_dtype: str, block_size: int, backend: str, lnc: int, save_gate_pre: bool, save_gate_act: bool,
-        save_up: bool, save_intermediate: bool,
+        up_upper: Optional[float], activation: str, fp8_dtype: str, quant_scheme: str, matmul_precision: str,
+        scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int, save_gate_pre: bool,
+        save_gate_act: bool, save_up: bool, save_intermediate: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return M.forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper,
-                              up_lower, up_upper)
+                              up_lower, up_upper, activation)
 
     forward_op.register_fake(M.forward_fake)
     forward_op.register_autograd(M.make_backward_formula(backward_op), setup_context=M.setup_context)
@@ -137,7 +138,7 @@ class XlaMoESwiGLUExperts(torch.autograd.Function):
     """Forward in torch ops on XLA tensors; backward ``moe_backward_mxfp8_nki[lnc]`` on XLA tensors.
 
     Inputs: x2 [T, H], topk_ids / topk_weights [T, k], gate_up_weight [E, 2I, H], down_weight [E, H, I],
-    then the clamps, options (fp8, scheme, precision, scale_rule, wg, block_size, lnc) and keep flags as tuples.
+    then the clamps (the four limits and the activation), options (fp8, scheme, precision, scale_rule, wg, block_size, lnc) and keep flags as tuples.
     """
 
     @staticmethod

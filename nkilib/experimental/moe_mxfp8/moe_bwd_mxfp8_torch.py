@@ -143,8 +143,9 @@ def _check_routing_values(topk_ids: Tensor, topk_weights: Tensor, num_experts: i
     routing.validate_topk_weights(topk_weights.detach().to("cpu", torch.float32).numpy(), tuple(topk_weights.shape))
 
 
-def _forward_math(x2, ids, w, w_gu, w_down, clamps):
-    """y [T, H] (x2's dtype) and the bf16 checkpoints [T, k, I] of the clamped SwiGLU experts."""
+def _forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None):
+    """y [T, H] (x2's dtype) and the bf16 checkpoints [T, k, I] of the clamped SwiGLU experts; clamps: the four
+    limits and the activation; gate_up_bias [E, 2I] or None (added to the bf16 projections in bf16, as GPT-OSS)."""
     bf, f32 = torch.bfloat16, torch.float32
     t, h_dim = x2.shape
     k = ids.shape[1]
@@ -155,7 +156,8 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps):
     p = w.reshape(-1).to(f32)
     ckpts = [x2.new_zeros((t * k, n_i), dtype=bf) for _ in CHECKPOINT_NAMES]
     y = torch.zeros(t, h_dim, dtype=f32, device=x2.device)
-    clamp_dict = dict(zip(options.CLAMP_NAMES, clamps))
+    clamp_dict = dict(zip(options.CLAMP_NAMES + ("activation",), clamps))
+    b_gu = None if gate_up_bias is None else gate_up_bias.to(bf)
     for e in range(e_num):
         slots = torch.nonzero(flat == e).squeeze(1)
         if slots.numel() == 0:
@@ -164,6 +166,8 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps):
         x_e = xb[tok]
         gate_pre = x_e @ wgu[e, :n_i].t()  # K = H, M = tokens of e, N = I
         up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
+        if b_gu is not None:
+            gate_pre, up = gate_pre + b_gu[e, :n_i], up + b_gu[e, n_i:]
         gate_act, inter = dense_emu.swiglu_activations(gate_pre, up, clamp_dict)
         hs = (inter.to(f32) * p[slots, None]).to(bf)
         y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
@@ -182,21 +186,28 @@ def moe_swiglu_experts_mxfp8_backward_op(
     output_grad: Tensor, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
     down_weight: Tensor, gate_pre: Optional[Tensor], gate_act: Optional[Tensor], up: Optional[Tensor],
     intermediate: Optional[Tensor], gate_lower: Optional[float], gate_upper: Optional[float],
-    up_lower: Optional[float], up_upper: Optional[float], fp8_dtype: str, quant_scheme: str, matmul_precision: str,
-    scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    up_lower: Optional[float], up_upper: Optional[float], activation: str, fp8_dtype: str, quant_scheme: str,
+    matmul_precision: str, scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int,
+    gate_up_bias: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The MoE expert backward on [T, H] / [T, k] operands (reference.moe_backward_reference's meaning).
 
     Dimensions:
         output_grad / hidden_states [T, H], topk_ids / topk_weights [T, k], gate_up_weight [E, 2I, H],
-        down_weight [E, H, I], checkpoints [T, k, I] or None -> (dX [T, H] bf16, d_topk_weights [T, k]
-        float32, dW_gate_up [E, 2I, H], dW_down [E, H, I] in weight_grad_dtype).
+        down_weight [E, H, I], checkpoints [T, k, I] or None, gate_up_bias [E, 2I] or None -> (dX [T, H] bf16,
+        d_topk_weights [T, k] float32, dW_gate_up [E, 2I, H], dW_down [E, H, I] in weight_grad_dtype,
+        d_gate_up_bias [E, 2I] float32, or [0] without a bias). The bias only asks for its gradient (its value
+        is in the gate_pre / up checkpoints); "emulate" only.
     """
+    clamps = (gate_lower, gate_upper, up_lower, up_upper, activation)
+    no_bias = output_grad.new_zeros((0,), dtype=torch.float32)
     if backend == "simulator":
-        return _simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
-                                   (gate_pre, gate_act, up, intermediate), (gate_lower, gate_upper, up_lower, up_upper),
-                                   fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size,
-                                   lnc)
+        if gate_up_bias is not None:
+            raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias needs backend='emulate' (the kernel has no "
+                             "bias-gradient epilogue yet)")
+        return (*_simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
+                                     (gate_pre, gate_act, up, intermediate), clamps, fp8_dtype, quant_scheme,
+                                     matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc), no_bias)
     if backend == "neuron":
         raise RuntimeError("nkilib::moe_swiglu_experts_mxfp8_backward does not run the Neuron path: "
                            "moe_swiglu_experts_mxfp8 sends Neuron tensors to the nki_op registration (TorchNeuron) or "
@@ -207,10 +218,11 @@ def moe_swiglu_experts_mxfp8_backward_op(
     outs = moe_backward_emulate(
         output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, gate_pre, gate_act, up,
         intermediate, block_size=block_size,
-        clamp_limits=dict(zip(options.CLAMP_NAMES, (gate_lower, gate_upper, up_lower, up_upper))),
+        clamp_limits=dict(zip(options.CLAMP_NAMES + ("activation",), clamps)),
         fp8_dtype=fp8_dtype, quant_scheme=quant_scheme, matmul_precision=matmul_precision,
-        weight_grad_dtype=getattr(torch, weight_grad_dtype), scale_rule=scale_rule)
-    return tuple(o.contiguous() for o in outs)
+        weight_grad_dtype=getattr(torch, weight_grad_dtype), scale_rule=scale_rule,
+        bias_grad=gate_up_bias is not None)
+    return tuple(o.contiguous() for o in outs) + (() if gate_up_bias is not None else (no_bias,))
 
 
 def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg,
@@ -247,31 +259,39 @@ def backward_fake(output_grad, hidden_states, topk_ids, topk_weights, gate_up_we
             down_weight.new_empty(down_weight.shape, dtype=wg))
 
 
-moe_swiglu_experts_mxfp8_backward_op.register_fake(backward_fake)
+def _backward_fake_with_bias(*args):
+    """backward_fake plus the bias gradient ([E, 2I] float32, or [0] without a bias): the CPU backward op."""
+    bias, w_gu = args[-1], args[4]
+    shape = (0,) if bias is None else (w_gu.shape[0], w_gu.shape[1])
+    return (*backward_fake(*args[:-1]), w_gu.new_empty(shape, dtype=torch.float32))
+
+
+moe_swiglu_experts_mxfp8_backward_op.register_fake(_backward_fake_with_bias)
 
 
 def forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
-                 up_upper):
+                 up_upper, activation, gate_up_bias=None):
     """Body of the forward ops: validates the routing's values, then (y [T, H] in x's dtype, gate_pre, gate_act,
     up, intermediate [T, k, I] bf16)."""
     _check_routing_values(topk_ids, topk_weights, gate_up_weight.shape[0])
     return _forward_math(x, topk_ids, topk_weights, gate_up_weight, down_weight,
-                         (gate_lower, gate_upper, up_lower, up_upper))
+                         (gate_lower, gate_upper, up_lower, up_upper, activation), gate_up_bias)
 
 
 @torch.library.custom_op("nkilib::moe_swiglu_experts_mxfp8", mutates_args=())
 def moe_swiglu_experts_mxfp8_op(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
     gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float], up_upper: Optional[float],
-    fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str, weight_grad_dtype: str,
-    block_size: int, backend: str, lnc: int, save_gate_pre: bool, save_gate_act: bool, save_up: bool,
-    save_intermediate: bool,
+    activation: str, fp8_dtype: str, quant_scheme: str, matmul_precision: str, scale_rule: str,
+    weight_grad_dtype: str, block_size: int, backend: str, lnc: int, save_gate_pre: bool, save_gate_act: bool,
+    save_up: bool, save_intermediate: bool, gate_up_bias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward on x [T, H], topk_ids / topk_weights [T, k]: (y [T, H] in x's dtype, gate_pre, gate_act, up,
     intermediate [T, k, I] bf16). Validates the routing's values first. The options after the clamps are
-    carried for the backward; the save_* flags choose what the autograd formula keeps."""
+    carried for the backward; the save_* flags choose what the autograd formula keeps; gate_up_bias [E, 2I]
+    or None (GPT-OSS; in gate_pre / up)."""
     return forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
-                        up_upper)
+                        up_upper, activation, gate_up_bias)
 
 
 def forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
@@ -283,16 +303,20 @@ def forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
 
 moe_swiglu_experts_mxfp8_op.register_fake(forward_fake)
 
-_N_OPTIONS = 12  # clamps (4), fp8, scheme, precision, scale_rule, wg, block_size, backend, lnc
+_N_OPTIONS = 13  # clamps (4), activation, fp8, scheme, precision, scale_rule, wg, block_size, backend, lnc
+_N_KEEP = len(CHECKPOINT_NAMES)
 
 
 def setup_context(ctx, inputs, output):
-    """Autograd context of the forward ops: saves x, the routing, the weights and the kept checkpoints."""
+    """Autograd context of the forward ops: saves x, the routing, the weights, the kept checkpoints and (CPU op)
+    the gate_up_bias input that follows the keep flags."""
     x, ids, w, w_gu, w_down = inputs[:5]
-    keep = inputs[5 + _N_OPTIONS:]
+    keep = inputs[5 + _N_OPTIONS:5 + _N_OPTIONS + _N_KEEP]
+    ctx.has_bias_input = len(inputs) > 5 + _N_OPTIONS + _N_KEEP
+    bias = inputs[-1] if ctx.has_bias_input else None
     _, *ckpts = output
     ctx.mark_non_differentiable(*ckpts)
-    ctx.save_for_backward(x, ids, w, w_gu, w_down, *[c if k else None for c, k in zip(ckpts, keep)])
+    ctx.save_for_backward(x, ids, w, w_gu, w_down, *[c if k else None for c, k in zip(ckpts, keep)], bias)
     ctx.options = inputs[5:5 + _N_OPTIONS]
 
 
@@ -301,12 +325,16 @@ def make_backward_formula(backward_op):
     TorchNeuron nki_op whose body is the kernel)."""
 
     def backward(ctx, grad_y, *unused_checkpoint_grads):
-        x, ids, w, w_gu, w_down, *ckpts = ctx.saved_tensors
+        x, ids, w, w_gu, w_down, *ckpts, bias = ctx.saved_tensors
         bf = torch.bfloat16
-        dx, d_w, dw_gu, dw_down = backward_op(
-            grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf), *ckpts, *ctx.options)
+        extra = (bias,) if ctx.has_bias_input else ()
+        dx, d_w, dw_gu, dw_down, *d_bias = backward_op(
+            grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf), *ckpts, *ctx.options, *extra)
         grads = (dx.to(x.dtype), None, d_w.to(w.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype))
-        return grads + (None,) * (_N_OPTIONS + len(CHECKPOINT_NAMES))
+        grads += (None,) * (_N_OPTIONS + _N_KEEP)
+        if ctx.has_bias_input:
+            grads += (None if bias is None else d_bias[0].to(bias.dtype),)
+        return grads
 
     return backward
 
@@ -328,7 +356,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
                              scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
-                             lnc=None, ep_group=None) -> Tensor:
+                             lnc=None, ep_group=None, gate_up_bias=None, down_bias=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -342,7 +370,8 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         topk_weights: routing weights (any float dtype, finite; the math uses float32). Differentiable.
         gate_up_weight, down_weight: expert parameters, bfloat16 or float32.
         checkpoint: "all", "none" or a subset of ("gate_pre", "gate_act", "up", "intermediate").
-        clamp_limits: ClampLimits (or a dict of its fields) of a clamped SwiGLU (GPT-OSS), or None.
+        clamp_limits: ClampLimits (or a dict of its fields) of a clamped SwiGLU, or None; its activation
+            "gpt_oss" selects GPT-OSS's gated function (gate * sigmoid(1.702 gate) * (up + 1)).
         fp8_dtype: "float8_e4m3fn" (default) or "float8_e5m2" (or the torch float8 dtype).
         quant_scheme: "1x32" (default) or "wrapX".
         weight_grad_dtype: None (float32 if a parameter is float32, else bfloat16), torch.bfloat16 or torch.float32.
@@ -357,6 +386,13 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             (expert parallelism, expert_parallel.py): gate_up_weight / down_weight are then this rank's E/ep
             experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
             and tokens travel to their experts' ranks and back as MXFP8 all-to-alls.
+        gate_up_bias: None or [E, 2I] (GPT-OSS): added to the projections (gate_pre = x W_gate[e]^T + b_gate[e]
+            in bf16, likewise up); needs a checkpoint policy keeping gate_pre and up (the kernel's recompute has
+            no bias) and backend "emulate". Its gradient, per expert the float32 sum of the bf16 d_gate_up rows,
+            comes out of the emulated backward's epilogue (no extra matmul).
+        down_bias: None or [E, H] (GPT-OSS): y[t] += sum_j p_j * down_bias[e_j], in float32 torch ops outside
+            the op, so autograd gives d_down_bias[e] = sum over e's pairs of p * dY (float32) and adds
+            <dY[t], down_bias[e]> to d_topk_weights (the op's <dI, h> is the rest of <dY, y_e>).
 
     Returns:
         y [..., H] in x's dtype.
@@ -367,6 +403,15 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             contradicts NEURON_LOGICAL_NC_CONFIG.
         RuntimeError: backend "neuron" off a Neuron / XLA device or without its torch stack.
     """
+    if ep_group is not None and (gate_up_bias is not None or down_bias is not None):
+        raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias / down_bias are not supported with ep_group yet")
+    if down_bias is not None:
+        y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
+                                     clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                     weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                     scale_rule=scale_rule, block_size=block_size, backend=backend, lnc=lnc,
+                                     ep_group=ep_group, gate_up_bias=gate_up_bias)
+        return _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_weight.shape)
     if ep_group is not None:
         from .expert_parallel import moe_swiglu_experts_expert_parallel
 
@@ -380,8 +425,10 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     _check_lnc(lnc)
     keep = resolve_checkpoint_policy(checkpoint)
     clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
+    clamps = (*clamps, options.clamp_activation(clamp_limits))
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
+    _check_gate_up_bias(gate_up_bias, gate_up_weight, keep, resolved)
     stack = None
     if resolved == "neuron":
         stack = neuron_stack(x.device)
@@ -394,23 +441,60 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                                        keep)
     else:
         forward_op = torchneuron_ops()[0] if stack == "torchneuron" else moe_swiglu_experts_mxfp8_op
+        bias = (gate_up_bias,) if forward_op is moe_swiglu_experts_mxfp8_op else ()
         y2, *_ = forward_op(*args, *clamps, fp8, quant_scheme, matmul_precision, scale_rule, wg, b, resolved, lnc,
-                            *keep)
+                            *keep, *bias)
     return y2.reshape(x.shape)
+
+
+def _check_gate_up_bias(bias, gate_up_weight, keep, backend) -> None:
+    """gate_up_bias: None, or an [E, 2I] tensor of the weight's dtype class and device, with gate_pre and up
+    kept (keep: the checkpoint flags) and the emulate backend."""
+    if bias is None:
+        return
+    want = (gate_up_weight.shape[0], gate_up_weight.shape[1])
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != want or bias.dtype not in _PARAM_DTYPES or \
+            bias.device != gate_up_weight.device:
+        raise ValueError(f"moe_swiglu_experts_mxfp8: gate_up_bias must be a bfloat16 / float32 tensor [E, 2I] = "
+                         f"{list(want)} on {gate_up_weight.device}, got "
+                         f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+    if not (keep[0] and keep[2]):
+        raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias needs a checkpoint policy that keeps gate_pre and "
+                         "up (the kernel's recompute has no bias), got one without them")
+    if backend != "emulate":
+        raise ValueError(f"moe_swiglu_experts_mxfp8: gate_up_bias needs backend='emulate' (the kernel has no "
+                         f"bias-gradient epilogue yet), got backend {backend!r}")
+
+
+def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
+    """y + sum_j p_j * down_bias[e_j] (float32, then y's dtype), differentiable in p and down_bias."""
+    e, h = gate_up_shape[0], gate_up_shape[2]
+    if not isinstance(down_bias, Tensor) or tuple(down_bias.shape) != (e, h) or \
+            down_bias.dtype not in _PARAM_DTYPES or down_bias.device != y.device:
+        raise ValueError(f"moe_swiglu_experts_mxfp8: down_bias must be a bfloat16 / float32 tensor [E, H] = "
+                         f"{[e, h]} on {y.device}, got {getattr(down_bias, 'dtype', type(down_bias).__name__)} "
+                         f"{tuple(getattr(down_bias, 'shape', ()))}")
+    p = topk_weights.to(torch.float32).unsqueeze(-1)  # [..., k, 1]
+    b = down_bias.to(torch.float32)[topk_ids.to(torch.int64)]  # [..., k, H]
+    return (y.to(torch.float32) + (p * b).sum(dim=-2).reshape(y.shape)).to(y.dtype)
 
 
 class MoESwiGLUExperts(nn.Module):
     """E SwiGLU experts applied to routed tokens, with the MXFP8 MoE backward (``moe_swiglu_experts_mxfp8``).
 
-    Parameters (per expert the nn.Linear layout, initialised like nn.Linear without bias):
-        gate_up_weight [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), down_weight [E, H, I].
+    Parameters (per expert the nn.Linear layout, initialised like nn.Linear):
+        gate_up_weight [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), down_weight [E, H, I]; with bias=True also
+        gate_up_bias [E, 2I] and down_bias [E, H] (GPT-OSS; nn.Linear's bias init).
 
     Args:
         num_experts: E.
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype, matmul_precision,
-            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8``.
+            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8`` (GPT-OSS's experts:
+            clamp_limits=ClampLimits(non_linear_upper=7, linear_lower=-7, linear_upper=7, activation="gpt_oss")).
+        bias: add gate_up_bias and down_bias (moe_swiglu_experts_mxfp8's; needs a checkpoint keeping gate_pre
+            and up, and backend "emulate" or "auto" off Neuron).
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -419,7 +503,7 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, checkpoint="all",
                  backend="auto", clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
                  weight_grad_dtype=None, matmul_precision="mxfp8", scale_rule="neuron",
-                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, device=None, dtype=None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, bias: bool = False, device=None, dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -437,6 +521,18 @@ class MoESwiGLUExperts(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        if not isinstance(bias, bool):
+            raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
+        if bias:
+            keep = resolve_checkpoint_policy(checkpoint)
+            if not (keep[0] and keep[2]) or backend not in ("auto", "emulate"):
+                raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up and backend "
+                                 f"'emulate' or 'auto', got checkpoint={checkpoint!r}, backend={backend!r}")
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        else:
+            self.register_parameter("gate_up_bias", None)
+            self.register_parameter("down_bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -445,10 +541,13 @@ class MoESwiGLUExperts(nn.Module):
             for w in (self.gate_up_weight, self.down_weight):
                 for e in range(self.num_experts):
                     nn.init.kaiming_uniform_(w[e], a=5 ** 0.5)
+            for b, fan_in in ((self.gate_up_bias, self.hidden_size), (self.down_bias, self.intermediate_size)):
+                if b is not None:  # nn.Linear's bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    nn.init.uniform_(b, -fan_in ** -0.5, fan_in ** -0.5)
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
-                                        **self.options)
+                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, **self.options)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -28,8 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # building blocks of the dense contract (shared numerics)
-    MODES, _act, _bf16, _f32, _f64, _gate_terms, _intermediate, _matmul, _options, _silu64, _silu_dx64,
-    _up_terms, _weight_grad, _weight_grad_dtype, error_report, reference_phase0_recompute,
+    MODES, _act, _activation_fns, _bf16, _f32, _f64, _gate_terms, _intermediate, _matmul, _options, _up_terms, _weight_grad, _weight_grad_dtype, error_report, reference_phase0_recompute,
     reference_phase2_hidden_states_grad)
 from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 from .routing import BlockLayout, validate_block_layout, validate_topk_weights
@@ -82,7 +81,8 @@ def reference_block_phase1(output_grad_b, down_weight_e, weights_b, gate_pre_b, 
 
     mx_exact (docs/moe.md "Numerics"):
         dI = mm(dY_b, W_down[e])                                       (K = H, fp32)
-        h = intermediate or bf16(f32(gate_act) * uc)  (gate_act = bf16(silu(gc)) if missing)
+        h = intermediate or bf16(f32(gate_act) * uc)  (gate_act = bf16(act(gc)) if missing; act and the
+            offset of uc are the clamp's activation, as in the dense reference)
         d_w = <dI, h> per row (_routing_grad)
         dh = dI * p                                                    (fp32 multiply)
         d_up = bf16((dh * a) * maskU), d_gate = bf16(((dh * uc) * sd) * maskG)   (the dense epilogue on dh)
@@ -112,10 +112,11 @@ def reference_block_phase1(output_grad_b, down_weight_e, weights_b, gate_pre_b, 
     d_i = _matmul(dy, w_down, mode, precision, fp8, scheme)  # [B, I]: K = H, M = B, N = I
     gc, mask_g = _gate_terms(gate_pre, clamp_limits, mode)
     uc, mask_u = _up_terms(up, clamp_limits, mode)
-    gate_act = cast(_act(_silu64, gc, mode)) if gate_act_b is None else cast(gate_act_b)
+    act_fn, act_dx_fn = _activation_fns(clamp_limits)
+    gate_act = cast(_act(act_fn, gc, mode)) if gate_act_b is None else cast(gate_act_b)
     h = _intermediate(gate_act, up, clamp_limits, mode) if intermediate_b is None else cast(intermediate_b)
     a = _f32(gate_act) if exact else gate_act
-    sd = _act(_silu_dx64, gc, mode)
+    sd = _act(act_dx_fn, gc, mode)
     p = (np.asarray(weights_b, dtype=np.float32) if exact else _f64(weights_b))[:, None]
     d_w = _routing_grad(d_i, h, mode)
     with np.errstate(over="ignore", invalid="ignore"):

@@ -28,7 +28,8 @@ N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (d
 
 @dataclass(frozen=True)
 class ClampLimits(nl.NKIObject):
-    """Forward clamps of a clamped SwiGLU (as in GPT-OSS), mirrored by the backward masks.
+    """The gated function of the SwiGLU forward: its clamps (as in GPT-OSS), mirrored by the backward masks,
+    and its activation.
 
     The forward computed `gate_act = silu(clamp(gate_pre, non_linear_lower, non_linear_upper))` and
     `intermediate = gate_act * clamp(up, linear_lower, linear_upper)`; the backward masks the gate
@@ -36,12 +37,18 @@ class ClampLimits(nl.NKIObject):
     where up lies outside [linear_lower, linear_upper] (bounds inclusive, like torch.clamp's gradient).
     Limits are compared in float32 against `float32(limit)`, so the mask agrees with the clamp exactly
     even when a limit is not representable in bf16. Any bound may be None (no bound).
+
+    activation (nkilib.core.options.ACTIVATIONS): "silu" (default, as above) or "gpt_oss", GPT-OSS's experts:
+    `gate_act = gc * sigmoid(1.702 * gc)` (ScalarE's gelu_apprx_sigmoid) and
+    `intermediate = gate_act * (clamp(up) + 1)`; GPT-OSS clamps the gate from above only and up on both sides:
+    `ClampLimits(non_linear_upper=limit, linear_lower=-limit, linear_upper=limit, activation="gpt_oss")`.
     """
 
     non_linear_lower: float | None = None
     non_linear_upper: float | None = None
     linear_lower: float | None = None
     linear_upper: float | None = None
+    activation: str = "silu"
 
     def __post_init__(self):
         clamp_values(self, what="ClampLimits")  # the one clamp validation (nkilib.core.options)

@@ -416,8 +416,36 @@ def _silu_dx32(x32: torch.Tensor) -> torch.Tensor:
     return (s * (1.0 + x64 * (1.0 - s))).to(torch.float32)
 
 
+def _gelu_apprx_sigmoid32(x32: torch.Tensor) -> torch.Tensor:
+    """ScalarE gelu_apprx_sigmoid x * sigmoid(1.702 x) in float64, rounded once to float32."""
+    x64 = x32.to(torch.float64)
+    return (x64 * _sigmoid64(options.GATE_ALPHAS["gpt_oss"] * x64)).to(torch.float32)
+
+
+def _gelu_apprx_sigmoid_dx32(x32: torch.Tensor) -> torch.Tensor:
+    """Its derivative s * (1 + a x (1 - s)), s = sigmoid(a x), a = 1.702, in float64, rounded once to float32."""
+    alpha = options.GATE_ALPHAS["gpt_oss"]
+    x64 = x32.to(torch.float64)
+    s = _sigmoid64(alpha * x64)
+    return (s * (1.0 + alpha * x64 * (1.0 - s))).to(torch.float32)
+
+
+def activation_fns32(clamp_limits) -> tuple:
+    """(act, act_dx) of the clamp's activation (options.ACTIVATIONS), float32 -> float32."""
+    if options.clamp_activation(clamp_limits) == "gpt_oss":
+        return _gelu_apprx_sigmoid32, _gelu_apprx_sigmoid_dx32
+    return _silu32, _silu_dx32
+
+
+def linear_factor(uc: torch.Tensor, clamp_limits) -> torch.Tensor:
+    """The float32 linear factor: uc, or fp32(uc + 1) for activation "gpt_oss" (options.UP_OFFSETS)."""
+    offset = options.UP_OFFSETS[options.clamp_activation(clamp_limits)]
+    return uc + offset if offset else uc
+
+
 def swiglu_activations(gate_pre: torch.Tensor, up: torch.Tensor, clamp_limits=None):
-    """gate_act = bf16(silu(clampG(gate_pre))), intermediate = bf16(f32(gate_act) * clampU(up)).
+    """gate_act = bf16(act(clampG(gate_pre))), intermediate = bf16(f32(gate_act) * clampU(up)) (act silu, or
+    gelu_apprx_sigmoid with clampU(up) + 1 for activation "gpt_oss").
 
     These are the kernel's phase-0 formulas; a forward that produces its checkpoints with them
     saves exactly what the kernel would recompute from the same gate_pre / up.
@@ -428,7 +456,8 @@ def swiglu_activations(gate_pre: torch.Tensor, up: torch.Tensor, clamp_limits=No
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
     gc, _ = _clamp_and_mask(gate_pre.to(torch.bfloat16).to(torch.float32), gl, gu)
     uc, _ = _clamp_and_mask(up.to(torch.bfloat16).to(torch.float32), ul, uu)
-    gate_act = _silu32(gc).to(torch.bfloat16)
+    uc = linear_factor(uc, clamp_limits)
+    gate_act = activation_fns32(clamp_limits)[0](gc).to(torch.bfloat16)
     intermediate = (gate_act.to(torch.float32) * uc).to(torch.bfloat16)
     return gate_act, intermediate
 
@@ -489,13 +518,15 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
         up = mm(x, w_gu[n_i:].t()).to(bf)
     gc, mask_g = _clamp_and_mask(gate_pre.to(bf).to(torch.float32), gl, gu)
     uc, mask_u = _clamp_and_mask(up.to(bf).to(torch.float32), ul, uu)
-    gate_act = _silu32(gc).to(bf) if gate_act is None else gate_act.to(bf)
+    uc = linear_factor(uc, clamp_limits)
+    act_fn, act_dx_fn = activation_fns32(clamp_limits)
+    gate_act = act_fn(gc).to(bf) if gate_act is None else gate_act.to(bf)
     a = gate_act.to(torch.float32)
     if intermediate is None:
         intermediate = (a * uc).to(bf)
     # phase 1: dI and the SwiGLU derivative (float32, left-to-right products)
     d_i = mm(dy, w_down)  # [S, I], K = H
-    sd = _silu_dx32(gc)
+    sd = act_dx_fn(gc)
     d_up = ((d_i * a) * mask_u).to(bf)
     d_gate = (((d_i * uc) * sd) * mask_g).to(bf)
     d_gu = torch.cat([d_gate, d_up], dim=1)  # [S, 2I]

@@ -519,6 +519,9 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     h, _ = _check_inputs(x, gate_up_weight, down_weight)
     keep = resolve_checkpoint_policy(checkpoint)
     clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
+    if options.clamp_activation(clamp_limits) != "silu":  # the kernels have it; this layer's forward does not yet
+        raise ValueError("swiglu_mlp_mxfp8: clamp_limits.activation must be 'silu' here ('gpt_oss' is available in "
+                         "moe_swiglu_experts_mxfp8 and the kernels)")
     options.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)

@@ -131,6 +131,25 @@ def _silu_dx64(x64: np.ndarray) -> np.ndarray:
     return s * (1.0 + x64 * (1.0 - s))
 
 
+def _gelu_apprx_sigmoid64(x64: np.ndarray) -> np.ndarray:
+    # ScalarE gelu_apprx_sigmoid: x * sigmoid(1.702 x)
+    return x64 * _sigmoid64(options.GATE_ALPHAS["gpt_oss"] * x64)
+
+
+def _gelu_apprx_sigmoid_dx64(x64: np.ndarray) -> np.ndarray:
+    # d/dx [x s(ax)] = s(ax) (1 + a x (1 - s(ax))), a = 1.702
+    alpha = options.GATE_ALPHAS["gpt_oss"]
+    s = _sigmoid64(alpha * x64)
+    return s * (1.0 + alpha * x64 * (1.0 - s))
+
+
+def _activation_fns(clamp_limits) -> tuple:
+    """(act, act_dx) float64 functions of the clamp's activation (options.ACTIVATIONS)."""
+    if options.clamp_activation(clamp_limits) == "gpt_oss":
+        return _gelu_apprx_sigmoid64, _gelu_apprx_sigmoid_dx64
+    return _silu64, _silu_dx64
+
+
 def _act(fn, x32: np.ndarray, mode: str) -> np.ndarray:
     """Activation: float64 evaluation of a float32 input, rounded once to float32 (mx_exact), or
     plain float64 (fp32 mode)."""
@@ -182,11 +201,16 @@ def _gate_terms(gate_pre, clamp_limits, mode):
 
 
 def _up_terms(up, clamp_limits, mode):
-    """u -> (uc, maskU) in the mode's working precision."""
+    """u -> (linear factor uc + offset, maskU) in the mode's working precision; the offset is
+    options.UP_OFFSETS of the clamp's activation (1 for "gpt_oss": an fp32 add in mx_exact)."""
     u = _f32(up) if mode == "mx_exact" else _f64(up)
-    return _clamp_and_mask(
+    uc, mask = _clamp_and_mask(
         u, _limit(clamp_limits, "linear_lower", mode), _limit(clamp_limits, "linear_upper", mode)
     )
+    offset = options.UP_OFFSETS[options.clamp_activation(clamp_limits)]
+    if offset:
+        uc = (uc + uc.dtype.type(offset)).astype(uc.dtype)
+    return uc, mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,8 +347,9 @@ def reference_phase0_recompute(
 
     mx_exact (contract):
         gate_pre = bf16(mm(X, W_gate^T)), up = bf16(mm(X, W_up^T))      (K = H)
-        gc = clampG(f32(gate_pre)), uc = clampU(f32(up))
-        gate_act = bf16(silu(gc)), intermediate = bf16(f32(gate_act) * uc)
+        gc = clampG(f32(gate_pre)), uc = clampU(f32(up)) (+ 1 for activation "gpt_oss")
+        gate_act = bf16(act(gc)), intermediate = bf16(f32(gate_act) * uc)   (act: silu or
+        gelu_apprx_sigmoid, clamp_limits.activation)
     fp32: the same in float64 without any rounding.
 
     Dimensions:
@@ -365,7 +390,7 @@ def reference_phase0_recompute(
     up = proj(slice(n_i, 2 * n_i)) if up is None else _operand(up, mode)
     if gate_act is None:
         gc, _ = _gate_terms(gate_pre, clamp_limits, mode)
-        gate_act = rnd(_act(_silu64, gc, mode))
+        gate_act = rnd(_act(_activation_fns(clamp_limits)[0], gc, mode))
     else:
         gate_act = _operand(gate_act, mode)
     if intermediate is None:
@@ -401,8 +426,8 @@ def reference_phase1_down_proj_grad(
     """Phase 1: dI = dY W_down (K = H) and the SwiGLU backward epilogue.
 
     mx_exact (contract): dI = mm(dY, W_down) float32; g = f32(gate_pre), u = f32(up),
-    gc, maskG = clampG(g), uc, maskU = clampU(u); a = f32(gate_act) (gate_act = bf16(silu(gc)) if
-    not given); sd = f32(silu_dx(gc));
+    gc, maskG = clampG(g), uc, maskU = clampU(u) (+ 1 for "gpt_oss"); a = f32(gate_act) (gate_act =
+    bf16(act(gc)) if not given); sd = f32(act_dx(gc)) (silu / silu_dx, or gelu_apprx_sigmoid / its dx);
         d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * sd) * maskG)
     (each product a float32 multiply, left to right). If `intermediate` is not given it is
     bf16(a * uc) (the phase-0 formula) and returned for phase 4.
@@ -442,13 +467,14 @@ def reference_phase1_down_proj_grad(
     d_i = _matmul(dy, w_down, mode, precision, fp8, scheme)  # [S, I], K = H
     gc, mask_g = _gate_terms(gate_pre, clamp_limits, mode)
     uc, mask_u = _up_terms(up, clamp_limits, mode)
+    act_fn, act_dx_fn = _activation_fns(clamp_limits)
     if gate_act is None:
-        act = _act(_silu64, gc, mode)
+        act = _act(act_fn, gc, mode)
         gate_act = _bf16(act) if mode == "mx_exact" else act
     else:
         gate_act = _operand(gate_act, mode)
     a = _f32(gate_act) if mode == "mx_exact" else _f64(gate_act)
-    sd = _act(_silu_dx64, gc, mode)
+    sd = _act(act_dx_fn, gc, mode)
     with np.errstate(over="ignore", invalid="ignore"):
         d_up = (d_i * a) * mask_u
         d_gate = ((d_i * uc) * sd) * mask_g
@@ -577,7 +603,8 @@ def mlp_backward_reference(
         down_proj_weight: W_down [H, I].
         gate_up_weights: W_gu [2I, H] (gate rows first).
         gate_pre, gate_act, up, intermediate: optional checkpoints [S, I].
-        clamp_limits: ClampLimits (config.py) or any object with its four attributes, or None.
+        clamp_limits: ClampLimits (config.py) or any object with its four attributes (and optionally its
+            activation), a dict of them, or None.
         fp8_dtype: "float8_e4m3fn" or "float8_e5m2".
         quant_scheme: "1x32" or "wrapX".
         matmul_precision: "mxfp8" or "bf16".
