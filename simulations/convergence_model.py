@@ -89,7 +89,8 @@ class DenseFFN(nn.Module):
         return {"dW_gate_up": self.mlp.gate_up_weight, "dW_down": self.mlp.down_weight}
 
     def local_sqnr(self, cap) -> dict:
-        leaves = [t.detach().clone().requires_grad_() for t in (cap["x"], self.mlp.gate_up_weight, self.mlp.down_weight)]
+        operands = (cap["x"], self.mlp.gate_up_weight, self.mlp.down_weight)
+        leaves = [t.detach().clone().requires_grad_() for t in operands]
         run = torch.autograd.grad(swiglu_mlp_mxfp8(*leaves, backend="emulate", **self.options), leaves, cap["dy"])
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
         ref = torch.autograd.grad(ideal_mlp(*leaves64), leaves64, cap["dy"].double())

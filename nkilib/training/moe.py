@@ -89,7 +89,8 @@ def _main_grad_operand(param: nn.Parameter) -> Tensor:
     if main_grad is None or not (torch.is_grad_enabled() and param.requires_grad):
         return param
     if not isinstance(main_grad, Tensor) or main_grad.dtype != torch.float32 or main_grad.shape != param.shape:
-        got = f"{main_grad.dtype} {tuple(main_grad.shape)}" if isinstance(main_grad, Tensor) else type(main_grad).__name__
+        got = (f"{main_grad.dtype} {tuple(main_grad.shape)}" if isinstance(main_grad, Tensor)
+               else type(main_grad).__name__)
         raise ValueError(f"experts parameter main_grad must be a float32 tensor of shape {tuple(param.shape)} "
                          f"(accumulate_main_grad=True), got {got}")
     return _Fp32MainGradCopy.apply(param)
