@@ -44,8 +44,6 @@ __all__ = ["HFMoEExperts", "moe_kwargs", "moe_op_available", "MOE_EXPERTS_CLASSE
 #: transformers classes of concatenated-layout SwiGLU experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 MOE_EXPERTS_CLASSES = ("Qwen3MoeExperts", "MixtralExperts")
 _MOE_OP_MODULE = "nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_torch"
-_MOE_FIELDS = ("checkpoint", "clamp_limits", "fp8_dtype", "quant_scheme", "weight_grad_dtype", "matmul_precision",
-               "scale_rule", "backend")
 
 
 def moe_op_available() -> bool:
