@@ -57,7 +57,7 @@ CONFIGS = {
 }
 # CPU defaults, sized for <= 15 min on a 2-core machine (one torch thread per run; README "Convergence study"
 # gives the measured time); --large for a GPU
-DENSE = dict(d_model=128, d_ff=256, layers=2, heads=4, seq=64, batch=16, steps=1000,
+DENSE = dict(d_model=128, d_ff=256, layers=2, heads=4, seq=64, batch=16, steps=800,
              configs="bf16,neuron,rceil,ocp_floor")
 MOE = dict(d_model=128, d_ff=256, layers=2, heads=4, seq=64, batch=16, steps=700, experts=8, top_k=2, d_expert=64,
            dense_layers=1, configs="bf16,neuron")
