@@ -1,7 +1,9 @@
 """Training recipes: every numeric and execution option of the MXFP8 SwiGLU op in one frozen object.
 
-A ``Recipe`` replaces the loose keyword options of ``swiglu_mlp_mxfp8`` (and of the modules built on it:
-``nkilib.patch_model``, ``nkilib.training.TensorParallelSwiGLUMLP``). It is validated once, at
+A ``Recipe`` replaces the loose keyword options of ``swiglu_mlp_mxfp8`` and ``moe_swiglu_experts_mxfp8``
+(both take ``recipe=``, explicit keywords overriding its fields: nkilib/recipe_call.py) and of the modules
+built on them (``SwiGLUMLP(recipe=...)``, ``MoESwiGLUExperts(recipe=...)``, ``nkilib.patch_model``,
+``nkilib.training.TensorParallelSwiGLUMLP``). It is validated once, at
 construction, with errors that name the field, the accepted values and the value received; it is
 hashable and immutable (``recipe.replace(field=value)`` returns a new, re-validated recipe).
 

@@ -8,11 +8,22 @@ weight layout, so ``HFMoEExperts`` keeps the two Parameter objects under the sam
 model's state-dict keys) and calls the op; the router and the block stay the model's, and the routing
 weights stay differentiable (the op returns their gradient), so the router trains as before.
 
-Recipe mapping (``moe_kwargs``): the MoE op takes checkpoint, clamp_limits, fp8_dtype, quant_scheme,
-weight_grad_dtype, matmul_precision, scale_rule and backend ("auto" = "emulate" off Neuron devices,
-"neuron" on them). The recipe's ``lnc`` is not passed (on Neuron the op reads NEURON_LOGICAL_NC_CONFIG);
-there is no ``forward_numerics="kernel"`` and no ``accumulate_main_grad``: recipes asking for those are
-refused when the module is built.
+Recipe mapping: the module calls the op with ``recipe=`` (the op's one resolution path,
+nkilib/recipe_call.py; ``moe_kwargs`` shows its result). The MoE op takes checkpoint, clamp_limits,
+fp8_dtype, quant_scheme, weight_grad_dtype, matmul_precision, scale_rule, backend ("auto" = "emulate"
+off Neuron devices, "neuron" on them) and lnc (None: on Neuron the op reads NEURON_LOGICAL_NC_CONFIG);
+there is no ``forward_numerics="kernel"``: recipes asking for that are refused when the module is built.
+
+torch.autocast: as HFSwiGLUMLP (nkilib/training/swiglu.py): under an enabled bfloat16 autocast the input
+is cast to bf16 and the op runs with autocast disabled (its fp32 steps stay fp32, also in a backward run
+inside autocast); the output has hidden_states' dtype, as the transformers experts' (they accumulate into
+``zeros_like(hidden_states)``). fp32 ``main_grad`` (recipe.accumulate_main_grad, Megatron / NxD
+convention): the MoE op has no main_grad option, so the module passes each expert weight that carries an
+fp32 ``main_grad`` as an fp32 copy (``_Fp32MainGradCopy``): the op then writes fp32 weight gradients (its
+math rounds the copy back to the same bf16 values, so the numbers are those of weight_grad_dtype=float32),
+and the copy's backward adds them to ``main_grad`` with the dense op's contract (``.grad`` left alone,
+or a zero ``.grad`` and ``grad_added_to_main_grad = True`` where that attribute exists). Cost: one fp32
+copy of the expert weights per forward, kept until the backward.
 """
 from __future__ import annotations
 
@@ -26,7 +37,9 @@ from ..core import options
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import resolve_checkpoint_policy
+from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import _MainGradSink
 from ..recipe import Recipe, as_recipe
+from ..recipe_call import resolve_options
 from .swiglu import SILU_CLASSES, autocast_input
 
 __all__ = ["HFMoEExperts", "HFGptOssExperts", "moe_kwargs", "moe_op_available", "MOE_EXPERTS_CLASSES",
@@ -37,8 +50,6 @@ MOE_EXPERTS_CLASSES = ("Qwen3MoeExperts", "MixtralExperts")
 #: transformers classes of GPT-OSS experts (interleaved gate_up_proj [E, H, 2I], biases, gelu_apprx_sigmoid gate).
 GPT_OSS_EXPERTS_CLASSES = ("GptOssExperts",)
 _MOE_OP_MODULE = "nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_torch"
-_MOE_FIELDS = ("checkpoint", "clamp_limits", "fp8_dtype", "quant_scheme", "weight_grad_dtype", "matmul_precision",
-               "scale_rule", "backend")
 
 
 def moe_op_available() -> bool:
@@ -50,19 +61,43 @@ def moe_op_available() -> bool:
 
 
 def moe_kwargs(recipe: Recipe) -> dict:
-    """Keyword arguments of ``moe_swiglu_experts_mxfp8`` for `recipe` (module docstring).
+    """Keyword arguments ``moe_swiglu_experts_mxfp8`` receives for `recipe` (the op's own resolution,
+    nkilib/recipe_call.resolve_options), accumulate_main_grad aside (the module handles it, see the module
+    docstring).
 
     Raises:
         ValueError: a recipe field the MoE op has no counterpart for (named).
     """
-    if recipe.forward_numerics != "torch":
-        raise ValueError(f"Recipe.forward_numerics={recipe.forward_numerics!r} is not available for MoE experts "
-                         f"(moe_swiglu_experts_mxfp8 has a BF16 torch forward only)")
-    if recipe.accumulate_main_grad:
-        raise ValueError("Recipe.accumulate_main_grad=True is not available for MoE experts "
-                         "(moe_swiglu_experts_mxfp8 has no main_grad option)")
-    kwargs = recipe.to_kwargs()
-    return {name: kwargs[name] for name in _MOE_FIELDS}
+    from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
+
+    return resolve_options(moe_swiglu_experts_mxfp8, _op_recipe(as_recipe(recipe)), {})
+
+
+def _op_recipe(recipe: Recipe) -> Recipe:
+    return recipe.replace(accumulate_main_grad=False) if recipe.accumulate_main_grad else recipe
+
+
+class _Fp32MainGradCopy(_MainGradSink):
+    """param -> an fp32 copy of it whose gradient goes to ``param.main_grad`` (the dense op's sink contract,
+    whose backward this inherits)."""
+
+    @staticmethod
+    def forward(ctx, param):
+        ctx.param = param
+        return param.detach().to(torch.float32, copy=True)
+
+
+def _main_grad_operand(param: nn.Parameter) -> Tensor:
+    """`param` itself, or its fp32 main_grad copy when it carries an fp32 main_grad and needs a gradient."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None or not (torch.is_grad_enabled() and param.requires_grad):
+        return param
+    if not isinstance(main_grad, Tensor) or main_grad.dtype != torch.float32 or main_grad.shape != param.shape:
+        got = (f"{main_grad.dtype} {tuple(main_grad.shape)}" if isinstance(main_grad, Tensor)
+               else type(main_grad).__name__)
+        raise ValueError(f"experts parameter main_grad must be a float32 tensor of shape {tuple(param.shape)} "
+                         f"(accumulate_main_grad=True), got {got}")
+    return _Fp32MainGradCopy.apply(param)
 
 
 def check_hf_experts(experts: nn.Module, where: str) -> None:
@@ -108,9 +143,11 @@ class HFMoEExperts(nn.Module):
         from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
 
         x_op, autocasting = autocast_input(hidden_states)
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.recipe.accumulate_main_grad:
+            weights = tuple(_main_grad_operand(w) for w in weights)
         with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            y = moe_swiglu_experts_mxfp8(x_op, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                         **moe_kwargs(self.recipe))
+            y = moe_swiglu_experts_mxfp8(x_op, top_k_index, top_k_weights, *weights, recipe=_op_recipe(self.recipe))
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

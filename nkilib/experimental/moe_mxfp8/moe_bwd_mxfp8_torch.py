@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core import options
+from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, kernel_kwargs, neuron_stack, resolve_neuron_lnc
@@ -352,6 +353,7 @@ register_torchneuron_ops_if_available()
 # ----------------------------------------------------------------------------------------------
 
 
+@accepts_recipe(label="MoE experts")
 def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
@@ -393,6 +395,9 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         down_bias: None or [E, H] (GPT-OSS): y[t] += sum_j p_j * down_bias[e_j], in float32 torch ops outside
             the op, so autograd gives d_down_bias[e] = sum over e's pairs of p * dY (float32) and adds
             <dY[t], down_bias[e]> to d_topk_weights (the op's <dI, h> is the rest of <dY, y_e>).
+        recipe: a nkilib Recipe or preset name (nkilib/recipe.py) giving the options above; explicit
+            keywords override its fields (nkilib/recipe_call.py). A recipe with forward_numerics="kernel" or
+            accumulate_main_grad=True is refused (no such option here).
 
     Returns:
         y [..., H] in x's dtype.
@@ -490,8 +495,10 @@ class MoESwiGLUExperts(nn.Module):
         num_experts: E.
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
+        recipe: a nkilib Recipe or preset name, or None (the op's defaults).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype, matmul_precision,
-            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8`` (GPT-OSS's experts:
+            scale_rule, block_size, lnc: as in ``moe_swiglu_experts_mxfp8``; left unset, the recipe's value (or
+            without a recipe the op's default); given, they override the recipe (GPT-OSS's experts:
             clamp_limits=ClampLimits(non_linear_upper=7, linear_lower=-7, linear_upper=7, activation="gpt_oss")).
         bias: add gate_up_bias and down_bias (moe_swiglu_experts_mxfp8's; needs a checkpoint keeping gate_pre
             and up, and backend "emulate" or "auto" off Neuron).
@@ -500,34 +507,37 @@ class MoESwiGLUExperts(nn.Module):
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, checkpoint="all",
-                 backend="auto", clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
-                 weight_grad_dtype=None, matmul_precision="mxfp8", scale_rule="neuron",
-                 block_size: int = DEFAULT_BLOCK_SIZE, lnc=None, bias: bool = False, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, recipe=None,
+                 checkpoint=UNSET, backend=UNSET, clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET,
+                 weight_grad_dtype=UNSET, matmul_precision=UNSET, scale_rule=UNSET, block_size=UNSET, lnc=UNSET,
+                 bias: bool = False, device=None, dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
         for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
                 raise ValueError(f"MoESwiGLUExperts: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
-        resolve_checkpoint_policy(checkpoint)  # fail at construction, not at the first forward
-        resolve_backend(backend)
-        _check_lnc(lnc)
-        routing.check_block_size(block_size)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.options = dict(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits, fp8_dtype=fp8_dtype,
-                            quant_scheme=quant_scheme, weight_grad_dtype=weight_grad_dtype,
-                            matmul_precision=matmul_precision, scale_rule=scale_rule, block_size=block_size, lnc=lnc)
+        self.recipe = recipe
+        self.options = explicit_options(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
+                                        fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                        weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                        scale_rule=scale_rule, block_size=block_size, lnc=lnc)
+        o = self.effective_options()  # the recipe and its overrides resolved now: errors at construction
+        resolve_checkpoint_policy(o["checkpoint"])
+        resolve_backend(o["backend"])
+        routing.check_block_size(o["block_size"])
+        _check_lnc(o["lnc"])
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
         if not isinstance(bias, bool):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
         if bias:
-            keep = resolve_checkpoint_policy(checkpoint)
-            if not (keep[0] and keep[2]) or backend not in ("auto", "emulate"):
+            keep = resolve_checkpoint_policy(o["checkpoint"])
+            if not (keep[0] and keep[2]) or o["backend"] not in ("auto", "emulate"):
                 raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up and backend "
-                                 f"'emulate' or 'auto', got checkpoint={checkpoint!r}, backend={backend!r}")
+                                 f"'emulate' or 'auto', got checkpoint={o['checkpoint']!r}, backend={o['backend']!r}")
             self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
             self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         else:
@@ -547,10 +557,15 @@ class MoESwiGLUExperts(nn.Module):
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
-                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, **self.options)
+                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, recipe=self.recipe,
+                                        **self.options)
+
+    def effective_options(self) -> dict:
+        """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
+        return effective_options(moe_swiglu_experts_mxfp8, self.recipe, self.options)
 
     def extra_repr(self) -> str:
-        o = self.options
+        o = self.effective_options()
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, checkpoint={o['checkpoint']!r}, "
                 f"backend={o['backend']!r}, block_size={o['block_size']}")

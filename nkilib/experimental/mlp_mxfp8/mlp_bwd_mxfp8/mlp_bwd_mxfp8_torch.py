@@ -2,7 +2,7 @@
 
 API:
     swiglu_mlp_mxfp8(x, gate_up_weight, down_weight, *, checkpoint="all", clamp_limits=None, ...) -> y
-    SwiGLUMLP(hidden_size, intermediate_size, *, checkpoint="all", backend="auto", ...)  (nn.Module)
+    SwiGLUMLP(hidden_size, intermediate_size, *, recipe=None, checkpoint=..., backend=..., ...)  (nn.Module)
 
 Math (nn.Linear weight layout):
     gate_pre = x W_gate^T, up = x W_up^T   (W_gate, W_up = rows 0..I-1 / I..2I-1 of gate_up_weight [2I, H])
@@ -84,7 +84,7 @@ from torch import Tensor, nn
 
 from ....core import options
 from ....mx import SCALE_RULES
-from ....recipe_call import accepts_recipe
+from ....recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
@@ -563,30 +563,34 @@ class SwiGLUMLP(nn.Module):
     Args:
         hidden_size: H (multiple of 32).
         intermediate_size: I (multiple of 32).
+        recipe: a nkilib Recipe or preset name (nkilib/recipe.py), or None (the op's defaults).
         checkpoint, backend, clamp_limits, fp8_dtype, quant_scheme, weight_grad_dtype,
             matmul_precision, scale_rule, forward_numerics, lnc, accumulate_main_grad: as in
             ``swiglu_mlp_mxfp8`` (with accumulate_main_grad=True, give the parameters an fp32
-            ``main_grad`` before the forward, as Megatron / NxD optimizers do).
+            ``main_grad`` before the forward, as Megatron / NxD optimizers do); left unset, the
+            recipe's value (without a recipe the op's default); given, they override the recipe.
         device, dtype: of the parameters (dtype bfloat16 or float32; default torch's default dtype).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, checkpoint="all", backend="auto",
-                 clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", weight_grad_dtype=None,
-                 matmul_precision="mxfp8", scale_rule="neuron", forward_numerics="torch", lnc=None,
-                 accumulate_main_grad=False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, recipe=None, checkpoint=UNSET, backend=UNSET,
+                 clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET, weight_grad_dtype=UNSET,
+                 matmul_precision=UNSET, scale_rule=UNSET, forward_numerics=UNSET, lnc=UNSET,
+                 accumulate_main_grad=UNSET, device=None, dtype=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
                 raise ValueError(f"SwiGLUMLP: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
-        resolve_checkpoint_policy(checkpoint)  # fail at construction, not at the first forward
-        if backend not in BACKENDS:
-            raise ValueError(f"SwiGLUMLP: backend must be one of {BACKENDS}, got {backend!r}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.options = dict(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits, fp8_dtype=fp8_dtype,
-                            quant_scheme=quant_scheme, weight_grad_dtype=weight_grad_dtype,
-                            matmul_precision=matmul_precision, scale_rule=scale_rule,
-                            forward_numerics=forward_numerics, lnc=lnc,
-                            accumulate_main_grad=accumulate_main_grad)
+        self.recipe = recipe
+        self.options = explicit_options(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
+                                        fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                        weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                        scale_rule=scale_rule, forward_numerics=forward_numerics, lnc=lnc,
+                                        accumulate_main_grad=accumulate_main_grad)
+        o = self.effective_options()  # the recipe and its overrides resolved now: errors at construction
+        resolve_checkpoint_policy(o["checkpoint"])
+        if o["backend"] not in BACKENDS:
+            raise ValueError(f"SwiGLUMLP: backend must be one of {BACKENDS}, got {o['backend']!r}")
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
         self.down_weight = nn.Parameter(torch.empty(hidden_size, intermediate_size, **factory))
@@ -598,10 +602,14 @@ class SwiGLUMLP(nn.Module):
             nn.init.kaiming_uniform_(w, a=5 ** 0.5)
 
     def forward(self, x: Tensor) -> Tensor:
-        return swiglu_mlp_mxfp8(x, self.gate_up_weight, self.down_weight, **self.options)
+        return swiglu_mlp_mxfp8(x, self.gate_up_weight, self.down_weight, recipe=self.recipe, **self.options)
+
+    def effective_options(self) -> dict:
+        """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
+        return effective_options(swiglu_mlp_mxfp8, self.recipe, self.options)
 
     def extra_repr(self) -> str:
-        o = self.options
+        o = self.effective_options()
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"checkpoint={o['checkpoint']!r}, backend={o['backend']!r}, fp8_dtype={o['fp8_dtype']!r}, "
                 f"quant_scheme={o['quant_scheme']!r}, matmul_precision={o['matmul_precision']!r}, "
