@@ -31,6 +31,7 @@ from ..experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from ..experimental.moe_mxfp8.routing import build_block_layout
 from ..simulator import ShapeSpec
 from ..simulator.cost import model_kernel, rescore
+from ..simulator.errors import CapacityError
 from ..simulator.trace import label_phases
 from .mlp_backward_cost import model_mlp_backward, summarize
 from .moe_routing_scenarios import DEFAULT_ZIPF_EXPONENT, expert_token_counts, make_topk_ids
@@ -163,6 +164,7 @@ class MoeModeledResult:
     dense: dict = field(default_factory=dict)
     dense_tokens: int = 0
     dense_scaled_from_tokens: int | None = None
+    refused_block_sizes: dict = field(default_factory=dict)
 
     def time(self, scenario="central"):
         return self.scenarios[scenario]["modeled_time_s"]
@@ -240,19 +242,35 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
     E, H, I = p.experts, p.hidden, p.intermediate
     topk_ids = make_topk_ids(routing, T, k, E, seed=seed, zipf_exponent=zipf_exponent)
     counts = expert_token_counts(topk_ids, E)
-    B = block_size or choose_block_size(T * k, E)
-    layout = build_block_layout(topk_ids, E, B)
-    pad = padding_counts(counts, B)
     flops = useful_flops(T * k, H, I)
-    kwargs = {"block_size": B, "clamp_limits": GPT_OSS_CLAMP if p.clamped else None, "matmul_precision": "mxfp8",
-              "run_with_lnc2": lnc == 2}
-    with label_phases(kernel_module, PHASES):
-        report = model_kernel(kernel_module.moe_backward_mxfp8_nki, _kernel_inputs(T, k, E, H, I, layout), lnc=lnc,
-                              target=target, kwargs=kwargs, precision="mx", model_flops=flops,
-                              scenario=scenarios[0], check_races=False)
-    executed = float(sum(c.flops for c in report.schedule.costs))
-    summaries = _summaries(report, scenarios)
-    del report
+    # B: the given one, else the chosen one and, while the kernel's allocations overflow SBUF in the run
+    # (a CapacityError: the plan does not fit), the next smaller multiple of 128 (refusals recorded)
+    sizes = [block_size] if block_size else [b for b in (512, 256, 128) if b <= choose_block_size(T * k, E)]
+    refused_block_sizes = {}
+    for B in sizes:
+        layout = build_block_layout(topk_ids, E, B)
+        kwargs = {"block_size": B, "clamp_limits": GPT_OSS_CLAMP if p.clamped else None,
+                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2}
+        try:
+            with label_phases(kernel_module, PHASES):
+                report = model_kernel(kernel_module.moe_backward_mxfp8_nki, _kernel_inputs(T, k, E, H, I, layout),
+                                      lnc=lnc, target=target, kwargs=kwargs, precision="mx", model_flops=flops,
+                                      scenario=scenarios[0], check_races=False)
+        except CapacityError as e:
+            refused_block_sizes[B] = f"the kernel's allocations overflow on-chip memory in the run: {str(e)[:240]}..."
+            report = None
+            continue
+        break
+    pad = padding_counts(counts, B)
+    if report is None:
+        executed = float("nan")
+        summaries = {sc: {"modeled_time_s": None, "mfu": None, "plan_errors": [refused_block_sizes[B]],
+                          "hbm_bytes": 0, "hbm_compulsory_bytes": 0, "hbm_scratch_bytes": 0,
+                          "critical_path_by_engine_s": {}, "phases": {}} for sc in scenarios}
+    else:
+        executed = float(sum(c.flops for c in report.schedule.costs))
+        summaries = _summaries(report, scenarios)
+        del report
     mean = counts.mean()
     result = MoeModeledResult(
         preset=p.name, tokens=tokens, routing=routing, hidden=H, intermediate=I, experts=E, top_k=p.top_k,
@@ -260,7 +278,7 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         useful_flops=flops, executed_matmul_flops=executed, padding=pad,
         expert_load={"max": int(counts.max()), "mean": float(mean), "min": int(counts.min()),
                      "max_over_mean": float(counts.max() / mean), "empty_experts": int((counts == 0).sum())},
-        scenarios=summaries)
+        scenarios=summaries, refused_block_sizes=refused_block_sizes)
     if dense:
         S = T * k
         if dense_max_tokens is not None and S > dense_max_tokens:
