@@ -165,6 +165,7 @@ class MoeModeledResult:
     dense_tokens: int = 0
     dense_scaled_from_tokens: int | None = None
     refused_block_sizes: dict = field(default_factory=dict)
+    dense_refused_tokens: dict = field(default_factory=dict)
 
     def time(self, scenario="central"):
         return self.scenarios[scenario]["modeled_time_s"]
@@ -280,13 +281,20 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
                      "max_over_mean": float(counts.max() / mean), "empty_experts": int((counts == 0).sum())},
         scenarios=summaries, refused_block_sizes=refused_block_sizes)
     if dense:
-        S = T * k
-        if dense_max_tokens is not None and S > dense_max_tokens:
-            S = max(128, dense_max_tokens // 128 * 128)
+        result.dense_tokens = P = T * k
+        S = P if dense_max_tokens is None else min(P, max(128, dense_max_tokens // 128 * 128))
+        while True:  # a dense run that overflows SBUF (CapacityError) is retried at half the tokens, scaled
+            try:
+                reports = model_mlp_backward(S, H, I, "trn3", "mxfp8", lnc, False, tuple(scenarios))
+                break
+            except CapacityError as e:
+                result.dense_refused_tokens[S] = str(e)[:240]
+                if S <= 1024:
+                    raise
+                S = S // 2 // 128 * 128
+        if S != P:
             result.dense_scaled_from_tokens = S
-        result.dense_tokens = T * k
-        reports = model_mlp_backward(S, H, I, "trn3", "mxfp8", lnc, False, tuple(scenarios))
-        scale = (T * k) / S
+        scale = P / S
         for sc, rep in reports.items():
             d = summarize(rep)
             for key in ("modeled_time_s", "invalid_modeled_time_s"):
