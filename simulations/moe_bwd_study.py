@@ -53,8 +53,10 @@ def format_rows(results: dict, scenarios) -> list:
         s0 = r.scenarios[scenarios[0]]
         times = " / ".join(fmt_ms(r.scenarios[sc]["modeled_time_s"]) for sc in scenarios)
         mfus = " / ".join(fmt_pct(r.scenarios[sc]["mfu"]) for sc in scenarios)
-        if s0["modeled_time_s"] is None and s0.get("invalid_modeled_time_s"):
-            times += f" (would be {s0['invalid_modeled_time_s'] * 1e3:.3f})"
+        if s0["modeled_time_s"] is None and s0.get("invalid_modeled_time_s"):  # refused: the would-be numbers
+            times = "refused (would be " + " / ".join(
+                f"{r.scenarios[sc]['invalid_modeled_time_s'] * 1e3:.3f}" for sc in scenarios) + ")"
+            mfus = "(would be " + " / ".join(fmt_pct(r.scenarios[sc]["invalid_mfu"]) for sc in scenarios) + ")"
         vs = ""
         base = results.get(key_of(r.preset, r.tokens, "balanced"))
         if r.routing != "balanced" and base is not None:
