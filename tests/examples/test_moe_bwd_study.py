@@ -123,3 +123,23 @@ def test_capacity_refusal_reports_no_time():
     assert "refused (would be" in lines[2] and any("refused: core 0" in ln for ln in lines[3:])
     ok = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
     assert not ok.refused and ok.time() > 0
+
+
+def test_readme_moe_table_matches_the_committed_study_data():
+    """The README's MoE table quotes simulations/data/moe_bwd_study.json (central / pessimistic ms, % of peak)."""
+    with open(os.path.join(ROOT, "simulations", "data", "moe_bwd_study.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("### MoE backward, modeled", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and " | " in ln]
+    quoted = 0
+    for key, r in data.items():
+        c, p = r["scenarios"]["central"], r["scenarios"]["pessimistic"]
+        if c["modeled_time_s"] is None:
+            assert "gpt-oss" in key and "refused" in section
+            continue
+        cell = f"| {c['modeled_time_s'] * 1e3:.1f} / {p['modeled_time_s'] * 1e3:.1f} | {c['mfu'] * 100:.1f} / {p['mfu'] * 100:.1f} |"
+        assert any(cell in ln and f"| {r['tokens']} |" in ln for ln in rows), (key, cell)
+        quoted += 1
+    assert quoted == 8
