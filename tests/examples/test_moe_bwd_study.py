@@ -113,12 +113,13 @@ def test_quick_study_smoke(tmp_path):
 def test_capacity_refusal_reports_no_time():
     """A plan whose modeled overlap needs more SBUF than the target has is refused: no time, no MFU, the
     plan errors and the would-be time kept (the same run on the real trn3 is not refused)."""
-    small = dataclasses.replace(resolve_target("trn3"), sbuf_bytes_per_partition=16 * 1024)
+    # the tiny plan's program-order peak is 9168 B per partition (9.0 KiB); give the target 8.5 KiB
+    small = dataclasses.replace(resolve_target("trn3"), sbuf_bytes_per_partition=8704)
     r = moe_modeled_backward("tiny", 256, "balanced", dense=False, target=small, scenarios=("central",))
     c = r.scenarios["central"]
     assert r.refused and r.time() is None and r.mfu() is None
     assert c["invalid_modeled_time_s"] > 0
-    assert any("KiB of SBUF per partition, the target has 16 KiB" in e for e in c["plan_errors"])
+    assert any("the plan needs 9.0 KiB of SBUF per partition, the target has 8 KiB" in e for e in c["plan_errors"])
     lines = _study().format_rows({"tiny/T256/balanced": r}, ("central",))
     assert "refused (would be" in lines[2] and any("refused: core 0" in ln for ln in lines[3:])
     ok = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
@@ -143,3 +144,31 @@ def test_readme_moe_table_matches_the_committed_study_data():
         assert any(cell in ln and f"| {r['tokens']} |" in ln for ln in rows), (key, cell)
         quoted += 1
     assert quoted == 8
+
+
+def test_block_size_whose_run_overflows_sbuf_is_refused_and_a_smaller_one_tried(monkeypatch):
+    """A run that raises CapacityError (the kernel's own allocations overflow SBUF) refuses that B and the
+    next smaller multiple of 128 is tried; every B refused -> no time at all."""
+    from nkilib.examples import moe_backward_cost as mbc
+    from nkilib.simulator.errors import CapacityError
+
+    real = mbc.model_kernel
+
+    def overflow_above_128(fn, inputs, **kw):
+        if kw["kwargs"]["block_size"] > 128:
+            raise CapacityError(f"nl.ndarray: block_size {kw['kwargs']['block_size']} overflows")
+        return real(fn, inputs, **kw)
+
+    monkeypatch.setattr(mbc, "model_kernel", overflow_above_128)
+    # 1024 tokens x 2 / 8 experts = 256 per expert: B = 256 chosen, refused, then 128 runs
+    r = moe_modeled_backward("tiny", 1024, "balanced", dense=False, scenarios=("central",))
+    assert list(r.refused_block_sizes) == [256] and "block_size 256 overflows" in r.refused_block_sizes[256]
+    assert r.block_size == 128 and not r.refused and r.padding["used_blocks"] == 16
+
+    def always(fn, inputs, **kw):
+        raise CapacityError("nl.ndarray: no room")
+
+    monkeypatch.setattr(mbc, "model_kernel", always)
+    r = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
+    assert r.refused and r.time() is None and list(r.refused_block_sizes) == [128]
+    assert "overflow on-chip memory in the run: nl.ndarray: no room" in r.scenarios["central"]["plan_errors"][0]
