@@ -3,7 +3,7 @@
     python simulations/moe_bwd_study.py [--presets qwen3-30b-a3b gpt-oss-20b deepseek-v3-ep8]
         [--tokens 4096 16384] [--routings balanced zipf] [--lnc 2] [--block-size B]
         [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768]
-        [--out simulations/out/moe_bwd] [--plots] [--resume] [--quick]
+        [--out simulations/out/moe_bwd] [--plots] [--resume] [--jobs N] [--quick]
 
 For each (preset, T, routing) it builds the routing (exactly balanced, or Zipf-skewed with a seed), runs
 the NKI MoE kernel (nkilib/experimental/moe_mxfp8) in a shape-only simulator run that carries the real
@@ -15,6 +15,8 @@ bytes moved next to the compulsory minimum, and the dense kernel at S = P tokens
 FLOPs). A configuration whose plan or modeled overlap needs more SBUF/PSUM than trn3 has is refused:
 no time, its plan errors, and the would-be time in the JSON/CSV. Results: --out/moe_bwd_study.json and
 .csv (written after every configuration; --resume skips the ones already there), PNG plots with --plots.
+A model-shape configuration takes 1-5 minutes of one core and 2-5.5 GB of memory: --jobs N models N at
+once in separate processes (the committed table: --jobs 12 on a 16-core, 128 GB machine).
 --quick runs a tiny shape (seconds; the default test suite runs it).
 
 DeepSeek-V3 per EP-8 rank: T tokens per rank, 8 of 256 experts per token, 32 local experts: the rank's
@@ -167,6 +169,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join("simulations", "out", "moe_bwd"))
     ap.add_argument("--plots", action="store_true")
     ap.add_argument("--resume", action="store_true", help="keep the configurations already in --out's JSON")
+    ap.add_argument("--jobs", type=int, default=1, help="configurations modeled in parallel processes")
     ap.add_argument("--quick", action="store_true", help="tiny shape (smoke test): --presets tiny --tokens 256 --plots")
     band = ap.add_mutually_exclusive_group()
     band.add_argument("--band", dest="scenarios", action="store_const", const=SCENARIOS)
@@ -178,18 +181,27 @@ def main(argv=None) -> dict:
         args.presets, args.tokens, args.plots = ["tiny"], [256], True
     jpath = os.path.join(args.out, "moe_bwd_study.json")
     results = _load(jpath) if args.resume else {}
-    for preset in args.presets:
-        for tokens in args.tokens:
-            for routing in args.routings:
-                key = key_of(preset, tokens, routing)
-                if key in results:
-                    continue
-                print(f"modeling {key} ...", flush=True)
-                results[key] = moe_modeled_backward(
-                    preset, tokens, routing, block_size=args.block_size, lnc=args.lnc, scenarios=scenarios,
-                    seed=args.seed, zipf_exponent=args.zipf_exponent, dense=args.dense,
-                    dense_max_tokens=args.dense_max_tokens)
+    jobs = [(p, t, r) for p in args.presets for t in args.tokens for r in args.routings if key_of(p, t, r) not in results]
+    kw = dict(block_size=args.block_size, lnc=args.lnc, scenarios=scenarios, seed=args.seed,
+              zipf_exponent=args.zipf_exponent, dense=args.dense, dense_max_tokens=args.dense_max_tokens)
+    if args.jobs > 1:  # one fresh process per configuration (each needs up to ~5.5 GB at model shapes)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 max_tasks_per_child=1) as pool:
+            futures = {pool.submit(moe_modeled_backward, p, t, r, **kw): key_of(p, t, r) for p, t, r in jobs}
+            for fut in as_completed(futures):
+                print(f"modeled {futures[fut]}", flush=True)
+                results[futures[fut]] = fut.result()
                 write_outputs(results, args.out, scenarios)
+        order = [key_of(p, t, r) for p in args.presets for t in args.tokens for r in args.routings]
+        results = {k: results[k] for k in order if k in results} | {k: v for k, v in results.items() if k not in order}
+    else:
+        for p, t, r in jobs:
+            print(f"modeling {key_of(p, t, r)} ...", flush=True)
+            results[key_of(p, t, r)] = moe_modeled_backward(p, t, r, **kw)
+            write_outputs(results, args.out, scenarios)
     print()
     print("\n".join(format_rows(results, scenarios)))
     paths = write_outputs(results, args.out, scenarios)

@@ -172,3 +172,13 @@ def test_block_size_whose_run_overflows_sbuf_is_refused_and_a_smaller_one_tried(
     r = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
     assert r.refused and r.time() is None and list(r.refused_block_sizes) == [128]
     assert "overflow on-chip memory in the run: nl.ndarray: no room" in r.scenarios["central"]["plan_errors"][0]
+
+
+def test_jobs_run_configurations_in_processes_with_the_same_numbers(tmp_path):
+    """--jobs 2 (spawned processes) gives the numbers of the in-process run, in the study's order."""
+    args = ["--presets", "tiny", "--tokens", "256", "--central", "--no-dense"]
+    one = _study().main(args + ["--out", str(tmp_path / "one")])
+    two = _study().main(args + ["--jobs", "2", "--out", str(tmp_path / "two")])
+    assert list(two) == list(one) == ["tiny/T256/balanced", "tiny/T256/zipf"]
+    for k in one:
+        assert two[k].time() == one[k].time() and two[k].padding == one[k].padding
