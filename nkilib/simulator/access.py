@@ -86,7 +86,7 @@ def checked_copy_read(view: NkiTensor, instr: str, arg: str):
     """
     st = view.storage
     written = None
-    if not view.byte_mask_view(st.written).all():
+    if st.written is not None and not view.byte_mask_view(st.written).all():
         mask = view.written_elements()
         if not mask.all():
             written = mask.reshape(-1)
@@ -99,7 +99,7 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
     ctx = runtime.current()
     st = view.storage
     # one flat reduction over the byte mask first (fast); the per-element mask only to report an error
-    if ctx.settings.strict and not view.byte_mask_view(st.written).all():
+    if ctx.settings.strict and st.written is not None and not view.byte_mask_view(st.written).all():
         ok = view.written_elements()
         if not ok.all():
             bad = np.argwhere(~ok)
@@ -137,11 +137,11 @@ def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = 
     st.modified = True
     if vals is not None:
         view._np()[...] = vals
-    byte_mask = view.byte_mask_view(st.written)
     if written is None:
-        byte_mask[...] = True
+        if st.written is not None:
+            view.byte_mask_view(st.written)[...] = True
     else:
-        byte_mask[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
+        view.byte_mask_view(st.materialize_written())[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
     if matmul and st.mm_written is not None:
         view.byte_mask_view(st.mm_written)[...] = True
 

@@ -259,7 +259,7 @@ def read_elements(view, addrs: np.ndarray, mask: np.ndarray, instr: str, arg: st
     ctx = runtime.current()
     st = view.storage
     sel = addrs[mask]
-    if ctx.settings.strict:
+    if ctx.settings.strict and st.written is not None:
         isz = view.itemsize_storage
         ok = st.written[_byte_index(view, sel)].reshape(-1, isz).all(axis=1)
         if not ok.all():
@@ -290,10 +290,12 @@ def write_elements(view, addrs: np.ndarray, values, mask: np.ndarray, instr: str
     if ctx.numerics and values is not None:
         vals = cast_values(np.asarray(values)[mask], view.dtype, view.np_dtype)
         _elements(view)[sel] = vals
-    st.written[index] = True
+    if st.written is not None:
+        st.written[index] = True
 
 
 def mark_written(view) -> None:
     """Shape-only run: mark every byte of a (cover) view written, without data or race tracking."""
-    view.byte_mask_view(view.storage.written)[...] = True
+    if view.storage.written is not None:
+        view.byte_mask_view(view.storage.written)[...] = True
     view.storage.modified = True

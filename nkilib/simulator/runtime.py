@@ -145,11 +145,13 @@ class ProgramContext:
 class Launch:
     """One kernel launch over `lnc` programs (see module docstring for the schedule)."""
 
-    def __init__(self, lnc: int, grid_ndim: int, settings: Settings, numerics: bool = True, trace: bool = False):
+    def __init__(self, lnc: int, grid_ndim: int, settings: Settings, numerics: bool = True, trace: bool = False,
+                 check_races: bool = True):
         self.lnc = lnc
         self.grid_ndim = grid_ndim
         self.settings = settings
         self.numerics = numerics
+        self.check_races = check_races
         self.trace = [] if trace else None
         self.epoch = 0
         self.barriers_passed = 0
@@ -268,6 +270,8 @@ class Launch:
         written, shaped like that view, to tell a write of identical values (RaceWarning) from a real
         write-write race (module docstring).
         """
+        if not self.check_races:  # run_kernel(check_races=False): a cost run of a kernel verified elsewhere
+            return
         state = storage.race_state
         mine = state.get(p)
         if mine is None or mine[0] != self.epoch:
@@ -297,11 +301,11 @@ class Launch:
                 )
         byte_index_view_fn(mine[2 if write else 1])[...] = True
 
-    @staticmethod
-    def _same_bytes(storage, byte_index_view_fn, conflict, new_bytes) -> bool:
+    def _same_bytes(self, storage, byte_index_view_fn, conflict, new_bytes) -> bool:
         """Do the bytes about to be written equal the bytes now in storage wherever they overlap another
-        program's writes? Without numerics (no values) the answer is taken as yes (module docstring)."""
-        if storage.data is None:
+        program's writes? Without numerics (no values; a shape-only run's carried integer inputs too) the
+        answer is taken as yes (module docstring)."""
+        if storage.data is None or not self.numerics:
             return True
         if new_bytes is None:  # numerics on but the writer did not pass its bytes: cannot prove equal
             return False

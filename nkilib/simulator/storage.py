@@ -2,7 +2,9 @@
 
 Storage of every allocation is one flat row-major byte array (`Storage.data`), plus
 - `written`: one bool per storage byte, set by every write (uninitialised-read detection, see
-  `access.py`);
+  `access.py`), or None when every byte is written: kernel inputs start so, which keeps shape-only runs
+  of large weights from holding a byte mask per weight byte (`materialize_written` makes it an array
+  again when a copy carries never-written elements into the tensor);
 - `mm_written` (PSUM only): one bool per byte, set by matmul writes (nc_matmul accumulate=None rule,
   docs/simulator.md#choice-psum-accumulate);
 - `race_state`: LNC2 race bookkeeping of a shared_hbm storage (`runtime.Launch.note_access`).
@@ -64,11 +66,17 @@ class Storage:
         self.race_state = {}
         if init is not None:
             self.data = np.ascontiguousarray(init).reshape(-1).view(np.uint8).copy() if numerics else None
-            self.written = np.ones(self.nbytes, np.bool_)
+            self.written = None  # every byte written
         else:
             self.data = _sentinel_bytes(dtype, self.np_dtype, count).copy() if numerics else None
             self.written = np.zeros(self.nbytes, np.bool_)
         self.mm_written = np.zeros(self.nbytes, np.bool_) if buffer_kind == "psum" else None
+
+    def materialize_written(self) -> np.ndarray:
+        """The per-byte written mask as an array (all True if it was the all-written None)."""
+        if self.written is None:
+            self.written = np.ones(self.nbytes, np.bool_)
+        return self.written
 
     @property
     def on_chip(self) -> bool:

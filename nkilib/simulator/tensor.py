@@ -261,6 +261,8 @@ class NkiTensor:
         return words == word(int.from_bytes(b"\x01" * isz, "little"))
 
     def written_elements(self) -> np.ndarray:
+        if self._storage.written is None:  # every byte written (storage.py)
+            return np.ones(self.shape, np.bool_)
         return self.elements_all(self._storage.written)
 
     # ---- indexing (NkiTensor page: numpy-style keys) ----

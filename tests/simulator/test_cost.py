@@ -317,6 +317,37 @@ def test_freed_sbuf_reuse_serialises_only_when_two_tiles_do_not_fit(kib, overlap
         assert sched.start[load2] >= sched.end[store1]
 
 
+def test_freed_sbuf_reuse_orders_every_access_of_the_new_tile():
+    """The second tile (140 KiB, must reuse the first one's bytes) is filled by two DMAs into disjoint
+    halves: no data dependency links them, so both -- not only the first in program order -- must wait
+    for the first tile's store (the MoE kernel fills panels this way; before, the second DMA overlapped)."""
+    import nki.isa as nisa
+    import nki.language as nl
+    from nkilib.simulator import ShapeSpec, run_kernel
+    from nkilib.simulator.cost import schedule
+
+    free = 140 * 1024 // 4
+    half = free // 2
+
+    def kernel(a):
+        out = nl.ndarray((2, 128, free), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, free), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.dma_copy(dst=out[0], src=t)
+        del t
+        u = nl.ndarray((128, free), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=u[:, :half], src=a[:, :half])
+        nisa.dma_copy(dst=u[:, half:], src=a[:, half:])
+        nisa.dma_copy(dst=out[1], src=u)
+        return out
+
+    res = run_kernel(kernel, (ShapeSpec((128, free), "float32"),), lnc=1, trace=True, numerics=False)
+    sched = schedule(res.trace, "trn3", 1)
+    load1, store1, fill_a, fill_b, store2 = range(5)
+    assert [r.instr for r in res.trace] == ["dma_copy"] * 5
+    assert sched.start[fill_a] >= sched.end[store1] and sched.start[fill_b] >= sched.end[store1]
+
+
 def _elementwise(instr, engine, n, dtype="float32", **attrs):
     return rec(0, instr, engine, [chip("data", "sbuf", dtype, (128, n))], [chip("dst", "sbuf", dtype, (128, n))],
                **attrs)

@@ -404,3 +404,42 @@ def test_programs_must_return_the_same_outputs():
 
     with pytest.raises(NkiValidationError, match="returned different output tensors"):
         _run_with_timeout(lambda: simulate(k, lnc=2, a=randn(17, (4, 4))))
+
+
+def test_check_races_false_skips_race_bookkeeping_same_trace():
+    """run_kernel(check_races=False) (cost runs): the racy kernel runs, its trace equals a race-free twin's
+    instruction for instruction, and the default still raises."""
+    from nkilib.simulator import ShapeSpec, run_kernel
+
+    racy = _write_write_kernel(False, True)
+    spec = ShapeSpec((4, 8), nl.float32)
+    with pytest.raises(RaceError, match="'result'"):
+        _run_with_timeout(lambda: run_kernel(_write_write_kernel(False, True, values_differ=True), args=(randn(5, (4, 8)),),
+                                             lnc=2))
+    res = _run_with_timeout(lambda: run_kernel(racy, args=(spec,), lnc=2, trace=True, numerics=False,
+                                               check_races=False))
+    assert [(r.program, r.instr) for r in res.trace] == [(0, "dma_copy"), (0, "dma_copy"), (1, "dma_copy"),
+                                                          (1, "dma_copy")]
+    assert res.trace[3].writes[0].name == "result"
+
+
+def test_inputs_hold_no_written_mask_until_a_copy_brings_unwritten_bytes(set_target):
+    """Kernel inputs are 'every byte written' without a per-byte mask; copying never-written SBUF bytes
+    into one materialises the mask, and strict mode then rejects a computation that reads them."""
+    seen = {}
+
+    def k(a):
+        seen["before"] = a.storage.written
+        t = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)  # never written
+        nisa.dma_copy(dst=a[0:2, :], src=t)
+        seen["after"] = a.storage.written.copy()
+        u = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=u, src=a[0:2, :])
+        v = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=v, src=u)
+        nisa.tensor_scalar(dst=v, data=u, op0=nl.add, operand0=1.0)
+
+    with pytest.raises(UninitializedReadError, match="tensor_scalar"):
+        simulate(k, a=randn(3, (3, 4)))
+    assert seen["before"] is None
+    assert seen["after"][:32].sum() == 0 and seen["after"][32:].all()  # rows 0-1 (2 x 4 x 4 B) now unwritten

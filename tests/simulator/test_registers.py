@@ -157,8 +157,54 @@ def test_register_load_needs_written_source_and_numerics():
 
     with pytest.raises(UninitializedReadError, match="register_load: argument 'src' reads 1 element"):
         in_kernel(never_written)
-    with pytest.raises(NkiValidationError, match="needs numerics; this is a shape-only run"):
+    with pytest.raises(NkiValidationError, match="has no values in a shape-only run"):
         run_kernel(store_kernel, args=(ShapeSpec((1, 1), np.int32),), numerics=False)
+
+
+def bounded_loop_kernel(offsets, data):
+    """A fori_loop whose bounds are register_load-ed straight from an HBM int32 input `offsets` [2];
+    each iteration copies one [1, 8] row of `data` (the record count shows the trip count)."""
+    lo, hi = nisa.register_alloc(), nisa.register_alloc()
+    nisa.register_load(lo, offsets[0:1])
+    nisa.register_load(hi, offsets[1:2])
+    out = nl.ndarray(data.shape, data.dtype, buffer=nl.shared_hbm)
+
+    def body(i):
+        t = nl.ndarray((1, 8), data.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=data.ap([[8, 1], [1, 8]], scalar_offset=i, indirect_dim=0))
+        nisa.dma_copy(dst=out.ap([[8, 1], [1, 8]], scalar_offset=i, indirect_dim=0), src=t)
+
+    zero = nl.ndarray(data.shape, data.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    nisa.dma_copy(dst=out, src=zero)
+    nl.fori_loop(lo, hi, body)
+    return out
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 4), (2, 2), (0, 6)])
+def test_shape_only_run_carries_integer_input_values(lo, hi):
+    """Shape-only run, float data as a ShapeSpec, int32 bounds as values: the loop takes hi - lo trips."""
+    res = run_kernel(bounded_loop_kernel, args=(np.array([lo, hi], np.int32), ShapeSpec((6, 8), nl.bfloat16)),
+                     numerics=False, trace=True)
+    loops = [r for r in res.trace if r.instr == "dynamic_loop"]
+    copies = [r for r in res.trace if r.instr == "dma_copy"]
+    assert res.outputs is None  # shape-only: no output values
+    assert [r.attrs["trip_count"] for r in loops] == [hi - lo]
+    assert len(copies) == 1 + 2 * (hi - lo)
+
+
+def test_shape_only_carried_values_only_for_unwritten_integer_inputs():
+    def written_then_loaded(offsets):
+        t = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=3)
+        nisa.dma_copy(dst=offsets.reshape((1, 2)), src=t)
+        nisa.register_load(nisa.register_alloc(), offsets[0:1])
+
+    with pytest.raises(NkiValidationError, match="'offsets'.*was written by the kernel"):
+        run_kernel(written_then_loaded, args=(np.array([1, 2], np.int32),), numerics=False)
+    with pytest.raises(NkiValidationError, match="float32.*has no values in a shape-only run"):
+        run_kernel(lambda offsets: nisa.register_load(nisa.register_alloc(), offsets[0:1]),
+                   args=(np.array([1.0], np.float32),), numerics=False)
 
 
 def test_uninitialized_register_strict_and_lenient(monkeypatch):

@@ -10,7 +10,8 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     Each on-chip allocation lives from the first to the last trace record that touches it (the
     liveness a compiler's allocator sees, in program order) and is placed in its core's
     per-partition address space (PSUM in whole 2 KiB banks; placement policy below). When a tile is placed on bytes that
-    an earlier, dead tile occupied, its first access must wait for the final accesses of that tile
+    an earlier, dead tile occupied, every access of it (not only the first in program order: two DMAs
+    filling disjoint parts of a tile have no data dependency between them) must wait for the final accesses of that tile
     (WAR/WAW through the reused memory): the last one on each in-order engine and every DMA (DMA
     queues complete out of order, so the last access in program order need not end last). Without
     this every allocation would be fresh memory and the schedule could overlap more buffers than
@@ -86,8 +87,10 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             lo = max(lo, b)
         return lo if lo + nbytes <= limit else None
 
+    reuse_waits = {}  # key -> final accesses of the tiles whose bytes it took (every access of it waits)
     for r in records:
         for key in starts.get(r.seq, ()):
+            waited = set()
             space = (key[0], key[1])
             ranges = sorted(live.setdefault(space, {}).values())
             nbytes, cap = size[key], capacity[key[1]]
@@ -97,7 +100,8 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             graveyard = dead.setdefault(space, [])
             if lo is None:  # fragmented: wait for the live tiles it covers (see docstring)
                 lo, waits = _place_over_live(live[space], tails, last, nbytes, cap, r.seq, depends)
-                deps.setdefault(r.seq, set()).update(waits)
+                deps.setdefault(r.seq, set()).update(waits)  # may include accesses after r (none depends on r)
+                waited.update(waits)
                 if placements is not None:
                     placements.setdefault("fragmented", []).append((key, nbytes, bool(waits)))
             hi = lo + nbytes
@@ -105,7 +109,7 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             kept = []
             for a, b, q in graveyard:
                 if a < hi and lo < b:
-                    deps.setdefault(r.seq, set()).update(q)
+                    waited.update(q)
                     if a < lo:
                         kept.append((a, lo, q))
                     if hi < b:
@@ -114,9 +118,17 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
                     kept.append((a, b, q))
             dead[space] = kept
             live[space][key] = (lo, hi)
+            if waited:
+                reuse_waits[key] = waited
             if placements is not None:
                 placements[key] = (lo, hi, r.seq)
+        if reuse_waits:
+            for op in r.reads + r.writes:
+                waited = reuse_waits.get((r.program, op.buffer, op.storage_id))
+                if waited:
+                    deps.setdefault(r.seq, set()).update(q for q in waited if q < r.seq)  # later ones: see above
         for key in ends.get(r.seq, ()):
+            reuse_waits.pop(key, None)
             space = (key[0], key[1])
             lo, hi = live[space].pop(key)
             dead[space].append((lo, hi, tuple(tails[key].values())))

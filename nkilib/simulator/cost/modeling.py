@@ -24,7 +24,8 @@ def _target_env(target):
 
 
 def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool = False, kwargs=None,
-                 phase_of=None, precision=None, model_flops=None, scenario: str | None = None) -> CostReport:
+                 phase_of=None, precision=None, model_flops=None, scenario: str | None = None,
+                 check_races: bool = True) -> CostReport:
     """Run `kernel_fn` on the simulator with a trace and model its cost.
 
     Args:
@@ -40,6 +41,7 @@ def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool 
         model_flops: FLOPs of the modeled computation (default: sum of matmul FLOPs in the trace).
         scenario: "central" / "pessimistic": which end of the estimated constants (hardware.py) to use
             (default: the target's own, "central" for the named targets).
+        check_races: False skips LNC2 race bookkeeping in the run (`run_kernel`; the trace is the same).
     """
     from ..launcher import run_kernel
 
@@ -50,7 +52,7 @@ def model_kernel(kernel_fn, inputs, lnc: int = 1, target="trn3", numerics: bool 
     if scenario is not None:
         spec = with_scenario(spec, scenario)
     with _target_env(spec):
-        res = run_kernel(fn, args, kw, lnc=lnc, trace=True, numerics=numerics)
+        res = run_kernel(fn, args, kw, lnc=lnc, trace=True, numerics=numerics, check_races=check_races)
     sched = schedule(res.trace, spec, lnc)
     return CostReport.from_schedule(sched, spec, phase_of=phase_of, precision=precision, model_flops=model_flops,
                                     memory_peak=res.peak_bytes_per_partition)
