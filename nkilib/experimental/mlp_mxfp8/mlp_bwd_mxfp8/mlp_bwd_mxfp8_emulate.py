@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 
 import torch
 
@@ -74,6 +76,8 @@ __all__ = [
     "fp8_name",
     "clamp_tuple",
     "mx_quantize_dequantize",
+    "FUSED_QUANTIZER_MODES",
+    "set_fused_quantizer",
     "contract_matmul",
     "swiglu_activations",
     "recompute_projection",
@@ -159,7 +163,24 @@ def _decode(codes: torch.Tensor, fmt_name: str, dtype) -> torch.Tensor:
 
 
 def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
-    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out)."""
+    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out).
+
+    Runs the fused formulation (``_qdq_fused``, compiled) where ``set_fused_quantizer`` selects it,
+    else the eager one below (``_qdq_eager``); both give the same bits (tests/torch/test_emulate_numerics.py).
+    """
+    fused = _fused_quantizer_for(xv)
+    if fused is not None:
+        finfo = torch.finfo(FP8_DTYPES[fmt.name])
+        max_frac = _f32_fraction_bits(float(fmt.max_normal))
+        out = fused(xv, dims, fmt.emax, fmt.mantissa_bits, int(math.log2(finfo.tiny)), float(fmt.max_normal),
+                    max_frac, scale_rule, out_dtype)
+        if out is not None:
+            return out
+    return _qdq_eager(xv, dims, fmt, scale_rule, out_dtype)
+
+
+def _qdq_eager(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
+    """Eager quantize-dequantize (torch's fp8 cast, decode by table): few, memory-bound passes."""
     # float32 first (exact upcast): mixed bf16 x float32 products and torch.aminmax are several times
     # slower on CPU than float32 ops and separate amin / amax (measured, one thread).
     xv = xv.to(torch.float32)
@@ -185,6 +206,113 @@ def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) 
     # in float32 a code rounded up to 2**128 or more (amax >= 1.9375 * 2**127) overflows to Inf; float64
     # (the matmul's operands) keeps it finite, as nc_matmul_mx's products and nkilib.mx.mx_matmul do
     return deq.mul_(_pow2(kexp).to(out_dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# fused quantizer: one formulation that torch.compile turns into one or two loops (CPU C++ / CUDA Triton)
+# ----------------------------------------------------------------------------------------------
+
+#: "auto": compiled for operands of at least FUSED_MIN_ELEMENTS elements (smaller ones: eager, no
+#: compile latency), eager if torch.compile fails; "compile": always compiled; "eager": the fused
+#: formulation run op by op (tests only: slower than the table path); "off": never.
+FUSED_QUANTIZER_MODES = ("auto", "compile", "eager", "off")
+FUSED_MIN_ELEMENTS = 1 << 18
+_fused_state = {"mode": os.environ.get("NKILIB_EMULATE_FUSED_QUANTIZER", "auto"), "compiled": None, "failed": False}
+
+
+def set_fused_quantizer(mode: str) -> str:
+    """Selects the quantizer formulation (FUSED_QUANTIZER_MODES); returns the previous mode.
+
+    The default comes from the environment variable NKILIB_EMULATE_FUSED_QUANTIZER ("auto" if unset).
+    Every mode gives the same bits; only speed differs.
+    """
+    check_choice("mode", mode, FUSED_QUANTIZER_MODES)
+    previous = _fused_state["mode"]
+    _fused_state["mode"] = mode
+    return previous
+
+
+def _f32_fraction_bits(v: float) -> int:
+    """The 23 fraction bits of float32 `v` (normal)."""
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32).item()) & 0x7FFFFF
+
+
+def _f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _qdq_fused(xv: torch.Tensor, dims: tuple, emax: int, mbits: int, emin: int, max_normal: float, max_frac: int,
+               scale_rule: str, out_dtype) -> torch.Tensor:
+    """Quantize-dequantize in elementwise float32 / int32 arithmetic, no fp8 dtype (fuses under torch.compile).
+
+    Same bits as ``_qdq_eager`` and nkilib.mx (tests/torch/test_emulate_numerics.py), by these steps:
+        * amax = max |v| over the group (abs and max exact; NaN propagates; +-Inf -> non-finite group);
+        * floor(log2 amax) from the float32 exponent field (a subnormal amax is first scaled by 2**24,
+          exact), and rceil's "amax > max_normal * 2**s" test from the fraction bits (the significands
+          are compared, exactly as nkilib.mx compares frexp mantissas);
+        * y = v * 2**-k clamped to +-max_normal: as in ``_qdq_eager``;
+        * RNE of y to the fp8 grid: the grid step at |y| is q = 2**(max(floor(log2 |y|), emin) - mbits)
+          (emin = exponent of the smallest normal: below it the subnormal step); with C = 1.5 * 2**23 * q,
+          C + y lies in [2**23 q, 2**24 q) where float32's step is q, so the float32 sum is y rounded to
+          a multiple of q, ties to even (C / q is even), and (C + y) - C is exact; |y| <= max_normal,
+          a grid point, so no rounding passes it (saturation as RNE-then-saturate); copysign keeps -0;
+        * codes * 2**k in out_dtype, then NaN for the non-finite groups.
+    No reassociation or contraction can change this: torch.compile's C++ is built without unsafe-math
+    or fp-contract, and the clamp separates the one product from the sums.
+
+    Dimensions:
+        xv [...] (bf16 / fp16 / fp32), groups on axes `dims` -> out_dtype [same shape].
+    """
+    i32 = torch.int32
+    x = xv.to(torch.float32)
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, 0.0)
+    tiny = amax < 2.0 ** -126
+    a_bits = torch.where(tiny, amax * 2.0 ** 24, amax).view(i32)
+    e = (a_bits >> 23) - torch.where(tiny, 127 + 24, 127).to(i32)  # floor(log2 amax) for amax > 0
+    if scale_rule == "neuron":
+        sexp = e - (emax - 1)
+    elif scale_rule == "ocp_floor":
+        sexp = e - emax
+    else:  # rceil: smallest s with amax <= max_normal * 2**s
+        sexp = e - int(math.floor(math.log2(max_normal))) + ((a_bits & 0x7FFFFF) > max_frac).to(i32)
+    byte = torch.where(amax == 0, 0, torch.clamp(sexp + 127, 0, 254)).to(i32)
+    neg_k = 127 - byte  # -k, in [-127, 127]; 2**-127 is the float32 subnormal 0x00400000
+    inv = _f32_from_bits(torch.where(neg_k == -127, 0x400000, (neg_k + 127) << 23))
+    y = torch.clamp(x * inv, -max_normal, max_normal)
+    y_exp = (y.abs().view(i32) >> 23) - 127
+    step_exp = torch.clamp(y_exp, min=emin) - mbits
+    c = _f32_from_bits(((step_exp + 150) << 23) | 0x400000)  # 1.5 * 2**(step_exp + 23)
+    codes = torch.copysign((y + c) - c, y)
+    scale = (((byte - 127).to(torch.int64) + 1023) << 52).view(torch.float64).to(out_dtype)
+    out = codes.to(out_dtype) * scale
+    return torch.where(finite, out, float("nan"))
+
+
+def _compiled_qdq(*args):
+    """``_qdq_fused`` through torch.compile; None (and a warning, once) when compiling fails."""
+    if _fused_state["compiled"] is None:
+        _fused_state["compiled"] = torch.compile(_qdq_fused)
+    limits = {name: 256 for name in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, name)}
+    try:
+        with torch._dynamo.config.patch(**limits):  # one graph per operand layout and option set
+            return _fused_state["compiled"](*args)
+    except Exception as err:  # noqa: BLE001  (no C++ compiler / Triton, unsupported platform, ...)
+        _fused_state["failed"] = True
+        warnings.warn(f"emulate: torch.compile of the fused MX quantizer failed ({type(err).__name__}: {err}); "
+                      "using the eager quantizer (same bits, slower)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _fused_quantizer_for(xv: torch.Tensor):
+    """The fused quantizer to run on `xv` under the current mode, or None for the eager one."""
+    mode = _fused_state["mode"]
+    if mode == "eager":
+        return _qdq_fused
+    if mode == "off" or _fused_state["failed"] or (mode == "auto" and xv.numel() < FUSED_MIN_ELEMENTS):
+        return None
+    return _compiled_qdq
 
 
 def _quantize_dequantize(x: torch.Tensor, dim: int, fmt, quant_scheme: str, scale_rule: str, k_tile: int,
