@@ -53,7 +53,10 @@ except ImportError:  # running from a checkout without installing: add the repos
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import nkilib  # noqa: F401
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from nkilib.mx import quantize_mx  # noqa: E402
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
 
@@ -223,15 +226,30 @@ def breakdown(S: int, H: int, I: int, device: str, dtype, timer: Timer, seed: in
     return row
 
 
-def device_matches_cpu(device: str, seed: int) -> bool:
-    """Bit-identity of the emulated gradients on `device` and on the CPU (small shape, two options)."""
+def device_matches_cpu(device: str, seed: int, quantizer: str) -> bool:
+    """Bit-identity of the emulated gradients on `device` (quantizer `quantizer`) and on the CPU (eager
+    quantizer), small shape, two option sets; and of the device's quantizer with nkilib.mx (NumPy) on
+    adversarial values (scale extremes, subnormals, ties, saturation, NaN / Inf groups), every format and rule."""
     t = make_inputs(256, 384, 320, "cpu", seed)  # K = 320 -> padded to 384; 2I = 640 (a 512 + 128 tile)
     ck = checkpoints(t)
     same = True
     for opts in (dict(), dict(quant_scheme="wrapX", fp8_dtype="float8_e5m2", scale_rule="rceil")):
-        ref = emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck, **opts)
-        got = emu.mlp_backward_emulate(*(t[k].to(device) for k in ("dy", "x", "w_down", "w_gu")),
-                                       **{k: v.to(device) for k, v in ck.items()}, **opts)
+        previous = emu.set_fused_quantizer("off")
+        try:
+            ref = emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck, **opts)
+            emu.set_fused_quantizer(quantizer)
+            got = emu.mlp_backward_emulate(*(t[k].to(device) for k in ("dy", "x", "w_down", "w_gu")),
+                                           **{k: v.to(device) for k, v in ck.items()}, **opts)
+            v = emu._probe_values(device)
+            for fmt in ("float8_e4m3fn", "float8_e5m2"):
+                for rule in ("neuron", "rceil", "ocp_floor"):
+                    q = emu.mx_quantize_dequantize(v, 1, fmt, "1x32", rule).cpu().numpy()
+                    want = quantize_mx(v.cpu().numpy(), 1, fmt, rule).dequantize()
+                    nan = np.isnan(want)
+                    same &= bool(np.array_equal(np.isnan(q), nan)
+                                 and np.array_equal(q[~nan].view(np.int32), want[~nan].view(np.int32)))
+        finally:
+            emu.set_fused_quantizer(previous)
         same &= all(torch.equal(r.view(torch.int16), g.cpu().view(torch.int16)) for r, g in zip(ref, got))
     return same
 
@@ -269,7 +287,9 @@ def run_device(device: str, args, shapes) -> dict:
     env["loadavg_after"] = os.getloadavg()
     result = {"env": env, "rows": rows}
     if args.check if args.check is not None else device == "cuda":
-        result["device_matches_cpu_bitwise"] = device_matches_cpu(device, args.seed)
+        # on an accelerator "auto" means the compiled quantizer: check that one
+        mode = "compile" if device != "cpu" and args.quantizer == "auto" else args.quantizer
+        result["device_matches_cpu_bitwise"] = device_matches_cpu(device, args.seed, mode)
         print(f"emulated gradients on {device} bit-identical to the CPU's: {result['device_matches_cpu_bitwise']}")
     return result
 

@@ -217,7 +217,8 @@ def _qdq_eager(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -
 #: formulation run op by op (tests only: slower than the table path); "off": never.
 FUSED_QUANTIZER_MODES = ("auto", "compile", "eager", "off")
 FUSED_MIN_ELEMENTS = 1 << 18
-_fused_state = {"mode": os.environ.get("NKILIB_EMULATE_FUSED_QUANTIZER", "auto"), "compiled": None, "failed": False}
+_fused_state = {"mode": os.environ.get("NKILIB_EMULATE_FUSED_QUANTIZER", "auto"), "compiled": None, "failed": False,
+                "verified": set()}
 
 
 def set_fused_quantizer(mode: str) -> str:
@@ -290,15 +291,46 @@ def _qdq_fused(xv: torch.Tensor, dims: tuple, emax: int, mbits: int, emin: int, 
     return torch.where(finite, out, float("nan"))
 
 
+def _probe_values(device) -> torch.Tensor:
+    """[16, 64] float32 groups of 32 that reach every branch: scale extremes (2**-140 .. 2**127 leads),
+    float32 subnormals, exact fp8 ties, saturation, zero, -0, NaN and Inf groups."""
+    g = torch.Generator().manual_seed(14)
+    base = torch.randn(16, 64, generator=g)
+    lead = torch.tensor([-140.0, -133.0, -126.0, -100.0, -20.0, -3.0, 0.0, 1.0, 8.0, 9.0, 15.0, 16.0, 60.0, 100.0,
+                         126.0, 127.0])
+    v = base * torch.exp2(lead[:, None] - 2.0)
+    v[:, 0] = torch.exp2(lead) * 1.9375  # a lead whose quotient sits near a code boundary
+    ties = torch.tensor([1.0625, 1.1875, 0.5625, 2.0 ** -7 * 1.5, 2.0 ** -8 * 3.0]) * 2.0 ** 8  # e4m3 / e5m2 ties
+    v[6, 1:6], v[7, 33:38] = ties, -ties
+    v[3, 40:] = 0.0
+    v[3, 41] = -0.0
+    v[4, 7], v[5, 45], v[8, 3] = float("nan"), float("inf"), -float("inf")
+    return v.to(device)
+
+
 def _compiled_qdq(*args):
-    """``_qdq_fused`` through torch.compile; None (and a warning, once) when compiling fails."""
+    """``_qdq_fused`` through torch.compile; None (and a warning, once) when compiling fails or when the
+    compiled code, on this device and options, differs from the eager quantizer on _probe_values."""
     if _fused_state["compiled"] is None:
         _fused_state["compiled"] = torch.compile(_qdq_fused)
     limits = {name: 256 for name in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, name)}
+    xv, _dims, emax, mbits, emin, max_normal, max_frac, rule, out_dtype = args
+    key = (xv.device.type, emax, mbits, rule, out_dtype)
     try:
         with torch._dynamo.config.patch(**limits):  # one graph per operand layout and option set
+            if key not in _fused_state["verified"]:
+                probe = _probe_values(xv.device).reshape(16, 2, 32)
+                opts = (emax, mbits, emin, max_normal, max_frac, rule, out_dtype)
+                got = _fused_state["compiled"](probe, (2,), *opts)
+                want = _qdq_fused(probe, (2,), *opts)  # eager: the formulation the tests check
+                same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                    torch.nan_to_num(got).view(torch.int64 if out_dtype == torch.float64 else torch.int32),
+                    torch.nan_to_num(want).view(torch.int64 if out_dtype == torch.float64 else torch.int32))
+                if not same:
+                    raise RuntimeError(f"compiled code differs from eager on the probe values ({key})")
+                _fused_state["verified"].add(key)
             return _fused_state["compiled"](*args)
-    except Exception as err:  # noqa: BLE001  (no C++ compiler / Triton, unsupported platform, ...)
+    except Exception as err:  # noqa: BLE001  (no C++ compiler / Triton, unsupported platform, wrong bits)
         _fused_state["failed"] = True
         warnings.warn(f"emulate: torch.compile of the fused MX quantizer failed ({type(err).__name__}: {err}); "
                       "using the eager quantizer (same bits, slower)", RuntimeWarning, stacklevel=3)
