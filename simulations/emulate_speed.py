@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from nkilib.mx import quantize_mx  # noqa: E402
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fused as emu_fused  # noqa: E402
 
 #: name -> (S, H, I)
 PRESETS = {
@@ -240,7 +241,7 @@ def device_matches_cpu(device: str, seed: int, quantizer: str) -> bool:
             emu.set_fused_quantizer(quantizer)
             got = emu.mlp_backward_emulate(*(t[k].to(device) for k in ("dy", "x", "w_down", "w_gu")),
                                            **{k: v.to(device) for k, v in ck.items()}, **opts)
-            v = emu._probe_values(device)
+            v = emu_fused.probe_values(device)
             for fmt in ("float8_e4m3fn", "float8_e5m2"):
                 for rule in ("neuron", "rceil", "ocp_floor"):
                     q = emu.mx_quantize_dequantize(v, 1, fmt, "1x32", rule).cpu().numpy()

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fused as fused  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.mx import mx_matmul, quantize_mx  # noqa: E402
 from simkit import (  # noqa: E402
@@ -324,9 +325,9 @@ def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32(quantizer)
         emu.mx_quantize_dequantize(t, 1, dtype=torch.float16)
 
 
-def _compiled_quantizer_case(fmt: str, rule: str):
-    """Adversarial groups along axis 1 and along axis 0 of a transposed view, through the compiled
-    fused quantizer: bit-equal to nkilib.mx (float32 and float64 outputs)."""
+def _compiled_quantizer_case(fmt: str, rule: str, transposed_float64: bool):
+    """Adversarial groups along axis 1 (and, if asked, along axis 0 with float64 output) through the
+    compiled fused quantizer: bit-equal to nkilib.mx."""
     g = _adversarial_groups(fmt, rule, seed=3)
     n = g.shape[0] - g.shape[0] % 4
     x = g[:n].reshape(4, n // 4 * 32)
@@ -336,53 +337,56 @@ def _compiled_quantizer_case(fmt: str, rule: str):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a failed compile (eager fallback) fails the test
             got = emu.mx_quantize_dequantize(torch.from_numpy(x), 1, fmt, "1x32", rule)
-            got_t = emu.mx_quantize_dequantize(torch.from_numpy(x.T.copy()), 0, fmt, "1x32", rule, dtype=torch.float64)
+            if transposed_float64:
+                got_t = emu.mx_quantize_dequantize(torch.from_numpy(x.T.copy()), 0, fmt, "1x32", rule,
+                                                   dtype=torch.float64)
     finally:
         emu.set_fused_quantizer(previous)
     _assert_same_values(got.numpy(), want)
-    want64 = quantize_mx(x, 1, fmt, rule).dequantize(dtype=np.float64).T
-    got64, nan = got_t.numpy(), np.isnan(want64)
-    assert np.array_equal(np.isnan(got64), nan)
-    assert np.array_equal(got64[~nan].view(np.int64), want64[~nan].view(np.int64))  # float64 bits
+    if transposed_float64:
+        want64 = quantize_mx(x, 1, fmt, rule).dequantize(dtype=np.float64).T
+        got64, nan = got_t.numpy(), np.isnan(want64)
+        assert np.array_equal(np.isnan(got64), nan)
+        assert np.array_equal(got64[~nan].view(np.int64), want64[~nan].view(np.int64))  # float64 bits
 
 
 def test_compiled_quantizer_matches_nkilib_mx():
     """The fused quantizer as torch.compile builds it (C++ on CPU) gives nkilib.mx's bits (one graph:
-    e4m3fn, "neuron"; every format and rule: the slow test below)."""
-    _compiled_quantizer_case("float8_e4m3fn", "neuron")
+    e4m3fn, "neuron", float32 out; every format, rule, axis 0 and float64: the slow test below)."""
+    _compiled_quantizer_case("float8_e4m3fn", "neuron", transposed_float64=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
 def test_compiled_quantizer_matches_nkilib_mx_all_options(fmt, rule):
-    _compiled_quantizer_case(fmt, rule)
+    _compiled_quantizer_case(fmt, rule, transposed_float64=True)
 
 
 def test_fused_quantizer_modes_and_compile_fallback(monkeypatch):
     """"auto" compiles only operands of FUSED_MIN_ELEMENTS or more; a torch.compile that fails warns
     once and falls back to the eager quantizer (same bits); unknown modes are rejected by name."""
     small = torch.zeros(4, 64)
-    monkeypatch.setitem(emu._fused_state, "mode", "auto")
-    monkeypatch.setitem(emu._fused_state, "failed", False)
-    monkeypatch.setitem(emu._fused_state, "verified", set())
-    assert emu._fused_quantizer_for(small) is None
-    monkeypatch.setattr(emu, "FUSED_MIN_ELEMENTS", small.numel())
-    assert emu._fused_quantizer_for(small) is emu._compiled_qdq
+    monkeypatch.setitem(fused._fused_state, "mode", "auto")
+    monkeypatch.setitem(fused._fused_state, "failed", False)
+    monkeypatch.setitem(fused._fused_state, "verified", set())
+    assert fused.fused_quantizer_for(small) is None
+    monkeypatch.setattr(fused, "FUSED_MIN_ELEMENTS", small.numel())
+    assert fused.fused_quantizer_for(small) is fused.compiled_qdq
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setitem(emu._fused_state, "compiled", broken)
+    monkeypatch.setitem(fused._fused_state, "compiled", broken)
     x = torch.from_numpy(_quant_data(5, 8, 128))
     with pytest.warns(RuntimeWarning, match="torch.compile of the fused MX quantizer failed"):
         got = emu.mx_quantize_dequantize(x, 1)
-    assert emu._fused_state["failed"] and emu._fused_quantizer_for(small) is None
+    assert fused._fused_state["failed"] and fused.fused_quantizer_for(small) is None
     _assert_same_values(got.numpy(), quantize_mx(x.numpy(), 1, "float8_e4m3fn").dequantize())
     # compiled code that runs but gives other bits (e.g. a compiler flushing subnormals) is caught by the probe
-    monkeypatch.setitem(emu._fused_state, "failed", False)
-    monkeypatch.setitem(emu._fused_state, "verified", set())
-    monkeypatch.setitem(emu._fused_state, "compiled", lambda xv, *rest: emu._qdq_fused(xv * 0.75, *rest))
+    monkeypatch.setitem(fused._fused_state, "failed", False)
+    monkeypatch.setitem(fused._fused_state, "verified", set())
+    monkeypatch.setitem(fused._fused_state, "compiled", lambda xv, *rest: fused.qdq_fused(xv * 0.75, *rest))
     with pytest.warns(RuntimeWarning, match="differs from eager on the probe values"):
         got = emu.mx_quantize_dequantize(x, 1)
     _assert_same_values(got.numpy(), quantize_mx(x.numpy(), 1, "float8_e4m3fn").dequantize())
