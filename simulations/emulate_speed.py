@@ -292,6 +292,10 @@ def run_device(device: str, args, shapes) -> dict:
         mode = "compile" if device != "cpu" and args.quantizer == "auto" else args.quantizer
         result["device_matches_cpu_bitwise"] = device_matches_cpu(device, args.seed, mode)
         print(f"emulated gradients on {device} bit-identical to the CPU's: {result['device_matches_cpu_bitwise']}")
+    # True when torch.compile failed (or gave other bits on the probe values) and the eager quantizer ran instead
+    result["fused_quantizer_fell_back"] = emu_fused._fused_state["failed"]
+    if result["fused_quantizer_fell_back"]:
+        print("the compiled quantizer was not used (see the warning above): eager quantizer timed")
     return result
 
 
