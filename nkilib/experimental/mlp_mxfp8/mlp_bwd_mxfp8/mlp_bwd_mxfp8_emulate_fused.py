@@ -65,8 +65,9 @@ def qdq_fused(xv: torch.Tensor, dims: tuple, emax: int, mbits: int, emin: int, m
           a multiple of q, ties to even (C / q is even), and (C + y) - C is exact; |y| <= max_normal,
           a grid point, so no rounding passes it (saturation as RNE-then-saturate); copysign keeps -0;
         * codes * 2**k in out_dtype, then NaN for the non-finite groups.
-    No reassociation or contraction can change this: torch.compile's C++ is built without unsafe-math
-    or fp-contract, and the clamp separates the one product from the sums.
+    No contraction can change this (the clamp separates the one product from the sums), nor reassociation:
+    torch.compile's C++ is built without unsafe-math or fp-contract, Triton's LLVM without reassociation;
+    and compiled_qdq checks the compiled code against this eager formulation before using it.
 
     Dimensions:
         xv [...] (bf16 / fp16 / fp32), groups on axes `dims` -> out_dtype [same shape].
