@@ -276,14 +276,17 @@ def run_device(device: str, args, shapes) -> dict:
     for S, H, I in shapes:
         r = {"S": S, "H": H, "I": I}
         r.update(measure(S, H, I, device, dtype, timer, args.seed))
-        print(f"{S:>6} {H:>6} {I:>6} | {r['plain_bwd_ms']:>10.1f} {r['emulate_bwd_ms']:>10.1f} {r['ratio_bwd']:>6.2f} | "
+        print(f"{S:>6} {H:>6} {I:>6} | {r['plain_bwd_ms']:>10.1f} {r['emulate_bwd_ms']:>10.1f} "
+              f"{r['ratio_bwd']:>6.2f} | "
               f"{r['plain_step_ms']:>10.1f} {r['emulate_step_ms']:>10.1f} {r['ratio_step']:>6.2f}", flush=True)
         if args.breakdown:
             r["breakdown"] = b = breakdown(S, H, I, device, dtype, timer, args.seed, args.quantizer)
             rest = r["emulate_bwd_ms"] - b["quantize_ms"] - b["gemm_f64_ms"]
-            print(f"{'':>20}   emu bwd = quantize {b['quantize_ms']:.1f} (eager quantizer {b['quantize_eager_ms']:.1f})"
+            print(f"{'':>20}   emu bwd = quantize {b['quantize_ms']:.1f} "
+                  f"(eager quantizer {b['quantize_eager_ms']:.1f})"
                   f" + float64 GEMMs {b['gemm_f64_ms']:.1f} + rest {rest:.1f}; the same GEMMs in {env['plain_dtype']}"
-                  f" {b['gemm_plain_ms']:.1f} (float64 / plain {b['gemm_f64_ms'] / b['gemm_plain_ms']:.2f}x)", flush=True)
+                  f" {b['gemm_plain_ms']:.1f} (float64 / plain {b['gemm_f64_ms'] / b['gemm_plain_ms']:.2f}x)",
+                  flush=True)
         rows.append(r)
     env["loadavg_after"] = os.getloadavg()
     result = {"env": env, "rows": rows}

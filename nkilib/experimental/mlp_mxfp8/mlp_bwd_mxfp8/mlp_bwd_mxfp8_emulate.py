@@ -79,7 +79,8 @@ from ....core import options
 from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
 from ....mx import SCALE_RULES, element_format, group_positions
 from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
-from .mlp_bwd_mxfp8_emulate_fused import FUSED_QUANTIZER_MODES, f32_fraction_bits, fused_quantizer_for, set_fused_quantizer
+from .mlp_bwd_mxfp8_emulate_fused import (FUSED_QUANTIZER_MODES, f32_fraction_bits, fused_quantizer_for,  # noqa: F401
+                                          set_fused_quantizer)
 
 __all__ = [
     "FP8_DTYPES",
@@ -176,8 +177,9 @@ def _decode(codes: torch.Tensor, fmt_name: str, dtype) -> torch.Tensor:
 def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
     """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out).
 
-    Runs the fused formulation (mlp_bwd_mxfp8_emulate_fused.qdq_fused, compiled) where ``set_fused_quantizer`` selects it,
-    else the eager one below (``_qdq_eager``); both give the same bits (tests/torch/test_emulate_numerics.py).
+    Runs the fused formulation (mlp_bwd_mxfp8_emulate_fused.qdq_fused, compiled) where
+    ``set_fused_quantizer`` selects it, else the eager one below (``_qdq_eager``); both give the same
+    bits (tests/torch/test_emulate_numerics.py).
     """
     fused = fused_quantizer_for(xv)
     if fused is not None:
