@@ -5,6 +5,7 @@ reference.py (mode "mx_exact", which the kernel matches bit for bit) and the ker
 """
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import ml_dtypes
@@ -350,12 +351,18 @@ def _compiled_quantizer_case(fmt: str, rule: str, transposed_float64: bool):
         assert np.array_equal(got64[~nan].view(np.int64), want64[~nan].view(np.int64))  # float64 bits
 
 
+_NO_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                             reason="torch.compile on CPU needs a C++ compiler (without one, 'auto' runs eager)")
+
+
+@_NO_CXX
 def test_compiled_quantizer_matches_nkilib_mx():
     """The fused quantizer as torch.compile builds it (C++ on CPU) gives nkilib.mx's bits (one graph:
     e4m3fn, "neuron", float32 out; every format, rule, axis 0 and float64: the slow test below)."""
     _compiled_quantizer_case("float8_e4m3fn", "neuron", transposed_float64=False)
 
 
+@_NO_CXX
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
