@@ -309,6 +309,26 @@ def test_contract_matmul_is_layout_independent_and_exact(quantizer):
         assert np.array_equal(bits(got), bits(want))
 
 
+def test_contract_matmul_tiles_round_then_accumulate_in_order():
+    """Cancellation across K tiles (the tile buffers are reused): tile sums 2**30, 1, -2**30, 2**-20 (each
+    exact) accumulate in float32 in order, so the 1 is lost against 2**30 (half an ulp is 64) and the
+    result is 2**-20, not the exact 1 + 2**-20; equal to nkilib.mx.mx_matmul. Columns 1-2 flip the signs
+    and column 2 holds bf16 subnormals
+    at E8M0's smallest scale."""
+    k = 4 * 512
+    a = np.ones((2, k), np.float32)
+    b = np.zeros((k, 3), np.float32)
+    b[:512, 0], b[512:1024, 0], b[1024:1536, 0], b[1536:, 0] = 2.0 ** 21, 2.0 ** -9, -2.0 ** 21, 2.0 ** -29
+    b[:, 1] = -b[:, 0]
+    b[:512, 2], b[512:1024, 2], b[1024:1536, 2], b[1536:, 2] = 2.0 ** -130, 2.0 ** -133, -2.0 ** -130, 0.0
+    a, b = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    want = mx_matmul(quantize_mx(a, 1, "float8_e4m3fn"), quantize_mx(b, 0, "float8_e4m3fn"))
+    got = emu.contract_matmul(to_torch(a), to_torch(b)).numpy()
+    assert np.array_equal(bits(got), bits(want))
+    assert got[0, 0] == np.float32(2.0 ** -20) and got[0, 1] == -np.float32(2.0 ** -20)
+    assert got[0, 2] == np.float32(2.0 ** -124)  # bf16's smallest subnormal, E8M0's smallest scale
+
+
 def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32(quantizer):
     """amax = 1.9375 * 2**127 (neuron rule, e4m3fn): scale 2**120, quotient 248 is a tie between 240 and
     256 and rounds to the even code 256, i.e. 2**128: Inf in float32, finite (and exact) in float64;
