@@ -5,6 +5,9 @@ reference.py (mode "mx_exact", which the kernel matches bit for bit) and the ker
 """
 from __future__ import annotations
 
+import shutil
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fused as fused  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.mx import mx_matmul, quantize_mx  # noqa: E402
 from simkit import (  # noqa: E402
@@ -33,6 +37,15 @@ def _emulate(inputs, **options):
 def _assert_same_values(got: np.ndarray, want: np.ndarray):
     """Bit equality, except that NaNs only need to be NaN at the same positions."""
     assert_bits_equal(got, want, nan_equal=True)
+
+
+@pytest.fixture(params=["off", "eager"])
+def quantizer(request):
+    """Runs a test with each quantizer formulation: the eager one (fp8 cast, decode table) and the
+    fused one (float32 / int32 arithmetic, run op by op here; compiled in test_compiled_quantizer_*)."""
+    previous = emu.set_fused_quantizer(request.param)
+    yield request.param
+    emu.set_fused_quantizer(previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +91,7 @@ def _quant_data(seed: int, rows: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("scheme", ["1x32", "wrapX"])
 @pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
-def test_quantize_dequantize_matches_nkilib_mx(fmt, scheme, rule):
+def test_quantize_dequantize_matches_nkilib_mx(fmt, scheme, rule, quantizer):
     """Same groups, scales and element codes as nkilib.mx.quantize_mx, along either axis; K = 640 is
     one full 512 tile plus a 128 tile, so the wrapX geometry of a short last tile is covered."""
     x = _quant_data(1, 12, 640)
@@ -228,7 +241,7 @@ def _adversarial_groups(fmt: str, rule: str, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
-def test_vectorised_quantizer_on_adversarial_values(fmt, rule):
+def test_vectorised_quantizer_on_adversarial_values(fmt, rule, quantizer):
     """1x32 groups as views of the quantized axis, along the last, the first and a middle axis of a
     3-D tensor, on contiguous and transposed (strided) inputs, float32 and bf16 / fp16 inputs."""
     g = _adversarial_groups(fmt, rule, seed=7)
@@ -254,7 +267,7 @@ def test_vectorised_quantizer_on_adversarial_values(fmt, rule):
 
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("K", [128, 640, 1024, 1152])
-def test_wrapx_groups_as_views_match_nkilib_mx(fmt, K):
+def test_wrapx_groups_as_views_match_nkilib_mx(fmt, K, quantizer):
     """wrapX without gathers: full 512 tiles and a short last tile (128 / 640 / 1152) of adversarial
     groups scattered over the wrapped positions, along either axis of a [K, N] operand."""
     g = _adversarial_groups(fmt, "neuron", seed=K)
@@ -282,7 +295,7 @@ def test_fp8_decode_table_equals_torch_cast(fmt):
                                want[ok].view(torch.int64 if dtype == torch.float64 else torch.int32))
 
 
-def test_contract_matmul_is_layout_independent_and_exact():
+def test_contract_matmul_is_layout_independent_and_exact(quantizer):
     """Strided operands (the backward passes transposed views) give the same bits as contiguous ones,
     and both equal nkilib.mx.mx_matmul (wrapX, e5m2: K = 640 is a 512 tile plus a 128 tile)."""
     r = np.random.default_rng(4)
@@ -296,7 +309,27 @@ def test_contract_matmul_is_layout_independent_and_exact():
         assert np.array_equal(bits(got), bits(want))
 
 
-def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32():
+def test_contract_matmul_tiles_round_then_accumulate_in_order():
+    """Cancellation across K tiles (the tile buffers are reused): tile sums 2**30, 1, -2**30, 2**-20 (each
+    exact) accumulate in float32 in order, so the 1 is lost against 2**30 (half an ulp is 64) and the
+    result is 2**-20, not the exact 1 + 2**-20; equal to nkilib.mx.mx_matmul. Columns 1-2 flip the signs
+    and column 2 holds bf16 subnormals
+    at E8M0's smallest scale."""
+    k = 4 * 512
+    a = np.ones((2, k), np.float32)
+    b = np.zeros((k, 3), np.float32)
+    b[:512, 0], b[512:1024, 0], b[1024:1536, 0], b[1536:, 0] = 2.0 ** 21, 2.0 ** -9, -2.0 ** 21, 2.0 ** -29
+    b[:, 1] = -b[:, 0]
+    b[:512, 2], b[512:1024, 2], b[1024:1536, 2], b[1536:, 2] = 2.0 ** -130, 2.0 ** -133, -2.0 ** -130, 0.0
+    a, b = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    want = mx_matmul(quantize_mx(a, 1, "float8_e4m3fn"), quantize_mx(b, 0, "float8_e4m3fn"))
+    got = emu.contract_matmul(to_torch(a), to_torch(b)).numpy()
+    assert np.array_equal(bits(got), bits(want))
+    assert got[0, 0] == np.float32(2.0 ** -20) and got[0, 1] == -np.float32(2.0 ** -20)
+    assert got[0, 2] == np.float32(2.0 ** -124)  # bf16's smallest subnormal, E8M0's smallest scale
+
+
+def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32(quantizer):
     """amax = 1.9375 * 2**127 (neuron rule, e4m3fn): scale 2**120, quotient 248 is a tie between 240 and
     256 and rounds to the even code 256, i.e. 2**128: Inf in float32, finite (and exact) in float64;
     all other values agree between the two output dtypes."""
@@ -311,3 +344,78 @@ def test_quantize_dequantize_float64_keeps_codes_rounded_past_float32():
     assert int((~keep).sum()) == 1 and torch.equal(f32[keep].double(), f64[keep])
     with pytest.raises(ValueError, match="dtype"):
         emu.mx_quantize_dequantize(t, 1, dtype=torch.float16)
+
+
+def _compiled_quantizer_case(fmt: str, rule: str, transposed_float64: bool):
+    """Adversarial groups along axis 1 (and, if asked, along axis 0 with float64 output) through the
+    compiled fused quantizer: bit-equal to nkilib.mx."""
+    g = _adversarial_groups(fmt, rule, seed=3)
+    n = g.shape[0] - g.shape[0] % 4
+    x = g[:n].reshape(4, n // 4 * 32)
+    want = quantize_mx(x, 1, fmt, rule).dequantize()
+    previous = emu.set_fused_quantizer("compile")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a failed compile (eager fallback) fails the test
+            got = emu.mx_quantize_dequantize(torch.from_numpy(x), 1, fmt, "1x32", rule)
+            if transposed_float64:
+                got_t = emu.mx_quantize_dequantize(torch.from_numpy(x.T.copy()), 0, fmt, "1x32", rule,
+                                                   dtype=torch.float64)
+    finally:
+        emu.set_fused_quantizer(previous)
+    _assert_same_values(got.numpy(), want)
+    if transposed_float64:
+        want64 = quantize_mx(x, 1, fmt, rule).dequantize(dtype=np.float64).T
+        got64, nan = got_t.numpy(), np.isnan(want64)
+        assert np.array_equal(np.isnan(got64), nan)
+        assert np.array_equal(got64[~nan].view(np.int64), want64[~nan].view(np.int64))  # float64 bits
+
+
+_NO_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                             reason="torch.compile on CPU needs a C++ compiler (without one, 'auto' runs eager)")
+
+
+@_NO_CXX
+def test_compiled_quantizer_matches_nkilib_mx():
+    """The fused quantizer as torch.compile builds it (C++ on CPU) gives nkilib.mx's bits (one graph:
+    e4m3fn, "neuron", float32 out; every format, rule, axis 0 and float64: the slow test below)."""
+    _compiled_quantizer_case("float8_e4m3fn", "neuron", transposed_float64=False)
+
+
+@_NO_CXX
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("rule", ["neuron", "rceil", "ocp_floor"])
+def test_compiled_quantizer_matches_nkilib_mx_all_options(fmt, rule):
+    _compiled_quantizer_case(fmt, rule, transposed_float64=True)
+
+
+def test_fused_quantizer_modes_and_compile_fallback(monkeypatch):
+    """"auto" compiles only operands of FUSED_MIN_ELEMENTS or more; a torch.compile that fails warns
+    once and falls back to the eager quantizer (same bits); unknown modes are rejected by name."""
+    small = torch.zeros(4, 64)
+    monkeypatch.setitem(fused._fused_state, "mode", "auto")
+    monkeypatch.setitem(fused._fused_state, "failed", False)
+    monkeypatch.setitem(fused._fused_state, "verified", set())
+    assert fused.fused_quantizer_for(small) is None
+    monkeypatch.setattr(fused, "FUSED_MIN_ELEMENTS", small.numel())
+    assert fused.fused_quantizer_for(small) is fused.compiled_qdq
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setitem(fused._fused_state, "compiled", broken)
+    x = torch.from_numpy(_quant_data(5, 8, 128))
+    with pytest.warns(RuntimeWarning, match="torch.compile of the fused MX quantizer failed"):
+        got = emu.mx_quantize_dequantize(x, 1)
+    assert fused._fused_state["failed"] and fused.fused_quantizer_for(small) is None
+    _assert_same_values(got.numpy(), quantize_mx(x.numpy(), 1, "float8_e4m3fn").dequantize())
+    # compiled code that runs but gives other bits (e.g. a compiler flushing subnormals) is caught by the probe
+    monkeypatch.setitem(fused._fused_state, "failed", False)
+    monkeypatch.setitem(fused._fused_state, "verified", set())
+    monkeypatch.setitem(fused._fused_state, "compiled", lambda xv, *rest: fused.qdq_fused(xv * 0.75, *rest))
+    with pytest.warns(RuntimeWarning, match="differs from eager on the probe values"):
+        got = emu.mx_quantize_dequantize(x, 1)
+    _assert_same_values(got.numpy(), quantize_mx(x.numpy(), 1, "float8_e4m3fn").dequantize())
+    with pytest.raises(ValueError, match="mode"):
+        emu.set_fused_quantizer("fast")

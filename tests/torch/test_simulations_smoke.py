@@ -137,17 +137,21 @@ def test_profile_script_follows_the_documented_neuron_explorer_flow(tmp_path, mo
 
 
 def test_emulate_speed_script_times_and_checks(tmp_path, capsys):
-    """simulations/emulate_speed.py on a tiny shape: a row with positive times and consistent ratios,
-    the device-vs-CPU identity check (CPU vs CPU here: must hold), the JSON and the printed table."""
+    """simulations/emulate_speed.py --quick on the CPU: a row with positive times, consistent ratios and
+    a breakdown, the device-vs-CPU identity check (CPU vs CPU here, eager quantizer: must hold, and the
+    quantizer vs nkilib.mx on adversarial values), the JSON and the printed table."""
     out = tmp_path / "speed.json"
-    res = _load("emulate_speed").main(["--device", "cpu", "--shape", "64", "128", "96", "--repeats", "1",
-                                       "--warmup", "0", "--check", "--out", str(out)])
-    (row,) = res["rows"]
-    assert (row["S"], row["H"], row["I"]) == (64, 128, 96)
+    res = _load("emulate_speed").main(["--devices", "cpu", "--quick", "--warmup", "0", "--check", "--out", str(out)])
+    (run,) = res["runs"]
+    (row,) = run["rows"]
+    assert (row["S"], row["H"], row["I"]) == (128, 256, 192)
     for key in ("plain_bwd_ms", "emulate_bwd_ms", "plain_step_ms", "emulate_step_ms"):
         assert row[key] > 0, key
+    for key in ("quantize_ms", "quantize_eager_ms", "gemm_f64_ms", "gemm_plain_ms"):
+        assert row["breakdown"][key] > 0, key
     assert row["ratio_bwd"] == pytest.approx(row["emulate_bwd_ms"] / row["plain_bwd_ms"])
-    assert res["device_matches_cpu_bitwise"] is True
-    assert res["env"]["plain_dtype"] == "float32"
-    assert json.loads(out.read_text())["rows"][0]["S"] == 64
-    assert "plain bwd" in capsys.readouterr().out
+    assert run["device_matches_cpu_bitwise"] is True
+    assert run["env"]["plain_dtype"] == "float32" and run["env"]["quantizer"] == "auto"
+    assert json.loads(out.read_text())["runs"][0]["rows"][0]["S"] == 128
+    printed = capsys.readouterr().out
+    assert "plain bwd" in printed and "float64 GEMMs" in printed

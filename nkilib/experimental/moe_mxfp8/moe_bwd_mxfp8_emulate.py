@@ -60,7 +60,7 @@ def _fold_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, block_size: int, k_t
     for b0 in range(0, r + pad, block_size):
         for k0 in range(b0, b0 + block_size, k_tile):
             k1 = min(k0 + k_tile, b0 + block_size)
-            acc = acc + mm(lhs[k0:k1].t(), rhs[k0:k1])  # K = k1 - k0 tokens, M, N
+            acc.add_(mm(lhs[k0:k1].t(), rhs[k0:k1]))  # K = k1 - k0 tokens, M, N (a float32 add in place)
     return acc
 
 

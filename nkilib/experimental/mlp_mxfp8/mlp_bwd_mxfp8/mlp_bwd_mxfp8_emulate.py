@@ -44,9 +44,21 @@ The vectorised quantizer (``_quantize_dequantize``) changes no arithmetic, only 
     tests/torch/test_emulate_numerics.py checks all of this bit for bit against nkilib.mx on
     adversarial values (ties, saturation, subnormals, zero / NaN / Inf groups, strided inputs).
 
-Speed (simulations/emulate_speed.py): the per-tile exact sums are float64 GEMMs, which bounds the
-emulation from below by the float64 / plain-dtype GEMM throughput ratio (measured ~2.5x for float32
-on an AVX2 CPU, ~10x for bf16 on an H100); the quantizer adds ~15-30% on CPU.
+The fused quantizer (mlp_bwd_mxfp8_emulate_fused.py, selected by ``set_fused_quantizer``; "auto" by default) computes
+the same bits in float32 / int32 arithmetic without an fp8 dtype, so that torch.compile fuses it into one
+or two loops (C++ on CPU, Triton on CUDA). "auto" compiles it for operands of FUSED_MIN_ELEMENTS or more
+(small ones stay eager: no compile latency in tests), checks the compiled code once per device and option
+set against the eager formulation on adversarial probe values, and falls back to the
+eager quantizer, with a warning, if compiling fails or the bits differ.
+
+Speed (simulations/emulate_speed.py, README "Emulation speed"): the per-tile exact sums are float64 GEMMs,
+which bounds the emulation from below by the float64 / plain-dtype GEMM throughput ratio (measured
+2.2-2.7x float32 on an AVX2 CPU, ~10x bf16 on an H100). Why not float32 GEMMs: an e4m3 group spans
+2**-9..448 times its scale (18-bit integers in units of its smallest step), a product of two such values
+36 bits, a 512-term tile sum 45 bits plus the spread of the tile's 16 group scales; float32 keeps 24, so
+its sums round (measured: a float32 GEMM on the same dequantized operands differs from the exact
+result in 5-22% of the outputs of the four products), while float64's 53 bits hold them when the
+scales of one tile row span at most 8 binades.
 
 No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
 
@@ -67,6 +79,8 @@ from ....core import options
 from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
 from ....mx import SCALE_NAN_BYTE, SCALE_RULES, element_format, group_positions
 from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
+from .mlp_bwd_mxfp8_emulate_fused import (FUSED_QUANTIZER_MODES, f32_fraction_bits, fused_quantizer_for,  # noqa: F401
+                                          set_fused_quantizer)
 
 __all__ = [
     "FP8_DTYPES",
@@ -76,6 +90,8 @@ __all__ = [
     "mx_quantize_dequantize",
     "mx_quantize_rows",
     "mx_dequantize_rows",
+    "FUSED_QUANTIZER_MODES",
+    "set_fused_quantizer",
     "contract_matmul",
     "swiglu_activations",
     "recompute_projection",
@@ -192,7 +208,26 @@ def _encode_groups(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str):
 
 
 def _qdq_blocks(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
-    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out)."""
+    """Quantize-dequantize of the groups of `xv` whose members lie on axes `dims` (same shape out).
+
+    Runs the fused formulation (mlp_bwd_mxfp8_emulate_fused.qdq_fused, compiled) where
+    ``set_fused_quantizer`` selects it, else the eager one below (``_qdq_eager``); both give the same
+    bits (tests/torch/test_emulate_numerics.py).
+    """
+    fused = fused_quantizer_for(xv)
+    if fused is not None:
+        finfo = torch.finfo(FP8_DTYPES[fmt.name])
+        max_frac = f32_fraction_bits(float(fmt.max_normal))
+        out = fused(xv, dims, fmt.emax, fmt.mantissa_bits, int(math.log2(finfo.tiny)), float(fmt.max_normal),
+                    max_frac, scale_rule, out_dtype)
+        if out is not None:
+            return out
+    return _qdq_eager(xv, dims, fmt, scale_rule, out_dtype)
+
+
+def _qdq_eager(xv: torch.Tensor, dims: tuple, fmt, scale_rule: str, out_dtype) -> torch.Tensor:
+    """Eager quantize-dequantize (torch's fp8 cast in ``_encode_groups``, decode by table): few, memory-bound
+    passes."""
     codes, byte, _ = _encode_groups(xv, dims, fmt, scale_rule)
     deq = _decode(codes, fmt.name, out_dtype)  # exact upcast
     # codes * 2**kexp: exact (<= 4 significant bits, magnitude >= 2**-143 > float32's 2**-149), except that
@@ -323,15 +358,22 @@ def _tiled_sum(a64: torch.Tensor, b64: torch.Tensor, tile: int) -> torch.Tensor:
     """sum over K tiles of fp32(a[:, tile] @ b[tile, :] in float64), accumulated in float32 in order.
 
     The slices are strided views (row- or column-major operands alike): BLAS / cuBLAS read them in
-    place, so no operand is copied per tile.
+    place, so no operand is copied per tile. Every tile writes into the same float64 and float32
+    buffers: fresh [M, N] allocations per tile cost ~15% of the GEMM time on CPU (page faults, measured).
     """
-    k = a64.shape[1]
+    m, k, n = a64.shape[0], a64.shape[1], b64.shape[1]
+    if k <= tile:  # one tile (K == 0 cannot reach the kernel; it gives zeros)
+        return (a64 @ b64).to(torch.float32)  # K=k, M=M, N=N
+    tile_sum = torch.empty(m, n, dtype=a64.dtype, device=a64.device)
+    tile_f32 = torch.empty(m, n, dtype=torch.float32, device=a64.device)
     acc = None
     for k0 in range(0, k, tile):
-        part = (a64[:, k0:k0 + tile] @ b64[k0:k0 + tile, :]).to(torch.float32)  # K=tile, M=M, N=N
-        acc = part if acc is None else acc.add_(part)  # float32 + float32, rounded once: in order
-    if acc is None:  # K == 0 cannot reach the kernel; keep the shape for completeness
-        acc = torch.zeros(a64.shape[0], b64.shape[1], dtype=torch.float32, device=a64.device)
+        torch.matmul(a64[:, k0:k0 + tile], b64[k0:k0 + tile, :], out=tile_sum)  # K=tile, M=M, N=N
+        if acc is None:
+            acc = tile_sum.to(torch.float32)
+        else:
+            tile_f32.copy_(tile_sum)  # float64 -> float32 (RNE), then a float32 add: rounded once each, in order
+            acc.add_(tile_f32)
     return acc
 
 
