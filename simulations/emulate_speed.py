@@ -136,7 +136,7 @@ class Timer:
 
 def plain_forward(t: dict, dtype, requires_grad: bool):
     """(y, leaves) of the plain SwiGLU MLP in `dtype`."""
-    leaves = [t[k].to(dtype).requires_grad_(requires_grad) for k in ("x", "w_gu", "w_down")]
+    leaves = [t[k].to(dtype, copy=True).requires_grad_(requires_grad) for k in ("x", "w_gu", "w_down")]
     x, w_gu, w_down = leaves
     n_i = w_gu.shape[0] // 2
     h = x @ w_gu.t()  # K=H, M=S, N=2I
@@ -181,7 +181,8 @@ def measure(S: int, H: int, I: int, device: str, dtype, timer: Timer, seed: int)
         y.backward(dy_plain)
 
     def emu_bwd(_):
-        emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck)
+        with torch.no_grad():  # as inside the op's autograd backward
+            emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck)
 
     row = {}
     row["plain_bwd_ms"] = timer(plain_bwd, setup=lambda: plain_forward(t, dtype, True))

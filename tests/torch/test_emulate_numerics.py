@@ -325,6 +325,9 @@ def test_contract_matmul_tiles_round_then_accumulate_in_order():
     want = mx_matmul(quantize_mx(a, 1, "float8_e4m3fn"), quantize_mx(b, 0, "float8_e4m3fn"))
     got = emu.contract_matmul(to_torch(a), to_torch(b)).numpy()
     assert np.array_equal(bits(got), bits(want))
+    # operands that require grad take the unbuffered path (matmul's out= records no graph): same bits
+    with_grad = emu.contract_matmul(to_torch(a).requires_grad_(), to_torch(b).requires_grad_())
+    assert np.array_equal(bits(with_grad.detach().numpy()), bits(want))
     assert got[0, 0] == np.float32(2.0 ** -20) and got[0, 1] == -np.float32(2.0 ** -20)
     assert got[0, 2] == np.float32(2.0 ** -124)  # bf16's smallest subnormal, E8M0's smallest scale
 

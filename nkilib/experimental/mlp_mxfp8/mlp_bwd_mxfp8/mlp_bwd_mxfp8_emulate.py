@@ -364,6 +364,13 @@ def _tiled_sum(a64: torch.Tensor, b64: torch.Tensor, tile: int) -> torch.Tensor:
     m, k, n = a64.shape[0], a64.shape[1], b64.shape[1]
     if k <= tile:  # one tile (K == 0 cannot reach the kernel; it gives zeros)
         return (a64 @ b64).to(torch.float32)  # K=k, M=M, N=N
+    if torch.is_grad_enabled() and (a64.requires_grad or b64.requires_grad):
+        # differentiable callers get the same sums without the reused buffers (out= cannot record a graph)
+        acc = None
+        for k0 in range(0, k, tile):
+            part = (a64[:, k0:k0 + tile] @ b64[k0:k0 + tile, :]).to(torch.float32)  # K=tile, M=M, N=N
+            acc = part if acc is None else acc + part
+        return acc
     tile_sum = torch.empty(m, n, dtype=a64.dtype, device=a64.device)
     tile_f32 = torch.empty(m, n, dtype=torch.float32, device=a64.device)
     acc = None
