@@ -138,7 +138,7 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 
     monkeypatch.setattr(K, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    monkeypatch.setattr(K, "WEIGHT_GRAD_ACC_BUDGET_BYTES", 0)
+    monkeypatch.setattr(K, "WEIGHT_GRAD_PSUM_TILES", 1)
     T, E, k, H, I = 40, 2, 1, 160, 64
     kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=29, checkpoints=("gate_pre", "up"))
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "small budgets vs mx_exact")

@@ -31,6 +31,7 @@ ROW_SPLIT_UNIT = 32
 #: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above
 #: it the panels are loaded per block inside the loop.
 RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
-#: SBUF bytes per partition of the fp32 weight-gradient accumulators of one pass over an expert's
-#: blocks; larger outputs take several passes (each re-reads the blocks).
-WEIGHT_GRAD_ACC_BUDGET_BYTES = 64 * 1024
+#: Weight-gradient output tiles ([128, MOE_N_TILE] fp32, one PSUM bank each) accumulated together across
+#: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
+#: blocks' rows of its tiles).
+WEIGHT_GRAD_PSUM_TILES = 8

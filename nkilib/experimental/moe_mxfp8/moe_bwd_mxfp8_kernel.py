@@ -61,13 +61,13 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
-from ...core.matmul import (CoreSplit, TensorDescriptor, k_tiles, load_panel, matmul_panels,
-                            panel_bytes_per_partition, panel_from_row_loader, panel_from_rows, single_k_tile)
+from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_panels, panel_bytes_per_partition,
+                            panel_columns, panel_from_row_loader, panel_from_rows)
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
-                        RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_ACC_BUDGET_BYTES)
+                        RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -123,6 +123,53 @@ class MoeContext(nl.NKIObject):
         """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""
         F = scratch.shape[2]
         return scratch.ap([[step * F, count], [1, f_size]], offset=r0 * F + f0, scalar_offset=i, indirect_dim=0)
+
+
+class ExpertLoops(nl.NKIObject):
+    """Run-time loop bounds of every expert, derived once from expert_block_offsets on chip.
+
+    Dimensions:
+        offsets [E+1] int32 (HBM) -> SBUF [1, E+1]; first [1, E] = min(offsets[e] + 1, offsets[e+1]) (end of
+        the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
+        unused [1, E] = 1 - used.
+    The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
+    slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
+    loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
+    < 2^24, exact in VectorE's fp32 arithmetic.
+    """
+
+    def __init__(self, offsets, E):
+        self.E = E
+        offs = nl.ndarray((1, E + 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=offs, src=offsets.reshape((1, E + 1)))
+        self.offs = offs
+        self.first = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.first, data=offs[:, 0:E], op0=nl.add, operand0=1.0)
+        nisa.tensor_tensor(dst=self.first, data1=self.first, data2=offs[:, 1:E + 1], op=nl.minimum)
+        self.used = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.used, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
+        nisa.tensor_scalar(dst=self.used, data=self.used, op0=nl.minimum, operand0=1.0)
+        self.unused = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.unused, data=self.used, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                           operand1=1.0)
+
+    @staticmethod
+    def _reg(tile, e):
+        r = nisa.register_alloc()
+        nisa.register_load(r, tile[0:1, e:e + 1])
+        return r
+
+    def bounds(self, e):
+        """Registers (lo, first, hi): expert e's blocks are [lo, hi), its first block [lo, first)."""
+        return self._reg(self.offs, e), self._reg(self.first, e), self._reg(self.offs, e + 1)
+
+    def if_used(self, e, body):
+        """body() once when expert e has blocks, else never (a 0/1-trip run-time loop)."""
+        nl.fori_loop(0, self._reg(self.used, e), lambda _: body())
+
+    def if_unused(self, e, body):
+        """body() once when expert e has no blocks."""
+        nl.fori_loop(0, self._reg(self.unused, e), lambda _: body())
 
 
 class ExpertPanels(nl.NKIObject):
@@ -191,10 +238,16 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
         f_pad = ctx.f_pad(m)
-        dy_panel = panel_from_rows(_gathered_natural(ctx, ctx.dy, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
+        dy_nat = _gathered_natural(ctx, ctx.dy, ids, m, H)
+        x_nat = _gathered_natural(ctx, ctx.x, ids, m, H)
+        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
+        # padding rows are the zeroed rows of the gathered tiles
+        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+        dy_panel = panel_from_rows(dy_nat[:m, :], m, H, f_pad, ctx.setup)
         x_panel = None
         if w_gate != None or w_up != None:  # noqa: E711
-            x_panel = panel_from_rows(_gathered_natural(ctx, ctx.x, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
+            x_panel = panel_from_rows(x_nat[:m, :], m, H, f_pad, ctx.setup)
         p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=p, value=0.0)
         ctx.gather(p, ctx.weights, slots, 0, 1)
@@ -267,57 +320,54 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
         nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
         f_pad = ctx.f_pad(m)
         panel = panel_from_rows(nat[:m, :], m, two_i, f_pad, ctx.setup)
+        # this core's H columns of the chunk's rows, scattered in one read-modify-write (one descriptor per row)
+        h_lo = w_gu.tiles[0][0]
+        width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
+        part = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         for j, (h0, hsz) in enumerate(w_gu.tiles):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
             matmul_panels(acc[:f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
-            part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=part[:m, :hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
-            rows = ctx.dx.ap([[ctx.H, m], [1, hsz]], offset=h0, vector_offset=ids, indirect_dim=0)
-            nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :hsz]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+            engine = nisa.engine.scalar if j % 2 == 0 else nisa.engine.vector
+            nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
+        rows = ctx.dx.ap([[ctx.H, m], [1, width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Pass C: per-expert weight gradients, K = tokens, folded over the expert's blocks in fp32
 # ---------------------------------------------------------------------------------------------------
 class BlockRowSource(nl.NKIObject):
-    """A K = tokens operand of block i: rows of a [N, B, F] scratch (`scratch`), or token rows gathered
-    from a [T, F] tensor (`table` with the block's token ids). rows(i, f0, f_size) -> a load_rows callable
-    for panel_from_row_loader."""
+    """A K = tokens operand of block i: rows of a [N, B, F] block-ordered scratch written by pass A.
+    rows(i, f0, f_size) -> a load_rows callable for panel_from_row_loader (plain DMAs, no gather)."""
 
-    def __init__(self, ctx, scratch=None, table=None):
-        self.ctx, self.scratch, self.table = ctx, scratch, table
-        self.gathered = table != None  # noqa: E711
-        self.f_total = table.shape[1] if self.gathered else scratch.shape[2]
+    def __init__(self, ctx, scratch):
+        self.ctx, self.scratch = ctx, scratch
 
-    def rows(self, i, f0, f_size, index_cache):
-        ctx, scratch, table = self.ctx, self.scratch, self.table
+    def rows(self, i, f0, f_size):
+        ctx, scratch = self.ctx, self.scratch
 
         def load_rows(dst, first, step, count):
-            if table == None:  # noqa: E711
-                nisa.dma_copy(dst=dst, src=ctx.block_rows(scratch, i, first, count, step, f0, f_size))
-                return
-            key = (first, step, count)
-            if key not in index_cache[0]:
-                index_cache[0].append(key)
-                index_cache[1].append(ctx.positions(ctx.ids2d, i, first, step, count))
-            ctx.gather(dst, table, index_cache[1][index_cache[0].index(key)], f0, f_size)
+            nisa.dma_copy(dst=dst, src=ctx.block_rows(scratch, i, first, count, step, f0, f_size))
 
         return load_rows
 
 
 def _tile_groups(ctx, m_total, n_total):
-    """This core's output tiles of an [M, N] weight gradient in groups whose fp32 accumulators fit
-    WEIGHT_GRAD_ACC_BUDGET_BYTES; the group count is core 0's (the larger share), so both cores run the
-    same number of block loops (a core with fewer tiles runs empty groups)."""
-    per_group = max(1, WEIGHT_GRAD_ACC_BUDGET_BYTES // (MOE_N_TILE * 4))
+    """This core's output tiles of an [M, N] weight gradient in groups of at most WEIGHT_GRAD_PSUM_TILES
+    (their fp32 accumulators stay in PSUM across the expert's block loop). A group is a run of m tiles
+    under one n tile: its stationary rows are one wide load (long DMA runs), sliced per tile. Returns
+    [(n block, [m blocks])]; the group count is core 0's (the larger share), so both cores run the same
+    number of block loops (a core with fewer tiles runs empty groups)."""
 
-    def tiles_of(split):
+    def groups_of(split):
         (m_lo, m_hi), (n_lo, n_hi) = split.ranges(m_total, n_total)
-        return [(mb, nb) for mb in _blocks(m_lo, m_hi, PARTITIONS) for nb in _blocks(n_lo, n_hi, MOE_N_TILE)]
+        m_blocks = _blocks(m_lo, m_hi, PARTITIONS)
+        return [(nb, m_blocks[g:g + WEIGHT_GRAD_PSUM_TILES]) for nb in _blocks(n_lo, n_hi, MOE_N_TILE)
+                for g in range(0, len(m_blocks), WEIGHT_GRAD_PSUM_TILES)]
 
-    mine = tiles_of(ctx.split)
-    groups = max(1, ceil_div(len(tiles_of(CoreSplit(ctx.split.num_cores, 0))), per_group))
-    return [mine[g * per_group:(g + 1) * per_group] for g in range(groups)]
+    mine = groups_of(ctx.split)
+    count = len(groups_of(CoreSplit(ctx.split.num_cores, 0)))
+    return mine + [((0, 0), [])] * (count - len(mine))
 
 
 def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype):
@@ -325,46 +375,48 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
 
     Dimensions:
         lhs, rhs: BlockRowSource of F = M and F = N; out: [E, M, N] in wg_dtype (shared HBM).
-        dW_gu: lhs = d_gate_up (scratch, F=2I), rhs = X (gathered, F=H); dW_down: lhs = dY (gathered,
-        F=H), rhs = hs (scratch, F=I).
-    Each block's K tiles (MXFP8: the whole block, B <= 512; BF16: 128 rows) are multiplied separately and
-    added to the fp32 SBUF accumulator in order: acc = fp32(acc + mm(tile)) from +0, as the reference.
+        dW_gu: lhs = d_gate_up (F=2I), rhs = X (F=H); dW_down: lhs = dY (F=H), rhs = hs (F=I); all four
+        block-ordered scratch rows written by pass A (padding rows zero).
+    Runs inside the expert's "has blocks" loop (ExpertLoops.if_used). Per group of output tiles, the fp32
+    accumulators stay in PSUM across the block loop: the first block's matmul overwrites (a peeled loop
+    of 0 or 1 trip, [lo, first)), every later block's adds ([first, hi)); each block's K tiles (MXFP8: the
+    whole block, B <= 512; BF16: 128 rows) add in order, so acc = fp32(acc + mm(tile)) as the reference.
+    The eviction adds +0.0 (fp32): the reference's sum starts from +0, so a first product of -0 must
+    leave +0 (x + 0.0 == x otherwise).
     """
     setup, B = ctx.setup, ctx.B
-    n_k = len(k_tiles(B, setup))
-    for group in _tile_groups(ctx, m_total, n_total):
-        accs = []
-        for (m0, msz), (n0, nsz) in group:
-            acc = nl.ndarray((PARTITIONS, nsz), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=acc[:msz, :], value=0.0)
-            accs.append(acc)
-        m_blocks, n_blocks = [], []
-        for mb, nb in group:
-            if mb not in m_blocks:
-                m_blocks.append(mb)
-            if nb not in n_blocks:
-                n_blocks.append(nb)
-        lo, hi = ctx.expert_bounds(e)
+    lo, first, hi = ctx.loops.bounds(e)
+    for g, ((n0, nsz), m_blocks) in enumerate(_tile_groups(ctx, m_total, n_total)):
+        accs = [nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in m_blocks]
 
-        def body(i, group=group, accs=accs, m_blocks=m_blocks, n_blocks=n_blocks):
-            cache_l, cache_r = ([], []), ([], [])
-            lp = [panel_from_row_loader(lhs.rows(i, m0, msz, cache_l), B, msz, ctx.f_pad(msz), setup, lhs.gathered)
-                  for m0, msz in m_blocks]
-            rp = [panel_from_row_loader(rhs.rows(i, n0, nsz, cache_r), B, nsz, nsz, setup, rhs.gathered)
-                  for n0, nsz in n_blocks]
-            for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
-                a, b = lp[m_blocks.index((m0, msz))], rp[n_blocks.index((n0, nsz))]
-                for t in range(n_k):
-                    part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    # K=one K tile of the block's tokens, M=msz, N=nsz
-                    matmul_panels(part[:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), setup)
-                    nisa.tensor_tensor(dst=acc[:msz, :], data1=acc[:msz, :], data2=part[:msz, :nsz], op=nl.add)
+        def body(i, accumulate, n0=n0, nsz=nsz, m_blocks=m_blocks, accs=accs):
+            if not m_blocks:
+                return
+            m_lo, m_hi = m_blocks[0][0], m_blocks[-1][0] + m_blocks[-1][1]
+            wide = panel_from_row_loader(lhs.rows(i, m_lo, m_hi - m_lo), B, m_hi - m_lo, m_hi - m_lo, setup)
+            b = panel_from_row_loader(rhs.rows(i, n0, nsz), B, nsz, nsz, setup)
+            for (m0, msz), acc in zip(m_blocks, accs):
+                a = panel_columns(wide, m0 - m_lo, ctx.f_pad(msz))
+                # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
+                matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, accumulate=accumulate)
 
-        nl.fori_loop(lo, hi, body)
-        for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
-            res = nl.ndarray((PARTITIONS, nsz), dtype=wg_dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=res[:msz, :], src=acc[:msz, :], engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :])
+        nl.fori_loop(lo, first, lambda i, body=body: body(i, False))
+        nl.fori_loop(first, hi, lambda i, body=body: body(i, True))
+        for j, ((m0, msz), acc) in enumerate(zip(m_blocks, accs)):
+            res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
+            engine = nisa.engine.scalar if (g + j) % 2 == 0 else nisa.engine.vector
+            nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
+            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+        accs = acc = body = None  # drop the group's PSUM before the next group allocates its own
+
+
+def store_zero_expert_grads(ctx, e, zeros):
+    """Expert e has no blocks (runs inside ExpertLoops.if_unused): its weight gradients are +0 (the
+    reference's empty sum), stored from the zeroed SBUF tile `zeros` [128, MOE_N_TILE] (this core's tiles)."""
+    for out, m_total, n_total in ((ctx.d_gate_up_weight, 2 * ctx.I, ctx.H), (ctx.d_down_weight, ctx.H, ctx.I)):
+        for (n0, nsz), m_blocks in _tile_groups(ctx, m_total, n_total):
+            for m0, msz in m_blocks:
+                nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=zeros[:msz, :nsz])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,31 +438,46 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nisa.dma_copy(dst=ctx.dx[t0:t0 + tsz, h_lo:h_hi], src=zeros[:tsz, :])
     i_tiles = _blocks(0, I, PHASE1_N_TILE)
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
-    # ---- pass A ----
-    for e in range(E):
+    ctx.loops = ExpertLoops(ctx.offsets, E)
+
+    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
+    def pass_a(e):
         w_down = ExpertPanels(TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H), i_tiles, setup)
         w_gate = w_up = None
         if ctx.gate_pre == None:  # noqa: E711
             w_gate = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I), i_tiles, setup)
         if ctx.up == None:  # noqa: E711
             w_up = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I), i_tiles, setup)
-        b_lo, b_hi = ctx.expert_bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i, e=e, wd=w_down, wg=w_gate, wu=w_up:
-                     compute_phase1_block_grads_mxfp8(ctx, e, i, wd, wg, wu))
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
+
+    for e in range(E):
+        ctx.loops.if_used(e, lambda e=e: pass_a(e))
     if split.num_cores > 1:
         nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # passes B and C read both cores' scratch rows
     # ---- pass B ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
-    for e in range(E):
+
+    def pass_b(e):
         w_gu = ExpertPanels(TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I), h_tiles, setup)
-        b_lo, b_hi = ctx.expert_bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i, e=e, w=w_gu: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w))
-    # ---- pass C ----
-    d_gu_src, x_src = BlockRowSource(ctx, scratch=ctx.d_gu), BlockRowSource(ctx, table=ctx.x)
-    dy_src, hs_src = BlockRowSource(ctx, table=ctx.dy), BlockRowSource(ctx, scratch=ctx.hs)
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
+
     for e in range(E):
+        ctx.loops.if_used(e, lambda e=e: pass_b(e))
+    # ---- pass C (an expert without blocks stores zeros) ----
+    d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
+    dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
+    zeros = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+
+    def pass_c(e):
         compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H, wg_dtype)
         compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_down_weight, dy_src, hs_src, H, I, wg_dtype)
+
+    for e in range(E):
+        ctx.loops.if_used(e, lambda e=e: pass_c(e))
+        ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -506,6 +573,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         None if c is None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))
     ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
+    ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
+    ctx.x_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_x_blocks")
     dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
     d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
     ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))
