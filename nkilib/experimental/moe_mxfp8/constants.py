@@ -24,6 +24,9 @@ from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401
 #: Columns of I per phase-1 output tile: one fp32 PSUM bank, and the routing-gradient partial sums'
 #: tile (each phase-1 tile is exactly one ROUTING_GRAD_TILE, so the fold order is the reference's).
 PHASE1_N_TILE = ROUTING_GRAD_TILE
+#: Rows of a block whose pass-A state stays on chip together (chunks of 128): the I tiles loop outside
+#: them, so a weight tile that does not stay resident is loaded once per group of rows.
+PHASE1_ROW_GROUP = 256
 #: Columns of H per dX tile and per weight-gradient output tile (one fp32 PSUM bank).
 MOE_N_TILE = 512
 #: LNC2 splits a block's rows in units of this many tokens (even M for nc_matmul_mx).

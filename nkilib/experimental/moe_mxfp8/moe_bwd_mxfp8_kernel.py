@@ -67,7 +67,8 @@ from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forwa
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
-                        RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES)
+                        PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
+                        WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -220,6 +221,57 @@ def _projection_tile(ckpt_tile, psum, m, n0, nsz):
     return tile[:m, :nsz]
 
 
+class RowChunk(nl.NKIObject):
+    """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A: gathered inputs,
+    their K=H panels, and the epilogue's outputs until they are stored."""
+
+    def __init__(self, ctx, i, r0, m, recompute):
+        I, H = ctx.I, ctx.H
+        self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
+        self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
+        x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
+        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
+        # padding rows are the zeroed rows of the gathered tiles
+        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+        self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
+        self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
+        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.p, value=0.0)
+        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m)
+                      for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
+        self.d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+
+    def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
+        """I tile j ([n0, n0+nsz)) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
+        I, m = ctx.I, self.m
+        g_ck, a_ck, u_ck, h_ck = self.ckpts
+        gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
+        up = _projection_tile(u_ck, u_psum, m, n0, nsz)
+        act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
+        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
+        h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
+        _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
+        # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
+        dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p)
+        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz])
+        # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
+        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p)
+
+    def store(self, ctx, i):
+        m, r0 = self.m, self.r0
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * ctx.I), src=self.d_gu[:m, :])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, ctx.I), src=self.hs[:m, :])
+        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
+
+
 def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
     """Phases 0-1 of block i (expert e) for this core's rows: d_gate_up and hs rows to the scratch,
     d_topk_weights of the block's slots.
@@ -228,60 +280,36 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
         dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
         recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
         outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i), d_w [m] (by slot).
+    Rows go in groups of up to PHASE1_ROW_GROUP (chunks of 128): the I tiles are the outer loop inside a
+    group, so a weight tile that is not resident is loaded once per group, not once per chunk. Per row the
+    epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference).
 
     Args:
         ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels
             (w_gate / w_up None when gate_pre / up are given).
     """
-    I, H = ctx.I, ctx.H
-    for r0, m in _blocks(ctx.row_lo, ctx.row_hi, PARTITIONS):
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-        f_pad = ctx.f_pad(m)
-        dy_nat = _gathered_natural(ctx, ctx.dy, ids, m, H)
-        x_nat = _gathered_natural(ctx, ctx.x, ids, m, H)
-        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
-        # padding rows are the zeroed rows of the gathered tiles
-        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
-        dy_panel = panel_from_rows(dy_nat[:m, :], m, H, f_pad, ctx.setup)
-        x_panel = None
-        if w_gate != None or w_up != None:  # noqa: E711
-            x_panel = panel_from_rows(x_nat[:m, :], m, H, f_pad, ctx.setup)
-        p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=p, value=0.0)
-        ctx.gather(p, ctx.weights, slots, 0, 1)
-        g_ck, a_ck, u_ck, h_ck = (_gathered_checkpoint(ctx, c, slots, m)
-                                  for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
-        d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        for j, (n0, nsz) in enumerate(_blocks(0, I, PHASE1_N_TILE)):
-            d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(d_i[:f_pad, :nsz], dy_panel, w_down.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            g_psum = u_psum = None
-            if w_gate != None:  # noqa: E711
-                g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(g_psum[:f_pad, :nsz], x_panel, w_gate.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            if w_up != None:  # noqa: E711
-                u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(u_psum[:f_pad, :nsz], x_panel, w_up.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
-            up = _projection_tile(u_ck, u_psum, m, n0, nsz)
-            act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
-            terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
-            h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
-            _routing_grad_tile(d_i[:m, :nsz], h, d_w, j, m, nsz)
-            # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
-            dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=p)
-            swiglu_backward_tile(dh[:m, :nsz], terms, d_gu[:m, n0:n0 + nsz], d_gu[:m, I + n0:I + n0 + nsz])
-            # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-            nisa.tensor_scalar(dst=hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=p)
-        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=d_gu[:m, :])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, I), src=hs[:m, :])
-        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
-        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+    recompute = w_gate != None or w_up != None  # noqa: E711
+    for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
+        chunks = [RowChunk(ctx, i, r0, m, recompute) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
+        for j, (n0, nsz) in enumerate(_blocks(0, ctx.I, PHASE1_N_TILE)):
+            wd = w_down.get(j)
+            wg = w_gate.get(j) if w_gate != None else None  # noqa: E711
+            wu = w_up.get(j) if w_up != None else None  # noqa: E711
+            for c in chunks:
+                d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
+                g_psum = u_psum = None
+                if wg != None:  # noqa: E711
+                    g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(g_psum[:c.f_pad, :nsz], c.x_panel, wg, ctx.setup)  # K=H, M=m, N=nsz
+                if wu != None:  # noqa: E711
+                    u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
+                c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
+            wd = wg = wu = None
+        for c in chunks:
+            c.store(ctx, i)
+        chunks = c = None
 
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
@@ -305,31 +333,39 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
 
     Dimensions:
         d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
-        ExpertPanels over this core's H tiles) -> part [m, nsz] bf16 -> dma_compute scatter-add into
+        ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
         dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+    The H tiles are the outer loop (every chunk's d_gate_up panel stays on chip), so a weight tile that is
+    not resident is loaded once per block; each chunk's H_c columns go out in one read-modify-write (one
+    descriptor per row).
     """
+    if not w_gu.tiles:
+        return
     two_i = 2 * ctx.I
+    width = ctx.k_width(two_i)
+    h_lo = w_gu.tiles[0][0]
+    h_width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
+    chunks = []
     for r0, m in _blocks(0, ctx.B, PARTITIONS):
-        if not w_gu.tiles:
-            continue
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        width = ctx.k_width(two_i)
         nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         if width > two_i:
             nisa.memset(dst=nat[:m, two_i:], value=0.0)
         nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
-        f_pad = ctx.f_pad(m)
-        panel = panel_from_rows(nat[:m, :], m, two_i, f_pad, ctx.setup)
-        # this core's H columns of the chunk's rows, scattered in one read-modify-write (one descriptor per row)
-        h_lo = w_gu.tiles[0][0]
-        width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
-        part = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        for j, (h0, hsz) in enumerate(w_gu.tiles):
+        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+        chunks.append((r0, m, panel, part))
+        nat = None
+    for j, (h0, hsz) in enumerate(w_gu.tiles):
+        w = w_gu.get(j)
+        for c, (r0, m, panel, part) in enumerate(chunks):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(acc[:f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
-            engine = nisa.engine.scalar if j % 2 == 0 else nisa.engine.vector
+            matmul_panels(acc[:panel.f_pad, :hsz], panel, w, ctx.setup)  # K=2I, M=m, N=hsz
+            engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
             nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
-        rows = ctx.dx.ap([[ctx.H, m], [1, width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        w = None
+    for r0, m, panel, part in chunks:
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
         nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
