@@ -14,19 +14,22 @@ and dX contributions are scatter-added back to token rows by dma_compute (a read
 fp32, one bf16 rounding) -- no permute / unpermute pass over HBM.
 
 Passes (reference.moe_backward_reference's order; docs/moe.md):
-    A  compute_phase1_block_grads_mxfp8, per block: gather dY (and X for a recompute, and the given
-       checkpoints by slot); dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up
-       (K=H); epilogue: the routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI,
-       the dense kernel's SwiGLU derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up and hs
-       rows go to HBM scratch in block-position order, d_topk_weights is scattered by slot.
+    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot);
+       dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up (K=H); epilogue: the
+       routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
+       derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
+       to HBM scratch in block-position order (pass C then reads its K = tokens operands by plain DMA,
+       never gathering a row twice), d_topk_weights is scattered by slot.
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference).
     C  compute_phase3_expert_weight_grads_mxfp8, per expert: dW_gu[e] = sum_b d_gate_up_bᵀ X_b and
        dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
        B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
-       an fp32 SBUF accumulator (the fori_loop page: "carry any other loop state through SBUF/HBM",
-       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.fori_loop.html),
-       stored once; an empty expert's accumulator stays +0, so its gradients are exact zeros.
+       PSUM (groups of WEIGHT_GRAD_PSUM_TILES output tiles; the first block overwrites, later blocks add:
+       the same fp32 sums as the reference) and stored once.
+An expert without tokens runs none of A-C: every expert's work sits in a 0/1-trip run-time loop
+(ExpertLoops.if_used: no weight load, no quantization), and a second one (if_unused) stores its zero
+weight gradients (+0, exactly the reference's empty sum).
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
 bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
@@ -39,17 +42,9 @@ the work is split on free dimensions:
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
 Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
 byte is written by two cores, so no race is possible. The number of accumulator groups in pass C (each
-a loop) is derived from core 0's (larger) share, so both cores enter the same loops.
-
-Performance notes (not modeled yet: the cost model prices shape-only traces, and a shape-only run cannot
-register_load the routing). Under LNC2 a core's share of a B = 128 block is 64 rows, half the PE array's
-stationary width in pass A: use B >= 256 with LNC2. Every expert's weight panels are loaded once per pass
-even when the expert is empty (there is no run-time branch; a zero-trip loop skips only the block work).
-Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
-Pass C adds each block's product into the fp32 SBUF accumulator on VectorE: with one MX K tile per block
-that [128, 512] add costs about as much as the matmul, so pass C is likely VectorE-bound at B = 128-256 (a
-PSUM-resident accumulator across loop iterations would remove it, but the fori_loop page says to carry
-loop state through SBUF/HBM).
+a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
+LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
+(docs/moe.md, section 5, says why the rows and not I are split).
 
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.
@@ -68,7 +63,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        WEIGHT_GRAD_PSUM_TILES)
+                        SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -132,7 +127,8 @@ class ExpertLoops(nl.NKIObject):
     Dimensions:
         offsets [E+1] int32 (HBM) -> SBUF [1, E+1]; first [1, E] = min(offsets[e] + 1, offsets[e+1]) (end of
         the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
-        unused [1, E] = 1 - used.
+        unused [1, E] = 1 - used; multi [1, E] = min(max(blocks_e - 1, 0), 1); single = used - multi;
+        single_end = offsets[e] + single.
     The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
     slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
     loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
@@ -153,6 +149,16 @@ class ExpertLoops(nl.NKIObject):
         self.unused = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=self.unused, data=self.used, op0=nl.multiply, operand0=-1.0, op1=nl.add,
                            operand1=1.0)
+        # multi = min(max(blocks_e - 1, 0), 1) (two or more blocks), single = used - multi (exactly one)
+        self.multi = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.multi, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
+        nisa.tensor_scalar(dst=self.multi, data=self.multi, op0=nl.add, operand0=-1.0, op1=nl.maximum,
+                           operand1=0.0)
+        nisa.tensor_scalar(dst=self.multi, data=self.multi, op0=nl.minimum, operand0=1.0)
+        self.single = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.single, data1=self.used, data2=self.multi, op=nl.subtract)
+        self.single_end = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.single_end, data1=offs[:, 0:E], data2=self.single, op=nl.add)
 
     @staticmethod
     def _reg(tile, e):
@@ -171,6 +177,15 @@ class ExpertLoops(nl.NKIObject):
     def if_unused(self, e, body):
         """body() once when expert e has no blocks."""
         nl.fori_loop(0, self._reg(self.unused, e), lambda _: body())
+
+    def if_single(self, e, body):
+        """body(i) once, i = the register of expert e's block, when it has exactly one block
+        (loop [offsets[e], offsets[e] + single))."""
+        nl.fori_loop(self._reg(self.offs, e), self._reg(self.single_end, e), body)
+
+    def if_multi(self, e, body):
+        """body() once when expert e has two or more blocks."""
+        nl.fori_loop(0, self._reg(self.multi, e), lambda _: body())
 
 
 class ExpertPanels(nl.NKIObject):
@@ -413,7 +428,7 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
         lhs, rhs: BlockRowSource of F = M and F = N; out: [E, M, N] in wg_dtype (shared HBM).
         dW_gu: lhs = d_gate_up (F=2I), rhs = X (F=H); dW_down: lhs = dY (F=H), rhs = hs (F=I); all four
         block-ordered scratch rows written by pass A (padding rows zero).
-    Runs inside the expert's "has blocks" loop (ExpertLoops.if_used). Per group of output tiles, the fp32
+    Runs inside the expert's "two or more blocks" loop (ExpertLoops.if_multi). Per group of output tiles, the fp32
     accumulators stay in PSUM across the block loop: the first block's matmul overwrites (a peeled loop
     of 0 or 1 trip, [lo, first)), every later block's adds ([first, hi)); each block's K tiles (MXFP8: the
     whole block, B <= 512; BF16: 128 rows) add in order, so acc = fp32(acc + mm(tile)) as the reference.
@@ -444,6 +459,49 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
             nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
             nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
         accs = acc = body = None  # drop the group's PSUM before the next group allocates its own
+
+
+def _row_panels(ctx, src, i, lo, hi):
+    """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
+    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs)."""
+    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup))
+            for c0, csz in _blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)]
+
+
+def _columns(pieces, f0, width):
+    """Columns [f0, f0 + width) of the pieces of _row_panels (a tile never straddles two pieces)."""
+    for c0, panel in pieces:
+        if c0 <= f0 < c0 + panel.f_pad:
+            return panel_columns(panel, f0 - c0, width)
+    return None
+
+
+def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype):
+    """out[e] = wg(lhs_iᵀ @ rhs_i) for an expert whose only block is i (ExpertLoops.if_single): both
+    operands of this core's tiles are loaded and quantized once, then every output tile is one matmul
+    (K = the block), evicted with +0.0 (the reference's sum from +0) and stored -- no re-read of the
+    block per tile group (compute_phase3_expert_weight_grads_mxfp8's price for accumulating in PSUM).
+
+    Dimensions: as compute_phase3_expert_weight_grads_mxfp8.
+    """
+    (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
+    if m_lo >= m_hi or n_lo >= n_hi:
+        return
+    a_pieces = _row_panels(ctx, lhs, i, m_lo, m_hi)
+    b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi)
+    t = 0
+    for m0, msz in _blocks(m_lo, m_hi, PARTITIONS):
+        a = _columns(a_pieces, m0, ctx.f_pad(msz))
+        for n0, nsz in _blocks(n_lo, n_hi, MOE_N_TILE):
+            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
+            # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
+            matmul_panels(acc[:a.f_pad, :nsz], a, _columns(b_pieces, n0, nsz), ctx.setup)
+            res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
+            engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
+            nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
+            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+            t += 1
+            acc = res = None
 
 
 def store_zero_expert_grads(ctx, e, zeros):
@@ -507,12 +565,19 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     zeros = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
 
-    def pass_c(e):
-        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H, wg_dtype)
-        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_down_weight, dy_src, hs_src, H, I, wg_dtype)
+    grads = ((ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H), (ctx.d_down_weight, dy_src, hs_src, H, I))
+
+    def pass_c_single(e, i):
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype)
+
+    def pass_c_multi(e):
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
 
     for e in range(E):
-        ctx.loops.if_used(e, lambda e=e: pass_c(e))
+        ctx.loops.if_single(e, lambda i, e=e: pass_c_single(e, i))
+        ctx.loops.if_multi(e, lambda e=e: pass_c_multi(e))
         ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
 
 
