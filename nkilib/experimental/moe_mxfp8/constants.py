@@ -39,5 +39,5 @@ RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
 #: blocks' rows of its tiles).
 WEIGHT_GRAD_PSUM_TILES = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
-#: tiles): 4 KiB bf16 DMA runs, and a [128, 4, 2048] bf16 staging tile (16 KiB per partition).
-SINGLE_BLOCK_LOAD_WIDTH = 2048
+#: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
+SINGLE_BLOCK_LOAD_WIDTH = 1024

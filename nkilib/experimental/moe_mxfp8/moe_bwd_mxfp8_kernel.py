@@ -478,7 +478,8 @@ def _columns(pieces, f0, width):
 
 def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype):
     """out[e] = wg(lhs_iᵀ @ rhs_i) for an expert whose only block is i (ExpertLoops.if_single): both
-    operands of this core's tiles are loaded and quantized once, then every output tile is one matmul
+    operands of this core's tiles are loaded and quantized once (the moving one whole, the stationary one
+    piece by piece in an m-major sweep), then every output tile is one matmul
     (K = the block), evicted with +0.0 (the reference's sum from +0) and stored -- no re-read of the
     block per tile group (compute_phase3_expert_weight_grads_mxfp8's price for accumulating in PSUM).
 
@@ -487,10 +488,14 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     if m_lo >= m_hi or n_lo >= n_hi:
         return
-    a_pieces = _row_panels(ctx, lhs, i, m_lo, m_hi)
     b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi)
     t = 0
+    a_pieces = []
     for m0, msz in _blocks(m_lo, m_hi, PARTITIONS):
+        if _columns(a_pieces, m0, ctx.f_pad(msz)) == None:  # noqa: E711
+            # the next piece of stationary columns; the previous one is dropped (m-major sweep)
+            a_pieces = None
+            a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH))
         a = _columns(a_pieces, m0, ctx.f_pad(msz))
         for n0, nsz in _blocks(n_lo, n_hi, MOE_N_TILE):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
