@@ -41,3 +41,7 @@ WEIGHT_GRAD_PSUM_TILES = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
 #: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
 SINGLE_BLOCK_LOAD_WIDTH = 1024
+#: Columns per load of a [K, F] weight operand (W_down in pass A, W_gu in pass B), a multiple of
+#: MOE_N_TILE: 2 KiB bf16 DMA runs (75% of the sustained DMA rate by the cost model's payload rule, against
+#: 60% for a 512-column tile's 1 KiB runs).
+WEIGHT_LOAD_WIDTH = 1024

@@ -63,7 +63,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES)
+                        SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, WEIGHT_LOAD_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -190,19 +190,42 @@ class ExpertLoops(nl.NKIObject):
 
 class ExpertPanels(nl.NKIObject):
     """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
-    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop."""
+    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
+
+    A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
+    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
+    super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
+    traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
+    """
 
     def __init__(self, op, tiles, setup):
         self.op, self.tiles, self.setup = op, tiles, setup
-        total = sum(panel_bytes_per_partition(op.k_size, nsz, setup) for _, nsz in tiles)
+        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
+        # super-panels [(f0, width)] and the one serving each tile (tiles are MOE_N_TILE-aligned from tiles[0])
+        self.loads, self.load_of = [], []
+        for n0, nsz in tiles:
+            if not self.loads or n0 + nsz > self.loads[-1][0] + self.loads[-1][1]:
+                end = tiles[-1][0] + tiles[-1][1]
+                self.loads.append((n0, min(width, end - n0) if width else nsz))
+            self.load_of.append(len(self.loads) - 1)
+        total = sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in self.loads)
         self.resident = total <= RESIDENT_WEIGHT_BUDGET_BYTES
-        self.panels = [load_panel(op, n0, nsz, nsz, setup) for n0, nsz in tiles] if self.resident else []
+        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
+        self.current = -1
+
+    def start_block(self):
+        if not self.resident:
+            self.panels, self.current = [], -1
 
     def get(self, j):
-        if self.resident:
-            return self.panels[j]
+        s = self.load_of[j]
+        if not self.resident and self.current != s:
+            f0, w = self.loads[s]
+            self.panels, self.current = [], s  # drop the previous super-panel before loading the next
+            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+        whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
-        return load_panel(self.op, n0, nsz, nsz, self.setup)
+        return panel_columns(whole, n0 - self.loads[s][0], nsz)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,6 +328,9 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
     """
     recompute = w_gate != None or w_up != None  # noqa: E711
     for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
+        for w in (w_down, w_gate, w_up):
+            if w != None:  # noqa: E711
+                w.start_block()
         chunks = [RowChunk(ctx, i, r0, m, recompute) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
         for j, (n0, nsz) in enumerate(_blocks(0, ctx.I, PHASE1_N_TILE)):
             wd = w_down.get(j)
@@ -356,6 +382,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
     """
     if not w_gu.tiles:
         return
+    w_gu.start_block()
     two_i = 2 * ctx.I
     width = ctx.k_width(two_i)
     h_lo = w_gu.tiles[0][0]
@@ -564,6 +591,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     for e in range(E):
         ctx.loops.if_used(e, lambda e=e: pass_b(e))
+    if split.num_cores > 1:
+        # not needed for correctness (pass C reads only pass A's scratch): a fence so that pass C's operand
+        # loads do not run ahead into pass B's SBUF (the cost model's allocator cannot place both)
+        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
     dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
