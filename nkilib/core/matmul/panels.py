@@ -303,7 +303,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
 
 
 def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
-                          zero_fill: bool = False) -> Panel:
+                          zero_fill: bool = False, stages=None) -> Panel:
     """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
     gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
 
@@ -313,6 +313,9 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
     quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
     zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
     leaves them untouched; zero rows add nothing and do not move a group's scale).
+    stages: optional ring of MXFP8 staging tiles [128, 4, >= f_pad] bf16 the caller reuses across
+    panels (K tile t uses stages[t % len]): a load then waits for the quantize that last read its
+    stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
 
     Dimensions:
         result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
@@ -324,7 +327,10 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
         if setup.is_mx:
             P = padded // MX_PACK
             step_p, step_j = _slot_geometry(setup.scheme, P)
-            stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if stages == None:  # noqa: E711
+                stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            else:
+                stage = stages[t % len(stages)]
             if zero_fill or valid < padded or f_size < f_pad:
                 nisa.memset(dst=stage[:P, :, :], value=0.0)
             for j in range(MX_PACK):

@@ -45,3 +45,6 @@ SINGLE_BLOCK_LOAD_WIDTH = 1024
 #: MOE_N_TILE: 2 KiB bf16 DMA runs (75% of the sustained DMA rate by the cost model's payload rule, against
 #: 60% for a 512-column tile's 1 KiB runs).
 WEIGHT_LOAD_WIDTH = 1024
+#: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
+#: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
+PASS_C_STAGING_BUFFERS = 3

@@ -56,6 +56,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
+from ...core.matmul.constants import MX_PACK
 from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_panels, panel_bytes_per_partition,
                             panel_columns, panel_from_row_loader, panel_from_rows)
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
@@ -63,7 +64,8 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, WEIGHT_LOAD_WIDTH)
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
+                        WEIGHT_LOAD_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -471,8 +473,9 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
             if not m_blocks:
                 return
             m_lo, m_hi = m_blocks[0][0], m_blocks[-1][0] + m_blocks[-1][1]
-            wide = panel_from_row_loader(lhs.rows(i, m_lo, m_hi - m_lo), B, m_hi - m_lo, m_hi - m_lo, setup)
-            b = panel_from_row_loader(rhs.rows(i, n0, nsz), B, nsz, nsz, setup)
+            wide = panel_from_row_loader(lhs.rows(i, m_lo, m_hi - m_lo), B, m_hi - m_lo, m_hi - m_lo, setup,
+                                         stages=ctx.stages)
+            b = panel_from_row_loader(rhs.rows(i, n0, nsz), B, nsz, nsz, setup, stages=ctx.stages)
             for (m0, msz), acc in zip(m_blocks, accs):
                 a = panel_columns(wide, m0 - m_lo, ctx.f_pad(msz))
                 # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
@@ -490,8 +493,8 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
 
 def _row_panels(ctx, src, i, lo, hi):
     """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
-    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs)."""
-    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup))
+    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages."""
+    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup, stages=ctx.stages))
             for c0, csz in _blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)]
 
 
@@ -600,6 +603,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
     zeros = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
+    # one ring of MXFP8 staging tiles for all of pass C's operand loads (bounds their run-ahead)
+    width = max(SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES * PARTITIONS, MOE_N_TILE)
+    ctx.stages = [nl.ndarray((PARTITIONS, MX_PACK, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+                  for _ in range(PASS_C_STAGING_BUFFERS)] if setup.is_mx else None
 
     grads = ((ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H), (ctx.d_down_weight, dy_src, hs_src, H, I))
 
