@@ -41,7 +41,8 @@ the work is split on free dimensions:
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
 Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
-byte is written by two cores, so no race is possible. The number of accumulator groups in pass C (each
+byte is written by two cores, so no race is possible (a second barrier between B and C only keeps pass
+C's loads from running ahead into pass B's SBUF). The number of accumulator groups in pass C (each
 a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
 LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
 (docs/moe.md, section 5, says why the rows and not I are split).
