@@ -137,9 +137,10 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     so both cores still take the same loops), an expert of two blocks (pass C's multi-block path) and
     single-block experts: the same bits as mx_exact."""
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 
     monkeypatch.setattr(K, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    monkeypatch.setattr(K, "WEIGHT_GRAD_PSUM_TILES", 1)
+    monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
     T, E, k, H, I = 300, 3, 1, 160, 64
     ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
     ids = ids[np.random.default_rng(6).permutation(T)]
