@@ -132,14 +132,19 @@ def test_lnc1_equals_lnc2():
 
 def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     """Weight panels loaded inside the block loops (no resident budget) and one weight-gradient tile per
-    accumulator group (a block loop per tile; under LNC2 core 1 has fewer tiles and runs empty groups, so
-    both cores still take the same loops): the same bits as mx_exact."""
+    PSUM accumulator group (a block loop per tile; under LNC2 core 1 has fewer tiles and runs empty groups,
+    so both cores still take the same loops), an expert of two blocks (pass C's multi-block path) and
+    single-block experts: the same bits as mx_exact."""
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 
     monkeypatch.setattr(K, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    monkeypatch.setattr(K, "WEIGHT_GRAD_ACC_BUDGET_BYTES", 0)
-    T, E, k, H, I = 40, 2, 1, 160, 64
-    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=29, checkpoints=("gate_pre", "up"))
+    monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
+    T, E, k, H, I = 300, 3, 1, 160, 64
+    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
+    ids = ids[np.random.default_rng(6).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=29, checkpoints=("gate_pre", "up"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "small budgets vs mx_exact")
 
 

@@ -129,6 +129,17 @@ def test_indirect_dma_builds_descriptors_on_gpsimd():
     assert s.makespan == pytest.approx(w.dge_seconds + LAT_S + 128 * 1024 / w.max_rate)
 
 
+def test_indirect_dma_with_every_row_skipped_moves_nothing():
+    """A gather whose rows are all padding (oob_mode.skip) records bytes=0 and descriptors=0: it costs
+    GPSIMD_START and one descriptor, not the full tile at the index tile's 4-byte payload."""
+    gather = rec(0, "dma_copy", "dma", [hbm("src", "bfloat16", (128, 1024), 1024)],
+                 [chip("dst", "sbuf", "bfloat16", (128, 1024))], indirect=True, dge_mode="swdge", descriptors=0,
+                 rows=0, bytes=0)
+    w = instr_cost(gather, TRN3).dma
+    assert w.nbytes == 0 and w.descriptors == 1
+    assert w.dge_seconds == pytest.approx((150 + 32) / 1.2e9)
+
+
 def test_indirect_attrs_absent_price_as_a_plain_dma():
     plain = instr_cost(_load(0), TRN3).dma
     assert plain.dge == "hw" and plain.descriptors == 0 and plain.dge_seconds == pytest.approx(DGE_S)

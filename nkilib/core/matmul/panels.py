@@ -364,7 +364,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
 
 
 def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
-                          zero_fill: bool = False) -> Panel:
+                          zero_fill: bool = False, stages=None) -> Panel:
     """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
     gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
 
@@ -374,6 +374,9 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
     quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
     zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
     leaves them untouched; zero rows add nothing and do not move a group's scale).
+    stages: optional ring of MXFP8 staging tiles [128, 4, >= f_pad] bf16 the caller reuses across
+    panels (K tile t uses stages[t % len]): a load then waits for the quantize that last read its
+    stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
 
     Dimensions:
         result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
@@ -385,7 +388,10 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
         if setup.is_mx:
             P = padded // MX_PACK
             step_p, step_j = _slot_geometry(setup.scheme, P)
-            stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if stages == None:  # noqa: E711
+                stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            else:
+                stage = stages[t % len(stages)]
             if zero_fill or valid < padded or f_size < f_pad:
                 nisa.memset(dst=stage[:P, :, :], value=0.0)
             for j in range(MX_PACK):
@@ -419,11 +425,14 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     return builder.panel()
 
 
-def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1) -> None:
+def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
+                  accumulate: bool = False) -> None:
     """dst [M, N] (PSUM, fp32) = sum over K tiles of stationary[K, M]^T @ moving[K, N].
 
     t_lo/t_hi: only K tiles [t_lo, t_hi) (default: all), moving holding exactly those tiles (a K-streamed
     slice from load_panel); tile 0 starts the accumulation, so calls in K order sum like one call.
+    accumulate: tile 0 adds to dst too (dst += ...: a sum continued from earlier calls, e.g. across the
+    blocks of a run-time loop).
     """
     t_hi = len(stationary.data) if t_hi < 0 else t_hi
     for t in range(t_lo, t_hi):
@@ -432,10 +441,18 @@ def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_l
             # K=4*P (<=512) logical, M=stationary f_pad (<=128), N=moving f_pad (<=4096)
             nisa.nc_matmul_mx(dst=dst, stationary=stationary.data[t], moving=moving.data[b],
                               stationary_scale=stationary.scales[t], moving_scale=moving.scales[b],
-                              accumulate=t > 0)
+                              accumulate=accumulate or t > 0)
         else:
             # K=T (<=128), M=stationary f_pad (<=128), N=moving f_pad (<=512)
-            nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[b], accumulate=t > 0)
+            nisa.nc_matmul(dst=dst, stationary=stationary.data[t], moving=moving.data[b],
+                           accumulate=accumulate or t > 0)
+
+
+def panel_columns(panel: Panel, off: int, width: int) -> Panel:
+    """Columns [off, off + width) of a panel (every K tile, scales alike) as a Panel: one wide load
+    (long DMA runs, one quantize per K tile) served as narrower stationary/moving operands."""
+    scales = [None if sc == None else sc[:, off:off + width] for sc in panel.scales]  # noqa: E711
+    return Panel([d[:, off:off + width] for d in panel.data], scales, width)
 
 
 def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> int:
@@ -503,9 +520,7 @@ class PanelSource(nl.NKIObject):
             return self._load(f0, f_size)
         base = self.lo + (f0 - self.lo) // self.load_width * self.load_width
         whole = self._load(base, min(self.load_width, self.hi - base))
-        off, width = f0 - base, self._padded(f_size)
-        scales = [None if sc == None else sc[:, off:off + width] for sc in whole.scales]  # noqa: E711
-        return Panel([d[:, off:off + width] for d in whole.data], scales, width)
+        return panel_columns(whole, f0 - base, self._padded(f_size))
 
 
 class ResidentPanels(nl.NKIObject):

@@ -24,6 +24,9 @@ from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401
 #: Columns of I per phase-1 output tile: one fp32 PSUM bank, and the routing-gradient partial sums'
 #: tile (each phase-1 tile is exactly one ROUTING_GRAD_TILE, so the fold order is the reference's).
 PHASE1_N_TILE = ROUTING_GRAD_TILE
+#: Rows of a block whose pass-A state stays on chip together (chunks of 128): the I tiles loop outside
+#: them, so a weight tile that does not stay resident is loaded once per group of rows.
+PHASE1_ROW_GROUP = 256
 #: Columns of H per dX tile and per weight-gradient output tile (one fp32 PSUM bank).
 MOE_N_TILE = 512
 #: LNC2 splits a block's rows in units of this many tokens (even M for nc_matmul_mx).
@@ -31,6 +34,17 @@ ROW_SPLIT_UNIT = 32
 #: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above
 #: it the panels are loaded per block inside the loop.
 RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
-#: SBUF bytes per partition of the fp32 weight-gradient accumulators of one pass over an expert's
-#: blocks; larger outputs take several passes (each re-reads the blocks).
-WEIGHT_GRAD_ACC_BUDGET_BYTES = 64 * 1024
+#: Weight-gradient output tiles ([128, MOE_N_TILE] fp32, one PSUM bank each) accumulated together across
+#: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
+#: blocks' rows of its tiles).
+WEIGHT_GRAD_PSUM_TILES = 8
+#: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
+#: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
+SINGLE_BLOCK_LOAD_WIDTH = 1024
+#: Columns per load of a [K, F] weight operand (W_down in pass A, W_gu in pass B), a multiple of
+#: MOE_N_TILE: 2 KiB bf16 DMA runs (75% of the sustained DMA rate by the cost model's payload rule, against
+#: 60% for a 512-column tile's 1 KiB runs).
+WEIGHT_LOAD_WIDTH = 1024
+#: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
+#: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
+PASS_C_STAGING_BUFFERS = 3

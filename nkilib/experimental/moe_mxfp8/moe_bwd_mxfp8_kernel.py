@@ -14,19 +14,22 @@ and dX contributions are scatter-added back to token rows by dma_compute (a read
 fp32, one bf16 rounding) -- no permute / unpermute pass over HBM.
 
 Passes (reference.moe_backward_reference's order; docs/moe.md):
-    A  compute_phase1_block_grads_mxfp8, per block: gather dY (and X for a recompute, and the given
-       checkpoints by slot); dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up
-       (K=H); epilogue: the routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI,
-       the dense kernel's SwiGLU derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up and hs
-       rows go to HBM scratch in block-position order, d_topk_weights is scattered by slot.
+    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot);
+       dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up (K=H); epilogue: the
+       routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
+       derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
+       to HBM scratch in block-position order (pass C then reads its K = tokens operands by plain DMA,
+       never gathering a row twice), d_topk_weights is scattered by slot.
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference).
     C  compute_phase3_expert_weight_grads_mxfp8, per expert: dW_gu[e] = sum_b d_gate_up_bᵀ X_b and
        dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
        B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
-       an fp32 SBUF accumulator (the fori_loop page: "carry any other loop state through SBUF/HBM",
-       https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.fori_loop.html),
-       stored once; an empty expert's accumulator stays +0, so its gradients are exact zeros.
+       PSUM (groups of WEIGHT_GRAD_PSUM_TILES output tiles; the first block overwrites, later blocks add:
+       the same fp32 sums as the reference) and stored once.
+An expert without tokens runs none of A-C: every expert's work sits in a 0/1-trip run-time loop
+(ExpertLoops.if_used: no weight load, no quantization), and a second one (if_unused) stores its zero
+weight gradients (+0, exactly the reference's empty sum).
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
 bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
@@ -38,18 +41,11 @@ the work is split on free dimensions:
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
 Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
-byte is written by two cores, so no race is possible. The number of accumulator groups in pass C (each
-a loop) is derived from core 0's (larger) share, so both cores enter the same loops.
-
-Performance notes (not modeled yet: the cost model prices shape-only traces, and a shape-only run cannot
-register_load the routing). Under LNC2 a core's share of a B = 128 block is 64 rows, half the PE array's
-stationary width in pass A: use B >= 256 with LNC2. Every expert's weight panels are loaded once per pass
-even when the expert is empty (there is no run-time branch; a zero-trip loop skips only the block work).
-Pass B reads d_gate_up back from HBM (the other core wrote half of it) and re-quantizes it along 2I.
-Pass C adds each block's product into the fp32 SBUF accumulator on VectorE: with one MX K tile per block
-that [128, 512] add costs about as much as the matmul, so pass C is likely VectorE-bound at B = 128-256 (a
-PSUM-resident accumulator across loop iterations would remove it, but the fori_loop page says to carry
-loop state through SBUF/HBM).
+byte is written by two cores, so no race is possible (a second barrier between B and C only keeps pass
+C's loads from running ahead into pass B's SBUF). The number of accumulator groups in pass C (each
+a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
+LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
+(docs/moe.md, section 5, says why the rows and not I are split).
 
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.
@@ -61,21 +57,22 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
-from ...core.matmul import (CoreSplit, TensorDescriptor, k_tiles, load_panel, matmul_panels,
-                            panel_bytes_per_partition, panel_from_row_loader, panel_from_rows, single_k_tile)
+from ...core.matmul.constants import MX_PACK
+from ...core.matmul.panels import blocks as _blocks
+from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_panels, panel_bytes_per_partition,
+                            panel_columns, panel_from_rows)
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
+from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, compute_phase3_expert_weight_grads_mxfp8,
+                                         compute_phase3_single_block_grads_mxfp8, store_zero_expert_grads)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
-                        RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN, WEIGHT_GRAD_ACC_BUDGET_BYTES)
+                        PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
+                        WEIGHT_LOAD_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
-
-
-def _blocks(lo, hi, size):
-    """[(start, length)] covering [lo, hi) in pieces of `size`."""
-    return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
 
 
 class MoeContext(nl.NKIObject):
@@ -125,21 +122,111 @@ class MoeContext(nl.NKIObject):
         return scratch.ap([[step * F, count], [1, f_size]], offset=r0 * F + f0, scalar_offset=i, indirect_dim=0)
 
 
+class ExpertLoops(nl.NKIObject):
+    """Run-time loop bounds of every expert, derived once from expert_block_offsets on chip.
+
+    Dimensions:
+        offsets [E+1] int32 (HBM) -> SBUF [1, E+1]; first [1, E] = min(offsets[e] + 1, offsets[e+1]) (end of
+        the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
+        unused [1, E] = 1 - used; multi [1, E] = min(max(blocks_e - 1, 0), 1); single = used - multi;
+        single_end = offsets[e] + single.
+    The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
+    slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
+    loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
+    < 2^24, exact in VectorE's fp32 arithmetic.
+    """
+
+    def __init__(self, offsets, E):
+        self.E = E
+        offs = nl.ndarray((1, E + 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=offs, src=offsets.reshape((1, E + 1)))
+        self.offs = offs
+        self.first = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.first, data=offs[:, 0:E], op0=nl.add, operand0=1.0)
+        nisa.tensor_tensor(dst=self.first, data1=self.first, data2=offs[:, 1:E + 1], op=nl.minimum)
+        self.used = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.used, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
+        nisa.tensor_scalar(dst=self.used, data=self.used, op0=nl.minimum, operand0=1.0)
+        self.unused = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.unused, data=self.used, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                           operand1=1.0)
+        # multi = min(max(blocks_e - 1, 0), 1) (two or more blocks), single = used - multi (exactly one)
+        self.multi = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.multi, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
+        nisa.tensor_scalar(dst=self.multi, data=self.multi, op0=nl.add, operand0=-1.0, op1=nl.maximum,
+                           operand1=0.0)
+        nisa.tensor_scalar(dst=self.multi, data=self.multi, op0=nl.minimum, operand0=1.0)
+        self.single = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.single, data1=self.used, data2=self.multi, op=nl.subtract)
+        self.single_end = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.single_end, data1=offs[:, 0:E], data2=self.single, op=nl.add)
+
+    @staticmethod
+    def _reg(tile, e):
+        r = nisa.register_alloc()
+        nisa.register_load(r, tile[0:1, e:e + 1])
+        return r
+
+    def bounds(self, e):
+        """Registers (lo, first, hi): expert e's blocks are [lo, hi), its first block [lo, first)."""
+        return self._reg(self.offs, e), self._reg(self.first, e), self._reg(self.offs, e + 1)
+
+    def if_used(self, e, body):
+        """body() once when expert e has blocks, else never (a 0/1-trip run-time loop)."""
+        nl.fori_loop(0, self._reg(self.used, e), lambda _: body())
+
+    def if_unused(self, e, body):
+        """body() once when expert e has no blocks."""
+        nl.fori_loop(0, self._reg(self.unused, e), lambda _: body())
+
+    def if_single(self, e, body):
+        """body(i) once, i = the register of expert e's block, when it has exactly one block
+        (loop [offsets[e], offsets[e] + single))."""
+        nl.fori_loop(self._reg(self.offs, e), self._reg(self.single_end, e), body)
+
+    def if_multi(self, e, body):
+        """body() once when expert e has two or more blocks."""
+        nl.fori_loop(0, self._reg(self.multi, e), lambda _: body())
+
+
 class ExpertPanels(nl.NKIObject):
     """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
-    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop."""
+    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
+
+    A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
+    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
+    super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
+    traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
+    """
 
     def __init__(self, op, tiles, setup):
         self.op, self.tiles, self.setup = op, tiles, setup
-        total = sum(panel_bytes_per_partition(op.k_size, nsz, setup) for _, nsz in tiles)
+        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
+        # super-panels [(f0, width)] and the one serving each tile (tiles are MOE_N_TILE-aligned from tiles[0])
+        self.loads, self.load_of = [], []
+        for n0, nsz in tiles:
+            if not self.loads or n0 + nsz > self.loads[-1][0] + self.loads[-1][1]:
+                end = tiles[-1][0] + tiles[-1][1]
+                self.loads.append((n0, min(width, end - n0) if width else nsz))
+            self.load_of.append(len(self.loads) - 1)
+        total = sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in self.loads)
         self.resident = total <= RESIDENT_WEIGHT_BUDGET_BYTES
-        self.panels = [load_panel(op, n0, nsz, nsz, setup) for n0, nsz in tiles] if self.resident else []
+        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
+        self.current = -1
+
+    def start_block(self):
+        if not self.resident:
+            self.panels, self.current = [], -1
 
     def get(self, j):
-        if self.resident:
-            return self.panels[j]
+        s = self.load_of[j]
+        if not self.resident and self.current != s:
+            f0, w = self.loads[s]
+            self.panels, self.current = [], s  # drop the previous super-panel before loading the next
+            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+        whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
-        return load_panel(self.op, n0, nsz, nsz, self.setup)
+        return panel_columns(whole, n0 - self.loads[s][0], nsz)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,6 +260,57 @@ def _projection_tile(ckpt_tile, psum, m, n0, nsz):
     return tile[:m, :nsz]
 
 
+class RowChunk(nl.NKIObject):
+    """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A: gathered inputs,
+    their K=H panels, and the epilogue's outputs until they are stored."""
+
+    def __init__(self, ctx, i, r0, m, recompute):
+        I, H = ctx.I, ctx.H
+        self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
+        self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
+        x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
+        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
+        # padding rows are the zeroed rows of the gathered tiles
+        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+        self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
+        self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
+        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.p, value=0.0)
+        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m)
+                      for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
+        self.d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+
+    def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
+        """I tile j ([n0, n0+nsz)) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
+        I, m = ctx.I, self.m
+        g_ck, a_ck, u_ck, h_ck = self.ckpts
+        gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
+        up = _projection_tile(u_ck, u_psum, m, n0, nsz)
+        act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
+        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
+        h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
+        _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
+        # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
+        dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p)
+        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz])
+        # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
+        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p)
+
+    def store(self, ctx, i):
+        m, r0 = self.m, self.r0
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * ctx.I), src=self.d_gu[:m, :])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, ctx.I), src=self.hs[:m, :])
+        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
+
+
 def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
     """Phases 0-1 of block i (expert e) for this core's rows: d_gate_up and hs rows to the scratch,
     d_topk_weights of the block's slots.
@@ -181,54 +319,39 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
         dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
         recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
         outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i), d_w [m] (by slot).
+    Rows go in groups of up to PHASE1_ROW_GROUP (chunks of 128): the I tiles are the outer loop inside a
+    group, so a weight tile that is not resident is loaded once per group, not once per chunk. Per row the
+    epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference).
 
     Args:
         ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels
             (w_gate / w_up None when gate_pre / up are given).
     """
-    I, H = ctx.I, ctx.H
-    for r0, m in _blocks(ctx.row_lo, ctx.row_hi, PARTITIONS):
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-        f_pad = ctx.f_pad(m)
-        dy_panel = panel_from_rows(_gathered_natural(ctx, ctx.dy, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
-        x_panel = None
-        if w_gate != None or w_up != None:  # noqa: E711
-            x_panel = panel_from_rows(_gathered_natural(ctx, ctx.x, ids, m, H)[:m, :], m, H, f_pad, ctx.setup)
-        p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=p, value=0.0)
-        ctx.gather(p, ctx.weights, slots, 0, 1)
-        g_ck, a_ck, u_ck, h_ck = (_gathered_checkpoint(ctx, c, slots, m)
-                                  for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
-        d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        for j, (n0, nsz) in enumerate(_blocks(0, I, PHASE1_N_TILE)):
-            d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(d_i[:f_pad, :nsz], dy_panel, w_down.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            g_psum = u_psum = None
-            if w_gate != None:  # noqa: E711
-                g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(g_psum[:f_pad, :nsz], x_panel, w_gate.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            if w_up != None:  # noqa: E711
-                u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(u_psum[:f_pad, :nsz], x_panel, w_up.get(j), ctx.setup)  # K=H, M=m, N=nsz
-            gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
-            up = _projection_tile(u_ck, u_psum, m, n0, nsz)
-            act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
-            terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
-            h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
-            _routing_grad_tile(d_i[:m, :nsz], h, d_w, j, m, nsz)
-            # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
-            dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=p)
-            swiglu_backward_tile(dh[:m, :nsz], terms, d_gu[:m, n0:n0 + nsz], d_gu[:m, I + n0:I + n0 + nsz])
-            # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-            nisa.tensor_scalar(dst=hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=p)
-        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=d_gu[:m, :])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, I), src=hs[:m, :])
-        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
-        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+    recompute = w_gate != None or w_up != None  # noqa: E711
+    for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
+        for w in (w_down, w_gate, w_up):
+            if w != None:  # noqa: E711
+                w.start_block()
+        chunks = [RowChunk(ctx, i, r0, m, recompute) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
+        for j, (n0, nsz) in enumerate(_blocks(0, ctx.I, PHASE1_N_TILE)):
+            wd = w_down.get(j)
+            wg = w_gate.get(j) if w_gate != None else None  # noqa: E711
+            wu = w_up.get(j) if w_up != None else None  # noqa: E711
+            for c in chunks:
+                d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
+                g_psum = u_psum = None
+                if wg != None:  # noqa: E711
+                    g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(g_psum[:c.f_pad, :nsz], c.x_panel, wg, ctx.setup)  # K=H, M=m, N=nsz
+                if wu != None:  # noqa: E711
+                    u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                    matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
+                c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
+            wd = wg = wu = None
+        for c in chunks:
+            c.store(ctx, i)
+        chunks = c = None
 
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
@@ -252,119 +375,41 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
 
     Dimensions:
         d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
-        ExpertPanels over this core's H tiles) -> part [m, nsz] bf16 -> dma_compute scatter-add into
+        ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
         dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+    The H tiles are the outer loop (every chunk's d_gate_up panel stays on chip), so a weight tile that is
+    not resident is loaded once per block; each chunk's H_c columns go out in one read-modify-write (one
+    descriptor per row).
     """
+    if not w_gu.tiles:
+        return
+    w_gu.start_block()
     two_i = 2 * ctx.I
+    width = ctx.k_width(two_i)
+    h_lo = w_gu.tiles[0][0]
+    h_width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
+    chunks = []
     for r0, m in _blocks(0, ctx.B, PARTITIONS):
-        if not w_gu.tiles:
-            continue
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        width = ctx.k_width(two_i)
         nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         if width > two_i:
             nisa.memset(dst=nat[:m, two_i:], value=0.0)
         nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
-        f_pad = ctx.f_pad(m)
-        panel = panel_from_rows(nat[:m, :], m, two_i, f_pad, ctx.setup)
-        for j, (h0, hsz) in enumerate(w_gu.tiles):
+        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+        chunks.append((r0, m, panel, part))
+        nat = None
+    for j, (h0, hsz) in enumerate(w_gu.tiles):
+        w = w_gu.get(j)
+        for c, (r0, m, panel, part) in enumerate(chunks):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(acc[:f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
-            part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=part[:m, :hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
-            rows = ctx.dx.ap([[ctx.H, m], [1, hsz]], offset=h0, vector_offset=ids, indirect_dim=0)
-            nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :hsz]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Pass C: per-expert weight gradients, K = tokens, folded over the expert's blocks in fp32
-# ---------------------------------------------------------------------------------------------------
-class BlockRowSource(nl.NKIObject):
-    """A K = tokens operand of block i: rows of a [N, B, F] scratch (`scratch`), or token rows gathered
-    from a [T, F] tensor (`table` with the block's token ids). rows(i, f0, f_size) -> a load_rows callable
-    for panel_from_row_loader."""
-
-    def __init__(self, ctx, scratch=None, table=None):
-        self.ctx, self.scratch, self.table = ctx, scratch, table
-        self.gathered = table != None  # noqa: E711
-        self.f_total = table.shape[1] if self.gathered else scratch.shape[2]
-
-    def rows(self, i, f0, f_size, index_cache):
-        ctx, scratch, table = self.ctx, self.scratch, self.table
-
-        def load_rows(dst, first, step, count):
-            if table == None:  # noqa: E711
-                nisa.dma_copy(dst=dst, src=ctx.block_rows(scratch, i, first, count, step, f0, f_size))
-                return
-            key = (first, step, count)
-            if key not in index_cache[0]:
-                index_cache[0].append(key)
-                index_cache[1].append(ctx.positions(ctx.ids2d, i, first, step, count))
-            ctx.gather(dst, table, index_cache[1][index_cache[0].index(key)], f0, f_size)
-
-        return load_rows
-
-
-def _tile_groups(ctx, m_total, n_total):
-    """This core's output tiles of an [M, N] weight gradient in groups whose fp32 accumulators fit
-    WEIGHT_GRAD_ACC_BUDGET_BYTES; the group count is core 0's (the larger share), so both cores run the
-    same number of block loops (a core with fewer tiles runs empty groups)."""
-    per_group = max(1, WEIGHT_GRAD_ACC_BUDGET_BYTES // (MOE_N_TILE * 4))
-
-    def tiles_of(split):
-        (m_lo, m_hi), (n_lo, n_hi) = split.ranges(m_total, n_total)
-        return [(mb, nb) for mb in _blocks(m_lo, m_hi, PARTITIONS) for nb in _blocks(n_lo, n_hi, MOE_N_TILE)]
-
-    mine = tiles_of(ctx.split)
-    groups = max(1, ceil_div(len(tiles_of(CoreSplit(ctx.split.num_cores, 0))), per_group))
-    return [mine[g * per_group:(g + 1) * per_group] for g in range(groups)]
-
-
-def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype):
-    """out[e] [M, N] = wg(sum over expert e's blocks b of lhs_bᵀ [M, B] @ rhs_b [B, N]) (K = B tokens).
-
-    Dimensions:
-        lhs, rhs: BlockRowSource of F = M and F = N; out: [E, M, N] in wg_dtype (shared HBM).
-        dW_gu: lhs = d_gate_up (scratch, F=2I), rhs = X (gathered, F=H); dW_down: lhs = dY (gathered,
-        F=H), rhs = hs (scratch, F=I).
-    Each block's K tiles (MXFP8: the whole block, B <= 512; BF16: 128 rows) are multiplied separately and
-    added to the fp32 SBUF accumulator in order: acc = fp32(acc + mm(tile)) from +0, as the reference.
-    """
-    setup, B = ctx.setup, ctx.B
-    n_k = len(k_tiles(B, setup))
-    for group in _tile_groups(ctx, m_total, n_total):
-        accs = []
-        for (m0, msz), (n0, nsz) in group:
-            acc = nl.ndarray((PARTITIONS, nsz), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=acc[:msz, :], value=0.0)
-            accs.append(acc)
-        m_blocks, n_blocks = [], []
-        for mb, nb in group:
-            if mb not in m_blocks:
-                m_blocks.append(mb)
-            if nb not in n_blocks:
-                n_blocks.append(nb)
-        lo, hi = ctx.expert_bounds(e)
-
-        def body(i, group=group, accs=accs, m_blocks=m_blocks, n_blocks=n_blocks):
-            cache_l, cache_r = ([], []), ([], [])
-            lp = [panel_from_row_loader(lhs.rows(i, m0, msz, cache_l), B, msz, ctx.f_pad(msz), setup, lhs.gathered)
-                  for m0, msz in m_blocks]
-            rp = [panel_from_row_loader(rhs.rows(i, n0, nsz, cache_r), B, nsz, nsz, setup, rhs.gathered)
-                  for n0, nsz in n_blocks]
-            for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
-                a, b = lp[m_blocks.index((m0, msz))], rp[n_blocks.index((n0, nsz))]
-                for t in range(n_k):
-                    part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    # K=one K tile of the block's tokens, M=msz, N=nsz
-                    matmul_panels(part[:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), setup)
-                    nisa.tensor_tensor(dst=acc[:msz, :], data1=acc[:msz, :], data2=part[:msz, :nsz], op=nl.add)
-
-        nl.fori_loop(lo, hi, body)
-        for ((m0, msz), (n0, nsz)), acc in zip(group, accs):
-            res = nl.ndarray((PARTITIONS, nsz), dtype=wg_dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=res[:msz, :], src=acc[:msz, :], engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :])
+            matmul_panels(acc[:panel.f_pad, :hsz], panel, w, ctx.setup)  # K=2I, M=m, N=hsz
+            engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
+            nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
+        w = None
+    for r0, m, panel, part in chunks:
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,31 +431,61 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nisa.dma_copy(dst=ctx.dx[t0:t0 + tsz, h_lo:h_hi], src=zeros[:tsz, :])
     i_tiles = _blocks(0, I, PHASE1_N_TILE)
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
-    # ---- pass A ----
-    for e in range(E):
+    ctx.loops = ExpertLoops(ctx.offsets, E)
+
+    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
+    def pass_a(e):
         w_down = ExpertPanels(TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H), i_tiles, setup)
         w_gate = w_up = None
         if ctx.gate_pre == None:  # noqa: E711
             w_gate = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I), i_tiles, setup)
         if ctx.up == None:  # noqa: E711
             w_up = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I), i_tiles, setup)
-        b_lo, b_hi = ctx.expert_bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i, e=e, wd=w_down, wg=w_gate, wu=w_up:
-                     compute_phase1_block_grads_mxfp8(ctx, e, i, wd, wg, wu))
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
+
+    for e in range(E):
+        ctx.loops.if_used(e, lambda e=e: pass_a(e))
     if split.num_cores > 1:
         nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # passes B and C read both cores' scratch rows
     # ---- pass B ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
-    for e in range(E):
+
+    def pass_b(e):
         w_gu = ExpertPanels(TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I), h_tiles, setup)
-        b_lo, b_hi = ctx.expert_bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i, e=e, w=w_gu: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w))
-    # ---- pass C ----
-    d_gu_src, x_src = BlockRowSource(ctx, scratch=ctx.d_gu), BlockRowSource(ctx, table=ctx.x)
-    dy_src, hs_src = BlockRowSource(ctx, table=ctx.dy), BlockRowSource(ctx, scratch=ctx.hs)
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
+
     for e in range(E):
-        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H, wg_dtype)
-        compute_phase3_expert_weight_grads_mxfp8(ctx, e, ctx.d_down_weight, dy_src, hs_src, H, I, wg_dtype)
+        ctx.loops.if_used(e, lambda e=e: pass_b(e))
+    if split.num_cores > 1:
+        # not needed for correctness (pass C reads only pass A's scratch): a fence so that pass C's operand
+        # loads do not run ahead into pass B's SBUF (the cost model's allocator cannot place both)
+        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))
+    # ---- pass C (an expert without blocks stores zeros) ----
+    d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
+    dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
+    zeros = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    # one ring of MXFP8 staging tiles for all of pass C's operand loads (bounds their run-ahead)
+    width = max(SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES * PARTITIONS, MOE_N_TILE)
+    ctx.stages = [nl.ndarray((PARTITIONS, MX_PACK, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+                  for _ in range(PASS_C_STAGING_BUFFERS)] if setup.is_mx else None
+
+    grads = ((ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H), (ctx.d_down_weight, dy_src, hs_src, H, I))
+
+    def pass_c_single(e, i):
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype)
+
+    def pass_c_multi(e):
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
+
+    for e in range(E):
+        ctx.loops.if_single(e, lambda i, e=e: pass_c_single(e, i))
+        ctx.loops.if_multi(e, lambda e=e: pass_c_multi(e))
+        ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -506,6 +581,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         None if c is None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))
     ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
+    ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
+    ctx.x_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_x_blocks")
     dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
     d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
     ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))

@@ -62,7 +62,8 @@ def dma_work(rec, target: TargetSpec) -> DmaWork:
     ops = _ops(rec)
     if not ops:
         raise CostModelError(f"{rec.instr}: DMA record without operands")
-    nbytes = int(a.get("bytes") or max(o.nbytes for o in ops))
+    # an indirect DMA whose rows are all skipped (oob_mode.skip) records bytes=0: it moves nothing
+    nbytes = int(a["bytes"]) if a.get("bytes") is not None else max(o.nbytes for o in ops)
     transpose = bool(a.get("transpose")) or rec.instr == "dma_transpose"
     indirect = bool(a.get("indirect"))
     descriptors = int(a.get("descriptors") or 0)
