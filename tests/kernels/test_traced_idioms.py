@@ -22,6 +22,8 @@ TRACED_MODULES = (
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/api.py",
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/config.py",
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
+    "experimental/moe_mxfp8/moe_bwd_mxfp8_kernel.py",
+    "experimental/moe_mxfp8/moe_bwd_mxfp8_weight_grads.py",
     "core/kernel_helpers.py",
     "core/options.py",
     "core/phase_graph.py",

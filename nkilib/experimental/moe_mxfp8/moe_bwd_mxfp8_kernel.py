@@ -492,7 +492,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 # Entry point
 # ---------------------------------------------------------------------------------------------------
 def _check(name, t, shape, dtypes):
-    kernel_assert(t is not None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")
+    kernel_assert(t != None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")  # noqa: E711
     kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
 
@@ -535,12 +535,12 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
                   f"got {block_size!r}")
     # ---- shapes ----
-    kernel_assert(output_grad is not None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,
+    kernel_assert(output_grad != None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,  # noqa: E711
                   f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
     T, H = output_grad.shape
     _check("output_grad", output_grad, (T, H), ("bfloat16",))
     _check("hidden_states", hidden_states, (T, H), ("bfloat16",))
-    kernel_assert(gate_up_weight is not None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,
+    kernel_assert(gate_up_weight != None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,  # noqa: E711
                   f"gate_up_weight must be a 3-D [E, 2I, H] tensor, got {getattr(gate_up_weight, 'shape', None)!r}")
     E, two_i = gate_up_weight.shape[0], gate_up_weight.shape[1]
     kernel_assert(two_i % 2 == 0,
@@ -550,13 +550,13 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     _check("down_weight", down_weight, (E, H, I), ("bfloat16",))
     kernel_assert(H % 32 == 0 and I % 32 == 0,
                   f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
-    kernel_assert(topk_weights is not None and hasattr(topk_weights, "shape") and len(topk_weights.shape) == 2
+    kernel_assert(topk_weights != None and hasattr(topk_weights, "shape") and len(topk_weights.shape) == 2  # noqa: E711
                   and topk_weights.shape[0] == T,
                   f"topk_weights must be [T, k] with T={T}, got {getattr(topk_weights, 'shape', None)!r}")
     k = topk_weights.shape[1]
     _check("topk_weights", topk_weights, (T, k), ("float32",))
     kernel_assert(k <= E, f"topk_weights has k={k} experts per token but E={E} experts: k must be <= E")
-    kernel_assert(token_position_to_id is not None and hasattr(token_position_to_id, "shape")
+    kernel_assert(token_position_to_id != None and hasattr(token_position_to_id, "shape")  # noqa: E711
                   and len(token_position_to_id.shape) == 1 and token_position_to_id.shape[0] % block_size == 0,
                   f"token_position_to_id must be [N*B] with B=block_size={block_size}, got "
                   f"{getattr(token_position_to_id, 'shape', None)!r}")
@@ -565,7 +565,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     _check("token_position_to_slot", token_position_to_slot, (N * block_size,), ("int32",))
     _check("expert_block_offsets", expert_block_offsets, (E + 1,), ("int32",))
     for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
-        if ckpt is not None:
+        if ckpt != None:  # noqa: E711
             _check(name, ckpt, (T, k, I), ("bfloat16",))
 
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
@@ -578,7 +578,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.gu_rows = gate_up_weight.reshape((E * 2 * I, H))
     ctx.down_rows = down_weight.reshape((E * H, I))
     ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate = (
-        None if c is None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))
+        None if c == None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))  # noqa: E711
     ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
     ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
