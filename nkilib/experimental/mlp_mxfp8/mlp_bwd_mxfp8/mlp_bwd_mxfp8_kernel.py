@@ -58,7 +58,7 @@ from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
+from .constants import CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -192,6 +192,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
         self.m_lo, self.m_hi, self.n_lo, self.n_hi = m_lo, m_hi, n_lo, n_hi
         self.m_tile, self.ncols, self.keep = plan.m_tile, plan.n_tile, plan.keep_moving
+        # gate_pre / up / gate_act tiles in a ring of CHECKPOINT_BUFFERS sets: tile i's loads wait for tile
+        # i - CHECKPOINT_BUFFERS's epilogue instead of running ahead and sharing the DMA queues with the
+        # operand loads the next matmuls wait for (phase 1's start waits on W_down)
+        kinds = 3 if self.gate_act_td != None else 2  # noqa: E711
+        self.checkpoints = [[nl.ndarray((PARTITIONS, plan.n_tile), dtype=nl.bfloat16, buffer=nl.sbuf)
+                             for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
         self.fused = (self.keep_for_phase2 and self.keep and (n_lo, n_hi) == (0, self.I) and
                       ceil_div(m_hi - m_lo, plan.m_tile) * panel_bytes_per_partition(two_i, plan.m_tile, self.setup)
@@ -210,8 +216,9 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.panels.extend(_phase2_panels(self.pending, self.setup))
         if self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(n0)
-        gate_pre = _bf16_tile(self.gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
-        up = _bf16_tile(self.up_td, u_psum, m0, msz, n0, nsz, ncols)
+        ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
+        gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
+        up = _bf16_tile(ring[1], self.up_td, u_psum, m0, msz, n0, nsz)
         if self.keep:
             if n0 == self.n_lo:
                 self.rows = nl.ndarray((PARTITIONS, self.row_width), dtype=dtype, buffer=nl.sbuf)
@@ -222,8 +229,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         else:
             d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
             d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
-        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, self.scratch_td, self.clamp, m0, msz,
-                              n0, nsz, ncols, d_gate, d_up)
+        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
+                              m0, msz, n0, nsz, ncols, d_gate, d_up)
         out = self.d_gate_up_td
         if not self.keep:
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
@@ -280,7 +287,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self._quantize_along_s_chunk(self.along_s_pending[4])
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
-        self.rows = None
+        self.rows = self.checkpoints = None
 
 
 def _phase2_panels(pending, setup):
@@ -293,9 +300,8 @@ def _phase2_panels(pending, setup):
     return out
 
 
-def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
-    """A bf16 [msz, nsz] SBUF tile: loaded from a checkpoint in HBM, or rounded from a PSUM result."""
-    tile = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
+    """The bf16 [msz, nsz] view of SBUF `tile`, loaded from a checkpoint in HBM or rounded from a PSUM result."""
     if src_hbm != None:  # noqa: E711
         nisa.dma_copy(dst=tile[:msz, :nsz], src=src_hbm[m0:m0 + msz, n0:n0 + nsz])
     else:
@@ -303,18 +309,18 @@ def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
     return tile[:msz, :nsz]
 
 
-def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz, ncols, d_gate_dst,
-                          d_up_dst):
+def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
+                          d_gate_dst, d_up_dst):
     """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
     derivative, clamp masks, intermediate.
 
     Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
     stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
-    fp32 is exact, so no fp32 copies are made).
+    fp32 is exact, so no fp32 copies are made); gate_act, when given, is loaded into act_tile [128, >= nsz].
     """
     act = None
     if gate_act_td != None:  # noqa: E711
-        act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+        act = act_tile
         nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
         act = act[:msz, :nsz]
     terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
