@@ -38,12 +38,11 @@ its dY (and X) panels resident when W_down's are not.
 Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
-HBM traffic (per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, gate_pre/gate_act/
-up[S/2, I] and writes its d_gate_up rows (MX words along S, or bf16); phase 2 reads W_gu once and writes
-dX[S/2, H]; phase 3 reads d_gate_up (both halves) and its half of X; phase 4 its half of dY along S and the
-intermediate. K-contiguous operands are read as stored (NATURAL_LOAD_K columns per DMA) and transposed on
-the PE array, also when output_grad_T / hidden_states_T are given: read as stored, their quantize_mx runs
-on a strided source at half rate, and VectorE is the scarcer engine (modeled TP8 0.80 vs 0.72 ms).
+HBM traffic per core (LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, its checkpoint rows and writes
+its d_gate_up rows; phase 2 reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of
+X; phase 4 its half of dY along S and the intermediate. K-contiguous operands are read as stored and transposed
+on the PE array, also when output_grad_T / hidden_states_T are given (read as stored, their quantize_mx runs
+on a strided source at half rate on VectorE, the scarcer engine: modeled TP8 0.80 vs 0.72 ms).
 """
 from __future__ import annotations
 
@@ -53,7 +52,8 @@ import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
 from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue, panel_bytes_per_partition,
-                             panel_from_rows, stage_row_block, store_k_tile)
+                             panel_layout_hbm, panels_from_row_blocks, stage_row_block,
+                             store_k_tile)
 from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
@@ -213,7 +213,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if self.pending and n0 == self.n_lo:
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
-            self.panels.extend(_phase2_panels(self.pending, self.setup))
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         if self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(n0)
         ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
@@ -282,22 +282,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         return 0
 
     def finish(self) -> None:
-        self.panels.extend(_phase2_panels(self.pending, self.setup))
+        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         while self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(self.along_s_pending[4])
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
         self.rows = self.checkpoints = None
-
-
-def _phase2_panels(pending, setup):
-    """[Panel] of finished d_gate_up row blocks, in row order (quantized along 2I); empties `pending`."""
-    out = []
-    for m_rel, msz, rows, two_i in pending:
-        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
-        out.append(panel_from_rows(rows[:msz, :], msz, two_i, f_pad, setup))
-    pending.clear()
-    return out
 
 
 def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
@@ -402,13 +392,8 @@ def mx_along_s_applies(plan1, S, I, split, setup) -> bool:
     """Whether phase 1 can quantize d_gate_up along S on chip for phase 3 (SwigluBackwardEpilogue.
     exchange_along_s): MXFP8, phase 1 runs S-tile-major in 128-row tiles, and every core's rows are whole
     512-row K tiles of phase 3 with all I columns (checked for all cores: phase 3 reads every core's part)."""
-    if not setup.is_mx or not plan1.keep_moving or plan1.m_tile != PARTITIONS or S % MX_K_TILE:
-        return False
-    for core in range(split.num_cores):
-        (lo, hi), cols = CoreSplit(split.num_cores, core).ranges(S, I, prefer_m=True)
-        if cols != (0, I) or lo % MX_K_TILE or hi % MX_K_TILE:
-            return False
-    return True
+    return (setup.is_mx and plan1.keep_moving and plan1.m_tile == PARTITIONS and
+            split.whole_row_blocks(S, I, MX_K_TILE))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -478,12 +463,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     if mx_along_s_applies(plan1, S, I, split, setup):
         # each core quantizes its own d_gate_up rows along S in phase 1's epilogue and stores the MX words;
         # phase 3 reads both cores' halves as they are (panels.py panel layout)
-        n_k = S // MX_K_TILE
-        scale_tiles = ceil_div(n_k, MX_PACK) if setup.use_scale_packing else n_k
-        words = nl.ndarray((S // MX_PACK, two_i), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
-                           name="mlp_bwd_d_gate_up_mx")
-        scales = nl.ndarray((PARTITIONS * scale_tiles, two_i), dtype=nl.uint8, buffer=nl.shared_hbm,
-                            name="mlp_bwd_d_gate_up_mx_scales")
+        words, scales = panel_layout_hbm(S, two_i, setup, "mlp_bwd_d_gate_up_mx")
         plan1.epilogue.exchange_along_s(words, scales)
         phase3_args = phase3_args[:2] + (TensorDescriptor(words, k_axis=0, scales=scales, panel_layout=True),) + \
             phase3_args[3:]
