@@ -28,6 +28,19 @@ def test_core_split_ranges(m, n, cores, prefer_m, want):
     assert [CoreSplit(cores, i).ranges(m, n, prefer_m) for i in range(cores)] == want
 
 
+@pytest.mark.parametrize("m, n, cores, want", [
+    (4096, 1536, 2, True),  # 2048 rows each: four 512-row blocks per core, all columns
+    (4096, 1536, 1, True),
+    (1536, 1536, 2, False),  # 768 rows per core: not whole 512-row blocks
+    (1000, 64, 1, False),  # M not a multiple of the block
+    (1024, 4096, 2, True),  # prefer_m splits M (512 rows each) although N is larger
+    (512, 4096, 2, False),  # 256 rows per core
+])
+def test_core_split_whole_row_blocks(m, n, cores, want):
+    """Whole 512-row blocks on every core (the condition for quantizing rows along M on chip in K tiles)."""
+    assert all(CoreSplit(cores, i).whole_row_blocks(m, n, 512) == want for i in range(cores))
+
+
 class _TwoOutputs(nl.NKIObject):
     """Epilogue: evicts product 0 to out0 and product 1 to out1 (bf16), one SBUF tile each per output tile."""
 

@@ -191,6 +191,17 @@ def panel_scale_row(t: int, setup: MatmulSetup) -> int:
     return PARTITIONS * t
 
 
+def panel_layout_hbm(k_size: int, f_size: int, setup: MatmulSetup, name: str):
+    """(words [K/4, F] x4, scales [128 * scale tiles, F] uint8) in shared HBM: a [K, F] operand in the panel
+    layout (TensorDescriptor.panel_layout; K a multiple of MX_K_TILE), to be written with store_k_tile."""
+    n_k = k_size // MX_K_TILE
+    scale_tiles = -(-n_k // SCALE_PACK_SLOTS) if setup.use_scale_packing else n_k
+    words = nl.ndarray((k_size // MX_PACK, f_size), dtype=setup.x4_dtype, buffer=nl.shared_hbm, name=name)
+    scales = nl.ndarray((PARTITIONS * scale_tiles, f_size), dtype=nl.uint8, buffer=nl.shared_hbm,
+                        name=name + "_scales")
+    return words, scales
+
+
 def store_k_tile(words, scale, words_hbm, scales_hbm, t: int, setup: MatmulSetup) -> None:
     """Store one full MXFP8 K tile (words [128, F] x4, scale [128, F] uint8 as quantize_mx wrote it at
     partition offset 0: rows 32q + r, q, r < 4) in the panel layout (TensorDescriptor.panel_layout)."""
@@ -423,6 +434,17 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
     return builder.panel()
+
+
+def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup) -> list:
+    """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
+    each block's msz rows become the F axis, quantized along K); empties `row_blocks`."""
+    out = []
+    for m_rel, msz, rows, k_size in row_blocks:
+        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
+        out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
+    row_blocks.clear()
+    return out
 
 
 def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,

@@ -61,6 +61,18 @@ class CoreSplit(nl.NKIObject):
         return ((lo, hi), (0, n_total)) if split_m else ((0, m_total), (lo, hi))
 
 
+    def whole_row_blocks(self, m_total: int, n_total: int, block: int) -> bool:
+        """Whether every core's part of ranges(m_total, n_total, prefer_m=True) is whole `block`-row blocks
+        with all n_total columns (checked for every core: a later phase may read all cores' parts)."""
+        if m_total % block:
+            return False
+        for core in range(self.num_cores):
+            (lo, hi), cols = CoreSplit(self.num_cores, core).ranges(m_total, n_total, prefer_m=True)
+            if cols != (0, n_total) or lo % block or hi % block:
+                return False
+        return True
+
+
 def fit_width(requested, ops, setup, budget, quantum):
     """Largest width <= requested (a multiple of `quantum`, at least one quantum) whose panels of all
     `ops` (every K tile) fit `budget` SBUF bytes per partition. Large K (e.g. 2I = 24576) narrows the

@@ -38,12 +38,11 @@ its dY (and X) panels resident when W_down's are not.
 Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
-HBM traffic (per core under LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, gate_pre/gate_act/
-up[S/2, I] and writes its d_gate_up rows (MX words along S, or bf16); phase 2 reads W_gu once and writes
-dX[S/2, H]; phase 3 reads d_gate_up (both halves) and its half of X; phase 4 its half of dY along S and the
-intermediate. K-contiguous operands are read as stored (NATURAL_LOAD_K columns per DMA) and transposed on
-the PE array, also when output_grad_T / hidden_states_T are given: read as stored, their quantize_mx runs
-on a strided source at half rate, and VectorE is the scarcer engine (modeled TP8 0.80 vs 0.72 ms).
+HBM traffic per core (LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, its checkpoint rows and writes
+its d_gate_up rows; phase 2 reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of
+X; phase 4 its half of dY along S and the intermediate. K-contiguous operands are read as stored and transposed
+on the PE array, also when output_grad_T / hidden_states_T are given (read as stored, their quantize_mx runs
+on a strided source at half rate on VectorE, the scarcer engine: modeled TP8 0.80 vs 0.72 ms).
 """
 from __future__ import annotations
 
@@ -53,12 +52,13 @@ import nki.language as nl
 
 from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
 from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue, panel_bytes_per_partition,
-                             panel_from_rows, stage_row_block, store_k_tile)
+                             panel_layout_hbm, panels_from_row_blocks, stage_row_block,
+                             store_k_tile)
 from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
+from .constants import CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -192,6 +192,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
         self.m_lo, self.m_hi, self.n_lo, self.n_hi = m_lo, m_hi, n_lo, n_hi
         self.m_tile, self.ncols, self.keep = plan.m_tile, plan.n_tile, plan.keep_moving
+        # gate_pre / up / gate_act tiles in a ring of CHECKPOINT_BUFFERS sets: tile i's loads wait for tile
+        # i - CHECKPOINT_BUFFERS's epilogue instead of running ahead and sharing the DMA queues with the
+        # operand loads the next matmuls wait for (phase 1's start waits on W_down)
+        kinds = 3 if self.gate_act_td != None else 2  # noqa: E711
+        self.checkpoints = [[nl.ndarray((PARTITIONS, plan.n_tile), dtype=nl.bfloat16, buffer=nl.sbuf)
+                             for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
         self.fused = (self.keep_for_phase2 and self.keep and (n_lo, n_hi) == (0, self.I) and
                       ceil_div(m_hi - m_lo, plan.m_tile) * panel_bytes_per_partition(two_i, plan.m_tile, self.setup)
@@ -207,11 +213,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if self.pending and n0 == self.n_lo:
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
-            self.panels.extend(_phase2_panels(self.pending, self.setup))
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         if self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(n0)
-        gate_pre = _bf16_tile(self.gate_pre_td, g_psum, m0, msz, n0, nsz, ncols)
-        up = _bf16_tile(self.up_td, u_psum, m0, msz, n0, nsz, ncols)
+        ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
+        gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
+        up = _bf16_tile(ring[1], self.up_td, u_psum, m0, msz, n0, nsz)
         if self.keep:
             if n0 == self.n_lo:
                 self.rows = nl.ndarray((PARTITIONS, self.row_width), dtype=dtype, buffer=nl.sbuf)
@@ -222,8 +229,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         else:
             d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
             d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
-        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, self.scratch_td, self.clamp, m0, msz,
-                              n0, nsz, ncols, d_gate, d_up)
+        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
+                              m0, msz, n0, nsz, ncols, d_gate, d_up)
         out = self.d_gate_up_td
         if not self.keep:
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
@@ -275,27 +282,16 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         return 0
 
     def finish(self) -> None:
-        self.panels.extend(_phase2_panels(self.pending, self.setup))
+        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         while self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(self.along_s_pending[4])
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
-        self.rows = None
+        self.rows = self.checkpoints = None
 
 
-def _phase2_panels(pending, setup):
-    """[Panel] of finished d_gate_up row blocks, in row order (quantized along 2I); empties `pending`."""
-    out = []
-    for m_rel, msz, rows, two_i in pending:
-        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
-        out.append(panel_from_rows(rows[:msz, :], msz, two_i, f_pad, setup))
-    pending.clear()
-    return out
-
-
-def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
-    """A bf16 [msz, nsz] SBUF tile: loaded from a checkpoint in HBM, or rounded from a PSUM result."""
-    tile = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
+    """The bf16 [msz, nsz] view of SBUF `tile`, loaded from a checkpoint in HBM or rounded from a PSUM result."""
     if src_hbm != None:  # noqa: E711
         nisa.dma_copy(dst=tile[:msz, :nsz], src=src_hbm[m0:m0 + msz, n0:n0 + nsz])
     else:
@@ -303,18 +299,18 @@ def _bf16_tile(src_hbm, psum_or_none, m0, msz, n0, nsz, ncols):
     return tile[:msz, :nsz]
 
 
-def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, scratch_td, clamp, m0, msz, n0, nsz, ncols, d_gate_dst,
-                          d_up_dst):
+def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
+                          d_gate_dst, d_up_dst):
     """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
     derivative, clamp masks, intermediate.
 
     Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
     stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
-    fp32 is exact, so no fp32 copies are made).
+    fp32 is exact, so no fp32 copies are made); gate_act, when given, is loaded into act_tile [128, >= nsz].
     """
     act = None
     if gate_act_td != None:  # noqa: E711
-        act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
+        act = act_tile
         nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
         act = act[:msz, :nsz]
     terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
@@ -396,13 +392,8 @@ def mx_along_s_applies(plan1, S, I, split, setup) -> bool:
     """Whether phase 1 can quantize d_gate_up along S on chip for phase 3 (SwigluBackwardEpilogue.
     exchange_along_s): MXFP8, phase 1 runs S-tile-major in 128-row tiles, and every core's rows are whole
     512-row K tiles of phase 3 with all I columns (checked for all cores: phase 3 reads every core's part)."""
-    if not setup.is_mx or not plan1.keep_moving or plan1.m_tile != PARTITIONS or S % MX_K_TILE:
-        return False
-    for core in range(split.num_cores):
-        (lo, hi), cols = CoreSplit(split.num_cores, core).ranges(S, I, prefer_m=True)
-        if cols != (0, I) or lo % MX_K_TILE or hi % MX_K_TILE:
-            return False
-    return True
+    return (setup.is_mx and plan1.keep_moving and plan1.m_tile == PARTITIONS and
+            split.whole_row_blocks(S, I, MX_K_TILE))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -472,12 +463,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     if mx_along_s_applies(plan1, S, I, split, setup):
         # each core quantizes its own d_gate_up rows along S in phase 1's epilogue and stores the MX words;
         # phase 3 reads both cores' halves as they are (panels.py panel layout)
-        n_k = S // MX_K_TILE
-        scale_tiles = ceil_div(n_k, MX_PACK) if setup.use_scale_packing else n_k
-        words = nl.ndarray((S // MX_PACK, two_i), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
-                           name="mlp_bwd_d_gate_up_mx")
-        scales = nl.ndarray((PARTITIONS * scale_tiles, two_i), dtype=nl.uint8, buffer=nl.shared_hbm,
-                            name="mlp_bwd_d_gate_up_mx_scales")
+        words, scales = panel_layout_hbm(S, two_i, setup, "mlp_bwd_d_gate_up_mx")
         plan1.epilogue.exchange_along_s(words, scales)
         phase3_args = phase3_args[:2] + (TensorDescriptor(words, k_axis=0, scales=scales, panel_layout=True),) + \
             phase3_args[3:]
