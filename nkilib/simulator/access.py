@@ -8,6 +8,9 @@ value conversions between compute results and storage.
   (docs/simulator.md#strictness-decisions).
 - `checked_write`: converts values to the view's dtype (`cast_values`), writes them, marks the bytes
   written (and matmul-written in PSUM), records the LNC2 write.
+- `carries_values` / `valueless`: shape-only runs (numerics=False) compute an instruction only when
+  every data input carries values (docs/simulator.md#shape-only-runs-with-carried-integer-inputs): a
+  read returns None for a view that does not, and the instruction then writes no values.
 - `cast_values` / `to_float32`: conversion rules of the 2.32 CPU simulator guide and release notes
   (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html,
   https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/release-notes/components/nki.html).
@@ -110,12 +113,29 @@ def checked_read(view: NkiTensor, instr: str, arg: str):
     return _read(view, instr, arg)
 
 
+def carries_values(view: NkiTensor) -> bool:
+    """Does every element of `view` hold a known value? Always in a numerics run; in a shape-only run
+    only a carried integer input and what instructions computed from carried values (storage.valued)."""
+    if runtime.current().numerics:
+        return True
+    st = view.storage
+    if st.data is None:
+        return False
+    return st.valued is None or bool(view.byte_mask_view(st.valued).all())
+
+
+def valueless(*raws) -> bool:
+    """True when one of an instruction's data reads returned None (shape-only run, an input without
+    values): the instruction then writes its outputs without values. Pass only reads of given operands."""
+    return any(r is None for r in raws)
+
+
 def _read(view: NkiTensor, instr: str, arg: str):
     ctx = runtime.current()
     st = view.storage
     if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
         ctx.launch.note_access(st, view.byte_mask_view, False, ctx.program_id, f"{instr} '{arg}'")
-    if not ctx.numerics:
+    if not carries_values(view):
         return None
     return view._np().copy()
 
@@ -124,19 +144,23 @@ def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = 
     """Write values (already in the view's shape or reshapeable to it) and mark bytes written.
 
     `written`: from checked_copy_read; elements copied from never-written memory stay never-written.
+    `values` None (shape-only run, an input without values): the view's elements hold no known value.
     """
     reject_indirect(view, f"{instr}: argument '{arg}'")
     ctx = runtime.current()
     st = view.storage
     vals = None
-    if ctx.numerics and values is not None:
+    if values is not None:
         vals = cast_values(values, view.dtype, view.np_dtype).reshape(view.shape)
     if st.buffer_kind == "shared_hbm" and ctx.num_programs > 1:
         ctx.launch.note_access(st, view.byte_mask_view, True, ctx.program_id, f"{instr} '{arg}'",
                                new_bytes=None if vals is None else _as_bytes(view, vals))
     st.modified = True
     if vals is not None:
+        st.hold_values()
         view._np()[...] = vals
+    if not ctx.numerics:
+        forget_or_know_values(view, vals is not None)
     if written is None:
         if st.written is not None:
             view.byte_mask_view(st.written)[...] = True
@@ -144,6 +168,19 @@ def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = 
         view.byte_mask_view(st.materialize_written())[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
     if matmul and st.mm_written is not None:
         view.byte_mask_view(st.mm_written)[...] = True
+
+
+def forget_or_know_values(view: NkiTensor, known: bool) -> None:
+    """Shape-only run: mark the view's bytes as holding known values (`known`) or not (a write without
+    values over a storage that holds some)."""
+    st = view.storage
+    if st.data is None:
+        return
+    if st.valued is None:
+        if known:
+            return
+        st.valued = np.ones(st.nbytes, np.bool_)
+    view.byte_mask_view(st.valued)[...] = known
 
 
 def _as_bytes(view: NkiTensor, vals: np.ndarray) -> np.ndarray:

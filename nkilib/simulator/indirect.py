@@ -147,7 +147,7 @@ def resolve_rows(view, instr: str, arg: str, oob_skip: bool):
 
     spec = view._vector_index
     raw = checked_read(spec.index, f"{instr}", f"{arg}.vector_offset")
-    if raw is None:
+    if not runtime.current().numerics:  # indices of a shape-only run are not read, even carried ones
         return None, None
     rows = np.asarray(raw).T.reshape(-1)[:view.shape[0]].astype(np.int64)
     fo = free_offsets(view)
@@ -295,7 +295,11 @@ def write_elements(view, addrs: np.ndarray, values, mask: np.ndarray, instr: str
 
 
 def mark_written(view) -> None:
-    """Shape-only run: mark every byte of a (cover) view written, without data or race tracking."""
+    """Shape-only run: mark every byte of a (cover) view written, without data or race tracking; the
+    view's elements hold no known value any more."""
+    from .access import forget_or_know_values
+
     if view.storage.written is not None:
         view.byte_mask_view(view.storage.written)[...] = True
     view.storage.modified = True
+    forget_or_know_values(view, False)

@@ -86,8 +86,8 @@ def _numpy_to_torch(a):
 
 def _input_tensor(arr: np.ndarray, arg: str, buffer_kind: str, settings, numerics: bool) -> NkiTensor:
     """An HBM input holding `arr`. In a shape-only run (numerics=False) float data is dropped, but an
-    integer array keeps its values ("carried values": routing tables, offsets), so `register_load` can
-    read them while the kernel has not written the tensor (docs/simulator.md#shape-only-runs-with-carried-integer-inputs)."""
+    integer array keeps its values ("carried values": routing tables, offsets): instructions on carried
+    values compute, and `register_load` reads them (docs/simulator.md#shape-only-runs-with-carried-integer-inputs)."""
     dtype = as_nki_dtype(arr.dtype, f"kernel argument '{arg}'")
     host = np.ascontiguousarray(arr)
     if dtype.category == "scale":

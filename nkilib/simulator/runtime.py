@@ -119,6 +119,8 @@ class ProgramContext:
         self.private_hbm = []  # keep private allocations alive for the launch
         # ScalarE reduce registers (activation reduce_cmd), one fp32 per partition (nki.isa.activation page)
         self.act_reduce_regs = np.zeros(128, np.float32)
+        # whether each holds a known value (False after a value-less activation of a shape-only run)
+        self.act_reduce_known = np.ones(128, np.bool_)
         # dynamic loops entered so far (control_flow.LoopEntry), compared across LNC programs
         self.dynamic_loops = []
         self.loop_stack = []  # LoopEntry of each running dynamic loop, outermost first

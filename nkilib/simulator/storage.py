@@ -7,7 +7,11 @@ Storage of every allocation is one flat row-major byte array (`Storage.data`), p
   again when a copy carries never-written elements into the tensor);
 - `mm_written` (PSUM only): one bool per byte, set by matmul writes (nc_matmul accumulate=None rule,
   docs/simulator.md#choice-psum-accumulate);
-- `race_state`: LNC2 race bookkeeping of a shared_hbm storage (`runtime.Launch.note_access`).
+- `race_state`: LNC2 race bookkeeping of a shared_hbm storage (`runtime.Launch.note_access`);
+- `valued` (shape-only runs): one bool per byte, set where `data` holds a known value, or None when
+  every byte of a non-None `data` does (a carried integer input). A shape-only allocation has no
+  `data` until an instruction writes it with values computed from carried values (`hold_values`;
+  docs/simulator.md#shape-only-runs-with-carried-integer-inputs).
 Fresh allocations hold the official CPU simulator's fill pattern
 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html;
 docs/simulator.md#choice-sentinels). On-chip (SBUF/PSUM) storages have a partition dim 0 whose stride
@@ -47,7 +51,7 @@ class Storage:
 
     __slots__ = (
         "id", "name", "shape", "dtype", "buffer_kind", "np_dtype", "nbytes", "data", "written",
-        "mm_written", "race_state", "program_id", "host_array", "modified", "__weakref__",
+        "mm_written", "valued", "race_state", "program_id", "host_array", "modified", "__weakref__",
     )
 
     def __init__(self, shape, dtype: NkiDType, buffer_kind: str, name: str, precise_fp: bool, numerics: bool,
@@ -71,6 +75,14 @@ class Storage:
             self.data = _sentinel_bytes(dtype, self.np_dtype, count).copy() if numerics else None
             self.written = np.zeros(self.nbytes, np.bool_)
         self.mm_written = np.zeros(self.nbytes, np.bool_) if buffer_kind == "psum" else None
+        self.valued = None  # every byte of `data` (if any) holds a known value
+
+    def hold_values(self) -> None:
+        """Shape-only run: give a storage without data the fill pattern of a fresh allocation and no known
+        values yet, before its first write of computed values (numerics runs always hold data)."""
+        if self.data is None:
+            self.data = _sentinel_bytes(self.dtype, self.np_dtype, prod(self.shape)).copy()
+            self.valued = np.zeros(self.nbytes, np.bool_)
 
     def materialize_written(self) -> np.ndarray:
         """The per-byte written mask as an array (all True if it was the all-written None)."""

@@ -248,3 +248,22 @@ def test_fragmented_sbuf_waits_for_the_covered_tile_or_is_a_plan_error(last_read
     else:
         assert s.start[1] >= s.end[2]  # Q's load waited for P's last read
         assert report.plan_errors == []
+
+
+def test_fragmented_sbuf_never_waits_for_a_swdge_dma_queued_behind_the_tile():
+    """Q (100 KiB) is first written on GpSimd while P (200 KiB) is live: no gap fits. P's final access is a
+    software-DGE DMA, whose descriptors GpSimd builds after Q's write (in-order queue): waiting for it
+    would deadlock, so Q is placed without waiting and the overlap is a plan error (was a scheduler
+    deadlock when the allocator ignored the sw-DGE queue)."""
+    p, q = new_id(), new_id()
+    kp, kq = 200 * 1024, 100 * 1024
+    tp, tq = (128, kp // 4), (128, kq // 4)
+    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])], [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
+         rec(1, "tensor_copy", "gpsimd", [chip("src", "sbuf", "float32", (128, 16))],
+             [chip("dst", "sbuf", "float32", tq, sid=q, alloc=kq)]),
+         rec(2, "dma_copy", "dma", [chip("src", "sbuf", "float32", tp, sid=p, alloc=kp)],
+             [hbm("dst", "float32", tp, tp[1])], dge_mode="swdge")]
+    s = schedule(t, TRN3, 1)
+    assert s.start[2] >= s.end[1]  # the DMA's descriptors wait for GpSimd's copy
+    assert CostReport.from_schedule(s, TRN3).plan_errors == [
+        "core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, the target has 256 KiB"]

@@ -193,18 +193,110 @@ def test_shape_only_run_carries_integer_input_values(lo, hi):
     assert len(copies) == 1 + 2 * (hi - lo)
 
 
-def test_shape_only_carried_values_only_for_unwritten_integer_inputs():
+def test_shape_only_carried_values_only_for_integer_inputs_and_what_they_compute():
+    """memset computes from no carried input: writing its tile over a carried input drops the values."""
     def written_then_loaded(offsets):
         t = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf)
         nisa.memset(dst=t, value=3)
         nisa.dma_copy(dst=offsets.reshape((1, 2)), src=t)
         nisa.register_load(nisa.register_alloc(), offsets[0:1])
 
-    with pytest.raises(NkiValidationError, match="'offsets'.*was written by the kernel"):
+    with pytest.raises(NkiValidationError, match="'offsets'.*has no values in a shape-only run"):
         run_kernel(written_then_loaded, args=(np.array([1, 2], np.int32),), numerics=False)
     with pytest.raises(NkiValidationError, match="float32.*has no values in a shape-only run"):
         run_kernel(lambda offsets: nisa.register_load(nisa.register_alloc(), offsets[0:1]),
                    args=(np.array([1.0], np.float32),), numerics=False)
+
+
+def _loop_trips(trace) -> list:
+    return [r.attrs["trip_count"] for r in trace if r.instr == "dynamic_loop"]
+
+
+def computed_bounds_kernel(offsets, data):
+    """Loop bounds computed on chip from the int32 input `offsets` [3] (as the MoE kernel does):
+    lo = offsets[1] - offsets[0] (tensor_tensor, GpSimd integer arithmetic), hi = offsets[2] * 2 + 1
+    (tensor_scalar on VectorE); one copy of `data` per iteration."""
+    offs = nl.ndarray((1, 3), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=offs, src=offsets.reshape((1, 3)))
+    bounds = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=bounds[:, 0:1], data1=offs[:, 1:2], data2=offs[:, 0:1], op=nl.subtract)
+    nisa.tensor_scalar(dst=bounds[:, 1:2], data=offs[:, 2:3], op0=nl.multiply, operand0=2.0, op1=nl.add,
+                       operand1=1.0, engine=nisa.engine.vector)
+    lo, hi = nisa.register_alloc(), nisa.register_alloc()
+    nisa.register_load(lo, bounds[0:1, 0:1])
+    nisa.register_load(hi, bounds[0:1, 1:2])
+    t = nl.ndarray(data.shape, data.dtype, buffer=nl.sbuf)
+    nl.fori_loop(lo, hi, lambda i: nisa.dma_copy(dst=t, src=data))
+
+
+@pytest.mark.parametrize("offsets", [(3, 5, 4), (0, 0, 0), (2, 9, 10)])
+def test_shape_only_values_flow_through_instructions_on_carried_inputs(offsets):
+    """An int tile DMA'd from a carried input and modified on GpSimd/VectorE is readable by register_load in a
+    shape-only run, with the value a numerics run computes."""
+    a, b, c = offsets
+    expected = [(2 * c + 1) - (b - a)]
+    args = (np.array(offsets, np.int32), ShapeSpec((4, 8), nl.bfloat16))
+    shape_only = run_kernel(computed_bounds_kernel, args=args, numerics=False, trace=True)
+    assert _loop_trips(shape_only.trace) == expected
+    full = run_kernel(computed_bounds_kernel, args=(args[0], np.zeros((4, 8), np.float32)), trace=True)
+    assert _loop_trips(full.trace) == expected
+
+
+def test_shape_only_no_values_from_a_shapespec_or_a_mixed_instruction():
+    """A tile computed from a ShapeSpec has no values, nor one whose instruction mixes it with carried
+    values; a value-less write over part of a carried tile leaves the rest readable."""
+    def derived(offsets, idx, which):
+        offs = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="offs")
+        nisa.dma_copy(dst=offs, src=offsets.reshape((1, 2)))
+        t = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="t")
+        nisa.dma_copy(dst=t, src=idx.reshape((1, 2)))
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        mixed = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="mixed")
+        nisa.tensor_tensor(dst=mixed, data1=offs, data2=t, op=nl.add)
+        nisa.tensor_copy(dst=offs[:, 1:2], src=t[:, 1:2])  # offs[1] loses its value, offs[0] keeps it
+        src = {"derived": t, "mixed": mixed, "overwritten": offs[:, 1:2], "kept": offs[:, 0:1]}[which]
+        r = nisa.register_alloc()
+        nisa.register_load(r, src[0:1, 0:1])
+        nl.fori_loop(0, r, lambda i: None)
+
+    args = (np.array([3, 4], np.int32), ShapeSpec((2,), nl.int32))
+    for which, name in (("derived", "t"), ("mixed", "mixed"), ("overwritten", "offs")):
+        with pytest.raises(NkiValidationError, match=rf"register_load: argument 'src' \('{name}', int32, sbuf\) "
+                                                     "has no values in a shape-only run"):
+            run_kernel(derived, args=args, kwargs={"which": which}, numerics=False)
+    assert _loop_trips(run_kernel(derived, args=args, kwargs={"which": "kept"}, numerics=False, trace=True).trace) == [3]
+
+
+def test_shape_only_float_math_on_carried_values_and_shapespec_data():
+    """Float instructions on carried values compute (int -> fp32 -> ScalarE/VectorE/TensorE -> int32 gives the
+    right bound); float data from a ShapeSpec stays without values, its tiles hold no data (memory)."""
+    seen = {}
+
+    def kernel(offsets, x):
+        offs = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=offs, src=offsets.reshape((2, 1)))
+        f = nl.ndarray((2, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=f, src=offs)
+        nisa.activation(dst=f, op=nl.copy, data=f, scale=1.5)  # [1.5 a, 1.5 b]
+        ones = nl.ndarray((2, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ones, data=f, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=1.0)
+        ps = nl.ndarray((1, 1), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=ones, moving=f)  # K=2, M=1, N=1: 1.5 (a + b)
+        total = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=total, src=ps)
+        xt = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xt, src=x)
+        y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=y, data1=xt, data2=xt, op=nl.multiply)
+        seen["data"] = (xt.storage.data, y.storage.data)
+        r = nisa.register_alloc()
+        nisa.register_load(r, total)
+        nl.fori_loop(0, r, lambda i: None)
+
+    res = run_kernel(kernel, args=(np.array([4, 6], np.int32), ShapeSpec((128, 512), nl.bfloat16)),
+                     numerics=False, trace=True)
+    assert _loop_trips(res.trace) == [15]  # 1.5 * (4 + 6)
+    assert seen["data"] == (None, None)
 
 
 def test_uninitialized_register_strict_and_lenient(monkeypatch):

@@ -4,7 +4,8 @@ from __future__ import annotations
 from ..hardware import TargetSpec
 
 
-def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict | None = None) -> dict:
+def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict | None = None,
+                       queue_of=None) -> dict:
     """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
 
     Each on-chip allocation lives from the first to the last trace record that touches it (the
@@ -24,7 +25,11 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     accesses (a compiler would have placed them apart; waiting is what the overlap would cost), at the
     lowest address where none of those accesses depends on the tile's first access (`preds`: the data
     dependencies, else no such placement is tried). If there is none, it is placed at 0 without waiting
-    and the report's scheduled occupancy shows the excess (a plan error there).
+    and the report's scheduled occupancy shows the excess (a plan error there); so is a tile whose wait
+    for a later access a later wait turned into a cycle (that wait is dropped at the end).
+    `queue_of` (optional, seq -> in-order engine queue or None): the scheduler's queues, where a
+    software-DGE DMA waits in GpSimd's queue; default: an instruction's engine, DMAs in none. The
+    "depends" test above follows these queues too, else a wait could close a cycle through one.
     `placements` (optional dict, for diagnostics) receives key -> (lo, hi, first seq) and, under
     "fragmented", one (key, bytes, waited) entry per fragmentation fallback.
     """
@@ -55,13 +60,17 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
 
     prev_on_engine, last_on_engine = {}, {}
     for r in records:
-        if r.engine != "dma":
-            key = (r.program, r.engine)
+        queue = queue_of(r.seq) if queue_of is not None else (r.engine if r.engine != "dma" else None)
+        if queue is not None:
+            key = (r.program, queue)
             prev_on_engine[r.seq] = last_on_engine.get(key)
             last_on_engine[key] = r.seq
 
+    waits_later = set()  # seqs given a wait for a later access (fragmentation fallback)
+
     def depends(later, first):
-        """True if `later` waits (data dependency or in-order engine) on `first`, transitively."""
+        """True if `later` waits (data dependency, in-order engine queue or a wait added here) on `first`,
+        transitively. Below `first` only a seq with a wait for a later access can lead back to it."""
         if preds is None:
             return True
         stack, seen = [later], set()
@@ -69,10 +78,11 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             q = stack.pop()
             if q == first:
                 return True
-            if q < first or q in seen:
+            if (q < first and q not in waits_later) or q in seen:
                 continue
             seen.add(q)
             stack.extend(preds[q])
+            stack.extend(deps.get(q, ()))
             if prev_on_engine.get(q) is not None:
                 stack.append(prev_on_engine[q])
         return False
@@ -101,6 +111,8 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             if lo is None:  # fragmented: wait for the live tiles it covers (see docstring)
                 lo, waits = _place_over_live(live[space], tails, last, nbytes, cap, r.seq, depends)
                 deps.setdefault(r.seq, set()).update(waits)  # may include accesses after r (none depends on r)
+                if any(q > r.seq for q in waits):
+                    waits_later.add(r.seq)
                 waited.update(waits)
                 if placements is not None:
                     placements.setdefault("fragmented", []).append((key, nbytes, bool(waits)))
@@ -132,6 +144,14 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             space = (key[0], key[1])
             lo, hi = live[space].pop(key)
             dead[space].append((lo, hi, tuple(tails[key].values())))
+    # a wait for a later access, chosen before later waits existed, may now close a cycle (that access
+    # waits, through them, for the waiting one): drop it; the tile is then placed without waiting and
+    # the scheduled occupancy shows the excess (as when no placement was valid). Every cycle holds
+    # such a wait (all other edges point back in program order), so none remains.
+    for seq in sorted(waits_later):
+        for q in sorted(q for q in deps[seq] if q > seq):
+            if depends(q, seq):
+                deps[seq].discard(q)
     return deps
 
 

@@ -91,7 +91,14 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
         preds[i] = tuple(d)
     if len(set(barrier_count.values())) > 1:
         raise CostModelError(f"programs reached different numbers of core_barriers: {barrier_count}")
-    for i, extra in _memory_reuse_deps(records, target, preds).items():
+    def sw_dge(i):
+        return costs[i].kind == "dma" and costs[i].dma.dge == "sw"
+
+    def queue_engine(i):
+        """In-order engine queue an instruction occupies: its engine; software-DGE DMAs: GpSimd [DGE]."""
+        return costs[i].engine if costs[i].kind == "compute" else "gpsimd" if sw_dge(i) else None
+
+    for i, extra in _memory_reuse_deps(records, target, preds, queue_of=queue_engine).items():
         preds[i] = tuple(set(preds[i]) | {q for q in extra if q != i})
     succ = [[] for _ in range(n)]
     for i, ps in enumerate(preds):
@@ -104,13 +111,6 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     cnt = [len(ps) for ps in preds]
     dep_ready = [0.0] * n
     dep_arg = [None] * n  # predecessor with the latest end
-
-    def sw_dge(i):
-        return costs[i].kind == "dma" and costs[i].dma.dge == "sw"
-
-    def queue_engine(i):
-        """In-order engine queue an instruction occupies: its engine; software-DGE DMAs: GpSimd [DGE]."""
-        return costs[i].engine if costs[i].kind == "compute" else "gpsimd" if sw_dge(i) else None
 
     queues = {}  # (p, engine) -> list of seqs (program order)
     for i, r in enumerate(records):

@@ -23,7 +23,7 @@ import numpy as np
 
 from ... import dtypes as D
 from ..language.ops import evaluate_activation
-from ...access import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32, valueless
 from . import constants as C
 from ._common import (NkiInstruction, alu_op, ctx, fail, numeric_operand, on_chip, require_nc_version,
                       same_partitions_and_free, scalar_or_vector)
@@ -76,13 +76,20 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, reduce
     raw = checked_read(data, instr, "data")
     scale_raw = checked_read(scale_tile, instr, "scale") if scale_tile is not None else None
     bias_raw = checked_read(bias_tile, instr, "bias") if bias_tile is not None else None
-    if raw is None:
+    lane0, p = data.partition_start, data.shape[0]
+    regs = c.act_reduce_regs[lane0:lane0 + p]  # view: updates persist in the program context
+    known = c.act_reduce_known[lane0:lane0 + p]  # view: do the reduce registers hold known values?
+    if reduce_cmd in (C.reduce_cmd.reset, C.reduce_cmd.reset_reduce):
+        regs[...] = 0.0
+        known[...] = True
+    if valueless(raw, *(r for t, r in ((scale_tile, scale_raw), (bias_tile, bias_raw)) if t is not None)):
+        if reduce_cmd in (C.reduce_cmd.reduce, C.reduce_cmd.reset_reduce):
+            known[...] = False  # shape-only run: a sum of unknown values
         checked_write(dst, instr, "dst", None)
         if reduce_res is not None:
-            checked_write(reduce_res, instr, "reduce_res", None)
+            checked_write(reduce_res, instr, "reduce_res", _reduce_registers_or_none(c, lane0, p))
         return NkiInstruction(name)
 
-    p = data.shape[0]
     with np.errstate(all="ignore"):
         x = to_float32(data, raw).reshape(p, -1)
         s = np.float32(scale_value) if scale_tile is None else to_float32(scale_tile, scale_raw).reshape(p, 1)
@@ -94,17 +101,21 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, reduce
         y = evaluate_activation(op, x)
     checked_write(dst, instr, "dst", y)
 
-    lane0 = data.partition_start
-    regs = c.act_reduce_regs[lane0:lane0 + p]  # view: updates persist in the program context
-    if reduce_cmd in (C.reduce_cmd.reset, C.reduce_cmd.reset_reduce):
-        regs[...] = 0.0
     if reduce_cmd in (C.reduce_cmd.reduce, C.reduce_cmd.reset_reduce):
         total = y.astype(np.float64).sum(axis=1).astype(np.float32)
         with np.errstate(all="ignore"):
             regs[...] = regs + total
     if reduce_res is not None:
-        checked_write(reduce_res, instr, "reduce_res", regs.copy())
+        checked_write(reduce_res, instr, "reduce_res", _reduce_registers_or_none(c, lane0, p))
     return NkiInstruction(name)
+
+
+def _reduce_registers_or_none(c, lane0: int, p: int):
+    """The reduce registers of lanes lane0..lane0+p, or None when one holds a sum of a value-less
+    activation (shape-only run)."""
+    if not c.act_reduce_known[lane0:lane0 + p].all():
+        return None
+    return c.act_reduce_regs[lane0:lane0 + p].copy()
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None,

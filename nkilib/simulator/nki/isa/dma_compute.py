@@ -30,7 +30,7 @@ import numpy as np
 
 from ...indirect import (check_unique_destination, cover_view, element_addresses, mark_written, read_elements,
                          write_elements)
-from ...access import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32, valueless
 from ._common import NkiInstruction, alu_op, ctx, fail, hbm_or_sbuf, require_nc_version
 from . import constants as C
 from .dma_indirect import IndirectAccess, record_indirect, resolve
@@ -103,7 +103,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
                  writes=[("dst", dst)], bytes=dst.size * dst.dtype.itemsize, rmw=rmw, srcs=len(srcs),
                  dge_mode="none")
     raws = [checked_read(s, instr, f"srcs[{i}]") for i, s in enumerate(srcs)]
-    if raws[0] is None:
+    if valueless(*raws):
         checked_write(dst, instr, "dst", None)
         return NkiInstruction(name)
     checked_write(dst, instr, "dst", _fold([to_float32(s, r).reshape(-1) for s, r in zip(srcs, raws)]))

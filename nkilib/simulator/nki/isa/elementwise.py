@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import dtypes as D
-from ...access import checked_read, checked_write, to_float32
+from ...access import checked_read, checked_write, to_float32, valueless
 from ...tensor import NkiTensor
 from . import constants as C
 from ._common import (NkiInstruction, alu_op, ctx, fail, gpsimd_no_psum, not_both_psum, numeric_operand, on_chip,
@@ -225,7 +225,7 @@ def tensor_tensor(dst, data1, data2, op, engine=C.engine.unknown, name=None):
              dst_dtype=str(dst.dtype))
     r1 = checked_read(d1, instr, "data1")
     r2 = checked_read(d2, instr, "data2")
-    if r1 is None:
+    if valueless(r1, r2):
         checked_write(dst, instr, "dst", None)
         return NkiInstruction(name)
     with np.errstate(all="ignore"):
@@ -296,7 +296,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
              elems=dst.free_size, op0=pair[0], op1=pair[1], data_dtype=str(data.dtype), dst_dtype=str(dst.dtype))
     raw = checked_read(data, instr, "data")
     tiles_raw = _read_stage_tiles(instr, stages)
-    if raw is None:
+    if valueless(raw, *tiles_raw.values()):
         checked_write(dst, instr, "dst", None)
         return NkiInstruction(name)
     if bitvec:
@@ -342,7 +342,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     raw = checked_read(data, instr, "data")
     tiles_raw = _read_stage_tiles(instr, (st0,))
     raw1 = checked_read(t1, instr, "operand1")
-    if raw is None:
+    if valueless(raw, raw1, *tiles_raw.values()):
         checked_write(dst, instr, "dst", None)
         return NkiInstruction(name)
     tiles_raw["operand1"] = raw1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import NkiValidationError
-from ...access import checked_read, checked_write, to_float32
+from ...access import carries_values, checked_read, checked_write, to_float32, valueless
 from ... import dtypes as D
 from . import constants as C
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version
@@ -82,13 +82,15 @@ def psum_accumulate(instr, dst, result, accumulate):
     if accumulate is not None and not isinstance(accumulate, (bool, np.bool_)):
         fail(instr, f"accumulate must be None, True or False, got {accumulate!r}")
     accumulate = None if accumulate is None else bool(accumulate)
-    c = ctx()
-    if not c.numerics:
+    if result is None:  # shape-only run, an operand without values
         if accumulate is True and not dst.byte_mask_view(dst.storage.mm_written).all():
             _uninit_accumulate(instr, dst)
         checked_write(dst, instr, "dst", None, matmul=True)
         return
     flags = dst.elements_all(dst.storage.mm_written).reshape(result.shape)
+    if accumulate is not False and flags.any() and not carries_values(dst):
+        checked_write(dst, instr, "dst", None, matmul=True)  # shape-only: adds to value-less partial sums
+        return
     if accumulate is False:
         out = result
     else:
@@ -150,7 +152,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                  K=k, M=m, N=k, in_dtype=str(st.dtype), transpose=True, perf_mode="none")
         raw = checked_read(st, instr, "stationary")
         ident = checked_read(mv, instr, "moving")
-        if raw is None:
+        if valueless(raw, ident):
             checked_write(dst, instr, "dst", None, matmul=True)
             return NkiInstruction(name)
         if not np.array_equal(to_float32(mv, ident).reshape(k, k), np.eye(k, dtype=np.float32)):
@@ -192,7 +194,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
              perf_mode=perf.value, transpose=False)
     s_raw = checked_read(st, instr, "stationary")
     m_raw = checked_read(mv, instr, "moving")
-    if s_raw is None:
+    if valueless(s_raw, m_raw):
         psum_accumulate(instr, dst, None, accumulate)
         return NkiInstruction(name)
     s = to_float32(st, s_raw).reshape(k_eff, m).astype(np.float64)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .... import mx as mxlib
 from ... import dtypes as D
-from ...access import checked_read, checked_write
+from ...access import checked_read, checked_write, valueless
 from ._common import NkiInstruction, ctx, dtype_in, fail, on_chip, require_nc_version
 from .matmul import check_tiling, psum_accumulate
 
@@ -157,7 +157,9 @@ def _read_scales(instr, arg, scale, groups):
     parts = []
     for v in _quadrant_row_views(scale, groups):
         raw = checked_read(v, instr, arg)
-        if raw is not None:
+        if raw is None:  # shape-only run, rows without values: read the others (bookkeeping), return None
+            parts = None
+        elif parts is not None:
             parts.append(raw.reshape(v.shape[0], -1).view(np.uint8))
     return np.concatenate(parts, axis=0) if parts else None
 
@@ -234,7 +236,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     m_raw = checked_read(mv, instr, "moving")
     s_scale = _read_scales(instr, "stationary_scale", ss, groups)
     m_scale = _read_scales(instr, "moving_scale", ms, groups)
-    if s_raw is None:
+    if valueless(s_raw, m_raw, s_scale, m_scale):
         psum_accumulate(instr, dst, None, accumulate)
         return NkiInstruction(name)
     result = mxlib.hw_matmul_mx(s_raw.reshape(k, m), m_raw.reshape(k, n), s_scale, m_scale,

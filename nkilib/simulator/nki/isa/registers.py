@@ -193,18 +193,12 @@ def _as_register_int(instr: str, src: NkiTensor, raw: np.ndarray) -> int:
     return value
 
 
-def _carried_value(instr: str, src: NkiTensor) -> np.ndarray:
-    """Shape-only run: the value of `src` if it is an integer kernel input given with values and not
-    written by the kernel since (launcher: carried values), else an error naming why it is unknown."""
-    st = src.storage
-    if st.data is None:
-        fail(instr, f"argument 'src' ('{src.name}', {src.dtype}, {st.buffer_kind}) has no values in a shape-only run "
-                    "(numerics=False): only integer kernel inputs passed as numpy arrays carry their values "
-                    "(a ShapeSpec or a float input does not)")
-    if st.modified:
-        fail(instr, f"argument 'src' ('{src.name}') was written by the kernel; in a shape-only run (numerics=False) "
-                    "written values are unknown, so a register cannot be loaded from it")
-    return src._np().copy()
+def _no_values(instr: str, src: NkiTensor):
+    """Shape-only run: `src` holds no known value (docs/simulator.md#shape-only-runs-with-carried-integer-inputs)."""
+    fail(instr, f"argument 'src' ('{src.name}', {src.dtype}, {src.storage.buffer_kind}) has no values in a shape-only "
+                "run (numerics=False): only integer kernel inputs passed as numpy arrays carry their values, and "
+                "tiles computed by instructions whose every data input carries values; a ShapeSpec, a float input, "
+                "memset/iota and anything computed from a value-less input do not")
 
 
 def register_load(dst, src):
@@ -217,7 +211,7 @@ def register_load(dst, src):
     c.record(instr=instr, engine=REGISTER_ENGINE, reads=[("src", src)], register=dst.id)
     raw = checked_read(src, instr, "src")
     if raw is None:
-        raw = _carried_value(instr, src)
+        _no_values(instr, src)
     dst._value = _as_register_int(instr, src, raw)
     return NkiInstruction(None)
 
