@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from moekit import make_routing, moe_inputs  # noqa: E402
-from simkit import assert_outputs_identical, to_numpy, to_torch  # noqa: E402
+from simkit import BF16, assert_outputs_identical, to_numpy, to_torch  # noqa: E402
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import MoESwiGLUExperts, moe_swiglu_experts_mxfp8  # noqa: E402
@@ -143,3 +143,27 @@ def test_module_with_bias():
     assert m.gate_up_bias.grad.abs().sum() > 0 and m.down_bias.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="bias=True needs a checkpoint keeping gate_pre and up"):
         MoESwiGLUExperts(4, 64, 32, bias=True, checkpoint="none")
+
+
+def test_bias_grad_summation_order_is_128_row_tiles_rounded_once():
+    """reference_bias_grad_fold and the emulation's bias_grad_fold (the kernel's order): each 128-row tile's sum
+    is rounded to fp32 on its own. Column 0: 1 and 2^-24 in tile 0 (1 + 2^-24 rounds to 1, ties to even), 2^-24
+    in tile 1 -> 1.0, where one float32 rounding of the whole sum gives 1 + 2^-23. Column 1: all -0 -> +0 (the
+    fold starts from +0). Column 2: 3 in the second block of 256 rows (its second tile)."""
+    import numpy as np
+
+    from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_emulate import bias_grad_fold
+    from nkilib.experimental.moe_mxfp8.reference import reference_bias_grad_fold
+
+    rows = np.zeros((400, 3), np.float32)
+    rows[0, 0], rows[1, 0], rows[128, 0] = 1.0, 2.0 ** -24, 2.0 ** -24
+    rows[:, 1] = -0.0
+    rows[384, 2] = 3.0
+    bf = rows.astype(BF16)
+    padded = np.concatenate([bf, np.zeros((112, 3), bf.dtype)]).reshape(2, 256, 3)  # two blocks of B = 256
+    want = np.array([1.0, 0.0, 3.0], np.float32)
+    got_ref = reference_bias_grad_fold(padded)
+    got_emu = to_numpy(bias_grad_fold(to_torch(bf)))
+    for got in (got_ref, got_emu):
+        assert got.dtype == np.float32 and got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    assert np.float32(rows[:, 0].astype(np.float64).sum()) == np.float32(1 + 2.0 ** -23)  # the other order
