@@ -1,7 +1,8 @@
 """moe_swiglu_experts_mxfp8 with GPT-OSS's experts: activation "gpt_oss" and the two biases.
 
 Gradients against torch float64 autograd of the math written here (GPT-OSS's per-expert formula); the emulate
-backend against mx_exact (the bias-free outputs) and the bias gradients' numerics; errors.
+backend against mx_exact (d_gate_up_bias included) and the simulator backend (the kernel's gate_up_bias_grad)
+against emulate, bit for bit; the bias gradient's summation order; errors.
 """
 from __future__ import annotations
 
