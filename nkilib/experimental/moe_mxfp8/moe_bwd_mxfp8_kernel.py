@@ -541,8 +541,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
                   f"got {block_size!r}")
-    kernel_assert(isinstance(gate_up_bias_grad, bool),
-                  f"gate_up_bias_grad must be a bool, got {gate_up_bias_grad!r}")
+    kernel_assert(isinstance(gate_up_bias_grad, bool), f"gate_up_bias_grad must be a bool, got {gate_up_bias_grad!r}")
     # ---- shapes ----
     kernel_assert(output_grad != None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,  # noqa: E711
                   f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")

@@ -19,10 +19,11 @@ import nki.language as nl
 from ...core.kernel_helpers import ceil_div, shard_range
 from ...core.matmul import CoreSplit, matmul_panels, panel_columns, panel_from_row_loader
 from ...core.matmul.panels import blocks
-from .constants import BIAS_GRAD_K_TILE, MOE_N_TILE, PARTITIONS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES
+from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, PARTITIONS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+                        WEIGHT_GRAD_PSUM_TILES)
 
-__all__ = ["BlockRowSource", "GateUpBiasGrad", "compute_phase3_expert_weight_grads_mxfp8", "compute_phase3_single_block_grads_mxfp8",
-           "store_zero_expert_grads"]
+__all__ = ["BlockRowSource", "GateUpBiasGrad", "compute_phase3_expert_weight_grads_mxfp8",
+           "compute_phase3_single_block_grads_mxfp8", "store_zero_expert_grads"]
 
 
 class BlockRowSource(nl.NKIObject):
