@@ -176,7 +176,8 @@ class HFGptOssExperts(nn.Module):
     to the routing-weight gradient).
 
     Recipe: moe_kwargs(recipe), with clamp_limits replaced by the module's limit and activation; the checkpoint
-    policy must keep gate_pre and up (they hold the bias) and the backend must resolve to "emulate".
+    policy must keep gate_pre and up (they hold the bias); any backend (the kernel returns the gate_up bias
+    gradient, moe_backward_mxfp8_nki's gate_up_bias_grad).
 
     Args:
         experts: the model's GptOssExperts.
@@ -219,9 +220,6 @@ class HFGptOssExperts(nn.Module):
         if not (keep[0] and keep[2]):
             raise ValueError(f"{self.where}: GPT-OSS experts need a recipe whose checkpoint keeps gate_pre and up "
                              f"(they hold the gate_up bias), got checkpoint={kwargs['checkpoint']!r}")
-        if kwargs["backend"] not in ("auto", "emulate"):
-            raise ValueError(f"{self.where}: GPT-OSS experts run on backend 'emulate' (the kernel has no bias-gradient "
-                             f"epilogue yet), got backend={kwargs['backend']!r}")
         return kwargs
 
     def _op_weights(self) -> tuple:

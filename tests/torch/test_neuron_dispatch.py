@@ -274,12 +274,13 @@ T_TOK, E_NUM, K_TOP = 10, 4, 2
 MOE_KERNEL_KWARGS = {"output_grad", "hidden_states", "topk_weights", "gate_up_weight", "down_weight",
                      "token_position_to_id", "token_position_to_slot", "expert_block_offsets", "block_size",
                      "run_with_lnc2", "gate_pre", "gate_act", "up", "intermediate", "clamp_limits", "fp8_x4_dtype",
-                     "quant_scheme", "weight_grad_dtype", "matmul_precision"}
+                     "quant_scheme", "weight_grad_dtype", "matmul_precision", "gate_up_bias_grad"}
 
 
 class RecordingMoEKernel:
     """Stands in for ``moe_backward_mxfp8_nki``: records (lnc, kw) and returns dX, d_topk_weights (float32),
-    dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns above."""
+    dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns above, and with
+    gate_up_bias_grad=True d_gate_up_bias (float32, expected_moe_bias_grad)."""
 
     def __init__(self):
         self.calls = []
@@ -289,10 +290,15 @@ class RecordingMoEKernel:
             assert not args, "the kernel must be called by keyword"
             self.calls.append((lnc, kw))
             wg = torch.float32 if kw["weight_grad_dtype"] == nl.float32 else torch.bfloat16
-            return (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
+            outs = (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
                     expected_dw_down(kw["topk_weights"].shape), expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
                     -expected_moe_dw(kw["down_weight"].shape).to(wg))
+            return outs + ((expected_moe_bias_grad(kw["gate_up_weight"].shape[:2]),) if kw["gate_up_bias_grad"] else ())
         return launch
+
+
+def expected_moe_bias_grad(shape):
+    return 0.5 + torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape) % 31
 
 
 def expected_moe_dw(shape):
@@ -309,10 +315,10 @@ def make_moe(seed, dtype=torch.bfloat16):
     return x, ids, w, wgu, wd
 
 
-def _check_moe_kernel_call(call, lnc, x, ids, w, wgu, wd, wg):
+def _check_moe_kernel_call(call, lnc, x, ids, w, wgu, wd, wg, bias_grad=False):
     got_lnc, kw = call
     assert got_lnc == lnc and kw["run_with_lnc2"] == (lnc == 2)
-    assert set(kw) == MOE_KERNEL_KWARGS
+    assert set(kw) == MOE_KERNEL_KWARGS and kw["gate_up_bias_grad"] is bias_grad
     assert kw["output_grad"].shape == (T_TOK, H) and kw["output_grad"].dtype == torch.bfloat16
     assert torch.equal(kw["hidden_states"], x.detach().bfloat16())
     assert torch.equal(kw["topk_weights"], w.detach().float())
@@ -374,6 +380,25 @@ def test_moe_xla_path_uses_the_autograd_function_and_no_nki_op(stubs):
     assert len(stubs.moe_kernel.calls) == 1
     _check_moe_kernel_call(stubs.moe_kernel.calls[0], 1, x, ids, w, wgu, wd, "float32")  # fp32 params
     _check_moe_grads(x, w, wgu, wd, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["neuron", "xla"])
+def test_moe_gate_up_bias_gradient_comes_from_the_kernel_on_both_stacks(stubs, kind):
+    """With gate_up_bias the op asks the kernel for its bias gradient (gate_up_bias_grad=True) and returns the
+    kernel's fifth output as the bias's gradient (in the bias's dtype); the down bias stays outside the op."""
+    if kind == "xla":
+        stubs.monkeypatch.setitem(sys.modules, "torch_neuronx", stubs.xla_only_neuronx)
+    as_device(stubs.monkeypatch, kind, M)
+    x, ids, w, wgu, wd = make_moe(10)
+    b_gu = torch.zeros(E_NUM, 2 * I, dtype=torch.bfloat16).requires_grad_()
+    y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
+                                 clamp_limits=CLAMP, gate_up_bias=b_gu)
+    y.backward(torch.ones_like(y))
+    assert len(stubs.moe_kernel.calls) == 1
+    _check_moe_kernel_call(stubs.moe_kernel.calls[0], 1, x, ids, w, wgu, wd, "bfloat16", bias_grad=True)
+    _check_moe_grads(x, w, wgu, wd, torch.bfloat16)
+    assert b_gu.grad.dtype == torch.bfloat16
+    assert torch.equal(b_gu.grad, expected_moe_bias_grad((E_NUM, 2 * I)).to(torch.bfloat16))
 
 
 def test_moe_cpu_backward_op_refuses_the_neuron_backend():

@@ -124,8 +124,7 @@ def test_gpt_oss_experts_state_dict_round_trip():
 
 
 @pytest.mark.parametrize("recipe,match", [(dict(checkpoint="none"), "keeps gate_pre and up"),
-                                          (dict(checkpoint=("gate_pre", "gate_act")), "keeps gate_pre and up"),
-                                          (dict(backend="simulator"), "backend 'emulate'")])
+                                          (dict(checkpoint=("gate_pre", "gate_act")), "keeps gate_pre and up")])
 def test_gpt_oss_refuses_recipes_it_cannot_run(recipe, match):
     from nkilib.recipe import Recipe
 
@@ -136,6 +135,26 @@ def test_gpt_oss_refuses_recipes_it_cannot_run(recipe, match):
     with pytest.raises(ValueError, match=match):  # re-patching with a recipe it cannot run keeps the old one
         patch_model(patched, Recipe(**recipe))
     assert patched.model.layers[0].mlp.experts.recipe.backend == "emulate"
+
+
+def test_gpt_oss_on_the_simulator_backend_equals_emulate():
+    """GPT-OSS experts on the kernel (simulator backend; the gate_up bias gradient is the kernel's output): the
+    same logits and the same gradients, bit for bit, as on the emulate backend."""
+    from nkilib.recipe import Recipe
+
+    runs = []
+    for backend in ("emulate", "simulator"):
+        model = _model(seed=9)
+        patch_model(model, Recipe(backend=backend))
+        assert model.model.layers[0].mlp.experts.recipe.backend == backend
+        runs.append(_run(model, torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))))
+    (logits_e, grads_e), (logits_s, grads_s) = runs
+    assert torch.equal(logits_e, logits_s)
+    bias = "model.layers.0.mlp.experts.gate_up_proj_bias"
+    assert grads_s[bias] is not None and grads_s[bias].abs().sum() > 0
+    for name, g in grads_e.items():
+        assert (g is None) == (grads_s[name] is None), name
+        assert g is None or torch.equal(g, grads_s[name]), name
 
 
 def test_gpt_oss_alpha_must_be_gelu_apprx_sigmoids():

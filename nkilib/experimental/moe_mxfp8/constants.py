@@ -15,6 +15,9 @@ MAX_BLOCK_SIZE = MX_K_TILE
 DEFAULT_BLOCK_SIZE = 128
 #: Columns of I per partial sum of the routing-weight gradient <dI, h> (one fp32 PSUM bank).
 ROUTING_GRAD_TILE = 512
+#: Rows per partial sum of the gate_up bias gradient (GPT-OSS): one BF16 nc_matmul's K (128 partitions),
+#: each tile's column sums rounded once to fp32 and accumulated in order (reference_bias_grad_fold).
+BIAS_GRAD_K_TILE = BF16_K_TILE
 #: Accepted dtypes of topk_ids.
 TOPK_ID_DTYPES = ("int32", "int64")
 

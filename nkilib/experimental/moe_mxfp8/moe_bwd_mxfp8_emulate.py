@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, activation_fns32, clamp_tuple,
                                                              contract_matmul, linear_factor, recompute_projection)
-from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
+from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 
-__all__ = ["routing_grad", "moe_backward_emulate"]
+__all__ = ["routing_grad", "bias_grad_fold", "moe_backward_emulate"]
 
 
 def routing_grad(d_i: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,24 @@ def routing_grad(d_i: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     for i0 in range(0, prod.shape[1], ROUTING_GRAD_TILE):
         part = prod[:, i0:i0 + ROUTING_GRAD_TILE].to(torch.float64).sum(dim=1).to(torch.float32)
         acc = part if acc is None else acc + part
+    return acc
+
+
+def bias_grad_fold(d_gu: torch.Tensor) -> torch.Tensor:
+    """reference.reference_bias_grad_fold on one expert's rows: per tile of BIAS_GRAD_K_TILE consecutive rows
+    (B is a multiple of it, so the tiles of the expert's blocks are its rows in runs of 128 from the first,
+    the last zero-padded) the float64 column sum rounded to fp32, accumulated in fp32 from +0 in order.
+
+    Dimensions:
+        d_gu [R, 2I] bf16 (R > 0) -> [2I] float32.
+    """
+    r, two_i = d_gu.shape
+    pad = -r % BIAS_GRAD_K_TILE
+    tiles = F.pad(d_gu, (0, 0, 0, pad)).to(torch.float64).reshape(-1, BIAS_GRAD_K_TILE, two_i)
+    parts = tiles.sum(dim=1).to(torch.float32)  # exact in float64 while a tile spans < 2^38: order-free
+    acc = torch.zeros(two_i, dtype=torch.float32, device=d_gu.device)
+    for part in parts:
+        acc = acc + part
     return acc
 
 
@@ -80,8 +98,8 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule: as in the dense emulation.
         weight_grad_dtype: torch.bfloat16 or torch.float32.
         bias_grad: also return d_gate_up_bias [E, 2I] float32: per expert the sum over its rows of the bf16
-            d_gate_up (the pre-activation gradients the weight gradient folds), in float32 in torch's
-            summation order (not the kernel's contract: the kernel has no bias-gradient epilogue yet).
+            d_gate_up (the pre-activation gradients the weight gradient folds) in the kernel's order
+            (bias_grad_fold; the kernel's gate_up_bias_grad output, reference_bias_grad_fold).
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
@@ -135,7 +153,7 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         d_gate = (((dh * uc) * act_dx_fn(gc)) * mask_g).to(bf)
         d_gu = torch.cat([d_gate, d_up], dim=1)  # [R, 2I]
         if bias_grad:
-            d_bias[e] = d_gu.to(f32).sum(dim=0)
+            d_bias[e] = bias_grad_fold(d_gu)
         hs = (h.to(f32) * p).to(bf)
         part = mm(d_gu, w_gu[e]).to(bf)  # [R, H]: K = 2I, M = R, N = H
         dx[tok] = (dx[tok].to(f32) + part.to(f32)).to(bf)  # the bf16 read-modify-write

@@ -64,7 +64,7 @@ from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_pane
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
-from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, compute_phase3_expert_weight_grads_mxfp8,
+from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8, store_zero_expert_grads)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
@@ -417,7 +417,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
 # ---------------------------------------------------------------------------------------------------
 def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     """Passes A, B, C (module docstring) for a validated MoeContext; outputs are ctx.dx, ctx.d_weights,
-    ctx.d_gate_up_weight, ctx.d_down_weight."""
+    ctx.d_gate_up_weight, ctx.d_down_weight and, when not None, ctx.d_gate_up_bias."""
     E, H, I, setup, split = ctx.E, ctx.H, ctx.I, ctx.setup, ctx.split
     # this core's rows of each block (pass A) and H columns of dX (pass B)
     lo, hi = shard_range(ctx.B // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
@@ -482,7 +482,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         for out, lhs, rhs, m_total, n_total in grads:
             compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
 
+    bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
     for e in range(E):
+        if bias != None:  # noqa: E711
+            bias.expert(e)
         ctx.loops.if_single(e, lambda i, e=e: pass_c_single(e, i))
         ctx.loops.if_multi(e, lambda e=e: pass_c_multi(e))
         ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
@@ -502,7 +505,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                            token_position_to_id, token_position_to_slot, expert_block_offsets, gate_pre=None,
                            gate_act=None, up=None, intermediate=None, block_size=128, run_with_lnc2=True,
                            fp8_x4_dtype=nl.float8_e4m3fn_x4, use_scale_packing=True, clamp_limits=None,
-                           quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None):
+                           quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None,
+                           gate_up_bias_grad=False):
     """Backward of y[t] = sum_j p[t, j] · W_down[e]·(silu(W_gate[e]·x[t]) ⊙ W_up[e]·x[t]) over the routed experts.
 
     Dimensions:
@@ -518,10 +522,13 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         run_with_lnc2: shard across the two cores of a kernel[2] launch (module docstring).
         fp8_x4_dtype, use_scale_packing, clamp_limits, quant_scheme, weight_grad_dtype, matmul_precision:
             as in the dense mlp_backward_mxfp8_nki (matmul_precision default: "mxfp8" on trn3, "bf16" on trn2).
+        gate_up_bias_grad: also return d_gate_up_bias [E, 2I] float32 (GPT-OSS's gate_up bias: per expert the
+            sum of its d_gate_up rows; moe_bwd_mxfp8_weight_grads.GateUpBiasGrad, computed in pass C).
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
-        d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype.
+        d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype; with gate_up_bias_grad
+        a fifth output d_gate_up_bias [E, 2I] float32.
 
     The routing index values are data: the kernel trusts the layout (routing.py validates topk_ids on the
     host); an id >= T or slot >= T*k is a padding sentinel and is skipped. The layout's block_to_expert is
@@ -534,6 +541,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
                   f"got {block_size!r}")
+    kernel_assert(isinstance(gate_up_bias_grad, bool), f"gate_up_bias_grad must be a bool, got {gate_up_bias_grad!r}")
     # ---- shapes ----
     kernel_assert(output_grad != None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,  # noqa: E711
                   f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
@@ -588,5 +596,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))
     ctx.d_gate_up_weight = nl.ndarray((E, 2 * I, H), dtype=wg_dtype, buffer=nl.shared_hbm, name="gate_up_weight_grad")
     ctx.d_down_weight = nl.ndarray((E, H, I), dtype=wg_dtype, buffer=nl.shared_hbm, name="down_weight_grad")
+    ctx.d_gate_up_bias = nl.ndarray((E, 2 * I), dtype=nl.float32, buffer=nl.shared_hbm,
+                                    name="gate_up_bias_grad") if gate_up_bias_grad else None
     moe_backward_mxfp8_base_nki(ctx, wg_dtype)
+    if gate_up_bias_grad:
+        return dx, d_weights, ctx.d_gate_up_weight, ctx.d_down_weight, ctx.d_gate_up_bias
     return dx, d_weights, ctx.d_gate_up_weight, ctx.d_down_weight

@@ -18,7 +18,8 @@ tensors' device.
 Kernel arguments passed (all by keyword): output_grad, hidden_states, topk_weights (float32),
 gate_up_weight, down_weight, token_position_to_id, token_position_to_slot, expert_block_offsets,
 block_size, run_with_lnc2 (lnc == 2), gate_pre, gate_act, up, intermediate ([T, k, I] or None),
-clamp_limits, fp8_x4_dtype, quant_scheme, weight_grad_dtype, matmul_precision.
+clamp_limits, fp8_x4_dtype, quant_scheme, weight_grad_dtype, matmul_precision, gate_up_bias_grad (True when
+the op has a gate_up_bias: the kernel then returns d_gate_up_bias [E, 2I] float32 as a fifth output).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ TORCHNEURON_BACKWARD_OP = "nkilib_neuron::moe_backward_mxfp8"
 
 
 def call_kernel(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, block_size,
-                lnc) -> tuple:
-    """``moe_backward_mxfp8_nki[lnc](...)`` on device tensors -> (dX, d_topk_weights, dW_gate_up, dW_down).
+                lnc, bias_grad=False) -> tuple:
+    """``moe_backward_mxfp8_nki[lnc](...)`` on device tensors -> (dX, d_topk_weights, dW_gate_up, dW_down) and,
+    with bias_grad, d_gate_up_bias [E, 2I] float32.
 
     Dimensions:
         dy / x [T, H] bf16, ids / w [T, k], w_gu [E, 2I, H] and w_down [E, H, I] bf16, ckpts [T, k, I] or None.
@@ -62,7 +64,7 @@ def call_kernel(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
         token_position_to_id=on_device(layout.token_position_to_id),
         token_position_to_slot=on_device(layout.token_position_to_slot),
         expert_block_offsets=on_device(layout.expert_block_offsets), block_size=block_size,
-        run_with_lnc2=lnc == 2, **kw)
+        run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, **kw)
     return tuple(outs)
 
 
@@ -94,14 +96,17 @@ def torchneuron_ops() -> tuple:
         intermediate: Optional[Tensor], gate_lower: Optional[float], gate_upper: Optional[float],
         up_lower: Optional[float], up_upper: Optional[float], activation: str, fp8_dtype: str, quant_scheme: str,
         matmul_precision: str, scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        gate_up_bias: Optional[Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         outs = call_kernel(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
                            (gate_pre, gate_act, up, intermediate),
                            (gate_lower, gate_upper, up_lower, up_upper, activation),
-                           fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc)
-        return tuple(o.contiguous() for o in outs)
+                           fp8_dtype, quant_scheme, matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc,
+                           gate_up_bias is not None)
+        no_bias = () if gate_up_bias is not None else (output_grad.new_zeros((0,), dtype=torch.float32),)
+        return tuple(o.contiguous() for o in outs) + no_bias
 
-    backward_op.register_fake(M.backward_fake)
+    backward_op.register_fake(M.backward_fake_with_bias)
 
     @nki_op(TORCHNEURON_FORWARD_OP, mutates_args=())
     def forward_op(
@@ -109,10 +114,10 @@ def torchneuron_ops() -> tuple:
         gate_lower: Optional[float], gate_upper: Optional[float], up_lower: Optional[float],
         up_upper: Optional[float], activation: str, fp8_dtype: str, quant_scheme: str, matmul_precision: str,
         scale_rule: str, weight_grad_dtype: str, block_size: int, backend: str, lnc: int, save_gate_pre: bool,
-        save_gate_act: bool, save_up: bool, save_intermediate: bool,
+        save_gate_act: bool, save_up: bool, save_intermediate: bool, gate_up_bias: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return M.forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper,
-                              up_lower, up_upper, activation)
+                              up_lower, up_upper, activation, gate_up_bias)
 
     forward_op.register_fake(M.forward_fake)
     forward_op.register_autograd(M.make_backward_formula(backward_op), setup_context=M.setup_context)
@@ -138,25 +143,27 @@ class XlaMoESwiGLUExperts(torch.autograd.Function):
     """Forward in torch ops on XLA tensors; backward ``moe_backward_mxfp8_nki[lnc]`` on XLA tensors.
 
     Inputs: x2 [T, H], topk_ids / topk_weights [T, k], gate_up_weight [E, 2I, H], down_weight [E, H, I],
-    then the clamps (the four limits and the activation), options (fp8, scheme, precision, scale_rule, wg, block_size, lnc) and keep flags as tuples.
+    then the clamps (the four limits and the activation), options (fp8, scheme, precision, scale_rule, wg, block_size, lnc) and keep flags as tuples;
+    gate_up_bias [E, 2I] or None (its gradient: the kernel's gate_up_bias_grad output).
     """
 
     @staticmethod
-    def forward(ctx, x2, ids, w, gate_up_weight, down_weight, clamps, options, keep):
+    def forward(ctx, x2, ids, w, gate_up_weight, down_weight, clamps, options, keep, gate_up_bias=None):
         from . import moe_bwd_mxfp8_torch as M
 
-        y, *ckpts = M.forward_impl(x2, ids, w, gate_up_weight, down_weight, *clamps)
+        y, *ckpts = M.forward_impl(x2, ids, w, gate_up_weight, down_weight, *clamps, gate_up_bias)
         ctx.save_for_backward(x2, ids, w, gate_up_weight, down_weight,
-                              *[c if k else None for c, k in zip(ckpts, keep)])
+                              *[c if k else None for c, k in zip(ckpts, keep)], gate_up_bias)
         ctx.clamps, ctx.options = clamps, options
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, ids, w, w_gu, w_down, *ckpts = ctx.saved_tensors
+        x, ids, w, w_gu, w_down, *ckpts, bias = ctx.saved_tensors
         fp8, scheme, precision, rule, wg, block_size, lnc = ctx.options
         bf = torch.bfloat16
-        dx, d_w, dw_gu, dw_down = call_kernel(grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf), ckpts,
-                                              ctx.clamps, fp8, scheme, precision, rule, wg, block_size, lnc)
+        dx, d_w, dw_gu, dw_down, *d_bias = call_kernel(grad_y.to(bf), x.to(bf), ids, w, w_gu.to(bf), w_down.to(bf),
+                                                       ckpts, ctx.clamps, fp8, scheme, precision, rule, wg,
+                                                       block_size, lnc, bias is not None)
         return (dx.to(x.dtype), None, d_w.to(w.dtype), dw_gu.to(w_gu.dtype), dw_down.to(w_down.dtype), None, None,
-                None)
+                None, None if bias is None else d_bias[0].to(bias.dtype))

@@ -198,17 +198,17 @@ def moe_swiglu_experts_mxfp8_backward_op(
         down_weight [E, H, I], checkpoints [T, k, I] or None, gate_up_bias [E, 2I] or None -> (dX [T, H] bf16,
         d_topk_weights [T, k] float32, dW_gate_up [E, 2I, H], dW_down [E, H, I] in weight_grad_dtype,
         d_gate_up_bias [E, 2I] float32, or [0] without a bias). The bias only asks for its gradient (its value
-        is in the gate_pre / up checkpoints); "emulate" only.
+        is in the gate_pre / up checkpoints): the kernel's gate_up_bias_grad output (simulator), bias_grad of
+        the emulation (emulate), the same bits.
     """
     clamps = (gate_lower, gate_upper, up_lower, up_upper, activation)
     no_bias = output_grad.new_zeros((0,), dtype=torch.float32)
     if backend == "simulator":
-        if gate_up_bias is not None:
-            raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias needs backend='emulate' (the kernel has no "
-                             "bias-gradient epilogue yet)")
-        return (*_simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
-                                     (gate_pre, gate_act, up, intermediate), clamps, fp8_dtype, quant_scheme,
-                                     matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc), no_bias)
+        outs = _simulator_backward(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
+                                   (gate_pre, gate_act, up, intermediate), clamps, fp8_dtype, quant_scheme,
+                                   matmul_precision, scale_rule, weight_grad_dtype, block_size, lnc,
+                                   gate_up_bias is not None)
+        return outs + (() if gate_up_bias is not None else (no_bias,))
     if backend == "neuron":
         raise RuntimeError("nkilib::moe_swiglu_experts_mxfp8_backward does not run the Neuron path: "
                            "moe_swiglu_experts_mxfp8 sends Neuron tensors to the nki_op registration (TorchNeuron) or "
@@ -227,9 +227,9 @@ def moe_swiglu_experts_mxfp8_backward_op(
 
 
 def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg,
-                        block_size, lnc):
+                        block_size, lnc, bias_grad=False):
     """moe_backward_mxfp8_nki on the NKI CPU simulator (LNC `lnc`): torch -> numpy, the block layout of the
-    routing, the kernel, numpy -> torch (outputs on dy's device)."""
+    routing, the kernel, numpy -> torch (outputs on dy's device; with bias_grad a fifth, d_gate_up_bias)."""
     if scale_rule != "neuron":
         raise ValueError(f"scale_rule={scale_rule!r} is only available with backend='emulate'; the kernel (and so the "
                          f"simulator) uses quantize_mx's 'neuron' rule")
@@ -247,7 +247,7 @@ def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme,
         topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
         down_weight=_to_numpy(w_down.to(torch.bfloat16)), token_position_to_id=layout.token_position_to_id,
         token_position_to_slot=layout.token_position_to_slot, expert_block_offsets=layout.expert_block_offsets,
-        block_size=block_size, run_with_lnc2=lnc == 2, **kw)
+        block_size=block_size, run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, **kw)
     return tuple(_from_numpy(o, dy.device).contiguous() for o in outs)
 
 
@@ -260,14 +260,14 @@ def backward_fake(output_grad, hidden_states, topk_ids, topk_weights, gate_up_we
             down_weight.new_empty(down_weight.shape, dtype=wg))
 
 
-def _backward_fake_with_bias(*args):
+def backward_fake_with_bias(*args):
     """backward_fake plus the bias gradient ([E, 2I] float32, or [0] without a bias): the CPU backward op."""
     bias, w_gu = args[-1], args[4]
     shape = (0,) if bias is None else (w_gu.shape[0], w_gu.shape[1])
     return (*backward_fake(*args[:-1]), w_gu.new_empty(shape, dtype=torch.float32))
 
 
-moe_swiglu_experts_mxfp8_backward_op.register_fake(_backward_fake_with_bias)
+moe_swiglu_experts_mxfp8_backward_op.register_fake(backward_fake_with_bias)
 
 
 def forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
@@ -390,8 +390,9 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             and tokens travel to their experts' ranks and back as MXFP8 all-to-alls.
         gate_up_bias: None or [E, 2I] (GPT-OSS): added to the projections (gate_pre = x W_gate[e]^T + b_gate[e]
             in bf16, likewise up); needs a checkpoint policy keeping gate_pre and up (the kernel's recompute has
-            no bias) and backend "emulate". Its gradient, per expert the float32 sum of the bf16 d_gate_up rows,
-            comes out of the emulated backward's epilogue (no extra matmul).
+            no bias), any backend. Its gradient, per expert the float32 sum of the bf16 d_gate_up rows in the
+            order of reference.reference_bias_grad_fold, is the kernel's gate_up_bias_grad output (simulator,
+            neuron; BF16 matmuls with a ones column in pass C) or the emulation's bias_grad_fold, the same bits.
         down_bias: None or [E, H] (GPT-OSS): y[t] += sum_j p_j * down_bias[e_j], in float32 torch ops outside
             the op, so autograd gives d_down_bias[e] = sum over e's pairs of p * dY (float32) and adds
             <dY[t], down_bias[e]> to d_topk_weights (the op's <dI, h> is the rest of <dY, y_e>).
@@ -433,7 +434,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     clamps = (*clamps, options.clamp_activation(clamp_limits))
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
-    _check_gate_up_bias(gate_up_bias, gate_up_weight, keep, resolved)
+    _check_gate_up_bias(gate_up_bias, gate_up_weight, keep)
     stack = None
     if resolved == "neuron":
         stack = neuron_stack(x.device)
@@ -443,18 +444,17 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
     args = (x.reshape(t, h), topk_ids.reshape(t, k), topk_weights.reshape(t, k), gate_up_weight, down_weight)
     if stack == "xla":
         y2 = XlaMoESwiGLUExperts.apply(*args, clamps, (fp8, quant_scheme, matmul_precision, scale_rule, wg, b, lnc),
-                                       keep)
+                                       keep, gate_up_bias)
     else:
         forward_op = torchneuron_ops()[0] if stack == "torchneuron" else moe_swiglu_experts_mxfp8_op
-        bias = (gate_up_bias,) if forward_op is moe_swiglu_experts_mxfp8_op else ()
         y2, *_ = forward_op(*args, *clamps, fp8, quant_scheme, matmul_precision, scale_rule, wg, b, resolved, lnc,
-                            *keep, *bias)
+                            *keep, gate_up_bias)
     return y2.reshape(x.shape)
 
 
-def _check_gate_up_bias(bias, gate_up_weight, keep, backend) -> None:
+def _check_gate_up_bias(bias, gate_up_weight, keep) -> None:
     """gate_up_bias: None, or an [E, 2I] tensor of the weight's dtype class and device, with gate_pre and up
-    kept (keep: the checkpoint flags) and the emulate backend."""
+    kept (keep: the checkpoint flags). Every backend computes its gradient (the kernel's gate_up_bias_grad)."""
     if bias is None:
         return
     want = (gate_up_weight.shape[0], gate_up_weight.shape[1])
@@ -466,9 +466,6 @@ def _check_gate_up_bias(bias, gate_up_weight, keep, backend) -> None:
     if not (keep[0] and keep[2]):
         raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias needs a checkpoint policy that keeps gate_pre and "
                          "up (the kernel's recompute has no bias), got one without them")
-    if backend != "emulate":
-        raise ValueError(f"moe_swiglu_experts_mxfp8: gate_up_bias needs backend='emulate' (the kernel has no "
-                         f"bias-gradient epilogue yet), got backend {backend!r}")
 
 
 def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
@@ -501,7 +498,7 @@ class MoESwiGLUExperts(nn.Module):
             without a recipe the op's default); given, they override the recipe (GPT-OSS's experts:
             clamp_limits=ClampLimits(non_linear_upper=7, linear_lower=-7, linear_upper=7, activation="gpt_oss")).
         bias: add gate_up_bias and down_bias (moe_swiglu_experts_mxfp8's; needs a checkpoint keeping gate_pre
-            and up, and backend "emulate" or "auto" off Neuron).
+            and up; any backend).
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -535,9 +532,9 @@ class MoESwiGLUExperts(nn.Module):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
         if bias:
             keep = resolve_checkpoint_policy(o["checkpoint"])
-            if not (keep[0] and keep[2]) or o["backend"] not in ("auto", "emulate"):
-                raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up and backend "
-                                 f"'emulate' or 'auto', got checkpoint={o['checkpoint']!r}, backend={o['backend']!r}")
+            if not (keep[0] and keep[2]):
+                raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up, got "
+                                 f"checkpoint={o['checkpoint']!r}")
             self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
             self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         else:

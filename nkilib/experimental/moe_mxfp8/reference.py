@@ -30,11 +30,11 @@ import numpy as np
 from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # building blocks of the dense contract (shared numerics)
     MODES, _act, _activation_fns, _bf16, _f32, _f64, _gate_terms, _intermediate, _matmul, _options, _up_terms, _weight_grad, _weight_grad_dtype, error_report, reference_phase0_recompute,
     reference_phase2_hidden_states_grad)
-from .constants import BF16_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
+from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 from .routing import BlockLayout, validate_block_layout, validate_topk_weights
 
 __all__ = ["MODES", "CHECKPOINT_NAMES", "gather_rows", "reference_block_phase1", "reference_dx_scatter_add",
-           "reference_weight_grad_fold", "moe_backward_reference", "error_report"]
+           "reference_weight_grad_fold", "reference_bias_grad_fold", "moe_backward_reference", "error_report"]
 
 CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
 
@@ -176,6 +176,30 @@ def reference_weight_grad_fold(lhs_blocks, rhs_blocks, *, fp8_dtype="float8_e4m3
     return _weight_grad(acc, mode, wg)
 
 
+def reference_bias_grad_fold(d_gate_up_blocks, mode="mx_exact") -> np.ndarray:
+    """One expert's gate_up bias gradient: the sum of its d_gate_up rows (GPT-OSS's gate_up bias).
+
+    mx_exact: acc = +0 (fp32); for each block in order, for each tile of BIAS_GRAD_K_TILE (128) rows of the
+    block in order (padding rows are zero): acc = fp32(acc + fp32(float64 sum of the tile's bf16 values
+    per column)) -- the kernel's BF16 matmul with a ones column, one fp32 rounding per tile, accumulated in
+    PSUM. The float64 tile sum is exact (hence order-free) while a tile's values span fewer than 2^38. No
+    blocks (an empty expert): +0. fp32: the float64 sum.
+
+    Dimensions:
+        d_gate_up_blocks [nb, B, 2I] (bf16 in mx_exact) -> [2I] float32 (mx_exact) or float64 (fp32).
+    """
+    nb, b, two_i = d_gate_up_blocks.shape
+    if mode == "fp32":
+        return _f64(d_gate_up_blocks).reshape(nb * b, two_i).sum(axis=0)
+    acc = np.zeros(two_i, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(nb):
+            for k0 in range(0, b, BIAS_GRAD_K_TILE):
+                part = _f64(d_gate_up_blocks[i, k0:k0 + BIAS_GRAD_K_TILE]).sum(axis=0).astype(np.float32)
+                acc = (acc + part).astype(np.float32)
+    return acc
+
+
 def _check_shapes(dy, x, w, w_gu, w_down, layout: BlockLayout, ckpts):
     if x.ndim != 2 or dy.shape != x.shape:
         raise ValueError(f"hidden_states and output_grad must both be [T, H], got {x.shape} and {dy.shape}")
@@ -196,7 +220,8 @@ def _check_shapes(dy, x, w, w_gu, w_down, layout: BlockLayout, ckpts):
 def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_weight, down_weight,
                            layout: BlockLayout, gate_pre=None, gate_act=None, up=None, intermediate=None, *,
                            clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
-                           matmul_precision="mxfp8", weight_grad_dtype="bfloat16", mode="mx_exact"):
+                           matmul_precision="mxfp8", weight_grad_dtype="bfloat16", mode="mx_exact",
+                           gate_up_bias_grad=False):
     """The whole MoE expert backward, walking the block layout like the kernel (docs/moe.md).
 
     Order: pass A (every used block: gather, phase 0 for missing checkpoints, phase 1 -> d_gate_up
@@ -217,10 +242,11 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         gate_pre, gate_act, up, intermediate: optional per-routed-pair checkpoints.
         clamp_limits, fp8_dtype, quant_scheme, matmul_precision, weight_grad_dtype, mode: as in the
             dense reference.
+        gate_up_bias_grad: also return d_gate_up_bias [E, 2I] (reference_bias_grad_fold per expert, in pass C).
 
     Returns:
-        (dx, d_topk_weights, d_gate_up_weight, d_down_weight): mx_exact: bf16, float32,
-        weight_grad_dtype, weight_grad_dtype; fp32: all float32 (computed in float64).
+        (dx, d_topk_weights, d_gate_up_weight, d_down_weight[, d_gate_up_bias]): mx_exact: bf16, float32,
+        weight_grad_dtype, weight_grad_dtype[, float32]; fp32: all float32 (computed in float64).
     """
     mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
     _weight_grad_dtype(weight_grad_dtype)
@@ -266,7 +292,7 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         part = reference_phase2_hidden_states_grad(d_gu[rows], w_gu[e], **opts)  # K = 2I, M = B, N = H
         reference_dx_scatter_add(dx, part, layout.token_position_to_id[rows], mode)
     # pass C: weight gradients, expert-major
-    dw_gu, dw_down = [], []
+    dw_gu, dw_down, d_bias = [], [], []
     for e in range(e_num):
         lo, hi = int(layout.expert_block_offsets[e]), int(layout.expert_block_offsets[e + 1])
         ids = layout.token_position_to_id[lo * b:hi * b]
@@ -277,7 +303,9 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
                                                 gather_rows(x, ids).reshape(*blk, h_dim), **fold))
         dw_down.append(reference_weight_grad_fold(gather_rows(dy, ids).reshape(*blk, h_dim),
                                                   hs[lo * b:hi * b].reshape(*blk, n_i), **fold))
-    outs = (dx, d_w.reshape(t, k), np.stack(dw_gu), np.stack(dw_down))
+        d_bias.append(reference_bias_grad_fold(d_gu[lo * b:hi * b].reshape(*blk, 2 * n_i), mode))
+    outs = (dx, d_w.reshape(t, k), np.stack(dw_gu), np.stack(dw_down)) + ((np.stack(d_bias),) if gate_up_bias_grad
+                                                                           else ())
     if not exact:
         return tuple(o.astype(np.float32) for o in outs)
     return outs
