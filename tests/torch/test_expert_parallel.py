@@ -272,3 +272,45 @@ def test_bad_input_errors():
         assert "k=9 experts per token but there are E=8 experts" in m["k"]
         assert ("every rank must pass the same local experts E/ep (gate_up_weight.shape[0]), got [4, 3]"
                 in m["peers"])
+
+
+def _module_rank(rank, world):
+    """MoESwiGLUExperts(ep_group=WORLD) on this rank vs the op with ep_group on the same local weights; its
+    parameters are the local shard; the construction errors."""
+    import torch.distributed as dist
+
+    from nkilib.experimental.moe_mxfp8 import MoESwiGLUExperts
+
+    p = _problem([4] * world, seed=3)
+    rows = slice(4 * rank, 4 * rank + 4)
+    torch.manual_seed(0)
+    module = MoESwiGLUExperts(E, H, I, ep_group=dist.group.WORLD, dtype=torch.bfloat16)
+    shapes = (tuple(module.gate_up_weight.shape), tuple(module.down_weight.shape), module.expert_offset)
+    w_gu, w_down = shard_experts(p["w_gu"], p["w_down"], dist.group.WORLD)
+    with torch.no_grad():
+        module.gate_up_weight.copy_(w_gu)
+        module.down_weight.copy_(w_down)
+    x = p["x"][rows].clone().requires_grad_(True)
+    w = p["w"][rows].clone().requires_grad_(True)
+    y = module(x, p["ids"][rows], w)
+    y.backward(p["dy"][rows])
+    got = dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=module.gate_up_weight.grad, dw_down=module.down_weight.grad)
+    want = _step(moe_swiglu_experts_mxfp8, p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
+                 p["dy"][rows], ep_group=dist.group.WORLD)
+    errors = {}
+    for name, call in (("indivisible", lambda: MoESwiGLUExperts(E + 1, H, I, ep_group=dist.group.WORLD)),
+                       ("bias", lambda: MoESwiGLUExperts(E, H, I, bias=True, ep_group=dist.group.WORLD))):
+        try:
+            call()
+            errors[name] = "accepted"
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return shapes, {n: torch.equal(got[n], want[n]) for n in GRADS}, errors
+
+
+def test_module_with_ep_group_holds_the_local_shard_and_equals_the_op():
+    for rank, (shapes, equal, errors) in enumerate(run_ranks(2, _module_rank, timeout=60)):
+        assert shapes == ((E // 2, 2 * I, H), (E // 2, H, I), rank * E // 2)
+        assert equal == {n: True for n in GRADS}
+        assert "E=9 (num_experts) must be divisible by the ep_group size 2" in errors["indivisible"]
+        assert "bias=True is not supported with ep_group" in errors["bias"]

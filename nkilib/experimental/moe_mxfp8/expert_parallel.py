@@ -103,6 +103,20 @@ def _group_size(group, what: str) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def local_expert_range(num_experts: int, group, what: str, source: str = "num_experts") -> tuple:
+    """(first global expert id, number of local experts) of this rank for E = num_experts over `group`.
+
+    Raises:
+        ValueError: E not divisible by the group size (names both).
+    """
+    rank, world = _group_size(group, what)
+    if num_experts % world:
+        raise ValueError(f"{what}: the number of experts E={num_experts} ({source}) must be divisible by the "
+                         f"ep_group size {world}")
+    n = num_experts // world
+    return rank * n, n
+
+
 def shard_experts(gate_up_weight: Tensor, down_weight: Tensor, group=None) -> tuple:
     """This rank's experts of full weights: views [E/ep, 2I, H] and [E/ep, H, I] (rank r: experts r*E/ep ..).
 
@@ -115,16 +129,12 @@ def shard_experts(gate_up_weight: Tensor, down_weight: Tensor, group=None) -> tu
         ValueError: E not divisible by the group size, or the two weights disagree on E.
     """
     group = dist.group.WORLD if group is None else group
-    rank, world = _group_size(group, "shard_experts")
     e = gate_up_weight.shape[0]
     if down_weight.shape[0] != e:
         raise ValueError(f"shard_experts: gate_up_weight and down_weight must have the same number of experts E, "
                          f"got {e} and {down_weight.shape[0]}")
-    if e % world:
-        raise ValueError(f"shard_experts: the number of experts E={e} (gate_up_weight.shape[0]) must be divisible "
-                         f"by the ep_group size {world}")
-    n = e // world
-    return gate_up_weight[rank * n:(rank + 1) * n], down_weight[rank * n:(rank + 1) * n]
+    lo, n = local_expert_range(e, group, "shard_experts", "gate_up_weight.shape[0]")
+    return gate_up_weight[lo:lo + n], down_weight[lo:lo + n]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -499,6 +499,11 @@ class MoESwiGLUExperts(nn.Module):
             clamp_limits=ClampLimits(non_linear_upper=7, linear_lower=-7, linear_upper=7, activation="gpt_oss")).
         bias: add gate_up_bias and down_bias (moe_swiglu_experts_mxfp8's; needs a checkpoint keeping gate_pre
             and up; any backend).
+        ep_group: None, or a torch.distributed process group of ep ranks sharding the experts (expert
+            parallelism, ``moe_swiglu_experts_mxfp8(..., ep_group=)``): the module then holds only this rank's
+            E/ep experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), so its parameters are
+            [E/ep, 2I, H] / [E/ep, H, I] and its state dict holds the local shard; topk_ids stay global ids in
+            [0, E). E must be divisible by the group size; bias=True is not supported with it (the op's rule).
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -507,7 +512,7 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, recipe=None,
                  checkpoint=UNSET, backend=UNSET, clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET,
                  weight_grad_dtype=UNSET, matmul_precision=UNSET, scale_rule=UNSET, block_size=UNSET, lnc=UNSET,
-                 bias: bool = False, device=None, dtype=None):
+                 bias: bool = False, ep_group=None, device=None, dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -525,11 +530,20 @@ class MoESwiGLUExperts(nn.Module):
         resolve_backend(o["backend"])
         routing.check_block_size(o["block_size"])
         _check_lnc(o["lnc"])
-        factory = dict(device=device, dtype=dtype)
-        self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
-        self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
         if not isinstance(bias, bool):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
+        self.ep_group, self.expert_offset, local = ep_group, 0, num_experts
+        if ep_group is not None:
+            from .expert_parallel import local_expert_range
+
+            if bias:
+                raise ValueError("MoESwiGLUExperts: bias=True is not supported with ep_group (the op refuses biases "
+                                 "under expert parallelism), got bias=True and an ep_group")
+            self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
+        self.num_local_experts = local
+        factory = dict(device=device, dtype=dtype)
+        self.gate_up_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **factory))
+        self.down_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **factory))
         if bias:
             keep = resolve_checkpoint_policy(o["checkpoint"])
             if not (keep[0] and keep[2]):
@@ -546,7 +560,7 @@ class MoESwiGLUExperts(nn.Module):
         """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
         with torch.no_grad():
             for w in (self.gate_up_weight, self.down_weight):
-                for e in range(self.num_experts):
+                for e in range(self.num_local_experts):
                     nn.init.kaiming_uniform_(w[e], a=5 ** 0.5)
             for b, fan_in in ((self.gate_up_bias, self.hidden_size), (self.down_bias, self.intermediate_size)):
                 if b is not None:  # nn.Linear's bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
@@ -555,7 +569,7 @@ class MoESwiGLUExperts(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
                                         gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, recipe=self.recipe,
-                                        **self.options)
+                                        ep_group=self.ep_group, **self.options)
 
     def effective_options(self) -> dict:
         """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
