@@ -47,8 +47,8 @@ PHASES = {
     "compute_phase3_expert_weight_grads_mxfp8": "C dW",
 }
 SCENARIOS = ("central", "pessimistic")
-#: GPT-OSS's clamped SwiGLU (gate clamped above at 7, linear part to [-7, 7]).
-GPT_OSS_CLAMP = ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0)
+#: GPT-OSS's gated function: gate clamped above at 7, linear part to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1).
+GPT_OSS_CLAMP = ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0, activation="gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class MoePreset:
         hidden, intermediate: H, I of one expert.
         experts: E experts on this device (local experts under expert parallelism).
         top_k: k experts per token (global).
-        clamped: GPT-OSS clamped SwiGLU.
+        clamped: GPT-OSS's clamped gated function (activation "gpt_oss").
         global_experts: experts of the whole layer (E·EP under expert parallelism; = experts without).
     """
 
