@@ -298,10 +298,14 @@ class RowChunk(nl.NKIObject):
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
         dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p)
+        # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE carries the clamps and
+        # the PSUM products of the epilogue, ScalarE only the activation derivative
+        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
+                           engine=nisa.engine.scalar)
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz])
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p)
+        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
+                           engine=nisa.engine.scalar)
 
     def store(self, ctx, i):
         m, r0 = self.m, self.r0
@@ -444,10 +448,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         b_lo, _, b_hi = ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
 
-    for e in range(E):
-        ctx.loops.if_used(e, lambda e=e: pass_a(e))
-    if split.num_cores > 1:
-        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # passes B and C read both cores' scratch rows
     # ---- pass B ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
 
@@ -456,12 +456,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         b_lo, _, b_hi = ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
 
-    for e in range(E):
-        ctx.loops.if_used(e, lambda e=e: pass_b(e))
-    if split.num_cores > 1:
-        # not needed for correctness (pass C reads only pass A's scratch): a fence so that pass C's operand
-        # loads do not run ahead into pass B's SBUF (the cost model's allocator cannot place both)
-        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
     dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
@@ -482,10 +476,30 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         for out, lhs, rhs, m_total, n_total in grads:
             compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
 
+    def pass_c(e):
+        ctx.loops.if_single(e, lambda i: pass_c_single(e, i))
+        ctx.loops.if_multi(e, lambda: pass_c_multi(e))
+        ctx.loops.if_unused(e, lambda: store_zero_expert_grads(ctx, e, zeros))
+
+    def fence():
+        if split.num_cores > 1:
+            nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # B(e) and C(e) read both cores' scratch rows of e
+
+    # Software pipeline over the experts (docs/moe.md, section 5): segment e issues pass A of expert e+1,
+    # then passes B and C of expert e, then a fence. The fence before segment e makes A(e)'s scratch rows
+    # (both cores) visible to B(e) and C(e); inside a segment the three passes touch disjoint bytes (A(e+1)
+    # writes only blocks of e+1 and slots of e+1's pairs, B(e) only this core's dX columns, C(e) only this
+    # core's tiles of expert e's gradients), so A(e+1)'s gathers and weight loads overlap B(e) and C(e).
+    # Per token the dX adds stay in ascending expert order (B(0), B(1), ... on each core).
+    ctx.loops.if_used(0, lambda: pass_a(0))
+    fence()
     for e in range(E):
-        ctx.loops.if_single(e, lambda i, e=e: pass_c_single(e, i))
-        ctx.loops.if_multi(e, lambda e=e: pass_c_multi(e))
-        ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
+        if e + 1 < E:
+            ctx.loops.if_used(e + 1, lambda e=e: pass_a(e + 1))
+        ctx.loops.if_used(e, lambda e=e: pass_b(e))
+        pass_c(e)
+        if e + 1 < E:
+            fence()
 
 
 # ---------------------------------------------------------------------------------------------------
