@@ -40,10 +40,13 @@ the work is split on free dimensions:
     B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
-Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
-byte is written by two cores, so no race is possible (a second barrier between B and C only keeps pass
-C's loads from running ahead into pass B's SBUF). The number of accumulator groups in pass C (each
-a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
+The passes are software-pipelined over the experts: A(0), fence, then per expert e the segment
+A(e+1), B(e), C(e), fence (a core_barrier). B(e) and C(e) read scratch rows of expert e written by both
+cores in A(e), which the fence before the segment orders; inside a segment A(e+1) writes only blocks of
+expert e+1 and slots of its pairs, B(e) only this core's dX columns, C(e) only this core's tiles of
+expert e's gradients, so no byte is written by two cores or read by one while the other writes it, for any
+routing (blocks are owned by one expert). The number of accumulator groups in pass C (each a loop) is
+derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
 LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
 (docs/moe.md, section 5, says why the rows and not I are split).
 
