@@ -305,7 +305,8 @@ class RowChunk(nl.NKIObject):
         # the PSUM products of the epilogue, ScalarE only the activation derivative
         nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
-        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz])
+        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz],
+                             d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
