@@ -301,8 +301,7 @@ class RowChunk(nl.NKIObject):
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
         dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-        # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE carries the clamps and
-        # the PSUM products of the epilogue, ScalarE only the activation derivative
+        # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
         nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz],
@@ -489,12 +488,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if split.num_cores > 1:
             nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # B(e) and C(e) read both cores' scratch rows of e
 
-    # Software pipeline over the experts (docs/moe.md, section 5): segment e issues pass A of expert e+1,
-    # then passes B and C of expert e, then a fence. The fence before segment e makes A(e)'s scratch rows
-    # (both cores) visible to B(e) and C(e); inside a segment the three passes touch disjoint bytes (A(e+1)
-    # writes only blocks of e+1 and slots of e+1's pairs, B(e) only this core's dX columns, C(e) only this
-    # core's tiles of expert e's gradients), so A(e+1)'s gathers and weight loads overlap B(e) and C(e).
-    # Per token the dX adds stay in ascending expert order (B(0), B(1), ... on each core).
+    # software pipeline over the experts, A(0), fence, [A(e+1), B(e), C(e), fence] (module docstring and
+    # docs/moe.md section 5: why no race; per token the dX adds stay in ascending expert order)
     ctx.loops.if_used(0, lambda: pass_a(0))
     fence()
     for e in range(E):
