@@ -106,8 +106,8 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
 
     Dimensions:
         d_i: fp32 [msz, nsz] (PSUM or SBUF); d_gate_dst, d_up_dst: bf16 [msz, nsz].
-    d_i_engine: engine of the two products that read d_i (VectorE: the only one of the two that reads PSUM;
-    an SBUF d_i, as the MoE kernel's dh, may use GpSimd to unload VectorE; the same fp32 multiply).
+    d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
+    only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
     """
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, uc, mask_u, mask_g = terms.act, terms.uc, terms.mask_u, terms.mask_g
