@@ -100,28 +100,30 @@ def intermediate_tile(terms: SwigluTerms):
     return inter[:terms.msz, :terms.nsz]
 
 
-def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst) -> None:
+def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector) -> None:
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
     Dimensions:
         d_i: fp32 [msz, nsz] (PSUM or SBUF); d_gate_dst, d_up_dst: bf16 [msz, nsz].
+    d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
+    only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
     """
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, uc, mask_u, mask_g = terms.act, terms.uc, terms.mask_u, terms.mask_g
     # d_up = bf16((dI * a) * mask_u)
     if mask_u == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply, engine=d_i_engine)
     else:
         t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply)
+        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply, engine=d_i_engine)
         nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
                            engine=nisa.engine.gpsimd)
     # d_gate = bf16(((dI * uc) * act'(gc)) * mask_g)
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sd[:msz, :nsz], op=terms.act_dx, data=terms.gc)
     t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply)
+    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply, engine=d_i_engine)
     if mask_g == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)

@@ -40,10 +40,13 @@ the work is split on free dimensions:
     B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
-Pass B/C read scratch rows written by both cores, hence one core_barrier between A and B; after it no
-byte is written by two cores, so no race is possible (a second barrier between B and C only keeps pass
-C's loads from running ahead into pass B's SBUF). The number of accumulator groups in pass C (each
-a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
+The passes are software-pipelined over the experts: A(0), fence, then per expert e the segment
+A(e+1), B(e), C(e), fence (a core_barrier). B(e) and C(e) read scratch rows of expert e written by both
+cores in A(e), which the fence before the segment orders; inside a segment A(e+1) writes only blocks of
+expert e+1 and slots of its pairs, B(e) only this core's dX columns, C(e) only this core's tiles of
+expert e's gradients, so no byte is written by two cores or read by one while the other writes it, for any
+routing (blocks are owned by one expert). The number of accumulator groups in pass C (each a loop) is
+derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
 LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
 (docs/moe.md, section 5, says why the rows and not I are split).
 
@@ -298,10 +301,14 @@ class RowChunk(nl.NKIObject):
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
         dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p)
-        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz])
+        # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
+        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
+                           engine=nisa.engine.scalar)
+        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz],
+                             d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p)
+        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
+                           engine=nisa.engine.scalar)
 
     def store(self, ctx, i):
         m, r0 = self.m, self.r0
@@ -444,10 +451,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         b_lo, _, b_hi = ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
 
-    for e in range(E):
-        ctx.loops.if_used(e, lambda e=e: pass_a(e))
-    if split.num_cores > 1:
-        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # passes B and C read both cores' scratch rows
     # ---- pass B ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
 
@@ -456,12 +459,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         b_lo, _, b_hi = ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
 
-    for e in range(E):
-        ctx.loops.if_used(e, lambda e=e: pass_b(e))
-    if split.num_cores > 1:
-        # not needed for correctness (pass C reads only pass A's scratch): a fence so that pass C's operand
-        # loads do not run ahead into pass B's SBUF (the cost model's allocator cannot place both)
-        nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
     dy_src, hs_src = BlockRowSource(ctx, ctx.dy_blocks), BlockRowSource(ctx, ctx.hs)
@@ -483,12 +480,29 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
 
     bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
-    for e in range(E):
-        if bias != None:  # noqa: E711
+
+    def pass_c(e):
+        if bias != None:  # noqa: E711  (reads e's d_gate_up scratch rows: after the fence that follows A(e))
             bias.expert(e)
-        ctx.loops.if_single(e, lambda i, e=e: pass_c_single(e, i))
-        ctx.loops.if_multi(e, lambda e=e: pass_c_multi(e))
-        ctx.loops.if_unused(e, lambda e=e: store_zero_expert_grads(ctx, e, zeros))
+        ctx.loops.if_single(e, lambda i: pass_c_single(e, i))
+        ctx.loops.if_multi(e, lambda: pass_c_multi(e))
+        ctx.loops.if_unused(e, lambda: store_zero_expert_grads(ctx, e, zeros))
+
+    def fence():
+        if split.num_cores > 1:
+            nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # B(e) and C(e) read both cores' scratch rows of e
+
+    # software pipeline over the experts, A(0), fence, [A(e+1), B(e), C(e), fence] (module docstring and
+    # docs/moe.md section 5: why no race; per token the dX adds stay in ascending expert order)
+    ctx.loops.if_used(0, lambda: pass_a(0))
+    fence()
+    for e in range(E):
+        if e + 1 < E:
+            ctx.loops.if_used(e + 1, lambda e=e: pass_a(e + 1))
+        ctx.loops.if_used(e, lambda e=e: pass_b(e))
+        pass_c(e)
+        if e + 1 < E:
+            fence()
 
 
 # ---------------------------------------------------------------------------------------------------
