@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torchkit import rel  # noqa: E402
+
 import numpy as np  # noqa: E402
 from distkit import run_ranks  # noqa: E402
 
@@ -81,10 +83,6 @@ def _full(problem, x=None, dy=None, **kw):
                  p["dy"] if dy is None else dy, **{"backend": "emulate", **kw})
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _assert_identical(got, want, names=GRADS):
     for n in names:
         assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
@@ -98,7 +96,7 @@ def test_mxfp8_payload_equals_single_process_on_quantized_inputs(world):
     ref = _full(problem)
     ranks, got = _run(world, problem, tokens, backend="emulate")
     _assert_identical(got, ref_q)
-    errors = {n: _rel(got[n], ref[n]) for n in GRADS}
+    errors = {n: rel(got[n], ref[n]) for n in GRADS}
     print(f"ep={world}, mxfp8 payload vs the op on unquantized x, dY: " + ", ".join(f"{n} {v:.1e}" for n, v in
                                                                                    errors.items()))
     # measured 4.1e-2 .. 5.5e-2 (one e4m3 rounding of x and dY: 2**-4 / sqrt(3) = 3.6e-2 per value)
@@ -136,7 +134,7 @@ def test_dy_payload_changes_only_dw_down_when_x_is_on_the_mx_grid():
     assert differ and {e for e, h, _ in differ} <= set(experts) and all(h < 32 for _, h, _ in differ)
     assert [1, 1] in [[h, 1] for _, h, _ in differ]  # the 1e-3 value's row
     print(f"dW_down entries that differ: {len(differ)} (rows h < 32 of experts {experts}), rel. error "
-          f"{_rel(got['dw_down'], ref['dw_down']):.1e}")
+          f"{rel(got['dw_down'], ref['dw_down']):.1e}")
 
 
 def test_options_and_leading_dimensions():

@@ -128,7 +128,6 @@ def test_main_grad_errors_name_the_argument():
         swiglu_mlp_mxfp8(x, m.gate_up_weight, m.down_weight, backend="emulate", accumulate_main_grad="yes")
 
 
-
 def test_main_grad_inside_torch_utils_checkpoint_is_added_once():
     """Activation checkpointing recomputes the forward (and so the sinks) but runs the original
     backward only: main_grad receives the gradient exactly once."""

@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torchkit import rel  # noqa: E402
+
 from moekit import make_routing, moe_inputs  # noqa: E402
 from simkit import BF16, assert_outputs_identical, to_numpy, to_torch  # noqa: E402
 
@@ -19,10 +21,6 @@ from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference  # no
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout  # noqa: E402
 
 GPT_OSS = ClampLimits(non_linear_upper=0.6, linear_lower=-0.6, linear_upper=0.6, activation="gpt_oss")
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _case(seed=0, routing="random"):
@@ -64,7 +62,7 @@ def test_gradients_vs_float64_autograd():
         x, ids, w, wgu, wd, gate_up_bias=b_gu, down_bias=b_d, clamp_limits=GPT_OSS, backend="emulate"), leaves, dy)
     y64, want = _grads(lambda **t: gpt_oss_float64(ids=ids, lim=GPT_OSS, **t), {n: t.double() for n, t in
                                                                             leaves.items()}, dy.double())
-    errors = {"y": _rel(y, y64), **{n: _rel(got[n], want[n]) for n in got}}
+    errors = {"y": rel(y, y64), **{n: rel(got[n], want[n]) for n in got}}
     print({n: f"{e:.2e}" for n, e in errors.items()})
     # measured: y 2.5e-3 (BF16 forward); b_d 8.3e-8 (float32 sums of p * dY); x, wgu, b_gu 6.9e-2..8.5e-2 (MXFP8
     # with the clamp masks: an element whose MXFP8 gate / up lands across a limit moves entirely; 3.9e-2..5.3e-2

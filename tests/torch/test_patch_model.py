@@ -13,6 +13,8 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torchkit import logits_and_grads, rel  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from nkilib import patch_model  # noqa: E402
@@ -43,16 +45,6 @@ def _ids(seed=1):
     return torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _loss_and_grads(model, ids):
-    logits = model(ids).logits
-    logits.float().pow(2).mean().backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_patched_model_forward_and_gradients(family):
     original = _model(family)
@@ -62,12 +54,12 @@ def test_patched_model_forward_and_gradients(family):
     assert report.patched == ("model.layers.0.mlp", "model.layers.1.mlp") and not report.unsupported
     assert all(isinstance(layer.mlp, HFSwiGLUMLP) for layer in patched.model.layers)
     ids = _ids()
-    logits_o, _ = _loss_and_grads(original, ids)
-    logits_p, grads_p = _loss_and_grads(patched, ids)
-    _, grads_i = _loss_and_grads(ideal, ids)
-    assert 0 < _rel(logits_p, logits_o) < 2e-3
+    logits_o, _ = logits_and_grads(original, ids)
+    logits_p, grads_p = logits_and_grads(patched, ids)
+    _, grads_i = logits_and_grads(ideal, ids)
+    assert 0 < rel(logits_p, logits_o) < 2e-3
     for name, g in grads_p.items():
-        err = _rel(g, grads_i[name])
+        err = rel(g, grads_i[name])
         if name.endswith(MXFP8_GRAD_PARAMS):
             assert 1.5e-2 < err < 6e-2, (name, err)  # the MXFP8 error, far above fp32 autograd's
         else:
@@ -79,7 +71,7 @@ def test_bf16_model_forward_matches_original():
     patched = copy.deepcopy(original)
     patch_model(patched, "mxfp8_e4m3_emulate")
     ids = _ids()
-    assert _rel(patched(ids).logits, original(ids).logits) <= 4e-3  # bf16 u; measured 0
+    assert rel(patched(ids).logits, original(ids).logits) <= 4e-3  # bf16 u; measured 0
 
 
 def test_state_dict_keys_and_round_trip():
@@ -112,8 +104,8 @@ def test_view_and_copy_paths_give_identical_gradients():
     assert all(m.mlp.gate_up_is_view() for m in model.model.layers)
     assert not any(m.mlp.gate_up_is_view() for m in copied.model.layers)
     ids = _ids()
-    logits_v, grads_v = _loss_and_grads(model, ids)
-    logits_c, grads_c = _loss_and_grads(copied, ids)
+    logits_v, grads_v = logits_and_grads(model, ids)
+    logits_c, grads_c = logits_and_grads(copied, ids)
     assert torch.equal(logits_v, logits_c)
     assert all(torch.equal(grads_v[n], grads_c[n]) for n in grads_v)
 
@@ -127,7 +119,7 @@ def test_autocast_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_o, y_p = mlp_o(x), mlp_p(x)
     assert y_p.dtype == y_o.dtype == torch.bfloat16
-    assert _rel(y_p, y_o) <= 4e-3  # bf16 u; measured 0 (HF under autocast rounds like the op here)
+    assert rel(y_p, y_o) <= 4e-3  # bf16 u; measured 0 (HF under autocast rounds like the op here)
     y_p.float().sum().backward()
     assert mlp_p.gate_proj.weight.grad.dtype == torch.float32  # fp32 params get fp32 gradients
     grad_outside = mlp_p.gate_proj.weight.grad.clone()
@@ -144,15 +136,15 @@ def test_recipe_switch_and_default_simulator_backend():
     model = _model("llama", num_hidden_layers=1)
     patch_model(model, "mxfp8_e4m3_emulate")
     ids = _ids()
-    _, grads_e = _loss_and_grads(model, ids)
+    _, grads_e = logits_and_grads(model, ids)
     model.zero_grad()
     assert patch_model(model).patched == ("model.layers.0.mlp",)
     assert model.model.layers[0].mlp.recipe == get_recipe("mxfp8_e4m3_default")
-    _, grads_s = _loss_and_grads(model, ids)
+    _, grads_s = logits_and_grads(model, ids)
     assert all(torch.equal(grads_e[n], grads_s[n]) for n in grads_e)
     model.zero_grad()
     patch_model(model, get_recipe("bf16_backward", backend="emulate"))
-    _, grads_b = _loss_and_grads(model, ids)
+    _, grads_b = logits_and_grads(model, ids)
     assert not torch.equal(grads_b["model.layers.0.mlp.up_proj.weight"], grads_e["model.layers.0.mlp.up_proj.weight"])
 
 

@@ -9,6 +9,8 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torchkit import rel, logits_and_grads  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from nkilib import patch_model  # noqa: E402
@@ -35,16 +37,6 @@ def _model(seed=0, limit=7.0, scale=1.0):
     return model.eval()
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _run(model, ids):
-    logits = model(ids).logits
-    logits.float().pow(2).mean().backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def test_gpt_oss_experts_swapped_router_kept():
     assert "GptOssExperts" not in PENDING_CLASSES
     original = _model()
@@ -59,15 +51,15 @@ def test_gpt_oss_experts_swapped_router_kept():
     for n, p in patched.named_parameters():  # the model's Parameter objects, not copies
         assert p is params_before[n], n
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    logits_p, grads_p = _run(patched, ids)
-    logits_i, grads_i = _run(ideal, ids)
-    logits_b, grads_b = _run(copy.deepcopy(original).to(torch.bfloat16), ids)  # the yardstick: all-bf16 model
-    errors = {n: _rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
-    bf16_errors = {n: _rel(g, grads_i[n]) for n, g in grads_b.items() if g is not None}
+    logits_p, grads_p = logits_and_grads(patched, ids)
+    logits_i, grads_i = logits_and_grads(ideal, ids)
+    logits_b, grads_b = logits_and_grads(copy.deepcopy(original).to(torch.bfloat16), ids)  # the yardstick: all-bf16 model
+    errors = {n: rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
+    bf16_errors = {n: rel(g, grads_i[n]) for n, g in grads_b.items() if g is not None}
     print({n: f"{e:.2e} (bf16 model {bf16_errors[n]:.2e})" for n, e in errors.items()})
-    print("logits", _rel(logits_p, logits_i), "bf16 model", _rel(logits_b, logits_i))
+    print("logits", rel(logits_p, logits_i), "bf16 model", rel(logits_b, logits_i))
     # the forward is within bf16 error: below the error of the whole model cast to bf16 (measured 8.7e-3 vs 1.1e-2)
-    assert 0 < _rel(logits_p, logits_i) < _rel(logits_b, logits_i)
+    assert 0 < rel(logits_p, logits_i) < rel(logits_b, logits_i)
     # gradients within the MXFP8 error (E4M3: 3 mantissa bits against bf16's 7): measured 0.3x..3.2x the all-bf16
     # model's error (expert weights 2.8e-2..6.4e-2; attention sinks of layer 0 1.9e-1, 1.05e-1 in bf16)
     for name, err in errors.items():
@@ -98,7 +90,7 @@ def test_gpt_oss_block_clamped_gradients():
         ideal.experts.gate_up_proj_bias.detach()[:, None]
     assert 0.1 < (gate_up[..., ::2] > 0.5).double().mean() < 0.7  # the gate's upper clamp is hit
     assert 0.1 < (gate_up[..., 1::2].abs() > 0.5).double().mean() < 0.9  # and up's two-sided one
-    errors = {n: (_rel(g, want[n]), _rel(yardstick[n], want[n])) for n, g in got.items()}
+    errors = {n: (rel(g, want[n]), rel(yardstick[n], want[n])) for n, g in got.items()}
     print({n: f"{e:.2e} (bf16 block {b:.2e})" for n, (e, b) in errors.items()})
     # measured (MXFP8 / the bf16 block): y 5.5e-3 / 6.9e-3; with the clamp masks hit, dx 9.6e-2 / 8.3e-2,
     # gate_up_proj 1.04e-1 / 8.9e-2, gate_up_proj_bias 9.4e-2 / 8.7e-2; down_proj 3.8e-2 / 7.5e-3 (MXFP8's usual
@@ -147,7 +139,7 @@ def test_gpt_oss_on_the_simulator_backend_equals_emulate():
         model = _model(seed=9)
         patch_model(model, Recipe(backend=backend))
         assert model.model.layers[0].mlp.experts.recipe.backend == backend
-        runs.append(_run(model, torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))))
+        runs.append(logits_and_grads(model, torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))))
     (logits_e, grads_e), (logits_s, grads_s) = runs
     assert torch.equal(logits_e, logits_s)
     bias = "model.layers.0.mlp.experts.gate_up_proj_bias"

@@ -8,6 +8,8 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torchkit import rel, logits_and_grads  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from nkilib import get_recipe, patch_model  # noqa: E402
@@ -33,16 +35,6 @@ def _model(family, seed=0):
     return model.eval()
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _run(model, ids):
-    logits = model(ids).logits
-    logits.float().pow(2).mean().backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_experts_swapped_router_kept(family):
     original = _model(family)
@@ -57,15 +49,15 @@ def test_moe_experts_swapped_router_kept(family):
         assert isinstance(patched.model.layers[0].mlp, HFSwiGLUMLP)
     assert list(patched.state_dict()) == list(original.state_dict())
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    logits_o, _ = _run(original, ids)
-    logits_p, grads_p = _run(patched, ids)
-    _, grads_i = _run(ideal, ids)
+    logits_o, _ = logits_and_grads(original, ids)
+    logits_p, grads_p = logits_and_grads(patched, ids)
+    _, grads_i = logits_and_grads(ideal, ids)
     assert torch.equal(patched(ids).logits.argmax(-1), original(ids).logits.argmax(-1))
-    errors = {n: _rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
+    errors = {n: rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
     # measured (both families): logits 4.5e-4..6.1e-4; expert and dense MLP weights 3.1e-2..5.3e-2; the
     # norm feeding an MLP up to 6.4e-2; routers 3.3e-2..8.2e-2 (their gradient goes through the op's
     # d(topk_weights) and the softmax, which cancels); everything else up to 8.1e-3
-    assert 0 < _rel(logits_p, logits_o) < 2e-3  # our experts compute in bf16 (the fp32 original does not)
+    assert 0 < rel(logits_p, logits_o) < 2e-3  # our experts compute in bf16 (the fp32 original does not)
     for name, err in errors.items():
         if name.endswith(MXFP8_GRAD_PARAMS):
             assert 1.5e-2 < err < 7e-2, (name, err)

@@ -5,6 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torchkit import rel  # noqa: E402
+
 from nkilib.experimental.mlp_mxfp8 import swiglu_mlp_mxfp8  # noqa: E402
 from nkilib.recipe import PRESETS, Recipe, as_recipe, get_recipe  # noqa: E402
 
@@ -33,10 +35,6 @@ def _ideal_grads():
     return x.grad, w_gu.grad, w_down.grad
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_to_kwargs_is_the_ops_keywords():
     kwargs = get_recipe("mxfp8_e5m2").to_kwargs(backend="emulate")
     assert kwargs == dict(fp8_dtype="float8_e5m2", scale_rule="neuron", quant_scheme="1x32", matmul_precision="mxfp8",
@@ -53,7 +51,7 @@ def test_every_preset_runs_the_op(name):
     recipe = get_recipe(name)
     kwargs = recipe.to_kwargs(backend="emulate") if recipe.backend == "auto" else recipe.to_kwargs()
     grads, ideal = _grads(**kwargs), _ideal_grads()
-    errors = [_rel(g, i) for g, i in zip(grads, ideal)]
+    errors = [rel(g, i) for g, i in zip(grads, ideal)]
     # measured (this problem, relative Frobenius vs float64): bf16_backward <= 3.8e-3; E4M3 <= 5.4e-2
     # (recompute: 6.9e-2, the recomputed projections add their own MX error); E5M2 <= 1.1e-1
     bound = {"bf16_backward": 5e-3, "mxfp8_e4m3_recompute": 8e-2, "mxfp8_e5m2": 1.3e-1}.get(name, 6e-2)

@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torchkit import rel  # noqa: E402
+
 from nkilib.experimental.mlp_mxfp8 import SwiGLUMLP, swiglu_mlp_mxfp8  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_torch as T  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
@@ -69,10 +71,6 @@ def mx(checkpoint="all", **kw):
 
 
 bitwise_equal = bits_equal  # simkit: dtype, shape and bit pattern
-
-
-def rel(a, b) -> float:
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def forward_checkpoints(x, wgu, wd, clamp=None) -> dict:
