@@ -97,6 +97,29 @@ def resolve_neuron_lnc(lnc: Optional[int]) -> int:
     return env_lnc
 
 
+def check_lnc(lnc, what: str) -> None:
+    """`lnc` as an op keyword: None (the backend's default), 1 or 2; else ValueError naming `what`."""
+    if lnc is not None and (isinstance(lnc, bool) or lnc not in _LNC_VALUES):
+        raise ValueError(f"{what}: lnc must be None, 1 or 2, got {lnc!r}")
+
+
+def launch_stack_and_lnc(backend: str, device, lnc: Optional[int]) -> tuple:
+    """(stack, lnc) of a resolved backend: "neuron" -> (neuron_stack(device), resolve_neuron_lnc(lnc));
+    any other backend -> (None, lnc, default 1)."""
+    if backend == "neuron":
+        return neuron_stack(device), resolve_neuron_lnc(lnc)
+    return None, 1 if lnc is None else lnc
+
+
+def register_ops_if_available(build_ops) -> bool:
+    """Call `build_ops()` (an op module's TorchNeuron registration) now when ``torch_neuronx.nki_op`` exists,
+    so that it runs at import and torch.compile never traces it. Returns whether it did."""
+    if torchneuron_nki_op() is None:
+        return False
+    build_ops()
+    return True
+
+
 def neuron_nki_language(scale_rule: str):
     """The Neuron SDK's ``nki.language`` module, after checking that a kernel can run on the device.
 

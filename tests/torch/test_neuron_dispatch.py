@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 import nki.language as nl  # noqa: E402  (nkilib's simulator here; it only names the dtypes)
 import nkilib  # noqa: E402
+from nkilib.experimental import neuron_dispatch  # noqa: E402
 from nkilib.experimental.mlp_mxfp8 import swiglu_mlp_mxfp8  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_neuron as N  # noqa: E402
@@ -110,11 +111,11 @@ def stubs(monkeypatch):
                            xla_only_neuronx=xla_only_neuronx, monkeypatch=monkeypatch)
 
 
-def as_device(monkeypatch, kind, op_module=T):
-    """Make the op of `op_module` (dense T or MoE M) see CPU tensors as tensors of device type `kind` (the
-    real stack selection runs)."""
-    real, device = N.neuron_stack, SimpleNamespace(type=kind)
-    monkeypatch.setattr(op_module, "neuron_stack", lambda _: real(device))
+def as_device(monkeypatch, kind):
+    """Make both ops see CPU tensors as tensors of device type `kind` (the real stack selection of
+    neuron_dispatch runs)."""
+    real, device = neuron_dispatch.neuron_stack, SimpleNamespace(type=kind)
+    monkeypatch.setattr(neuron_dispatch, "neuron_stack", lambda _: real(device))
 
 
 def make(seed, dtype=torch.bfloat16):
@@ -343,7 +344,7 @@ def _check_moe_grads(x, w, wgu, wd, dtype):
 
 def test_moe_torchneuron_path_registers_nki_ops_with_autograd_and_launches_with_the_env_lnc(stubs):
     stubs.monkeypatch.setenv(N.LNC_ENV_VAR, "2")
-    as_device(stubs.monkeypatch, "neuron", M)
+    as_device(stubs.monkeypatch, "neuron")
     x, ids, w, wgu, wd = make_moe(5)
     y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
                                  clamp_limits=CLAMP)
@@ -361,7 +362,7 @@ def test_moe_torchneuron_path_registers_nki_ops_with_autograd_and_launches_with_
 def test_moe_auto_backend_on_a_neuron_device_is_neuron(stubs):
     assert M.resolve_backend("auto", SimpleNamespace(type="neuron")) == "neuron"
     assert M.resolve_backend("auto", torch.device("xla", 0)) == "neuron"
-    as_device(stubs.monkeypatch, "neuron", M)
+    as_device(stubs.monkeypatch, "neuron")
     stubs.monkeypatch.setattr(M, "resolve_backend", lambda backend, device=None: "neuron")  # CPU tensors here
     x, ids, w, wgu, wd = make_moe(6)
     moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd).sum().backward()
@@ -370,7 +371,7 @@ def test_moe_auto_backend_on_a_neuron_device_is_neuron(stubs):
 
 def test_moe_xla_path_uses_the_autograd_function_and_no_nki_op(stubs):
     stubs.monkeypatch.setitem(sys.modules, "torch_neuronx", stubs.xla_only_neuronx)
-    as_device(stubs.monkeypatch, "xla", M)
+    as_device(stubs.monkeypatch, "xla")
     x, ids, w, wgu, wd = make_moe(7, dtype=torch.float32)
     y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
                                  clamp_limits=CLAMP)
@@ -388,7 +389,7 @@ def test_moe_gate_up_bias_gradient_comes_from_the_kernel_on_both_stacks(stubs, k
     kernel's fifth output as the bias's gradient (in the bias's dtype); the down bias stays outside the op."""
     if kind == "xla":
         stubs.monkeypatch.setitem(sys.modules, "torch_neuronx", stubs.xla_only_neuronx)
-    as_device(stubs.monkeypatch, kind, M)
+    as_device(stubs.monkeypatch, kind)
     x, ids, w, wgu, wd = make_moe(10)
     b_gu = torch.zeros(E_NUM, 2 * I, dtype=torch.bfloat16).requires_grad_()
     y = moe_swiglu_experts_mxfp8(x, ids, w, wgu, wd, backend="neuron", checkpoint=("gate_pre", "up"),
@@ -410,7 +411,7 @@ def test_moe_cpu_backward_op_refuses_the_neuron_backend():
 
 
 def test_moe_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
-    as_device(stubs.monkeypatch, "neuron", M)
+    as_device(stubs.monkeypatch, "neuron")
     assert MN.register_torchneuron_ops_if_available()  # what importing moe_bwd_mxfp8_torch does on Neuron
     x, ids, w, wgu, wd = make_moe(9)
     graphs = compiled_graphs(lambda a, p, b, c: moe_swiglu_experts_mxfp8(a, ids, p, b, c, backend="neuron",

@@ -349,7 +349,7 @@ def test_clear_errors():
         swiglu_mlp_mxfp8(x, wgu, wd, fp8_dtype="float8_e4m3")
     with pytest.raises(ValueError, match="weight_grad_dtype"):
         swiglu_mlp_mxfp8(x, wgu, wd, weight_grad_dtype=torch.float16)
-    with pytest.raises(ValueError, match="lnc must be 1 or 2"):
+    with pytest.raises(ValueError, match=r"swiglu_mlp_mxfp8: lnc must be None, 1 or 2, got 4"):
         swiglu_mlp_mxfp8(x, wgu, wd, lnc=4)
     with pytest.raises(ValueError, match="non_linear_lower .* must be smaller"):
         swiglu_mlp_mxfp8(x, wgu, wd, clamp_limits={"non_linear_lower": 1.0, "non_linear_upper": 0.0})

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..neuron_dispatch import kernel_kwargs, neuron_nki_language, torchneuron_nki_op
+from ..neuron_dispatch import kernel_kwargs, neuron_nki_language, register_ops_if_available, torchneuron_nki_op
 from . import routing
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
@@ -127,11 +127,8 @@ def torchneuron_ops() -> tuple:
 
 def register_torchneuron_ops_if_available() -> bool:
     """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
-    moe_bwd_mxfp8_torch.py, so torch.compile never traces the registration). Returns whether it did."""
-    if torchneuron_nki_op() is None:
-        return False
-    torchneuron_ops()
-    return True
+    moe_bwd_mxfp8_torch.py); neuron_dispatch.register_ops_if_available."""
+    return register_ops_if_available(torchneuron_ops)
 
 
 # ----------------------------------------------------------------------------------------------

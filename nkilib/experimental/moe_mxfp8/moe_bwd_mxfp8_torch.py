@@ -56,7 +56,7 @@ from ...core import options
 from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..neuron_dispatch import NEURON_DEVICE_STACKS, kernel_kwargs, neuron_stack, resolve_neuron_lnc
+from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
                                                            check_numeric_options, resolve_checkpoint_policy)
 from . import routing
@@ -81,11 +81,6 @@ def resolve_backend(backend, device=None) -> str:
     if backend != "auto":
         return backend
     return "neuron" if getattr(device, "type", None) in NEURON_DEVICE_STACKS else "emulate"
-
-
-def _check_lnc(lnc) -> None:
-    if lnc is not None and (isinstance(lnc, bool) or lnc not in (1, 2)):
-        raise ValueError(f"moe_swiglu_experts_mxfp8: lnc must be None, 1 or 2, got {lnc!r}")
 
 
 def _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight, num_experts=None) -> tuple:
@@ -428,19 +423,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             block_size=block_size, backend=backend, lnc=lnc)
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
-    _check_lnc(lnc)
+    check_lnc(lnc, "moe_swiglu_experts_mxfp8")
     keep = resolve_checkpoint_policy(checkpoint)
     clamps, fp8 = check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule)
     clamps = (*clamps, options.clamp_activation(clamp_limits))
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     b = routing.check_block_size(block_size)
     _check_gate_up_bias(gate_up_bias, gate_up_weight, keep)
-    stack = None
-    if resolved == "neuron":
-        stack = neuron_stack(x.device)
-        lnc = resolve_neuron_lnc(lnc)
-    elif lnc is None:
-        lnc = 1
+    stack, lnc = launch_stack_and_lnc(resolved, x.device, lnc)
     args = (x.reshape(t, h), topk_ids.reshape(t, k), topk_weights.reshape(t, k), gate_up_weight, down_weight)
     if stack == "xla":
         y2 = XlaMoESwiGLUExperts.apply(*args, clamps, (fp8, quant_scheme, matmul_precision, scale_rule, wg, b, lnc),
@@ -529,7 +519,7 @@ class MoESwiGLUExperts(nn.Module):
         resolve_checkpoint_policy(o["checkpoint"])
         resolve_backend(o["backend"])
         routing.check_block_size(o["block_size"])
-        _check_lnc(o["lnc"])
+        check_lnc(o["lnc"], "MoESwiGLUExperts")
         if not isinstance(bias, bool):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
         self.ep_group, self.expert_offset, local = ep_group, 0, num_experts

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ...neuron_dispatch import (DEFAULT_LNC, LNC_ENV_VAR, NEURON_DEVICE_STACKS, kernel_kwargs,  # noqa: F401
-                                neuron_nki_language, neuron_stack, resolve_neuron_lnc, torchneuron_nki_op)
+                                neuron_nki_language, neuron_stack, register_ops_if_available, resolve_neuron_lnc,
+                                torchneuron_nki_op)
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
 TORCHNEURON_FORWARD_OP = "nkilib_neuron::swiglu_mlp_mxfp8"
@@ -100,11 +101,8 @@ def torchneuron_ops() -> tuple:
 
 def register_torchneuron_ops_if_available() -> bool:
     """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
-    mlp_bwd_mxfp8_torch.py, so torch.compile never traces the registration). Returns whether it did."""
-    if torchneuron_nki_op() is None:
-        return False
-    torchneuron_ops()
-    return True
+    mlp_bwd_mxfp8_torch.py); neuron_dispatch.register_ops_if_available."""
+    return register_ops_if_available(torchneuron_ops)
 
 
 # ----------------------------------------------------------------------------------------------

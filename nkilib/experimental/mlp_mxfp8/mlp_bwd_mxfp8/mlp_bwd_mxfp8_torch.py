@@ -87,7 +87,8 @@ from ....mx import SCALE_RULES
 from ....recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
-from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, neuron_stack, resolve_neuron_lnc
+from ...neuron_dispatch import check_lnc, launch_stack_and_lnc
+from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs
 from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
 
 __all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "FORWARD_NUMERICS",
@@ -528,14 +529,8 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     if scale_rule != "neuron" and resolved != "emulate":
         raise ValueError(f"scale_rule={scale_rule!r} needs backend='emulate' (the kernel's quantize_mx implements "
                          f"the 'neuron' rule); got backend={backend!r} (-> {resolved!r})")
-    if lnc is not None and (isinstance(lnc, bool) or lnc not in (1, 2)):
-        raise ValueError(f"lnc must be 1 or 2, got {lnc!r}")
-    stack = None
-    if resolved == "neuron":
-        stack = neuron_stack(x.device)
-        lnc = resolve_neuron_lnc(lnc)
-    elif lnc is None:
-        lnc = 1
+    check_lnc(lnc, "swiglu_mlp_mxfp8")
+    stack, lnc = launch_stack_and_lnc(resolved, x.device, lnc)
     sink_gu, sink_down = _main_grad_sinks(accumulate_main_grad, {"gate_up_weight": gate_up_weight,
                                                                  "down_weight": down_weight})
     if sink_gu is not None or sink_down is not None:
