@@ -55,10 +55,13 @@ class RecordingKernel:
             assert not args, "the kernel must be called by keyword"
             self.calls.append((lnc, kw))
             wg = torch.float32 if kw["weight_grad_dtype"] == nl.float32 else torch.bfloat16
-            dy, w_gu, w_down = kw["output_grad"], kw["gate_up_weights"], kw["down_proj_weight"]
-            return (expected_dx(dy.shape).to(torch.bfloat16), expected_dw_gu(w_gu.shape).to(wg),
-                    expected_dw_down(w_down.shape).to(wg))
+            return self.outputs(kw, wg)
         return launch
+
+    def outputs(self, kw, wg):
+        dy, w_gu, w_down = kw["output_grad"], kw["gate_up_weights"], kw["down_proj_weight"]
+        return (expected_dx(dy.shape).to(torch.bfloat16), expected_dw_gu(w_gu.shape).to(wg),
+                expected_dw_down(w_down.shape).to(wg))
 
 
 def expected_dx(shape):
@@ -278,24 +281,16 @@ MOE_KERNEL_KWARGS = {"output_grad", "hidden_states", "topk_weights", "gate_up_we
                      "quant_scheme", "weight_grad_dtype", "matmul_precision", "gate_up_bias_grad"}
 
 
-class RecordingMoEKernel:
+class RecordingMoEKernel(RecordingKernel):
     """Stands in for ``moe_backward_mxfp8_nki``: records (lnc, kw) and returns dX, d_topk_weights (float32),
     dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns above, and with
     gate_up_bias_grad=True d_gate_up_bias (float32, expected_moe_bias_grad)."""
 
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, lnc):
-        def launch(*args, **kw):
-            assert not args, "the kernel must be called by keyword"
-            self.calls.append((lnc, kw))
-            wg = torch.float32 if kw["weight_grad_dtype"] == nl.float32 else torch.bfloat16
-            outs = (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
-                    expected_dw_down(kw["topk_weights"].shape), expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
-                    -expected_moe_dw(kw["down_weight"].shape).to(wg))
-            return outs + ((expected_moe_bias_grad(kw["gate_up_weight"].shape[:2]),) if kw["gate_up_bias_grad"] else ())
-        return launch
+    def outputs(self, kw, wg):
+        outs = (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
+                expected_dw_down(kw["topk_weights"].shape), expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
+                -expected_moe_dw(kw["down_weight"].shape).to(wg))
+        return outs + ((expected_moe_bias_grad(kw["gate_up_weight"].shape[:2]),) if kw["gate_up_bias_grad"] else ())
 
 
 def expected_moe_bias_grad(shape):
