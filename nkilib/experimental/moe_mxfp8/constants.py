@@ -51,3 +51,10 @@ WEIGHT_LOAD_WIDTH = 1024
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
 PASS_C_STAGING_BUFFERS = 3
+#: Most blocks of one expert whose pass-C operands stay in SBUF (MXFP8): an expert with 2..R blocks reads and
+#: quantizes each of its blocks' rows once per core (moe_bwd_mxfp8_weight_grads.compute_phase3_resident_grads_mxfp8);
+#: a larger one re-reads them per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES.
+PASS_C_RESIDENT_BLOCKS = 8
+#: SBUF bytes per partition for those resident K tiles (R blocks of the moving operand's columns plus R blocks of
+#: one SINGLE_BLOCK_LOAD_WIDTH stationary piece).
+PASS_C_RESIDENT_BUDGET_BYTES = 80 * 1024
