@@ -58,3 +58,6 @@ PASS_C_RESIDENT_BLOCKS = 8
 #: SBUF bytes per partition for those resident K tiles (R blocks of the moving operand's columns plus R blocks of
 #: one SINGLE_BLOCK_LOAD_WIDTH stationary piece).
 PASS_C_RESIDENT_BUDGET_BYTES = 80 * 1024
+#: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
+#: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
+WEIGHT_GRAD_STORE_WIDTH = 2048

@@ -25,7 +25,8 @@ from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_pe
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES)
+                        PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES,
+                        WEIGHT_GRAD_STORE_WIDTH)
 
 __all__ = ["BlockRowSource", "GateUpBiasGrad", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -114,6 +115,31 @@ def _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t):
     nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
 
 
+class _RowStore(nl.NKIObject):
+    """Rows [m0, m0+msz) of out[e], columns [n_lo, n_hi), from [128, MOE_N_TILE] fp32 accumulators fed in column
+    order: each is evicted (_evict_and_store's +0.0 on ScalarE / VectorE in turn) into an SBUF piece of up to
+    WEIGHT_GRAD_STORE_WIDTH columns, which goes out in one DMA when its last tile is in: 4 KiB bf16 runs per row
+    instead of one tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html)."""
+
+    def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype):
+        self.out, self.e, self.m0, self.msz, self.n_hi, self.wg_dtype = out, e, m0, msz, n_hi, wg_dtype
+        self.piece, self.p0, self.p_end = None, n_lo, n_lo
+
+    def tile(self, acc, n0, nsz, t):
+        if n0 >= self.p_end:  # first tile of the next piece (pieces start at n_lo: a tile never straddles two)
+            self.p0, self.p_end = n0, min(self.n_hi, n0 + WEIGHT_GRAD_STORE_WIDTH)
+            self.piece = nl.ndarray((PARTITIONS, WEIGHT_GRAD_STORE_WIDTH), dtype=self.wg_dtype, buffer=nl.sbuf)
+        msz, off = self.msz, n0 - self.p0
+        engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
+        nisa.tensor_scalar(dst=self.piece[:msz, off:off + nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0,
+                           engine=engine)
+        if n0 + nsz >= self.p_end:
+            nisa.dma_copy(dst=self.out[self.e, self.m0:self.m0 + msz, self.p0:self.p_end],
+                          src=self.piece[:msz, :self.p_end - self.p0])
+            self.piece = None
+
+
 def _row_panels(ctx, src, i, lo, hi):
     """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
     once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages."""
@@ -150,11 +176,12 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
             a_pieces = None
             a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH))
         a = _columns(a_pieces, m0, ctx.f_pad(msz))
+        row = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
         for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
             # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
             matmul_panels(acc[:a.f_pad, :nsz], a, _columns(b_pieces, n0, nsz), ctx.setup)
-            _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t)
+            row.tile(acc, n0, nsz, t)
             t += 1
             acc = None
 
@@ -311,10 +338,11 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
             ctx.resident.for_slots(e, body)
             for (m0, msz), row in zip(m_group, accs):
+                store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
                 for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                    _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t)
+                    store.tile(acc, n0, nsz, t)
                     t += 1
-            accs = row = acc = body = None  # drop the group's PSUM before the next group allocates its own
+            accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
         stationary = load_stationary = None
 
 
