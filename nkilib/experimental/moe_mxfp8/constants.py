@@ -56,8 +56,9 @@ PASS_C_STAGING_BUFFERS = 3
 #: a larger one re-reads them per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES.
 PASS_C_RESIDENT_BLOCKS = 8
 #: SBUF bytes per partition for those resident K tiles (R blocks of the moving operand's columns plus R blocks of
-#: one SINGLE_BLOCK_LOAD_WIDTH stationary piece).
-PASS_C_RESIDENT_BUDGET_BYTES = 80 * 1024
+#: one SINGLE_BLOCK_LOAD_WIDTH stationary piece): R = 8 for GPT-OSS-20B, 7 for the DeepSeek-V3 rank. Modeled
+#: (docs/moe.md section 10, round 3) without plan errors; 80 KiB (R = 4) gave the same times on 2-4 block experts.
+PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
 #: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
 WEIGHT_GRAD_STORE_WIDTH = 2048
