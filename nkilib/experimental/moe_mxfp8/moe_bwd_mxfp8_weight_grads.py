@@ -214,8 +214,7 @@ def resident_block_count(ctx, grads) -> int:
         return all(sum(panel_bytes_per_partition(r * MX_K_TILE, w, ctx.setup) for w in ws)
                    <= PASS_C_RESIDENT_BUDGET_BYTES for ws in widths)
 
-    r = max([0] + [r for r in range(2, PASS_C_RESIDENT_BLOCKS + 1) if fits(r)])
-    return r
+    return max([0] + [r for r in range(2, PASS_C_RESIDENT_BLOCKS + 1) if fits(r)])
 
 
 class ResidentBlocks(nl.NKIObject):
@@ -249,10 +248,13 @@ class ResidentBlocks(nl.NKIObject):
                 nisa.tensor_tensor(dst=tile, data1=tile, data2=offs[:, 1:E + 1], op=nl.minimum)
                 bounds.append(tile)
 
+    # registers are loaded from one element of these tiles where a loop needs them (ExpertLoops._reg)
     def if_fits(self, e, body):
+        """body() once when expert e's blocks fit the R slots."""
         nl.fori_loop(0, self.ctx.loops._reg(self.fits, e), lambda _: body())
 
     def if_over(self, e, body):
+        """body() once when expert e has more blocks than slots."""
         nl.fori_loop(0, self.ctx.loops._reg(self.over, e), lambda _: body())
 
     def for_slots(self, e, body):
@@ -361,6 +363,7 @@ def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
     if ctx.resident.R < 2:
         streamed()
         return
+
     def resident():
         for out, lhs, rhs, m_total, n_total in grads:
             compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
