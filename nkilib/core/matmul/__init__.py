@@ -6,7 +6,7 @@ plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in step
 constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
-from .panels import (Panel, PanelSource, ResidentPanels, k_tiles, load_panel, matmul_panels,  # noqa: F401
+from .panels import (Panel, PanelSlots, PanelSource, ResidentPanels, k_tiles, load_panel, matmul_panels,  # noqa: F401
                      panel_bytes_per_partition, panel_columns, panel_from_row_loader, panel_from_rows,
                      panel_layout_hbm, panels_from_row_blocks, single_k_tile, stage_row_block, store_k_tile)
 from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401

@@ -374,8 +374,26 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     return builder.panel()
 
 
+class PanelSlots(nl.NKIObject):
+    """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
+    tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
+    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of _PanelBuilder
+    (words [128, count, f_pad], scales shared by K-tile quads with scale packing)."""
+
+    def __init__(self, count: int, f_pad: int, setup: MatmulSetup):
+        kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
+        self.f_pad = f_pad
+        self._builder = _PanelBuilder(f_pad, setup, 0, count)
+        self._builder.words(0, PARTITIONS)  # allocate both tiles now, outside any loop
+        self._builder.scale(0)
+
+    def tile(self, t: int, P: int = PARTITIONS) -> Panel:
+        """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
+        return Panel([self._builder.words(t, P)], [self._builder.scale(t)], self.f_pad)
+
+
 def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
-                          zero_fill: bool = False, stages=None) -> Panel:
+                          zero_fill: bool = False, stages=None, into=None) -> Panel:
     """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
     gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
 
@@ -388,12 +406,19 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
     stages: optional ring of MXFP8 staging tiles [128, 4, >= f_pad] bf16 the caller reuses across
     panels (K tile t uses stages[t % len]): a load then waits for the quantize that last read its
     stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
+    into: (PanelSlots, t): quantize the operand's single K tile (k_size <= 512, MXFP8) into slot t of
+    room allocated earlier, and return that slot's Panel.
 
     Dimensions:
         result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
     """
     tiles = k_tiles(k_size, setup)
     builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    if into != None:  # noqa: E711
+        kernel_assert(setup.is_mx and len(tiles) == 1 and into[0].f_pad == f_pad,
+                      f"into= takes one MXFP8 K tile of width {into[0].f_pad}; got K={k_size}, f_pad={f_pad}, "
+                      f"{setup.precision}")
+        builder = into[0]._builder
     for t in range(len(tiles)):
         k0, valid, padded = tiles[t]
         if setup.is_mx:
@@ -409,6 +434,10 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
                 rows = _rows_in_slot(valid, j, step_p, step_j, P)
                 if rows:
                     load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
+            if into != None:  # noqa: E711
+                nisa.quantize_mx(dst=builder.words(into[1], P), src=stage[:P, :, :f_pad].permute((0, 2, 1)),
+                                 dst_scale=builder.scale(into[1]))
+                return into[0].tile(into[1], P)
             builder.add_mx(t, padded, stage[:P, :, :f_pad].permute((0, 2, 1)))
         else:
             tile = builder.bf16_tile(t)

@@ -26,7 +26,8 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
        B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
        PSUM (groups of WEIGHT_GRAD_PSUM_TILES output tiles; the first block overwrites, later blocks add:
-       the same fp32 sums as the reference) and stored once.
+       the same fp32 sums as the reference) and stored once; an expert of 2..R blocks keeps them in SBUF
+       slots, each block read once per core (moe_bwd_mxfp8_weight_grads.py: single / resident / streamed).
 An expert without tokens runs none of A-C: every expert's work sits in a 0/1-trip run-time loop
 (ExpertLoops.if_used: no weight load, no quantization), and a second one (if_unused) stores its zero
 weight gradients (+0, exactly the reference's empty sum).
@@ -67,8 +68,10 @@ from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_pane
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
-from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, compute_phase3_expert_weight_grads_mxfp8,
-                                         compute_phase3_single_block_grads_mxfp8, store_zero_expert_grads)
+from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
+                                         compute_phase3_expert_weight_grads_mxfp8,
+                                         compute_phase3_multi_block_grads_mxfp8,
+                                         compute_phase3_single_block_grads_mxfp8)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
@@ -470,14 +473,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                   for _ in range(PASS_C_STAGING_BUFFERS)] if setup.is_mx else None
 
     grads = ((ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H), (ctx.d_down_weight, dy_src, hs_src, H, I))
+    ctx.resident = ResidentBlocks(ctx, grads)  # an expert of 2..R blocks: pass C reads each block once per core
 
     def pass_c_single(e, i):
         for out, lhs, rhs, m_total, n_total in grads:
             compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype)
-
-    def pass_c_multi(e):
-        for out, lhs, rhs, m_total, n_total in grads:
-            compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
 
     bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
 
@@ -485,7 +485,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if bias != None:  # noqa: E711  (reads e's d_gate_up scratch rows: after the fence that follows A(e))
             bias.expert(e)
         ctx.loops.if_single(e, lambda i: pass_c_single(e, i))
-        ctx.loops.if_multi(e, lambda: pass_c_multi(e))
+        ctx.loops.if_multi(e, lambda: compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype))
         ctx.loops.if_unused(e, lambda: store_zero_expert_grads(ctx, e, zeros))
 
     def fence():

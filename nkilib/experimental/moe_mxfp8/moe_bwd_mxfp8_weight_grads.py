@@ -2,9 +2,12 @@
 dW_gu[e] = sum_b d_gate_up_bᵀ X_b and dW_down[e] = sum_b dY_bᵀ hs_b, K = the tokens of the expert's blocks
 (both operands MX-quantized along tokens), from the block-ordered scratch rows pass A wrote.
 
-Two paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the kernel module):
+Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the kernel module, ResidentBlocks):
     single block: both operands loaded and quantized once, every output tile one matmul;
-    two or more blocks: groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
+    2..R blocks (MXFP8, ResidentBlocks.R > 1): every block's rows of this core's tiles loaded and quantized
+    once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
+    over the slots in PSUM (compute_phase3_resident_grads_mxfp8);
+    more blocks (or BF16): groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
     block loop (first block overwrites, later blocks add), each group re-reading the blocks' rows;
 and an expert without blocks stores zeros. Numerics and the LNC2 split: docs/moe.md, sections 3-5.
 
@@ -17,13 +20,17 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, shard_range
-from ...core.matmul import CoreSplit, matmul_panels, panel_columns, panel_from_row_loader
+from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
+                            panel_from_row_loader)
+from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
-from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, PARTITIONS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        WEIGHT_GRAD_PSUM_TILES)
+from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
+                        PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES,
+                        WEIGHT_GRAD_STORE_WIDTH)
 
-__all__ = ["BlockRowSource", "GateUpBiasGrad", "compute_phase3_expert_weight_grads_mxfp8",
-           "compute_phase3_single_block_grads_mxfp8", "store_zero_expert_grads"]
+__all__ = ["BlockRowSource", "GateUpBiasGrad", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
+           "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
+           "compute_phase3_single_block_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
 
 
 class BlockRowSource(nl.NKIObject):
@@ -94,11 +101,43 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
         nl.fori_loop(lo, first, lambda i, body=body: body(i, False))
         nl.fori_loop(first, hi, lambda i, body=body: body(i, True))
         for j, ((m0, msz), acc) in enumerate(zip(m_blocks, accs)):
-            res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
-            engine = nisa.engine.scalar if (g + j) % 2 == 0 else nisa.engine.vector
-            nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
-            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+            _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, g + j)
         accs = acc = body = None  # drop the group's PSUM before the next group allocates its own
+
+
+def _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t):
+    """out[e, m0:m0+msz, n0:n0+nsz] = wg(acc + 0.0): the eviction adds +0.0 in fp32 (the reference's sum
+    starts from +0, so a first product of -0 must leave +0; x + 0.0 == x otherwise), on ScalarE and VectorE
+    in turn (t: the tile's count)."""
+    res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
+    engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
+    nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
+    nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+
+class _RowStore(nl.NKIObject):
+    """Rows [m0, m0+msz) of out[e], columns [n_lo, n_hi), from [128, MOE_N_TILE] fp32 accumulators fed in column
+    order: each is evicted (_evict_and_store's +0.0 on ScalarE / VectorE in turn) into an SBUF piece of up to
+    WEIGHT_GRAD_STORE_WIDTH columns, which goes out in one DMA when its last tile is in: 4 KiB bf16 runs per row
+    instead of one tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html)."""
+
+    def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype):
+        self.out, self.e, self.m0, self.msz, self.n_hi, self.wg_dtype = out, e, m0, msz, n_hi, wg_dtype
+        self.piece, self.p0, self.p_end = None, n_lo, n_lo
+
+    def tile(self, acc, n0, nsz, t):
+        if n0 >= self.p_end:  # first tile of the next piece (pieces start at n_lo: a tile never straddles two)
+            self.p0, self.p_end = n0, min(self.n_hi, n0 + WEIGHT_GRAD_STORE_WIDTH)
+            self.piece = nl.ndarray((PARTITIONS, WEIGHT_GRAD_STORE_WIDTH), dtype=self.wg_dtype, buffer=nl.sbuf)
+        msz, off = self.msz, n0 - self.p0
+        engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
+        nisa.tensor_scalar(dst=self.piece[:msz, off:off + nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0,
+                           engine=engine)
+        if n0 + nsz >= self.p_end:
+            nisa.dma_copy(dst=self.out[self.e, self.m0:self.m0 + msz, self.p0:self.p_end],
+                          src=self.piece[:msz, :self.p_end - self.p0])
+            self.piece = None
 
 
 def _row_panels(ctx, src, i, lo, hi):
@@ -137,16 +176,200 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
             a_pieces = None
             a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH))
         a = _columns(a_pieces, m0, ctx.f_pad(msz))
+        row = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
         for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
             # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
             matmul_panels(acc[:a.f_pad, :nsz], a, _columns(b_pieces, n0, nsz), ctx.setup)
-            res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
-            engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
-            nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
-            nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+            row.tile(acc, n0, nsz, t)
             t += 1
-            acc = res = None
+            acc = None
+
+
+def resident_block_count(ctx, grads) -> int:
+    """R: the most blocks of one expert whose pass-C operands stay in SBUF (compute_phase3_resident_grads_mxfp8),
+    or 0 where that path does not apply: BF16 (its K tiles are 128 rows, PanelSlots holds MXFP8 tiles), a core's
+    N columns of a gradient beyond one PSUM of accumulators (WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE), or fewer
+    than 2 blocks within PASS_C_RESIDENT_BUDGET_BYTES.
+
+    Per block and partition the slots take this core's N columns of the moving operand and one
+    SINGLE_BLOCK_LOAD_WIDTH piece of the stationary one (panel_bytes_per_partition of R K tiles); the two
+    gradients run one after the other, so the larger of them counts. Every core's split is checked: both
+    must take the same path.
+
+    Dimensions:
+        grads: [(out, lhs, rhs, M, N)] as the kernel's pass C (dW_gu [2I, H], dW_down [H, I]).
+    """
+    if not ctx.setup.is_mx:
+        return 0
+    widths = []
+    for _, _, _, m_total, n_total in grads:
+        for core in range(ctx.split.num_cores):
+            _, (n_lo, n_hi) = CoreSplit(ctx.split.num_cores, core).ranges(m_total, n_total)
+            if n_hi - n_lo > WEIGHT_GRAD_PSUM_TILES * MOE_N_TILE:
+                return 0
+            widths.append([csz for _, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)] + [SINGLE_BLOCK_LOAD_WIDTH])
+
+    def fits(r):
+        return all(sum(panel_bytes_per_partition(r * MX_K_TILE, w, ctx.setup) for w in ws)
+                   <= PASS_C_RESIDENT_BUDGET_BYTES for ws in widths)
+
+    return max([0] + [r for r in range(2, PASS_C_RESIDENT_BLOCKS + 1) if fits(r)])
+
+
+class ResidentBlocks(nl.NKIObject):
+    """Run-time bounds of the resident pass-C path, derived once (outside every loop) from ExpertLoops' offsets.
+
+    Dimensions (SBUF int32 tiles, one column per expert, nb = offsets[e+1] - offsets[e]):
+        fits [1, E] = min(max(R + 1 - nb, 0), 1): the expert's blocks fit R slots (used with if_multi: nb >= 2);
+        over [1, E] = 1 - fits; slot_lo[j], slot_hi[j] [1, E] = min(offsets[e] + j (+ 1), offsets[e+1]) for
+        j < R: slot j holds block offsets[e] + j when the expert has one (a 0/1-trip loop per slot).
+    Integer values < 2^24, exact in VectorE's fp32 arithmetic (as ExpertLoops).
+    """
+
+    def __init__(self, ctx, grads):
+        self.ctx, self.R, E = ctx, resident_block_count(ctx, grads), ctx.E
+        if self.R < 2:
+            return
+        offs = ctx.loops.offs
+        nb = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nb, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
+        self.fits = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.fits, data=nb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                           operand1=float(self.R + 1))
+        nisa.tensor_scalar(dst=self.fits, data=self.fits, op0=nl.maximum, operand0=0.0, op1=nl.minimum, operand1=1.0)
+        self.over = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.over, data=self.fits, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        self.slot_lo, self.slot_hi = [], []
+        for j in range(self.R):
+            for bounds, plus in ((self.slot_lo, j), (self.slot_hi, j + 1)):
+                tile = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=tile, data=offs[:, 0:E], op0=nl.add, operand0=float(plus))
+                nisa.tensor_tensor(dst=tile, data1=tile, data2=offs[:, 1:E + 1], op=nl.minimum)
+                bounds.append(tile)
+
+    # registers are loaded from one element of these tiles where a loop needs them (ExpertLoops._reg)
+    def if_fits(self, e, body):
+        """body() once when expert e's blocks fit the R slots."""
+        nl.fori_loop(0, self.ctx.loops._reg(self.fits, e), lambda _: body())
+
+    def if_over(self, e, body):
+        """body() once when expert e has more blocks than slots."""
+        nl.fori_loop(0, self.ctx.loops._reg(self.over, e), lambda _: body())
+
+    def for_slots(self, e, body):
+        """body(i, j) for each slot j < R that holds a block of expert e (i: the block's register)."""
+        reg = self.ctx.loops._reg
+        for j in range(self.R):
+            nl.fori_loop(reg(self.slot_lo[j], e), reg(self.slot_hi[j], e), lambda i, j=j: body(i, j))
+
+
+def _resident_schedule(ctx, m_total, n_total):
+    """This core's stationary pieces and output-tile groups of the resident path: [((p0, psz), [[m blocks]])],
+    pieces of SINGLE_BLOCK_LOAD_WIDTH columns of its M range, groups of m tiles under all of its N tiles (at
+    most WEIGHT_GRAD_PSUM_TILES accumulators). Piece and group counts are core 0's (the larger share): a core
+    with fewer runs empty ones, so both cores enter the same loops."""
+
+    def schedule(split):
+        (m_lo, m_hi), (n_lo, n_hi) = split.ranges(m_total, n_total)
+        return [(piece, blocks(piece[0], piece[0] + piece[1], PARTITIONS))
+                for piece in blocks(m_lo, m_hi, SINGLE_BLOCK_LOAD_WIDTH)], len(blocks(n_lo, n_hi, MOE_N_TILE))
+
+    first, n_tiles = schedule(CoreSplit(ctx.split.num_cores, 0))
+    per_group = max(1, WEIGHT_GRAD_PSUM_TILES // max(1, n_tiles))
+    mine, _ = schedule(ctx.split)
+    out = []
+    for p, (_, tiles0) in enumerate(first):
+        piece, tiles = mine[p] if p < len(mine) else ((0, 0), [])
+        groups = [tiles[g:g + per_group] for g in range(0, len(tiles), per_group)]
+        out.append((piece, groups + [[]] * (len(range(0, len(tiles0), per_group)) - len(groups))))
+    return out
+
+
+def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype):
+    """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
+    read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
+
+    Dimensions: as compute_phase3_expert_weight_grads_mxfp8; this core's output [M_c, N_c] with N_c <=
+    WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE (resident_block_count).
+    Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots), written
+    in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
+    in SINGLE_BLOCK_LOAD_WIDTH pieces), then per piece of SINGLE_BLOCK_LOAD_WIDTH stationary columns (lhs)
+    its K tiles, and per group of m tiles under all N_c columns one slot loop of matmuls into the group's PSUM
+    accumulators: slot 0 (always present: the expert has >= 2 blocks) overwrites, slot j > 0 adds, so each
+    tile's sum runs over the blocks in order as the reference's; evicted with +0.0 and stored.
+    """
+    setup, B, R = ctx.setup, ctx.B, ctx.resident.R
+    P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
+    (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
+    moving = [(c0, PanelSlots(R, csz, setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
+              if m_lo < m_hi]
+    # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
+    n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
+               if c0 <= n0 < c0 + slots.f_pad]
+
+    def load(src, i, j, c0, slots):
+        panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=ctx.stages,
+                              into=(slots, j))
+
+    def load_moving(i, j):
+        for c0, slots in moving:
+            load(rhs, i, j, c0, slots)
+
+    ctx.resident.for_slots(e, load_moving)
+    t = 0
+    for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
+        stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
+
+        def load_stationary(i, j, p0=p0, stationary=stationary):
+            if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
+                load(lhs, i, j, p0, stationary)
+
+        ctx.resident.for_slots(e, load_stationary)
+        for m_group in groups:
+            accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
+                    for _ in m_group]
+
+            def body(i, j, p0=p0, stationary=stationary, m_group=m_group, accs=accs):
+                for (m0, msz), row in zip(m_group, accs):
+                    a = panel_columns(stationary.tile(j, P), m0 - p0, ctx.f_pad(msz))
+                    for (n0, nsz, c0, slots), acc in zip(n_tiles, row):
+                        # K=the block's B tokens (one MX K tile), M=msz, N=nsz
+                        matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), setup,
+                                      accumulate=j > 0)
+
+            ctx.resident.for_slots(e, body)
+            for (m0, msz), row in zip(m_group, accs):
+                store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+                for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                    store.tile(acc, n0, nsz, t)
+                    t += 1
+            accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
+        stationary = load_stationary = None
+
+
+def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
+    """Both weight gradients of an expert with two or more blocks (inside ExpertLoops.if_multi): the resident
+    path when its blocks fit ctx.resident's R slots, else the streamed one (compute_phase3_expert_weight_grads_mxfp8).
+
+    Dimensions:
+        grads: [(out, lhs, rhs, M, N)]: dW_gu (d_gate_up, X) and dW_down (dY, hs) (the kernel's pass C).
+    """
+
+    def streamed():
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
+
+    if ctx.resident.R < 2:
+        streamed()
+        return
+
+    def resident():
+        for out, lhs, rhs, m_total, n_total in grads:
+            compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
+
+    ctx.resident.if_fits(e, resident)
+    ctx.resident.if_over(e, streamed)
 
 
 def store_zero_expert_grads(ctx, e, zeros):

@@ -1,0 +1,108 @@
+"""Pass C of the MoE kernel (moe_bwd_mxfp8_weight_grads.py): which weight-gradient path an expert takes, and
+that every path gives mx_exact's bits.
+
+| test                                  | what                                                              |
+|---------------------------------------|-------------------------------------------------------------------|
+| test_resident_and_streamed_paths_...  | experts of 3 / 2 / 1 / 0 blocks with R = 2: streamed, resident,   |
+|                                       | single-block, zeros in one launch; LNC1 == LNC2 == mx_exact       |
+| test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
+| test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
+|                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nki.language as nl
+from nkilib.core.matmul import CoreSplit, MatmulSetup, panel_bytes_per_partition
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
+from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import CLAMPS, moe_case, run
+
+
+def _count_calls(monkeypatch, names):
+    calls = {n: 0 for n in names}
+    for n in names:
+        fn = getattr(W, n)
+
+        def counted(*a, _fn=fn, _n=n, **k):
+            calls[_n] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(W, n, counted)
+    return calls
+
+
+def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
+    """R = 2 slots: expert 0 (3 blocks) re-reads its blocks per PSUM group, expert 1 (2 blocks) keeps them in its
+    slots, expert 2 (1 block) takes the single-block path, expert 3 (no tokens) stores zeros; clamps and
+    I = 160 (a partial last tile). Both multi-block paths run, and LNC1 == LNC2 == mx_exact bit for bit."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
+                                       "compute_phase3_expert_weight_grads_mxfp8"])
+    T, E, k, H, I = 520, 4, 1, 96, 160
+    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [300, 200, 20], axis=0)
+    ids = ids[np.random.default_rng(8).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1, 0]
+    out2 = run(kernel, lnc=2)
+    # per core: the two gradients of expert 1 resident, of expert 0 streamed
+    assert calls == {"compute_phase3_resident_grads_mxfp8": 4, "compute_phase3_expert_weight_grads_mxfp8": 4}
+    assert_outputs_identical(out2, moe_backward_reference(**ref), "R = 2 paths vs mx_exact")
+    assert_outputs_identical(run(kernel, lnc=1), out2, "LNC1 vs LNC2")
+    assert not out2[2][3].view(np.uint16).any() and not out2[3][3].view(np.uint16).any()
+
+
+def test_resident_path_wrapx_b256():
+    """The wrapX scheme (groups strided inside the K tile) and B = 256 (64-partition K tiles, scale slots packed
+    at offsets 0/4/8/12): an expert of 4 blocks in the resident slots, LNC2 == mx_exact."""
+    T, E, k, H, I = 1100, 2, 1, 128, 64
+    ids = np.repeat(np.array([[0], [1]], np.int32), [900, 200], axis=0)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=256, quant_scheme="wrapX",
+                           checkpoints=("gate_pre", "up", "gate_act", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 1]
+    assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "wrapX B=256 vs mx_exact")
+
+
+class _Ctx:
+    def __init__(self, precision, cores=2, shard=0):
+        self.setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
+        self.split = CoreSplit(cores, shard)
+
+
+def _grads(H, I):
+    return ((None, None, None, 2 * I, H), (None, None, None, H, I))
+
+
+@pytest.mark.parametrize("H, I", [(2880, 2880), (7168, 2048)])
+def test_resident_block_count_presets(H, I):
+    """The full presets' experts of 4 blocks (GPT-OSS-20B at T = 16384, balanced) fit the slots, and what R
+    slots hold (each core's moving columns in load pieces plus one stationary piece, every K tile) stays within
+    PASS_C_RESIDENT_BUDGET_BYTES; one more slot would not fit or R is at its cap."""
+    ctx = _Ctx("mxfp8")
+    r = W.resident_block_count(ctx, _grads(H, I))
+    assert r >= 4
+
+    def held(slots):
+        worst = 0
+        for _, _, _, m_total, n_total in _grads(H, I):
+            for core in (0, 1):
+                _, (n_lo, n_hi) = CoreSplit(2, core).ranges(m_total, n_total)
+                widths = [min(SINGLE_BLOCK_LOAD_WIDTH, n_hi - c) for c in range(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)]
+                widths.append(SINGLE_BLOCK_LOAD_WIDTH)
+                worst = max(worst, sum(panel_bytes_per_partition(512 * slots, w, ctx.setup) for w in widths))
+        return worst
+
+    assert held(r) <= PASS_C_RESIDENT_BUDGET_BYTES
+    assert r == W.PASS_C_RESIDENT_BLOCKS or held(r + 1) > PASS_C_RESIDENT_BUDGET_BYTES
+
+
+def test_resident_block_count_off():
+    """BF16 (128-row K tiles) and a core's N beyond one PSUM of accumulators (8 x 512 columns) take the
+    streamed path: R = 0."""
+    assert W.resident_block_count(_Ctx("bf16"), _grads(2880, 2880)) == 0
+    assert W.resident_block_count(_Ctx("mxfp8"), ((None, None, None, 256, 2 * 8 * 512 + 256),)) == 0
+    assert W.resident_block_count(_Ctx("mxfp8", cores=1), _grads(8192, 256)) == 0
