@@ -17,9 +17,15 @@ sparse MoE block is replaced by ``HFMoEExperts`` (same two Parameters, same keys
 op's activation "gpt_oss" with the model's limit, biases). The router and the block's forward stay the model's.
 Registered only when this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with
 the reason. Further classes: ``register_swap(class_name, swap_fn)``.
+
+Expert parallelism: ``patch_model(model, recipe, ep_group=pg)`` on every rank of `pg` makes the swapped experts
+modules keep only the rank's E/ep experts and run the op with ``ep_group`` (nkilib/training/moe.py says what a
+rank's state dict holds); dense MLPs are swapped as without it. Swap functions that take an ``ep_group`` keyword
+receive it; the others are called as without one.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,10 +62,13 @@ class PatchReport:
     Attributes:
         patched: names of swapped (or re-configured) modules, in model order.
         unsupported: name -> reason, for modules of a PENDING_CLASSES class (only with strict=False).
+        rank_local_parameters: with ep_group, the names of the parameters that hold only this rank's experts
+            (leave them out of the data-parallel gradient all-reduce); () without.
     """
 
     patched: tuple = ()
     unsupported: dict = field(default_factory=dict)
+    rank_local_parameters: tuple = ()
 
 
 def register_swap(class_name: str, swap_fn: SwapFn, *, replace: bool = False) -> None:
@@ -82,15 +91,20 @@ def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
 
 
-def _swap_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
-    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__)
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
+    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group)
 
 
-def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
-    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__)
+def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
+    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group)
 
 
-def _reconfigure(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
+    held = getattr(module, "ep_group", None)
+    if ep_group is not None and isinstance(module, (HFMoEExperts, HFGptOssExperts)) and ep_group is not held:
+        raise ValueError(f"patch_model: {name} is already swapped with "
+                         f"{'all experts' if held is None else 'another ep_group'}; its experts cannot be re-sharded "
+                         f"over a new ep_group (patch the original model instead)")
     if isinstance(module, HFMoEExperts):
         moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
     if isinstance(module, HFGptOssExperts):
@@ -116,7 +130,16 @@ register_swap(HFMoEExperts.__name__, _reconfigure)
 register_swap(HFGptOssExperts.__name__, _reconfigure)
 
 
-def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchReport:
+def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_group) -> nn.Module:
+    """swap_fn(module, recipe, name), with ep_group=ep_group where one is given and swap_fn takes it."""
+    if ep_group is None:
+        return swap_fn(module, recipe, name)
+    params = inspect.signature(swap_fn).parameters
+    takes = "ep_group" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return swap_fn(module, recipe, name, ep_group=ep_group) if takes else swap_fn(module, recipe, name)
+
+
+def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=None) -> PatchReport:
     """Swap, in place, every registered module of `model` for one whose backward is the MXFP8 op.
 
     Args:
@@ -124,13 +147,19 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchR
         recipe: a Recipe, a preset name (nkilib.recipe.PRESETS) or None (the default preset).
         strict: raise on modules of a known but not yet supported class (PENDING_CLASSES); False leaves
             them as they are and lists them in the report.
+        ep_group: None, or a torch.distributed process group over which the MoE experts are sharded (expert
+            parallelism; call on every rank of the group with the same model): the swapped experts modules keep
+            this rank's E/ep experts (E divisible by the group size) under the model's parameter names and run
+            ``moe_swiglu_experts_mxfp8(..., ep_group=ep_group)``; each rank feeds its own tokens.
 
     Returns:
         PatchReport.
 
     Raises:
         ValueError: a registered module that does not fit the op (bias, activation, sizes; the message
-            names the module), or a model with nothing to swap.
+            names the module), a model with nothing to swap, E not divisible by the ep_group size, or an
+            already swapped experts module asked to change its ep_group.
+        TypeError / RuntimeError: ep_group not a ProcessGroup / torch.distributed not initialised.
         NotImplementedError: strict and a PENDING_CLASSES module is present.
     """
     recipe = as_recipe(recipe)
@@ -148,14 +177,16 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchR
     for name, module in found:
         if name in pending:
             continue
-        swapped = _SWAPS[type(module).__name__](module, recipe, name)
+        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_group)
         if swapped is not module:
             _set_submodule(model, name, swapped)
         patched.append(name)
     if not patched:
         raise ValueError(f"patch_model: no module of a swappable class {swappable_classes()} in "
                          f"{type(model).__name__}")
-    return PatchReport(patched=tuple(patched), unsupported=pending)
+    local = tuple(f"{name}.{p}" if name else p for name, m in model.named_modules()
+                  if getattr(m, "ep_group", None) is not None for p, _ in m.named_parameters(recurse=False))
+    return PatchReport(patched=tuple(patched), unsupported=pending, rank_local_parameters=local)
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
