@@ -79,8 +79,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..emulate_numerics import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (_weight_grad_name, check_numeric_options,
                                                            resolve_checkpoint_policy)
 from . import moe_bwd_mxfp8_torch as moe_op

@@ -54,8 +54,8 @@ from torch import Tensor, nn
 
 from ...core import options
 from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
-from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
                                                            check_numeric_options, resolve_checkpoint_policy)
@@ -164,7 +164,7 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None):
         up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
         if b_gu is not None:
             gate_pre, up = gate_pre + b_gu[e, :n_i], up + b_gu[e, n_i:]
-        gate_act, inter = dense_emu.swiglu_activations(gate_pre, up, clamp_dict)
+        gate_act, inter = swiglu_activations(gate_pre, up, clamp_dict)
         hs = (inter.to(f32) * p[slots, None]).to(bf)
         y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
         for c, v in zip(ckpts, (gate_pre, gate_act, up, inter)):

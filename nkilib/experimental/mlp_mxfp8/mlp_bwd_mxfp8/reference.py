@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ....core import options
-from ....core.numerics import (MODES, activation_fns64, apply_activation, contract_matmul, gate_terms, quantize_k,
+from ....core.numerics import (MODES, activation_fns64, apply_activation, contract_matmul, gate_terms, quantize_k,  # noqa: F401
                                reference_options, swiglu_intermediate, to_bf16, to_f32, to_f64, to_weight_grad, up_terms,
                                weight_grad_np_dtype)
 from ....mx import deinterleave_k, dequantize_mx, interleave_k, pack_x4, unpack_x4
