@@ -63,8 +63,10 @@ of those, an error on every rank naming the mismatch); the ranks' backward passe
 two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
 that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. Split sizes
 are host lists (one device-to-host read of the counts per forward), so this path does not trace under torch.compile.
-On Neuron the same code would run on the XLA / TorchNeuron process group: untested (no device here); a compiled XLA
-graph would need static capacities instead of host split lists.
+On Neuron the same code is meant to run on the XLA / TorchNeuron process group: untested (no device here). As written
+it would not run on PyTorch/XLA's "xla" process group, whose all_to_all_single refuses split sizes
+(https://github.com/pytorch/xla/blob/master/torch_xla/distributed/xla_backend.py, ProcessGroupXla.alltoall_base), which the payload all-to-alls use; that stack (and a compiled XLA graph)
+needs static, equal-split capacities instead of host split lists: not built.
 
 Dimensions:
     T: this rank's tokens, k: experts per token, N = T*k: its routed pairs, R: pairs its experts receive,
