@@ -119,11 +119,15 @@ class _ExpertShard(nn.Module):
     expert_offset (the first local expert's global id), num_local_experts (E/ep).
     """
 
-    def _take_experts(self, experts: nn.Module, names: tuple, ep_group, where: str) -> None:
+    def _take_experts(self, experts: nn.Module, names: tuple, ep_group, where: str, ep_payload: str) -> None:
         """Hold `experts`' Parameters `names` (leading axis E): the same objects, or with ep_group new Parameters
         holding a copy of this rank's slice (E divisible by the group size, else ValueError naming `where`)."""
+        from ..experimental.moe_mxfp8.expert_parallel import PAYLOADS
+
+        if ep_payload not in PAYLOADS:
+            raise ValueError(f"{where}: ep_payload must be one of {PAYLOADS}, got {ep_payload!r}")
         params = [getattr(experts, n) for n in names]
-        self.ep_group, self.num_experts = ep_group, params[0].shape[0]
+        self.ep_group, self.ep_payload, self.num_experts = ep_group, ep_payload, params[0].shape[0]
         self.expert_offset, self.num_local_experts = 0, self.num_experts
         self._expert_param_names = names
         if ep_group is not None:
@@ -135,6 +139,18 @@ class _ExpertShard(nn.Module):
             params = [nn.Parameter(p.detach()[local].clone(), requires_grad=p.requires_grad) for p in params]
         for n, p in zip(names, params):
             setattr(self, n, p)
+
+    def _run_op(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, **kwargs) -> Tensor:
+        """moe_swiglu_experts_mxfp8 on all experts, or under ep_group its expert-parallel form with ep_payload
+        (kwargs: the op's resolved keywords, no recipe)."""
+        if self.ep_group is None:
+            from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
+
+            return moe_swiglu_experts_mxfp8(x, ids, weights, gate_up, down, **kwargs)
+        from ..experimental.moe_mxfp8.expert_parallel import moe_swiglu_experts_expert_parallel
+
+        return moe_swiglu_experts_expert_parallel(x, ids, weights, gate_up, down, group=self.ep_group,
+                                                  payload=self.ep_payload, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Under ep_group, full [E, ...] expert tensors load as this rank's slice (a rank's own slices load as is)."""
@@ -149,7 +165,8 @@ class _ExpertShard(nn.Module):
     def _ep_repr(self) -> str:
         return "" if self.ep_group is None else (f", ep_group size {self.num_experts // self.num_local_experts}, "
                                                  f"local experts {self.expert_offset}.."
-                                                 f"{self.expert_offset + self.num_local_experts - 1}")
+                                                 f"{self.expert_offset + self.num_local_experts - 1}, "
+                                                 f"ep_payload={self.ep_payload!r}")
 
 
 def check_hf_experts(experts: nn.Module, where: str) -> None:
@@ -182,26 +199,26 @@ class HFMoEExperts(_ExpertShard):
         recipe: a Recipe, a preset name or None (the default preset).
         where: the module's qualified name, for error messages.
         ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
+        ep_payload: under ep_group, how x and dY travel: "mxfp8" (codes + scales) or "bf16" (bit-identical to
+            the single-process op, twice the bytes); expert_parallel.py's payload.
     """
 
-    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None):
+    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
+                 ep_payload: str = "mxfp8"):
         super().__init__()
         check_hf_experts(experts, where)
-        self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where)
+        self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where, ep_payload)
         self.act_fn = nn.SiLU()  # documents the math; the op applies it
         self.recipe = as_recipe(recipe)
         moe_kwargs(self.recipe)  # refuse an unsupported recipe now, not at the first forward
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
-
         x_op, autocasting = autocast_input(hidden_states)
         weights = (self.gate_up_proj, self.down_proj)
         if self.recipe.accumulate_main_grad:
             weights = tuple(_main_grad_operand(w) for w in weights)
         with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            y = moe_swiglu_experts_mxfp8(x_op, top_k_index, top_k_weights, *weights, recipe=_op_recipe(self.recipe),
-                                         ep_group=self.ep_group)
+            y = self._run_op(x_op, top_k_index, top_k_weights, *weights, **moe_kwargs(self.recipe))
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
@@ -241,9 +258,11 @@ class HFGptOssExperts(_ExpertShard):
         recipe: a Recipe, a preset name or None (the default preset).
         where: the module's qualified name, for error messages.
         ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
+        ep_payload: under ep_group, "mxfp8" or "bf16" (as HFMoEExperts).
     """
 
-    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None):
+    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
+                 ep_payload: str = "mxfp8"):
         super().__init__()
         names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         params = [getattr(experts, n, None) for n in names]
@@ -265,7 +284,7 @@ class HFGptOssExperts(_ExpertShard):
         limit = getattr(experts, "limit", None)
         self.clamp_limits = ClampLimits(non_linear_upper=limit, linear_lower=None if limit is None else -limit,
                                         linear_upper=limit, activation="gpt_oss")
-        self._take_experts(experts, names, ep_group, where)
+        self._take_experts(experts, names, ep_group, where, ep_payload)
         self.hidden_size, self.intermediate_size = h, two_i // 2
         self.alpha, self.limit = alpha, limit
         self.where = where
@@ -289,14 +308,11 @@ class HFGptOssExperts(_ExpertShard):
         return gate_up, self.down_proj.transpose(1, 2), bias
 
     def forward(self, hidden_states: Tensor, router_indices: Tensor, routing_weights: Tensor) -> Tensor:
-        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
-
         gate_up, down, gate_up_bias = self._op_weights()
         x_op, autocasting = autocast_input(hidden_states)
         with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            y = moe_swiglu_experts_mxfp8(x_op, router_indices, routing_weights, gate_up, down,
-                                         gate_up_bias=gate_up_bias, down_bias=self.down_proj_bias,
-                                         ep_group=self.ep_group, **self._op_kwargs())
+            y = self._run_op(x_op, router_indices, routing_weights, gate_up, down, gate_up_bias=gate_up_bias,
+                             down_bias=self.down_proj_bias, **self._op_kwargs())
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

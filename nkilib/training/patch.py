@@ -20,8 +20,9 @@ the reason. Further classes: ``register_swap(class_name, swap_fn)``.
 
 Expert parallelism: ``patch_model(model, recipe, ep_group=pg)`` on every rank of `pg` makes the swapped experts
 modules keep only the rank's E/ep experts and run the op with ``ep_group`` (nkilib/training/moe.py says what a
-rank's state dict holds); dense MLPs are swapped as without it. Swap functions that take an ``ep_group`` keyword
-receive it; the others are called as without one.
+rank's state dict holds); dense MLPs are swapped as without it. ``ep_payload="bf16"`` sends tokens and output
+gradients in bf16 instead of MXFP8 (bit-identical to one process). Swap functions that take ``ep_group`` /
+``ep_payload`` keywords receive them; the others are called as without.
 """
 from __future__ import annotations
 
@@ -91,20 +92,27 @@ def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
 
 
-def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
-    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group)
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
+    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
+                        ep_payload=ep_payload)
 
 
-def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
-    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group)
+def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None,
+                          ep_payload="mxfp8") -> nn.Module:
+    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
+                           ep_payload=ep_payload)
 
 
-def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None) -> nn.Module:
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
     held = getattr(module, "ep_group", None)
-    if ep_group is not None and isinstance(module, (HFMoEExperts, HFGptOssExperts)) and ep_group is not held:
-        raise ValueError(f"patch_model: {name} is already swapped with "
-                         f"{'all experts' if held is None else 'another ep_group'}; its experts cannot be re-sharded "
-                         f"over a new ep_group (patch the original model instead)")
+    if ep_group is not None and isinstance(module, (HFMoEExperts, HFGptOssExperts)):
+        if ep_group is not held:
+            raise ValueError(f"patch_model: {name} is already swapped with "
+                             f"{'all experts' if held is None else 'another ep_group'}; its experts cannot be "
+                             f"re-sharded over a new ep_group (patch the original model instead)")
+        if ep_payload != module.ep_payload:
+            raise ValueError(f"patch_model: {name} runs with ep_payload={module.ep_payload!r}; re-patching cannot "
+                             f"change it to {ep_payload!r}")
     if isinstance(module, HFMoEExperts):
         moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
     if isinstance(module, HFGptOssExperts):
@@ -130,16 +138,18 @@ register_swap(HFMoEExperts.__name__, _reconfigure)
 register_swap(HFGptOssExperts.__name__, _reconfigure)
 
 
-def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_group) -> nn.Module:
-    """swap_fn(module, recipe, name), with ep_group=ep_group where one is given and swap_fn takes it."""
+def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_group, ep_payload) -> nn.Module:
+    """swap_fn(module, recipe, name), plus ep_group= and ep_payload= where a group is given and swap_fn takes them."""
     if ep_group is None:
         return swap_fn(module, recipe, name)
     params = inspect.signature(swap_fn).parameters
-    takes = "ep_group" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return swap_fn(module, recipe, name, ep_group=ep_group) if takes else swap_fn(module, recipe, name)
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in (("ep_group", ep_group), ("ep_payload", ep_payload)) if any_keyword or k in params}
+    return swap_fn(module, recipe, name, **extra)
 
 
-def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=None) -> PatchReport:
+def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=None,
+                ep_payload: str = "mxfp8") -> PatchReport:
     """Swap, in place, every registered module of `model` for one whose backward is the MXFP8 op.
 
     Args:
@@ -151,6 +161,9 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
             parallelism; call on every rank of the group with the same model): the swapped experts modules keep
             this rank's E/ep experts (E divisible by the group size) under the model's parameter names and run
             ``moe_swiglu_experts_mxfp8(..., ep_group=ep_group)``; each rank feeds its own tokens.
+        ep_payload: with ep_group, how tokens and output gradients travel: "mxfp8" (fp8 codes + E8M0 scales, the
+            op's) or "bf16" (twice the bytes, results bit-identical to the single-process patched model);
+            nkilib/experimental/moe_mxfp8/expert_parallel.py.
 
     Returns:
         PatchReport.
@@ -177,7 +190,7 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
     for name, module in found:
         if name in pending:
             continue
-        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_group)
+        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_group, ep_payload)
         if swapped is not module:
             _set_submodule(model, name, swapped)
         patched.append(name)

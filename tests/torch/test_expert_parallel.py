@@ -205,13 +205,14 @@ GPT_OSS = dict(clamp_limits=ClampLimits(non_linear_upper=7.0, linear_lower=-7.0,
                                         activation="gpt_oss"))
 
 
-@pytest.mark.parametrize("payload", ["mxfp8", "bf16"])
-def test_biases_bias_gradients_stay_on_the_owning_rank(payload):
+@pytest.mark.parametrize("payload,dtype", [("mxfp8", torch.bfloat16), ("bf16", torch.bfloat16),
+                                           ("bf16", torch.float32)])
+def test_biases_bias_gradients_stay_on_the_owning_rank(payload, dtype):
     # GPT-OSS's experts (activation gpt_oss, clamps, gate_up and down biases) on 2 ranks: every result, the bias
     # gradients of each rank's experts included, equals the single-process op bit for bit (on Q(x), Q(dY) for the
-    # mxfp8 payload, on x, dY for the bf16 one)
+    # mxfp8 payload, on x, dY for the bf16 one, where float32 dY travels unrounded for the down bias's gradients)
     tokens = [24, 24]
-    problem = _with_biases(_problem(tokens, seed=9), seed=10)
+    problem = _with_biases(_problem(tokens, dtype=dtype, seed=9), seed=10)
     if payload == "mxfp8":
         ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]), **GPT_OSS)
     else:

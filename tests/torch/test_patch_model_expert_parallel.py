@@ -8,7 +8,8 @@ whose experts get Q(x) in the forward and Q(dY) in the backward (straight-throug
 trip along H, tests/torch/test_expert_parallel.py), so that the expert-parallel contract of expert_parallel.py
 (bit-identical to the op on Q(x), Q(dY)) predicts: logits and every expert parameter's gradient (each rank: the
 slice of its experts) bit-identical; replicated parameters' gradients (each rank: its rows' share) summing to the
-reference's up to float32 summation order.
+reference's up to float32 summation order. With ep_payload="bf16" the plain patched model is the reference, bit
+for bit.
 """
 import copy
 
@@ -71,11 +72,11 @@ def _step(model, ids, grad_logits):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _rank(rank, world, family, full_state, ids, grad_logits):
+def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8"):
     import torch.distributed as dist
 
     model = _model(family, seed=100 + rank)  # other weights than the reference: load_state_dict must fix them
-    report = patch_model(model, RECIPE, ep_group=dist.group.WORLD)
+    report = patch_model(model, RECIPE, ep_group=dist.group.WORLD, ep_payload=payload)
     keys_after_patch = list(model.state_dict())
     model.load_state_dict(full_state)  # full [E, ...] expert tensors: each module cuts out its slice
     shard_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -135,6 +136,26 @@ def test_patch_model_with_ep_group_equals_single_process(family):
     assert all(0 < e < bounds[1] for e in vs_plain.values()), vs_plain
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_patch_model_with_bf16_payload_is_bit_identical_to_the_plain_patched_model(family):
+    # ep_payload="bf16": x and dY travel unrounded, so the expert-parallel model equals the plain single-process
+    # patched model (no Q) bit for bit, GPT-OSS's biases and clamps included
+    original = _model(family, seed=0)
+    full_state = {k: v.clone() for k, v in original.state_dict().items()}
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    grad_logits = torch.randn(2, 16, 128, generator=g)
+    plain = copy.deepcopy(original)
+    patch_model(plain, RECIPE)
+    ref_logits, ref_grads = _step(plain, ids, grad_logits)
+    ranks = run_ranks(2, _rank, family, full_state, ids, grad_logits, "bf16", timeout=120)
+    for rank, out in enumerate(ranks):
+        assert torch.equal(out["logits"], ref_logits[rank:rank + 1]), rank
+        for name in out["local"]:
+            n_local = full_state[name].shape[0] // 2
+            assert torch.equal(out["grads"][name], ref_grads[name][rank * n_local:(rank + 1) * n_local]), name
+
+
 def _bad_ep_calls(rank, world):
     import torch.distributed as dist
 
@@ -150,7 +171,9 @@ def _bad_ep_calls(rank, world):
     patch_model(patched, RECIPE)
     for name, call in (("indivisible", lambda: patch_model(odd, RECIPE, ep_group=dist.group.WORLD)),
                        ("not_a_group", lambda: HFMoEExperts(experts, RECIPE, ep_group=object())),
-                       ("reshard", lambda: patch_model(patched, RECIPE, ep_group=dist.group.WORLD))):
+                       ("reshard", lambda: patch_model(patched, RECIPE, ep_group=dist.group.WORLD)),
+                       ("payload", lambda: patch_model(moe_model("mixtral", seed=0), RECIPE, ep_group=dist.group.WORLD,
+                                                       ep_payload="fp4"))):
         try:
             call()
             messages[name] = "accepted"
@@ -166,3 +189,4 @@ def test_patch_model_ep_group_errors():
         assert m["not_a_group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" \
             in m["not_a_group"]
         assert "model.layers.0.mlp.experts is already swapped with all experts" in m["reshard"]
+        assert "model.layers.0.mlp.experts: ep_payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]

@@ -161,13 +161,19 @@ def _columns(buf: Tensor, start: int, stop=None) -> Tensor:
     return buf[..., start:stop].clone(memory_format=torch.contiguous_format)
 
 
+#: the internal wire format of exact float32 dY rows (payload "bf16" with a down bias and float32 dY, _Combine)
+_F32_ROWS = "float32"
+
+
 def _row_bytes(h: int, payload: str) -> int:
     """Bytes of one encoded activation row of H values."""
-    return h + h // MX_GROUP if payload == "mxfp8" else 2 * h
+    return h + h // MX_GROUP if payload == "mxfp8" else (4 if payload == _F32_ROWS else 2) * h
 
 
 def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tensor:
-    """[N, H] -> [N, _row_bytes] uint8: bf16(rows) as fp8 codes | E8M0 scales (mxfp8), or as bf16 bytes."""
+    """[N, H] -> [N, _row_bytes] uint8: bf16(rows) as fp8 codes | E8M0 scales (mxfp8), or as bf16 (float32) bytes."""
+    if payload == _F32_ROWS:
+        return _as_bytes(rows.to(torch.float32))
     rows = rows.to(torch.bfloat16)
     if payload == "bf16":
         return _as_bytes(rows)
@@ -176,7 +182,10 @@ def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tenso
 
 
 def _decode_rows(buf: Tensor, h: int, payload: str, fp8: str) -> Tensor:
-    """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values)."""
+    """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values; float32 rows as
+    float32)."""
+    if payload == _F32_ROWS:
+        return _columns(buf, 0, 4 * h).view(torch.float32)
     if payload == "bf16":
         return _columns(buf, 0, 2 * h).view(torch.bfloat16)
     codes = _columns(buf, 0, h).view(FP8_DTYPES[fp8])
@@ -306,7 +315,8 @@ class _Combine(torch.autograd.Function):
     """Expert outputs (bf16) back to their tokens' ranks, summed per token; backward: dY to the experts.
 
     With `bias_rows` ([R, H] float32 p * down_bias[e] of each received row, or None) those travel in the same
-    all-to-all and are added as the op's down bias is (nothing else changes); their gradient is the decoded dY row.
+    all-to-all and are added as the op's down bias is (nothing else changes); their gradient is the decoded dY row
+    (payload "bf16" with float32 dY: dY travels as float32, since the bias's gradients use it unrounded).
     """
 
     @staticmethod
@@ -329,6 +339,8 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_y):
         plan = ctx.plan
         payload, fp8, scale_rule = ctx.options
+        if payload == "bf16" and ctx.has_bias and grad_y.dtype == torch.float32:
+            payload = _F32_ROWS  # the down bias's gradients use dY itself, as the single-process op's do
         rows = _encode_rows(grad_y, payload, fp8, scale_rule)[plan.order // plan.top_k]  # quantized once per token
         d_rows = _decode_rows(_all_to_all(rows, plan.expert_splits, plan.token_splits, ctx.group), plan.hidden,
                               payload, fp8)
