@@ -30,7 +30,8 @@ torch.distributed process group in contiguous ranges (rank r: experts r*E/ep .. 
 nkilib/experimental/moe_mxfp8/expert_parallel.py). The swapped module then holds new Parameters, under the
 model's names, with only the rank's experts (a copy of the slice; the full weights are no longer referenced, so
 build the optimizer after patching), and calls the op with ``ep_group``: each rank passes its own tokens, routed
-by the model's router with global expert ids, and they travel to their experts' ranks as MXFP8 all-to-alls. State
+by the model's router with global expert ids, and they travel to their experts' ranks by all-to-alls (MXFP8, or
+bf16 with ep_payload="bf16"). State
 dicts keep the model's keys; a rank's holds its experts' slices ([E/ep, ...] along the expert axis) under them;
 ``load_state_dict`` takes either those slices or the full [E, ...] tensors (a full checkpoint loads on every rank:
 the module cuts its experts out). Every other parameter of the model stays replicated: its gradient is the rank's

@@ -170,12 +170,16 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
 
     Raises:
         ValueError: a registered module that does not fit the op (bias, activation, sizes; the message
-            names the module), a model with nothing to swap, E not divisible by the ep_group size, or an
-            already swapped experts module asked to change its ep_group.
+            names the module), a model with nothing to swap, E not divisible by the ep_group size, a bad
+            ep_payload (or one without ep_group), or an already swapped experts module asked to change its ep_group
+            or ep_payload.
         TypeError / RuntimeError: ep_group not a ProcessGroup / torch.distributed not initialised.
         NotImplementedError: strict and a PENDING_CLASSES module is present.
     """
     recipe = as_recipe(recipe)
+    if ep_group is None and ep_payload != "mxfp8":
+        raise ValueError(f"patch_model: ep_payload={ep_payload!r} needs an ep_group (it is how tokens travel between "
+                         f"the expert-parallel ranks)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model: model must be a torch.nn.Module, got {type(model).__name__}")
     found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SWAPS or

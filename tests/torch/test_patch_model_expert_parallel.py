@@ -183,6 +183,8 @@ def _bad_ep_calls(rank, world):
 
 
 def test_patch_model_ep_group_errors():
+    with pytest.raises(ValueError, match=r"ep_payload='bf16' needs an ep_group"):
+        patch_model(moe_model("mixtral", seed=0), RECIPE, ep_payload="bf16")
     for m in run_ranks(2, _bad_ep_calls, timeout=60):
         assert "model.layers.0.mlp.experts: the number of experts E=3 (gate_up_proj.shape[0]) must be divisible " \
                "by the ep_group size 2" in m["indivisible"]
