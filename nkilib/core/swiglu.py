@@ -42,7 +42,8 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
-    counterpart of reference._clamp_and_mask (NumPy) and the emulate backends' (torch).
+    counterpart of nkilib.core.numerics.clamp_and_mask (NumPy) and nkilib.experimental.emulate_numerics'
+    (torch).
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
     if not has_lower and not has_upper:

@@ -24,6 +24,19 @@ math rounds the copy back to the same bf16 values, so the numbers are those of w
 and the copy's backward adds them to ``main_grad`` with the dense op's contract (``.grad`` left alone,
 or a zero ``.grad`` and ``grad_added_to_main_grad = True`` where that attribute exists). Cost: one fp32
 copy of the expert weights per forward, kept until the backward.
+
+Expert parallelism (``ep_group=``, patch_model's keyword): the E experts are sharded over the ep ranks of a
+torch.distributed process group in contiguous ranges (rank r: experts r*E/ep .. (r+1)*E/ep - 1,
+nkilib/experimental/moe_mxfp8/expert_parallel.py). The swapped module then holds new Parameters, under the
+model's names, with only the rank's experts (a copy of the slice; the full weights are no longer referenced, so
+build the optimizer after patching), and calls the op with ``ep_group``: each rank passes its own tokens, routed
+by the model's router with global expert ids, and they travel to their experts' ranks by all-to-alls (MXFP8, or
+bf16 with ep_payload="bf16"). State
+dicts keep the model's keys; a rank's holds its experts' slices ([E/ep, ...] along the expert axis) under them;
+``load_state_dict`` takes either those slices or the full [E, ...] tensors (a full checkpoint loads on every rank:
+the module cuts its experts out). Every other parameter of the model stays replicated: its gradient is the rank's
+tokens' share and needs the data-parallel all-reduce, which the rank-local expert parameters must stay out of
+(patch_model's report lists them).
 """
 from __future__ import annotations
 
@@ -100,6 +113,63 @@ def _main_grad_operand(param: nn.Parameter) -> Tensor:
     return _Fp32MainGradCopy.apply(param)
 
 
+class _ExpertShard(nn.Module):
+    """Base of the swapped experts modules: this rank's slice of the model's expert Parameters under ep_group.
+
+    Attributes set by ``_take_experts``: ep_group (None: all experts here), num_experts (E, global),
+    expert_offset (the first local expert's global id), num_local_experts (E/ep).
+    """
+
+    def _take_experts(self, experts: nn.Module, names: tuple, ep_group, where: str, ep_payload: str) -> None:
+        """Hold `experts`' Parameters `names` (leading axis E): the same objects, or with ep_group new Parameters
+        holding a copy of this rank's slice (E divisible by the group size, else ValueError naming `where`)."""
+        from ..experimental.moe_mxfp8.expert_parallel import PAYLOADS
+
+        if ep_payload not in PAYLOADS:
+            raise ValueError(f"{where}: ep_payload must be one of {PAYLOADS}, got {ep_payload!r}")
+        params = [getattr(experts, n) for n in names]
+        self.ep_group, self.ep_payload, self.num_experts = ep_group, ep_payload, params[0].shape[0]
+        self.expert_offset, self.num_local_experts = 0, self.num_experts
+        self._expert_param_names = names
+        if ep_group is not None:
+            from ..experimental.moe_mxfp8.expert_parallel import local_expert_range
+
+            self.expert_offset, self.num_local_experts = local_expert_range(self.num_experts, ep_group, where,
+                                                                            f"{names[0]}.shape[0]")
+            local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
+            params = [nn.Parameter(p.detach()[local].clone(), requires_grad=p.requires_grad) for p in params]
+        for n, p in zip(names, params):
+            setattr(self, n, p)
+
+    def _run_op(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, **kwargs) -> Tensor:
+        """moe_swiglu_experts_mxfp8 on all experts, or under ep_group its expert-parallel form with ep_payload
+        (kwargs: the op's resolved keywords, no recipe)."""
+        if self.ep_group is None:
+            from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
+
+            return moe_swiglu_experts_mxfp8(x, ids, weights, gate_up, down, **kwargs)
+        from ..experimental.moe_mxfp8.expert_parallel import moe_swiglu_experts_expert_parallel
+
+        return moe_swiglu_experts_expert_parallel(x, ids, weights, gate_up, down, group=self.ep_group,
+                                                  payload=self.ep_payload, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Under ep_group, full [E, ...] expert tensors load as this rank's slice (a rank's own slices load as is)."""
+        if self.ep_group is not None and self.num_local_experts != self.num_experts:
+            local = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
+            for n in self._expert_param_names:
+                v = state_dict.get(prefix + n)
+                if isinstance(v, Tensor) and v.dim() and v.shape[0] == self.num_experts:
+                    state_dict[prefix + n] = v[local]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _ep_repr(self) -> str:
+        return "" if self.ep_group is None else (f", ep_group size {self.num_experts // self.num_local_experts}, "
+                                                 f"local experts {self.expert_offset}.."
+                                                 f"{self.expert_offset + self.num_local_experts - 1}, "
+                                                 f"ep_payload={self.ep_payload!r}")
+
+
 def check_hf_experts(experts: nn.Module, where: str) -> None:
     """Raise ValueError (naming `where`) unless `experts` holds SiLU SwiGLU experts the op accepts."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
@@ -117,46 +187,48 @@ def check_hf_experts(experts: nn.Module, where: str) -> None:
         raise ValueError(f"{where}.act_fn must be SiLU (hidden_act='silu'), got {type(experts.act_fn).__name__}")
 
 
-class HFMoEExperts(nn.Module):
+class HFMoEExperts(_ExpertShard):
     """Drop-in replacement of a transformers experts module (Qwen3MoeExperts, MixtralExperts).
 
     Dimensions:
-        hidden_states [T, H], top_k_index [T, k] (int), top_k_weights [T, k] -> [T, H] in hidden_states' dtype;
-        gate_up_proj [E, 2I, H], down_proj [E, H, I].
+        hidden_states [T, H], top_k_index [T, k] (int, global expert ids), top_k_weights [T, k] -> [T, H] in
+        hidden_states' dtype; gate_up_proj [E, 2I, H], down_proj [E, H, I] ([E/ep, ...] under ep_group).
 
     Args:
-        experts: the model's experts module (its two Parameters are kept, not copied).
+        experts: the model's experts module (its two Parameters are kept, not copied; under ep_group replaced by
+            this rank's slices, module docstring).
         recipe: a Recipe, a preset name or None (the default preset).
         where: the module's qualified name, for error messages.
+        ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
+        ep_payload: under ep_group, how x and dY travel: "mxfp8" (codes + scales) or "bf16" (bit-identical to
+            the single-process op, twice the bytes); expert_parallel.py's payload.
     """
 
-    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts"):
+    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
+                 ep_payload: str = "mxfp8"):
         super().__init__()
         check_hf_experts(experts, where)
-        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        self.num_experts = self.gate_up_proj.shape[0]
+        self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where, ep_payload)
         self.act_fn = nn.SiLU()  # documents the math; the op applies it
         self.recipe = as_recipe(recipe)
         moe_kwargs(self.recipe)  # refuse an unsupported recipe now, not at the first forward
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
-
         x_op, autocasting = autocast_input(hidden_states)
         weights = (self.gate_up_proj, self.down_proj)
         if self.recipe.accumulate_main_grad:
             weights = tuple(_main_grad_operand(w) for w in weights)
         with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            y = moe_swiglu_experts_mxfp8(x_op, top_k_index, top_k_weights, *weights, recipe=_op_recipe(self.recipe))
+            y = self._run_op(x_op, top_k_index, top_k_weights, *weights, **moe_kwargs(self.recipe))
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        n_e, two_i, h = self.gate_up_proj.shape
-        return (f"num_experts={n_e}, hidden_size={h}, intermediate_size={two_i // 2}, "
-                f"recipe={self.recipe.describe()}")
+        _, two_i, h = self.gate_up_proj.shape
+        return (f"num_experts={self.num_experts}, hidden_size={h}, intermediate_size={two_i // 2}, "
+                f"recipe={self.recipe.describe()}{self._ep_repr()}")
 
 
-class HFGptOssExperts(nn.Module):
+class HFGptOssExperts(_ExpertShard):
     """Drop-in replacement of transformers' GptOssExperts on ``moe_swiglu_experts_mxfp8`` (activation "gpt_oss").
 
     GPT-OSS's experts (transformers' GptOssExperts.forward, per routed pair (t, j), e = index, p = weight):
@@ -179,13 +251,19 @@ class HFGptOssExperts(nn.Module):
     policy must keep gate_pre and up (they hold the bias); any backend (the kernel returns the gate_up bias
     gradient, moe_backward_mxfp8_nki's gate_up_bias_grad).
 
+    Expert parallelism (ep_group): the four Parameters become this rank's slices (module docstring), the biases
+    included: the op takes them as the local experts' and their gradients stay on this rank.
+
     Args:
         experts: the model's GptOssExperts.
         recipe: a Recipe, a preset name or None (the default preset).
         where: the module's qualified name, for error messages.
+        ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
+        ep_payload: under ep_group, "mxfp8" or "bf16" (as HFMoEExperts).
     """
 
-    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts"):
+    def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
+                 ep_payload: str = "mxfp8"):
         super().__init__()
         names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         params = [getattr(experts, n, None) for n in names]
@@ -207,8 +285,8 @@ class HFGptOssExperts(nn.Module):
         limit = getattr(experts, "limit", None)
         self.clamp_limits = ClampLimits(non_linear_upper=limit, linear_lower=None if limit is None else -limit,
                                         linear_upper=limit, activation="gpt_oss")
-        self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias = params
-        self.num_experts, self.hidden_size, self.intermediate_size = n_e, h, two_i // 2
+        self._take_experts(experts, names, ep_group, where, ep_payload)
+        self.hidden_size, self.intermediate_size = h, two_i // 2
         self.alpha, self.limit = alpha, limit
         self.where = where
         self.recipe = as_recipe(recipe)
@@ -224,24 +302,21 @@ class HFGptOssExperts(nn.Module):
 
     def _op_weights(self) -> tuple:
         """(gate_up_weight [E, 2I, H] gate rows then up rows, down_weight [E, H, I] view, gate_up_bias [E, 2I])."""
-        n_e, h, n_i = self.num_experts, self.hidden_size, self.intermediate_size
+        n_e, h, n_i = self.num_local_experts, self.hidden_size, self.intermediate_size
         # [E, H, I, 2] (last: gate, up) -> [E, 2, I, H] -> [E, 2I, H]: a copy (the interleave is not one stride)
         gate_up = self.gate_up_proj.view(n_e, h, n_i, 2).permute(0, 3, 2, 1).reshape(n_e, 2 * n_i, h)
         bias = self.gate_up_proj_bias.view(n_e, n_i, 2).transpose(1, 2).reshape(n_e, 2 * n_i)
         return gate_up, self.down_proj.transpose(1, 2), bias
 
     def forward(self, hidden_states: Tensor, router_indices: Tensor, routing_weights: Tensor) -> Tensor:
-        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
-
         gate_up, down, gate_up_bias = self._op_weights()
         x_op, autocasting = autocast_input(hidden_states)
         with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            y = moe_swiglu_experts_mxfp8(x_op, router_indices, routing_weights, gate_up, down,
-                                         gate_up_bias=gate_up_bias, down_bias=self.down_proj_bias,
-                                         **self._op_kwargs())
+            y = self._run_op(x_op, router_indices, routing_weights, gate_up, down, gate_up_bias=gate_up_bias,
+                             down_bias=self.down_proj_bias, **self._op_kwargs())
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}, "
-                f"recipe={self.recipe.describe()}")
+                f"recipe={self.recipe.describe()}{self._ep_repr()}")

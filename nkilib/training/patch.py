@@ -17,9 +17,16 @@ sparse MoE block is replaced by ``HFMoEExperts`` (same two Parameters, same keys
 op's activation "gpt_oss" with the model's limit, biases). The router and the block's forward stay the model's.
 Registered only when this build has the MoE op; otherwise those classes are listed in ``PENDING_CLASSES`` with
 the reason. Further classes: ``register_swap(class_name, swap_fn)``.
+
+Expert parallelism: ``patch_model(model, recipe, ep_group=pg)`` on every rank of `pg` makes the swapped experts
+modules keep only the rank's E/ep experts and run the op with ``ep_group`` (nkilib/training/moe.py says what a
+rank's state dict holds); dense MLPs are swapped as without it. ``ep_payload="bf16"`` sends tokens and output
+gradients in bf16 instead of MXFP8 (bit-identical to one process). Swap functions that take ``ep_group`` /
+``ep_payload`` keywords receive them; the others are called as without.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,10 +63,13 @@ class PatchReport:
     Attributes:
         patched: names of swapped (or re-configured) modules, in model order.
         unsupported: name -> reason, for modules of a PENDING_CLASSES class (only with strict=False).
+        rank_local_parameters: with ep_group, the names of the parameters that hold only this rank's experts
+            (leave them out of the data-parallel gradient all-reduce); () without.
     """
 
     patched: tuple = ()
     unsupported: dict = field(default_factory=dict)
+    rank_local_parameters: tuple = ()
 
 
 def register_swap(class_name: str, swap_fn: SwapFn, *, replace: bool = False) -> None:
@@ -82,15 +92,27 @@ def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
 
 
-def _swap_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
-    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__)
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
+    return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
+                        ep_payload=ep_payload)
 
 
-def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
-    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__)
+def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None,
+                          ep_payload="mxfp8") -> nn.Module:
+    return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
+                           ep_payload=ep_payload)
 
 
-def _reconfigure(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
+    held = getattr(module, "ep_group", None)
+    if ep_group is not None and isinstance(module, (HFMoEExperts, HFGptOssExperts)):
+        if ep_group is not held:
+            raise ValueError(f"patch_model: {name} is already swapped with "
+                             f"{'all experts' if held is None else 'another ep_group'}; its experts cannot be "
+                             f"re-sharded over a new ep_group (patch the original model instead)")
+        if ep_payload != module.ep_payload:
+            raise ValueError(f"patch_model: {name} runs with ep_payload={module.ep_payload!r}; re-patching cannot "
+                             f"change it to {ep_payload!r}")
     if isinstance(module, HFMoEExperts):
         moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
     if isinstance(module, HFGptOssExperts):
@@ -116,7 +138,18 @@ register_swap(HFMoEExperts.__name__, _reconfigure)
 register_swap(HFGptOssExperts.__name__, _reconfigure)
 
 
-def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchReport:
+def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_group, ep_payload) -> nn.Module:
+    """swap_fn(module, recipe, name), plus ep_group= and ep_payload= where a group is given and swap_fn takes them."""
+    if ep_group is None:
+        return swap_fn(module, recipe, name)
+    params = inspect.signature(swap_fn).parameters
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in (("ep_group", ep_group), ("ep_payload", ep_payload)) if any_keyword or k in params}
+    return swap_fn(module, recipe, name, **extra)
+
+
+def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=None,
+                ep_payload: str = "mxfp8") -> PatchReport:
     """Swap, in place, every registered module of `model` for one whose backward is the MXFP8 op.
 
     Args:
@@ -124,16 +157,29 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchR
         recipe: a Recipe, a preset name (nkilib.recipe.PRESETS) or None (the default preset).
         strict: raise on modules of a known but not yet supported class (PENDING_CLASSES); False leaves
             them as they are and lists them in the report.
+        ep_group: None, or a torch.distributed process group over which the MoE experts are sharded (expert
+            parallelism; call on every rank of the group with the same model): the swapped experts modules keep
+            this rank's E/ep experts (E divisible by the group size) under the model's parameter names and run
+            ``moe_swiglu_experts_mxfp8(..., ep_group=ep_group)``; each rank feeds its own tokens.
+        ep_payload: with ep_group, how tokens and output gradients travel: "mxfp8" (fp8 codes + E8M0 scales, the
+            op's) or "bf16" (twice the bytes, results bit-identical to the single-process patched model);
+            nkilib/experimental/moe_mxfp8/expert_parallel.py.
 
     Returns:
         PatchReport.
 
     Raises:
         ValueError: a registered module that does not fit the op (bias, activation, sizes; the message
-            names the module), or a model with nothing to swap.
+            names the module), a model with nothing to swap, E not divisible by the ep_group size, a bad
+            ep_payload (or one without ep_group), or an already swapped experts module asked to change its ep_group
+            or ep_payload.
+        TypeError / RuntimeError: ep_group not a ProcessGroup / torch.distributed not initialised.
         NotImplementedError: strict and a PENDING_CLASSES module is present.
     """
     recipe = as_recipe(recipe)
+    if ep_group is None and ep_payload != "mxfp8":
+        raise ValueError(f"patch_model: ep_payload={ep_payload!r} needs an ep_group (it is how tokens travel between "
+                         f"the expert-parallel ranks)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model: model must be a torch.nn.Module, got {type(model).__name__}")
     found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SWAPS or
@@ -148,14 +194,16 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True) -> PatchR
     for name, module in found:
         if name in pending:
             continue
-        swapped = _SWAPS[type(module).__name__](module, recipe, name)
+        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_group, ep_payload)
         if swapped is not module:
             _set_submodule(model, name, swapped)
         patched.append(name)
     if not patched:
         raise ValueError(f"patch_model: no module of a swappable class {swappable_classes()} in "
                          f"{type(model).__name__}")
-    return PatchReport(patched=tuple(patched), unsupported=pending)
+    local = tuple(f"{name}.{p}" if name else p for name, m in model.named_modules()
+                  if getattr(m, "ep_group", None) is not None for p, _ in m.named_parameters(recurse=False))
+    return PatchReport(patched=tuple(patched), unsupported=pending, rank_local_parameters=local)
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -3,7 +3,7 @@
 The dense kernel's phases are covered bit-exactly by tests/kernels; here a plan computes several products
 sharing a stationary operand with a custom epilogue (the shape of phase 1), and plans run per block of
 rows of windowed descriptors (the shape of a grouped-experts kernel's loop over token blocks). Expected
-values come from the NumPy reference's contract matmul (reference._mm), not from the plan.
+values come from the NumPy reference's contract matmul (nkilib.core.numerics.contract_mm), not from the plan.
 """
 import pytest
 
@@ -13,7 +13,7 @@ import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulPlan, MatmulSetup, StoreEpilogue, TensorDescriptor
 from nkilib.core.matmul.constants import PARTITIONS
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import MatmulConfig, get_program_sharding_info
-from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import _bf16, _mm
+from nkilib.core.numerics import contract_mm, to_bf16
 from simkit import BF16, assert_outputs_identical, randn, simulate
 
 
@@ -87,7 +87,7 @@ def test_products_sharing_a_stationary_operand(precision, lnc):
     M, K, N = 300, 640, 520  # partial m tile, two MX K tiles (second partial), partial n tile
     a, b, c = randn(1, (M, K), BF16), randn(2, (K, N), BF16), randn(3, (K, N), BF16)
     got = simulate(_shared_stationary_kernel, lnc, a=a, b=b, c=c, precision=precision)
-    want = tuple(_bf16(_mm(a, w, precision, "float8_e4m3fn", "1x32")) for w in (b, c))
+    want = tuple(to_bf16(contract_mm(a, w, precision, "float8_e4m3fn", "1x32")) for w in (b, c))
     assert_outputs_identical(got, want, f"{precision} lnc{lnc}")
 
 
@@ -112,4 +112,4 @@ def test_plans_over_row_blocks_of_windowed_operands(lnc):
     S, K, N = 384, 256, 384
     x, w = randn(4, (S, K), BF16), randn(5, (K, N), BF16)
     got = simulate(_blocked_kernel, lnc, x=x, w=w, block=256)
-    assert_outputs_identical((got,), (_mm(x, w, "mxfp8", "float8_e4m3fn", "1x32"),), f"lnc{lnc}")
+    assert_outputs_identical((got,), (contract_mm(x, w, "mxfp8", "float8_e4m3fn", "1x32"),), f"lnc{lnc}")

@@ -1,6 +1,6 @@
 """nkilib.core.matmul: K windows of a descriptor (TensorDescriptor.k_base / k_len) and panels whose K rows the
 caller fetches (panel_from_row_loader; here by indirect-DMA gather, as the MoE kernel does). Expected values:
-the NumPy contract matmul reference._mm of the selected / gathered rows."""
+the NumPy contract matmul nkilib.core.numerics.contract_mm of the selected / gathered rows."""
 import numpy as np
 import pytest
 
@@ -9,7 +9,7 @@ import nki.isa as nisa
 import nki.language as nl
 from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, matmul_panels, panel_from_row_loader
 from nkilib.core.matmul.constants import PARTITIONS
-from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import _mm
+from nkilib.core.numerics import contract_mm
 from simkit import BF16, assert_outputs_identical, randn, simulate
 
 
@@ -45,5 +45,5 @@ def test_gathered_rows_and_k_window(precision, scheme):
     idx = np.random.default_rng(3).integers(0, R + 10, K).astype(np.int32)  # some sentinels >= R
     got = simulate(_gathered_matmul_kernel, 1, a=a, b=b, idx=idx, precision=precision, scheme=scheme)
     rows = np.where((idx < R)[:, None], a[np.minimum(idx, R - 1)], np.zeros((), BF16)).astype(BF16)
-    want = _mm(rows.T, b[K:], precision, "float8_e4m3fn", scheme)
+    want = contract_mm(rows.T, b[K:], precision, "float8_e4m3fn", scheme)
     assert_outputs_identical((got,), (want,), f"{precision} {scheme}")

@@ -10,7 +10,9 @@ What is asserted (expert_parallel.py's module docstring says why):
       changes nothing but dW_down;
     * every backend and option of the op (recompute, e5m2, float32, the simulator backend);
     * adversarial routing (ranks receiving no rows, uneven batches, unused experts), a backward where only one
-      rank needs dX, and bad input.
+      rank needs dX, and bad input;
+    * GPT-OSS's experts (gate_up and down biases, activation gpt_oss): bit-identical as above, each rank holding
+      its experts' bias gradients.
 """
 import pytest
 
@@ -23,6 +25,7 @@ from distkit import run_ranks  # noqa: E402
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (  # noqa: E402
     mx_dequantize_rows, mx_quantize_dequantize, mx_quantize_rows)
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8  # noqa: E402
 from nkilib.experimental.moe_mxfp8.expert_parallel import (  # noqa: E402
     moe_swiglu_experts_expert_parallel, shard_experts)
@@ -48,12 +51,19 @@ def _q(v, **opts):
     return mx_quantize_dequantize(v.to(torch.bfloat16), -1, quant_scheme="1x32", **opts).to(v.dtype)
 
 
+BIAS_GRADS = {"gate_up_bias": "db_gu", "down_bias": "db_down"}
+
+
 def _step(fn, x, ids, w, w_gu, w_down, dy, **kw):
+    """One forward / backward; the biases among kw (gate_up_bias, down_bias) are leaves too (their gradients:
+    db_gu, db_down)."""
     x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     w_gu, w_down = w_gu.clone().requires_grad_(True), w_down.clone().requires_grad_(True)
-    y = fn(x, ids, w, w_gu, w_down, **kw)
+    biases = {n: kw.pop(n).clone().requires_grad_(True) for n in BIAS_GRADS if kw.get(n) is not None}
+    y = fn(x, ids, w, w_gu, w_down, **biases, **kw)
     y.backward(dy)
-    return dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=w_gu.grad, dw_down=w_down.grad)
+    return dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=w_gu.grad, dw_down=w_down.grad,
+                **{BIAS_GRADS[n]: b.grad for n, b in biases.items()})
 
 
 def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
@@ -62,6 +72,8 @@ def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
     lo = sum(tokens_per_rank[:rank])
     rows = slice(lo, lo + tokens_per_rank[rank])
     w_gu, w_down = shard_experts(problem["w_gu"], problem["w_down"], dist.group.WORLD)
+    if "b_gu" in problem:  # the local experts' biases
+        kw = dict(kw, **dict(zip(("gate_up_bias", "down_bias"), shard_experts(problem["b_gu"], problem["b_down"]))))
     args = [problem[n][rows] for n in ("x", "ids", "w")]
     if payload == "mxfp8":  # the op's own keyword
         return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
@@ -71,16 +83,17 @@ def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
 
 
 def _run(world, problem, tokens_per_rank, payload="mxfp8", **kw):
-    """(per-rank results, the same gathered as the single-process op's: y / dx / dw concatenated, weight
-    gradients of the ranks' shards concatenated along experts)."""
+    """(per-rank results, the same gathered as the single-process op's: y / dx / dw concatenated, weight (and
+    bias) gradients of the ranks' shards concatenated along experts)."""
     ranks = run_ranks(world, _rank_step, problem, tokens_per_rank, payload, kw, timeout=60)
-    return ranks, {n: torch.cat([r[n] for r in ranks]) for n in GRADS}
+    return ranks, {n: torch.cat([r[n] for r in ranks]) for n in ranks[0]}
 
 
 def _full(problem, x=None, dy=None, **kw):
     p = problem
+    biases = {"gate_up_bias": p["b_gu"], "down_bias": p["b_down"]} if "b_gu" in p else {}
     return _step(moe_swiglu_experts_mxfp8, p["x"] if x is None else x, p["ids"], p["w"], p["w_gu"], p["w_down"],
-                 p["dy"] if dy is None else dy, **{"backend": "emulate", **kw})
+                 p["dy"] if dy is None else dy, **{"backend": "emulate", **biases, **kw})
 
 
 def _assert_identical(got, want, names=GRADS):
@@ -179,6 +192,46 @@ def test_uneven_batches_and_unused_experts():
     ranks, got = _run(2, problem, tokens, backend="emulate")
     _assert_identical(got, ref)
     assert not ranks[0]["dw_gu"][1].any() and not ranks[1]["dw_down"][2].any()  # experts 1 and 6
+
+
+def _with_biases(problem, seed):
+    """`problem` plus GPT-OSS-like biases b_gu [E, 2I] and b_down [E, H] (bf16, N(0, 0.2))."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(problem, b_gu=(torch.randn(E, 2 * I, generator=g) * 0.2).to(torch.bfloat16),
+                b_down=(torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16))
+
+
+GPT_OSS = dict(clamp_limits=ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0,
+                                        activation="gpt_oss"))
+
+
+@pytest.mark.parametrize("payload,dtype", [("mxfp8", torch.bfloat16), ("bf16", torch.bfloat16),
+                                           ("bf16", torch.float32)])
+def test_biases_bias_gradients_stay_on_the_owning_rank(payload, dtype):
+    # GPT-OSS's experts (activation gpt_oss, clamps, gate_up and down biases) on 2 ranks: every result, the bias
+    # gradients of each rank's experts included, equals the single-process op bit for bit (on Q(x), Q(dY) for the
+    # mxfp8 payload, on x, dY for the bf16 one, where float32 dY travels unrounded for the down bias's gradients)
+    tokens = [24, 24]
+    problem = _with_biases(_problem(tokens, dtype=dtype, seed=9), seed=10)
+    if payload == "mxfp8":
+        ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]), **GPT_OSS)
+    else:
+        ref = _full(problem, **GPT_OSS)
+    ranks, got = _run(2, problem, tokens, payload=payload, backend="emulate", **GPT_OSS)
+    _assert_identical(got, ref, GRADS + ("db_gu", "db_down"))
+    for r, out in enumerate(ranks):  # each rank holds its experts' bias gradients, [E/2, 2I] and [E/2, H]
+        assert out["db_gu"].shape == (E // 2, 2 * I) and out["db_down"].shape == (E // 2, H)
+        assert out["db_gu"].any() and out["db_down"].any()
+
+
+def test_biases_with_a_rank_that_receives_no_rows():
+    # every token to rank 1's experts: rank 0's experts, their biases included, get exact zero gradients
+    tokens = [8, 16]
+    problem = _with_biases(_problem(tokens, experts=(E - 2, E - 1), seed=11), seed=12)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]), **GPT_OSS)
+    ranks, got = _run(2, problem, tokens, backend="emulate", **GPT_OSS)
+    _assert_identical(got, ref, GRADS + ("db_gu", "db_down"))
+    assert not ranks[0]["db_gu"].any() and not ranks[0]["db_down"].any()
 
 
 def _rank_x_grad_on_rank_0_only(rank, world, problem):
@@ -295,20 +348,20 @@ def _module_rank(rank, world):
     got = dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=module.gate_up_weight.grad, dw_down=module.down_weight.grad)
     want = _step(moe_swiglu_experts_mxfp8, p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
                  p["dy"][rows], ep_group=dist.group.WORLD)
-    errors = {}
-    for name, call in (("indivisible", lambda: MoESwiGLUExperts(E + 1, H, I, ep_group=dist.group.WORLD)),
-                       ("bias", lambda: MoESwiGLUExperts(E, H, I, bias=True, ep_group=dist.group.WORLD))):
-        try:
-            call()
-            errors[name] = "accepted"
-        except ValueError as exc:
-            errors[name] = str(exc)
-    return shapes, {n: torch.equal(got[n], want[n]) for n in GRADS}, errors
+    biased = MoESwiGLUExperts(E, H, I, bias=True, ep_group=dist.group.WORLD)
+    bias_shapes = {n: tuple(v.shape) for n, v in biased.state_dict().items()}
+    try:
+        MoESwiGLUExperts(E + 1, H, I, ep_group=dist.group.WORLD)
+        error = "accepted"
+    except ValueError as exc:
+        error = str(exc)
+    return shapes, {n: torch.equal(got[n], want[n]) for n in GRADS}, bias_shapes, error
 
 
 def test_module_with_ep_group_holds_the_local_shard_and_equals_the_op():
-    for rank, (shapes, equal, errors) in enumerate(run_ranks(2, _module_rank, timeout=60)):
+    for rank, (shapes, equal, bias_shapes, error) in enumerate(run_ranks(2, _module_rank, timeout=60)):
         assert shapes == ((E // 2, 2 * I, H), (E // 2, H, I), rank * E // 2)
         assert equal == {n: True for n in GRADS}
-        assert "E=9 (num_experts) must be divisible by the ep_group size 2" in errors["indivisible"]
-        assert "bias=True is not supported with ep_group" in errors["bias"]
+        assert bias_shapes == {"gate_up_weight": (E // 2, 2 * I, H), "down_weight": (E // 2, H, I),
+                               "gate_up_bias": (E // 2, 2 * I), "down_bias": (E // 2, H)}
+        assert "E=9 (num_experts) must be divisible by the ep_group size 2" in error

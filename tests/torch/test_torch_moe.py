@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from moekit import ROUTINGS, make_routing, moe_inputs  # noqa: E402
 from simkit import assert_outputs_identical, to_numpy, to_torch  # noqa: E402
 
+from nkilib.experimental.emulate_numerics import clamp_tuple  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import MoESwiGLUExperts, moe_swiglu_experts_mxfp8  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_torch as M  # noqa: E402
@@ -72,7 +73,7 @@ def float64_grads(x, ids, w, wgu, wd, dy, clamp=None):
 def reference_grads(x, ids, w, wgu, wd, dy, checkpoint="all", block_size=128, mode="mx_exact", **opts):
     """moe_backward_reference on the same data, with the checkpoints the torch forward saves."""
     keep = M.resolve_checkpoint_policy(checkpoint)
-    clamps = M.dense_emu.clamp_tuple(opts.get("clamp_limits"))
+    clamps = clamp_tuple(opts.get("clamp_limits"))
     _, *ck = M._forward_math(x.detach(), ids, w.detach(), wgu.detach(), wd.detach(), clamps)
     ck = {n: to_numpy(c) for n, c, k in zip(M.CHECKPOINT_NAMES, ck, keep) if k}
     lay = build_block_layout(ids.numpy(), wgu.shape[0], block_size)

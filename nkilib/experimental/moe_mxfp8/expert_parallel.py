@@ -19,6 +19,12 @@ Forward, on `group`:
     4. combine: each row's weighted expert output (bf16: the op's bf16 down projection, sent exactly) returns
        by the inverse all-to-all; the source adds a token's k rows in fp32 in ascending expert order, as the
        op's y accumulator does, and rounds once to x's dtype.
+Biases (GPT-OSS; the op's gate_up_bias / down_bias, here the local experts' [E/ep, 2I] / [E/ep, H]): gate_up_bias goes
+into the local op (step 3), which returns its gradient; down_bias: each received row's p * down_bias[e] (float32) is
+appended to the row's expert output in the combine's all-to-all, and the source adds a token's k terms as the op does
+(an fp32 sum over its slots, added to the rounded y, one more rounding). Their gradients stay on the experts' rank:
+d_down_bias[e] = sum over e's rows of p * dY (dY as decoded there), and <dY, down_bias[e]> joins the routing-weight
+gradient that returns to the token's rank.
 Backward (autograd), the mirror:
     combine's backward: dY rows are MX-quantized along H (1x32, once per token) and sent to the experts as
     codes + scales; the local op's backward runs there; dispatch's backward returns each row's dX part (bf16,
@@ -28,7 +34,7 @@ Backward (autograd), the mirror:
 Numerics (Q(v) = MX quantize-dequantize of bf16(v) along H in 1x32 groups with the op's fp8_dtype and
 scale_rule, i.e. ``mx_quantize_dequantize(v.bfloat16(), -1, fp8_dtype, "1x32", scale_rule)``):
     * exact contract: with the global batch the concatenation of the ranks' batches in rank order, every result
-      (y, dX, d_topk_weights, each rank's expert weight gradients) equals, bit for bit, the single-process op
+      (y, dX, d_topk_weights, each rank's expert weight and bias gradients) equals, bit for bit, the single-process op
       on the full weights applied to Q(x) with output gradient Q(dY), for every option, backend and checkpoint
       policy. Why: each expert sees the same rows in the same order (ascending global token) as in the
       single-process op, so its per-expert math is the same; the op's per-token sums (y in fp32, dX as bf16
@@ -57,8 +63,10 @@ of those, an error on every rank naming the mismatch); the ranks' backward passe
 two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
 that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. Split sizes
 are host lists (one device-to-host read of the counts per forward), so this path does not trace under torch.compile.
-On Neuron the same code would run on the XLA / TorchNeuron process group: untested (no device here); a compiled XLA
-graph would need static capacities instead of host split lists.
+On Neuron the same code is meant to run on the XLA / TorchNeuron process group: untested (no device here). As written
+it would not run on PyTorch/XLA's "xla" process group, whose all_to_all_single refuses split sizes
+(https://github.com/pytorch/xla/blob/master/torch_xla/distributed/xla_backend.py, ProcessGroupXla.alltoall_base), which the payload all-to-alls use; that stack (and a compiled XLA graph)
+needs static, equal-split capacities instead of host split lists: not built.
 
 Dimensions:
     T: this rank's tokens, k: experts per token, N = T*k: its routed pairs, R: pairs its experts receive,
@@ -73,8 +81,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..emulate_numerics import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (_weight_grad_name, check_numeric_options,
                                                            resolve_checkpoint_policy)
 from . import moe_bwd_mxfp8_torch as moe_op
@@ -87,7 +95,7 @@ PAYLOADS = ("mxfp8", "bf16")
 _FP8_NAMES = tuple(FP8_DTYPES)
 #: the op's keyword options and their defaults (one source of truth: the op's signature)
 _OP_OPTIONS = {n: p.default for n, p in inspect.signature(moe_op.moe_swiglu_experts_mxfp8).parameters.items()
-               if p.kind is p.KEYWORD_ONLY and n != "ep_group"}
+               if p.kind is p.KEYWORD_ONLY and n not in ("ep_group", "gate_up_bias", "down_bias")}
 # torch >= 2.10 names the tensor all-gather all_gather_single; older releases all_gather_into_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -153,13 +161,19 @@ def _columns(buf: Tensor, start: int, stop=None) -> Tensor:
     return buf[..., start:stop].clone(memory_format=torch.contiguous_format)
 
 
+#: the internal wire format of exact float32 dY rows (payload "bf16" with a down bias and float32 dY, _Combine)
+_F32_ROWS = "float32"
+
+
 def _row_bytes(h: int, payload: str) -> int:
     """Bytes of one encoded activation row of H values."""
-    return h + h // MX_GROUP if payload == "mxfp8" else 2 * h
+    return h + h // MX_GROUP if payload == "mxfp8" else (4 if payload == _F32_ROWS else 2) * h
 
 
 def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tensor:
-    """[N, H] -> [N, _row_bytes] uint8: bf16(rows) as fp8 codes | E8M0 scales (mxfp8), or as bf16 bytes."""
+    """[N, H] -> [N, _row_bytes] uint8: bf16(rows) as fp8 codes | E8M0 scales (mxfp8), or as bf16 (float32) bytes."""
+    if payload == _F32_ROWS:
+        return _as_bytes(rows.to(torch.float32))
     rows = rows.to(torch.bfloat16)
     if payload == "bf16":
         return _as_bytes(rows)
@@ -168,7 +182,10 @@ def _encode_rows(rows: Tensor, payload: str, fp8: str, scale_rule: str) -> Tenso
 
 
 def _decode_rows(buf: Tensor, h: int, payload: str, fp8: str) -> Tensor:
-    """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values)."""
+    """_encode_rows' inverse -> [N, H] bf16 (mxfp8: bf16 of the exact float32 dequantized values; float32 rows as
+    float32)."""
+    if payload == _F32_ROWS:
+        return _columns(buf, 0, 4 * h).view(torch.float32)
     if payload == "bf16":
         return _columns(buf, 0, 2 * h).view(torch.bfloat16)
     codes = _columns(buf, 0, h).view(FP8_DTYPES[fp8])
@@ -295,41 +312,56 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Expert outputs (bf16) back to their tokens' ranks, summed per token; backward: dY to the experts."""
+    """Expert outputs (bf16) back to their tokens' ranks, summed per token; backward: dY to the experts.
+
+    With `bias_rows` ([R, H] float32 p * down_bias[e] of each received row, or None) those travel in the same
+    all-to-all and are added as the op's down bias is (nothing else changes); their gradient is the decoded dY row
+    (payload "bf16" with float32 dY: dY travels as float32, since the bias's gradients use it unrounded).
+    """
 
     @staticmethod
-    def forward(ctx, y_rows, plan, group, out_dtype, payload, fp8, scale_rule):
+    def forward(ctx, y_rows, bias_rows, plan, group, out_dtype, payload, fp8, scale_rule):
         ctx.plan, ctx.group, ctx.options = plan, group, (payload, fp8, scale_rule)
-        slots = plan.to_slots(_all_to_all(_as_bytes(y_rows.to(torch.bfloat16)), plan.token_splits,
-                                          plan.expert_splits, group))
-        parts = slots.contiguous().view(torch.bfloat16)  # [T, k, H]
+        ctx.has_bias = bias_rows is not None
+        send = [_as_bytes(y_rows.to(torch.bfloat16))] + ([_as_bytes(bias_rows)] if ctx.has_bias else [])
+        slots = plan.to_slots(_all_to_all(torch.cat(send, dim=1), plan.token_splits, plan.expert_splits, group))
+        parts = _columns(slots, 0, 2 * plan.hidden).view(torch.bfloat16)  # [T, k, H]
         y = torch.zeros(plan.num_tokens, plan.hidden, dtype=torch.float32, device=parts.device)
         for j in range(plan.top_k):  # the op's fp32 accumulator, ascending expert per token
             y = y + plan.by_expert(parts, j).to(torch.float32)
-        return y.to(out_dtype)
+        y = y.to(out_dtype)
+        if ctx.has_bias:  # the op's _add_down_bias: fp32 sum over a token's k slots in (token, j) order, one rounding
+            bias_slots = _columns(slots, 2 * plan.hidden).view(torch.float32)  # [T, k, H]
+            y = (y.to(torch.float32) + bias_slots.sum(dim=-2)).to(out_dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
         plan = ctx.plan
         payload, fp8, scale_rule = ctx.options
+        if payload == "bf16" and ctx.has_bias and grad_y.dtype == torch.float32:
+            payload = _F32_ROWS  # the down bias's gradients use dY itself, as the single-process op's do
         rows = _encode_rows(grad_y, payload, fp8, scale_rule)[plan.order // plan.top_k]  # quantized once per token
-        recv = _all_to_all(rows, plan.expert_splits, plan.token_splits, ctx.group)
-        return _decode_rows(recv, plan.hidden, payload, fp8), None, None, None, None, None, None
+        d_rows = _decode_rows(_all_to_all(rows, plan.expert_splits, plan.token_splits, ctx.group), plan.hidden,
+                              payload, fp8)
+        d_bias_rows = d_rows.to(torch.float32) if ctx.has_bias else None
+        return d_rows, d_bias_rows, None, None, None, None, None, None
 
 
 class _NoRows(torch.autograd.Function):
-    """The local experts when this rank receives no rows: empty output, exact zero weight gradients (as the
-    single-process op gives an expert without tokens), and the autograd edges that keep this rank's backward
-    collectives in step with the others'."""
+    """The local experts when this rank receives no rows: empty output, exact zero gradients for the expert
+    parameters (as the single-process op gives an expert without tokens), and the autograd edges that keep this
+    rank's backward collectives in step with the others'."""
 
     @staticmethod
-    def forward(ctx, rows, p, gate_up_weight, down_weight):
-        ctx.like = [(t.shape, t.dtype, t.device) for t in (rows, p, gate_up_weight, down_weight)]
+    def forward(ctx, rows, p, *params):
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (rows, p, *params)]
         return rows.new_zeros(rows.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+        return tuple(None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
+                     for like in ctx.like)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,12 +370,14 @@ class _NoRows(torch.autograd.Function):
 
 
 def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor,
-                                       down_weight: Tensor, *, group, payload: str = "mxfp8", **options) -> Tensor:
+                                       down_weight: Tensor, *, group, payload: str = "mxfp8", gate_up_bias=None,
+                                       down_bias=None, **options) -> Tensor:
     """``moe_swiglu_experts_mxfp8`` with the experts sharded over `group` (module docstring).
 
     Dimensions:
         x [..., H] -> y [..., H]; topk_ids, topk_weights [..., k] (or [T, k]) with global ids in [0, E);
-        gate_up_weight [E/ep, 2I, H], down_weight [E/ep, H, I]: this rank's experts.
+        gate_up_weight [E/ep, 2I, H], down_weight [E/ep, H, I], gate_up_bias [E/ep, 2I], down_bias [E/ep, H]:
+        this rank's experts.
 
     Args:
         x, topk_ids, topk_weights: this rank's tokens and their routing (as in the op).
@@ -351,6 +385,12 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
         group: the expert-parallel torch.distributed process group (ep ranks, E = ep * E/ep).
         payload: "mxfp8" (default: x and dY travel as fp8 codes + E8M0 scales) or "bf16" (bit-identical to
             the single-process op; 2x the bytes).
+        gate_up_bias: None or this rank's experts' [E/ep, 2I] bias (the op's gate_up_bias: it goes into the local
+            op, which returns its gradient on this rank).
+        down_bias: None or this rank's experts' [E/ep, H] bias: each received row's p * down_bias[e] (float32)
+            travels back with the expert output and is added as the op adds it; its gradient (the sum over e's
+            rows of p * dY, dY as the experts receive it) stays on this rank, and <dY, down_bias[e]> joins the
+            routing-weight gradient.
         **options: the op's keyword options (checkpoint, clamp_limits, fp8_dtype, quant_scheme,
             weight_grad_dtype, matmul_precision, scale_rule, block_size, backend).
 
@@ -374,11 +414,14 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
         raise TypeError(f"{what}: unexpected keyword arguments {unknown}")
     opts = {**_OP_OPTIONS, **options}
     moe_op.resolve_backend(opts["backend"])  # every option checked before the first collective
-    resolve_checkpoint_policy(opts["checkpoint"])
+    keep = resolve_checkpoint_policy(opts["checkpoint"])
     _, fp8 = check_numeric_options(opts["clamp_limits"], opts["fp8_dtype"], opts["quant_scheme"],
                                    opts["matmul_precision"], opts["scale_rule"])
     _weight_grad_name(opts["weight_grad_dtype"], gate_up_weight, down_weight)
     routing.check_block_size(opts["block_size"])
+    moe_op._check_gate_up_bias(gate_up_bias, gate_up_weight, keep)  # [E/ep, 2I]: the local experts'
+    if down_bias is not None:
+        moe_op._check_down_bias(down_bias, gate_up_weight.shape, gate_up_weight.device)  # [E/ep, H]
     ids2, w2 = topk_ids.reshape(t, k), topk_weights.reshape(t, k)
     moe_op._check_routing_values(ids2, w2, e)  # global ids in [0, E)
 
@@ -388,7 +431,9 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
     rows, p = _Dispatch.apply(x.reshape(t, h), w2, gate_up_weight, plan, group, *wire)
     if rows.shape[0]:
         y_rows = moe_op.moe_swiglu_experts_mxfp8(rows, plan.local_ids[:, None], p, gate_up_weight, down_weight,
-                                                 **opts)
+                                                 gate_up_bias=gate_up_bias, **opts)
     else:
-        y_rows = _NoRows.apply(rows, p, gate_up_weight, down_weight)
-    return _Combine.apply(y_rows, plan, group, x.dtype, *wire).reshape(x.shape)
+        y_rows = _NoRows.apply(rows, p, gate_up_weight, down_weight, gate_up_bias)
+    # the op's down-bias term, per received row: p * down_bias[e] in float32 (its gradients by autograd)
+    bias_rows = None if down_bias is None else p.to(torch.float32) * down_bias.to(torch.float32)[plan.local_ids]
+    return _Combine.apply(y_rows, bias_rows, plan, group, x.dtype, *wire).reshape(x.shape)

@@ -1,7 +1,8 @@
 """Pure-torch emulation of the MoE expert backward's numerics (the `emulate` backend).
 
 Bit-identical to ``reference.moe_backward_reference(mode="mx_exact")`` (docs/moe.md "Numerics") on any
-torch device, built on the dense emulation's quantizer and matmul (mlp_bwd_mxfp8_emulate.py, imported).
+torch device, built on the emulate backends' shared quantizer, matmul and SwiGLU numerics
+(nkilib/experimental/emulate_numerics.py, as the dense emulation).
 It does not materialize the block layout: the contract depends on the layout only through
     * row-wise math (phases 0-2 treat every routed row independently: operands are quantized along
       H or 2I, never across rows), so the rows can be processed per expert in any grouping;
@@ -25,8 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (_clamp_and_mask, activation_fns32, clamp_tuple,
-                                                             contract_matmul, linear_factor, recompute_projection)
+from ..emulate_numerics import (activation_fns32, clamp_and_mask, clamp_tuple, contract_matmul, linear_factor,
+                               recompute_projection)
 from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 
 __all__ = ["routing_grad", "bias_grad_fold", "moe_backward_emulate"]
@@ -140,8 +141,8 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
             g_pre = recompute_projection(x_e, w_gu[e, :n_i], **mm.keywords)  # K = H, M = R, N = I
         if u is None:
             u = recompute_projection(x_e, w_gu[e, n_i:], **mm.keywords)  # K = H, M = R, N = I
-        gc, mask_g = _clamp_and_mask(g_pre.to(f32), gl, gu)
-        uc, mask_u = _clamp_and_mask(u.to(f32), ul, uu)
+        gc, mask_g = clamp_and_mask(g_pre.to(f32), gl, gu)
+        uc, mask_u = clamp_and_mask(u.to(f32), ul, uu)
         uc = linear_factor(uc, clamp_limits)
         g_act = act_fn(gc).to(bf) if g_act is None else g_act
         a = g_act.to(f32)

@@ -54,8 +54,8 @@ from torch import Tensor, nn
 
 from ...core import options
 from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
-from ..mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as dense_emu
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
                                                            check_numeric_options, resolve_checkpoint_policy)
@@ -164,7 +164,7 @@ def _forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None):
         up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
         if b_gu is not None:
             gate_pre, up = gate_pre + b_gu[e, :n_i], up + b_gu[e, n_i:]
-        gate_act, inter = dense_emu.swiglu_activations(gate_pre, up, clamp_dict)
+        gate_act, inter = swiglu_activations(gate_pre, up, clamp_dict)
         hs = (inter.to(f32) * p[slots, None]).to(bf)
         y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
         for c, v in zip(ckpts, (gate_pre, gate_act, up, inter)):
@@ -382,7 +382,8 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         ep_group: None, or a torch.distributed process group of ep ranks over which the E experts are sharded
             (expert parallelism, expert_parallel.py): gate_up_weight / down_weight are then this rank's E/ep
             experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
-            and tokens travel to their experts' ranks and back as MXFP8 all-to-alls.
+            and tokens travel to their experts' ranks and back as MXFP8 all-to-alls; gate_up_bias / down_bias are
+            then the local experts' [E/ep, 2I] / [E/ep, H] and their gradients stay on this rank.
         gate_up_bias: None or [E, 2I] (GPT-OSS): added to the projections (gate_pre = x W_gate[e]^T + b_gate[e]
             in bf16, likewise up); needs a checkpoint policy keeping gate_pre and up (the kernel's recompute has
             no bias), any backend. Its gradient, per expert the float32 sum of the bf16 d_gate_up rows in the
@@ -404,15 +405,6 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             contradicts NEURON_LOGICAL_NC_CONFIG.
         RuntimeError: backend "neuron" off a Neuron / XLA device or without its torch stack.
     """
-    if ep_group is not None and (gate_up_bias is not None or down_bias is not None):
-        raise ValueError("moe_swiglu_experts_mxfp8: gate_up_bias / down_bias are not supported with ep_group yet")
-    if down_bias is not None:
-        y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
-                                     clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
-                                     weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
-                                     scale_rule=scale_rule, block_size=block_size, backend=backend, lnc=lnc,
-                                     ep_group=ep_group, gate_up_bias=gate_up_bias)
-        return _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_weight.shape)
     if ep_group is not None:
         from .expert_parallel import moe_swiglu_experts_expert_parallel
 
@@ -420,7 +412,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, checkpoint=checkpoint,
             clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
             weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision, scale_rule=scale_rule,
-            block_size=block_size, backend=backend, lnc=lnc)
+            block_size=block_size, backend=backend, lnc=lnc, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if down_bias is not None:
+        y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
+                                     clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                     weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                     scale_rule=scale_rule, block_size=block_size, backend=backend, lnc=lnc,
+                                     gate_up_bias=gate_up_bias)
+        return _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_weight.shape)
     t, h, _, e, k = _check_inputs(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
     check_lnc(lnc, "moe_swiglu_experts_mxfp8")
@@ -458,14 +457,19 @@ def _check_gate_up_bias(bias, gate_up_weight, keep) -> None:
                          "up (the kernel's recompute has no bias), got one without them")
 
 
-def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
-    """y + sum_j p_j * down_bias[e_j] (float32, then y's dtype), differentiable in p and down_bias."""
+def _check_down_bias(down_bias, gate_up_shape, device) -> None:
+    """down_bias: an [E, H] bfloat16 / float32 tensor on `device` (E, H from gate_up_weight's shape)."""
     e, h = gate_up_shape[0], gate_up_shape[2]
     if not isinstance(down_bias, Tensor) or tuple(down_bias.shape) != (e, h) or \
-            down_bias.dtype not in _PARAM_DTYPES or down_bias.device != y.device:
+            down_bias.dtype not in _PARAM_DTYPES or down_bias.device != device:
         raise ValueError(f"moe_swiglu_experts_mxfp8: down_bias must be a bfloat16 / float32 tensor [E, H] = "
-                         f"{[e, h]} on {y.device}, got {getattr(down_bias, 'dtype', type(down_bias).__name__)} "
+                         f"{[e, h]} on {device}, got {getattr(down_bias, 'dtype', type(down_bias).__name__)} "
                          f"{tuple(getattr(down_bias, 'shape', ()))}")
+
+
+def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
+    """y + sum_j p_j * down_bias[e_j] (float32, then y's dtype), differentiable in p and down_bias."""
+    _check_down_bias(down_bias, gate_up_shape, y.device)
     p = topk_weights.to(torch.float32).unsqueeze(-1)  # [..., k, 1]
     b = down_bias.to(torch.float32)[topk_ids.to(torch.int64)]  # [..., k, H]
     return (y.to(torch.float32) + (p * b).sum(dim=-2).reshape(y.shape)).to(y.dtype)
@@ -492,8 +496,8 @@ class MoESwiGLUExperts(nn.Module):
         ep_group: None, or a torch.distributed process group of ep ranks sharding the experts (expert
             parallelism, ``moe_swiglu_experts_mxfp8(..., ep_group=)``): the module then holds only this rank's
             E/ep experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), so its parameters are
-            [E/ep, 2I, H] / [E/ep, H, I] and its state dict holds the local shard; topk_ids stay global ids in
-            [0, E). E must be divisible by the group size; bias=True is not supported with it (the op's rule).
+            [E/ep, 2I, H] / [E/ep, H, I] (biases [E/ep, 2I] / [E/ep, H]) and its state dict holds the local
+            shard; topk_ids stay global ids in [0, E). E must be divisible by the group size.
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -526,9 +530,6 @@ class MoESwiGLUExperts(nn.Module):
         if ep_group is not None:
             from .expert_parallel import local_expert_range
 
-            if bias:
-                raise ValueError("MoESwiGLUExperts: bias=True is not supported with ep_group (the op refuses biases "
-                                 "under expert parallelism), got bias=True and an ep_group")
             self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
         self.num_local_experts = local
         factory = dict(device=device, dtype=dtype)
@@ -539,8 +540,8 @@ class MoESwiGLUExperts(nn.Module):
             if not (keep[0] and keep[2]):
                 raise ValueError(f"MoESwiGLUExperts: bias=True needs a checkpoint keeping gate_pre and up, got "
                                  f"checkpoint={o['checkpoint']!r}")
-            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, **factory))
-            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+            self.gate_up_bias = nn.Parameter(torch.empty(local, 2 * intermediate_size, **factory))
+            self.down_bias = nn.Parameter(torch.empty(local, hidden_size, **factory))
         else:
             self.register_parameter("gate_up_bias", None)
             self.register_parameter("down_bias", None)

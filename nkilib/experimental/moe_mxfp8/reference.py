@@ -1,7 +1,8 @@
 """NumPy references of the MXFP8 MoE SwiGLU expert backward (no nki, no torch).
 
-Two modes, as in the dense MLP reference (mlp_mxfp8/mlp_bwd_mxfp8/reference.py, whose building blocks
-this module imports):
+Two modes, as in the dense MLP reference (mlp_mxfp8/mlp_bwd_mxfp8/reference.py, whose phases 0 and 2 this
+module reuses; the shared numerics, rounding points, SwiGLU / clamp math and the contract's matmul, are
+nkilib/core/numerics.py):
     * ``"mx_exact"``: the numerics contract of docs/moe.md, bit for bit, walking the kernel's block
       layout (routing.BlockLayout) exactly as the kernel does: rows gathered per block (padding rows
       zero), phases 0-1 per block, dX scatter-added per block in block order with a bf16
@@ -27,9 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # building blocks of the dense contract (shared numerics)
-    MODES, _act, _activation_fns, _bf16, _f32, _f64, _gate_terms, _intermediate, _matmul, _options, _up_terms, _weight_grad, _weight_grad_dtype, error_report, reference_phase0_recompute,
-    reference_phase2_hidden_states_grad)
+from ...core.numerics import (MODES, activation_fns64, apply_activation, contract_matmul, gate_terms,
+                              reference_options, swiglu_intermediate, to_bf16, to_f32, to_f64, to_weight_grad, up_terms,
+                              weight_grad_np_dtype)
+from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # the dense contract's public phases and report
+    error_report, reference_phase0_recompute, reference_phase2_hidden_states_grad)
 from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 from .routing import BlockLayout, validate_block_layout, validate_topk_weights
 
@@ -64,9 +67,9 @@ def _routing_grad(d_i, h, mode: str) -> np.ndarray:
         d_i [B, I] (float32 / float64), h [B, I] -> [B].
     """
     if mode == "fp32":
-        return (_f64(d_i) * _f64(h)).sum(axis=1)
+        return (to_f64(d_i) * to_f64(h)).sum(axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
-        prod = (d_i * _f32(h)).astype(np.float32)
+        prod = (d_i * to_f32(h)).astype(np.float32)
         acc = None
         for i0 in range(0, prod.shape[1], ROUTING_GRAD_TILE):
             part = prod[:, i0:i0 + ROUTING_GRAD_TILE].astype(np.float64).sum(axis=1).astype(np.float32)
@@ -104,26 +107,26 @@ def reference_block_phase1(output_grad_b, down_weight_e, weights_b, gate_pre_b, 
     Returns:
         (d_gate_up, hs, d_weights): bf16, bf16, float32 (mx_exact) or float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
     exact = mode == "mx_exact"
-    cast = _bf16 if exact else _f64
+    cast = to_bf16 if exact else to_f64
     dy, w_down = cast(output_grad_b), cast(down_weight_e)
     gate_pre, up = cast(gate_pre_b), cast(up_b)
-    d_i = _matmul(dy, w_down, mode, precision, fp8, scheme)  # [B, I]: K = H, M = B, N = I
-    gc, mask_g = _gate_terms(gate_pre, clamp_limits, mode)
-    uc, mask_u = _up_terms(up, clamp_limits, mode)
-    act_fn, act_dx_fn = _activation_fns(clamp_limits)
-    gate_act = cast(_act(act_fn, gc, mode)) if gate_act_b is None else cast(gate_act_b)
-    h = _intermediate(gate_act, up, clamp_limits, mode) if intermediate_b is None else cast(intermediate_b)
-    a = _f32(gate_act) if exact else gate_act
-    sd = _act(act_dx_fn, gc, mode)
-    p = (np.asarray(weights_b, dtype=np.float32) if exact else _f64(weights_b))[:, None]
+    d_i = contract_matmul(dy, w_down, mode, precision, fp8, scheme)  # [B, I]: K = H, M = B, N = I
+    gc, mask_g = gate_terms(gate_pre, clamp_limits, mode)
+    uc, mask_u = up_terms(up, clamp_limits, mode)
+    act_fn, act_dx_fn = activation_fns64(clamp_limits)
+    gate_act = cast(apply_activation(act_fn, gc, mode)) if gate_act_b is None else cast(gate_act_b)
+    h = swiglu_intermediate(gate_act, up, clamp_limits, mode) if intermediate_b is None else cast(intermediate_b)
+    a = to_f32(gate_act) if exact else gate_act
+    sd = apply_activation(act_dx_fn, gc, mode)
+    p = (np.asarray(weights_b, dtype=np.float32) if exact else to_f64(weights_b))[:, None]
     d_w = _routing_grad(d_i, h, mode)
     with np.errstate(over="ignore", invalid="ignore"):
         dh = d_i * p
         d_up = (dh * a) * mask_u
         d_gate = ((dh * uc) * sd) * mask_g
-        hs = (_f32(h) if exact else h) * p
+        hs = (to_f32(h) if exact else h) * p
     return np.concatenate([cast(d_gate), cast(d_up)], axis=1), cast(hs), d_w
 
 
@@ -143,7 +146,7 @@ def reference_dx_scatter_add(dx, part, token_ids, mode="mx_exact") -> None:
         dx[rows] = dx[rows] + part[valid]
         return
     with np.errstate(over="ignore", invalid="ignore"):
-        dx[rows] = _bf16((_f32(dx[rows]) + _f32(part[valid])).astype(np.float32))
+        dx[rows] = to_bf16((to_f32(dx[rows]) + to_f32(part[valid])).astype(np.float32))
 
 
 def reference_weight_grad_fold(lhs_blocks, rhs_blocks, *, fp8_dtype="float8_e4m3fn", quant_scheme="1x32",
@@ -161,8 +164,8 @@ def reference_weight_grad_fold(lhs_blocks, rhs_blocks, *, fp8_dtype="float8_e4m3
     Returns:
         [M, N] in weight_grad_dtype (mx_exact) or float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    wg = _weight_grad_dtype(weight_grad_dtype)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    wg = weight_grad_np_dtype(weight_grad_dtype)
     nb, b, m = lhs_blocks.shape
     n = rhs_blocks.shape[2]
     acc = np.zeros((m, n), dtype=np.float32 if mode == "mx_exact" else np.float64)
@@ -170,10 +173,10 @@ def reference_weight_grad_fold(lhs_blocks, rhs_blocks, *, fp8_dtype="float8_e4m3
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(nb):
             for k0 in range(0, b, tile):
-                part = _matmul(lhs_blocks[i, k0:k0 + tile].T, rhs_blocks[i, k0:k0 + tile],  # K = tile, M, N
+                part = contract_matmul(lhs_blocks[i, k0:k0 + tile].T, rhs_blocks[i, k0:k0 + tile],  # K = tile, M, N
                                mode, precision, fp8, scheme)
                 acc = (acc + part).astype(acc.dtype)
-    return _weight_grad(acc, mode, wg)
+    return to_weight_grad(acc, mode, wg)
 
 
 def reference_bias_grad_fold(d_gate_up_blocks, mode="mx_exact") -> np.ndarray:
@@ -190,12 +193,12 @@ def reference_bias_grad_fold(d_gate_up_blocks, mode="mx_exact") -> np.ndarray:
     """
     nb, b, two_i = d_gate_up_blocks.shape
     if mode == "fp32":
-        return _f64(d_gate_up_blocks).reshape(nb * b, two_i).sum(axis=0)
+        return to_f64(d_gate_up_blocks).reshape(nb * b, two_i).sum(axis=0)
     acc = np.zeros(two_i, dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(nb):
             for k0 in range(0, b, BIAS_GRAD_K_TILE):
-                part = _f64(d_gate_up_blocks[i, k0:k0 + BIAS_GRAD_K_TILE]).sum(axis=0).astype(np.float32)
+                part = to_f64(d_gate_up_blocks[i, k0:k0 + BIAS_GRAD_K_TILE]).sum(axis=0).astype(np.float32)
                 acc = (acc + part).astype(np.float32)
     return acc
 
@@ -248,10 +251,10 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
         (dx, d_topk_weights, d_gate_up_weight, d_down_weight[, d_gate_up_bias]): mx_exact: bf16, float32,
         weight_grad_dtype, weight_grad_dtype[, float32]; fp32: all float32 (computed in float64).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    _weight_grad_dtype(weight_grad_dtype)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    weight_grad_np_dtype(weight_grad_dtype)
     exact = mode == "mx_exact"
-    cast = _bf16 if exact else _f64
+    cast = to_bf16 if exact else to_f64
     dy, x = cast(output_grad), cast(hidden_states)
     w_gu, w_down = cast(gate_up_weight), cast(down_weight)
     ckpts = (gate_pre, gate_act, up, intermediate)
@@ -260,7 +263,7 @@ def moe_backward_reference(output_grad, hidden_states, topk_weights, gate_up_wei
     _check_shapes(dy, x, w, w_gu, w_down, layout, ckpts)
     p_flat = validate_topk_weights(w, (layout.num_tokens, layout.top_k)).reshape(-1)
     if not exact:
-        p_flat = _f64(w).reshape(-1)
+        p_flat = to_f64(w).reshape(-1)
     t, h_dim = x.shape
     k, e_num, b = layout.top_k, layout.num_experts, layout.block_size
     n_i = w_gu.shape[1] // 2

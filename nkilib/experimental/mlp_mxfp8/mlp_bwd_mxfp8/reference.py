@@ -19,18 +19,23 @@ Dimensions:
     X = hidden_states [S, H], dY = output_grad [S, H], W_gu = gate_up_weights [2I, H]
     (W_gate = rows 0..I-1, W_up = rows I..2I-1), W_down = down_proj_weight [H, I],
     checkpoints gate_pre, gate_act, up, intermediate [S, I].
+
+The contract's building blocks (rounding points, SwiGLU / clamp numerics, the contract matmul) are
+nkilib/core/numerics.py, shared with the MoE reference.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from ....core import options
-from ....mx import deinterleave_k, dequantize_mx, interleave_k, mx_matmul, pack_x4, quantize_mx, unpack_x4
-from .constants import BF16_K_TILE, MATMUL_PRECISIONS, MX_K_ALIGN, MX_K_TILE
+from ....core.numerics import (MODES, activation_fns64, apply_activation, contract_matmul, gate_terms, quantize_k,  # noqa: F401
+                               reference_options, swiglu_intermediate, to_bf16, to_f32, to_f64, to_weight_grad, up_terms,
+                               weight_grad_np_dtype)
+from ....mx import deinterleave_k, dequantize_mx, interleave_k, pack_x4, unpack_x4
+from .constants import MX_K_ALIGN, MX_K_TILE
 
 __all__ = [
     "MODES",
@@ -51,14 +56,6 @@ __all__ = [
     "fraction_over_ulp",
 ]
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-#: Reference modes: the kernel's exact numerics, or the ideal float64 backward.
-MODES = ("mx_exact", "fp32")
-
-#: Accepted weight_grad_dtype spellings -> numpy dtype.
-_WEIGHT_GRAD_DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32)}
-
 
 class Checkpoints(NamedTuple):
     """The four forward activations the backward needs (or recomputes).
@@ -77,246 +74,19 @@ class Checkpoints(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------
-# option handling and elementary numerics
+# option handling and operands (the elementary numerics and the contract's matmul: nkilib.core.numerics)
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 # fp8 format / quant scheme / matmul precision / weight-grad dtype / clamps: validated by nkilib.core.options,
 # shared with the kernel, the torch emulation and the torch layer.
 _fp8_name = options.fp8_format
 _check_scheme = options.quant_scheme
-_check_precision = options.matmul_precision
-
-
-def _weight_grad_dtype(weight_grad_dtype) -> np.dtype:
-    name = options.weight_grad_dtype(weight_grad_dtype, spelled=f"one of {tuple(_WEIGHT_GRAD_DTYPES)}")
-    return _WEIGHT_GRAD_DTYPES[name]
-
-
-def _bf16(x) -> np.ndarray:
-    """bf16(v) of the contract: RNE to bfloat16 from float32 (float64 is rounded to float32 first,
-    so that a float64 input gives the same bits as its float32 rounding fed to the kernel)."""
-    a = np.asarray(x)
-    if a.dtype == BF16:
-        return a
-    with np.errstate(over="ignore", invalid="ignore"):
-        return a.astype(np.float32).astype(BF16)
-
-
-def _f32(x) -> np.ndarray:
-    return np.asarray(x).astype(np.float32)
-
-
-def _f64(x) -> np.ndarray:
-    return np.asarray(x).astype(np.float64)
-
-
-def _sigmoid64(x64: np.ndarray) -> np.ndarray:
-    # Contract form of the sigmoid: 0.5 * (tanh(0.5 x) + 1), no overflow for large |x|.
-    return 0.5 * (np.tanh(0.5 * x64) + 1.0)
-
-
-def _silu64(x64: np.ndarray) -> np.ndarray:
-    return x64 * _sigmoid64(x64)
-
-
-def _silu_dx64(x64: np.ndarray) -> np.ndarray:
-    s = _sigmoid64(x64)
-    return s * (1.0 + x64 * (1.0 - s))
-
-
-def _gelu_apprx_sigmoid64(x64: np.ndarray) -> np.ndarray:
-    # ScalarE gelu_apprx_sigmoid: x * sigmoid(1.702 x)
-    return x64 * _sigmoid64(options.GATE_ALPHAS["gpt_oss"] * x64)
-
-
-def _gelu_apprx_sigmoid_dx64(x64: np.ndarray) -> np.ndarray:
-    # d/dx [x s(ax)] = s(ax) (1 + a x (1 - s(ax))), a = 1.702
-    alpha = options.GATE_ALPHAS["gpt_oss"]
-    s = _sigmoid64(alpha * x64)
-    return s * (1.0 + alpha * x64 * (1.0 - s))
-
-
-def _activation_fns(clamp_limits) -> tuple:
-    """(act, act_dx) float64 functions of the clamp's activation (options.ACTIVATIONS)."""
-    if options.clamp_activation(clamp_limits) == "gpt_oss":
-        return _gelu_apprx_sigmoid64, _gelu_apprx_sigmoid_dx64
-    return _silu64, _silu_dx64
-
-
-def _act(fn, x32: np.ndarray, mode: str) -> np.ndarray:
-    """Activation: float64 evaluation of a float32 input, rounded once to float32 (mx_exact), or
-    plain float64 (fp32 mode)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        y = fn(_f64(x32))
-    return y.astype(np.float32) if mode == "mx_exact" else y
-
-
-def _limit(clamp_limits, name: str, mode: str):
-    v = options.clamp_values(clamp_limits)[options.CLAMP_NAMES.index(name)]
-    if v is None:
-        return None
-    # mx_exact: limits enter as np.float32(limit) (contract); fp32 mode keeps the exact float.
-    return np.float32(v) if mode == "mx_exact" else np.float64(v)
-
-
-def _clamp_and_mask(v: np.ndarray, lower, upper):
-    """clamp(v) = min(max(v, lower), upper) and mask = 1 where lower <= v <= upper, else 0.
-
-    Both use the same (already rounded) limit values, so the mask is 1 exactly where the clamp is
-    the identity. A missing bound is no bound / true. np.maximum / np.minimum propagate NaN, and a
-    NaN compares false, so a NaN input gives clamp NaN and (with any bound) mask 0.
-
-    Args:
-        v: float32 (mx_exact) or float64 (fp32) [S, I].
-        lower, upper: limit scalars of v's dtype, or None.
-
-    Returns:
-        (clamped [S, I] v.dtype, mask [S, I] v.dtype of 0.0 / 1.0).
-    """
-    c = v
-    ok = np.ones(v.shape, dtype=bool)
-    with np.errstate(invalid="ignore"):
-        if lower is not None:
-            c = np.maximum(c, lower)
-            ok &= v >= lower
-        if upper is not None:
-            c = np.minimum(c, upper)
-            ok &= v <= upper
-    return c.astype(v.dtype, copy=False), ok.astype(v.dtype)
-
-
-def _gate_terms(gate_pre, clamp_limits, mode):
-    """g -> (gc, maskG) in the mode's working precision."""
-    g = _f32(gate_pre) if mode == "mx_exact" else _f64(gate_pre)
-    return _clamp_and_mask(
-        g, _limit(clamp_limits, "non_linear_lower", mode), _limit(clamp_limits, "non_linear_upper", mode)
-    )
-
-
-def _up_terms(up, clamp_limits, mode):
-    """u -> (linear factor uc + offset, maskU) in the mode's working precision; the offset is
-    options.UP_OFFSETS of the clamp's activation (1 for "gpt_oss": an fp32 add in mx_exact)."""
-    u = _f32(up) if mode == "mx_exact" else _f64(up)
-    uc, mask = _clamp_and_mask(
-        u, _limit(clamp_limits, "linear_lower", mode), _limit(clamp_limits, "linear_upper", mode)
-    )
-    offset = options.UP_OFFSETS[options.clamp_activation(clamp_limits)]
-    if offset:
-        uc = (uc + uc.dtype.type(offset)).astype(uc.dtype)
-    return uc, mask
-
-
-# ----------------------------------------------------------------------------------------------
-# the contract's matmul
-# ----------------------------------------------------------------------------------------------
-
-
-def _pad_k(a: np.ndarray, axis: int, kp: int) -> np.ndarray:
-    k = a.shape[axis]
-    if k == kp:
-        return a
-    widths = [(0, 0), (0, 0)]
-    widths[axis] = (0, kp - k)
-    return np.pad(a, widths)
-
-
-def _padded_k(k: int) -> int:
-    return -(-k // MX_K_ALIGN) * MX_K_ALIGN
-
-
-def _quantize_k(a, axis: int, fp8: str, scheme: str):
-    """Zero-pads axis `axis` of a 2-D bf16 operand to a multiple of 128 and MX-quantizes along it.
-
-    Args:
-        a: [R, C] bf16 (or float) array; `axis` is its contraction axis K.
-        axis: 0 or 1.
-        fp8: element format name.
-        scheme: "1x32" or "wrapX".
-
-    Returns:
-        nkilib.mx.MXTensor of the padded [.., Kp, ..] operand (scale rule "neuron", k_tile 512).
-    """
-    a = _bf16(a)
-    kp = _padded_k(a.shape[axis])
-    return quantize_mx(
-        _pad_k(a, axis, kp), axis=axis, elem_format=fp8, scale_rule="neuron", scheme=scheme,
-        k_tile=MX_K_TILE,
-    )
-
-
-def _mm(a, b, precision: str, fp8: str, scheme: str) -> np.ndarray:
-    """The contract's matmul mm(A, B) = A @ B.
-
-    mxfp8: K zero-padded to Kp = ceil(K / 128) * 128; A quantized along axis 1 and B along axis 0
-    (quantize_mx, scale rule "neuron", k_tile 512); nkilib.mx.mx_matmul with k_tile 512 (per 512-K
-    tile exact sum rounded to float32, float32 accumulation across tiles in order, last tile Kp % 512
-    if nonzero).
-    bf16: the bf16 values as is; per K tile of 128 (last tile = remainder) float64 sum of the exact
-    products rounded to float32, float32 accumulation across tiles in order.
-
-    Dimensions:
-        a: [M, K] bf16, b: [K, N] bf16 -> [M, N] float32.
-
-    Args:
-        a: left operand [M, K].
-        b: right operand [K, N].
-        precision: "mxfp8" or "bf16".
-        fp8: fp8 element format name (mxfp8 only).
-        scheme: "1x32" or "wrapX" (mxfp8 only).
-
-    Returns:
-        float32 [M, N].
-    """
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"_mm: incompatible operand shapes {a.shape} @ {b.shape}")
-    if precision == "mxfp8":
-        return mx_matmul(
-            _quantize_k(a, 1, fp8, scheme), _quantize_k(b, 0, fp8, scheme), k_tile=MX_K_TILE
-        )
-    if precision != "bf16":
-        raise ValueError(f"matmul precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
-    a64 = _f64(_bf16(a))
-    b64 = _f64(_bf16(b))
-    k = a64.shape[1]
-    acc = None
-    with np.errstate(over="ignore", invalid="ignore"):
-        for k0 in range(0, k, BF16_K_TILE):
-            part = (a64[:, k0:k0 + BF16_K_TILE] @ b64[k0:k0 + BF16_K_TILE, :]).astype(np.float32)
-            acc = part if acc is None else (acc + part).astype(np.float32)
-    return acc
-
-
-def _matmul(a, b, mode: str, precision: str, fp8: str, scheme: str) -> np.ndarray:
-    """mm of the contract (mx_exact, float32 result) or the float64 product (fp32 mode)."""
-    if mode == "fp32":
-        with np.errstate(over="ignore", invalid="ignore"):
-            return _f64(a) @ _f64(b)
-    return _mm(_bf16(a), _bf16(b), precision, fp8, scheme)
-
-
-def _weight_grad(v: np.ndarray, mode: str, wg_dtype: np.dtype) -> np.ndarray:
-    """wg of the contract: float32 -> weight_grad_dtype (bf16 RNE or as is); fp32 mode: unchanged."""
-    if mode == "fp32":
-        return v
-    return _bf16(v) if wg_dtype == BF16 else v.astype(np.float32)
-
-
-def _options(mode, fp8_dtype, quant_scheme, matmul_precision):
-    return _check_mode(mode), _fp8_name(fp8_dtype), _check_scheme(quant_scheme), _check_precision(
-        matmul_precision
-    )
 
 
 def _operand(x, mode: str) -> np.ndarray:
     """Kernel inputs are bf16 (mx_exact rounds other float inputs to bf16); fp32 mode keeps values."""
-    return _bf16(x) if mode == "mx_exact" else _f64(x)
+    return to_bf16(x) if mode == "mx_exact" else to_f64(x)
 
 
 def _check_2d(name: str, x, shape) -> None:
@@ -370,7 +140,7 @@ def reference_phase0_recompute(
         Checkpoints of [S, I] arrays: bf16 (mx_exact; given bf16 checkpoints returned as is) or
         float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
     x = _operand(hidden_states, mode)
     w = _operand(gate_up_weights, mode)
     if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2:
@@ -381,32 +151,23 @@ def reference_phase0_recompute(
     for name, v in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up),
                     ("intermediate", intermediate)):
         _check_2d(name, v, (S, n_i))
-    rnd = _bf16 if mode == "mx_exact" else _f64
+    rnd = to_bf16 if mode == "mx_exact" else to_f64
 
     def proj(rows):  # bf16(mm(X, W_rows^T)), K = H
-        return rnd(_matmul(x, w[rows].T, mode, precision, fp8, scheme))
+        return rnd(contract_matmul(x, w[rows].T, mode, precision, fp8, scheme))
 
     gate_pre = proj(slice(0, n_i)) if gate_pre is None else _operand(gate_pre, mode)
     up = proj(slice(n_i, 2 * n_i)) if up is None else _operand(up, mode)
     if gate_act is None:
-        gc, _ = _gate_terms(gate_pre, clamp_limits, mode)
-        gate_act = rnd(_act(_activation_fns(clamp_limits)[0], gc, mode))
+        gc, _ = gate_terms(gate_pre, clamp_limits, mode)
+        gate_act = rnd(apply_activation(activation_fns64(clamp_limits)[0], gc, mode))
     else:
         gate_act = _operand(gate_act, mode)
     if intermediate is None:
-        intermediate = _intermediate(gate_act, up, clamp_limits, mode)
+        intermediate = swiglu_intermediate(gate_act, up, clamp_limits, mode)
     else:
         intermediate = _operand(intermediate, mode)
     return Checkpoints(gate_pre, gate_act, up, intermediate)
-
-
-def _intermediate(gate_act, up, clamp_limits, mode):
-    """intermediate = bf16(f32(gate_act) * uc) (mx_exact) or gate_act * uc in float64."""
-    uc, _ = _up_terms(up, clamp_limits, mode)
-    if mode == "mx_exact":
-        with np.errstate(over="ignore", invalid="ignore"):
-            return _bf16(_f32(gate_act) * uc)
-    return _f64(gate_act) * uc
 
 
 def reference_phase1_down_proj_grad(
@@ -450,7 +211,7 @@ def reference_phase1_down_proj_grad(
         (d_gate [S, I], d_up [S, I], intermediate [S, I] or None): bf16 arrays (mx_exact) or float64
         (fp32); the third item is the computed intermediate when none was given, else None.
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
     dy = _operand(output_grad, mode)
     w_down = _operand(down_proj_weight, mode)
     if dy.ndim != 2 or w_down.ndim != 2 or w_down.shape[0] != dy.shape[1]:
@@ -464,25 +225,25 @@ def reference_phase1_down_proj_grad(
     gate_pre = _operand(gate_pre, mode)
     up = _operand(up, mode)
 
-    d_i = _matmul(dy, w_down, mode, precision, fp8, scheme)  # [S, I], K = H
-    gc, mask_g = _gate_terms(gate_pre, clamp_limits, mode)
-    uc, mask_u = _up_terms(up, clamp_limits, mode)
-    act_fn, act_dx_fn = _activation_fns(clamp_limits)
+    d_i = contract_matmul(dy, w_down, mode, precision, fp8, scheme)  # [S, I], K = H
+    gc, mask_g = gate_terms(gate_pre, clamp_limits, mode)
+    uc, mask_u = up_terms(up, clamp_limits, mode)
+    act_fn, act_dx_fn = activation_fns64(clamp_limits)
     if gate_act is None:
-        act = _act(act_fn, gc, mode)
-        gate_act = _bf16(act) if mode == "mx_exact" else act
+        act = apply_activation(act_fn, gc, mode)
+        gate_act = to_bf16(act) if mode == "mx_exact" else act
     else:
         gate_act = _operand(gate_act, mode)
-    a = _f32(gate_act) if mode == "mx_exact" else _f64(gate_act)
-    sd = _act(act_dx_fn, gc, mode)
+    a = to_f32(gate_act) if mode == "mx_exact" else to_f64(gate_act)
+    sd = apply_activation(act_dx_fn, gc, mode)
     with np.errstate(over="ignore", invalid="ignore"):
         d_up = (d_i * a) * mask_u
         d_gate = ((d_i * uc) * sd) * mask_g
     if mode == "mx_exact":
-        d_gate, d_up = _bf16(d_gate), _bf16(d_up)
+        d_gate, d_up = to_bf16(d_gate), to_bf16(d_up)
     new_intermediate = None
     if intermediate is None:
-        new_intermediate = _intermediate(gate_act, up, clamp_limits, mode)
+        new_intermediate = swiglu_intermediate(gate_act, up, clamp_limits, mode)
     return d_gate, d_up, new_intermediate
 
 
@@ -508,9 +269,9 @@ def reference_phase2_hidden_states_grad(
     Returns:
         [S, H] bf16 (mx_exact) or float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    out = _matmul(_operand(d_gate_up, mode), _operand(gate_up_weights, mode), mode, precision, fp8, scheme)
-    return _bf16(out) if mode == "mx_exact" else out
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    out = contract_matmul(_operand(d_gate_up, mode), _operand(gate_up_weights, mode), mode, precision, fp8, scheme)
+    return to_bf16(out) if mode == "mx_exact" else out
 
 
 def reference_phase3_gate_up_weight_grad(
@@ -539,10 +300,10 @@ def reference_phase3_gate_up_weight_grad(
     Returns:
         [2I, H] in weight_grad_dtype (mx_exact) or float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    wg = _weight_grad_dtype(weight_grad_dtype)
-    out = _matmul(_operand(d_gate_up, mode).T, _operand(hidden_states, mode), mode, precision, fp8, scheme)
-    return _weight_grad(out, mode, wg)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    wg = weight_grad_np_dtype(weight_grad_dtype)
+    out = contract_matmul(_operand(d_gate_up, mode).T, _operand(hidden_states, mode), mode, precision, fp8, scheme)
+    return to_weight_grad(out, mode, wg)
 
 
 def reference_phase4_down_weight_grad(
@@ -569,10 +330,10 @@ def reference_phase4_down_weight_grad(
     Returns:
         [H, I] in weight_grad_dtype (mx_exact) or float64 (fp32).
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    wg = _weight_grad_dtype(weight_grad_dtype)
-    out = _matmul(_operand(output_grad, mode).T, _operand(intermediate, mode), mode, precision, fp8, scheme)
-    return _weight_grad(out, mode, wg)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    wg = weight_grad_np_dtype(weight_grad_dtype)
+    out = contract_matmul(_operand(output_grad, mode).T, _operand(intermediate, mode), mode, precision, fp8, scheme)
+    return to_weight_grad(out, mode, wg)
 
 
 def mlp_backward_reference(
@@ -615,8 +376,8 @@ def mlp_backward_reference(
         (hidden_states_grad [S, H], gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I]):
         mx_exact: bf16, weight_grad_dtype, weight_grad_dtype; fp32: all float32.
     """
-    mode, fp8, scheme, precision = _options(mode, fp8_dtype, quant_scheme, matmul_precision)
-    _weight_grad_dtype(weight_grad_dtype)
+    mode, fp8, scheme, precision = reference_options(mode, fp8_dtype, quant_scheme, matmul_precision)
+    weight_grad_np_dtype(weight_grad_dtype)
     opts = dict(fp8_dtype=fp8, quant_scheme=scheme, matmul_precision=precision, mode=mode)
     dy = _operand(output_grad, mode)
     x = _operand(hidden_states, mode)
@@ -678,7 +439,7 @@ def prequantize(a_FK, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", swizzled=F
     if a.ndim != 2:
         raise ValueError(f"prequantize expects a 2-D [F, K] matrix, got shape {a.shape}")
     scheme = _check_scheme(quant_scheme)
-    q = _quantize_k(a, 1, _fp8_name(fp8_dtype), scheme)
+    q = quantize_k(a, 1, _fp8_name(fp8_dtype), scheme)
     words, scales = pack_x4(q.codes), q.scales
     return swizzle_prequantized(words, scales, scheme) if swizzled else (words, scales)
 
@@ -814,8 +575,8 @@ def error_report(result, ideal) -> dict:
         dict with float values: rel_fro = ||r - i||_F / ||i||_F, cosine = <r, i> / (||r|| ||i||),
         max_abs = max |r - i|, ideal_fro = ||i||_F (NaN inputs give NaN metrics).
     """
-    r = _f64(result)
-    i = _f64(ideal)
+    r = to_f64(result)
+    i = to_f64(ideal)
     if r.shape != i.shape:
         raise ValueError(f"error_report: shape mismatch {r.shape} vs {i.shape}")
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -829,7 +590,7 @@ def error_report(result, ideal) -> dict:
 
 def _bf16_ordinal(x) -> np.ndarray:
     """bf16 bit patterns mapped to a monotonic integer line (+0 and -0 both 0)."""
-    b = _bf16(x).view(np.uint16).astype(np.int64)
+    b = to_bf16(x).view(np.uint16).astype(np.int64)
     mag = b & 0x7FFF
     return np.where(b & 0x8000, -mag, mag)
 
@@ -849,7 +610,7 @@ def ulp_diff_bf16(a, b) -> np.ndarray:
     Returns:
         int64 array of |ord(a) - ord(b)|.
     """
-    a16, b16 = _bf16(a), _bf16(b)
+    a16, b16 = to_bf16(a), to_bf16(b)
     d = np.abs(_bf16_ordinal(a16) - _bf16_ordinal(b16))
     na, nb = np.isnan(a16.astype(np.float32)), np.isnan(b16.astype(np.float32))
     d = np.where(na & nb, 0, d)
