@@ -62,17 +62,16 @@ import nki.language as nl
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks as _blocks
-from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_panels, panel_bytes_per_partition,
-                            panel_columns, panel_from_rows)
+from ...core.matmul import CoreSplit, TensorDescriptor, matmul_panels, panel_from_rows
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
+from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8, store_zero_expert_grads)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
-                        PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
-                        WEIGHT_LOAD_WIDTH)
+                        PHASE1_ROW_GROUP, ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH,
+                        WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -192,158 +191,157 @@ class ExpertLoops(nl.NKIObject):
         nl.fori_loop(0, self._reg(self.multi, e), lambda _: body())
 
 
-class ExpertPanels(nl.NKIObject):
-    """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
-    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
-
-    A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
-    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
-    super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
-    traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
-    """
-
-    def __init__(self, op, tiles, setup):
-        self.op, self.tiles, self.setup = op, tiles, setup
-        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
-        # super-panels [(f0, width)] and the one serving each tile (tiles are MOE_N_TILE-aligned from tiles[0])
-        self.loads, self.load_of = [], []
-        for n0, nsz in tiles:
-            if not self.loads or n0 + nsz > self.loads[-1][0] + self.loads[-1][1]:
-                end = tiles[-1][0] + tiles[-1][1]
-                self.loads.append((n0, min(width, end - n0) if width else nsz))
-            self.load_of.append(len(self.loads) - 1)
-        total = sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in self.loads)
-        self.resident = total <= RESIDENT_WEIGHT_BUDGET_BYTES
-        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
-        self.current = -1
-
-    def start_block(self):
-        if not self.resident:
-            self.panels, self.current = [], -1
-
-    def get(self, j):
-        s = self.load_of[j]
-        if not self.resident and self.current != s:
-            f0, w = self.loads[s]
-            self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
-        whole = self.panels[s] if self.resident else self.panels[0]
-        n0, nsz = self.tiles[j]
-        return panel_columns(whole, n0 - self.loads[s][0], nsz)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Pass A: phase 0 (recompute) + phase 1 per block, routing-weight gradient fused into the epilogue
 # ---------------------------------------------------------------------------------------------------
+def _natural_rows(ctx, k_size):
+    """SBUF [128, Kp] bf16 tile for rows of K = k_size (Kp: K padded to the MX K alignment)."""
+    return nl.ndarray((PARTITIONS, ctx.k_width(k_size)), dtype=nl.bfloat16, buffer=nl.sbuf)
+
+
 def _gathered_natural(ctx, src2d, ids, m, k_size):
     """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K)."""
-    width = ctx.k_width(k_size)
-    nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nat = _natural_rows(ctx, k_size)
     nisa.memset(dst=nat[:m, :], value=0.0)
     ctx.gather(nat[:m, :k_size], src2d, ids, 0, k_size)
     return nat
 
 
-def _gathered_checkpoint(ctx, ckpt, slots, m):
-    """SBUF [128, I] bf16 rows of a [T*k, I] checkpoint by slot (zero for padding), or None."""
+def _block_natural(ctx, scratch, i, r0, m, k_size):
+    """SBUF [128, Kp] bf16 tile: rows r0..r0+m of block i of a block-ordered [N, B, K] scratch (already gathered)."""
+    nat = _natural_rows(ctx, k_size)
+    if nat.shape[1] > k_size:
+        nisa.memset(dst=nat[:m, k_size:], value=0.0)
+    nisa.dma_copy(dst=nat[:m, :k_size], src=ctx.block_rows(scratch, i, r0, m, 1, 0, k_size))
+    return nat
+
+
+def _gathered_checkpoint(ctx, ckpt, slots, m, i_lo, width):
+    """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a [T*k, I] checkpoint's rows by slot (zero for
+    padding), or None."""
     if ckpt == None:  # noqa: E711
         return None
-    tile = nl.ndarray((PARTITIONS, ctx.I), dtype=nl.bfloat16, buffer=nl.sbuf)
+    tile = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.memset(dst=tile[:m, :], value=0.0)
-    ctx.gather(tile[:m, :], ckpt, slots, 0, ctx.I)
+    ctx.gather(tile[:m, :], ckpt, slots, i_lo, width)
     return tile
 
 
-def _projection_tile(ckpt_tile, psum, m, n0, nsz):
-    """bf16 [m, nsz] view: the gathered checkpoint's columns, or bf16(psum) of the recompute (RNE)."""
+def _projection_tile(ckpt_tile, psum, m, c0, nsz):
+    """bf16 [m, nsz] view: the gathered checkpoint's columns from c0, or bf16(psum) of the recompute (RNE)."""
     if ckpt_tile != None:  # noqa: E711
-        return ckpt_tile[:m, n0:n0 + nsz]
+        return ckpt_tile[:m, c0:c0 + nsz]
     tile = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_copy(dst=tile[:m, :nsz], src=psum[:m, :nsz])
     return tile[:m, :nsz]
 
 
 class RowChunk(nl.NKIObject):
-    """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A: gathered inputs,
-    their K=H panels, and the epilogue's outputs until they are stored."""
+    """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A, for the I columns
+    [i_lo, i_hi) (all of I, or one resident weight group of a multi-block expert): gathered inputs, their
+    K=H panels, and the epilogue's outputs until they are stored.
 
-    def __init__(self, ctx, i, r0, m, recompute):
+    The group at i_lo = 0 gathers dY / X by token id and writes the block-ordered copies; later groups read
+    those copies back (plain DMA, this core's own rows). The routing-weight gradient's fold over I tiles
+    continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
+    """
+
+    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi):
         I, H = ctx.I, ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
+        self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
         self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-        dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
-        x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
-        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
-        # padding rows are the zeroed rows of the gathered tiles
-        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+        x_nat = None
+        if i_lo == 0:
+            dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
+            x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
+            # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
+            # padding rows are the zeroed rows of the gathered tiles
+            nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
+            nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+        else:
+            dy_nat = _block_natural(ctx, ctx.dy_blocks, i, r0, m, H)
+            if recompute:
+                x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)
         self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
         self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=self.p, value=0.0)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m)
+        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width)
                       for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
-        self.d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        self.hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.d_gu = nl.ndarray((PARTITIONS, 2 * width), dtype=nl.bfloat16, buffer=nl.sbuf)  # gate cols, up cols
+        self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if i_lo > 0:  # the fold so far (tiles below i_lo), from this core's earlier group
+            nisa.dma_copy(dst=self.d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
 
     def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
-        """I tile j ([n0, n0+nsz)) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
-        I, m = ctx.I, self.m
+        """I tile j ([n0, n0+nsz), global) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
+        m, c0, width = self.m, n0 - self.i_lo, self.i_hi - self.i_lo
         g_ck, a_ck, u_ck, h_ck = self.ckpts
-        gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
-        up = _projection_tile(u_ck, u_psum, m, n0, nsz)
-        act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
+        gate_pre = _projection_tile(g_ck, g_psum, m, c0, nsz)
+        up = _projection_tile(u_ck, u_psum, m, c0, nsz)
+        act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
         terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
-        h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
+        h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
         dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
         # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
         nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
-        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz],
+        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
+                             self.d_gu[:m, width + c0:width + c0 + nsz],
                              d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
+        nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
 
     def store(self, ctx, i):
-        m, r0 = self.m, self.r0
-        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * ctx.I), src=self.d_gu[:m, :])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, ctx.I), src=self.hs[:m, :])
+        I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
+        if width == I:
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :])
+        else:
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
+        if self.i_hi < I:  # more groups follow: keep the partial fold
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
+            return
         out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
         nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
 
 
 def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
-    """Phases 0-1 of block i (expert e) for this core's rows: d_gate_up and hs rows to the scratch,
-    d_topk_weights of the block's slots.
+    """Phases 0-1 of block i (expert e) for this core's rows and the I tiles of w_down: d_gate_up and hs
+    columns to the scratch, d_topk_weights of the block's slots (after the last I tile).
 
     Dimensions (per chunk of m <= 128 rows of the block):
         dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
         recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
-        outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i), d_w [m] (by slot).
+        outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i; the tiles' columns), d_w [m] (by slot).
     Rows go in groups of up to PHASE1_ROW_GROUP (chunks of 128): the I tiles are the outer loop inside a
     group, so a weight tile that is not resident is loaded once per group, not once per chunk. Per row the
     epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference).
 
     Args:
-        ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels
-            (w_gate / w_up None when gate_pre / up are given).
+        ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels over the
+            same I tiles (all of I, or a resident group; w_gate / w_up None when gate_pre / up are given).
     """
     recompute = w_gate != None or w_up != None  # noqa: E711
+    i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
         for w in (w_down, w_gate, w_up):
             if w != None:  # noqa: E711
                 w.start_block()
-        chunks = [RowChunk(ctx, i, r0, m, recompute) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
-        for j, (n0, nsz) in enumerate(_blocks(0, ctx.I, PHASE1_N_TILE)):
-            wd = w_down.get(j)
-            wg = w_gate.get(j) if w_gate != None else None  # noqa: E711
-            wu = w_up.get(j) if w_up != None else None  # noqa: E711
+        chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
+        for jj, (n0, nsz) in enumerate(w_down.tiles):
+            j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
+            wd = w_down.get(jj)
+            wg = w_gate.get(jj) if w_gate != None else None  # noqa: E711
+            wu = w_up.get(jj) if w_up != None else None  # noqa: E711
             for c in chunks:
                 d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
                 matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
@@ -375,51 +373,6 @@ def _routing_grad_tile(d_i, h, acc, j, m, nsz):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pass B: dX = d_gate_up_b W_gu[e] scatter-added to token rows
-# ---------------------------------------------------------------------------------------------------
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
-    """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
-
-    Dimensions:
-        d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
-        ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
-        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
-    The H tiles are the outer loop (every chunk's d_gate_up panel stays on chip), so a weight tile that is
-    not resident is loaded once per block; each chunk's H_c columns go out in one read-modify-write (one
-    descriptor per row).
-    """
-    if not w_gu.tiles:
-        return
-    w_gu.start_block()
-    two_i = 2 * ctx.I
-    width = ctx.k_width(two_i)
-    h_lo = w_gu.tiles[0][0]
-    h_width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
-    chunks = []
-    for r0, m in _blocks(0, ctx.B, PARTITIONS):
-        nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if width > two_i:
-            nisa.memset(dst=nat[:m, two_i:], value=0.0)
-        nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
-        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
-        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        chunks.append((r0, m, panel, part))
-        nat = None
-    for j, (h0, hsz) in enumerate(w_gu.tiles):
-        w = w_gu.get(j)
-        for c, (r0, m, panel, part) in enumerate(chunks):
-            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(acc[:panel.f_pad, :hsz], panel, w, ctx.setup)  # K=2I, M=m, N=hsz
-            engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
-            nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
-        w = None
-    for r0, m, panel, part in chunks:
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
-        nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Base kernel: the three passes over the experts
 # ---------------------------------------------------------------------------------------------------
 def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
@@ -440,24 +393,53 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
     ctx.loops = ExpertLoops(ctx.offsets, E)
 
-    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
-    def pass_a(e):
-        w_down = ExpertPanels(TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H), i_tiles, setup)
-        w_gate = w_up = None
-        if ctx.gate_pre == None:  # noqa: E711
-            w_gate = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I), i_tiles, setup)
-        if ctx.up == None:  # noqa: E711
-            w_up = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I), i_tiles, setup)
+    def per_group(e, groups, descs, block):
+        """Expert e with two or more blocks: block(i, panels) for all its blocks, once per resident group of the
+        weights' tiles (loaded before the loop: once per expert; the block's rows are read again per group)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
+        for tiles in groups:
+            panels = [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
+            nl.fori_loop(b_lo, b_hi, lambda i, panels=panels: block(i, panels))
+            panels = None
 
-    # ---- pass B ----
+    def per_block(e, descs, tiles, groups, block):
+        """The block loop of expert e: weights resident across it when they fit, else loaded per block for an
+        expert with one block and per_group for one with more (`groups` None: they fit)."""
+        if groups == None:  # noqa: E711
+            panels = [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
+            b_lo, _, b_hi = ctx.loops.bounds(e)
+            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels))
+            return
+        ctx.loops.if_single(e, lambda i: block(i, [None if d == None else ExpertPanels(d, tiles, setup)  # noqa: E711
+                                                   for d in descs]))
+        ctx.loops.if_multi(e, lambda: per_group(e, groups, descs, block))
+
+    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
+    def a_descs(e):
+        return [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H),
+                None if ctx.gate_pre != None else TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I),  # noqa: E711
+                None if ctx.up != None else TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I)]  # noqa: E711
+
+    # more than one resident group of I tiles: per_block's split (the same I tiles on both cores)
+    a_groups = resident_tile_groups(i_tiles, [d for d in a_descs(0) if d != None], setup)  # noqa: E711
+    a_groups = a_groups if len(a_groups) > 1 else None
+
+    def pass_a(e):
+        per_block(e, a_descs(e), i_tiles, a_groups, lambda i, w: compute_phase1_block_grads_mxfp8(ctx, e, i, *w))
+
+    # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
+    c0_lo, c0_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, 0)
+    h0_tiles = _blocks(min(c0_lo * SPLIT_ALIGN, H), min(c0_hi * SPLIT_ALIGN, H), MOE_N_TILE)
+
+    def b_desc(e):
+        return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)
+
+    b_count = len(resident_tile_groups(h0_tiles, [b_desc(0)], setup))
+    b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, b_count) if b_count > 1 else None
 
     def pass_b(e):
-        w_gu = ExpertPanels(TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I), h_tiles, setup)
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w))
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
@@ -605,6 +587,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
     ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
     ctx.x_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_x_blocks")
+    ctx.d_w_partial = nl.ndarray((N, block_size, 1), dtype=nl.float32, buffer=nl.shared_hbm,
+                                 name="moe_bwd_routing_grad_partial")  # pass A's fold across resident I groups
     dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
     d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
     ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))
