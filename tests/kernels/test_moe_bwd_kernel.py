@@ -12,6 +12,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_lnc1_equals_lnc2              | unsorted ids, recompute, clamps, I > 512      | LNC1 vs LNC2                   |
 | test_small_budgets_...             | weights loaded per block, 1-tile groups       | LNC2                           |
 | test_resident_weight_groups_...    | passes A/B once per resident weight group     | LNC2 all checkpoints; LNC1 none|
+| test_padding_row_units_skipped_... | B = 512, blocks of 1-4 routed 128-row chunks  | LNC2                           |
 | test_checkpoint_subsets            | 3 checkpoint subsets, B = 256                 | LNC1                           |
 | test_trn2_bf16                     | trn2 target (matmul_precision bf16 default)   | LNC2                           |
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
@@ -186,13 +187,13 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     calls = {"A": set(), "B": set()}
     phase1, phase2 = K.compute_phase1_block_grads_mxfp8, K.compute_phase2_hidden_states_grad_mxfp8
 
-    def record_a(ctx, e, i, w_down, *rest):
+    def record_a(ctx, e, i, w_down, *rest, **kw):
         calls["A"].add((e, tuple(w_down.tiles)))
-        return phase1(ctx, e, i, w_down, *rest)
+        return phase1(ctx, e, i, w_down, *rest, **kw)
 
-    def record_b(ctx, e, i, w_gu):
+    def record_b(ctx, e, i, w_gu, **kw):
         calls["B"].add((e, ctx.split.shard_id, tuple(w_gu.tiles)))
-        return phase2(ctx, e, i, w_gu)
+        return phase2(ctx, e, i, w_gu, **kw)
 
     monkeypatch.setattr(K, "compute_phase1_block_grads_mxfp8", record_a)
     monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_b)
@@ -211,6 +212,46 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     expected_b = ({(0, 0, ((0, 512),)), (0, 0, ((512, 128),)), (0, 1, ((640, 512),)), (0, 1, ())} if lnc == 2 else
                   {(0, 0, ((0, 512),)), (0, 0, ((512, 512),)), (0, 0, ((1024, 128),))})
     assert {c for c in calls["B"] if c[0] == 0} == expected_b
+
+
+def test_padding_row_units_skipped_bit_exact(monkeypatch):
+    """B = 512 under LNC2 with resident weights: pass A runs a core's 128 rows of a 256-row unit only when the
+    unit's first position holds a routed pair, pass B a 128-row chunk only when its first position does;
+    a skipped unit's scratch rows are stored as zeros (pass C reads them). Experts of 100 / 200 / 300 / 552
+    tokens: blocks with 1, 2, 3, 4 (and a second block with 1) chunks of routed pairs. The units / chunks
+    that ran are recorded (a 0-trip loop never calls its body), and the outputs equal mx_exact bit for bit."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+
+    ran_a, ran_b = [], []
+    rows_a, panel_b = K._phase1_rows, D.panel_from_rows
+
+    def record_a(ctx, e, i, rows, *rest):
+        ran_a.append((e, ctx.split.shard_id, tuple(rows)))
+        return rows_a(ctx, e, i, rows, *rest)
+
+    def record_b(rows_tile, m, *rest):
+        ran_b.append(m)
+        return panel_b(rows_tile, m, *rest)
+
+    monkeypatch.setattr(K, "_phase1_rows", record_a)
+    monkeypatch.setattr(D, "panel_from_rows", record_b)
+    counts = [100, 200, 300, 552]
+    T, E, H, I = sum(counts), 4, 64, 64
+    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
+    ids = ids[np.random.default_rng(12).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=41, block_size=512, checkpoints=("gate_pre", "up"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2]
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "padding units skipped vs mx_exact")
+    # pass A: unit [0, 256) is core 0's rows 0-127 and core 1's 128-255; unit [256, 512) rows 256-383 / 384-511
+    units = {1: [0], 2: [0], 3: [0, 1], 4: [0, 1]}  # units with routed pairs by chunks of routed pairs
+    chunks = [1, 2, 3, 4, 1]  # chunks of 128 with routed pairs per block (expert 3: two blocks)
+    expected_a = sorted((e, core, ((256 * u + 128 * core, 128),)) for e, b in zip([0, 1, 2, 3, 3], chunks)
+                        for u in units[b] for core in (0, 1))
+    assert sorted(ran_a) == expected_a
+    # pass B: H = 64 columns all go to core 0 (LNC2 splits H in units of 128); core 1 runs the same loops empty
+    assert len(ran_b) == sum(chunks) and set(ran_b) == {128}
 
 
 @pytest.mark.parametrize("checkpoints", [("gate_pre", "up"), ("gate_act", "intermediate"),

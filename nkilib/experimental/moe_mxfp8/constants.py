@@ -51,3 +51,6 @@ WEIGHT_LOAD_WIDTH = 1024
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
 PASS_C_STAGING_BUFFERS = 3
+#: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
+#: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
+ZERO_ROWS_WIDTH = 2048

@@ -88,43 +88,70 @@ def resident_tile_groups(tiles, ops, setup, count=0):
     return groups + [[]] * (count - len(groups))
 
 
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
         d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
         ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
         dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
-    The H tiles are the outer loop (every chunk's d_gate_up panel stays on chip), so a weight tile that is
-    not resident is loaded once per block; each chunk's H_c columns go out in one read-modify-write (one
-    descriptor per row).
+    Weights loaded per block (skip_padding False): the H tiles are the outer loop (every chunk's d_gate_up
+    panel stays on chip), so a weight tile loads once per block. Resident weights (skip_padding True, decided
+    on core 0's share so both cores run the same loops): chunk by chunk, and a chunk past the block's last
+    routed pair is skipped by a 0/1-trip loop (ctx.row_flags; chunk 0 always holds one). Each chunk's H_c
+    columns go out in one read-modify-write (one descriptor per row).
     """
-    if not w_gu.tiles:
-        return
-    w_gu.start_block()
     two_i = 2 * ctx.I
-    width = ctx.k_width(two_i)
-    h_lo = w_gu.tiles[0][0]
-    h_width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
-    chunks = []
-    for r0, m in _blocks(0, ctx.B, PARTITIONS):
-        nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if width > two_i:
+    tiles = w_gu.tiles
+    h_lo = tiles[0][0] if tiles else 0
+    h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
+
+    def chunk_panel(r0, m):
+        nat = nl.ndarray((PARTITIONS, ctx.k_width(two_i)), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if nat.shape[1] > two_i:
             nisa.memset(dst=nat[:m, two_i:], value=0.0)
         nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
-        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
-        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        chunks.append((r0, m, panel, part))
-        nat = None
-    for j, (h0, hsz) in enumerate(w_gu.tiles):
-        w = w_gu.get(j)
-        for c, (r0, m, panel, part) in enumerate(chunks):
-            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(acc[:panel.f_pad, :hsz], panel, w, ctx.setup)  # K=2I, M=m, N=hsz
-            engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
-            nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
-        w = None
-    for r0, m, panel, part in chunks:
+        return panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+
+    def chunk_tile(c, j, panel, part, m):
+        h0, hsz = tiles[j]
+        acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
+        matmul_panels(acc[:panel.f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
+        engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
+        nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
+
+    def scatter_add(r0, m, part):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
         nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+    row_chunks = _blocks(0, ctx.B, PARTITIONS)
+    if skip_padding:
+        def one_chunk(c, r0, m):
+            if not tiles:
+                return
+            panel = chunk_panel(r0, m)
+            part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+            for j in range(len(tiles)):
+                chunk_tile(c, j, panel, part, m)
+            scatter_add(r0, m, part)
+
+        flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if len(row_chunks) > 1 else None
+        for c, (r0, m) in enumerate(row_chunks):
+            if c == 0:
+                one_chunk(c, r0, m)
+            else:
+                ctx.if_flag(flags, c, lambda c=c, r0=r0, m=m: one_chunk(c, r0, m))
+        return
+    if not tiles:
+        return
+    w_gu.start_block()
+    chunks = []
+    for r0, m in row_chunks:
+        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+        chunks.append((r0, m, chunk_panel(r0, m), part))
+    for j in range(len(tiles)):
+        for c, (r0, m, panel, part) in enumerate(chunks):
+            chunk_tile(c, j, panel, part, m)
+    for r0, m, panel, part in chunks:
+        scatter_add(r0, m, part)

@@ -71,7 +71,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, compute
                                          compute_phase3_single_block_grads_mxfp8, store_zero_expert_grads)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         PHASE1_ROW_GROUP, ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH,
-                        WEIGHT_GRAD_PSUM_TILES)
+                        WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -110,6 +110,27 @@ class MoeContext(nl.NKIObject):
         idx = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=idx, src=table.ap([[step, count], [1, 1]], offset=first, scalar_offset=i, indirect_dim=0))
         return idx
+
+    def row_flags(self, i, step, count):
+        """SBUF [count, 1] int32: 1 where position step*r of block i holds a routed pair, else 0 (a block's
+        padding is its tail, so a row range starting at a padding position holds only padding). min(T - id, 1):
+        ids are at most the sentinel T; integers < 2^24, exact in VectorE's fp32 arithmetic."""
+        flags = self.positions(self.ids2d, i, 0, step, count)
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(self.T))
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.minimum, operand0=1.0)
+        return flags
+
+    @staticmethod
+    def if_flag(flags, r, body, complement=False):
+        """body() when flags[r] is 1 (complement: when it is 0), a 0/1-trip run-time loop."""
+        flag = flags[r:r + 1, 0:1]
+        if complement:
+            flag = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=flag, data=flags[r:r + 1, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                               operand1=1.0)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, flag)
+        nl.fori_loop(0, reg, lambda _: body())
 
     def gather(self, dst, src2d, idx, f0, f_size):
         """dst [count, f_size] <- src2d[idx[r], f0:f0+f_size] by indirect DMA (padding sentinels skipped:
@@ -314,7 +335,7 @@ class RowChunk(nl.NKIObject):
         nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
 
 
-def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
+def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_padding=False):
     """Phases 0-1 of block i (expert e) for this core's rows and the I tiles of w_down: d_gate_up and hs
     columns to the scratch, d_topk_weights of the block's slots (after the last I tile).
 
@@ -322,41 +343,78 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
         dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
         recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
         outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i; the tiles' columns), d_w [m] (by slot).
-    Rows go in groups of up to PHASE1_ROW_GROUP (chunks of 128): the I tiles are the outer loop inside a
-    group, so a weight tile that is not resident is loaded once per group, not once per chunk. Per row the
-    epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference).
+    Weights loaded per block (skip_padding False): this core's contiguous rows (ctx.row_lo, ctx.row_hi) go in
+    groups of up to PHASE1_ROW_GROUP (chunks of 128) with the I tiles outside them, so a weight tile loads
+    once per group. Resident weights (skip_padding True): the rows go by 128-row units per core
+    (ctx.unit_rows), and a unit past the block's last routed pair is skipped by a 0/1-trip loop. Per row
+    the epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference); which core
+    computes a row does not change its bits.
 
     Args:
         ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels over the
             same I tiles (all of I, or a resident group; w_gate / w_up None when gate_pre / up are given).
+        skip_padding: whether the panels are resident (on both cores: the same loops).
     """
+    if not skip_padding:
+        for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
+            _phase1_rows(ctx, e, i, _blocks(g0, g0 + gsz, PARTITIONS), w_down, w_gate, w_up)
+        return
+    # resident weights: this core's rows of each row unit (ctx.unit_rows) run only when the unit holds a routed
+    # pair (the flag is the unit's first position, the same on both cores: identical trip counts)
+    # pair; a skipped unit's scratch rows are stored as zeros (passes B and C read a block's padding rows)
+    i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
+    flags = ctx.row_flags(i, ctx.row_unit, len(ctx.unit_rows)) if len(ctx.unit_rows) > 1 else None
+    for u, (r0, m) in enumerate(ctx.unit_rows):
+        body = (lambda r0=r0, m=m: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up))
+        if u == 0:
+            body()
+            continue
+        ctx.if_flag(flags, u, body)
+        ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
+
+
+def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
+    """Rows r0..r0+m of block i hold only padding: their scratch rows (the columns RowChunk.store would
+    write for I columns [i_lo, i_hi), and dY / X with the first group) become zeros, as a gathered padding
+    row would be."""
+    I, H = ctx.I, ctx.H
+    spans = [(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi), (ctx.hs, i_lo, i_hi)]
+    if i_lo == 0:
+        spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
+    for scratch, f_lo, f_hi in spans:
+        for f0, fsz in _blocks(f_lo, f_hi, ctx.zeros.shape[1]):
+            nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
+
+
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up):
+    """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
+    together: the I tiles loop outside them, so a weight tile that is not resident loads once for all."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
-    for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
-        for w in (w_down, w_gate, w_up):
-            if w != None:  # noqa: E711
-                w.start_block()
-        chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
-        for jj, (n0, nsz) in enumerate(w_down.tiles):
-            j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
-            wd = w_down.get(jj)
-            wg = w_gate.get(jj) if w_gate != None else None  # noqa: E711
-            wu = w_up.get(jj) if w_up != None else None  # noqa: E711
-            for c in chunks:
-                d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
-                g_psum = u_psum = None
-                if wg != None:  # noqa: E711
-                    g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(g_psum[:c.f_pad, :nsz], c.x_panel, wg, ctx.setup)  # K=H, M=m, N=nsz
-                if wu != None:  # noqa: E711
-                    u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
-                c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
-            wd = wg = wu = None
+    for w in (w_down, w_gate, w_up):
+        if w != None:  # noqa: E711
+            w.start_block()
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi) for r0, m in rows]
+    for jj, (n0, nsz) in enumerate(w_down.tiles):
+        j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
+        wd = w_down.get(jj)
+        wg = w_gate.get(jj) if w_gate != None else None  # noqa: E711
+        wu = w_up.get(jj) if w_up != None else None  # noqa: E711
         for c in chunks:
-            c.store(ctx, i)
-        chunks = c = None
+            d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+            matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
+            g_psum = u_psum = None
+            if wg != None:  # noqa: E711
+                g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(g_psum[:c.f_pad, :nsz], c.x_panel, wg, ctx.setup)  # K=H, M=m, N=nsz
+            if wu != None:  # noqa: E711
+                u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
+                matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
+            c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
+        wd = wg = wu = None
+    for c in chunks:
+        c.store(ctx, i)
+    chunks = c = None
 
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
@@ -382,6 +440,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # this core's rows of each block (pass A) and H columns of dX (pass B)
     lo, hi = shard_range(ctx.B // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
     ctx.row_lo, ctx.row_hi = lo * ROW_SPLIT_UNIT, hi * ROW_SPLIT_UNIT
+    ctx.zeros = nl.ndarray((PARTITIONS, ZERO_ROWS_WIDTH), dtype=nl.bfloat16, buffer=nl.sbuf)  # skipped rows' scratch
+    nisa.memset(dst=ctx.zeros, value=0.0)
+    # with resident weights: units of 128 rows per core (the last may be smaller), this core's rows of each
+    ctx.row_unit = min(ctx.B, PARTITIONS * split.num_cores)
+    ctx.unit_rows = []
+    for u0, usz in _blocks(0, ctx.B, ctx.row_unit):
+        lo, hi = shard_range(usz // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
+        ctx.unit_rows.append((u0 + lo * ROW_SPLIT_UNIT, (hi - lo) * ROW_SPLIT_UNIT))
     c_lo, c_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, split.shard_id)
     h_lo, h_hi = min(c_lo * SPLIT_ALIGN, H), min(c_hi * SPLIT_ALIGN, H)
     # dX starts at zero (this core's columns; its scatter-adds follow on the same core)
@@ -393,26 +459,32 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
     ctx.loops = ExpertLoops(ctx.offsets, E)
 
-    def per_group(e, groups, descs, block):
-        """Expert e with two or more blocks: block(i, panels) for all its blocks, once per resident group of the
-        weights' tiles (loaded before the loop: once per expert; the block's rows are read again per group)."""
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        for tiles in groups:
-            panels = [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
-            nl.fori_loop(b_lo, b_hi, lambda i, panels=panels: block(i, panels))
-            panels = None
+    def fits(ops, groups):
+        return all(ExpertPanels.fits(op, g, setup) for op in ops for g in groups)
 
-    def per_block(e, descs, tiles, groups, block):
-        """The block loop of expert e: weights resident across it when they fit, else loaded per block for an
-        expert with one block and per_group for one with more (`groups` None: they fit)."""
+    def panels_of(descs, tiles):
+        return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
+
+    def per_block(e, descs, tiles, groups, block, skip):
+        """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
+        when they fit (`groups` None), else per block for an expert with one block and, for one with more,
+        one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
+        are read again per group). skip = (whole, groups): whether those panels are resident on core 0, where
+        the block's padding-only rows are skipped (the same on both cores: identical trip counts)."""
+        b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
-            panels = [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
-            b_lo, _, b_hi = ctx.loops.bounds(e)
-            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels))
+            panels = panels_of(descs, tiles)
+            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, skip[0]))
             return
-        ctx.loops.if_single(e, lambda i: block(i, [None if d == None else ExpertPanels(d, tiles, setup)  # noqa: E711
-                                                   for d in descs]))
-        ctx.loops.if_multi(e, lambda: per_group(e, groups, descs, block))
+        ctx.loops.if_single(e, lambda i: block(i, panels_of(descs, tiles), skip[0]))
+
+        def per_group():
+            for g in groups:
+                panels = panels_of(descs, g)
+                nl.fori_loop(b_lo, b_hi, lambda i, panels=panels: block(i, panels, skip[1]))
+                panels = None
+
+        ctx.loops.if_multi(e, per_group)
 
     # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
     def a_descs(e):
@@ -421,11 +493,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 None if ctx.up != None else TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I)]  # noqa: E711
 
     # more than one resident group of I tiles: per_block's split (the same I tiles on both cores)
-    a_groups = resident_tile_groups(i_tiles, [d for d in a_descs(0) if d != None], setup)  # noqa: E711
+    a_ops = [d for d in a_descs(0) if d != None]  # noqa: E711
+    a_groups = resident_tile_groups(i_tiles, a_ops, setup)
+    a_skip = (fits(a_ops, [i_tiles]), fits(a_ops, a_groups))
     a_groups = a_groups if len(a_groups) > 1 else None
 
     def pass_a(e):
-        per_block(e, a_descs(e), i_tiles, a_groups, lambda i, w: compute_phase1_block_grads_mxfp8(ctx, e, i, *w))
+        per_block(e, a_descs(e), i_tiles, a_groups,
+                  lambda i, w, skip: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip), a_skip)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -435,11 +510,13 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def b_desc(e):
         return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)
 
-    b_count = len(resident_tile_groups(h0_tiles, [b_desc(0)], setup))
-    b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, b_count) if b_count > 1 else None
+    b_groups0 = resident_tile_groups(h0_tiles, [b_desc(0)], setup)
+    b_skip = (fits([b_desc(0)], [h0_tiles]), fits([b_desc(0)], b_groups0))
+    b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, len(b_groups0)) if len(b_groups0) > 1 else None
 
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w))
+        per_block(e, [b_desc(e)], h_tiles, b_groups,
+                  lambda i, w, skip: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=skip), b_skip)
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
