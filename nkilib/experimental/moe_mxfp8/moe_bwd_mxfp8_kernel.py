@@ -152,7 +152,8 @@ class ExpertLoops(nl.NKIObject):
         offsets [E+1] int32 (HBM) -> SBUF [1, E+1]; first [1, E] = min(offsets[e] + 1, offsets[e+1]) (end of
         the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
         unused [1, E] = 1 - used; multi [1, E] = min(max(blocks_e - 1, 0), 1); single = used - multi;
-        single_end = offsets[e] + single.
+        single_end = offsets[e] + single; last [1, E] = offsets[e+1] - used (start of the expert's last block,
+        the only one that can hold padding).
     The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
     slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
     loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
@@ -183,6 +184,8 @@ class ExpertLoops(nl.NKIObject):
         nisa.tensor_tensor(dst=self.single, data1=self.used, data2=self.multi, op=nl.subtract)
         self.single_end = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=self.single_end, data1=offs[:, 0:E], data2=self.single, op=nl.add)
+        self.last = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.last, data1=offs[:, 1:E + 1], data2=self.used, op=nl.subtract)
 
     @staticmethod
     def _reg(tile, e):
@@ -193,6 +196,10 @@ class ExpertLoops(nl.NKIObject):
     def bounds(self, e):
         """Registers (lo, first, hi): expert e's blocks are [lo, hi), its first block [lo, first)."""
         return self._reg(self.offs, e), self._reg(self.first, e), self._reg(self.offs, e + 1)
+
+    def last_block(self, e):
+        """Register with the start of expert e's last block ([last, hi): at most one block)."""
+        return self._reg(self.last, e)
 
     def if_used(self, e, body):
         """body() once when expert e has blocks, else never (a 0/1-trip run-time loop)."""
@@ -465,24 +472,31 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def panels_of(descs, tiles):
         return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
 
+    def block_loops(e, b_lo, b_hi, block, panels, skip):
+        """block(i, panels, skip) over expert e's blocks; with skip, all but its last block (full) run without
+        it: only the last block can hold padding, so the others keep the contiguous row groups."""
+        if not skip:
+            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
+            return
+        last = ctx.loops.last_block(e)
+        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
+        nl.fori_loop(last, b_hi, lambda i: block(i, panels, True))
+
     def per_block(e, descs, tiles, groups, block, skip):
         """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
         when they fit (`groups` None), else per block for an expert with one block and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
         are read again per group). skip = (whole, groups): whether those panels are resident on core 0, where
-        the block's padding-only rows are skipped (the same on both cores: identical trip counts)."""
+        the last block's padding-only rows are skipped (the same on both cores: identical trip counts)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
-            panels = panels_of(descs, tiles)
-            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, skip[0]))
+            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
             return
         ctx.loops.if_single(e, lambda i: block(i, panels_of(descs, tiles), skip[0]))
 
         def per_group():
             for g in groups:
-                panels = panels_of(descs, g)
-                nl.fori_loop(b_lo, b_hi, lambda i, panels=panels: block(i, panels, skip[1]))
-                panels = None
+                block_loops(e, b_lo, b_hi, block, panels_of(descs, g), skip[1])
 
         ctx.loops.if_multi(e, per_group)
 
