@@ -221,11 +221,11 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     a skipped unit's scratch rows are stored as zeros (pass C reads them). Experts of 100 / 200 / 300 / 552
     tokens: blocks with 1, 2, 3, 4 (and a second block with 1) chunks of routed pairs. The units / chunks
     that ran are recorded (a 0-trip loop never calls its body), and the outputs equal mx_exact bit for bit."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as A
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
-    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 
     ran_a, ran_b = [], []
-    rows_a, panel_b = K._phase1_rows, D.panel_from_rows
+    rows_a, panel_b = A._phase1_rows, D.panel_from_rows
 
     def record_a(ctx, e, i, rows, *rest):
         ran_a.append((e, ctx.split.shard_id, tuple(rows)))
@@ -235,7 +235,7 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
         ran_b.append(m)
         return panel_b(rows_tile, m, *rest)
 
-    monkeypatch.setattr(K, "_phase1_rows", record_a)
+    monkeypatch.setattr(A, "_phase1_rows", record_a)
     monkeypatch.setattr(D, "panel_from_rows", record_b)
     counts = [100, 200, 300, 552]
     T, E, H, I = sum(counts), 4, 64, 64
