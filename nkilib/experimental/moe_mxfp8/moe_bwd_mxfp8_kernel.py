@@ -29,14 +29,18 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        the same fp32 sums as the reference) and stored once.
 An expert without tokens runs none of A-C: every expert's work sits in a 0/1-trip run-time loop
 (ExpertLoops.if_used: no weight load, no quantization), and a second one (if_unused) stores its zero
-weight gradients (+0, exactly the reference's empty sum).
+weight gradients (+0, exactly the reference's empty sum). Weights of A and B that do not stay resident are
+loaded per block for an expert with one block, and once per expert for one with more (one block loop per
+resident group of their tiles, per_block); with resident weights an expert's last block skips its
+padding-only rows (0/1-trip loops on MoeContext.row_flags). docs/moe.md, section 10, round 3.
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
 bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
 across cores is undefined behaviour, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html);
 the work is split on free dimensions:
-    A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples): it writes only its
-       rows of the scratch and only their slots of d_topk_weights;
+    A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples; in an expert's last block
+       with resident weights, its 128 rows of every 256-row unit): it writes only its rows of the scratch
+       (and of the routing-gradient partial) and only their slots of d_topk_weights;
     B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
