@@ -218,8 +218,9 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     """B = 512 under LNC2 with resident weights: in an expert's last block, pass A runs a core's 128 rows of a
     256-row unit only when the unit's first position holds a routed pair, pass B a 128-row chunk only when its
     first position does;
-    a skipped unit's scratch rows are stored as zeros (pass C reads them). Experts of 100 / 200 / 300 / 552
-    tokens: blocks with 1, 2, 3, 4 (and a second block with 1) chunks of routed pairs. The units / chunks
+    a skipped unit's scratch rows are stored as zeros (pass C reads them). Experts of 100 / 200 / 300 / 552 /
+    512 tokens: blocks with 1, 2, 3, 4 (and a second block with 1), 4 chunks of routed pairs; a full last
+    block takes the unskipped path. The units / chunks
     that ran are recorded (a 0-trip loop never calls its body), and the outputs equal mx_exact bit for bit."""
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as A
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
@@ -237,21 +238,22 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
 
     monkeypatch.setattr(A, "_phase1_rows", record_a)
     monkeypatch.setattr(D, "panel_from_rows", record_b)
-    counts = [100, 200, 300, 552]
-    T, E, H, I = sum(counts), 4, 64, 64
+    counts = [100, 200, 300, 552, 512]
+    T, E, H, I = sum(counts), 5, 64, 64
     ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
     ids = ids[np.random.default_rng(12).permutation(T)]
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, block_size=512, checkpoints=("gate_pre", "up"))
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2]
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2, 1]
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "padding units skipped vs mx_exact")
     # pass A, an expert's last block: unit [0, 256) is core 0's rows 0-127 and core 1's 128-255, unit [256, 512)
     # rows 256-383 / 384-511; its other blocks (full) keep one group of contiguous rows per core
     units = {1: [0], 2: [0], 3: [0, 1], 4: [0, 1]}  # units with routed pairs by chunks of routed pairs
-    chunks = [1, 2, 3, 4, 1]  # chunks of 128 with routed pairs per block (expert 3: two blocks)
+    chunks = [1, 2, 3, 4, 1, 4]  # chunks of 128 with routed pairs per block (expert 3: two blocks)
     expected_a = [(e, core, ((256 * u + 128 * core, 128),)) for e, b in zip([0, 1, 2, 3], [1, 2, 3, 1])
                   for u in units[b] for core in (0, 1)]
-    expected_a += [(3, 0, ((0, 128), (128, 128))), (3, 1, ((256, 128), (384, 128)))]  # expert 3's full block
+    for e in (3, 4):  # expert 3's first block and expert 4's only block are full: no skipping, contiguous rows
+        expected_a += [(e, 0, ((0, 128), (128, 128))), (e, 1, ((256, 128), (384, 128)))]
     assert sorted(ran_a) == sorted(expected_a)
     # pass B: H = 64 columns all go to core 0 (LNC2 splits H in units of 128); core 1 runs the same loops empty
     assert len(ran_b) == sum(chunks) and set(ran_b) == {128}

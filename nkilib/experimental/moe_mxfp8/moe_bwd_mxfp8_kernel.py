@@ -259,14 +259,20 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
 
     def block_loops(e, b_lo, b_hi, block, panels, skip):
-        """block(i, panels, skip) over expert e's blocks; with skip, all but its last block (full) run without
-        it: only the last block can hold padding, so the others keep the contiguous row groups."""
+        """block(i, panels, skip) over expert e's blocks; with skip, only a last block that holds padding (its
+        final position is padding) runs with it: the full blocks keep the contiguous row groups."""
         if not skip:
             nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
             return
         last = ctx.loops.last_block(e)
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
-        nl.fori_loop(last, b_hi, lambda i: block(i, panels, True))
+
+        def last_block(i):
+            full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+            ctx.if_flag(full, 1, lambda: block(i, panels, False))
+            ctx.if_flag(full, 1, lambda: block(i, panels, True), complement=True)
+
+        nl.fori_loop(last, b_hi, last_block)
 
     def per_block(e, descs, tiles, groups, block, skip):
         """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
