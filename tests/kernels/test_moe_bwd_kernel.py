@@ -13,6 +13,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_small_budgets_...             | weights loaded per block, 1-tile groups       | LNC2                           |
 | test_resident_weight_groups_...    | passes A/B once per resident weight group     | LNC2 all checkpoints; LNC1 none|
 | test_padding_row_units_skipped_... | B = 512, blocks of 1-4 routed 128-row chunks  | LNC2                           |
+| test_padding_chunks_skipped_...    | B = 512, W_gu loaded per block, flagged chunks| LNC2, small budget             |
 | test_checkpoint_subsets            | 3 checkpoint subsets, B = 256                 | LNC1                           |
 | test_trn2_bf16                     | trn2 target (matmul_precision bf16 default)   | LNC2                           |
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
@@ -212,6 +213,40 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     expected_b = ({(0, 0, ((0, 512),)), (0, 0, ((512, 128),)), (0, 1, ((640, 512),)), (0, 1, ())} if lnc == 2 else
                   {(0, 0, ((0, 512),)), (0, 0, ((512, 512),)), (0, 0, ((1024, 128),))})
     assert {c for c in calls["B"] if c[0] == 0} == expected_b
+
+
+def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
+    """B = 512, LNC2, GROUP_BUDGET: W_gu does not stay resident on core 0 (640 columns of H: tiles 512 + 128;
+    core 1 has 512 columns, one tile). Expert 0 (600 tokens: 512 + 88) runs pass B per resident group and
+    skips its last block's padding chunks; experts 1 (300 tokens) and 2 (100) load W_gu per block and skip
+    a padding chunk's matmuls and scatter-add in 0/1-trip loops, core 1 running core 0's number of tiles'
+    loops (empty past its one tile). Counted: pass B's matmuls (one per chunk and tile that ran), and the
+    outputs equal mx_exact bit for bit."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
+    matmuls = []
+    matmul = D.matmul_panels
+
+    def record(dst, *rest, **kw):
+        matmuls.append(dst.shape)
+        return matmul(dst, *rest, **kw)
+
+    monkeypatch.setattr(D, "matmul_panels", record)
+    counts = [600, 300, 100]
+    T, E, H, I = sum(counts), 3, GROUP_SHAPE["H"], GROUP_SHAPE["I"]
+    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
+    ids = ids[np.random.default_rng(14).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=512,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
+    assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "flagged chunks vs mx_exact")
+    # chunks with routed pairs x this core's tiles: expert 0 per group (core 0: [512] and [128]; core 1: its
+    # one tile, then an empty group) 4 chunks of the full block + 1 of the last; experts 1 and 2: 3 and 1
+    # chunks x 2 tiles (core 0) or 1 tile (core 1)
+    core0 = 2 * (4 + 1) + 3 * 2 + 1 * 2
+    core1 = 1 * (4 + 1) + 3 * 1 + 1 * 1
+    assert len(matmuls) == core0 + core1
 
 
 def test_padding_row_units_skipped_bit_exact(monkeypatch):

@@ -88,7 +88,7 @@ def resident_tile_groups(tiles, ops, setup, count=0):
     return groups + [[]] * (count - len(groups))
 
 
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False):
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
@@ -98,8 +98,11 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False)
     Weights loaded per block (skip_padding False): the H tiles are the outer loop (every chunk's d_gate_up
     panel stays on chip), so a weight tile loads once per block. Resident weights (skip_padding True, decided
     on core 0's share so both cores run the same loops): chunk by chunk, and a chunk past the block's last
-    routed pair is skipped by a 0/1-trip loop (ctx.row_flags; chunk 0 always holds one). Each chunk's H_c
-    columns go out in one read-modify-write (one descriptor per row).
+    routed pair is skipped by a 0/1-trip loop (ctx.row_flags; chunk 0 always holds one). Weights loaded per
+    block with flag_tiles > 0 (core 0's tile count: both cores run that many tiles' loops, empty past their
+    own): H tiles outer as above, each chunk's matmul and its scatter-add in such a loop (the weight tile loads
+    before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
+    read-modify-write (one descriptor per row).
     """
     two_i = 2 * ctx.I
     tiles = w_gu.tiles
@@ -143,15 +146,24 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False)
             else:
                 ctx.if_flag(flags, c, lambda c=c, r0=r0, m=m: one_chunk(c, r0, m))
         return
-    if not tiles:
+    if not tiles and not flag_tiles:
         return
     w_gu.start_block()
     chunks = []
-    for r0, m in row_chunks:
+    for r0, m in row_chunks if tiles else []:
         part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
         chunks.append((r0, m, chunk_panel(r0, m), part))
-    for j in range(len(tiles)):
-        for c, (r0, m, panel, part) in enumerate(chunks):
-            chunk_tile(c, j, panel, part, m)
-    for r0, m, panel, part in chunks:
-        scatter_add(r0, m, part)
+    flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if flag_tiles and len(row_chunks) > 1 else None
+
+    def run(c, work):
+        if flags == None or c == 0:  # noqa: E711
+            work()
+        else:
+            ctx.if_flag(flags, c, work)
+
+    for j in range(max(len(tiles), flag_tiles)):
+        for c in range(len(row_chunks)):
+            run(c, lambda c=c, j=j: chunk_tile(c, j, chunks[c][2], chunks[c][3], chunks[c][1]) if j < len(tiles)
+                else None)
+    for c in range(len(row_chunks)):
+        run(c, lambda c=c: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3]) if tiles else None)

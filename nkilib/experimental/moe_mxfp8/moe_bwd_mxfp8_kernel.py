@@ -258,33 +258,36 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def panels_of(descs, tiles):
         return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
 
+    def last_block(i, block, panels, skip):
+        """block(i, panels, ...) for an expert's last block: with skip only when it holds padding (its final
+        position is padding); a full last block keeps the unskipped path (contiguous row groups)."""
+        if not skip:
+            block(i, panels, False)
+            return
+        full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+        ctx.if_flag(full, 1, lambda: block(i, panels, False))
+        ctx.if_flag(full, 1, lambda: block(i, panels, skip), complement=True)
+
     def block_loops(e, b_lo, b_hi, block, panels, skip):
-        """block(i, panels, skip) over expert e's blocks; with skip, only a last block that holds padding (its
-        final position is padding) runs with it: the full blocks keep the contiguous row groups."""
+        """block(i, panels, skip) over expert e's blocks; only the last one can hold padding."""
         if not skip:
             nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
             return
         last = ctx.loops.last_block(e)
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
-
-        def last_block(i):
-            full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-            ctx.if_flag(full, 1, lambda: block(i, panels, False))
-            ctx.if_flag(full, 1, lambda: block(i, panels, True), complement=True)
-
-        nl.fori_loop(last, b_hi, last_block)
+        nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
     def per_block(e, descs, tiles, groups, block, skip):
         """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
         when they fit (`groups` None), else per block for an expert with one block and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
-        are read again per group). skip = (whole, groups): whether those panels are resident on core 0, where
-        the last block's padding-only rows are skipped (the same on both cores: identical trip counts)."""
+        are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
+        with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
             block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
             return
-        ctx.loops.if_single(e, lambda i: block(i, panels_of(descs, tiles), skip[0]))
+        ctx.loops.if_single(e, lambda i: last_block(i, block, panels_of(descs, tiles), skip[0]))
 
         def per_group():
             for g in groups:
@@ -319,12 +322,17 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)
 
     b_groups0 = resident_tile_groups(h0_tiles, [b_desc(0)], setup)
-    b_skip = (fits([b_desc(0)], [h0_tiles]), fits([b_desc(0)], b_groups0))
+    # skip: (resident: chunk by chunk, flag_tiles: weights per block, core 0's tile count) or False
+    b_skip = ((True, 0) if fits([b_desc(0)], [h0_tiles]) else (False, len(h0_tiles)),
+              (True, 0) if fits([b_desc(0)], b_groups0) else False)
     b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, len(b_groups0)) if len(b_groups0) > 1 else None
 
+    def b_block(e, i, w, skip):
+        resident, flag_tiles = skip if skip else (False, 0)
+        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
+
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups,
-                  lambda i, w, skip: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=skip), b_skip)
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip: b_block(e, i, w, skip), b_skip)
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
