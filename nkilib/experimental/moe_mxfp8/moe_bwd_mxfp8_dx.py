@@ -6,7 +6,8 @@ stay on chip across the loop; larger ones (DeepSeek-V3's W_down in pass A, W_gu 
 partition quantized) are loaded per block. For an expert with two or more blocks the kernel instead splits
 the weight's tiles into resident groups (resident_tile_groups) and runs the block loop once per group, so
 the weight is loaded and quantized once per expert and only the block's activation rows are read again per
-group (docs/moe.md, section 10, round 3).
+group (docs/moe.md, section 10, round 3). In an expert's last block, pass B skips the work of 128-row chunks
+that hold only padding (compute_phase2_hidden_states_grad_mxfp8).
 """
 from __future__ import annotations
 
