@@ -11,6 +11,9 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 |                                    | k = E, k = 1; T = 37 / 130 / 20 / 45          | vs fp32 reported               |
 | test_lnc1_equals_lnc2              | unsorted ids, recompute, clamps, I > 512      | LNC1 vs LNC2                   |
 | test_small_budgets_...             | weights loaded per block, 1-tile groups       | LNC2                           |
+| test_resident_weight_groups_...    | passes A/B once per resident weight group     | LNC2 all checkpoints; LNC1 none|
+| test_padding_row_units_skipped_... | B = 512, blocks of 1-4 routed 128-row chunks  | LNC2                           |
+| test_padding_chunks_skipped_...    | B = 512, W_gu loaded per block, flagged chunks| LNC2, small budget             |
 | test_checkpoint_subsets            | 3 checkpoint subsets, B = 256                 | LNC1                           |
 | test_trn2_bf16                     | trn2 target (matmul_precision bf16 default)   | LNC2                           |
 | test_bad_input_names_argument      | wrong dtypes / shapes / block size            | -                              |
@@ -135,10 +138,10 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     PSUM accumulator group (a block loop per tile; under LNC2 core 1 has fewer tiles and runs empty groups,
     so both cores still take the same loops), an expert of two blocks (pass C's multi-block path) and
     single-block experts: the same bits as mx_exact."""
-    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 
-    monkeypatch.setattr(K, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
     T, E, k, H, I = 300, 3, 1, 160, 64
     ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
@@ -146,6 +149,149 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     kernel, ref = moe_case(T, E, H, I, ids, seed=29, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "small budgets vs mx_exact")
+
+
+# Resident weight groups (round 3): H = 1152 and 2I = 1088 are three MX K tiles each (K padded to 1152), so a
+# panel of w columns takes 3 * 4 * w bytes of x4 words plus one packed scale tile of w bytes: 13 * w bytes per
+# partition. A budget of 6700 B holds a 512-column tile (6656 B) but neither all of I = 544 (7072 B) nor a
+# core's 576 columns of H (7488 B): passes A and B run a multi-block expert's loop once per tile.
+GROUP_BUDGET = 6700
+GROUP_SHAPE = dict(T=300, E=3, H=1152, I=544)
+
+
+def test_resident_tile_groups_split_by_the_budget(monkeypatch):
+    """Host-side grouping of weight tiles (moe_bwd_mxfp8_dx.resident_tile_groups), values derived above."""
+    from nkilib.core.matmul import MatmulSetup, TensorDescriptor
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
+    setup = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+    w_down = TensorDescriptor(np.zeros((1152, 544), BF16), k_axis=0)
+    assert D.resident_tile_groups([(0, 512), (512, 32)], [w_down], setup) == [[(0, 512)], [(512, 32)]]
+    assert D.resident_tile_groups([(0, 512), (512, 32)], [w_down], setup, 3) == [[(0, 512)], [(512, 32)], []]
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 7072)  # exactly all of I: one group
+    assert D.resident_tile_groups([(0, 512), (512, 32)], [w_down], setup) == [[(0, 512), (512, 32)]]
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 100)  # no tile fits: one tile per group
+    assert D.resident_tile_groups([(0, 512), (512, 32)], [w_down], setup) == [[(0, 512)], [(512, 32)]]
+
+
+@pytest.mark.parametrize("lnc,checkpoints", [(2, ("gate_pre", "gate_act", "up", "intermediate")), (1, ())])
+def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
+    """A multi-block expert runs passes A and B once per resident weight group (the routing-gradient fold
+    carried across I groups in fp32, dY re-read from the block-ordered scratch, recompute of gate_pre / up
+    too), single-block experts take the whole weight per block: the same bits as mx_exact. The phase
+    functions are wrapped to record the weight tiles each call received."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
+    calls = {"A": set(), "B": set()}
+    phase1, phase2 = K.compute_phase1_block_grads_mxfp8, K.compute_phase2_hidden_states_grad_mxfp8
+
+    def record_a(ctx, e, i, w_down, *rest, **kw):
+        calls["A"].add((e, tuple(w_down.tiles)))
+        return phase1(ctx, e, i, w_down, *rest, **kw)
+
+    def record_b(ctx, e, i, w_gu, **kw):
+        calls["B"].add((e, ctx.split.shard_id, tuple(w_gu.tiles)))
+        return phase2(ctx, e, i, w_gu, **kw)
+
+    monkeypatch.setattr(K, "compute_phase1_block_grads_mxfp8", record_a)
+    monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_b)
+    T, E, H, I = (GROUP_SHAPE[n] for n in ("T", "E", "H", "I"))
+    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
+    ids = ids[np.random.default_rng(8).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=checkpoints)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
+    out = run(kernel, lnc=lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"resident groups LNC{lnc} vs mx_exact")
+    whole_i = ((0, 512), (512, 32))
+    assert {c for c in calls["A"] if c[0] == 0} == {(0, ((0, 512),)), (0, ((512, 32),))}  # two groups
+    assert {c for c in calls["A"] if c[0] > 0} == {(1, whole_i), (2, whole_i)}  # whole I (per-block loads)
+    # pass B, expert 0: LNC2 splits H = 1152 in units of 128 as 640 | 512 columns; core 0's tiles (512, 128)
+    # are two groups, core 1's single tile one group plus an empty one (core 0's count); LNC1 three tiles
+    expected_b = ({(0, 0, ((0, 512),)), (0, 0, ((512, 128),)), (0, 1, ((640, 512),)), (0, 1, ())} if lnc == 2 else
+                  {(0, 0, ((0, 512),)), (0, 0, ((512, 512),)), (0, 0, ((1024, 128),))})
+    assert {c for c in calls["B"] if c[0] == 0} == expected_b
+
+
+def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
+    """B = 512, LNC2, GROUP_BUDGET: W_gu does not stay resident on core 0 (640 columns of H: tiles 512 + 128;
+    core 1 has 512 columns, one tile). Expert 0 (600 tokens: 512 + 88) runs pass B per resident group and
+    skips its last block's padding chunks; experts 1 (300 tokens) and 2 (100) load W_gu per block and skip
+    a padding chunk's matmuls and scatter-add in 0/1-trip loops, core 1 running core 0's number of tiles'
+    loops (empty past its one tile). Counted: pass B's matmuls (one per chunk and tile that ran), and the
+    outputs equal mx_exact bit for bit."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
+    matmuls = []
+    matmul = D.matmul_panels
+
+    def record(dst, *rest, **kw):
+        matmuls.append(dst.shape)
+        return matmul(dst, *rest, **kw)
+
+    monkeypatch.setattr(D, "matmul_panels", record)
+    counts = [600, 300, 100]
+    T, E, H, I = sum(counts), 3, GROUP_SHAPE["H"], GROUP_SHAPE["I"]
+    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
+    ids = ids[np.random.default_rng(14).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=512,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
+    assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "flagged chunks vs mx_exact")
+    # chunks with routed pairs x this core's tiles: expert 0 per group (core 0: [512] and [128]; core 1: its
+    # one tile, then an empty group) 4 chunks of the full block + 1 of the last; experts 1 and 2: 3 and 1
+    # chunks x 2 tiles (core 0) or 1 tile (core 1)
+    core0 = 2 * (4 + 1) + 3 * 2 + 1 * 2
+    core1 = 1 * (4 + 1) + 3 * 1 + 1 * 1
+    assert len(matmuls) == core0 + core1
+
+
+def test_padding_row_units_skipped_bit_exact(monkeypatch):
+    """B = 512 under LNC2 with resident weights: in an expert's last block, pass A runs a core's 128 rows of a
+    256-row unit only when the unit's first position holds a routed pair, pass B a 128-row chunk only when its
+    first position does;
+    a skipped unit's scratch rows are stored as zeros (pass C reads them). Experts of 100 / 200 / 300 / 552 /
+    512 tokens: blocks with 1, 2, 3, 4 (and a second block with 1), 4 chunks of routed pairs; a full last
+    block takes the unskipped path. The units / chunks
+    that ran are recorded (a 0-trip loop never calls its body), and the outputs equal mx_exact bit for bit."""
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as A
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+
+    ran_a, ran_b = [], []
+    rows_a, panel_b = A._phase1_rows, D.panel_from_rows
+
+    def record_a(ctx, e, i, rows, *rest):
+        ran_a.append((e, ctx.split.shard_id, tuple(rows)))
+        return rows_a(ctx, e, i, rows, *rest)
+
+    def record_b(rows_tile, m, *rest):
+        ran_b.append(m)
+        return panel_b(rows_tile, m, *rest)
+
+    monkeypatch.setattr(A, "_phase1_rows", record_a)
+    monkeypatch.setattr(D, "panel_from_rows", record_b)
+    counts = [100, 200, 300, 552, 512]
+    T, E, H, I = sum(counts), 5, 64, 64
+    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
+    ids = ids[np.random.default_rng(12).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=41, block_size=512, checkpoints=("gate_pre", "up"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2, 1]
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "padding units skipped vs mx_exact")
+    # pass A, an expert's last block: unit [0, 256) is core 0's rows 0-127 and core 1's 128-255, unit [256, 512)
+    # rows 256-383 / 384-511; its other blocks (full) keep one group of contiguous rows per core
+    units = {1: [0], 2: [0], 3: [0, 1], 4: [0, 1]}  # units with routed pairs by chunks of routed pairs
+    chunks = [1, 2, 3, 4, 1, 4]  # chunks of 128 with routed pairs per block (expert 3: two blocks)
+    expected_a = [(e, core, ((256 * u + 128 * core, 128),)) for e, b in zip([0, 1, 2, 3], [1, 2, 3, 1])
+                  for u in units[b] for core in (0, 1)]
+    for e in (3, 4):  # expert 3's first block and expert 4's only block are full: no skipping, contiguous rows
+        expected_a += [(e, 0, ((0, 128), (128, 128))), (e, 1, ((256, 128), (384, 128)))]
+    assert sorted(ran_a) == sorted(expected_a)
+    # pass B: H = 64 columns all go to core 0 (LNC2 splits H in units of 128); core 1 runs the same loops empty
+    assert len(ran_b) == sum(chunks) and set(ran_b) == {128}
 
 
 @pytest.mark.parametrize("checkpoints", [("gate_pre", "up"), ("gate_act", "intermediate"),

@@ -62,3 +62,6 @@ PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
 #: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
 WEIGHT_GRAD_STORE_WIDTH = 2048
+#: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
+#: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
+ZERO_ROWS_WIDTH = 2048

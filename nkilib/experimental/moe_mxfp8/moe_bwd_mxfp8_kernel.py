@@ -30,14 +30,18 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        slots, each block read once per core (moe_bwd_mxfp8_weight_grads.py: single / resident / streamed).
 An expert without tokens runs none of A-C: every expert's work sits in a 0/1-trip run-time loop
 (ExpertLoops.if_used: no weight load, no quantization), and a second one (if_unused) stores its zero
-weight gradients (+0, exactly the reference's empty sum).
+weight gradients (+0, exactly the reference's empty sum). Weights of A and B that do not stay resident are
+loaded per block for an expert with one block, and once per expert for one with more (one block loop per
+resident group of their tiles, per_block); with resident weights an expert's last block skips its
+padding-only rows (0/1-trip loops on MoeContext.row_flags). docs/moe.md, section 10, round 3.
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
 bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
 across cores is undefined behaviour, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html);
 the work is split on free dimensions:
-    A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples): it writes only its
-       rows of the scratch and only their slots of d_topk_weights;
+    A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples; in an expert's last block
+       with resident weights, its 128 rows of every 256-row unit): it writes only its rows of the scratch
+       (and of the routing-gradient partial) and only their slots of d_topk_weights;
     B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
@@ -63,19 +67,18 @@ import nki.language as nl
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks as _blocks
-from ...core.matmul import (CoreSplit, TensorDescriptor, load_panel, matmul_panels, panel_bytes_per_partition,
-                            panel_columns, panel_from_rows)
-from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
+from ...core.matmul import CoreSplit, TensorDescriptor
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
+from .moe_bwd_mxfp8_d_gate_up import compute_phase1_block_grads_mxfp8
+from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8)
 from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
-                        PHASE1_ROW_GROUP, RESIDENT_WEIGHT_BUDGET_BYTES, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
-                        WEIGHT_LOAD_WIDTH)
+                        ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH,
+                        WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -115,6 +118,27 @@ class MoeContext(nl.NKIObject):
         nisa.dma_copy(dst=idx, src=table.ap([[step, count], [1, 1]], offset=first, scalar_offset=i, indirect_dim=0))
         return idx
 
+    def row_flags(self, i, step, count):
+        """SBUF [count, 1] int32: 1 where position step*r of block i holds a routed pair, else 0 (a block's
+        padding is its tail, so a row range starting at a padding position holds only padding). min(T - id, 1):
+        ids are at most the sentinel T; integers < 2^24, exact in VectorE's fp32 arithmetic."""
+        flags = self.positions(self.ids2d, i, 0, step, count)
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(self.T))
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.minimum, operand0=1.0)
+        return flags
+
+    @staticmethod
+    def if_flag(flags, r, body, complement=False):
+        """body() when flags[r] is 1 (complement: when it is 0), a 0/1-trip run-time loop."""
+        flag = flags[r:r + 1, 0:1]
+        if complement:
+            flag = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=flag, data=flags[r:r + 1, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                               operand1=1.0)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, flag)
+        nl.fori_loop(0, reg, lambda _: body())
+
     def gather(self, dst, src2d, idx, f0, f_size):
         """dst [count, f_size] <- src2d[idx[r], f0:f0+f_size] by indirect DMA (padding sentinels skipped:
         those rows of dst keep their bytes, so callers zero dst first)."""
@@ -135,7 +159,8 @@ class ExpertLoops(nl.NKIObject):
         offsets [E+1] int32 (HBM) -> SBUF [1, E+1]; first [1, E] = min(offsets[e] + 1, offsets[e+1]) (end of
         the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
         unused [1, E] = 1 - used; multi [1, E] = min(max(blocks_e - 1, 0), 1); single = used - multi;
-        single_end = offsets[e] + single.
+        single_end = offsets[e] + single; last [1, E] = offsets[e+1] - used (start of the expert's last block,
+        the only one that can hold padding).
     The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
     slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
     loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
@@ -166,6 +191,8 @@ class ExpertLoops(nl.NKIObject):
         nisa.tensor_tensor(dst=self.single, data1=self.used, data2=self.multi, op=nl.subtract)
         self.single_end = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=self.single_end, data1=offs[:, 0:E], data2=self.single, op=nl.add)
+        self.last = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=self.last, data1=offs[:, 1:E + 1], data2=self.used, op=nl.subtract)
 
     @staticmethod
     def _reg(tile, e):
@@ -176,6 +203,10 @@ class ExpertLoops(nl.NKIObject):
     def bounds(self, e):
         """Registers (lo, first, hi): expert e's blocks are [lo, hi), its first block [lo, first)."""
         return self._reg(self.offs, e), self._reg(self.first, e), self._reg(self.offs, e + 1)
+
+    def last_block(self, e):
+        """Register with the start of expert e's last block ([last, hi): at most one block)."""
+        return self._reg(self.last, e)
 
     def if_used(self, e, body):
         """body() once when expert e has blocks, else never (a 0/1-trip run-time loop)."""
@@ -195,233 +226,6 @@ class ExpertLoops(nl.NKIObject):
         nl.fori_loop(0, self._reg(self.multi, e), lambda _: body())
 
 
-class ExpertPanels(nl.NKIObject):
-    """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
-    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
-
-    A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
-    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
-    super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
-    traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
-    """
-
-    def __init__(self, op, tiles, setup):
-        self.op, self.tiles, self.setup = op, tiles, setup
-        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
-        # super-panels [(f0, width)] and the one serving each tile (tiles are MOE_N_TILE-aligned from tiles[0])
-        self.loads, self.load_of = [], []
-        for n0, nsz in tiles:
-            if not self.loads or n0 + nsz > self.loads[-1][0] + self.loads[-1][1]:
-                end = tiles[-1][0] + tiles[-1][1]
-                self.loads.append((n0, min(width, end - n0) if width else nsz))
-            self.load_of.append(len(self.loads) - 1)
-        total = sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in self.loads)
-        self.resident = total <= RESIDENT_WEIGHT_BUDGET_BYTES
-        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
-        self.current = -1
-
-    def start_block(self):
-        if not self.resident:
-            self.panels, self.current = [], -1
-
-    def get(self, j):
-        s = self.load_of[j]
-        if not self.resident and self.current != s:
-            f0, w = self.loads[s]
-            self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
-        whole = self.panels[s] if self.resident else self.panels[0]
-        n0, nsz = self.tiles[j]
-        return panel_columns(whole, n0 - self.loads[s][0], nsz)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Pass A: phase 0 (recompute) + phase 1 per block, routing-weight gradient fused into the epilogue
-# ---------------------------------------------------------------------------------------------------
-def _gathered_natural(ctx, src2d, ids, m, k_size):
-    """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K)."""
-    width = ctx.k_width(k_size)
-    nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=nat[:m, :], value=0.0)
-    ctx.gather(nat[:m, :k_size], src2d, ids, 0, k_size)
-    return nat
-
-
-def _gathered_checkpoint(ctx, ckpt, slots, m):
-    """SBUF [128, I] bf16 rows of a [T*k, I] checkpoint by slot (zero for padding), or None."""
-    if ckpt == None:  # noqa: E711
-        return None
-    tile = nl.ndarray((PARTITIONS, ctx.I), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=tile[:m, :], value=0.0)
-    ctx.gather(tile[:m, :], ckpt, slots, 0, ctx.I)
-    return tile
-
-
-def _projection_tile(ckpt_tile, psum, m, n0, nsz):
-    """bf16 [m, nsz] view: the gathered checkpoint's columns, or bf16(psum) of the recompute (RNE)."""
-    if ckpt_tile != None:  # noqa: E711
-        return ckpt_tile[:m, n0:n0 + nsz]
-    tile = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=tile[:m, :nsz], src=psum[:m, :nsz])
-    return tile[:m, :nsz]
-
-
-class RowChunk(nl.NKIObject):
-    """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A: gathered inputs,
-    their K=H panels, and the epilogue's outputs until they are stored."""
-
-    def __init__(self, ctx, i, r0, m, recompute):
-        I, H = ctx.I, ctx.H
-        self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
-        self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-        dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
-        x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
-        # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
-        # padding rows are the zeroed rows of the gathered tiles
-        nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
-        self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
-        self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
-        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.p, value=0.0)
-        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m)
-                      for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
-        self.d_gu = nl.ndarray((PARTITIONS, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        self.hs = nl.ndarray((PARTITIONS, I), dtype=nl.bfloat16, buffer=nl.sbuf)
-        self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-
-    def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
-        """I tile j ([n0, n0+nsz)) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
-        I, m = ctx.I, self.m
-        g_ck, a_ck, u_ck, h_ck = self.ckpts
-        gate_pre = _projection_tile(g_ck, g_psum, m, n0, nsz)
-        up = _projection_tile(u_ck, u_psum, m, n0, nsz)
-        act = a_ck[:m, n0:n0 + nsz] if a_ck != None else None  # noqa: E711
-        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
-        h = h_ck[:m, n0:n0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
-        _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
-        # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
-        dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-        # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
-        nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
-                           engine=nisa.engine.scalar)
-        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, n0:n0 + nsz], self.d_gu[:m, I + n0:I + n0 + nsz],
-                             d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
-        # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
-        nisa.tensor_scalar(dst=self.hs[:m, n0:n0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
-                           engine=nisa.engine.scalar)
-
-    def store(self, ctx, i):
-        m, r0 = self.m, self.r0
-        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * ctx.I), src=self.d_gu[:m, :])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, 0, ctx.I), src=self.hs[:m, :])
-        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
-        nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
-
-
-def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up):
-    """Phases 0-1 of block i (expert e) for this core's rows: d_gate_up and hs rows to the scratch,
-    d_topk_weights of the block's slots.
-
-    Dimensions (per chunk of m <= 128 rows of the block):
-        dY_b [m, H] gathered (K=H stationary), W_down[e] [H, I] (moving, ExpertPanels over I tiles);
-        recompute: X_b [m, H], W_gate[e] / W_up[e] [I, H] (K=H); epilogue per [m, PHASE1_N_TILE] tile;
-        outputs: d_gu rows [m, 2I] and hs rows [m, I] (scratch, block i), d_w [m] (by slot).
-    Rows go in groups of up to PHASE1_ROW_GROUP (chunks of 128): the I tiles are the outer loop inside a
-    group, so a weight tile that is not resident is loaded once per group, not once per chunk. Per row the
-    epilogue still runs tile 0, 1, ... (the routing-gradient fold order of the reference).
-
-    Args:
-        ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels
-            (w_gate / w_up None when gate_pre / up are given).
-    """
-    recompute = w_gate != None or w_up != None  # noqa: E711
-    for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
-        for w in (w_down, w_gate, w_up):
-            if w != None:  # noqa: E711
-                w.start_block()
-        chunks = [RowChunk(ctx, i, r0, m, recompute) for r0, m in _blocks(g0, g0 + gsz, PARTITIONS)]
-        for j, (n0, nsz) in enumerate(_blocks(0, ctx.I, PHASE1_N_TILE)):
-            wd = w_down.get(j)
-            wg = w_gate.get(j) if w_gate != None else None  # noqa: E711
-            wu = w_up.get(j) if w_up != None else None  # noqa: E711
-            for c in chunks:
-                d_i = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                matmul_panels(d_i[:c.f_pad, :nsz], c.dy_panel, wd, ctx.setup)  # K=H, M=m, N=nsz
-                g_psum = u_psum = None
-                if wg != None:  # noqa: E711
-                    g_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(g_psum[:c.f_pad, :nsz], c.x_panel, wg, ctx.setup)  # K=H, M=m, N=nsz
-                if wu != None:  # noqa: E711
-                    u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
-                    matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
-                c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
-            wd = wg = wu = None
-        for c in chunks:
-            c.store(ctx, i)
-        chunks = c = None
-
-
-def _routing_grad_tile(d_i, h, acc, j, m, nsz):
-    """acc [m, 1] (+)= sum over the tile's columns of dI * f32(h): fp32 products, one fp32 reduce per
-    PHASE1_N_TILE (= ROUTING_GRAD_TILE) columns, fp32 accumulation across tiles (tile 0 overwrites)."""
-    prod = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod[:m, :nsz], data1=d_i, data2=h, op=nl.multiply)
-    if j == 0:
-        nisa.tensor_reduce(dst=acc, op=nl.add, data=prod[:m, :nsz], axis=1)
-        return
-    part = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=part, op=nl.add, data=prod[:m, :nsz], axis=1)
-    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Pass B: dX = d_gate_up_b W_gu[e] scatter-added to token rows
-# ---------------------------------------------------------------------------------------------------
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu):
-    """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
-
-    Dimensions:
-        d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
-        ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
-        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
-    The H tiles are the outer loop (every chunk's d_gate_up panel stays on chip), so a weight tile that is
-    not resident is loaded once per block; each chunk's H_c columns go out in one read-modify-write (one
-    descriptor per row).
-    """
-    if not w_gu.tiles:
-        return
-    w_gu.start_block()
-    two_i = 2 * ctx.I
-    width = ctx.k_width(two_i)
-    h_lo = w_gu.tiles[0][0]
-    h_width = w_gu.tiles[-1][0] + w_gu.tiles[-1][1] - h_lo
-    chunks = []
-    for r0, m in _blocks(0, ctx.B, PARTITIONS):
-        nat = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if width > two_i:
-            nisa.memset(dst=nat[:m, two_i:], value=0.0)
-        nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
-        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
-        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        chunks.append((r0, m, panel, part))
-        nat = None
-    for j, (h0, hsz) in enumerate(w_gu.tiles):
-        w = w_gu.get(j)
-        for c, (r0, m, panel, part) in enumerate(chunks):
-            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            matmul_panels(acc[:panel.f_pad, :hsz], panel, w, ctx.setup)  # K=2I, M=m, N=hsz
-            engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
-            nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
-        w = None
-    for r0, m, panel, part in chunks:
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
-        nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Base kernel: the three passes over the experts
 # ---------------------------------------------------------------------------------------------------
@@ -432,6 +236,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # this core's rows of each block (pass A) and H columns of dX (pass B)
     lo, hi = shard_range(ctx.B // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
     ctx.row_lo, ctx.row_hi = lo * ROW_SPLIT_UNIT, hi * ROW_SPLIT_UNIT
+    ctx.zeros = nl.ndarray((PARTITIONS, ZERO_ROWS_WIDTH), dtype=nl.bfloat16, buffer=nl.sbuf)  # skipped rows' scratch
+    nisa.memset(dst=ctx.zeros, value=0.0)
+    # with resident weights: units of 128 rows per core (the last may be smaller), this core's rows of each
+    ctx.row_unit = min(ctx.B, PARTITIONS * split.num_cores)
+    ctx.unit_rows = []
+    for u0, usz in _blocks(0, ctx.B, ctx.row_unit):
+        lo, hi = shard_range(usz // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
+        ctx.unit_rows.append((u0 + lo * ROW_SPLIT_UNIT, (hi - lo) * ROW_SPLIT_UNIT))
     c_lo, c_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, split.shard_id)
     h_lo, h_hi = min(c_lo * SPLIT_ALIGN, H), min(c_hi * SPLIT_ALIGN, H)
     # dX starts at zero (this core's columns; its scatter-adds follow on the same core)
@@ -443,24 +255,87 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
     ctx.loops = ExpertLoops(ctx.offsets, E)
 
-    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
-    def pass_a(e):
-        w_down = ExpertPanels(TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H), i_tiles, setup)
-        w_gate = w_up = None
-        if ctx.gate_pre == None:  # noqa: E711
-            w_gate = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I), i_tiles, setup)
-        if ctx.up == None:  # noqa: E711
-            w_up = ExpertPanels(TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I), i_tiles, setup)
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up))
+    def fits(ops, groups):
+        return all(ExpertPanels.fits(op, g, setup) for op in ops for g in groups)
 
-    # ---- pass B ----
+    def panels_of(descs, tiles):
+        return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
+
+    def last_block(i, block, panels, skip):
+        """block(i, panels, ...) for an expert's last block: with skip only when it holds padding (its final
+        position is padding); a full last block keeps the unskipped path (contiguous row groups)."""
+        if not skip:
+            block(i, panels, False)
+            return
+        full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+        ctx.if_flag(full, 1, lambda: block(i, panels, False))
+        ctx.if_flag(full, 1, lambda: block(i, panels, skip), complement=True)
+
+    def block_loops(e, b_lo, b_hi, block, panels, skip):
+        """block(i, panels, skip) over expert e's blocks; only the last one can hold padding."""
+        if not skip:
+            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
+            return
+        last = ctx.loops.last_block(e)
+        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
+        nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
+
+    def per_block(e, descs, tiles, groups, block, skip):
+        """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
+        when they fit (`groups` None), else per block for an expert with one block and, for one with more,
+        one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
+        are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
+        with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        if groups == None:  # noqa: E711
+            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
+            return
+        ctx.loops.if_single(e, lambda i: last_block(i, block, panels_of(descs, tiles), skip[0]))
+
+        def per_group():
+            for g in groups:
+                block_loops(e, b_lo, b_hi, block, panels_of(descs, g), skip[1])
+
+        ctx.loops.if_multi(e, per_group)
+
+    # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
+    def a_descs(e):
+        """W_down[e] [H, I] (K=H), and W_gate[e] / W_up[e] [I, H] for the recompute (None when given)."""
+        gate = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I)
+        up = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I)
+        return [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H),
+                None if ctx.gate_pre != None else gate, None if ctx.up != None else up]  # noqa: E711
+
+    # more than one resident group of I tiles: per_block's split (the same I tiles on both cores)
+    a_ops = [d for d in a_descs(0) if d != None]  # noqa: E711
+    a_groups = resident_tile_groups(i_tiles, a_ops, setup)
+    a_skip = (fits(a_ops, [i_tiles]), fits(a_ops, a_groups))
+    a_groups = a_groups if len(a_groups) > 1 else None
+
+    def pass_a(e):
+        per_block(e, a_descs(e), i_tiles, a_groups,
+                  lambda i, w, skip: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip), a_skip)
+
+    # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
+    c0_lo, c0_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, 0)
+    h0_tiles = _blocks(min(c0_lo * SPLIT_ALIGN, H), min(c0_hi * SPLIT_ALIGN, H), MOE_N_TILE)
+
+    def b_desc(e):
+        return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)
+
+    b_groups0 = resident_tile_groups(h0_tiles, [b_desc(0)], setup)
+    # skip: (resident: chunk by chunk, flag_tiles: weights per block, core 0's tile count) or False
+    b_skip = ((True, 0) if fits([b_desc(0)], [h0_tiles]) else (False, len(h0_tiles)),
+              (True, 0) if fits([b_desc(0)], b_groups0) else False)
+    b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, len(b_groups0)) if len(b_groups0) > 1 else None
+
+    def b_block(e, i, w, skip):
+        resident, flag_tiles = skip if skip else (False, 0)
+        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
 
     def pass_b(e):
-        w_gu = ExpertPanels(TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I), h_tiles, setup)
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        nl.fori_loop(b_lo, b_hi, lambda i: compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu))
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip: b_block(e, i, w, skip), b_skip)
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
@@ -605,6 +480,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
     ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
     ctx.x_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_x_blocks")
+    ctx.d_w_partial = nl.ndarray((N, block_size, 1), dtype=nl.float32, buffer=nl.shared_hbm,
+                                 name="moe_bwd_routing_grad_partial")  # pass A's fold across resident I groups
     dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
     d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
     ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))

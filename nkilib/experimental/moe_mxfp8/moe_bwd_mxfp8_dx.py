@@ -1,0 +1,170 @@
+"""Pass B of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py), dX = d_gate_up_b W_gu[e] scatter-added to
+token rows, and the expert weight panels that passes A and B stream (ExpertPanels).
+
+Weights of one expert are static inside its run-time block loop. Panels that fit RESIDENT_WEIGHT_BUDGET_BYTES
+stay on chip across the loop; larger ones (DeepSeek-V3's W_down in pass A, W_gu in pass B: 112 KiB per
+partition quantized) are loaded per block. For an expert with two or more blocks the kernel instead splits
+the weight's tiles into resident groups (resident_tile_groups) and runs the block loop once per group, so
+the weight is loaded and quantized once per expert and only the block's activation rows are read again per
+group (docs/moe.md, section 10, round 3). In an expert's last block, pass B skips the work of 128-row chunks
+that hold only padding (compute_phase2_hidden_states_grad_mxfp8).
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ...core.kernel_helpers import ceil_div
+from ...core.matmul import load_panel, matmul_panels, panel_bytes_per_partition, panel_columns, panel_from_rows
+from ...core.matmul.panels import blocks as _blocks
+from .constants import MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH
+
+__all__ = ["ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
+
+
+class ExpertPanels(nl.NKIObject):
+    """One expert's weight panels (moving operands: F tiles of a static descriptor), resident across the
+    expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
+
+    A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
+    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
+    super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
+    traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
+    """
+
+    def __init__(self, op, tiles, setup):
+        self.op, self.tiles, self.setup = op, tiles, setup
+        self.loads, self.load_of = self.super_panels(op, tiles)
+        self.resident = self.fits(op, tiles, setup)
+        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
+        self.current = -1
+
+    @staticmethod
+    def super_panels(op, tiles):
+        """([(f0, width)] super-panel loads, [index of the load serving each tile]); tiles are MOE_N_TILE-aligned
+        from tiles[0]."""
+        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
+        loads, load_of = [], []
+        for n0, nsz in tiles:
+            if not loads or n0 + nsz > loads[-1][0] + loads[-1][1]:
+                end = tiles[-1][0] + tiles[-1][1]
+                loads.append((n0, min(width, end - n0) if width else nsz))
+            load_of.append(len(loads) - 1)
+        return loads, load_of
+
+    @staticmethod
+    def fits(op, tiles, setup):
+        """Whether the panels of `tiles` stay resident (RESIDENT_WEIGHT_BUDGET_BYTES per partition)."""
+        loads, _ = ExpertPanels.super_panels(op, tiles)
+        return sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads) <= RESIDENT_WEIGHT_BUDGET_BYTES
+
+    def start_block(self):
+        if not self.resident:
+            self.panels, self.current = [], -1
+
+    def get(self, j):
+        s = self.load_of[j]
+        if not self.resident and self.current != s:
+            f0, w = self.loads[s]
+            self.panels, self.current = [], s  # drop the previous super-panel before loading the next
+            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+        whole = self.panels[s] if self.resident else self.panels[0]
+        n0, nsz = self.tiles[j]
+        return panel_columns(whole, n0 - self.loads[s][0], nsz)
+
+
+def resident_tile_groups(tiles, ops, setup, count=0):
+    """Consecutive groups of `tiles` (the F tiles [(f0, size)] shared by the operands `ops`, TensorDescriptors)
+    in which every operand's panels stay resident (ExpertPanels.fits: the budget is per operand): the fewest
+    such groups, of near-equal tile counts (a tile over the budget alone is a group of its own), padded with
+    empty groups to `count` (LNC2: both cores run one block loop per group of core 0's share).
+    """
+    groups = [[t] for t in tiles]
+    for n in range(1, len(tiles) + 1):
+        size = ceil_div(len(tiles), n)
+        candidate = [tiles[g:g + size] for g in range(0, len(tiles), size)]
+        if all(ExpertPanels.fits(op, g, setup) for op in ops for g in candidate):
+            groups = candidate
+            break
+    return groups + [[]] * (count - len(groups))
+
+
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0):
+    """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
+
+    Dimensions:
+        d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
+        ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
+        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+    Weights loaded per block (skip_padding False): the H tiles are the outer loop (every chunk's d_gate_up
+    panel stays on chip), so a weight tile loads once per block. Resident weights (skip_padding True, decided
+    on core 0's share so both cores run the same loops): chunk by chunk, and a chunk past the block's last
+    routed pair is skipped by a 0/1-trip loop (ctx.row_flags; chunk 0 always holds one). Weights loaded per
+    block with flag_tiles > 0 (core 0's tile count: both cores run that many tiles' loops, empty past their
+    own): H tiles outer as above, each chunk's matmul and its scatter-add in such a loop (the weight tile loads
+    before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
+    read-modify-write (one descriptor per row).
+    """
+    two_i = 2 * ctx.I
+    tiles = w_gu.tiles
+    h_lo = tiles[0][0] if tiles else 0
+    h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
+
+    def chunk_panel(r0, m):
+        nat = nl.ndarray((PARTITIONS, ctx.k_width(two_i)), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if nat.shape[1] > two_i:
+            nisa.memset(dst=nat[:m, two_i:], value=0.0)
+        nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
+        return panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+
+    def chunk_tile(c, j, panel, part, m):
+        h0, hsz = tiles[j]
+        acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
+        matmul_panels(acc[:panel.f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
+        engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
+        nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
+
+    def scatter_add(r0, m, part):
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+    row_chunks = _blocks(0, ctx.B, PARTITIONS)
+    if skip_padding:
+        def one_chunk(c, r0, m):
+            if not tiles:
+                return
+            panel = chunk_panel(r0, m)
+            part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+            for j in range(len(tiles)):
+                chunk_tile(c, j, panel, part, m)
+            scatter_add(r0, m, part)
+
+        flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if len(row_chunks) > 1 else None
+        for c, (r0, m) in enumerate(row_chunks):
+            if c == 0:
+                one_chunk(c, r0, m)
+            else:
+                ctx.if_flag(flags, c, lambda c=c, r0=r0, m=m: one_chunk(c, r0, m))
+        return
+    if not tiles and not flag_tiles:
+        return
+    w_gu.start_block()
+    chunks = []
+    for r0, m in row_chunks if tiles else []:
+        part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+        chunks.append((r0, m, chunk_panel(r0, m), part))
+    flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if flag_tiles and len(row_chunks) > 1 else None
+
+    def run(c, work):
+        if flags == None or c == 0:  # noqa: E711
+            work()
+        else:
+            ctx.if_flag(flags, c, work)
+
+    for j in range(max(len(tiles), flag_tiles)):
+        for c in range(len(row_chunks)):
+            run(c, lambda c=c, j=j: chunk_tile(c, j, chunks[c][2], chunks[c][3], chunks[c][1]) if j < len(tiles)
+                else None)
+    for c in range(len(row_chunks)):
+        run(c, lambda c=c: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3]) if tiles else None)
