@@ -151,7 +151,7 @@ class _ExpertShard(nn.Module):
         from ..experimental.moe_mxfp8.expert_parallel import moe_swiglu_experts_expert_parallel
 
         return moe_swiglu_experts_expert_parallel(x, ids, weights, gate_up, down, group=self.ep_group,
-                                                  payload=self.ep_payload, **kwargs)
+                                                  ep_payload=self.ep_payload, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Under ep_group, full [E, ...] expert tensors load as this rank's slice (a rank's own slices load as is)."""

@@ -27,8 +27,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import ( 
     mx_dequantize_rows, mx_quantize_dequantize, mx_quantize_rows)
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8  # noqa: E402
-from nkilib.experimental.moe_mxfp8.expert_parallel import (  # noqa: E402
-    moe_swiglu_experts_expert_parallel, shard_experts)
+from nkilib.experimental.moe_mxfp8.expert_parallel import shard_experts  # noqa: E402
 from nkilib.mx import quantize_mx  # noqa: E402
 
 E, H, I = 8, 64, 64
@@ -75,11 +74,8 @@ def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
     if "b_gu" in problem:  # the local experts' biases
         kw = dict(kw, **dict(zip(("gate_up_bias", "down_bias"), shard_experts(problem["b_gu"], problem["b_down"]))))
     args = [problem[n][rows] for n in ("x", "ids", "w")]
-    if payload == "mxfp8":  # the op's own keyword
-        return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
-                     **kw)
-    return _step(moe_swiglu_experts_expert_parallel, *args, w_gu, w_down, problem["dy"][rows], group=dist.group.WORLD,
-                 payload=payload, **kw)
+    return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
+                 ep_payload=payload, **kw)
 
 
 def _run(world, problem, tokens_per_rank, payload="mxfp8", **kw):
@@ -290,8 +286,8 @@ def _bad_calls(rank, world):
     calls = {
         "indivisible": lambda: shard_experts(p["w_gu"][:3], p["w_down"][:3], dist.group.WORLD),
         "group": lambda: moe_swiglu_experts_mxfp8(x, ids, w, w_gu, w_down, ep_group=1),
-        "payload": lambda: moe_swiglu_experts_expert_parallel(x, ids, w, w_gu, w_down, group=dist.group.WORLD,
-                                                              payload="fp4"),
+        "payload": lambda: moe_swiglu_experts_mxfp8(x, ids, w, w_gu, w_down, ep_group=dist.group.WORLD,
+                                                    ep_payload="fp4"),
         "id_range": lambda: moe_swiglu_experts_mxfp8(x, ids + E // 2, w, w_gu, w_down, ep_group=dist.group.WORLD),
         "k": lambda: moe_swiglu_experts_mxfp8(x, torch.zeros(4, E + 1, dtype=torch.int64), torch.ones(4, E + 1),
                                               w_gu, w_down, ep_group=dist.group.WORLD),
@@ -318,7 +314,7 @@ def test_bad_input_errors():
         assert "E=3 (gate_up_weight.shape[0]) must be divisible by the ep_group size 2" in m["indivisible"]
         assert m["group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" in \
             m["group"] and "got int" in m["group"]
-        assert "payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
+        assert "ep_payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
         assert "expert ids must be in [0, 8) (num_experts=8)" in m["id_range"]  # global ids, E = ep * E/ep
         assert "k=9 experts per token but there are E=8 experts" in m["k"]
         assert ("every rank must pass the same local experts E/ep (gate_up_weight.shape[0]), got [4, 3]"

@@ -353,7 +353,8 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
                              scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
-                             lnc=None, ep_group=None, gate_up_bias=None, down_bias=None) -> Tensor:
+                             lnc=None, ep_group=None, ep_payload="mxfp8", ep_capacity=None, gate_up_bias=None,
+                             down_bias=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -384,6 +385,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
             and tokens travel to their experts' ranks and back as MXFP8 all-to-alls; gate_up_bias / down_bias are
             then the local experts' [E/ep, 2I] / [E/ep, H] and their gradients stay on this rank.
+        ep_payload: with ep_group, how x and dY travel: "mxfp8" (fp8 codes + E8M0 scales, default) or "bf16"
+            (results bit-identical to the single-process op, twice the bytes).
+        ep_capacity: with ep_group, how the payload all-to-alls split their rows: None (default: "auto" on a
+            process group whose backend is "xla", whose all_to_all_single refuses split sizes, else "exact"),
+            "exact" (per-rank split lists), a positive int C (equal splits: C rows per (source, destination) rank
+            pair, padded, static shapes; a rank routing more than C pairs to one rank raises a ValueError on every
+            rank, nothing is dropped) or "auto" (C = the smallest power of two that fits the call). Bit-identical
+            results in every mode (expert_parallel.moe_swiglu_experts_expert_parallel).
         gate_up_bias: None or [E, 2I] (GPT-OSS): added to the projections (gate_pre = x W_gate[e]^T + b_gate[e]
             in bf16, likewise up); needs a checkpoint policy keeping gate_pre and up (the kernel's recompute has
             no bias), any backend. Its gradient, per expert the float32 sum of the bf16 d_gate_up rows in the
@@ -409,10 +418,15 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         from .expert_parallel import moe_swiglu_experts_expert_parallel
 
         return moe_swiglu_experts_expert_parallel(
-            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, checkpoint=checkpoint,
+            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, ep_payload=ep_payload,
+            ep_capacity=ep_capacity, checkpoint=checkpoint,
             clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
             weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision, scale_rule=scale_rule,
             block_size=block_size, backend=backend, lnc=lnc, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if ep_payload != "mxfp8" or ep_capacity is not None:
+        from .expert_parallel import check_ep_options
+
+        check_ep_options(None, ep_payload, ep_capacity, "moe_swiglu_experts_mxfp8")  # raises: no ep_group
     if down_bias is not None:
         y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
                                      clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
