@@ -361,3 +361,133 @@ def test_module_with_ep_group_holds_the_local_shard_and_equals_the_op():
         assert bias_shapes == {"gate_up_weight": (E // 2, 2 * I, H), "down_weight": (E // 2, H, I),
                                "gate_up_bias": (E // 2, 2 * I), "down_bias": (E // 2, H)}
         assert "E=9 (num_experts) must be divisible by the ep_group size 2" in error
+
+
+# ----------------------------------------------------------------------------------------------
+# ep_capacity: padded, equal-split all-to-alls (what PyTorch/XLA's "xla" process group accepts)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rank_capacities(rank, world, problem, tokens_per_rank, capacities, too_small, kw):
+    """_rank_step once per ep_capacity, recording the split arguments of every all_to_all_single; then
+    ep_capacity=too_small, whose error message is returned."""
+    import torch.distributed as dist
+
+    from nkilib.experimental.moe_mxfp8 import expert_parallel
+
+    calls, real = [], dist.all_to_all_single
+
+    def recording(out, inp, out_splits=None, in_splits=None, **k):
+        calls.append((out_splits, in_splits, tuple(out.shape)))
+        return real(out, inp, out_splits, in_splits, **k)
+
+    results = {}
+    expert_parallel.dist.all_to_all_single = recording
+    try:
+        for cap in capacities:
+            calls.clear()
+            results[cap] = (_rank_step(rank, world, problem, tokens_per_rank, "mxfp8", dict(kw, ep_capacity=cap)),
+                            list(calls))
+    finally:
+        expert_parallel.dist.all_to_all_single = real
+    try:
+        _rank_step(rank, world, problem, tokens_per_rank, "mxfp8", dict(kw, ep_capacity=too_small))
+        error = "accepted"
+    except ValueError as exc:
+        error = str(exc)
+    return results, error
+
+
+def _pair_rows_max(problem, tokens_per_rank, world):
+    """The largest number of routed pairs one rank sends to one rank (from the global routing)."""
+    dest = problem["ids"] // (E // world)
+    lo = np.cumsum([0] + list(tokens_per_rank))
+    return max(int((dest[lo[r]:lo[r + 1]] == d).sum()) for r in range(world) for d in range(world))
+
+
+@pytest.mark.parametrize("world,tokens,experts", [(2, [24, 24], tuple(range(E))),
+                                                  (4, [8, 24, 1, 12], (E - 3, E - 2, E - 1))])
+def test_padded_capacity_is_bit_identical_to_exact_splits(world, tokens, experts):
+    # 4 ranks: every token to the last two ranks' experts, so ranks 0 and 1 receive only padding
+    problem = _problem(tokens, experts=experts, seed=13)
+    m = _pair_rows_max(problem, tokens, world)
+    caps = ("exact", m, "auto", 4 * m)
+    out = run_ranks(world, _rank_capacities, problem, tokens, caps, m - 1, dict(backend="emulate"), timeout=90)
+    auto = 1 << (m - 1).bit_length()
+    for rank, (results, error) in enumerate(out):
+        exact, exact_calls = results["exact"]
+        assert any(c[0] is not None for c in exact_calls)  # the exact path does pass split lists
+        for cap, padded_rows in ((m, m), ("auto", auto), (4 * m, 4 * m)):
+            got, calls = results[cap]
+            _assert_identical(got, exact)
+            # 1 counts + 2 forward + 2 backward exchanges, all equal splits; payloads [ep * C, row bytes]
+            assert len(calls) == 5 and all(c[0] is None and c[1] is None for c in calls), calls
+            assert [c[2][0] for c in calls[1:]] == [world * padded_rows] * 4, (cap, calls)
+        assert f"ep_capacity={m - 1} rows per (source, destination) rank pair is too small" in error, error
+        assert f"routes {m} pairs (token, expert) to one rank's experts" in error
+    if world == 4:
+        assert not out[0][0]["auto"][0]["dw_gu"].any()  # rank 0 received only padding: zero gradients
+
+
+def test_padded_capacity_with_biases_and_bf16_payload():
+    # GPT-OSS's experts and both biases, ep_payload "bf16": the padded exchange equals the single-process op
+    tokens = [16, 16]
+    problem = _with_biases(_problem(tokens, seed=14), seed=15)
+    ref = _full(problem, **GPT_OSS)
+    _, got = _run(2, problem, tokens, payload="bf16", backend="emulate", ep_capacity="auto", **GPT_OSS)
+    _assert_identical(got, ref, GRADS + ("db_gu", "db_down"))
+
+
+class _StubGroup(torch.distributed.ProcessGroup):
+    """A process group object that torch.distributed never registered (as a backend's own class would be),
+    naming its backend."""
+
+    def __init__(self, backend):
+        super().__init__(0, 2)
+        self._backend = backend
+
+    def getBackendName(self):
+        return self._backend
+
+
+def test_default_capacity_by_backend_and_option_errors():
+    from nkilib.experimental.moe_mxfp8.expert_parallel import check_ep_options, default_capacity
+
+    assert default_capacity(_StubGroup("xla")) == "auto"  # PyTorch/XLA: equal splits only
+    assert default_capacity(_StubGroup("gloo")) == "exact" and default_capacity(_StubGroup("nccl")) == "exact"
+    for bad in (0, -3, 2.5, True, "padded"):
+        with pytest.raises(ValueError, match=r"ep_capacity must be None, one of \('exact', 'auto'\) or a positive "
+                                             rf"int .*got {bad!r}"):
+            check_ep_options(_StubGroup("gloo"), "mxfp8", bad, "f")
+    with pytest.raises(ValueError, match="ep_payload / ep_capacity need an ep_group .* ep_capacity=8"):
+        moe_swiglu_experts_mxfp8(torch.zeros(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
+                                 torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), ep_capacity=8)
+
+
+def _rank_default_on_an_xla_like_backend(rank, world, problem):
+    """ep_capacity=None with the rank's gloo group listed as an equal-split backend (as "xla" is): every
+    all_to_all_single gets equal splits; and the world group's own default."""
+    import torch.distributed as dist
+
+    from nkilib.experimental.moe_mxfp8 import expert_parallel
+
+    own_default = expert_parallel.default_capacity(dist.group.WORLD)
+    calls, real = [], dist.all_to_all_single
+    expert_parallel.EQUAL_SPLIT_BACKENDS = ("gloo",)
+    expert_parallel.dist.all_to_all_single = lambda out, inp, o=None, i=None, **k: (calls.append((o, i)),
+                                                                                    real(out, inp, o, i, **k))[1]
+    try:
+        got = _rank_step(rank, world, problem, [24, 24], "mxfp8", dict(backend="emulate"))
+    finally:
+        expert_parallel.dist.all_to_all_single = real
+    return own_default, calls, got
+
+
+def test_default_capacity_is_padded_on_an_equal_split_backend():
+    problem = _problem([24, 24], seed=16)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    out = run_ranks(2, _rank_default_on_an_xla_like_backend, problem, timeout=60)
+    for own_default, calls, _ in out:
+        assert own_default == "exact"  # gloo keeps per-rank splits by default
+        assert len(calls) == 5 and all(o is None and i is None for o, i in calls)
+    _assert_identical({n: torch.cat([r[2][n] for r in out]) for n in GRADS}, ref)
