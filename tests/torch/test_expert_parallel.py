@@ -344,6 +344,16 @@ def _module_rank(rank, world):
     got = dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=module.gate_up_weight.grad, dw_down=module.down_weight.grad)
     want = _step(moe_swiglu_experts_mxfp8, p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
                  p["dy"][rows], ep_group=dist.group.WORLD)
+    equal = {n: torch.equal(got[n], want[n]) for n in GRADS}
+    # the module's ep_payload / ep_capacity reach the op: equal to the op called with them
+    torch.manual_seed(0)
+    padded = MoESwiGLUExperts(E, H, I, ep_group=dist.group.WORLD, ep_payload="bf16", ep_capacity=8,
+                              dtype=torch.bfloat16)
+    padded.load_state_dict(module.state_dict())
+    y_padded = padded(p["x"][rows], p["ids"][rows], p["w"][rows])
+    y_op = moe_swiglu_experts_mxfp8(p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
+                                    ep_group=dist.group.WORLD, ep_payload="bf16", ep_capacity="exact")
+    equal["padded_bf16"] = torch.equal(y_padded, y_op) and not torch.equal(y_padded, got["y"])
     biased = MoESwiGLUExperts(E, H, I, bias=True, ep_group=dist.group.WORLD)
     bias_shapes = {n: tuple(v.shape) for n, v in biased.state_dict().items()}
     try:
@@ -351,13 +361,13 @@ def _module_rank(rank, world):
         error = "accepted"
     except ValueError as exc:
         error = str(exc)
-    return shapes, {n: torch.equal(got[n], want[n]) for n in GRADS}, bias_shapes, error
+    return shapes, equal, bias_shapes, error
 
 
 def test_module_with_ep_group_holds_the_local_shard_and_equals_the_op():
     for rank, (shapes, equal, bias_shapes, error) in enumerate(run_ranks(2, _module_rank, timeout=60)):
         assert shapes == ((E // 2, 2 * I, H), (E // 2, H, I), rank * E // 2)
-        assert equal == {n: True for n in GRADS}
+        assert equal == {n: True for n in GRADS + ("padded_bf16",)}
         assert bias_shapes == {"gate_up_weight": (E // 2, 2 * I, H), "down_weight": (E // 2, H, I),
                                "gate_up_bias": (E // 2, 2 * I), "down_bias": (E // 2, H)}
         assert "E=9 (num_experts) must be divisible by the ep_group size 2" in error
@@ -459,6 +469,13 @@ def test_default_capacity_by_backend_and_option_errors():
         with pytest.raises(ValueError, match=r"ep_capacity must be None, one of \('exact', 'auto'\) or a positive "
                                              rf"int .*got {bad!r}"):
             check_ep_options(_StubGroup("gloo"), "mxfp8", bad, "f")
+    from nkilib.experimental.moe_mxfp8 import MoESwiGLUExperts
+
+    with pytest.raises(ValueError, match=r"MoESwiGLUExperts: ep_capacity must be None, .* got 'big'"):
+        MoESwiGLUExperts(E, H, I, ep_capacity="big")
+    with pytest.raises(ValueError, match="MoESwiGLUExperts: ep_payload / ep_capacity need an ep_group .* "
+                                         "ep_payload='bf16'"):
+        MoESwiGLUExperts(E, H, I, ep_payload="bf16")
     with pytest.raises(ValueError, match="ep_payload / ep_capacity need an ep_group .* ep_capacity=8"):
         moe_swiglu_experts_mxfp8(torch.zeros(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
                                  torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), ep_capacity=8)

@@ -512,6 +512,8 @@ class MoESwiGLUExperts(nn.Module):
             E/ep experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), so its parameters are
             [E/ep, 2I, H] / [E/ep, H, I] (biases [E/ep, 2I] / [E/ep, H]) and its state dict holds the local
             shard; topk_ids stay global ids in [0, E). E must be divisible by the group size.
+        ep_payload, ep_capacity: with ep_group, the op's (how tokens travel: "mxfp8" / "bf16"; per-rank splits or
+            padded equal splits); checked at construction.
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -520,7 +522,8 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, recipe=None,
                  checkpoint=UNSET, backend=UNSET, clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET,
                  weight_grad_dtype=UNSET, matmul_precision=UNSET, scale_rule=UNSET, block_size=UNSET, lnc=UNSET,
-                 bias: bool = False, ep_group=None, device=None, dtype=None):
+                 bias: bool = False, ep_group=None, ep_payload: str = "mxfp8", ep_capacity=None, device=None,
+                 dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -541,10 +544,13 @@ class MoESwiGLUExperts(nn.Module):
         if not isinstance(bias, bool):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
         self.ep_group, self.expert_offset, local = ep_group, 0, num_experts
-        if ep_group is not None:
-            from .expert_parallel import local_expert_range
+        self.ep_payload, self.ep_capacity = ep_payload, ep_capacity
+        if ep_group is not None or ep_payload != "mxfp8" or ep_capacity is not None:
+            from .expert_parallel import check_ep_options, local_expert_range
 
-            self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
+            check_ep_options(ep_group, ep_payload, ep_capacity, "MoESwiGLUExperts")
+            if ep_group is not None:
+                self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
         self.num_local_experts = local
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **factory))
@@ -574,7 +580,8 @@ class MoESwiGLUExperts(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
                                         gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, recipe=self.recipe,
-                                        ep_group=self.ep_group, **self.options)
+                                        ep_group=self.ep_group, ep_payload=self.ep_payload,
+                                        ep_capacity=self.ep_capacity, **self.options)
 
     def effective_options(self) -> dict:
         """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
