@@ -8,7 +8,8 @@ topk_ids / topk_weights [T_r, k] with global expert ids. Following torchao's MXF
 
 Forward, on `group`:
     1. counts: every rank counts its routed pairs (t, j) per (destination rank, local expert) and exchanges the
-       [ep, E/ep] counts with one all_to_all_single; the row splits of the payload all-to-alls come from them.
+       [ep, E/ep] counts with one all_to_all_single; the row splits of the payload all-to-alls come from them
+       (or, padded, which rows of each rank's capacity are real: "Split modes" below).
     2. dispatch: x rows are MX-quantized along H in OCP 1x32 groups (nkilib's torch quantizer,
        ``mx_quantize_rows``: the op's fp8_dtype and scale_rule), once per token; one row per routed pair, sorted
        by global expert then token, goes to the expert's rank as bytes [H fp8 codes | H/32 E8M0 scales |
@@ -54,19 +55,39 @@ scale_rule, i.e. ``mx_quantize_dequantize(v.bfloat16(), -1, fp8_dtype, "1x32", s
       there (tested with an outlier: 3e-6 relative). x is used by the op's BF16 forward, so Q(x) puts one MX
       rounding of x (relative 2**-4 / sqrt(3) per value for e4m3) into y and, through the forward's activations,
       into every gradient: 4-6e-2 relative on random data at ep 2 and 4 (measured in
-      tests/torch/test_expert_parallel.py). Unchanged only for x already on the MX grid along H. ``payload="bf16"``
-      (this module's function, not the op's keyword) sends x and dY in bf16 instead (2x the bytes); then every
-      result equals the single-process op on x and dY bit for bit (tested).
+      tests/torch/test_expert_parallel.py). Unchanged only for x already on the MX grid along H. ``ep_payload="bf16"``
+      sends x and dY in bf16 instead (2x the bytes); then every result equals the single-process op on x and dY bit
+      for bit (tested).
 
-Constraints: every rank of the group calls with the same E/ep, H, I, payload and fp8 format (checked: one all_gather
-of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all not (each has
+Split modes (``ep_capacity``; the counts exchange always has equal splits):
+    * "exact": each payload all_to_all_single passes per-rank split lists (host lists read from the counts): each
+      rank sends exactly its routed rows.
+    * padded, an int C: every rank sends C rows to every rank: the rows routed to that rank (send order), then zero
+      rows. Every payload all_to_all_single then has equal splits and the shape [ep * C, row bytes], fixed for a
+      fixed C; the receiver keeps the real rows of each source's C (known from the exchanged counts) before the
+      local experts, and the backward's exchanges scatter / gather through the same slots. The experts see the same
+      rows in the same order as with "exact", so results are bit-identical (tested on 2 and 4 ranks). Overflow: a
+      rank that routes more than C pairs to one rank raises a ValueError on every rank (the per-rank maxima travel
+      in the peers all_gather, before any payload moves), naming C and the count; nothing is dropped (dropping, as
+      training frameworks do with a capacity factor, is not built). Cost: ep * C rows per exchange instead of N.
+    * "auto": padded with C = the smallest power of two >= the call's largest (source, destination) row count (from
+      the same all_gather): never overflows; a few distinct shapes over a run.
+    * None (default): "auto" on a process group whose backend is "xla" (EQUAL_SPLIT_BACKENDS), else "exact".
+What still reads the host in the padded modes: the peers table (capacity, overflow), the routing's value checks
+(the op's, as without a group) and the receiver's real-row indices (a dynamic [R] shape): the payload collectives
+are static, the call as a whole is not one traced graph.
+
+Constraints: every rank of the group calls with the same E/ep, H, I, ep_payload, fp8 format and ep_capacity (checked:
+one all_gather of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all not (each has
 two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
-that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. Split sizes
-are host lists (one device-to-host read of the counts per forward), so this path does not trace under torch.compile.
-On Neuron the same code is meant to run on the XLA / TorchNeuron process group: untested (no device here). As written
-it would not run on PyTorch/XLA's "xla" process group, whose all_to_all_single refuses split sizes
-(https://github.com/pytorch/xla/blob/master/torch_xla/distributed/xla_backend.py, ProcessGroupXla.alltoall_base), which the payload all-to-alls use; that stack (and a compiled XLA graph)
-needs static, equal-split capacities instead of host split lists: not built.
+that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. The counts
+are read on the host once per forward (split lists or the peers table), so this path does not trace under
+torch.compile. Neuron: untested (no device here). PyTorch/XLA's "xla" process group refuses split sizes in
+all_to_all_single (https://github.com/pytorch/xla/blob/master/torch_xla/distributed/xla_backend.py,
+ProcessGroupXla.alltoall_base), so there ep_capacity defaults to "auto" (equal splits; pass an int for one buffer
+shape); that alltoall_base splits over the world size (xr.world_size()), not the group's, so ep_group must span every
+process on that backend (read from its source, not run). Whether TorchNeuron's process group takes split sizes is
+not known here ("exact" is its default; pass ep_capacity to pad).
 
 Dimensions:
     T: this rank's tokens, k: experts per token, N = T*k: its routed pairs, R: pairs its experts receive,
