@@ -49,8 +49,7 @@ from torch import Tensor, nn
 from ..core import options
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import resolve_checkpoint_policy
-from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import _MainGradSink
+from ..experimental.torch_common import MainGradSink, resolve_checkpoint_policy
 from ..recipe import Recipe, as_recipe
 from ..recipe_call import resolve_options
 from .swiglu import SILU_CLASSES, autocast_input
@@ -90,7 +89,7 @@ def _op_recipe(recipe: Recipe) -> Recipe:
     return recipe.replace(accumulate_main_grad=False) if recipe.accumulate_main_grad else recipe
 
 
-class _Fp32MainGradCopy(_MainGradSink):
+class _Fp32MainGradCopy(MainGradSink):
     """param -> an fp32 copy of it whose gradient goes to ``param.main_grad`` (the dense op's sink contract,
     whose backward this inherits)."""
 

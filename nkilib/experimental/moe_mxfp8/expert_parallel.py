@@ -104,8 +104,7 @@ from torch import Tensor
 
 from ..emulate_numerics import FP8_DTYPES, mx_dequantize_rows, mx_quantize_rows
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (_weight_grad_name, check_numeric_options,
-                                                           resolve_checkpoint_policy)
+from ..torch_common import check_numeric_options, resolve_checkpoint_policy, weight_grad_name
 from . import moe_bwd_mxfp8_torch as moe_op
 from . import routing
 
@@ -552,7 +551,7 @@ def moe_swiglu_experts_expert_parallel(x: Tensor, topk_ids: Tensor, topk_weights
     keep = resolve_checkpoint_policy(opts["checkpoint"])
     _, fp8 = check_numeric_options(opts["clamp_limits"], opts["fp8_dtype"], opts["quant_scheme"],
                                    opts["matmul_precision"], opts["scale_rule"])
-    _weight_grad_name(opts["weight_grad_dtype"], gate_up_weight, down_weight)
+    weight_grad_name(opts["weight_grad_dtype"], gate_up_weight, down_weight)
     routing.check_block_size(opts["block_size"])
     moe_op._check_gate_up_bias(gate_up_bias, gate_up_weight, keep)  # [E/ep, 2I]: the local experts'
     if down_bias is not None:

@@ -57,8 +57,8 @@ from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_op
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
-                                                           check_numeric_options, resolve_checkpoint_policy)
+from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
+from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, weight_grad_name as _weight_grad_name
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
