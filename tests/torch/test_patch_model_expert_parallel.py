@@ -184,7 +184,8 @@ def _bad_ep_calls(rank, world):
 
 
 def test_patch_model_ep_group_errors():
-    with pytest.raises(ValueError, match=r"patch_model: ep_payload / ep_capacity need an ep_group .* ep_payload='bf16'"):
+    with pytest.raises(ValueError, match=r"patch_model: ep_payload / ep_capacity need an ep_group .* "
+                                         r"ep_payload='bf16'"):
         patch_model(moe_model("mixtral", seed=0), RECIPE, ep_payload="bf16")
     for m in run_ranks(2, _bad_ep_calls, timeout=60):
         assert "model.layers.0.mlp.experts: the number of experts E=3 (gate_up_proj.shape[0]) must be divisible " \

@@ -78,10 +78,10 @@ What still reads the host in the padded modes: the peers table (capacity, overfl
 are static, the call as a whole is not one traced graph.
 
 Constraints: every rank of the group calls with the same E/ep, H, I, ep_payload, fp8 format and ep_capacity (checked:
-one all_gather of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all not (each has
-two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients, so experts
-that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. The counts
-are read on the host once per forward (split lists or the peers table), so this path does not trace under
+one all_gather of those, an error on every rank naming the mismatch); the ranks' backward passes must all run or all
+not (each has two all-to-alls): the dispatch's backward runs wherever the experts, x or topk_weights need gradients,
+so experts that train on every rank (or are frozen on every rank, with x and topk_weights alike) keep them in step. The
+counts are read on the host once per forward (split lists or the peers table), so this path does not trace under
 torch.compile. Neuron: untested (no device here). PyTorch/XLA's "xla" process group refuses split sizes in
 all_to_all_single (https://github.com/pytorch/xla/blob/master/torch_xla/distributed/xla_backend.py,
 ProcessGroupXla.alltoall_base), so there ep_capacity defaults to "auto" (equal splits; pass an int for one buffer
@@ -111,12 +111,12 @@ from . import routing
 __all__ = ["PAYLOADS", "CAPACITY_MODES", "shard_experts", "moe_swiglu_experts_expert_parallel",
            "check_ep_options", "default_capacity"]
 
-#: payload= values: "mxfp8" (x and dY rows as fp8 codes + E8M0 scales) or "bf16" (bit-exact reference path).
+#: ep_payload= values: "mxfp8" (x and dY rows as fp8 codes + E8M0 scales) or "bf16" (bit-exact reference path).
 PAYLOADS = ("mxfp8", "bf16")
-#: capacity= values besides a positive int (rows per (source, destination) rank pair) and None (by backend):
+#: ep_capacity= values besides a positive int (rows per (source, destination) rank pair) and None (by backend):
 #: "exact" (per-rank split lists) and "auto" (equal splits, the smallest power of two that fits this call).
 CAPACITY_MODES = ("exact", "auto")
-#: process-group backends whose all_to_all_single refuses split sizes: capacity=None means "auto" there
+#: process-group backends whose all_to_all_single refuses split sizes: ep_capacity=None means "auto" there
 EQUAL_SPLIT_BACKENDS = ("xla",)
 _FP8_NAMES = tuple(FP8_DTYPES)
 #: the op's keyword options and their defaults (one source of truth: the op's signature)
@@ -168,7 +168,7 @@ def _backend_name(group) -> str:
 
 
 def default_capacity(group) -> str:
-    """What capacity=None means on `group`: "auto" (padded, equal splits) on a backend in EQUAL_SPLIT_BACKENDS
+    """What ep_capacity=None means on `group`: "auto" (padded, equal splits) on a backend in EQUAL_SPLIT_BACKENDS
     (PyTorch/XLA's "xla" process group, whose all_to_all_single refuses split sizes), else "exact"."""
     return "auto" if _backend_name(group) in EQUAL_SPLIT_BACKENDS else "exact"
 
@@ -346,8 +346,9 @@ def _exchange_counts(ids: Tensor, sent: Tensor, local_experts: int, hidden: int,
     dist.all_to_all_single(received, sent, group=group)  # equal splits of E/ep counts
     per_rank = lambda c: c.reshape(world, local_experts).sum(dim=1)  # noqa: E731
     local_ids = torch.repeat_interleave(torch.arange(local_experts, device=sent.device).repeat(world), received)
-    common = dict(order=order, local_ids=local_ids.to(ids.device), expert_order=torch.argsort(flat.reshape(t, k), dim=1),
-                  num_tokens=t, top_k=k, hidden=hidden, group=group)
+    common = dict(order=order, local_ids=local_ids.to(ids.device),
+                  expert_order=torch.argsort(flat.reshape(t, k), dim=1), num_tokens=t, top_k=k, hidden=hidden,
+                  group=group)
     if capacity is None:
         return _Plan(**common, token_splits=per_rank(sent).tolist(), expert_splits=per_rank(received).tolist())
     return _Plan(**common, capacity=capacity, send_slots=_slots(per_rank(sent), capacity).to(ids.device),
