@@ -31,7 +31,7 @@ nkilib/experimental/moe_mxfp8/expert_parallel.py). The swapped module then holds
 model's names, with only the rank's experts (a copy of the slice; the full weights are no longer referenced, so
 build the optimizer after patching), and calls the op with ``ep_group``: each rank passes its own tokens, routed
 by the model's router with global expert ids, and they travel to their experts' ranks by all-to-alls (MXFP8, or
-bf16 with ep_payload="bf16"). State
+bf16 with ep_payload="bf16"; split per rank, or padded to equal splits with ep_capacity, the op's keywords). State
 dicts keep the model's keys; a rank's holds its experts' slices ([E/ep, ...] along the expert axis) under them;
 ``load_state_dict`` takes either those slices or the full [E, ...] tensors (a full checkpoint loads on every rank:
 the module cuts its experts out). Every other parameter of the model stays replicated: its gradient is the rank's
@@ -49,8 +49,7 @@ from torch import Tensor, nn
 from ..core import options
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
-from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import resolve_checkpoint_policy
-from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import _MainGradSink
+from ..experimental.torch_common import MainGradSink, resolve_checkpoint_policy
 from ..recipe import Recipe, as_recipe
 from ..recipe_call import resolve_options
 from .swiglu import SILU_CLASSES, autocast_input
@@ -90,7 +89,7 @@ def _op_recipe(recipe: Recipe) -> Recipe:
     return recipe.replace(accumulate_main_grad=False) if recipe.accumulate_main_grad else recipe
 
 
-class _Fp32MainGradCopy(_MainGradSink):
+class _Fp32MainGradCopy(MainGradSink):
     """param -> an fp32 copy of it whose gradient goes to ``param.main_grad`` (the dense op's sink contract,
     whose backward this inherits)."""
 
@@ -120,15 +119,17 @@ class _ExpertShard(nn.Module):
     expert_offset (the first local expert's global id), num_local_experts (E/ep).
     """
 
-    def _take_experts(self, experts: nn.Module, names: tuple, ep_group, where: str, ep_payload: str) -> None:
+    def _take_experts(self, experts: nn.Module, names: tuple, ep_group, where: str, ep_payload: str,
+                      ep_capacity) -> None:
         """Hold `experts`' Parameters `names` (leading axis E): the same objects, or with ep_group new Parameters
-        holding a copy of this rank's slice (E divisible by the group size, else ValueError naming `where`)."""
-        from ..experimental.moe_mxfp8.expert_parallel import PAYLOADS
+        holding a copy of this rank's slice (E divisible by the group size, else ValueError naming `where`);
+        ep_payload / ep_capacity: the op's (checked by expert_parallel.check_ep_options)."""
+        from ..experimental.moe_mxfp8.expert_parallel import check_ep_options
 
-        if ep_payload not in PAYLOADS:
-            raise ValueError(f"{where}: ep_payload must be one of {PAYLOADS}, got {ep_payload!r}")
+        check_ep_options(ep_group, ep_payload, ep_capacity, where)
         params = [getattr(experts, n) for n in names]
-        self.ep_group, self.ep_payload, self.num_experts = ep_group, ep_payload, params[0].shape[0]
+        self.ep_group, self.ep_payload, self.ep_capacity = ep_group, ep_payload, ep_capacity
+        self.num_experts = params[0].shape[0]
         self.expert_offset, self.num_local_experts = 0, self.num_experts
         self._expert_param_names = names
         if ep_group is not None:
@@ -142,16 +143,12 @@ class _ExpertShard(nn.Module):
             setattr(self, n, p)
 
     def _run_op(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, **kwargs) -> Tensor:
-        """moe_swiglu_experts_mxfp8 on all experts, or under ep_group its expert-parallel form with ep_payload
-        (kwargs: the op's resolved keywords, no recipe)."""
-        if self.ep_group is None:
-            from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
+        """moe_swiglu_experts_mxfp8 on all experts, or on this rank's under ep_group with ep_payload and
+        ep_capacity (kwargs: the op's resolved keywords, no recipe)."""
+        from ..experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8
 
-            return moe_swiglu_experts_mxfp8(x, ids, weights, gate_up, down, **kwargs)
-        from ..experimental.moe_mxfp8.expert_parallel import moe_swiglu_experts_expert_parallel
-
-        return moe_swiglu_experts_expert_parallel(x, ids, weights, gate_up, down, group=self.ep_group,
-                                                  payload=self.ep_payload, **kwargs)
+        return moe_swiglu_experts_mxfp8(x, ids, weights, gate_up, down, ep_group=self.ep_group,
+                                        ep_payload=self.ep_payload, ep_capacity=self.ep_capacity, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Under ep_group, full [E, ...] expert tensors load as this rank's slice (a rank's own slices load as is)."""
@@ -167,7 +164,7 @@ class _ExpertShard(nn.Module):
         return "" if self.ep_group is None else (f", ep_group size {self.num_experts // self.num_local_experts}, "
                                                  f"local experts {self.expert_offset}.."
                                                  f"{self.expert_offset + self.num_local_experts - 1}, "
-                                                 f"ep_payload={self.ep_payload!r}")
+                                                 f"ep_payload={self.ep_payload!r}, ep_capacity={self.ep_capacity!r}")
 
 
 def check_hf_experts(experts: nn.Module, where: str) -> None:
@@ -201,14 +198,16 @@ class HFMoEExperts(_ExpertShard):
         where: the module's qualified name, for error messages.
         ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
         ep_payload: under ep_group, how x and dY travel: "mxfp8" (codes + scales) or "bf16" (bit-identical to
-            the single-process op, twice the bytes); expert_parallel.py's payload.
+            the single-process op, twice the bytes); the op's ep_payload.
+        ep_capacity: under ep_group, None (by the group's backend), "exact", "auto" or an int: the op's
+            ep_capacity (padded, equal-split all-to-alls).
     """
 
     def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
-                 ep_payload: str = "mxfp8"):
+                 ep_payload: str = "mxfp8", ep_capacity=None):
         super().__init__()
         check_hf_experts(experts, where)
-        self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where, ep_payload)
+        self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where, ep_payload, ep_capacity)
         self.act_fn = nn.SiLU()  # documents the math; the op applies it
         self.recipe = as_recipe(recipe)
         moe_kwargs(self.recipe)  # refuse an unsupported recipe now, not at the first forward
@@ -259,11 +258,11 @@ class HFGptOssExperts(_ExpertShard):
         recipe: a Recipe, a preset name or None (the default preset).
         where: the module's qualified name, for error messages.
         ep_group: None, or the expert-parallel torch.distributed process group (module docstring).
-        ep_payload: under ep_group, "mxfp8" or "bf16" (as HFMoEExperts).
+        ep_payload, ep_capacity: under ep_group, as HFMoEExperts.
     """
 
     def __init__(self, experts: nn.Module, recipe=None, where: str = "experts", ep_group=None,
-                 ep_payload: str = "mxfp8"):
+                 ep_payload: str = "mxfp8", ep_capacity=None):
         super().__init__()
         names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         params = [getattr(experts, n, None) for n in names]
@@ -285,7 +284,7 @@ class HFGptOssExperts(_ExpertShard):
         limit = getattr(experts, "limit", None)
         self.clamp_limits = ClampLimits(non_linear_upper=limit, linear_lower=None if limit is None else -limit,
                                         linear_upper=limit, activation="gpt_oss")
-        self._take_experts(experts, names, ep_group, where, ep_payload)
+        self._take_experts(experts, names, ep_group, where, ep_payload, ep_capacity)
         self.hidden_size, self.intermediate_size = h, two_i // 2
         self.alpha, self.limit = alpha, limit
         self.where = where

@@ -21,8 +21,9 @@ the reason. Further classes: ``register_swap(class_name, swap_fn)``.
 Expert parallelism: ``patch_model(model, recipe, ep_group=pg)`` on every rank of `pg` makes the swapped experts
 modules keep only the rank's E/ep experts and run the op with ``ep_group`` (nkilib/training/moe.py says what a
 rank's state dict holds); dense MLPs are swapped as without it. ``ep_payload="bf16"`` sends tokens and output
-gradients in bf16 instead of MXFP8 (bit-identical to one process). Swap functions that take ``ep_group`` /
-``ep_payload`` keywords receive them; the others are called as without.
+gradients in bf16 instead of MXFP8 (bit-identical to one process); ``ep_capacity`` pads the all-to-alls to equal
+splits (the op's keyword; by default on an "xla" process group). Swap functions that take ``ep_group`` /
+``ep_payload`` / ``ep_capacity`` keywords receive them; the others are called as without.
 """
 from __future__ import annotations
 
@@ -92,27 +93,30 @@ def _swap_dense(module: nn.Module, recipe: Recipe, name: str) -> nn.Module:
     return HFSwiGLUMLP.from_hf(module, recipe=recipe, where=name or type(module).__name__)
 
 
-def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
+def _swap_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8",
+                  ep_capacity=None) -> nn.Module:
     return HFMoEExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
-                        ep_payload=ep_payload)
+                        ep_payload=ep_payload, ep_capacity=ep_capacity)
 
 
-def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None,
-                          ep_payload="mxfp8") -> nn.Module:
+def _swap_gpt_oss_experts(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8",
+                          ep_capacity=None) -> nn.Module:
     return HFGptOssExperts(module, recipe=recipe, where=name or type(module).__name__, ep_group=ep_group,
-                           ep_payload=ep_payload)
+                           ep_payload=ep_payload, ep_capacity=ep_capacity)
 
 
-def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8") -> nn.Module:
+def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep_payload="mxfp8",
+                 ep_capacity=None) -> nn.Module:
     held = getattr(module, "ep_group", None)
     if ep_group is not None and isinstance(module, (HFMoEExperts, HFGptOssExperts)):
         if ep_group is not held:
             raise ValueError(f"patch_model: {name} is already swapped with "
                              f"{'all experts' if held is None else 'another ep_group'}; its experts cannot be "
                              f"re-sharded over a new ep_group (patch the original model instead)")
-        if ep_payload != module.ep_payload:
-            raise ValueError(f"patch_model: {name} runs with ep_payload={module.ep_payload!r}; re-patching cannot "
-                             f"change it to {ep_payload!r}")
+        for option, value in (("ep_payload", ep_payload), ("ep_capacity", ep_capacity)):
+            if value != getattr(module, option):
+                raise ValueError(f"patch_model: {name} runs with {option}={getattr(module, option)!r}; re-patching "
+                                 f"cannot change it to {value!r}")
     if isinstance(module, HFMoEExperts):
         moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
     if isinstance(module, HFGptOssExperts):
@@ -138,18 +142,19 @@ register_swap(HFMoEExperts.__name__, _reconfigure)
 register_swap(HFGptOssExperts.__name__, _reconfigure)
 
 
-def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_group, ep_payload) -> nn.Module:
-    """swap_fn(module, recipe, name), plus ep_group= and ep_payload= where a group is given and swap_fn takes them."""
-    if ep_group is None:
+def _call_swap(swap_fn: SwapFn, module: nn.Module, recipe: Recipe, name: str, ep_options: dict) -> nn.Module:
+    """swap_fn(module, recipe, name), plus the ep_options (ep_group, ep_payload, ep_capacity) it takes, where a
+    group is given."""
+    if ep_options["ep_group"] is None:
         return swap_fn(module, recipe, name)
     params = inspect.signature(swap_fn).parameters
     any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    extra = {k: v for k, v in (("ep_group", ep_group), ("ep_payload", ep_payload)) if any_keyword or k in params}
+    extra = {k: v for k, v in ep_options.items() if any_keyword or k in params}
     return swap_fn(module, recipe, name, **extra)
 
 
 def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=None,
-                ep_payload: str = "mxfp8") -> PatchReport:
+                ep_payload: str = "mxfp8", ep_capacity=None) -> PatchReport:
     """Swap, in place, every registered module of `model` for one whose backward is the MXFP8 op.
 
     Args:
@@ -164,6 +169,9 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
         ep_payload: with ep_group, how tokens and output gradients travel: "mxfp8" (fp8 codes + E8M0 scales, the
             op's) or "bf16" (twice the bytes, results bit-identical to the single-process patched model);
             nkilib/experimental/moe_mxfp8/expert_parallel.py.
+        ep_capacity: with ep_group, how the all-to-alls split their rows: None (by the group's backend: padded on
+            "xla", else exact), "exact", "auto" or a positive int (rows per rank pair, padded, equal splits; more
+            routed pairs raise); the op's ep_capacity.
 
     Returns:
         PatchReport.
@@ -171,15 +179,17 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
     Raises:
         ValueError: a registered module that does not fit the op (bias, activation, sizes; the message
             names the module), a model with nothing to swap, E not divisible by the ep_group size, a bad
-            ep_payload (or one without ep_group), or an already swapped experts module asked to change its ep_group
-            or ep_payload.
+            ep_payload / ep_capacity (or one without ep_group), or an already swapped experts module asked to change
+            its ep_group, ep_payload or ep_capacity.
         TypeError / RuntimeError: ep_group not a ProcessGroup / torch.distributed not initialised.
         NotImplementedError: strict and a PENDING_CLASSES module is present.
     """
     recipe = as_recipe(recipe)
-    if ep_group is None and ep_payload != "mxfp8":
-        raise ValueError(f"patch_model: ep_payload={ep_payload!r} needs an ep_group (it is how tokens travel between "
-                         f"the expert-parallel ranks)")
+    if moe_op_available():  # before any swap: a bad option must not leave the model half patched
+        from ..experimental.moe_mxfp8.expert_parallel import check_ep_options
+
+        check_ep_options(ep_group, ep_payload, ep_capacity, "patch_model")
+    ep_options = dict(ep_group=ep_group, ep_payload=ep_payload, ep_capacity=ep_capacity)
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model: model must be a torch.nn.Module, got {type(model).__name__}")
     found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in _SWAPS or
@@ -194,7 +204,7 @@ def patch_model(model: nn.Module, recipe=None, *, strict: bool = True, ep_group=
     for name, module in found:
         if name in pending:
             continue
-        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_group, ep_payload)
+        swapped = _call_swap(_SWAPS[type(module).__name__], module, recipe, name, ep_options)
         if swapped is not module:
             _set_submodule(model, name, swapped)
         patched.append(name)

@@ -27,8 +27,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import ( 
     mx_dequantize_rows, mx_quantize_dequantize, mx_quantize_rows)
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_swiglu_experts_mxfp8  # noqa: E402
-from nkilib.experimental.moe_mxfp8.expert_parallel import (  # noqa: E402
-    moe_swiglu_experts_expert_parallel, shard_experts)
+from nkilib.experimental.moe_mxfp8.expert_parallel import shard_experts  # noqa: E402
 from nkilib.mx import quantize_mx  # noqa: E402
 
 E, H, I = 8, 64, 64
@@ -75,11 +74,8 @@ def _rank_step(rank, world, problem, tokens_per_rank, payload, kw):
     if "b_gu" in problem:  # the local experts' biases
         kw = dict(kw, **dict(zip(("gate_up_bias", "down_bias"), shard_experts(problem["b_gu"], problem["b_down"]))))
     args = [problem[n][rows] for n in ("x", "ids", "w")]
-    if payload == "mxfp8":  # the op's own keyword
-        return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
-                     **kw)
-    return _step(moe_swiglu_experts_expert_parallel, *args, w_gu, w_down, problem["dy"][rows], group=dist.group.WORLD,
-                 payload=payload, **kw)
+    return _step(moe_swiglu_experts_mxfp8, *args, w_gu, w_down, problem["dy"][rows], ep_group=dist.group.WORLD,
+                 ep_payload=payload, **kw)
 
 
 def _run(world, problem, tokens_per_rank, payload="mxfp8", **kw):
@@ -290,8 +286,8 @@ def _bad_calls(rank, world):
     calls = {
         "indivisible": lambda: shard_experts(p["w_gu"][:3], p["w_down"][:3], dist.group.WORLD),
         "group": lambda: moe_swiglu_experts_mxfp8(x, ids, w, w_gu, w_down, ep_group=1),
-        "payload": lambda: moe_swiglu_experts_expert_parallel(x, ids, w, w_gu, w_down, group=dist.group.WORLD,
-                                                              payload="fp4"),
+        "payload": lambda: moe_swiglu_experts_mxfp8(x, ids, w, w_gu, w_down, ep_group=dist.group.WORLD,
+                                                    ep_payload="fp4"),
         "id_range": lambda: moe_swiglu_experts_mxfp8(x, ids + E // 2, w, w_gu, w_down, ep_group=dist.group.WORLD),
         "k": lambda: moe_swiglu_experts_mxfp8(x, torch.zeros(4, E + 1, dtype=torch.int64), torch.ones(4, E + 1),
                                               w_gu, w_down, ep_group=dist.group.WORLD),
@@ -318,7 +314,7 @@ def test_bad_input_errors():
         assert "E=3 (gate_up_weight.shape[0]) must be divisible by the ep_group size 2" in m["indivisible"]
         assert m["group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" in \
             m["group"] and "got int" in m["group"]
-        assert "payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
+        assert "ep_payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
         assert "expert ids must be in [0, 8) (num_experts=8)" in m["id_range"]  # global ids, E = ep * E/ep
         assert "k=9 experts per token but there are E=8 experts" in m["k"]
         assert ("every rank must pass the same local experts E/ep (gate_up_weight.shape[0]), got [4, 3]"
@@ -348,6 +344,16 @@ def _module_rank(rank, world):
     got = dict(y=y.detach(), dx=x.grad, dw=w.grad, dw_gu=module.gate_up_weight.grad, dw_down=module.down_weight.grad)
     want = _step(moe_swiglu_experts_mxfp8, p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
                  p["dy"][rows], ep_group=dist.group.WORLD)
+    equal = {n: torch.equal(got[n], want[n]) for n in GRADS}
+    # the module's ep_payload / ep_capacity reach the op: equal to the op called with them
+    torch.manual_seed(0)
+    padded = MoESwiGLUExperts(E, H, I, ep_group=dist.group.WORLD, ep_payload="bf16", ep_capacity=8,
+                              dtype=torch.bfloat16)
+    padded.load_state_dict(module.state_dict())
+    y_padded = padded(p["x"][rows], p["ids"][rows], p["w"][rows])
+    y_op = moe_swiglu_experts_mxfp8(p["x"][rows], p["ids"][rows], p["w"][rows], w_gu, w_down,
+                                    ep_group=dist.group.WORLD, ep_payload="bf16", ep_capacity="exact")
+    equal["padded_bf16"] = torch.equal(y_padded, y_op) and not torch.equal(y_padded, got["y"])
     biased = MoESwiGLUExperts(E, H, I, bias=True, ep_group=dist.group.WORLD)
     bias_shapes = {n: tuple(v.shape) for n, v in biased.state_dict().items()}
     try:
@@ -355,13 +361,150 @@ def _module_rank(rank, world):
         error = "accepted"
     except ValueError as exc:
         error = str(exc)
-    return shapes, {n: torch.equal(got[n], want[n]) for n in GRADS}, bias_shapes, error
+    return shapes, equal, bias_shapes, error
 
 
 def test_module_with_ep_group_holds_the_local_shard_and_equals_the_op():
     for rank, (shapes, equal, bias_shapes, error) in enumerate(run_ranks(2, _module_rank, timeout=60)):
         assert shapes == ((E // 2, 2 * I, H), (E // 2, H, I), rank * E // 2)
-        assert equal == {n: True for n in GRADS}
+        assert equal == {n: True for n in GRADS + ("padded_bf16",)}
         assert bias_shapes == {"gate_up_weight": (E // 2, 2 * I, H), "down_weight": (E // 2, H, I),
                                "gate_up_bias": (E // 2, 2 * I), "down_bias": (E // 2, H)}
         assert "E=9 (num_experts) must be divisible by the ep_group size 2" in error
+
+
+# ----------------------------------------------------------------------------------------------
+# ep_capacity: padded, equal-split all-to-alls (what PyTorch/XLA's "xla" process group accepts)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rank_capacities(rank, world, problem, tokens_per_rank, capacities, too_small, kw):
+    """_rank_step once per ep_capacity, recording the split arguments of every all_to_all_single; then
+    ep_capacity=too_small, whose error message is returned."""
+    import torch.distributed as dist
+
+    from nkilib.experimental.moe_mxfp8 import expert_parallel
+
+    calls, real = [], dist.all_to_all_single
+
+    def recording(out, inp, out_splits=None, in_splits=None, **k):
+        calls.append((out_splits, in_splits, tuple(out.shape)))
+        return real(out, inp, out_splits, in_splits, **k)
+
+    results = {}
+    expert_parallel.dist.all_to_all_single = recording
+    try:
+        for cap in capacities:
+            calls.clear()
+            results[cap] = (_rank_step(rank, world, problem, tokens_per_rank, "mxfp8", dict(kw, ep_capacity=cap)),
+                            list(calls))
+    finally:
+        expert_parallel.dist.all_to_all_single = real
+    try:
+        _rank_step(rank, world, problem, tokens_per_rank, "mxfp8", dict(kw, ep_capacity=too_small))
+        error = "accepted"
+    except ValueError as exc:
+        error = str(exc)
+    return results, error
+
+
+def _pair_rows_max(problem, tokens_per_rank, world):
+    """The largest number of routed pairs one rank sends to one rank (from the global routing)."""
+    dest = problem["ids"] // (E // world)
+    lo = np.cumsum([0] + list(tokens_per_rank))
+    return max(int((dest[lo[r]:lo[r + 1]] == d).sum()) for r in range(world) for d in range(world))
+
+
+@pytest.mark.parametrize("world,tokens,experts", [(2, [24, 24], tuple(range(E))),
+                                                  (4, [8, 24, 1, 12], (E - 3, E - 2, E - 1))])
+def test_padded_capacity_is_bit_identical_to_exact_splits(world, tokens, experts):
+    # 4 ranks: every token to the last two ranks' experts, so ranks 0 and 1 receive only padding
+    problem = _problem(tokens, experts=experts, seed=13)
+    m = _pair_rows_max(problem, tokens, world)
+    caps = ("exact", m, "auto", 4 * m)
+    out = run_ranks(world, _rank_capacities, problem, tokens, caps, m - 1, dict(backend="emulate"), timeout=90)
+    auto = 1 << (m - 1).bit_length()
+    for rank, (results, error) in enumerate(out):
+        exact, exact_calls = results["exact"]
+        assert any(c[0] is not None for c in exact_calls)  # the exact path does pass split lists
+        for cap, padded_rows in ((m, m), ("auto", auto), (4 * m, 4 * m)):
+            got, calls = results[cap]
+            _assert_identical(got, exact)
+            # 1 counts + 2 forward + 2 backward exchanges, all equal splits; payloads [ep * C, row bytes]
+            assert len(calls) == 5 and all(c[0] is None and c[1] is None for c in calls), calls
+            assert [c[2][0] for c in calls[1:]] == [world * padded_rows] * 4, (cap, calls)
+        assert f"ep_capacity={m - 1} rows per (source, destination) rank pair is too small" in error, error
+        assert f"routes {m} pairs (token, expert) to one rank's experts" in error
+    if world == 4:
+        assert not out[0][0]["auto"][0]["dw_gu"].any()  # rank 0 received only padding: zero gradients
+
+
+def test_padded_capacity_with_biases_and_bf16_payload():
+    # GPT-OSS's experts and both biases, ep_payload "bf16": the padded exchange equals the single-process op
+    tokens = [16, 16]
+    problem = _with_biases(_problem(tokens, seed=14), seed=15)
+    ref = _full(problem, **GPT_OSS)
+    _, got = _run(2, problem, tokens, payload="bf16", backend="emulate", ep_capacity="auto", **GPT_OSS)
+    _assert_identical(got, ref, GRADS + ("db_gu", "db_down"))
+
+
+class _StubGroup(torch.distributed.ProcessGroup):
+    """A process group object that torch.distributed never registered (as a backend's own class would be),
+    naming its backend."""
+
+    def __init__(self, backend):
+        super().__init__(0, 2)
+        self._backend = backend
+
+    def getBackendName(self):
+        return self._backend
+
+
+def test_default_capacity_by_backend_and_option_errors():
+    from nkilib.experimental.moe_mxfp8.expert_parallel import check_ep_options, default_capacity
+
+    assert default_capacity(_StubGroup("xla")) == "auto"  # PyTorch/XLA: equal splits only
+    assert default_capacity(_StubGroup("gloo")) == "exact" and default_capacity(_StubGroup("nccl")) == "exact"
+    for bad in (0, -3, 2.5, True, "padded"):
+        with pytest.raises(ValueError, match=r"ep_capacity must be None, one of \('exact', 'auto'\) or a positive "
+                                             rf"int .*got {bad!r}"):
+            check_ep_options(_StubGroup("gloo"), "mxfp8", bad, "f")
+    from nkilib.experimental.moe_mxfp8 import MoESwiGLUExperts
+
+    with pytest.raises(ValueError, match=r"MoESwiGLUExperts: ep_capacity must be None, .* got 'big'"):
+        MoESwiGLUExperts(E, H, I, ep_capacity="big")
+    with pytest.raises(ValueError, match="MoESwiGLUExperts: ep_payload / ep_capacity need an ep_group .* "
+                                         "ep_payload='bf16'"):
+        MoESwiGLUExperts(E, H, I, ep_payload="bf16")
+    with pytest.raises(ValueError, match="ep_payload / ep_capacity need an ep_group .* ep_capacity=8"):
+        moe_swiglu_experts_mxfp8(torch.zeros(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),
+                                 torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), ep_capacity=8)
+
+
+def _rank_default_on_an_xla_like_backend(rank, world, problem):
+    """ep_capacity=None with the rank's gloo group listed as an equal-split backend (as "xla" is): every
+    all_to_all_single gets equal splits; and the world group's own default."""
+    import torch.distributed as dist
+
+    from nkilib.experimental.moe_mxfp8 import expert_parallel
+
+    own_default = expert_parallel.default_capacity(dist.group.WORLD)
+    calls, real = [], dist.all_to_all_single
+    expert_parallel.EQUAL_SPLIT_BACKENDS = ("gloo",)
+    expert_parallel.dist.all_to_all_single = lambda out, inp, o=None, i=None, **k: (calls.append((o, i)),
+                                                                                    real(out, inp, o, i, **k))[1]
+    try:
+        got = _rank_step(rank, world, problem, [24, 24], "mxfp8", dict(backend="emulate"))
+    finally:
+        expert_parallel.dist.all_to_all_single = real
+    return own_default, calls, got
+
+
+def test_default_capacity_is_padded_on_an_equal_split_backend():
+    problem = _problem([24, 24], seed=16)
+    ref = _full(problem, x=_q(problem["x"]), dy=_q(problem["dy"]))
+    out = run_ranks(2, _rank_default_on_an_xla_like_backend, problem, timeout=60)
+    for own_default, calls, _ in out:
+        assert own_default == "exact"  # gloo keeps per-rank splits by default
+        assert len(calls) == 5 and all(o is None and i is None for o, i in calls)
+    _assert_identical({n: torch.cat([r[2][n] for r in out]) for n in GRADS}, ref)

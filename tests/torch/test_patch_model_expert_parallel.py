@@ -72,11 +72,11 @@ def _step(model, ids, grad_logits):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8"):
+def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8", capacity=None):
     import torch.distributed as dist
 
     model = _model(family, seed=100 + rank)  # other weights than the reference: load_state_dict must fix them
-    report = patch_model(model, RECIPE, ep_group=dist.group.WORLD, ep_payload=payload)
+    report = patch_model(model, RECIPE, ep_group=dist.group.WORLD, ep_payload=payload, ep_capacity=capacity)
     keys_after_patch = list(model.state_dict())
     model.load_state_dict(full_state)  # full [E, ...] expert tensors: each module cuts out its slice
     shard_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -136,10 +136,11 @@ def test_patch_model_with_ep_group_equals_single_process(family):
     assert all(0 < e < bounds[1] for e in vs_plain.values()), vs_plain
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_patch_model_with_bf16_payload_is_bit_identical_to_the_plain_patched_model(family):
+@pytest.mark.parametrize("family,capacity", [("qwen3_moe", None), ("gpt_oss", "auto")])
+def test_patch_model_with_bf16_payload_is_bit_identical_to_the_plain_patched_model(family, capacity):
     # ep_payload="bf16": x and dY travel unrounded, so the expert-parallel model equals the plain single-process
-    # patched model (no Q) bit for bit, GPT-OSS's biases and clamps included
+    # patched model (no Q) bit for bit, GPT-OSS's biases and clamps included; with ep_capacity="auto" the
+    # all-to-alls are padded to equal splits (the exchanges only move rows: still bit for bit)
     original = _model(family, seed=0)
     full_state = {k: v.clone() for k, v in original.state_dict().items()}
     g = torch.Generator().manual_seed(2)
@@ -148,7 +149,7 @@ def test_patch_model_with_bf16_payload_is_bit_identical_to_the_plain_patched_mod
     plain = copy.deepcopy(original)
     patch_model(plain, RECIPE)
     ref_logits, ref_grads = _step(plain, ids, grad_logits)
-    ranks = run_ranks(2, _rank, family, full_state, ids, grad_logits, "bf16", timeout=120)
+    ranks = run_ranks(2, _rank, family, full_state, ids, grad_logits, "bf16", capacity, timeout=120)
     for rank, out in enumerate(ranks):
         assert torch.equal(out["logits"], ref_logits[rank:rank + 1]), rank
         for name in out["local"]:
@@ -183,7 +184,8 @@ def _bad_ep_calls(rank, world):
 
 
 def test_patch_model_ep_group_errors():
-    with pytest.raises(ValueError, match=r"ep_payload='bf16' needs an ep_group"):
+    with pytest.raises(ValueError, match=r"patch_model: ep_payload / ep_capacity need an ep_group .* "
+                                         r"ep_payload='bf16'"):
         patch_model(moe_model("mixtral", seed=0), RECIPE, ep_payload="bf16")
     for m in run_ranks(2, _bad_ep_calls, timeout=60):
         assert "model.layers.0.mlp.experts: the number of experts E=3 (gate_up_proj.shape[0]) must be divisible " \
@@ -191,4 +193,4 @@ def test_patch_model_ep_group_errors():
         assert m["not_a_group"].startswith("TypeError: ") and "ep_group must be a torch.distributed ProcessGroup" \
             in m["not_a_group"]
         assert "model.layers.0.mlp.experts is already swapped with all experts" in m["reshard"]
-        assert "model.layers.0.mlp.experts: ep_payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]
+        assert "patch_model: ep_payload must be one of ('mxfp8', 'bf16'), got 'fp4'" in m["payload"]

@@ -57,8 +57,8 @@ from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_op
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
-from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import (CHECKPOINT_NAMES, _from_numpy, _to_numpy, _weight_grad_name,
-                                                           check_numeric_options, resolve_checkpoint_policy)
+from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
+from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, weight_grad_name as _weight_grad_name
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
@@ -353,7 +353,8 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
                              down_weight: Tensor, *, checkpoint="all", clamp_limits=None, fp8_dtype="float8_e4m3fn",
                              quant_scheme="1x32", weight_grad_dtype=None, matmul_precision="mxfp8",
                              scale_rule="neuron", block_size: int = DEFAULT_BLOCK_SIZE, backend="auto",
-                             lnc=None, ep_group=None, gate_up_bias=None, down_bias=None) -> Tensor:
+                             lnc=None, ep_group=None, ep_payload="mxfp8", ep_capacity=None, gate_up_bias=None,
+                             down_bias=None) -> Tensor:
     """Routed SwiGLU experts y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with the MXFP8
     MoE backward (module docstring).
 
@@ -384,6 +385,14 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
             experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), topk_ids hold global ids in [0, E),
             and tokens travel to their experts' ranks and back as MXFP8 all-to-alls; gate_up_bias / down_bias are
             then the local experts' [E/ep, 2I] / [E/ep, H] and their gradients stay on this rank.
+        ep_payload: with ep_group, how x and dY travel: "mxfp8" (fp8 codes + E8M0 scales, default) or "bf16"
+            (results bit-identical to the single-process op, twice the bytes).
+        ep_capacity: with ep_group, how the payload all-to-alls split their rows: None (default: "auto" on a
+            process group whose backend is "xla", whose all_to_all_single refuses split sizes, else "exact"),
+            "exact" (per-rank split lists), a positive int C (equal splits: C rows per (source, destination) rank
+            pair, padded, static shapes; a rank routing more than C pairs to one rank raises a ValueError on every
+            rank, nothing is dropped) or "auto" (C = the smallest power of two that fits the call). Bit-identical
+            results in every mode (expert_parallel.moe_swiglu_experts_expert_parallel).
         gate_up_bias: None or [E, 2I] (GPT-OSS): added to the projections (gate_pre = x W_gate[e]^T + b_gate[e]
             in bf16, likewise up); needs a checkpoint policy keeping gate_pre and up (the kernel's recompute has
             no bias), any backend. Its gradient, per expert the float32 sum of the bf16 d_gate_up rows in the
@@ -409,10 +418,15 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         from .expert_parallel import moe_swiglu_experts_expert_parallel
 
         return moe_swiglu_experts_expert_parallel(
-            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, checkpoint=checkpoint,
+            x, topk_ids, topk_weights, gate_up_weight, down_weight, group=ep_group, ep_payload=ep_payload,
+            ep_capacity=ep_capacity, checkpoint=checkpoint,
             clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
             weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision, scale_rule=scale_rule,
             block_size=block_size, backend=backend, lnc=lnc, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if ep_payload != "mxfp8" or ep_capacity is not None:
+        from .expert_parallel import check_ep_options
+
+        check_ep_options(None, ep_payload, ep_capacity, "moe_swiglu_experts_mxfp8")  # raises: no ep_group
     if down_bias is not None:
         y = moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, gate_up_weight, down_weight, checkpoint=checkpoint,
                                      clamp_limits=clamp_limits, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
@@ -498,6 +512,8 @@ class MoESwiGLUExperts(nn.Module):
             E/ep experts (rank r of the group: experts r*E/ep .. (r+1)*E/ep - 1), so its parameters are
             [E/ep, 2I, H] / [E/ep, H, I] (biases [E/ep, 2I] / [E/ep, H]) and its state dict holds the local
             shard; topk_ids stay global ids in [0, E). E must be divisible by the group size.
+        ep_payload, ep_capacity: with ep_group, the op's (how tokens travel: "mxfp8" / "bf16"; per-rank splits or
+            padded equal splits); checked at construction.
         device, dtype: of the parameters (bfloat16 or float32).
 
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
@@ -506,7 +522,8 @@ class MoESwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, recipe=None,
                  checkpoint=UNSET, backend=UNSET, clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET,
                  weight_grad_dtype=UNSET, matmul_precision=UNSET, scale_rule=UNSET, block_size=UNSET, lnc=UNSET,
-                 bias: bool = False, ep_group=None, device=None, dtype=None):
+                 bias: bool = False, ep_group=None, ep_payload: str = "mxfp8", ep_capacity=None, device=None,
+                 dtype=None):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
@@ -527,10 +544,13 @@ class MoESwiGLUExperts(nn.Module):
         if not isinstance(bias, bool):
             raise ValueError(f"MoESwiGLUExperts: bias must be a bool, got {bias!r}")
         self.ep_group, self.expert_offset, local = ep_group, 0, num_experts
-        if ep_group is not None:
-            from .expert_parallel import local_expert_range
+        self.ep_payload, self.ep_capacity = ep_payload, ep_capacity
+        if ep_group is not None or ep_payload != "mxfp8" or ep_capacity is not None:
+            from .expert_parallel import check_ep_options, local_expert_range
 
-            self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
+            check_ep_options(ep_group, ep_payload, ep_capacity, "MoESwiGLUExperts")
+            if ep_group is not None:
+                self.expert_offset, local = local_expert_range(num_experts, ep_group, "MoESwiGLUExperts")
         self.num_local_experts = local
         factory = dict(device=device, dtype=dtype)
         self.gate_up_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **factory))
@@ -560,7 +580,8 @@ class MoESwiGLUExperts(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
                                         gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, recipe=self.recipe,
-                                        ep_group=self.ep_group, **self.options)
+                                        ep_group=self.ep_group, ep_payload=self.ep_payload,
+                                        ep_capacity=self.ep_capacity, **self.options)
 
     def effective_options(self) -> dict:
         """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""

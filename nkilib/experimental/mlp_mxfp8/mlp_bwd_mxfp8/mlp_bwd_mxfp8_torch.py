@@ -74,28 +74,25 @@ dtype, so it must be an fp32 input) and None for the weight; the sink's backward
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Optional
 
-import ml_dtypes
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ....core import options
-from ....mx import SCALE_RULES
 from ....recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
 from ...neuron_dispatch import check_lnc, launch_stack_and_lnc
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs
 from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
+from ...torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
+from ...torch_common import MainGradSink as _MainGradSink, from_numpy as _from_numpy, to_numpy as _to_numpy
+from ...torch_common import weight_grad_name as _weight_grad_name
 
 __all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "FORWARD_NUMERICS",
            "resolve_checkpoint_policy", "resolve_backend"]
 
-#: Forward activations the backward kernel accepts as checkpoints (kernel argument names).
-CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
 #: backend= choices.
 BACKENDS = ("auto", "simulator", "emulate", "neuron")
 #: forward_numerics= choices (see the module docstring).
@@ -106,38 +103,6 @@ _PARAM_DTYPES = (torch.bfloat16, torch.float32)
 # ----------------------------------------------------------------------------------------------
 # option resolution (plain Python, runs before the custom op so errors name the user's arguments)
 # ----------------------------------------------------------------------------------------------
-
-
-def resolve_checkpoint_policy(checkpoint) -> tuple:
-    """Policy -> 4 bools (keep gate_pre, gate_act, up, intermediate).
-
-    Args:
-        checkpoint: "all", "none", one checkpoint name, or an iterable of names from CHECKPOINT_NAMES.
-
-    Raises:
-        ValueError: an unknown policy or name.
-    """
-    if isinstance(checkpoint, str):
-        if checkpoint == "all":
-            return (True, True, True, True)
-        if checkpoint == "none":
-            return (False, False, False, False)
-        if checkpoint in CHECKPOINT_NAMES:
-            names = {checkpoint}
-        else:
-            raise ValueError(f"checkpoint policy must be 'all', 'none', or a subset of {CHECKPOINT_NAMES}; "
-                             f"got {checkpoint!r}")
-    elif isinstance(checkpoint, Iterable):
-        names = set()
-        for n in checkpoint:
-            if n not in CHECKPOINT_NAMES:
-                raise ValueError(f"unknown checkpoint name {n!r} in checkpoint={checkpoint!r}; "
-                                 f"accepted names: {CHECKPOINT_NAMES} (or the policies 'all' / 'none')")
-            names.add(n)
-    else:
-        raise ValueError(f"checkpoint policy must be 'all', 'none', or a subset of {CHECKPOINT_NAMES}; "
-                         f"got {checkpoint!r}")
-    return tuple(n in names for n in CHECKPOINT_NAMES)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -157,24 +122,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         f"swiglu_mlp_mxfp8: no NKI kernel path for tensors on device '{device}' (the kernel runs on Neuron "
         f"devices, and on CPU in the simulator); pass backend='emulate' for the pure-torch emulation of the "
         f"kernel's exact numerics on this device, or move the tensors to CPU / a Neuron device")
-
-
-def check_numeric_options(clamp_limits, fp8_dtype, quant_scheme, matmul_precision, scale_rule) -> tuple:
-    """(clamps (4 floats or None), fp8 format name) of a torch op's numeric options (this layer's and the MoE
-    experts' op), validated by nkilib.core.options like the kernels and references; scale_rule one of
-    nkilib.mx.SCALE_RULES."""
-    clamps = options.clamp_values(clamp_limits)
-    fp8 = options.fp8_format(fp8_dtype)
-    options.quant_scheme(quant_scheme)
-    options.matmul_precision(matmul_precision)
-    options.check_choice("scale_rule", scale_rule, SCALE_RULES)
-    return clamps, fp8
-
-
-def _weight_grad_name(weight_grad_dtype, gate_up_weight: Tensor, down_weight: Tensor) -> str:
-    if weight_grad_dtype is None:
-        return "float32" if torch.float32 in (gate_up_weight.dtype, down_weight.dtype) else "bfloat16"
-    return options.weight_grad_dtype(weight_grad_dtype, spelled="None, torch.bfloat16 or torch.float32")
 
 
 def _check_inputs(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor) -> tuple:
@@ -230,24 +177,6 @@ def _forward_math(x2: Tensor, gate_up_weight: Tensor, down_weight: Tensor, clamp
 # ----------------------------------------------------------------------------------------------
 # backends of the backward
 # ----------------------------------------------------------------------------------------------
-
-
-def _to_numpy(t: Optional[Tensor]):
-    if t is None:
-        return None
-    t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _from_numpy(a, device) -> Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(a.astype(np.float32, copy=True))
-    return t.to(device)
 
 
 def _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc):
@@ -414,33 +343,6 @@ register_torchneuron_ops_if_available()
 # ----------------------------------------------------------------------------------------------
 # fp32 gradient accumulation into param.main_grad (Megatron / NxD convention)
 # ----------------------------------------------------------------------------------------------
-
-
-class _MainGradSink(torch.autograd.Function):
-    """param -> a zero-stride fp32 zero tensor of param's shape that carries param's fp32 gradient.
-
-    The forward op takes this tensor as an extra input and returns the kernel's fp32 weight gradient
-    for it (and None for the bf16 weight itself). The engine casts a gradient to its input's dtype, so
-    only an fp32 input lets the fp32 gradient through unrounded; a zero-stride tensor costs no memory.
-    The backward here adds that gradient to ``param.main_grad``. Like Megatron's fused gradient
-    accumulation, ``param.grad`` is left alone, except that a parameter carrying the
-    ``grad_added_to_main_grad`` attribute gets it set to True and a zero ``.grad`` contribution, so
-    hooks on the gradient accumulator still fire (what Megatron-LM's distributed optimizer expects).
-    """
-
-    @staticmethod
-    def forward(ctx, param):
-        ctx.param = param
-        return torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        param = ctx.param
-        param.main_grad.add_(grad)
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = True
-            return torch.zeros_like(param)
-        return None
 
 
 def _main_grad_sinks(accumulate_main_grad: bool, params: dict) -> list:
