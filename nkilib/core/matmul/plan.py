@@ -206,7 +206,8 @@ class MatmulPlan(nl.NKIObject):
                     m_group = capacity * load // self.m_tile
                 self.stationary.append(PanelSource(op, setup, pad_even=True, keep_all=keep_stationary, lo=m_lo,
                                                    hi=m_hi, load_width=load_width, capacity=capacity))
-        self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving) for op in moving]
+        self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving, lo=n_lo, hi=n_hi)
+                       for op in moving]
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
@@ -370,6 +371,8 @@ class MatmulPlan(nl.NKIObject):
         self.accumulators = None
         for source in self.stationary + self.moving:
             source.release()
+            if not source.resident:
+                source.ring = None  # and the LoadRing its loads shared
 
     def step(self, stage: str) -> "MatmulPlan":
         """stage "head": run the tiles up to the last one that loads a panel (last_load); "first": load the
