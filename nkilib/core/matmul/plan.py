@@ -363,6 +363,11 @@ class MatmulPlan(nl.NKIObject):
                 matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
                 finished.append(psum)
                 a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
+            if i + 1 < len(self.order):
+                # the next tile's loads before this tile's epilogue: the in-order engines (VectorE's
+                # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
+                # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
+                self.prefetch(i + 1, i + 2)
             self.epilogue.tile(i, m0, msz, n0, nsz, finished)
         self.done = hi
 
