@@ -8,7 +8,10 @@ written piecewise by every core: the barrier is emitted only under LNC2), and ov
     nothing (MatmulPlan.step "head" / "first" / "all"), when no sync point separates them, the next
     phase reads nothing the previous writes, and both fit SBUF (MatmulPlan.can_prefetch);
   * the first panels of the phase right after a sync point load before it when they read no buffer
-    the sync point protects (e.g. phase 1's on-chip panels as stationary and an input as moving).
+    the sync point protects (e.g. phase 1's on-chip panels as stationary and an input as moving);
+  * phases that may run in any order (independent, no sync point between them) are taken so that the
+    one with the largest first load runs where its loads can go under the previous phase's last tiles,
+    or, when the previous plan takes no early loads, the one with the smallest starts cold (_choose_next).
 A barrier is a fence (it waits for every earlier instruction of the core), so fewer and later is better.
 
 Phases run through their `step` callables (the kernel's phase functions), so each instruction is
@@ -103,10 +106,37 @@ class PhaseGraph(nl.NKIObject):
             phase.plan = phase.build(self.outputs)
         return phase.plan
 
+    def _choose_next(self, steps, i, plan):
+        """steps with the phase to run after steps[i] (whose plan is `plan`) moved to i + 1, chosen among
+        the phases that follow it and may run in any order (no sync point, no shared writes, no dependency
+        on steps[i] or on each other): the one with the largest first load that can load under `plan`'s
+        last tiles (MatmulPlan.can_prefetch), or, when none can, the one with the smallest first load (its
+        cold start is the cheapest, and the larger ones may then load under it). Ties: declaration order."""
+        phase = steps[i][0]
+        cands = []
+        for j in range(i + 1, len(steps)):
+            ph, prot = steps[j]
+            free = (not prot and not any(w in self.shared for w in ph.writes) and not self._depends(ph, phase)
+                    and not any(self._depends(ph, steps[c][0]) for c in cands))
+            if not free:
+                break
+            cands.append(j)
+        if len(cands) < 2:
+            return steps
+        best, best_bytes, best_pre = cands[0], -1, False
+        for c in cands:
+            nxt = self._plan(steps[c][0])
+            pre, size = plan.can_prefetch(nxt), nxt.first_bytes()
+            if (pre and not best_pre) or (pre and size > best_bytes) or (not pre and not best_pre and
+                                                                         (best_bytes < 0 or size < best_bytes)):
+                best, best_bytes, best_pre = c, size, pre
+        return steps[:i + 1] + [steps[best]] + [steps[k] for k in range(i + 1, len(steps)) if k != best]
+
     def run(self) -> dict:
         """Run every phase; returns the outputs of their "all" steps by name."""
         steps = self.schedule()
-        for i, (phase, protected) in enumerate(steps):
+        for i in range(len(steps)):
+            phase, protected = steps[i]
             plan = self._plan(phase)
             if protected:
                 # the first panels may load before the fence when they read nothing it protects
@@ -115,6 +145,7 @@ class PhaseGraph(nl.NKIObject):
                 if self.num_cores > 1:
                     self.barrier()
             if i + 1 < len(steps):
+                steps = self._choose_next(steps, i, plan)
                 nxt, nxt_protected = steps[i + 1]
                 if not nxt_protected and not any(w in nxt.reads for w in phase.writes):
                     nxt_plan = self._plan(nxt)

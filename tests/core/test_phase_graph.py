@@ -8,12 +8,16 @@ from nkilib.core.phase_graph import Phase, PhaseGraph
 
 
 class FakePlan:
-    def __init__(self, prefetchable=True, on_chip=False):
+    def __init__(self, prefetchable=True, on_chip=False, first=0):
         self.prefetchable = prefetchable
         self.on_chip = on_chip
+        self.first = first
 
     def can_prefetch(self, nxt):
         return self.prefetchable and nxt.prefetchable
+
+    def first_bytes(self):
+        return self.first
 
     def stationary_on_chip(self):
         return self.on_chip
@@ -65,6 +69,40 @@ def test_mlp_backward_shape_schedule():
     assert outputs == {"p1": "p1-out", "p2": "p2-out", "p4": "p4-out", "p3": "p3-out"}
     # a later phase is planned after the earlier phases it needs have run (phase 2 takes phase 1's panels)
     assert dict(built)["p2"] == {"p1": "p1-out"}
+
+
+def test_independent_phases_largest_first_load_goes_under_the_previous_tail():
+    """Phases that may run in any order: after a plan that can load the next one's first panels under its
+    last tiles, the one with the largest first load runs next (its load is hidden)."""
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "a", writes=("a_out",)))
+    g.add(_phase(log, "small", reads=("x",), writes=("s_out",), plan=FakePlan(first=10)))
+    g.add(_phase(log, "large", reads=("x",), writes=("l_out",), plan=FakePlan(first=20)))
+    g.run()
+    assert log == ["a:head", "large:first", "a:all", "large:head", "small:first", "large:all", "small:all"]
+
+
+def test_independent_phases_smallest_cold_start_first_when_nothing_can_load_early():
+    """When the previous plan cannot take the next one's first panels (e.g. a K-streamed plan), the phase
+    with the smallest first load starts cold, and the larger one loads under its tail."""
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "a", writes=("a_out",), plan=FakePlan(prefetchable=False)))
+    g.add(_phase(log, "large", reads=("x",), writes=("l_out",), plan=FakePlan(first=20)))
+    g.add(_phase(log, "small", reads=("x",), writes=("s_out",), plan=FakePlan(first=10)))
+    g.run()
+    assert log == ["a:all", "small:head", "large:first", "small:all", "large:all"]
+
+
+def test_a_phase_is_not_moved_ahead_of_a_phase_it_depends_on():
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "a", writes=("a_out",)))
+    g.add(_phase(log, "b", reads=("x",), writes=("b_out",), plan=FakePlan(first=10)))
+    g.add(_phase(log, "c", reads=("b_out",), writes=("c_out",), plan=FakePlan(first=20)))
+    g.run()
+    assert log == ["a:head", "b:first", "a:all", "b:all", "c:all"]  # c's larger first load would go first
 
 
 def test_no_early_load_when_first_panels_read_protected_data():

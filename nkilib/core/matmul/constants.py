@@ -37,6 +37,9 @@ SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 512  # columns per stationary load of a [K, F] operand (1 KiB bf16 DMA runs; 1024 made
 # the quantize_mx bursts at phase starts longer: TP8 MXFP8 modeled 0.734 -> 0.716 ms at 512)
 NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB runs: full DMA rate)
+NATURAL_BUFFERS = 2  # row tiles of a K-contiguous operand that a PanelSource's loads share (one for its first
+# load, then this many: the next load waits for the previous one's PE transposes). TP8 MXFP8 modeled 0.692 ms;
+# 3: 0.698, 4: 0.715; 2 from the first load on: 0.711; not shared: 0.722
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

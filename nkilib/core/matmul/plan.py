@@ -206,7 +206,8 @@ class MatmulPlan(nl.NKIObject):
                     m_group = capacity * load // self.m_tile
                 self.stationary.append(PanelSource(op, setup, pad_even=True, keep_all=keep_stationary, lo=m_lo,
                                                    hi=m_hi, load_width=load_width, capacity=capacity))
-        self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving) for op in moving]
+        self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving, lo=n_lo, hi=n_hi)
+                       for op in moving]
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
@@ -362,6 +363,11 @@ class MatmulPlan(nl.NKIObject):
                 matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
                 finished.append(psum)
                 a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
+            if i + 1 < len(self.order):
+                # the next tile's loads before this tile's epilogue: the in-order engines (VectorE's
+                # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
+                # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
+                self.prefetch(i + 1, i + 2)
             self.epilogue.tile(i, m0, msz, n0, nsz, finished)
         self.done = hi
 
@@ -370,6 +376,8 @@ class MatmulPlan(nl.NKIObject):
         self.accumulators = None
         for source in self.stationary + self.moving:
             source.release()
+            if not source.resident:
+                source.ring = None  # and the LoadRing its loads shared
 
     def step(self, stage: str) -> "MatmulPlan":
         """stage "head": run the tiles up to the last one that loads a panel (last_load); "first": load the

@@ -17,10 +17,14 @@ model shapes (S >= I, S >= H):
 - phase 4: the larger of H and I of dW_down [H, I].
 Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
 (+ the first W_gu panel of phase 2 when its stationary rows are resident) -> core_barrier -> phase 2 ->
-phase 4 -> phase 3, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
-writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF.
+phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
+writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF, and
+of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
+K-streamed phase 2 that takes no early loads, the smaller starts cold (TP1: 4 then 3).
 Finite SBUF/PSUM: each plan allocates its PSUM accumulators and eviction tiles once and rotates them; a
-[K, F] panel load stages through a ring of STAGING_BUFFERS tiles (core/matmul/panels.py).
+[K, F] panel load stages through a ring of STAGING_BUFFERS tiles that an operand's successive loads share
+(core/matmul/panels.py LoadRing: a load waits for the previous one's quantizes instead of taking DMA
+bandwidth from the loads the next matmuls wait for); K-contiguous operands' row tiles likewise.
 
 On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
 d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is transposed and
@@ -406,8 +410,9 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     """All phases for validated descriptors, declared as a PhaseGraph, with their HBM scratch (d_gate_up as
     bf16 rows or as MX words along S, whichever phase 1 plans; the intermediate when recomputed).
 
-    The graph derives the order phase 1 -> (core_barrier) -> phase 2 -> phase 4 -> phase 3: phases 2-4
-    depend only on phase 1 (their relative order is the declaration order); d_gate_up and the recomputed
+    The graph derives the order phase 1 -> (core_barrier) -> phase 2 -> phases 3 and 4: phases 2-4
+    depend only on phase 1 (phase 2 first by declaration; 3 and 4 in the order PhaseGraph chooses from their
+    first loads); d_gate_up and the recomputed
     intermediate are written by both cores, so the one sync point sits before phase 2, and phase 2's
     first W_gu panel loads before it when its stationary d_gate_up rows are resident. Phase 1 is planned
     first: whether its epilogue can quantize d_gate_up along S for phase 3 (mx_along_s_applies) decides
