@@ -79,6 +79,7 @@ from ....core import options
 from ....core.options import CLAMP_NAMES, check_choice  # noqa: F401  (re-exported: the torch layer's names)
 from ....mx import SCALE_NAN_BYTE, SCALE_RULES, element_format, group_positions
 from .constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
+from .mlp_bwd_mxfp8_emulate_fast import EMULATE_GEMMS, fast_gemm, resolve_gemm  # noqa: F401
 from .mlp_bwd_mxfp8_emulate_fused import (FUSED_QUANTIZER_MODES, f32_fraction_bits, fused_quantizer_for,  # noqa: F401
                                           set_fused_quantizer)
 
@@ -92,6 +93,7 @@ __all__ = [
     "mx_dequantize_rows",
     "FUSED_QUANTIZER_MODES",
     "set_fused_quantizer",
+    "EMULATE_GEMMS",
     "contract_matmul",
     "swiglu_activations",
     "recompute_projection",
@@ -385,7 +387,7 @@ def _tiled_sum(a64: torch.Tensor, b64: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8", fp8_dtype="float8_e4m3fn",
-                    quant_scheme="1x32", scale_rule="neuron") -> torch.Tensor:
+                    quant_scheme="1x32", scale_rule="neuron", gemm="exact") -> torch.Tensor:
     """The kernel's matmul mm(A, B) = A @ B (module docstring), float32 result.
 
     Operands may be any strided views (e.g. ``w.t()``): they are quantized in place along K and the
@@ -399,6 +401,8 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
         b: right operand [K, N] (quantized along K = axis 0).
         matmul_precision: "mxfp8" or "bf16".
         fp8_dtype, quant_scheme, scale_rule: MX options (mxfp8 only).
+        gemm: "exact" (the kernel's bits, default) or, not bit-exact, "fast" / "fp32" / "bf16": the same
+            quantized operands summed by one float32-accumulating GEMM (mlp_bwd_mxfp8_emulate_fast.py).
 
     Returns:
         float32 [M, N].
@@ -406,9 +410,12 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"contract_matmul: incompatible operand shapes {tuple(a.shape)} @ {tuple(b.shape)}")
     options.matmul_precision(matmul_precision)
+    gemm = resolve_gemm(gemm, a.device)
     a = a.to(torch.bfloat16)
     b = b.to(torch.bfloat16)
     if matmul_precision == "bf16":
+        if gemm != "exact":
+            return fast_gemm(a, b, gemm)
         return _tiled_sum(a.to(torch.float64), b.to(torch.float64), BF16_K_TILE)
     fmt = element_format(fp8_name(fp8_dtype))
     options.quant_scheme(quant_scheme)
@@ -418,9 +425,13 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     if kp != k:  # zero padding along K, as the kernel's K tiles
         a = torch.nn.functional.pad(a, (0, kp - k))
         b = torch.nn.functional.pad(b, (0, 0, 0, kp - k))
-    opts = dict(fmt=fmt, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE, out_dtype=torch.float64)
-    a_q = _quantize_dequantize(a, 1, **opts)  # [M, Kp] float64, exact
-    b_q = _quantize_dequantize(b, 0, **opts)  # [Kp, N] float64, exact
+    # the fast GEMMs take the same MX values in float32 (exact, except codes rounded up to 2**128: Inf)
+    out_dtype = torch.float64 if gemm == "exact" else torch.float32
+    opts = dict(fmt=fmt, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE, out_dtype=out_dtype)
+    a_q = _quantize_dequantize(a, 1, **opts)  # [M, Kp]
+    b_q = _quantize_dequantize(b, 0, **opts)  # [Kp, N]
+    if gemm != "exact":
+        return fast_gemm(a_q, b_q, gemm)
     return _tiled_sum(a_q, b_q, MX_K_TILE)
 
 
@@ -528,7 +539,7 @@ def recompute_projection(hidden_states: torch.Tensor, weight_rows: torch.Tensor,
 def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_weights, gate_pre=None,
                          gate_act=None, up=None, intermediate=None, *, clamp_limits=None,
                          fp8_dtype="float8_e4m3fn", quant_scheme="1x32", matmul_precision="mxfp8",
-                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron"):
+                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron", gemm="exact"):
     """The kernel's backward (phases 0-4 of the numerics contract) in torch ops.
 
     Dimensions:
@@ -546,6 +557,9 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
         matmul_precision: "mxfp8" (Trn3) or "bf16" (Trn2).
         weight_grad_dtype: torch.bfloat16 or torch.float32 (both weight gradients).
         scale_rule: "neuron" (the hardware's rule, default), "ocp_floor" or "rceil" (studies only).
+        gemm: "exact" (bit-identical to the kernel, default) or "fast" / "fp32" / "bf16" (the backend
+            "emulate_fast": same quantization, float32-accumulating GEMMs, not bit-exact; see
+            mlp_bwd_mxfp8_emulate_fast.py).
 
     Returns:
         (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I])
@@ -554,7 +568,7 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
     weight_grad_dtype = getattr(torch, options.weight_grad_dtype(weight_grad_dtype,
                                                                  spelled="torch.bfloat16 or torch.float32"))
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
-                           quant_scheme=quant_scheme, scale_rule=scale_rule)
+                           quant_scheme=quant_scheme, scale_rule=scale_rule, gemm=resolve_gemm(gemm, output_grad.device))
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
     bf = torch.bfloat16
     dy, x = output_grad.to(bf), hidden_states.to(bf)
