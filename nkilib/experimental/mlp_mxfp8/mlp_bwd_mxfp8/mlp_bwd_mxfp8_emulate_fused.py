@@ -26,7 +26,7 @@ FUSED_QUANTIZER_MODES = ("auto", "compile", "eager", "off")
 FUSED_MIN_ELEMENTS = 1 << 18
 #: "backend" is torch.compile's (tests swap in one that records the graphs Inductor would lower).
 _fused_state = {"mode": os.environ.get("NKILIB_EMULATE_FUSED_QUANTIZER", "auto"), "compiled": None, "failed": False,
-                "verified": set(), "backend": "inductor"}
+                "verified": set(), "backend": "inductor", "error": None}
 
 
 def set_fused_quantizer(mode: str) -> str:
@@ -187,9 +187,24 @@ def compiled_qdq(*args):
             return _fused_state["compiled"](*args)
     except Exception as err:  # noqa: BLE001  (no C++ compiler / Triton, unsupported platform, wrong bits)
         _fused_state["failed"] = True
+        _fused_state["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200] if str(err).strip() else ''}"
         warnings.warn(f"emulate: torch.compile of the fused MX quantizer failed ({type(err).__name__}: {err}); "
                       "using the eager quantizer (same bits, slower)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def fused_quantizer_status() -> str:
+    """One line saying which quantizer the emulation has been running (for logs and benchmarks)."""
+    mode = _fused_state["mode"]
+    if _fused_state["failed"]:
+        return f"eager (torch.compile of the fused quantizer failed: {_fused_state['error']}; same bits, slower)"
+    if mode in ("off", "eager"):
+        return f"eager (mode {mode!r})"
+    if _fused_state["verified"]:
+        devices = sorted({key[0] for key in _fused_state["verified"]})
+        return (f"compiled (torch.compile, mode {mode!r}; checked against eager on the probe values on "
+                f"{', '.join(devices)})")
+    return f"eager so far (mode {mode!r}: nothing compiled yet; 'auto' compiles operands of >= {FUSED_MIN_ELEMENTS} elements)"
 
 
 def fused_quantizer_for(xv: torch.Tensor):
