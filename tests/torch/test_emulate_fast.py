@@ -164,3 +164,24 @@ def test_fast_gemm_restores_torch_matmul_settings_and_checks_gemm():
         emu.contract_matmul(a, a.t(), gemm="tf32")
     with pytest.raises(ValueError, match="gemm='bf16' needs CUDA tensors"):
         emu.contract_matmul(a, a.t(), gemm="bf16")
+
+
+@pytest.mark.parametrize("quantizer", ["off", "eager"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_bf16_dequantized_operands_are_the_float32_ones_rounded_once(quantizer, fmt):
+    """gemm="bf16" (CUDA) asks the quantizer for bf16 values directly: they equal the float32 values rounded to
+    bf16 (exact wherever bf16's range holds them), with either quantizer, on adversarial values."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fused as fused
+
+    previous = emu.set_fused_quantizer(quantizer)
+    try:
+        v = fused.probe_values("cpu").to(torch.bfloat16)
+        opts = dict(fmt=emu.element_format(fmt), quant_scheme="1x32", scale_rule="neuron", k_tile=512)
+        got = emu._quantize_dequantize(v, 1, out_dtype=torch.bfloat16, **opts)
+        want = emu._quantize_dequantize(v, 1, out_dtype=torch.float32, **opts).to(torch.bfloat16)
+    finally:
+        emu.set_fused_quantizer(previous)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got).view(torch.int16), torch.nan_to_num(want).view(torch.int16))
+    finite = want[~want.isnan()]
+    assert (finite != 0).sum() > 500 and finite.abs().max() > 2.0 ** 100  # the probe reaches the scale extremes

@@ -425,8 +425,9 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     if kp != k:  # zero padding along K, as the kernel's K tiles
         a = torch.nn.functional.pad(a, (0, kp - k))
         b = torch.nn.functional.pad(b, (0, 0, 0, kp - k))
-    # the fast GEMMs take the same MX values in float32 (exact, except codes rounded up to 2**128: Inf)
-    out_dtype = torch.float64 if gemm == "exact" else torch.float32
+    # the fast GEMMs take the same MX values in float32 (exact, except codes rounded up to 2**128: Inf) or,
+    # for "bf16", in bf16 straight from the quantizer (the float32 values rounded once: exact in bf16's range)
+    out_dtype = {"exact": torch.float64, "bf16": torch.bfloat16}.get(gemm, torch.float32)
     opts = dict(fmt=fmt, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE, out_dtype=out_dtype)
     a_q = _quantize_dequantize(a, 1, **opts)  # [M, Kp]
     b_q = _quantize_dequantize(b, 0, **opts)  # [Kp, N]
