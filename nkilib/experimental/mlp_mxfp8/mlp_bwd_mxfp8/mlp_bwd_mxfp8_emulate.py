@@ -58,7 +58,8 @@ which bounds the emulation from below by the float64 / plain-dtype GEMM throughp
 36 bits, a 512-term tile sum 45 bits plus the spread of the tile's 16 group scales; float32 keeps 24, so
 its sums round (measured: a float32 GEMM on the same dequantized operands differs from the exact
 result in 5-22% of the outputs of the four products), while float64's 53 bits hold them when the
-scales of one tile row span at most 8 binades.
+scales of one tile row span at most 8 binades. ``gemm="fast"`` (backend "emulate_fast") trades exactly that
+for speed: same quantization, float32-accumulating GEMMs (mlp_bwd_mxfp8_emulate_fast.py; not bit-exact).
 
 No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
 
