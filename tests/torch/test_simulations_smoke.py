@@ -157,7 +157,8 @@ def test_emulate_speed_script_times_and_checks(tmp_path, capsys):
     assert set(row["fast_vs_exact"]) == {"dX", "dW_gate_up", "dW_down"}
     assert all(d["norm_rel"] < 1e-4 for d in row["fast_vs_exact"].values())
     assert any(d["differ"] > 0 for d in row["fast_vs_exact"].values())
-    assert run["quantizer_status"].startswith("eager so far")  # the quick shape's operands stay below the threshold
+    # which quantizer ran (this process's earlier tests may have compiled one: either wording is right)
+    assert run["quantizer_status"].startswith(("compiled (torch.compile", "eager"))
     assert run["device_matches_cpu_bitwise"] is True
     assert run["env"]["plain_dtype"] == "float32" and run["env"]["quantizer"] == "auto"
     assert json.loads(out.read_text())["runs"][0]["rows"][0]["S"] == 128
