@@ -53,11 +53,10 @@ import statistics
 import sys
 import time
 
-try:
-    import nkilib  # noqa: F401
-except ImportError:  # running from a checkout without installing: add the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import nkilib  # noqa: F401
+# the checkout this script lives in, first: an installed nkilib (e.g. an editable install of another
+# worktree) must not stand in for the code being measured
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nkilib  # noqa: E402,F401
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

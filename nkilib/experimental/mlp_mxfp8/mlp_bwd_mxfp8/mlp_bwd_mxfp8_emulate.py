@@ -569,8 +569,9 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
     """
     weight_grad_dtype = getattr(torch, options.weight_grad_dtype(weight_grad_dtype,
                                                                  spelled="torch.bfloat16 or torch.float32"))
+    gemm = resolve_gemm(gemm, output_grad.device)
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
-                           quant_scheme=quant_scheme, scale_rule=scale_rule, gemm=resolve_gemm(gemm, output_grad.device))
+                           quant_scheme=quant_scheme, scale_rule=scale_rule, gemm=gemm)
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
     bf = torch.bfloat16
     dy, x = output_grad.to(bf), hidden_states.to(bf)

@@ -187,7 +187,8 @@ def compiled_qdq(*args):
             return _fused_state["compiled"](*args)
     except Exception as err:  # noqa: BLE001  (no C++ compiler / Triton, unsupported platform, wrong bits)
         _fused_state["failed"] = True
-        _fused_state["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200] if str(err).strip() else ''}"
+        last_line = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
+        _fused_state["error"] = f"{type(err).__name__}: {last_line}"
         warnings.warn(f"emulate: torch.compile of the fused MX quantizer failed ({type(err).__name__}: {err}); "
                       "using the eager quantizer (same bits, slower)", RuntimeWarning, stacklevel=3)
         return None
@@ -204,7 +205,8 @@ def fused_quantizer_status() -> str:
         devices = sorted({key[0] for key in _fused_state["verified"]})
         return (f"compiled (torch.compile, mode {mode!r}; checked against eager on the probe values on "
                 f"{', '.join(devices)})")
-    return f"eager so far (mode {mode!r}: nothing compiled yet; 'auto' compiles operands of >= {FUSED_MIN_ELEMENTS} elements)"
+    return (f"eager so far (mode {mode!r}: nothing compiled yet; 'auto' compiles operands of >= "
+            f"{FUSED_MIN_ELEMENTS} elements)")
 
 
 def fused_quantizer_for(xv: torch.Tensor):

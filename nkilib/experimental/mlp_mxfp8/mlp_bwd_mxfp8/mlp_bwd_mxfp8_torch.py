@@ -502,7 +502,8 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
         weight_grad_dtype: None (float32 if a parameter is float32 or accumulates into main_grad, else
             bfloat16), torch.bfloat16 or torch.float32: the dtype the kernel writes the weight gradients in.
         matmul_precision: "mxfp8" (Trn3, default) or "bf16" (Trn2's path).
-        scale_rule: "neuron" (quantize_mx's rule, default); "rceil" / "ocp_floor" need backend="emulate" (or "emulate_fast").
+        scale_rule: "neuron" (quantize_mx's rule, default); "rceil" / "ocp_floor" need backend="emulate" or
+            "emulate_fast".
         forward_numerics: "torch" (bf16 torch projections) or "kernel" (the kernel's recompute numerics).
         backend: "auto", "simulator", "emulate", "emulate_fast" (not bit-exact) or "neuron" (module docstring).
         lnc: LNC degree of the kernel launch (1 or 2). None: 1 off Neuron; on Neuron the value of
