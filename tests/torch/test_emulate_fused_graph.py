@@ -1,15 +1,18 @@
-"""The fused MX quantizer's traced graph is dtype-clean for Inductor's Triton lowering (no GPU needed).
+"""The fused MX quantizer's graphs are dtype-clean for Inductor's Triton lowering (no GPU needed).
 
 On CUDA, torch.compile of an earlier formulation failed in Triton with "Cannot bitcast data-type of size 64
-to data-type of size 32" (measured on an H100, torch 2.11, README "Emulation speed"): its ``int32 << 23`` and
-``torch.where(cond, 151, 127)`` carried Python ints that the traced graph holds as int64 0-dim tensors, which
-Triton's binary ops promote (int32 op int64 -> int64) while Inductor still types the result int32, so the
-bitcast of the result to float32 saw 64 bits. The CPU's C++ backend casts silently, so a CPU compile does
-not catch it; the graph Inductor lowers does. This test traces qdq_fused with Inductor's decompositions
-(what Inductor lowers on every device) and checks, for every format, scale rule and output dtype:
+to data-type of size 32" (H100, torch 2.11, README "Emulation speed"). Found there: once the quantizer ran
+with a second option set, Dynamo made the int options that changed (emax, mbits, emin) symbolic kernel
+arguments, typed int64 in Triton, so ``y_exp - mbits`` became int64 while Inductor still typed it int32, and
+the bitcast of the result to float32 saw 64 bits; the traced graph also held int64 values of its own
+(``torch.where(cond, 151, 127)`` of two Python ints, the float64 scale's bits). The CPU's C++ backend casts
+silently, so a CPU compile does not catch any of this; the graphs Inductor lowers do. These tests trace
+qdq_fused with Inductor's decompositions (what Inductor lowers on every device), and record the graphs of
+the package's own compile path over changing options, and check:
     * no int64 value anywhere (tensors and 0-dim scalar tensors alike);
-    * no shift or bitwise op (their Python-int operands become int64 scalar tensors);
-    * every dtype view (bitcast) keeps the element size (float32 <-> int32).
+    * no shift or bitwise op (their operand typing is each backend's own; the formulation needs none);
+    * every dtype view (bitcast) keeps the element size (float32 <-> int32);
+    * no symbolic scalar used in tensor arithmetic.
 """
 import functools
 import math

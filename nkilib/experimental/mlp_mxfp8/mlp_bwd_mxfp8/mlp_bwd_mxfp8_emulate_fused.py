@@ -55,12 +55,13 @@ _F32_POW2_MIN_BITS = 1 << 22
 def _f32_exponent_field(bits: torch.Tensor) -> torch.Tensor:
     """The biased exponent field (bits 23..30) of the int32 bits of a float32 >= 0 (NaN included), int32.
 
-    Floor division of the bits by 2**23 (the bits of a non-negative float are a non-negative int32) rather
-    than a shift: Inductor's Triton lowering of ``int32 >> 23`` promotes the shift amount, and so
-    the result, to int64, and a later bitcast of that to float32 does not compile
-    ("Cannot bitcast data-type of size 64 to data-type of size 32", seen on an H100, torch 2.11).
+    Truncating division of the bits by 2**23 (= floor: the bits of a non-negative float are a non-negative
+    int32): an int32 op on every backend (Triton's ``//``, C++'s ``/``, which vectorises; floor division
+    did not, 20-40% slower on CPU), with no shift or bitwise op whose operand typing each Inductor backend
+    decides on its own (the formulation that failed to compile for Triton mixed them with int64 values:
+    "Cannot bitcast data-type of size 64 to data-type of size 32"; _dynamo_settings has the cause).
     """
-    return torch.div(bits, _F32_EXP_UNIT, rounding_mode="floor")
+    return torch.div(bits, _F32_EXP_UNIT, rounding_mode="trunc")
 
 
 def _f32_from_fields(biased_exp: torch.Tensor, fraction: int = 0) -> torch.Tensor:
@@ -96,9 +97,9 @@ def qdq_fused(xv: torch.Tensor, dims: tuple, emax: int, mbits: int, emin: int, m
     torch.compile's C++ is built without unsafe-math or fp-contract, Triton's LLVM without reassociation;
     and compiled_qdq checks the compiled code against this eager formulation before using it.
 
-    Every integer intermediate is int32 and every bitcast is float32 <-> int32: bit fields are read by floor
-    division and written by multiply-add, never by shifts or bitwise ops (whose Python-int operands Inductor's
-    Triton lowering promotes to int64; tests/torch/test_emulate_fused_graph.py checks the traced graph).
+    Every integer intermediate is int32 and every bitcast is float32 <-> int32: bit fields are read by
+    truncating division and written by multiply-add, never by shifts or bitwise ops, and no Python-int pair
+    makes an int64 (tests/torch/test_emulate_fused_graph.py checks the graph Inductor lowers).
     The integers stay far from overflow: exponent fields <= 255, |y| <= max_normal, so every field written
     is in [1, 254] and every product below 2**31.
 
