@@ -26,6 +26,10 @@ Presets (``PRESETS``; ``get_recipe(name)``):
         the kernel, any torch device): for convergence studies on CPU / CUDA.
     "mxfp8_e4m3_rceil_emulate": E4M3 with the "rceil" scale rule (round the scale up, the rule of
         NVIDIA's MXFP8 and torchao's default), emulate backend: to compare scale rules in studies.
+    "mxfp8_e4m3_emulate_fast": the default quantization on the opt-in "emulate_fast" backend: the same fp8
+        codes and scales, float32-accumulating GEMMs (bf16 tensor cores on CUDA) instead of the kernel's
+        exact per-tile sums: NOT bit-identical (a small fraction of bf16 outputs differ, by ~1 ulp; README
+        "Emulation speed"), several times faster on GPUs: for convergence studies there.
     "bf16_backward": the same kernel with BF16 matmuls (``matmul_precision="bf16"``, Trn2's path and the
         speed / accuracy baseline of the MXFP8 recipes).
 
@@ -95,14 +99,14 @@ class Recipe:
     Attributes:
         fp8_dtype: MX element format of the backward matmuls: "float8_e4m3fn" or "float8_e5m2".
         scale_rule: E8M0 scale rule: "neuron" (quantize_mx, the kernel), "rceil" or "ocp_floor" (the
-            last two only on backend="emulate").
+            last two only on backend="emulate" / "emulate_fast").
         quant_scheme: "1x32" (OCP contiguous groups of 32) or "wrapX".
         matmul_precision: "mxfp8" (Trn3) or "bf16" (the BF16 backward, Trn2's path).
         weight_grad_dtype: None (float32 when a parameter is float32, else bfloat16), "bfloat16" or
             "float32": the dtype the kernel writes weight gradients in.
         checkpoint: "all", "none" or a tuple of names from ("gate_pre", "gate_act", "up",
             "intermediate"): the activations the forward saves for the backward.
-        backend: "auto", "simulator", "emulate" or "neuron".
+        backend: "auto", "simulator", "emulate", "emulate_fast" (not bit-exact) or "neuron".
         clamp_limits: ClampLimits of a clamped SwiGLU (a dict of its fields is accepted) or None.
         forward_numerics: "torch" (bf16 torch projections) or "kernel" (the kernel's MX numerics).
         lnc: LNC degree of the kernel launch (1, 2) or None (the op's default).
@@ -143,9 +147,9 @@ class Recipe:
         if not isinstance(self.accumulate_main_grad, bool):
             raise _field_error("accumulate_main_grad", "True or False", self.accumulate_main_grad)
         # cross-field rules the op would otherwise report only at the first forward / backward
-        if self.scale_rule != "neuron" and self.backend != "emulate":
-            raise ValueError(f"Recipe.scale_rule={self.scale_rule!r} needs backend='emulate' (the kernel's "
-                             f"quantize_mx implements the 'neuron' rule), got backend={self.backend!r}")
+        if self.scale_rule != "neuron" and self.backend not in op_module.EMULATE_BACKENDS:
+            raise ValueError(f"Recipe.scale_rule={self.scale_rule!r} needs backend='emulate' or 'emulate_fast' (the "
+                             f"kernel's quantize_mx implements the 'neuron' rule), got backend={self.backend!r}")
         if self.accumulate_main_grad and self.weight_grad_dtype == "bfloat16":
             raise ValueError("Recipe.weight_grad_dtype must be None or 'float32' with accumulate_main_grad=True "
                              "(main_grad receives the kernel's fp32 gradients), got 'bfloat16'")
@@ -189,6 +193,7 @@ PRESETS = {
     "mxfp8_e5m2": Recipe(fp8_dtype="float8_e5m2"),
     "mxfp8_e4m3_emulate": Recipe(backend="emulate"),
     "mxfp8_e4m3_rceil_emulate": Recipe(scale_rule="rceil", backend="emulate"),
+    "mxfp8_e4m3_emulate_fast": Recipe(backend="emulate_fast"),
     "bf16_backward": Recipe(matmul_precision="bf16"),
 }
 

@@ -19,10 +19,16 @@ What is compared (same SwiGLU MLP, same inputs; W_gu [2I, H], W_down [H, I], x a
     emulate step: the same forward matmuls in the plain dtype, the kernel's SwiGLU formulas for the bf16
                  checkpoints (swiglu_activations), then emulate bwd: what a training step with the
                  emulate backend costs when its forward runs at plain speed.
+    emulate_fast bwd / step: the same with backend="emulate_fast" (gemm="fast": NOT bit-exact; the same MX
+                 quantization, one float32-accumulating GEMM per product: bf16 tensor cores with a float32
+                 result on CUDA, IEEE float32 elsewhere), and its distance from the exact emulation at the
+                 measured shape (per gradient: fraction of elements that differ, mean relative error,
+                 largest difference / largest |value|, relative Frobenius error).
     Ratios are emulate / plain (the goal: <= 2).
     Breakdown of emulate bwd (--breakdown, default on): the MX quantize-dequantize of the eight operands
     with the selected quantizer and with the eager one, the exact per-tile float64 GEMMs alone (the
-    floor of this design: see README "Emulation speed"), and the same four GEMMs in the plain dtype.
+    floor of this design: see README "Emulation speed"), the fast GEMMs alone, and the same four GEMMs in
+    the plain dtype.
 
 The plain dtype (--plain-dtype auto) is bfloat16 on CUDA and float32 on CPU: torch's CPU bf16 GEMM is
 ~50x slower than its fp32 GEMM on CPUs without AVX512-BF16 / AMX (measured on an AVX2 EPYC: 3.2 s vs
@@ -47,11 +53,10 @@ import statistics
 import sys
 import time
 
-try:
-    import nkilib  # noqa: F401
-except ImportError:  # running from a checkout without installing: add the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import nkilib  # noqa: F401
+# the checkout this script lives in, first: an installed nkilib (e.g. an editable install of another
+# worktree) must not stand in for the code being measured
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nkilib  # noqa: E402,F401
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -145,8 +150,8 @@ def plain_forward(t: dict, dtype, requires_grad: bool):
     return y, leaves
 
 
-def emulate_step(t: dict, dtype):
-    """Forward matmuls in `dtype`, the kernel's bf16 checkpoints, then the emulated backward."""
+def emulate_step(t: dict, dtype, gemm="exact"):
+    """Forward matmuls in `dtype`, the kernel's bf16 checkpoints, then the emulated backward (`gemm`)."""
     with torch.no_grad():
         x, w_gu = t["x"].to(dtype), t["w_gu"].to(dtype)
         n_i = w_gu.shape[0] // 2
@@ -155,7 +160,7 @@ def emulate_step(t: dict, dtype):
         gate_act, intermediate = emu.swiglu_activations(gate_pre, up)
         _y = (intermediate.to(dtype) @ t["w_down"].to(dtype).t())  # K=I, M=S, N=H
         return emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], gate_pre, gate_act, up,
-                                        intermediate)
+                                        intermediate, gemm=gemm)
 
 
 def checkpoints(t: dict) -> dict:
@@ -180,18 +185,33 @@ def measure(S: int, H: int, I: int, device: str, dtype, timer: Timer, seed: int)
         y, _leaves = plain_forward(t, dtype, True)
         y.backward(dy_plain)
 
-    def emu_bwd(_):
+    def emu_bwd(gemm):
         with torch.no_grad():  # as inside the op's autograd backward
-            emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck)
+            return emu.mlp_backward_emulate(t["dy"], t["x"], t["w_down"], t["w_gu"], **ck, gemm=gemm)
 
     row = {}
     row["plain_bwd_ms"] = timer(plain_bwd, setup=lambda: plain_forward(t, dtype, True))
-    row["emulate_bwd_ms"] = timer(emu_bwd)
+    row["emulate_bwd_ms"] = timer(lambda _: emu_bwd("exact"))
+    row["emulate_fast_bwd_ms"] = timer(lambda _: emu_bwd("fast"))
     row["plain_step_ms"] = timer(plain_step)
     row["emulate_step_ms"] = timer(lambda _: emulate_step(t, dtype))
-    row["ratio_bwd"] = row["emulate_bwd_ms"] / row["plain_bwd_ms"]
-    row["ratio_step"] = row["emulate_step_ms"] / row["plain_step_ms"]
+    row["emulate_fast_step_ms"] = timer(lambda _: emulate_step(t, dtype, gemm="fast"))
+    for kind in ("bwd", "step"):
+        row[f"ratio_{kind}"] = row[f"emulate_{kind}_ms"] / row[f"plain_{kind}_ms"]
+        row[f"ratio_fast_{kind}"] = row[f"emulate_fast_{kind}_ms"] / row[f"plain_{kind}_ms"]
+    row["fast_vs_exact"] = {name: differences(f, e) for name, f, e in
+                            zip(("dX", "dW_gate_up", "dW_down"), emu_bwd("fast"), emu_bwd("exact"))}
     return row
+
+
+def differences(fast, exact) -> dict:
+    """`fast` against `exact` (same shape): fraction of elements that differ, mean elementwise relative error
+    (over exact != 0), largest difference / largest |exact|, relative Frobenius error."""
+    f, e = fast.double(), exact.double()
+    d = (f - e).abs()
+    nz = e != 0
+    return {"differ": (f != e).double().mean().item(), "mean_rel": (d[nz] / e[nz].abs()).mean().item(),
+            "max_vs_max": (d.max() / e.abs().max()).item(), "norm_rel": (d.norm() / e.norm()).item()}
 
 
 def products(t: dict, ck: dict, d_gu) -> dict:
@@ -223,6 +243,10 @@ def breakdown(S: int, H: int, I: int, device: str, dtype, timer: Timer, seed: in
         emu.set_fused_quantizer(previous)
     deq = quantize_all(None)
     row["gemm_f64_ms"] = timer(lambda _: [emu._tiled_sum(a, b, emu.MX_K_TILE) for a, b in deq])
+    gemm = emu.resolve_gemm("fast", device)
+    deq32 = [(a.float(), b.float()) for a, b in deq]
+    row["gemm_fast"] = gemm
+    row["gemm_fast_ms"] = timer(lambda _: [emu.fast_gemm(a, b, gemm) for a, b in deq32])
     plain = [(a.to(dtype), b.to(dtype)) for a, b in prods.values()]
     row["gemm_plain_ms"] = timer(lambda _: [a @ b for a, b in plain])  # K=H, 2I, S, S
     return row
@@ -271,31 +295,40 @@ def run_device(device: str, args, shapes) -> dict:
     print(f"\nemulate backend vs plain autograd on {env['device_name']} ({device}), plain dtype "
           f"{env['plain_dtype']}, quantizer {args.quantizer}, timer {timer.kind}, threads {env['threads']}, "
           f"load {env['loadavg_before'][0]:.1f} on {env['cpu_count']} CPUs, median of {repeats} after {warmup} warmup")
-    print(f"{'S':>6} {'H':>6} {'I':>6} | {'plain bwd':>10} {'emu bwd':>10} {'ratio':>6} | "
-          f"{'plain step':>10} {'emu step':>10} {'ratio':>6}   (ms)", flush=True)
+    print(f"{'S':>6} {'H':>6} {'I':>6} | {'plain bwd':>10} {'emu bwd':>10} {'ratio':>6} {'fast bwd':>10} "
+          f"{'ratio':>6} | {'plain step':>10} {'emu step':>10} {'ratio':>6} {'fast step':>10} {'ratio':>6}   (ms; "
+          f"fast = backend emulate_fast, not bit-exact)", flush=True)
     rows = []
     for S, H, I in shapes:
         r = {"S": S, "H": H, "I": I}
         r.update(measure(S, H, I, device, dtype, timer, args.seed))
         print(f"{S:>6} {H:>6} {I:>6} | {r['plain_bwd_ms']:>10.1f} {r['emulate_bwd_ms']:>10.1f} "
-              f"{r['ratio_bwd']:>6.2f} | "
-              f"{r['plain_step_ms']:>10.1f} {r['emulate_step_ms']:>10.1f} {r['ratio_step']:>6.2f}", flush=True)
+              f"{r['ratio_bwd']:>6.2f} {r['emulate_fast_bwd_ms']:>10.1f} {r['ratio_fast_bwd']:>6.2f} | "
+              f"{r['plain_step_ms']:>10.1f} {r['emulate_step_ms']:>10.1f} {r['ratio_step']:>6.2f} "
+              f"{r['emulate_fast_step_ms']:>10.1f} {r['ratio_fast_step']:>6.2f}", flush=True)
+        print(f"{'':>20}   emulate_fast vs emulate: " + "; ".join(
+            f"{name} differ {d['differ']:.2e}, mean rel {d['mean_rel']:.1e}, max/max {d['max_vs_max']:.1e}, "
+            f"Frobenius {d['norm_rel']:.1e}" for name, d in r["fast_vs_exact"].items()), flush=True)
         if args.breakdown:
             r["breakdown"] = b = breakdown(S, H, I, device, dtype, timer, args.seed, args.quantizer)
             rest = r["emulate_bwd_ms"] - b["quantize_ms"] - b["gemm_f64_ms"]
             print(f"{'':>20}   emu bwd = quantize {b['quantize_ms']:.1f} "
                   f"(eager quantizer {b['quantize_eager_ms']:.1f})"
                   f" + float64 GEMMs {b['gemm_f64_ms']:.1f} + rest {rest:.1f}; the same GEMMs in {env['plain_dtype']}"
-                  f" {b['gemm_plain_ms']:.1f} (float64 / plain {b['gemm_f64_ms'] / b['gemm_plain_ms']:.2f}x)",
-                  flush=True)
+                  f" {b['gemm_plain_ms']:.1f} (float64 / plain {b['gemm_f64_ms'] / b['gemm_plain_ms']:.2f}x); "
+                  f"fast GEMMs ({b['gemm_fast']}) {b['gemm_fast_ms']:.1f}", flush=True)
         rows.append(r)
     env["loadavg_after"] = os.getloadavg()
     result = {"env": env, "rows": rows}
+    result["quantizer_status"] = emu_fused.fused_quantizer_status()
+    print(f"MX quantizer used for the timings above: {result['quantizer_status']}", flush=True)
     if args.check if args.check is not None else device == "cuda":
         # on an accelerator "auto" means the compiled quantizer: check that one
         mode = "compile" if device != "cpu" and args.quantizer == "auto" else args.quantizer
         result["device_matches_cpu_bitwise"] = device_matches_cpu(device, args.seed, mode)
         print(f"emulated gradients on {device} bit-identical to the CPU's: {result['device_matches_cpu_bitwise']}")
+        result["quantizer_status_check"] = emu_fused.fused_quantizer_status()
+        print(f"MX quantizer in that check ({mode!r}): {result['quantizer_status_check']}")
     # True when torch.compile failed (or gave other bits on the probe values) and the eager quantizer ran instead
     result["fused_quantizer_fell_back"] = emu_fused._fused_state["failed"]
     if result["fused_quantizer_fell_back"]:

@@ -67,7 +67,8 @@ which bounds the emulation from below by the float64 / plain-dtype GEMM throughp
 36 bits, a 512-term tile sum 45 bits plus the spread of the tile's 16 group scales; float32 keeps 24, so
 its sums round (measured: a float32 GEMM on the same dequantized operands differs from the exact
 result in 5-22% of the outputs of the four products), while float64's 53 bits hold them when the
-scales of one tile row span at most 8 binades.
+scales of one tile row span at most 8 binades. ``gemm="fast"`` (backend "emulate_fast") trades exactly that
+for speed: same quantization, float32-accumulating GEMMs (mlp_bwd_mxfp8_emulate_fast.py; not bit-exact).
 
 No NKI and no simulator here: only torch and the scale-rule constants of nkilib.mx.
 
@@ -88,6 +89,7 @@ from ..core import options
 from ..core.matmul.constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
 from ..core.options import check_choice
 from ..mx import SCALE_NAN_BYTE, SCALE_RULES, element_format, group_positions
+from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fast import EMULATE_GEMMS, fast_gemm, resolve_gemm  # noqa: F401
 from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fused import (FUSED_QUANTIZER_MODES, f32_fraction_bits,  # noqa: F401
                                                                   fused_quantizer_for, set_fused_quantizer)
 
@@ -395,7 +397,7 @@ def _tiled_sum(a64: torch.Tensor, b64: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8", fp8_dtype="float8_e4m3fn",
-                    quant_scheme="1x32", scale_rule="neuron") -> torch.Tensor:
+                    quant_scheme="1x32", scale_rule="neuron", gemm="exact") -> torch.Tensor:
     """The kernel's matmul mm(A, B) = A @ B (module docstring), float32 result.
 
     Operands may be any strided views (e.g. ``w.t()``): they are quantized in place along K and the
@@ -409,6 +411,8 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
         b: right operand [K, N] (quantized along K = axis 0).
         matmul_precision: "mxfp8" or "bf16".
         fp8_dtype, quant_scheme, scale_rule: MX options (mxfp8 only).
+        gemm: "exact" (the kernel's bits, default) or, not bit-exact, "fast" / "fp32" / "bf16": the same
+            quantized operands summed by one float32-accumulating GEMM (mlp_bwd_mxfp8_emulate_fast.py).
 
     Returns:
         float32 [M, N].
@@ -416,9 +420,12 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"contract_matmul: incompatible operand shapes {tuple(a.shape)} @ {tuple(b.shape)}")
     options.matmul_precision(matmul_precision)
+    gemm = resolve_gemm(gemm, a.device)
     a = a.to(torch.bfloat16)
     b = b.to(torch.bfloat16)
     if matmul_precision == "bf16":
+        if gemm != "exact":
+            return fast_gemm(a, b, gemm)
         return _tiled_sum(a.to(torch.float64), b.to(torch.float64), BF16_K_TILE)
     fmt = element_format(fp8_name(fp8_dtype))
     options.quant_scheme(quant_scheme)
@@ -428,9 +435,14 @@ def contract_matmul(a: torch.Tensor, b: torch.Tensor, *, matmul_precision="mxfp8
     if kp != k:  # zero padding along K, as the kernel's K tiles
         a = torch.nn.functional.pad(a, (0, kp - k))
         b = torch.nn.functional.pad(b, (0, 0, 0, kp - k))
-    opts = dict(fmt=fmt, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE, out_dtype=torch.float64)
-    a_q = _quantize_dequantize(a, 1, **opts)  # [M, Kp] float64, exact
-    b_q = _quantize_dequantize(b, 0, **opts)  # [Kp, N] float64, exact
+    # the fast GEMMs take the same MX values in float32 (exact, except codes rounded up to 2**128: Inf) or,
+    # for "bf16", in bf16 straight from the quantizer (the float32 values rounded once: exact in bf16's range)
+    out_dtype = {"exact": torch.float64, "bf16": torch.bfloat16}.get(gemm, torch.float32)
+    opts = dict(fmt=fmt, quant_scheme=quant_scheme, scale_rule=scale_rule, k_tile=MX_K_TILE, out_dtype=out_dtype)
+    a_q = _quantize_dequantize(a, 1, **opts)  # [M, Kp]
+    b_q = _quantize_dequantize(b, 0, **opts)  # [Kp, N]
+    if gemm != "exact":
+        return fast_gemm(a_q, b_q, gemm)
     return _tiled_sum(a_q, b_q, MX_K_TILE)
 
 

@@ -145,13 +145,23 @@ def test_emulate_speed_script_times_and_checks(tmp_path, capsys):
     (run,) = res["runs"]
     (row,) = run["rows"]
     assert (row["S"], row["H"], row["I"]) == (128, 256, 192)
-    for key in ("plain_bwd_ms", "emulate_bwd_ms", "plain_step_ms", "emulate_step_ms"):
+    for key in ("plain_bwd_ms", "emulate_bwd_ms", "plain_step_ms", "emulate_step_ms", "emulate_fast_bwd_ms",
+                "emulate_fast_step_ms"):
         assert row[key] > 0, key
-    for key in ("quantize_ms", "quantize_eager_ms", "gemm_f64_ms", "gemm_plain_ms"):
+    for key in ("quantize_ms", "quantize_eager_ms", "gemm_f64_ms", "gemm_plain_ms", "gemm_fast_ms"):
         assert row["breakdown"][key] > 0, key
     assert row["ratio_bwd"] == pytest.approx(row["emulate_bwd_ms"] / row["plain_bwd_ms"])
+    assert row["ratio_fast_bwd"] == pytest.approx(row["emulate_fast_bwd_ms"] / row["plain_bwd_ms"])
+    # emulate_fast (fp32 GEMMs on the CPU) is close to, and not identical with, the exact emulation
+    assert row["breakdown"]["gemm_fast"] == "fp32"
+    assert set(row["fast_vs_exact"]) == {"dX", "dW_gate_up", "dW_down"}
+    assert all(d["norm_rel"] < 1e-4 for d in row["fast_vs_exact"].values())
+    assert any(d["differ"] > 0 for d in row["fast_vs_exact"].values())
+    # which quantizer ran (this process's earlier tests may have compiled one: either wording is right)
+    assert run["quantizer_status"].startswith(("compiled (torch.compile", "eager"))
     assert run["device_matches_cpu_bitwise"] is True
     assert run["env"]["plain_dtype"] == "float32" and run["env"]["quantizer"] == "auto"
     assert json.loads(out.read_text())["runs"][0]["rows"][0]["S"] == 128
     printed = capsys.readouterr().out
     assert "plain bwd" in printed and "float64 GEMMs" in printed
+    assert "emulate_fast vs emulate" in printed and "MX quantizer used for the timings above" in printed

@@ -218,7 +218,8 @@ def test_backend_names_and_the_neuron_backend_off_device():
     assert MoESwiGLUExperts(4, 64, 32, backend="neuron").options["backend"] == "neuron"
     with pytest.raises(ValueError, match=r"lnc must be None, 1 or 2, got 3"):
         MoESwiGLUExperts(4, 64, 32, lnc=3)
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'emulate', 'simulator', 'neuron'\)"):
+    with pytest.raises(ValueError,
+                       match=r"backend must be one of \('auto', 'emulate', 'emulate_fast', 'simulator', 'neuron'\)"):
         moe_swiglu_experts_mxfp8(**_bad(), backend="cuda")
 
 

@@ -86,7 +86,8 @@ def _fold_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, block_size: int, k_t
 def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight,
                          gate_pre=None, gate_act=None, up=None, intermediate=None, *, block_size: int,
                          clamp_limits=None, fp8_dtype="float8_e4m3fn", quant_scheme="1x32", matmul_precision="mxfp8",
-                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron", bias_grad: bool = False):
+                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron", bias_grad: bool = False,
+                         gemm="exact"):
     """The MoE expert backward of docs/moe.md in torch ops (validated inputs assumed).
 
     Args:
@@ -101,13 +102,16 @@ def moe_backward_emulate(output_grad, hidden_states, topk_ids, topk_weights, gat
         bias_grad: also return d_gate_up_bias [E, 2I] float32: per expert the sum over its rows of the bf16
             d_gate_up (the pre-activation gradients the weight gradient folds) in the kernel's order
             (bias_grad_fold; the kernel's gate_up_bias_grad output, reference_bias_grad_fold).
+        gemm: "exact" (bit-identical, default) or "fast" / "fp32" / "bf16": the MX matmuls as the dense
+            emulation's fast GEMMs (backend "emulate_fast", not bit-exact; the routing-gradient and bias
+            sums stay exact).
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
         d_down_weight [E, H, I] in weight_grad_dtype[, d_gate_up_bias [E, 2I] float32]).
     """
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
-                           quant_scheme=quant_scheme, scale_rule=scale_rule)
+                           quant_scheme=quant_scheme, scale_rule=scale_rule, gemm=gemm)
     k_tile = MX_K_TILE if matmul_precision == "mxfp8" else BF16_K_TILE
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
     act_fn, act_dx_fn = activation_fns32(clamp_limits)

@@ -25,6 +25,8 @@ kernel writes them in weight_grad_dtype: float32 when a parameter is float32, el
 Backends (``backend=``):
     "emulate": pure torch, bit-identical to reference.moe_backward_reference(mode="mx_exact"), on any
         device (CPU, CUDA).
+    "emulate_fast": opt-in, NOT bit-exact: "emulate" with the same MX quantization and float32-accumulating
+        GEMMs (the dense op's "emulate_fast", mlp_bwd_mxfp8_emulate_fast.py), for studies on GPUs.
     "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, LNC1) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
         bit-identical to "emulate"; scale_rule "neuron" only).
@@ -55,6 +57,7 @@ from torch import Tensor, nn
 from ...core import options
 from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
+from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import EMULATE_BACKENDS
 from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
 from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
@@ -67,7 +70,7 @@ from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, register_torchneuron_ops_
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
 
 #: backend= values accepted.
-BACKENDS = ("auto", "emulate", "simulator", "neuron")
+BACKENDS = ("auto", "emulate", "emulate_fast", "simulator", "neuron")
 #: Backends accepted by name but not available (none: "neuron" runs the kernel on a Neuron device).
 UNAVAILABLE_BACKENDS = ()
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
@@ -208,8 +211,9 @@ def moe_swiglu_experts_mxfp8_backward_op(
         raise RuntimeError("nkilib::moe_swiglu_experts_mxfp8_backward does not run the Neuron path: "
                            "moe_swiglu_experts_mxfp8 sends Neuron tensors to the nki_op registration (TorchNeuron) or "
                            "the XLA autograd.Function (moe_bwd_mxfp8_neuron.py)")
-    if backend != "emulate":
-        raise ValueError(f"nkilib::moe_swiglu_experts_mxfp8_backward: backend must be 'emulate' or 'simulator' here, "
+    if backend not in EMULATE_BACKENDS:
+        raise ValueError(f"nkilib::moe_swiglu_experts_mxfp8_backward: backend must be 'emulate', 'emulate_fast' or "
+                         f"'simulator' here, "
                          f"got {backend!r}")
     outs = moe_backward_emulate(
         output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, gate_pre, gate_act, up,
@@ -217,7 +221,7 @@ def moe_swiglu_experts_mxfp8_backward_op(
         clamp_limits=dict(zip(options.CLAMP_NAMES + ("activation",), clamps)),
         fp8_dtype=fp8_dtype, quant_scheme=quant_scheme, matmul_precision=matmul_precision,
         weight_grad_dtype=getattr(torch, weight_grad_dtype), scale_rule=scale_rule,
-        bias_grad=gate_up_bias is not None)
+        bias_grad=gate_up_bias is not None, gemm=EMULATE_BACKENDS[backend])
     return tuple(o.contiguous() for o in outs) + (() if gate_up_bias is not None else (no_bias,))
 
 
@@ -377,7 +381,7 @@ def moe_swiglu_experts_mxfp8(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, 
         scale_rule: "neuron" (quantize_mx's rule, default), "rceil" or "ocp_floor" (studies).
         block_size: B of the kernel's block layout (multiple of 128, <= 512); fixes the order of the
             weight-gradient sums.
-        backend: "auto", "emulate", "simulator" or "neuron" (module docstring).
+        backend: "auto", "emulate", "emulate_fast" (not bit-exact), "simulator" or "neuron" (module docstring).
         lnc: the kernel's LNC degree: None (simulator: 1; neuron: NEURON_LOGICAL_NC_CONFIG, unset = 1), 1 or 2
             (neuron: must equal NEURON_LOGICAL_NC_CONFIG). Unused by "emulate".
         ep_group: None, or a torch.distributed process group of ep ranks over which the E experts are sharded

@@ -30,6 +30,7 @@ from ...emulate_numerics import (FP8_DTYPES, FUSED_QUANTIZER_MODES, activation_f
                                  swiglu_activations)
 from ...emulate_numerics import _decode, _quantize_dequantize, _tiled_sum  # noqa: F401  (emulate_speed, tests)
 from .constants import MX_K_TILE  # noqa: F401  (re-exported for simulations/emulate_speed.py)
+from .mlp_bwd_mxfp8_emulate_fast import EMULATE_GEMMS, fast_gemm, resolve_gemm  # noqa: F401
 
 __all__ = [
     "FP8_DTYPES",
@@ -56,7 +57,7 @@ __all__ = [
 def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_weights, gate_pre=None,
                          gate_act=None, up=None, intermediate=None, *, clamp_limits=None,
                          fp8_dtype="float8_e4m3fn", quant_scheme="1x32", matmul_precision="mxfp8",
-                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron"):
+                         weight_grad_dtype=torch.bfloat16, scale_rule="neuron", gemm="exact"):
     """The kernel's backward (phases 0-4 of the numerics contract) in torch ops.
 
     Dimensions:
@@ -74,6 +75,9 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
         matmul_precision: "mxfp8" (Trn3) or "bf16" (Trn2).
         weight_grad_dtype: torch.bfloat16 or torch.float32 (both weight gradients).
         scale_rule: "neuron" (the hardware's rule, default), "ocp_floor" or "rceil" (studies only).
+        gemm: "exact" (bit-identical to the kernel, default) or "fast" / "fp32" / "bf16" (the backend
+            "emulate_fast": same quantization, float32-accumulating GEMMs, not bit-exact; see
+            mlp_bwd_mxfp8_emulate_fast.py).
 
     Returns:
         (hidden_states_grad [S, H] bf16, gate_up_weight_grad [2I, H], down_proj_weight_grad [H, I])
@@ -81,8 +85,9 @@ def mlp_backward_emulate(output_grad, hidden_states, down_proj_weight, gate_up_w
     """
     weight_grad_dtype = getattr(torch, options.weight_grad_dtype(weight_grad_dtype,
                                                                  spelled="torch.bfloat16 or torch.float32"))
+    gemm = resolve_gemm(gemm, output_grad.device)
     mm = functools.partial(contract_matmul, matmul_precision=matmul_precision, fp8_dtype=fp8_dtype,
-                           quant_scheme=quant_scheme, scale_rule=scale_rule)
+                           quant_scheme=quant_scheme, scale_rule=scale_rule, gemm=gemm)
     gl, gu, ul, uu = clamp_tuple(clamp_limits)
     bf = torch.bfloat16
     dy, x = output_grad.to(bf), hidden_states.to(bf)

@@ -54,6 +54,9 @@ Backends (``backend=``):
     "emulate": a pure-torch implementation of exactly the kernel's numerics
         (mlp_bwd_mxfp8_emulate.py) on any device, fast, for training studies; supports the scale
         rules "neuron", "rceil" and "ocp_floor".
+    "emulate_fast": opt-in, NOT bit-exact: "emulate" with the same MX quantization but float32-accumulating
+        GEMMs instead of exact per-tile float64 sums (bf16 tensor-core GEMMs on CUDA, IEEE float32 GEMMs
+        elsewhere; mlp_bwd_mxfp8_emulate_fast.py), for convergence studies on GPUs; same scale rules.
     "neuron": the kernel on a Neuron device, the stack chosen by the tensors' device type: "neuron"
         -> TorchNeuron (ops registered with ``torch_neuronx.nki_op`` + ``register_autograd``), "xla" ->
         PyTorch/XLA (an autograd.Function calling ``mlp_backward_mxfp8_nki[lnc]`` with XLA tensors); the
@@ -90,11 +93,13 @@ from ...torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_che
 from ...torch_common import MainGradSink as _MainGradSink, from_numpy as _from_numpy, to_numpy as _to_numpy
 from ...torch_common import weight_grad_name as _weight_grad_name
 
-__all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "FORWARD_NUMERICS",
+__all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "EMULATE_BACKENDS", "FORWARD_NUMERICS",
            "resolve_checkpoint_policy", "resolve_backend"]
 
 #: backend= choices.
-BACKENDS = ("auto", "simulator", "emulate", "neuron")
+BACKENDS = ("auto", "simulator", "emulate", "emulate_fast", "neuron")
+#: The pure-torch backends and the emulation's GEMMs they run ("exact": bit-identical to the kernel).
+EMULATE_BACKENDS = {"emulate": "exact", "emulate_fast": "fast"}
 #: forward_numerics= choices (see the module docstring).
 FORWARD_NUMERICS = ("torch", "kernel")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
@@ -197,11 +202,11 @@ def _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
 
 
 def _run_backward(backend, dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc):
-    if backend == "emulate":
+    if backend in EMULATE_BACKENDS:
         return emu.mlp_backward_emulate(
             dy, x, w_down, w_gu, *ckpts, clamp_limits=dict(zip(emu.CLAMP_NAMES, clamps)), fp8_dtype=fp8,
             quant_scheme=scheme, matmul_precision=precision, weight_grad_dtype=getattr(torch, wg),
-            scale_rule=scale_rule)
+            scale_rule=scale_rule, gemm=EMULATE_BACKENDS[backend])
     if backend == "simulator":
         return _simulator_backward(dy, x, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg, lnc)
     if backend == "neuron":
@@ -258,10 +263,11 @@ swiglu_mlp_mxfp8_backward_op.register_fake(backward_fake)
 
 
 def forward_impl(x, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower, up_upper, fp8_dtype, quant_scheme,
-                 matmul_precision, scale_rule, forward_numerics):
-    """Body of the forward ops: (y [S, H] in x's dtype, gate_pre, gate_act, up, intermediate [S, I] bf16)."""
+                 matmul_precision, scale_rule, forward_numerics, gemm="exact"):
+    """Body of the forward ops: (y [S, H] in x's dtype, gate_pre, gate_act, up, intermediate [S, I] bf16).
+    gemm: the emulation's GEMMs for forward_numerics="kernel" (EMULATE_BACKENDS)."""
     mm_opts = dict(matmul_precision=matmul_precision, fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
-                   scale_rule=scale_rule)
+                   scale_rule=scale_rule, gemm=gemm)
     return _forward_math(x, gate_up_weight, down_weight, (gate_lower, gate_upper, up_lower, up_upper),
                          forward_numerics, mm_opts)
 
@@ -280,7 +286,8 @@ def swiglu_mlp_mxfp8_op(
     fp32 weight gradients in the backward (see _MainGradSink); the options after the clamps are carried
     for the backward; the save_* flags choose what the autograd formula keeps."""
     return forward_impl(x, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower, up_upper, fp8_dtype,
-                        quant_scheme, matmul_precision, scale_rule, forward_numerics)
+                        quant_scheme, matmul_precision, scale_rule, forward_numerics,
+                        gemm=EMULATE_BACKENDS.get(backend, "exact"))
 
 
 def forward_fake(x, gate_up_weight, down_weight, *args):
@@ -397,9 +404,10 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
         weight_grad_dtype: None (float32 if a parameter is float32 or accumulates into main_grad, else
             bfloat16), torch.bfloat16 or torch.float32: the dtype the kernel writes the weight gradients in.
         matmul_precision: "mxfp8" (Trn3, default) or "bf16" (Trn2's path).
-        scale_rule: "neuron" (quantize_mx's rule, default); "rceil" / "ocp_floor" need backend="emulate".
+        scale_rule: "neuron" (quantize_mx's rule, default); "rceil" / "ocp_floor" need backend="emulate" or
+            "emulate_fast".
         forward_numerics: "torch" (bf16 torch projections) or "kernel" (the kernel's recompute numerics).
-        backend: "auto", "simulator", "emulate" or "neuron" (module docstring).
+        backend: "auto", "simulator", "emulate", "emulate_fast" (not bit-exact) or "neuron" (module docstring).
         lnc: LNC degree of the kernel launch (1 or 2). None: 1 off Neuron; on Neuron the value of
             NEURON_LOGICAL_NC_CONFIG (unset: 1, the documented default). On Neuron an lnc that differs
             from NEURON_LOGICAL_NC_CONFIG is an error (the launch must match the runtime).
@@ -428,9 +436,9 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     options.check_choice("forward_numerics", forward_numerics, FORWARD_NUMERICS)
     wg = _weight_grad_name(weight_grad_dtype, gate_up_weight, down_weight)
     resolved = resolve_backend(backend, x.device)
-    if scale_rule != "neuron" and resolved != "emulate":
-        raise ValueError(f"scale_rule={scale_rule!r} needs backend='emulate' (the kernel's quantize_mx implements "
-                         f"the 'neuron' rule); got backend={backend!r} (-> {resolved!r})")
+    if scale_rule != "neuron" and resolved not in EMULATE_BACKENDS:
+        raise ValueError(f"scale_rule={scale_rule!r} needs backend='emulate' or 'emulate_fast' (the kernel's "
+                         f"quantize_mx implements the 'neuron' rule); got backend={backend!r} (-> {resolved!r})")
     check_lnc(lnc, "swiglu_mlp_mxfp8")
     stack, lnc = launch_stack_and_lnc(resolved, x.device, lnc)
     sink_gu, sink_down = _main_grad_sinks(accumulate_main_grad, {"gate_up_weight": gate_up_weight,
