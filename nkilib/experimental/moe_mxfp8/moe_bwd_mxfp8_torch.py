@@ -25,7 +25,7 @@ kernel writes them in weight_grad_dtype: float32 when a parameter is float32, el
 Backends (``backend=``):
     "emulate": pure torch, bit-identical to reference.moe_backward_reference(mode="mx_exact"), on any
         device (CPU, CUDA).
-    "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, LNC1) on the CPU simulator
+    "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, lnc=1 or 2) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
         bit-identical to "emulate"; scale_rule "neuron" only).
     "neuron": the kernel on a Neuron device (moe_bwd_mxfp8_neuron.py), the stack chosen by the tensors'
