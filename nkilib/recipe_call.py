@@ -8,7 +8,7 @@ without an import cycle:
     @accepts_recipe
     def swiglu_mlp_mxfp8(x, gate_up_weight, down_weight, *, checkpoint="all", ...): ...
 
-    @accepts_recipe(label="MoE experts", ignores=("lnc",))
+    @accepts_recipe(label="MoE experts")
     def moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, w_gu, w_down, *, checkpoint="all", ...): ...
 
     swiglu_mlp_mxfp8(x, w_gu, w_down, recipe="mxfp8_e5m2", backend="emulate")  # backend overrides the recipe

@@ -1,7 +1,7 @@
 """Main job: run the MXFP8 MLP backward on a model shape in the simulator and print its error table.
 
     python -m nkilib.examples.mlp_backward --model qwen3-8b-tp8 --seq 512 [--lnc 2] [--fp8 e4m3fn|e5m2]
-        [--scheme 1x32|wrapX] [--checkpoints all|none] [--target trn3|trn2]
+        [--scheme 1x32|wrapX] [--target trn3|trn2] [--seed N] [--no-model]
 
 Errors are reported against the MX-exact reference (same quantization, fp32 accumulation: should be
 ~0) and against the fp32 ideal backward (the quantization error of MXFP8). Then the cost model's

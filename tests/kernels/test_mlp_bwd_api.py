@@ -289,3 +289,23 @@ def test_prequantized_halves_errors(inp, set_target):
     with pytest.raises(AssertionError, match=r"\['gate_proj_weight_T', 'up_proj_weight_T'\] need "
                                              r"matmul_precision='mxfp8', got 'bf16'"):
         run_mlp(args, matmul_precision="bf16")
+
+
+def test_readme_calling_the_kernel_snippet_runs():
+    """The README's "Calling the kernel" snippet, its inputs bound to small seeded tensors: the clamped
+    call runs as written and matches mx_exact with the same clamps bit for bit."""
+    import pathlib
+    import re
+
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Calling the kernel", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    inp = mlp_inputs(64, 128, 64, seed=7)
+    scope = {"dY": inp["output_grad"], "X": inp["hidden_states"], "W_gu": inp["gate_up_weights"],
+             "W_down": inp["down_proj_weight"]}
+    exec(compile(snippet, "README.md#calling-the-kernel", "exec"), scope)
+    clamps = ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0)
+    assert_matches_mx_exact((scope["dX"], scope["dW_gate_up"], scope["dW_down"]),
+                            mlp_reference(inp, clamp_limits=clamps))

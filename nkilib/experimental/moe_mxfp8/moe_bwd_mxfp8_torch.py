@@ -27,7 +27,7 @@ Backends (``backend=``):
         device (CPU, CUDA).
     "emulate_fast": opt-in, NOT bit-exact: "emulate" with the same MX quantization and float32-accumulating
         GEMMs (the dense op's "emulate_fast", mlp_bwd_mxfp8_emulate_fast.py), for studies on GPUs.
-    "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, LNC1) on the CPU simulator
+    "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, lnc=1 or 2) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
         bit-identical to "emulate"; scale_rule "neuron" only).
     "neuron": the kernel on a Neuron device (moe_bwd_mxfp8_neuron.py), the stack chosen by the tensors'
