@@ -116,7 +116,8 @@ class RowChunk(nl.NKIObject):
         gate_pre = _projection_tile(g_ck, g_psum, m, c0, nsz)
         up = _projection_tile(u_ck, u_psum, m, c0, nsz)
         act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
-        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
+        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
+                                     clamp_engine=ctx.clamp_engine)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
@@ -126,7 +127,8 @@ class RowChunk(nl.NKIObject):
                            engine=nisa.engine.scalar)
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
                              self.d_gu[:m, width + c0:width + c0 + nsz],
-                             d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
+                             d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
+                             d_up_engine=nisa.engine.gpsimd)  # (MoeContext's engines, in the kernel file)
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)

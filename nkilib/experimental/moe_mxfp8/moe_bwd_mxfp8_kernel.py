@@ -424,8 +424,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     not an argument: the loops are expert-major (static expert, run-time block range from
     expert_block_offsets), which keeps each expert's weights static and loaded once per expert.
     """
-    setup, wg_dtype, _ = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing,
-                                                weight_grad_dtype, run_with_lnc2, clamp_limits)
+    setup, wg_dtype, on_trn3 = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme,
+                                                      use_scale_packing, weight_grad_dtype, run_with_lnc2,
+                                                      clamp_limits)
     kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
@@ -467,6 +468,14 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
 
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
                      clamp_limits or ClampLimits())
+    # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
+    # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
+    # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
+    # descriptors, keeps only dh * a and the masks' products. Otherwise round 2's choice: both dh products on
+    # GpSimd. Every op is an exact fp32 compare / clamp or a single fp32 multiply: the bits do not depend on it.
+    relieve = on_trn3 and (ctx.clamp.has_gate_clamp or ctx.clamp.has_up_clamp)
+    ctx.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
+    ctx.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     ctx.ids2d = token_position_to_id.reshape((N, block_size))
