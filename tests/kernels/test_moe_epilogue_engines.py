@@ -64,3 +64,26 @@ def test_trn2_clamps_stay_off_scalar(set_target):
     out, ops = _traced(kernel)
     assert_outputs_identical(out, moe_backward_reference(**ref), "trn2 bf16 clamped vs mx_exact")
     assert all(e != "scalar" for instr, e, op in ops if instr == "tensor_scalar" and op in ("minimum", "maximum"))
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_full_blocks_gather_without_zeroing(lnc):
+    """Blocks known full (before an expert's last, or a last block whose final position is routed) gather
+    into tiles that are not zeroed first; padded last blocks still zero theirs. Expert 0: two full blocks,
+    expert 1: two full and a padded one, expert 2: empty. Bit-exact, and pass A issues fewer memsets than
+    gathers (the simulator would also refuse a read of a never-written padding row)."""
+    B, H, I = 128, 64, 64
+    ids = np.concatenate([np.zeros(2 * B, np.int32), np.ones(2 * B + 44, np.int32)])
+    ids = np.random.default_rng(4).permutation(ids)[:, None]
+    kernel, ref = moe_case(ids.shape[0], 3, H, I, ids, seed=41, block_size=B,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"), clamp_limits=GPT_OSS_LIKE)
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "full blocks vs mx_exact")
+    in_a = [r.instr for r in res.trace if r.attrs.get("phase") == "A dI+epilogue"]
+    gathers = sum(1 for r in res.trace if r.attrs.get("phase") == "A dI+epilogue" and r.instr == "dma_copy"
+                  and r.attrs.get("indirect") and any(getattr(o, "name", "") == "output_grad" for o in r.reads))
+    # a chunk of a padded block zeroes its 7 gathered tiles (dY, X, p, four checkpoints); of a full block only
+    # the K padding columns of dY and X (H = 64 < the MX K alignment)
+    assert gathers > 0 and in_a.count("memset") < 7 * gathers, (in_a.count("memset"), gathers)

@@ -263,25 +263,27 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     def last_block(i, block, panels, skip):
         """block(i, panels, ...) for an expert's last block: with skip only when it holds padding (its final
-        position is padding); a full last block keeps the unskipped path (contiguous row groups)."""
+        position is padding); a full last block keeps the unskipped path (contiguous row groups) and is known
+        full (block(..., full=True): no padding rows to zero)."""
         if not skip:
-            block(i, panels, False)
+            block(i, panels, False, False)
             return
         full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-        ctx.if_flag(full, 1, lambda: block(i, panels, False))
-        ctx.if_flag(full, 1, lambda: block(i, panels, skip), complement=True)
+        ctx.if_flag(full, 1, lambda: block(i, panels, False, True))
+        ctx.if_flag(full, 1, lambda: block(i, panels, skip, False), complement=True)
 
     def block_loops(e, b_lo, b_hi, block, panels, skip):
-        """block(i, panels, skip) over expert e's blocks; only the last one can hold padding."""
+        """block(i, panels, skip, full) over expert e's blocks; only the last one can hold padding (the blocks
+        before it are full: every position holds a routed pair)."""
         if not skip:
-            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
+            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False, False))
             return
         last = ctx.loops.last_block(e)
-        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
+        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
     def per_block(e, descs, tiles, groups, block, skip):
-        """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
+        """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across it
         when they fit (`groups` None), else per block for an expert with one block and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
         are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
@@ -314,7 +316,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     def pass_a(e):
         per_block(e, a_descs(e), i_tiles, a_groups,
-                  lambda i, w, skip: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip), a_skip)
+                  lambda i, w, skip, full: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip,
+                                                                            full=full), a_skip)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -335,7 +338,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
 
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip: b_block(e, i, w, skip), b_skip)
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip), b_skip)
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
