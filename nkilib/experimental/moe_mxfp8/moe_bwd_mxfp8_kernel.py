@@ -262,29 +262,26 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
 
     def last_block(i, block, panels, skip):
-        """block(i, panels, ...) for an expert's last block: with skip only when it holds padding (its final
-        position is padding); a full last block keeps the unskipped path (contiguous row groups) and is known
-        full (block(..., full=True): no padding rows to zero)."""
-        if not skip:
-            block(i, panels, False, False)
-            return
+        """block(i, panels, skip, full) for an expert's last block, by the flag of its final position: a full
+        last block takes the unskipped path (contiguous row groups) with full=True (no padding rows to zero);
+        one holding padding takes `skip` (False where the weights are loaded per block) with full=False."""
         full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
         ctx.if_flag(full, 1, lambda: block(i, panels, False, True))
+        if not skip:
+            ctx.if_flag(full, 1, lambda: block(i, panels, False, False), complement=True)
+            return
         ctx.if_flag(full, 1, lambda: block(i, panels, skip, False), complement=True)
 
     def block_loops(e, b_lo, b_hi, block, panels, skip):
         """block(i, panels, skip, full) over expert e's blocks; only the last one can hold padding (the blocks
         before it are full: every position holds a routed pair)."""
-        if not skip:
-            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False, False))
-            return
         last = ctx.loops.last_block(e)
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
     def per_block(e, descs, tiles, groups, block, skip):
-        """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across it
-        when they fit (`groups` None), else per block for an expert with one block and, for one with more,
+        """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
+        it when they fit (`groups` None), else per block for an expert with one block and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
         are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
         with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
