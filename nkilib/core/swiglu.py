@@ -15,7 +15,8 @@ applies its routing weight to dI first (dh = dI * p) and feeds dh here.
 Split in two so a kernel can use the forward terms (e.g. the intermediate, for the routing-weight gradient)
 between them: swiglu_forward_terms, then intermediate_tile (optional), then swiglu_backward_tile.
 Engines: products with a PSUM operand on VectorE, products of two SBUF tiles on GpSimd, activations on
-ScalarE, so the three share the epilogue.
+ScalarE, so the three share the epilogue; clamps (tensor_scalar) on VectorE unless the caller passes another
+engine (clamp_engine, d_up_engine: the MoE kernel rebalances its pass A with them, docs/moe.md section 10).
 """
 from __future__ import annotations
 
