@@ -15,7 +15,8 @@ applies its routing weight to dI first (dh = dI * p) and feeds dh here.
 Split in two so a kernel can use the forward terms (e.g. the intermediate, for the routing-weight gradient)
 between them: swiglu_forward_terms, then intermediate_tile (optional), then swiglu_backward_tile.
 Engines: products with a PSUM operand on VectorE, products of two SBUF tiles on GpSimd, activations on
-ScalarE, so the three share the epilogue.
+ScalarE, so the three share the epilogue; clamps (tensor_scalar) on VectorE unless the caller passes another
+engine (clamp_engine, d_up_engine: the MoE kernel rebalances its pass A with them, docs/moe.md section 10).
 """
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ class SwigluTerms(nl.NKIObject):
         self.act_dx, self.msz, self.nsz, self.ncols = act_dx, msz, nsz, ncols
 
 
-def clamp_and_mask(x, lower, upper, msz, nsz, ncols):
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
     counterpart of nkilib.core.numerics.clamp_and_mask (NumPy) and nkilib.experimental.emulate_numerics'
-    (torch).
+    (torch). engine: of the tensor_scalar ops (unknown = the default, VectorE; ScalarE takes any operator
+    pair on trn3 and (multiply/add) only on trn2, nki.isa.tensor_scalar page: a comparison or min/max there
+    is trn3 only); the two-limit mask's scalar_tensor_tensor runs on VectorE (its only engine). Comparisons
+    and clamps are exact in fp32, so the engine does not change a bit.
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
     if not has_lower and not has_upper:
@@ -53,38 +57,44 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols):
     c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
     if has_lower and has_upper:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
-                           operand1=float(upper))
+                           operand1=float(upper), engine=engine)
         lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower))
+        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower),
+                           engine=engine)
         # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
         nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
                                   operand1=lo_ok[:msz, :nsz])
     elif has_lower:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower))
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=engine)
     else:
-        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper))
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper))
+        nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=engine)
     return c, m
 
 
-def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols) -> SwigluTerms:
+def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
+                         clamp_engine=nisa.engine.unknown) -> SwigluTerms:
     """Clamps, masks and gate_act of one tile.
 
     Dimensions:
         gate_pre, up: bf16 [msz, nsz] SBUF views; gate_act: bf16 [msz, nsz] view of the checkpoint, or
         None (computed: bf16(act(gc)) on ScalarE); clamp: ClampLimits-like (four bounds, None = no bound, and
         its activation).
+    clamp_engine: engine of the clamps' and the offset's tensor_scalar ops (clamp_and_mask): the default
+    (VectorE) for the dense kernel; the MoE kernel passes ScalarE to unload VectorE (the same fp32 bits).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
                                                                          nl.gelu_apprx_sigmoid_dx)
-    gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols)
-    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols)
+    gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols,
+                                engine=clamp_engine)
+    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine)
     offset = UP_OFFSETS[activation]
     if offset != 0.0:
         lin = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lin[:msz, :nsz], data=uc, op0=nl.add, operand0=offset)  # fp32(uc + 1)
+        nisa.tensor_scalar(dst=lin[:msz, :nsz], data=uc, op0=nl.add, operand0=offset,
+                           engine=clamp_engine)  # fp32(uc + 1)
         uc = lin[:msz, :nsz]
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -101,7 +111,8 @@ def intermediate_tile(terms: SwigluTerms):
     return inter[:terms.msz, :terms.nsz]
 
 
-def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector) -> None:
+def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector,
+                         d_up_engine=None) -> None:
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
@@ -109,15 +120,17 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
         d_i: fp32 [msz, nsz] (PSUM or SBUF); d_gate_dst, d_up_dst: bf16 [msz, nsz].
     d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
     only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
+    d_up_engine: engine of the product dI * a alone (None: d_i_engine), so a kernel can balance the two.
     """
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, uc, mask_u, mask_g = terms.act, terms.uc, terms.mask_u, terms.mask_g
+    up_engine = d_i_engine if d_up_engine == None else d_up_engine  # noqa: E711
     # d_up = bf16((dI * a) * mask_u)
     if mask_u == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply, engine=d_i_engine)
+        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
     else:
         t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply, engine=d_i_engine)
+        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
         nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
                            engine=nisa.engine.gpsimd)
     # d_gate = bf16(((dI * uc) * act'(gc)) * mask_g)

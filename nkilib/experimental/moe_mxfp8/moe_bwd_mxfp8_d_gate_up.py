@@ -31,10 +31,14 @@ def _natural_rows(ctx, k_size):
     return nl.ndarray((PARTITIONS, ctx.k_width(k_size)), dtype=nl.bfloat16, buffer=nl.sbuf)
 
 
-def _gathered_natural(ctx, src2d, ids, m, k_size):
-    """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K)."""
+def _gathered_natural(ctx, src2d, ids, m, k_size, full=False):
+    """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K). full: every id
+    is a routed pair (a full block), so only the columns beyond K are zeroed."""
     nat = _natural_rows(ctx, k_size)
-    nisa.memset(dst=nat[:m, :], value=0.0)
+    if not full:
+        nisa.memset(dst=nat[:m, :], value=0.0)
+    elif nat.shape[1] > k_size:
+        nisa.memset(dst=nat[:m, k_size:], value=0.0)
     ctx.gather(nat[:m, :k_size], src2d, ids, 0, k_size)
     return nat
 
@@ -48,13 +52,14 @@ def _block_natural(ctx, scratch, i, r0, m, k_size):
     return nat
 
 
-def _gathered_checkpoint(ctx, ckpt, slots, m, i_lo, width):
+def _gathered_checkpoint(ctx, ckpt, slots, m, i_lo, width, full=False):
     """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a [T*k, I] checkpoint's rows by slot (zero for
-    padding), or None."""
+    padding, unless the block is full), or None."""
     if ckpt == None:  # noqa: E711
         return None
     tile = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=tile[:m, :], value=0.0)
+    if not full:
+        nisa.memset(dst=tile[:m, :], value=0.0)
     ctx.gather(tile[:m, :], ckpt, slots, i_lo, width)
     return tile
 
@@ -78,7 +83,7 @@ class RowChunk(nl.NKIObject):
     continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
     """
 
-    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi):
+    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False):
         I, H = ctx.I, ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
@@ -86,8 +91,8 @@ class RowChunk(nl.NKIObject):
         self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
         x_nat = None
         if i_lo == 0:
-            dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H)
-            x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H)
+            dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H, full)
+            x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H, full)
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
@@ -99,9 +104,10 @@ class RowChunk(nl.NKIObject):
         self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
         self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.p, value=0.0)
+        if not full:  # padding rows' p = 0 (a full block gathers every row)
+            nisa.memset(dst=self.p, value=0.0)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width)
+        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
                       for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         self.d_gu = nl.ndarray((PARTITIONS, 2 * width), dtype=nl.bfloat16, buffer=nl.sbuf)  # gate cols, up cols
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -116,7 +122,8 @@ class RowChunk(nl.NKIObject):
         gate_pre = _projection_tile(g_ck, g_psum, m, c0, nsz)
         up = _projection_tile(u_ck, u_psum, m, c0, nsz)
         act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
-        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE)
+        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
+                                     clamp_engine=ctx.clamp_engine)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
@@ -126,7 +133,8 @@ class RowChunk(nl.NKIObject):
                            engine=nisa.engine.scalar)
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
                              self.d_gu[:m, width + c0:width + c0 + nsz],
-                             d_i_engine=nisa.engine.gpsimd)  # dh is in SBUF: its products off VectorE
+                             d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
+                             d_up_engine=nisa.engine.gpsimd)  # (MoeContext's engines, in the kernel file)
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
@@ -146,7 +154,7 @@ class RowChunk(nl.NKIObject):
         nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
 
 
-def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_padding=False):
+def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_padding=False, full=False):
     """Phases 0-1 of block i (expert e) for this core's rows and the I tiles of w_down: d_gate_up and hs
     columns to the scratch, d_topk_weights of the block's slots (after the last I tile).
 
@@ -165,10 +173,12 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
         ctx: MoeContext. e: expert (static). i: block register. w_down / w_gate / w_up: ExpertPanels over the
             same I tiles (all of I, or a resident group; w_gate / w_up None when gate_pre / up are given).
         skip_padding: whether the panels are resident (on both cores: the same loops).
+        full: block i is known to hold no padding (a block before the expert's last, or a last block whose final
+            position holds a routed pair): the gathered tiles are not zeroed first (every row is gathered).
     """
     if not skip_padding:
         for g0, gsz in _blocks(ctx.row_lo, ctx.row_hi, PHASE1_ROW_GROUP):
-            _phase1_rows(ctx, e, i, _blocks(g0, g0 + gsz, PARTITIONS), w_down, w_gate, w_up)
+            _phase1_rows(ctx, e, i, _blocks(g0, g0 + gsz, PARTITIONS), w_down, w_gate, w_up, full)
         return
     # resident weights: this core's rows of each row unit (ctx.unit_rows) run only when the unit holds a routed
     # pair (the flag is the unit's first position, the same on both cores: identical trip counts)
@@ -197,7 +207,7 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
 
 
-def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up):
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all."""
     recompute = w_gate != None or w_up != None  # noqa: E711
@@ -205,7 +215,7 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up):
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi) for r0, m in rows]
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full) for r0, m in rows]
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
         wd = w_down.get(jj)

@@ -262,27 +262,26 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
 
     def last_block(i, block, panels, skip):
-        """block(i, panels, ...) for an expert's last block: with skip only when it holds padding (its final
-        position is padding); a full last block keeps the unskipped path (contiguous row groups)."""
-        if not skip:
-            block(i, panels, False)
-            return
+        """block(i, panels, skip, full) for an expert's last block, by the flag of its final position: a full
+        last block takes the unskipped path (contiguous row groups) with full=True (no padding rows to zero);
+        one holding padding takes `skip` (False where the weights are loaded per block) with full=False."""
         full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-        ctx.if_flag(full, 1, lambda: block(i, panels, False))
-        ctx.if_flag(full, 1, lambda: block(i, panels, skip), complement=True)
+        ctx.if_flag(full, 1, lambda: block(i, panels, False, True))
+        if not skip:
+            ctx.if_flag(full, 1, lambda: block(i, panels, False, False), complement=True)
+            return
+        ctx.if_flag(full, 1, lambda: block(i, panels, skip, False), complement=True)
 
     def block_loops(e, b_lo, b_hi, block, panels, skip):
-        """block(i, panels, skip) over expert e's blocks; only the last one can hold padding."""
-        if not skip:
-            nl.fori_loop(b_lo, b_hi, lambda i: block(i, panels, False))
-            return
+        """block(i, panels, skip, full) over expert e's blocks; only the last one can hold padding (the blocks
+        before it are full: every position holds a routed pair)."""
         last = ctx.loops.last_block(e)
-        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False))
+        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
     def per_block(e, descs, tiles, groups, block, skip):
-        """The block loop(s) of expert e, block(i, panels, skip): one loop with the weights resident across it
-        when they fit (`groups` None), else per block for an expert with one block and, for one with more,
+        """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
+        it when they fit (`groups` None), else per block for an expert with one block and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
         are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
         with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
@@ -314,7 +313,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     def pass_a(e):
         per_block(e, a_descs(e), i_tiles, a_groups,
-                  lambda i, w, skip: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip), a_skip)
+                  lambda i, w, skip, full: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip,
+                                                                            full=full), a_skip)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -335,7 +335,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
 
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip: b_block(e, i, w, skip), b_skip)
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip), b_skip)
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
@@ -424,8 +424,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     not an argument: the loops are expert-major (static expert, run-time block range from
     expert_block_offsets), which keeps each expert's weights static and loaded once per expert.
     """
-    setup, wg_dtype, _ = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing,
-                                                weight_grad_dtype, run_with_lnc2, clamp_limits)
+    setup, wg_dtype, on_trn3 = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme,
+                                                      use_scale_packing, weight_grad_dtype, run_with_lnc2,
+                                                      clamp_limits)
     kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
                   f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
@@ -467,6 +468,14 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
 
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
                      clamp_limits or ClampLimits())
+    # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
+    # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
+    # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
+    # descriptors, keeps only dh * a and the masks' products. Otherwise round 2's choice: both dh products on
+    # GpSimd. Every op is an exact fp32 compare / clamp or a single fp32 multiply: the bits do not depend on it.
+    relieve = on_trn3 and (ctx.clamp.has_gate_clamp or ctx.clamp.has_up_clamp)
+    ctx.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
+    ctx.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     ctx.ids2d = token_position_to_id.reshape((N, block_size))

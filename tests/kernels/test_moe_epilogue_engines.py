@@ -1,0 +1,89 @@
+"""Engines of the MoE kernel's pass-A SwiGLU epilogue (docs/moe.md section 10, round 4).
+
+Clamped on trn3, the clamps' tensor_scalar ops run on ScalarE and dh * uc on VectorE (GpSimd keeps dh * a
+and the masks' products); without clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the
+round-2 engines. The engine never changes a bit: the outputs stay equal to mx_exact, with GPT-OSS's
+clamped "gpt_oss" activation (gate clamped above, up on both sides, the +1 offset) included.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
+from nkilib.examples.moe_backward_cost import PHASES
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
+from nkilib.simulator.trace import label_phases
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import CLAMPS, moe_case, routing
+
+#: GPT-OSS's shape of clamps (limits scaled to the unit-scale test data so that both sides are crossed)
+GPT_OSS_LIKE = ClampLimits(non_linear_upper=0.5, linear_lower=-0.5, linear_upper=0.5, activation="gpt_oss")
+
+
+def _traced(kernel_kwargs, lnc=2):
+    """(outputs, [(instr, engine, op0)] of the pass-A epilogue's elementwise records) of one simulator run."""
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel_kwargs, lnc=lnc, grid_ndim=1,
+                         trace=True)
+    ops = [(r.instr, r.engine, r.attrs.get("op0") or r.attrs.get("op")) for r in res.trace
+           if r.instr in ("tensor_scalar", "tensor_tensor") and r.attrs.get("phase") == "A dI+epilogue"]
+    return tuple(np.asarray(o) for o in res.outputs), ops
+
+
+@pytest.mark.parametrize("clamp", [GPT_OSS_LIKE, CLAMPS], ids=["gpt_oss", "silu_clamped"])
+def test_clamped_trn3_engines_and_bits(clamp):
+    T, E, k, H, I = 48, 3, 2, 64, 96
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=5), seed=23,
+                           checkpoints=("gate_pre", "up"), clamp_limits=clamp)
+    out, ops = _traced(kernel)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"{clamp.activation} clamps vs mx_exact")
+    clamp_ops = [(e, op) for instr, e, op in ops if instr == "tensor_scalar" and op in
+                 ("minimum", "maximum", "less_equal", "greater_equal")]
+    assert clamp_ops and all(e == "scalar" for e, _ in clamp_ops), clamp_ops
+    products = {e for instr, e, op in ops if instr == "tensor_tensor" and op == "multiply"}
+    assert {"vector", "gpsimd"} <= products, products
+
+
+def test_unclamped_keeps_clamp_free_engines():
+    T, E, k, H, I = 40, 3, 2, 64, 64
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=29, checkpoints=("gate_pre", "up"))
+    out, ops = _traced(kernel)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "no clamps vs mx_exact")
+    assert not [o for o in ops if o[0] == "tensor_scalar" and o[2] in ("minimum", "less_equal")]
+
+
+def test_trn2_clamps_stay_off_scalar(set_target):
+    """trn2's ScalarE refuses min/max/comparisons (the simulator raises): the kernel must keep them elsewhere."""
+    set_target("trn2")
+    T, E, k, H, I = 40, 3, 2, 64, 96
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=9), seed=19, block_size=256,
+                           checkpoints=("gate_pre", "up"), clamp_limits=GPT_OSS_LIKE, matmul_precision="bf16")
+    out, ops = _traced(kernel)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "trn2 bf16 clamped vs mx_exact")
+    assert all(e != "scalar" for instr, e, op in ops if instr == "tensor_scalar" and op in ("minimum", "maximum"))
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_full_blocks_gather_without_zeroing(lnc):
+    """Blocks known full (before an expert's last, or a last block whose final position is routed) gather
+    into tiles that are not zeroed first; padded last blocks still zero theirs. Expert 0: two full blocks,
+    expert 1: two full and a padded one, expert 2: empty. Bit-exact, and pass A issues fewer memsets than
+    gathers (the simulator would also refuse a read of a never-written padding row)."""
+    B, H, I = 128, 64, 64
+    ids = np.concatenate([np.zeros(2 * B, np.int32), np.ones(2 * B + 44, np.int32)])
+    ids = np.random.default_rng(4).permutation(ids)[:, None]
+    kernel, ref = moe_case(ids.shape[0], 3, H, I, ids, seed=41, block_size=B,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"), clamp_limits=GPT_OSS_LIKE)
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "full blocks vs mx_exact")
+    in_a = [r.instr for r in res.trace if r.attrs.get("phase") == "A dI+epilogue"]
+    gathers = sum(1 for r in res.trace if r.attrs.get("phase") == "A dI+epilogue" and r.instr == "dma_copy"
+                  and r.attrs.get("indirect") and any(getattr(o, "name", "") == "output_grad" for o in r.reads))
+    # a chunk of a padded block zeroes its 7 gathered tiles (dY, X, p, four checkpoints); of a full block only
+    # the K padding columns of dY and X (H = 64 < the MX K alignment)
+    assert gathers > 0 and in_a.count("memset") < 7 * gathers, (in_a.count("memset"), gathers)
