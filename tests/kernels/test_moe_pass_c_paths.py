@@ -5,6 +5,8 @@ that every path gives mx_exact's bits.
 |---------------------------------------|-------------------------------------------------------------------|
 | test_resident_and_streamed_paths_...  | experts of 3 / 2 / 1 / 0 blocks with R = 2: streamed, resident,   |
 |                                       | single-block, zeros in one launch; LNC1 == LNC2 == mx_exact       |
+| test_resident_tiers_in_one_launch     | tiers (2,) under R = 3: experts of 4 / 3 / 2 / 1 / 0 blocks take |
+|                                       | streamed, tier 3, tier 2, single, zeros; LNC2 == mx_exact        |
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
@@ -54,6 +56,34 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     assert_outputs_identical(out2, moe_backward_reference(**ref), "R = 2 paths vs mx_exact")
     assert_outputs_identical(run(kernel, lnc=1), out2, "LNC1 vs LNC2")
     assert not out2[2][3].view(np.uint16).any() and not out2[3][3].view(np.uint16).any()
+
+
+def test_resident_tiers_in_one_launch(monkeypatch):
+    """Resident tiers (ResidentBlocks): with tiers (2,) and R = 3, expert 1 (3 blocks) runs the 3-slot code, expert 2
+    (2 blocks) the 2-slot code, expert 0 (4 blocks, over R) the streamed path, expert 3 the single-block path and
+    expert 4 (no tokens) stores zeros: LNC2 == mx_exact bit for bit, and each tier is entered for its expert only."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 3)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_TIERS", (2,))
+    slots_seen = []
+    resident = W.compute_phase3_resident_grads_mxfp8
+
+    def recorded(ctx, e, *args):
+        slots_seen.append((e, args[-1]))
+        return resident(ctx, e, *args)
+
+    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
+    T, E, k, H, I = 930, 5, 1, 96, 64
+    ids = np.repeat(np.array([[0], [1], [2], [3]], np.int32), [400, 300, 200, 30], axis=0)
+    ids = ids[np.random.default_rng(9).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=41, checkpoints=("gate_pre", "up"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 3, 2, 1, 0]
+    out2 = run(kernel, lnc=2)
+    # per core and gradient: expert 1 with 3 slots, expert 2 with 2, expert 0 streamed
+    assert sorted(slots_seen) == [(1, 3)] * 4 + [(2, 2)] * 4
+    assert calls == {"compute_phase3_expert_weight_grads_mxfp8": 4}
+    assert_outputs_identical(out2, moe_backward_reference(**ref), "resident tiers vs mx_exact")
+    assert not out2[2][4].view(np.uint16).any() and not out2[3][4].view(np.uint16).any()
 
 
 def test_resident_path_wrapx_b256():

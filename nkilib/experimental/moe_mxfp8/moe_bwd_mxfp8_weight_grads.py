@@ -6,7 +6,8 @@ Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the
     single block: both operands loaded and quantized once, every output tile one matmul;
     2..R blocks (MXFP8, ResidentBlocks.R > 1): every block's rows of this core's tiles loaded and quantized
     once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
-    over the slots in PSUM (compute_phase3_resident_grads_mxfp8);
+    over the slots in PSUM (compute_phase3_resident_grads_mxfp8), in the code of the smallest slot tier that
+    holds the expert's blocks (ResidentBlocks.tiers: 8 slot loops for most experts, R for a hot one);
     more blocks (or BF16): groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
     block loop (first block overwrites, later blocks add), each group re-reading the blocks' rows;
 and an expert without blocks stores zeros. Numerics and the LNC2 split: docs/moe.md, sections 3-5.
@@ -25,8 +26,8 @@ from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_pe
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, WEIGHT_GRAD_PSUM_TILES,
-                        WEIGHT_GRAD_STORE_WIDTH)
+                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_TIERS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+                        WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
 
 __all__ = ["BlockRowSource", "GateUpBiasGrad", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -220,26 +221,39 @@ def resident_block_count(ctx, grads) -> int:
 class ResidentBlocks(nl.NKIObject):
     """Run-time bounds of the resident pass-C path, derived once (outside every loop) from ExpertLoops' offsets.
 
+    Tiers: an expert of nb blocks takes the smallest tier r in `tiers` (PASS_C_RESIDENT_TIERS capped at R, then R)
+    with nb <= r, whose code runs r slot loops (a slot loop costs its loop control and register loads even when
+    it runs no trip, so a 2-block expert does not pay R = 16 of them); over R blocks it takes the streamed path.
+
     Dimensions (SBUF int32 tiles, one column per expert, nb = offsets[e+1] - offsets[e]):
-        fits [1, E] = min(max(R + 1 - nb, 0), 1): the expert's blocks fit R slots (used with if_multi: nb >= 2);
-        over [1, E] = 1 - fits; slot_lo[j], slot_hi[j] [1, E] = min(offsets[e] + j (+ 1), offsets[e+1]) for
-        j < R: slot j holds block offsets[e] + j when the expert has one (a 0/1-trip loop per slot).
+        fits[t] [1, E] = min(max(r_t + 1 - nb, 0), 1) - (the same for r_{t-1}): tier t is the expert's (used with
+        if_multi: nb >= 2); over [1, E] = 1 - min(max(R + 1 - nb, 0), 1); slot_lo[j], slot_hi[j] [1, E] =
+        min(offsets[e] + j (+ 1), offsets[e+1]) for j < R: slot j holds block offsets[e] + j when the expert has
+        one (a 0/1-trip loop per slot).
     Integer values < 2^24, exact in VectorE's fp32 arithmetic (as ExpertLoops).
     """
 
     def __init__(self, ctx, grads):
         self.ctx, self.R, E = ctx, resident_block_count(ctx, grads), ctx.E
+        self.tiers = sorted({min(r, self.R) for r in PASS_C_RESIDENT_TIERS} | {self.R})
         if self.R < 2:
             return
         offs = ctx.loops.offs
         nb = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=nb, data1=offs[:, 1:E + 1], data2=offs[:, 0:E], op=nl.subtract)
-        self.fits = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=self.fits, data=nb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
-                           operand1=float(self.R + 1))
-        nisa.tensor_scalar(dst=self.fits, data=self.fits, op0=nl.maximum, operand0=0.0, op1=nl.minimum, operand1=1.0)
+        within = []  # within[t] = 1 where nb <= tiers[t]
+        for r in self.tiers:
+            le = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=le, data=nb, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(r + 1))
+            nisa.tensor_scalar(dst=le, data=le, op0=nl.maximum, operand0=0.0, op1=nl.minimum, operand1=1.0)
+            within.append(le)
+        self.fits = [within[0]]
+        for t in range(1, len(within)):
+            tier = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=tier, data1=within[t], data2=within[t - 1], op=nl.subtract)
+            self.fits.append(tier)
         self.over = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=self.over, data=self.fits, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_scalar(dst=self.over, data=within[-1], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
         self.slot_lo, self.slot_hi = [], []
         for j in range(self.R):
             for bounds, plus in ((self.slot_lo, j), (self.slot_hi, j + 1)):
@@ -250,17 +264,18 @@ class ResidentBlocks(nl.NKIObject):
 
     # registers are loaded from one element of these tiles where a loop needs them (ExpertLoops._reg)
     def if_fits(self, e, body):
-        """body() once when expert e's blocks fit the R slots."""
-        nl.fori_loop(0, self.ctx.loops._reg(self.fits, e), lambda _: body())
+        """body(r) once, r = the tier of expert e's blocks, when they fit the R slots."""
+        for t, r in enumerate(self.tiers):
+            nl.fori_loop(0, self.ctx.loops._reg(self.fits[t], e), lambda _, r=r: body(r))
 
     def if_over(self, e, body):
         """body() once when expert e has more blocks than slots."""
         nl.fori_loop(0, self.ctx.loops._reg(self.over, e), lambda _: body())
 
-    def for_slots(self, e, body):
-        """body(i, j) for each slot j < R that holds a block of expert e (i: the block's register)."""
+    def for_slots(self, e, body, slots=None):
+        """body(i, j) for each slot j < slots (default R) that holds a block of expert e (i: the block's register)."""
         reg = self.ctx.loops._reg
-        for j in range(self.R):
+        for j in range(self.R if slots == None else slots):  # noqa: E711
             nl.fori_loop(reg(self.slot_lo[j], e), reg(self.slot_hi[j], e), lambda i, j=j: body(i, j))
 
 
@@ -286,7 +301,7 @@ def _resident_schedule(ctx, m_total, n_total):
     return out
 
 
-def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype):
+def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None):
     """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
     read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
 
@@ -299,7 +314,8 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     accumulators: slot 0 (always present: the expert has >= 2 blocks) overwrites, slot j > 0 adds, so each
     tile's sum runs over the blocks in order as the reference's; evicted with +0.0 and stored.
     """
-    setup, B, R = ctx.setup, ctx.B, ctx.resident.R
+    setup, B = ctx.setup, ctx.B
+    R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     moving = [(c0, PanelSlots(R, csz, setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
@@ -316,7 +332,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         for c0, slots in moving:
             load(rhs, i, j, c0, slots)
 
-    ctx.resident.for_slots(e, load_moving)
+    ctx.resident.for_slots(e, load_moving, R)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
         stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
@@ -325,7 +341,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
                 load(lhs, i, j, p0, stationary)
 
-        ctx.resident.for_slots(e, load_stationary)
+        ctx.resident.for_slots(e, load_stationary, R)
         for m_group in groups:
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
                     for _ in m_group]
@@ -338,7 +354,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
                         matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), setup,
                                       accumulate=j > 0)
 
-            ctx.resident.for_slots(e, body)
+            ctx.resident.for_slots(e, body, R)
             for (m0, msz), row in zip(m_group, accs):
                 store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
                 for (n0, nsz, _, _), acc in zip(n_tiles, row):
@@ -364,9 +380,9 @@ def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
         streamed()
         return
 
-    def resident():
+    def resident(slots):
         for out, lhs, rhs, m_total, n_total in grads:
-            compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype)
+            compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots)
 
     ctx.resident.if_fits(e, resident)
     ctx.resident.if_over(e, streamed)
