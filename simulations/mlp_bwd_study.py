@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nkilib  # noqa: E402,F401
 import nki  # noqa: E402
 from nkilib.examples.mlp_backward import make_inputs  # noqa: E402
-from nkilib.examples.mlp_backward_cost import model_mlp_backward, summarize  # noqa: E402
+from nkilib.examples.mlp_backward_cost import SCENARIOS, model_mlp_backward, summarize  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import error_report, mlp_backward_reference  # noqa: E402
 from nkilib.models import PRESETS, preset  # noqa: E402
@@ -87,13 +87,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join("simulations", "out", "mlp_bwd"))
     ap.add_argument("--plots", action="store_true")
     band = ap.add_mutually_exclusive_group()
-    band.add_argument("--band", dest="scenarios", action="store_const", const=("central", "pessimistic"),
+    band.add_argument("--band", dest="scenarios", action="store_const", const=SCENARIOS,
                       help="central estimate and pessimistic end (default)")
     band.add_argument("--central", dest="scenarios", action="store_const", const=("central",))
     band.add_argument("--pessimistic", dest="scenarios", action="store_const", const=("pessimistic",),
                       help="estimated constants at their worst ends (nkilib/simulator/hardware.py)")
     args = ap.parse_args(argv)
-    scenarios = args.scenarios or ("central", "pessimistic")
+    scenarios = args.scenarios or SCENARIOS
     try:
         from tqdm import tqdm
     except ImportError:  # progress bar is optional (pip install .[sim])

@@ -68,3 +68,19 @@ def run_ranks(world: int, fn, *args, timeout: float = 60.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world)]
+
+
+def call_outcomes(calls: dict) -> dict:
+    """{name: "accepted" or "<ErrorType>: <message>"} for each call of {name: call}, run in order on this rank.
+
+    For the ranks of a bad-input test: each rank returns what every call did (a ValueError or TypeError
+    caught, anything else raised), and the test process asserts on the messages.
+    """
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = "accepted"
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    return messages

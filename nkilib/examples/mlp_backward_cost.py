@@ -15,6 +15,7 @@ import nki
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from ..simulator import ShapeSpec
 from ..simulator.cost import model_kernel, rescore
+from ..simulator.hardware import SCENARIOS
 from ..simulator.trace import label_phases
 
 #: phase function -> label in the cost report
@@ -24,7 +25,6 @@ PHASES = {
     "compute_phase3_gate_up_weight_grad_mxfp8": "phase3",
     "compute_phase4_down_weight_grad_mxfp8": "phase4",
 }
-SCENARIOS = ("central", "pessimistic")
 
 
 def shape_inputs(S: int, H: int, I: int, recompute: bool) -> dict:

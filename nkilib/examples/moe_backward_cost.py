@@ -32,6 +32,7 @@ from ..experimental.moe_mxfp8.routing import build_block_layout
 from ..simulator import ShapeSpec
 from ..simulator.cost import model_kernel, rescore
 from ..simulator.errors import CapacityError
+from ..simulator.hardware import SCENARIOS
 from ..simulator.trace import label_phases
 from .mlp_backward_cost import model_mlp_backward, summarize
 from .moe_routing_scenarios import DEFAULT_ZIPF_EXPONENT, expert_token_counts, make_topk_ids
@@ -47,7 +48,6 @@ PHASES = {
     "compute_phase3_single_block_grads_mxfp8": "C dW",
     "compute_phase3_multi_block_grads_mxfp8": "C dW",
 }
-SCENARIOS = ("central", "pessimistic")
 #: GPT-OSS's gated function: gate clamped above at 7, linear part to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1).
 GPT_OSS_CLAMP = ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0, activation="gpt_oss")
 

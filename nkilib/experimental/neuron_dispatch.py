@@ -111,6 +111,39 @@ def launch_stack_and_lnc(backend: str, device, lnc: Optional[int]) -> tuple:
     return None, 1 if lnc is None else lnc
 
 
+def require_torchneuron_nki_op():
+    """``torch_neuronx.nki_op`` for an op module's TorchNeuron registration.
+
+    Raises:
+        RuntimeError: torch_neuronx is missing or lacks nki_op.
+    """
+    nki_op = torchneuron_nki_op()
+    if nki_op is None:
+        raise RuntimeError("torch_neuronx.nki_op is not available (TorchNeuron, Neuron SDK 2.33+)")
+    return nki_op
+
+
+def finish_torchneuron_ops(registry: dict, forward_op, backward_op, op_module) -> tuple:
+    """The last step of an op module's TorchNeuron registration (dense MLP and MoE experts alike).
+
+    Gives `forward_op` the CPU op's fake (``op_module.forward_fake``) and its autograd formula
+    (``op_module.make_backward_formula(backward_op)`` with ``op_module.setup_context``), so that the
+    forward op's backward calls the kernel op, then caches both ops in `registry`.
+
+    Args:
+        registry: the op module's cache of registered ops (filled with keys "forward" and "backward").
+        forward_op, backward_op: the ops ``torch_neuronx.nki_op`` returned.
+        op_module: the op's CPU torch module (mlp_bwd_mxfp8_torch or moe_bwd_mxfp8_torch).
+
+    Returns:
+        (forward_op, backward_op).
+    """
+    forward_op.register_fake(op_module.forward_fake)
+    forward_op.register_autograd(op_module.make_backward_formula(backward_op), setup_context=op_module.setup_context)
+    registry.update(forward=forward_op, backward=backward_op)
+    return forward_op, backward_op
+
+
 def register_ops_if_available(build_ops) -> bool:
     """Call `build_ops()` (an op module's TorchNeuron registration) now when ``torch_neuronx.nki_op`` exists,
     so that it runs at import and torch.compile never traces it. Returns whether it did."""

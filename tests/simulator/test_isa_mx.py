@@ -351,16 +351,27 @@ def test_matmul_mx_reads_only_quadrant_rows():
     np.testing.assert_array_equal(out, mx.hw_matmul_mx(sw, mw, ss, ms, E4, E4))
 
 
+def _k_tiled_matmul_mx(T, K, M, N, sfmt, mfmt, seed, **kernel_kw):
+    """(simulated dst, per-tile hw_matmul_mx products) of `T` K tiles of random words and scales.
+
+    Dimensions:
+        stationary words [T, K, M], moving words [T, K, N], scales [K/8, M] / [K/8, N] per tile; dst [M, N].
+
+    Seeds: stationary words seed + t, moving words seed + 10 + t, their scales seed + 20 + t / seed + 30 + t.
+    `kernel_kw` goes to _matmul_kernel (dst_dtype, accumulate).
+    """
+    sw = np.stack([_random_words(seed + t, (K, M), sfmt) for t in range(T)])
+    mw = np.stack([_random_words(seed + 10 + t, (K, N), mfmt) for t in range(T)])
+    ss = [_random_scales(seed + 20 + t, K // 8, M) for t in range(T)]
+    ms = [_random_scales(seed + 30 + t, K // 8, N) for t in range(T)]
+    out = simulate(_matmul_kernel(sfmt, mfmt, **kernel_kw), st=sw, mv=mw,
+                   ss=np.stack([_quadrant_tile(s) for s in ss]), ms=np.stack([_quadrant_tile(s) for s in ms]))
+    return out, [mx.hw_matmul_mx(sw[t], mw[t], ss[t], ms[t], sfmt, mfmt) for t in range(T)]
+
+
 @pytest.mark.parametrize("dst_dtype", [nl.float32, nl.bfloat16])
 def test_matmul_mx_accumulates_over_k_tiles(dst_dtype):
-    T, K, M, N = 3, 128, 32, 64
-    sw = np.stack([_random_words(10 + t, (K, M), E4) for t in range(T)])
-    mw = np.stack([_random_words(20 + t, (K, N), E5) for t in range(T)])
-    ss = [_random_scales(30 + t, 16, M) for t in range(T)]
-    ms = [_random_scales(40 + t, 16, N) for t in range(T)]
-    out = simulate(_matmul_kernel(E4, E5, dst_dtype=dst_dtype), st=sw, mv=mw,
-                   ss=np.stack([_quadrant_tile(s) for s in ss]), ms=np.stack([_quadrant_tile(s) for s in ms]))
-    parts = [mx.hw_matmul_mx(sw[t], mw[t], ss[t], ms[t], E4, E5) for t in range(T)]
+    out, parts = _k_tiled_matmul_mx(3, 128, 32, 64, E4, E5, seed=10, dst_dtype=dst_dtype)
     if dst_dtype == nl.float32:
         acc = parts[0]
         for p in parts[1:]:
@@ -374,14 +385,7 @@ def test_matmul_mx_accumulates_over_k_tiles(dst_dtype):
 
 
 def test_matmul_mx_explicit_accumulate_flags():
-    T, K, M, N = 2, 64, 16, 16
-    sw = np.stack([_random_words(50 + t, (K, M), E4) for t in range(T)])
-    mw = np.stack([_random_words(60 + t, (K, N), E4) for t in range(T)])
-    ss = [_random_scales(70 + t, 8, M) for t in range(T)]
-    ms = [_random_scales(80 + t, 8, N) for t in range(T)]
-    out = simulate(_matmul_kernel(E4, E4, accumulate=True), st=sw, mv=mw,
-                   ss=np.stack([_quadrant_tile(s) for s in ss]), ms=np.stack([_quadrant_tile(s) for s in ms]))
-    parts = [mx.hw_matmul_mx(sw[t], mw[t], ss[t], ms[t], E4, E4) for t in range(T)]
+    out, parts = _k_tiled_matmul_mx(2, 64, 16, 16, E4, E4, seed=50, accumulate=True)
     np.testing.assert_array_equal(out, (parts[0] + parts[1]).astype(np.float32))
 
 

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from torchkit import rel  # noqa: E402
 
 import numpy as np  # noqa: E402
-from distkit import run_ranks  # noqa: E402
+from distkit import call_outcomes, run_ranks  # noqa: E402
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate import (  # noqa: E402
     mx_dequantize_rows, mx_quantize_dequantize, mx_quantize_rows)
@@ -295,14 +295,7 @@ def _bad_calls(rank, world):
         "peers": lambda: moe_swiglu_experts_mxfp8(x, torch.tensor([[0, 1]] * 4), w, w_gu[:E // world - rank],
                                                   w_down[:E // world - rank], ep_group=dist.group.WORLD),
     }
-    messages = {}
-    for name, call in calls.items():
-        try:
-            call()
-            messages[name] = "accepted"
-        except (ValueError, TypeError) as exc:
-            messages[name] = f"{type(exc).__name__}: {exc}"
-    return messages
+    return call_outcomes(calls)
 
 
 def test_bad_input_errors():

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from distkit import run_ranks  # noqa: E402
+from distkit import call_outcomes, run_ranks  # noqa: E402
 from test_expert_parallel import _q  # noqa: E402  (the payload's round trip Q)
 from test_patch_model_gpt_oss import _model as gpt_oss_model  # noqa: E402
 from test_patch_model_moe import _model as moe_model  # noqa: E402
@@ -72,6 +72,20 @@ def _step(model, ids, grad_logits):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _patched_model_and_batch(family, batch_seed):
+    """(full_state, plain, ids, grad_logits): the seed-0 model's state dict (cloned), that model patched
+    without ep_group, and a batch of token ids [2, 16] with its logits' gradient [2, 16, 128] drawn from
+    `batch_seed`."""
+    original = _model(family, seed=0)
+    full_state = {k: v.clone() for k, v in original.state_dict().items()}
+    g = torch.Generator().manual_seed(batch_seed)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    grad_logits = torch.randn(2, 16, 128, generator=g)
+    plain = copy.deepcopy(original)
+    patch_model(plain, RECIPE)
+    return full_state, plain, ids, grad_logits
+
+
 def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8", capacity=None):
     import torch.distributed as dist
 
@@ -89,13 +103,7 @@ def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8", ca
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_patch_model_with_ep_group_equals_single_process(family):
-    original = _model(family, seed=0)
-    full_state = {k: v.clone() for k, v in original.state_dict().items()}
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (2, 16), generator=g)
-    grad_logits = torch.randn(2, 16, 128, generator=g)
-    plain = copy.deepcopy(original)
-    patch_model(plain, RECIPE)
+    full_state, plain, ids, grad_logits = _patched_model_and_batch(family, batch_seed=1)
     reference = copy.deepcopy(plain)
     _quantize_experts_io(reference)
     ref_logits, ref_grads = _step(reference, ids, grad_logits)  # first: the forked ranks inherit its imports
@@ -141,13 +149,7 @@ def test_patch_model_with_bf16_payload_is_bit_identical_to_the_plain_patched_mod
     # ep_payload="bf16": x and dY travel unrounded, so the expert-parallel model equals the plain single-process
     # patched model (no Q) bit for bit, GPT-OSS's biases and clamps included; with ep_capacity="auto" the
     # all-to-alls are padded to equal splits (the exchanges only move rows: still bit for bit)
-    original = _model(family, seed=0)
-    full_state = {k: v.clone() for k, v in original.state_dict().items()}
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 128, (2, 16), generator=g)
-    grad_logits = torch.randn(2, 16, 128, generator=g)
-    plain = copy.deepcopy(original)
-    patch_model(plain, RECIPE)
+    full_state, plain, ids, grad_logits = _patched_model_and_batch(family, batch_seed=2)
     ref_logits, ref_grads = _step(plain, ids, grad_logits)
     ranks = run_ranks(2, _rank, family, full_state, ids, grad_logits, "bf16", capacity, timeout=120)
     for rank, out in enumerate(ranks):
@@ -162,7 +164,6 @@ def _bad_ep_calls(rank, world):
 
     from nkilib.training.moe import HFMoEExperts
 
-    messages = {}
     model = moe_model("mixtral", seed=0)
     experts = model.model.layers[0].mlp.experts
     odd = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -170,17 +171,13 @@ def _bad_ep_calls(rank, world):
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2))
     patched = moe_model("mixtral", seed=0)
     patch_model(patched, RECIPE)
-    for name, call in (("indivisible", lambda: patch_model(odd, RECIPE, ep_group=dist.group.WORLD)),
-                       ("not_a_group", lambda: HFMoEExperts(experts, RECIPE, ep_group=object())),
-                       ("reshard", lambda: patch_model(patched, RECIPE, ep_group=dist.group.WORLD)),
-                       ("payload", lambda: patch_model(moe_model("mixtral", seed=0), RECIPE, ep_group=dist.group.WORLD,
-                                                       ep_payload="fp4"))):
-        try:
-            call()
-            messages[name] = "accepted"
-        except (ValueError, TypeError) as exc:
-            messages[name] = f"{type(exc).__name__}: {exc}"
-    return messages
+    return call_outcomes({
+        "indivisible": lambda: patch_model(odd, RECIPE, ep_group=dist.group.WORLD),
+        "not_a_group": lambda: HFMoEExperts(experts, RECIPE, ep_group=object()),
+        "reshard": lambda: patch_model(patched, RECIPE, ep_group=dist.group.WORLD),
+        "payload": lambda: patch_model(moe_model("mixtral", seed=0), RECIPE, ep_group=dist.group.WORLD,
+                                       ep_payload="fp4"),
+    })
 
 
 def test_patch_model_ep_group_errors():

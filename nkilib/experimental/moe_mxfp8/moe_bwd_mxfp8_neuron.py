@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..neuron_dispatch import kernel_kwargs, neuron_nki_language, register_ops_if_available, torchneuron_nki_op
+from ..neuron_dispatch import finish_torchneuron_ops, kernel_kwargs, neuron_nki_language, require_torchneuron_nki_op
 from . import routing
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
@@ -84,9 +84,7 @@ def torchneuron_ops() -> tuple:
     """
     if _TORCHNEURON_OPS:
         return _TORCHNEURON_OPS["forward"], _TORCHNEURON_OPS["backward"]
-    nki_op = torchneuron_nki_op()
-    if nki_op is None:
-        raise RuntimeError("torch_neuronx.nki_op is not available (TorchNeuron, Neuron SDK 2.33+)")
+    nki_op = require_torchneuron_nki_op()
     from . import moe_bwd_mxfp8_torch as M
 
     @nki_op(TORCHNEURON_BACKWARD_OP, mutates_args=())
@@ -119,16 +117,7 @@ def torchneuron_ops() -> tuple:
         return M.forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper,
                               up_lower, up_upper, activation, gate_up_bias)
 
-    forward_op.register_fake(M.forward_fake)
-    forward_op.register_autograd(M.make_backward_formula(backward_op), setup_context=M.setup_context)
-    _TORCHNEURON_OPS.update(forward=forward_op, backward=backward_op)
-    return forward_op, backward_op
-
-
-def register_torchneuron_ops_if_available() -> bool:
-    """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
-    moe_bwd_mxfp8_torch.py); neuron_dispatch.register_ops_if_available."""
-    return register_ops_if_available(torchneuron_ops)
+    return finish_torchneuron_ops(_TORCHNEURON_OPS, forward_op, backward_op, M)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,13 +59,14 @@ from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_op
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import EMULATE_BACKENDS
 from ..emulate_numerics import swiglu_activations
-from ..neuron_dispatch import NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc
+from ..neuron_dispatch import (NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc,
+                               register_ops_if_available)
 from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
 from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, weight_grad_name as _weight_grad_name
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
-from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, register_torchneuron_ops_if_available, torchneuron_ops
+from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, torchneuron_ops
 
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
 
@@ -344,7 +345,7 @@ moe_swiglu_experts_mxfp8_op.register_autograd(make_backward_formula(moe_swiglu_e
 
 # TorchNeuron: register the nki_op ops at import (no-op where torch_neuronx or its nki_op is missing), so that
 # torch.compile never traces a registration (as the dense op does).
-register_torchneuron_ops_if_available()
+register_ops_if_available(torchneuron_ops)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...neuron_dispatch import (DEFAULT_LNC, LNC_ENV_VAR, NEURON_DEVICE_STACKS, kernel_kwargs,  # noqa: F401
-                                neuron_nki_language, neuron_stack, register_ops_if_available, resolve_neuron_lnc,
-                                torchneuron_nki_op)
+from ...neuron_dispatch import (DEFAULT_LNC, LNC_ENV_VAR, NEURON_DEVICE_STACKS, finish_torchneuron_ops,  # noqa: F401
+                                kernel_kwargs, neuron_nki_language, neuron_stack, require_torchneuron_nki_op,
+                                resolve_neuron_lnc, torchneuron_nki_op)
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
 TORCHNEURON_FORWARD_OP = "nkilib_neuron::swiglu_mlp_mxfp8"
@@ -62,9 +62,7 @@ def torchneuron_ops() -> tuple:
     """
     if _TORCHNEURON_OPS:
         return _TORCHNEURON_OPS["forward"], _TORCHNEURON_OPS["backward"]
-    nki_op = torchneuron_nki_op()
-    if nki_op is None:
-        raise RuntimeError("torch_neuronx.nki_op is not available (TorchNeuron, Neuron SDK 2.33+)")
+    nki_op = require_torchneuron_nki_op()
     from . import mlp_bwd_mxfp8_torch as T
 
     @nki_op(TORCHNEURON_BACKWARD_OP, mutates_args=())
@@ -93,16 +91,7 @@ def torchneuron_ops() -> tuple:
         return T.forward_impl(x, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower, up_upper, fp8_dtype,
                               quant_scheme, matmul_precision, scale_rule, forward_numerics)
 
-    forward_op.register_fake(T.forward_fake)
-    forward_op.register_autograd(T.make_backward_formula(backward_op), setup_context=T.setup_context)
-    _TORCHNEURON_OPS.update(forward=forward_op, backward=backward_op)
-    return forward_op, backward_op
-
-
-def register_torchneuron_ops_if_available() -> bool:
-    """Register the TorchNeuron ops now when ``torch_neuronx.nki_op`` exists (called at import of
-    mlp_bwd_mxfp8_torch.py); neuron_dispatch.register_ops_if_available."""
-    return register_ops_if_available(torchneuron_ops)
+    return finish_torchneuron_ops(_TORCHNEURON_OPS, forward_op, backward_op, T)
 
 
 # ----------------------------------------------------------------------------------------------

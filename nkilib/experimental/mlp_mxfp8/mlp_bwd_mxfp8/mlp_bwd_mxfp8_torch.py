@@ -86,9 +86,8 @@ from ....core import options
 from ....recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
-from ...neuron_dispatch import check_lnc, launch_stack_and_lnc
-from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs
-from .mlp_bwd_mxfp8_neuron import register_torchneuron_ops_if_available, torchneuron_ops
+from ...neuron_dispatch import check_lnc, launch_stack_and_lnc, register_ops_if_available
+from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, torchneuron_ops
 from ...torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
 from ...torch_common import MainGradSink as _MainGradSink, from_numpy as _from_numpy, to_numpy as _to_numpy
 from ...torch_common import weight_grad_name as _weight_grad_name
@@ -344,7 +343,7 @@ swiglu_mlp_mxfp8_op.register_autograd(make_backward_formula(swiglu_mlp_mxfp8_bac
 
 # TorchNeuron: register the nki_op ops at import, like the documented module-level decorators, so that
 # torch.compile never traces a registration (no-op where torch_neuronx or its nki_op is missing).
-register_torchneuron_ops_if_available()
+register_ops_if_available(torchneuron_ops)
 
 
 # ----------------------------------------------------------------------------------------------
