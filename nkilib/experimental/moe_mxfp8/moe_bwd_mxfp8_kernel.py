@@ -76,7 +76,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, Residen
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8)
-from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
+from .constants import (BLOCK_ALIGN, EXPERTS_PER_FENCE, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH,
                         WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
@@ -367,16 +367,21 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if split.num_cores > 1:
             nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # B(e) and C(e) read both cores' scratch rows of e
 
-    # software pipeline over the experts, A(0), fence, [A(e+1), B(e), C(e), fence] (module docstring and
-    # docs/moe.md section 5: why no race; per token the dX adds stay in ascending expert order)
-    ctx.loops.if_used(0, lambda: pass_a(0))
+    # software pipeline over groups of EXPERTS_PER_FENCE experts g = [e0, e1): A(g0), fence, then per group
+    # [A(g+1), B(g), C(g), fence] (module docstring and docs/moe.md section 5: why no race; per token the dX
+    # adds stay in ascending expert order). Scratch rows are per block, so A may run a whole group ahead.
+    groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
+    for e in groups[0]:
+        ctx.loops.if_used(e, lambda e=e: pass_a(e))
     fence()
-    for e in range(E):
-        if e + 1 < E:
-            ctx.loops.if_used(e + 1, lambda e=e: pass_a(e + 1))
-        ctx.loops.if_used(e, lambda e=e: pass_b(e))
-        pass_c(e)
-        if e + 1 < E:
+    for n, group in enumerate(groups):
+        ahead = groups[n + 1] if n + 1 < len(groups) else []
+        for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
+            if j < len(ahead):
+                ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
+            ctx.loops.if_used(e, lambda e=e: pass_b(e))
+            pass_c(e)
+        if n + 1 < len(groups):
             fence()
 
 
