@@ -10,6 +10,7 @@ passes also shows both cores took identical dynamic trip counts and wrote no byt
 | test_adversarial_routing_bit_exact | empty experts, all to one expert (2 blocks),  | LNC2, e4m3fn, 1x32, B=128;     |
 |                                    | k = E, k = 1; T = 37 / 130 / 20 / 45          | vs fp32 reported               |
 | test_lnc1_equals_lnc2              | unsorted ids, recompute, clamps, I > 512      | LNC1 vs LNC2                   |
+| test_fence_groups_bit_exact        | 1, 2 or 3 experts per LNC2 fence, odd E, empty| LNC2, barriers counted         |
 | test_small_budgets_...             | weights loaded per block, 1-tile groups       | LNC2                           |
 | test_resident_weight_groups_...    | passes A/B once per resident weight group     | LNC2 all checkpoints; LNC1 none|
 | test_padding_row_units_skipped_... | B = 512, blocks of 1-4 routed 128-row chunks  | LNC2                           |
@@ -131,6 +132,32 @@ def test_lnc1_equals_lnc2():
     out1, out2 = run(kernel, lnc=1), run(kernel, lnc=2)
     assert_outputs_identical(out1, out2, "LNC1 vs LNC2")
     assert_outputs_identical(out1, moe_backward_reference(**ref), "vs mx_exact")
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_fence_groups_bit_exact(monkeypatch, group):
+    """The LNC2 software pipeline fences once per group of EXPERTS_PER_FENCE experts (pass A runs a group
+    ahead): 5 experts (the last group partial, expert 2 empty), every group size gives mx_exact bit for bit
+    under the race detector, with ceil(E / group) core_barriers per core."""
+    import nki.isa as nisa
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+
+    T, E, k, H, I = 40, 5, 2, 64, 64
+    r = np.random.default_rng(5)
+    ids = np.stack([r.permutation(np.array([0, 1, 3, 4]))[:k] for _ in range(T)]).astype(np.int32)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=13)
+    barriers = []
+    real_barrier = nisa.core_barrier
+
+    def counting_barrier(*args, **kwargs):
+        barriers.append(1)
+        return real_barrier(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "EXPERTS_PER_FENCE", group)
+    monkeypatch.setattr(nisa, "core_barrier", counting_barrier)
+    out = run(kernel, lnc=2)
+    assert len(barriers) == 2 * -(-E // group), (group, len(barriers))
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"{group} experts per fence vs mx_exact")
 
 
 def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):

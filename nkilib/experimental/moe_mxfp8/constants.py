@@ -69,3 +69,6 @@ WEIGHT_GRAD_STORE_WIDTH = 2048
 #: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
 #: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
 ZERO_ROWS_WIDTH = 2048
+#: Experts per software-pipeline segment under LNC2: A of the next group, B and C of this one, then one
+#: core_barrier (docs/moe.md section 5; section 10, round 5 measures 1, 2 and 4).
+EXPERTS_PER_FENCE = 2

@@ -45,13 +45,14 @@ the work is split on free dimensions:
     B  each core takes a half of dX's H columns: two cores' scatter-adds touch disjoint bytes of a row,
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
-The passes are software-pipelined over the experts: A(0), fence, then per expert e the segment
-A(e+1), B(e), C(e), fence (a core_barrier). B(e) and C(e) read scratch rows of expert e written by both
-cores in A(e), which the fence before the segment orders; inside a segment A(e+1) writes only blocks of
-expert e+1 and slots of its pairs, B(e) only this core's dX columns, C(e) only this core's tiles of
-expert e's gradients, so no byte is written by two cores or read by one while the other writes it, for any
-routing (blocks are owned by one expert). The number of accumulator groups in pass C (each a loop) is
-derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
+The passes are software-pipelined over groups g of G = EXPERTS_PER_FENCE consecutive experts: A(first group), fence,
+then per group g the segment [A(next group's j-th), B(g's j-th), C(g's j-th) for j < G], fence (a core_barrier; none after the
+last group). B(e) and C(e) read scratch rows of expert e written by both cores in A(e), which ran in the
+previous segment (or before the first fence) and so before the fence that opens e's segment; inside a segment
+A writes only blocks of the next group's experts and slots of their pairs, B(e) only this core's dX columns,
+C(e) only this core's tiles of expert e's gradients, so no byte is written by two cores or read by one while
+the other writes it, for any routing (blocks are owned by one expert). The number of accumulator groups in
+pass C (each a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
 LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
 (docs/moe.md, section 5, says why the rows and not I are split).
 
@@ -76,7 +77,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, Residen
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8)
-from .constants import (BLOCK_ALIGN, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
+from .constants import (BLOCK_ALIGN, EXPERTS_PER_FENCE, MAX_BLOCK_SIZE, MOE_N_TILE, MX_K_ALIGN, PARTITIONS, PHASE1_N_TILE,
                         ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH,
                         WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
@@ -367,16 +368,22 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if split.num_cores > 1:
             nisa.core_barrier(data=ctx.d_gu, cores=(0, 1))  # B(e) and C(e) read both cores' scratch rows of e
 
-    # software pipeline over the experts, A(0), fence, [A(e+1), B(e), C(e), fence] (module docstring and
-    # docs/moe.md section 5: why no race; per token the dX adds stay in ascending expert order)
-    ctx.loops.if_used(0, lambda: pass_a(0))
+    # software pipeline over groups of EXPERTS_PER_FENCE consecutive experts: A(first group), fence, then per
+    # group A of the next group interleaved with B, C of this one, fence (module docstring and docs/moe.md
+    # section 5: why no race; per token the dX adds stay in ascending expert order). Scratch rows are per
+    # block (no ring to recycle), so A may run a whole group ahead: one fence per group, not per expert.
+    groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
+    for e in groups[0]:
+        ctx.loops.if_used(e, lambda e=e: pass_a(e))
     fence()
-    for e in range(E):
-        if e + 1 < E:
-            ctx.loops.if_used(e + 1, lambda e=e: pass_a(e + 1))
-        ctx.loops.if_used(e, lambda e=e: pass_b(e))
-        pass_c(e)
-        if e + 1 < E:
+    for n, group in enumerate(groups):
+        ahead = groups[n + 1] if n + 1 < len(groups) else []
+        for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
+            if j < len(ahead):
+                ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
+            ctx.loops.if_used(e, lambda e=e: pass_b(e))
+            pass_c(e)
+        if n + 1 < len(groups):
             fence()
 
 
