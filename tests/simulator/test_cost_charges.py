@@ -243,8 +243,11 @@ def test_fragmented_sbuf_waits_for_the_covered_tile_or_is_a_plan_error(last_read
     report = CostReport.from_schedule(s, TRN3)
     if last_read_needs_q:
         assert s.start[1] < s.end[2]
-        assert report.plan_errors == ["core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, "
-                                      "the target has 256 KiB"]
+        assert report.plan_errors == [
+            "core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, the target has 256 KiB",
+            "core 0: SBUF tile 't' (100.0 KiB per partition) has no placement in the target's 256 KiB that does not "
+            "overlap live tiles it cannot wait for (every placement overlaps live tiles whose final accesses "
+            "depend on this tile's first access; docs/cost-model.md, Allocator)"]
     else:
         assert s.start[1] >= s.end[2]  # Q's load waited for P's last read
         assert report.plan_errors == []
@@ -265,5 +268,42 @@ def test_fragmented_sbuf_never_waits_for_a_swdge_dma_queued_behind_the_tile():
              [hbm("dst", "float32", tp, tp[1])], dge_mode="swdge")]
     s = schedule(t, TRN3, 1)
     assert s.start[2] >= s.end[1]  # the DMA's descriptors wait for GpSimd's copy
-    assert CostReport.from_schedule(s, TRN3).plan_errors == [
-        "core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, the target has 256 KiB"]
+    errors = CostReport.from_schedule(s, TRN3).plan_errors
+    assert errors[0] == "core 0: the modeled overlap needs 300.0 KiB of SBUF per partition, the target has 256 KiB"
+    assert len(errors) == 2 and errors[1].startswith("core 0: SBUF tile 't' (100.0 KiB per partition) has no placement")
+
+
+@pytest.mark.parametrize("last_read_of_b_needs_d", [False, True])
+def test_fragmentation_without_a_valid_wait_is_a_plan_error_although_the_bytes_fit(last_read_of_b_needs_d):
+    """A (100 KiB), B (50 KiB) and C (100 KiB) are placed next-fit at 0, 100 and 150 KiB; A and C die, leaving
+    B alone in the middle. D (110 KiB) fits no gap (100 and 106 KiB) although B + D = 160 KiB fit the 256 KiB:
+    D can only go over B. If B's final access (on ScalarE) does not need D, D waits for it: no error. If it
+    reads D, waiting would deadlock: D has no placement, a plan error naming it, while the scheduled occupancy
+    (a sum of live bytes, 250 KiB at most) stays under capacity and would not show it."""
+    kib = 1024
+    a, b, c, d, x = new_id(), new_id(), new_id(), new_id(), new_id()
+
+    def tile(sid, k, cols=None):
+        return chip("t", "sbuf", "float32", (128, cols or k * kib // 4), sid=sid, alloc=k * kib)
+
+    def load(seq, sid, k):
+        return rec(seq, "dma_copy", "dma", [hbm("src", "float32", (128, k * kib // 4), k * kib // 4)], [tile(sid, k)])
+
+    small = chip("x", "sbuf", "float32", (128, 16), sid=x)
+    b_reads = [tile(b, 50, 16)] + ([tile(d, 110, 16)] if last_read_of_b_needs_d else [])
+    t = [load(0, a, 100), load(1, b, 50), load(2, c, 100),
+         rec(3, "tensor_copy", "vector", [tile(a, 100, 16), tile(c, 100, 16)], [small]),  # last access of A and C
+         rec(4, "tensor_copy", "vector", [small], [tile(d, 110, 16)]),  # first access of D
+         rec(5, "tensor_copy", "scalar", b_reads, [chip("y", "sbuf", "float32", (128, 16))])]  # last access of B
+    s = schedule(t, TRN3, 1)
+    report = CostReport.from_schedule(s, TRN3)
+    assert max(p["sbuf"] for p in report.scheduled_peak) <= 256 * kib
+    if last_read_of_b_needs_d:
+        assert report.plan_errors == [
+            "core 0: SBUF tile 't' (110.0 KiB per partition) has no placement in the target's 256 KiB that does not "
+            "overlap live tiles it cannot wait for (every placement overlaps live tiles whose final accesses "
+            "depend on this tile's first access; docs/cost-model.md, Allocator)"]
+        assert "PLAN ERROR" in report.table()
+    else:
+        assert report.plan_errors == []
+        assert s.start[4] >= s.end[5]  # D's first write waited for B's final read

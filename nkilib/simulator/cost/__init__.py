@@ -70,7 +70,8 @@ Band: constants the docs do not pin down are ESTIMATEs with a range (hardware.py
 `rescore(report, scenario)` reschedules a report's trace at the other end.
 
 Capacity: `CostReport.plan_errors` lists every core whose plan (program-order peak) or modeled overlap
-needs more SBUF/PSUM than the target has; such a report has no valid time (the study refuses it).
+needs more SBUF/PSUM than the target has, and every tile the allocator can place only over live tiles
+it cannot wait for (fragmentation); such a report has no valid time (the study refuses it).
 Choices where the docs are silent are recorded in docs/cost-model.md.
 
 Calibration (simulations/calibrate_bf16_gemm.py, measured BF16 GEMMs on Trainium3 LNC2): all engine

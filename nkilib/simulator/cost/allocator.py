@@ -1,11 +1,32 @@
 """Finite SBUF/PSUM: the allocator's reuse dependencies and the occupancy a schedule needs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..hardware import TargetSpec
 
 
+@dataclass(frozen=True)
+class UnplaceableTile:
+    """An on-chip tile the allocator model could place only over live tiles it cannot wait for: the
+    kernel's plan does not fit the target (fragmentation), so its modeled time is not valid."""
+
+    program: int
+    buffer: str  # "sbuf" / "psum"
+    name: str
+    bytes_per_partition: int  # PSUM rounded to whole banks
+    capacity_bytes_per_partition: int
+    reason: str
+
+    def message(self) -> str:
+        return (f"core {self.program}: {self.buffer.upper()} tile '{self.name}' "
+                f"({self.bytes_per_partition / 1024:.1f} KiB per partition) has no placement in the target's "
+                f"{self.capacity_bytes_per_partition / 1024:.0f} KiB that does not overlap live tiles it cannot "
+                f"wait for ({self.reason}; docs/cost-model.md, Allocator)")
+
+
 def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict | None = None,
-                       queue_of=None) -> dict:
+                       queue_of=None, unplaceable: list | None = None) -> dict:
     """Dependencies that finite SBUF/PSUM impose: seq -> predecessor seqs.
 
     Each on-chip allocation lives from the first to the last trace record that touches it (the
@@ -24,16 +45,20 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     in one piece), the tile is placed over live tiles that die soonest and waits for their final
     accesses (a compiler would have placed them apart; waiting is what the overlap would cost), at the
     lowest address where none of those accesses depends on the tile's first access (`preds`: the data
-    dependencies, else no such placement is tried). If there is none, it is placed at 0 without waiting
-    and the report's scheduled occupancy shows the excess (a plan error there); so is a tile whose wait
-    for a later access a later wait turned into a cycle (that wait is dropped at the end).
+    dependencies, else no such placement is tried). If there is none, the plan has no placement for the
+    tile: it is placed at 0 without waiting (so the schedule still completes) and reported in
+    `unplaceable`, a plan error (the scheduled occupancy need not show it: the live bytes may fit, only
+    not in one piece). So is a tile whose wait for a later access a later wait turned into a cycle (that
+    wait is dropped at the end; the tile then overlaps a live tile it does not wait for).
     `queue_of` (optional, seq -> in-order engine queue or None): the scheduler's queues, where a
     software-DGE DMA waits in GpSimd's queue; default: an instruction's engine, DMAs in none. The
     "depends" test above follows these queues too, else a wait could close a cycle through one.
     `placements` (optional dict, for diagnostics) receives key -> (lo, hi, first seq) and, under
     "fragmented", one (key, bytes, waited) entry per fragmentation fallback.
+    `unplaceable` (optional list) receives one `UnplaceableTile` per tile placed over live tiles it
+    cannot wait for (the rule: docs/cost-model.md, "Allocator"); `CostReport.plan_errors` reports them.
     """
-    first, last, size = {}, {}, {}
+    first, last, size, names = {}, {}, {}, {}
     tails = {}  # key -> {engine: last seq} (in-order engines) and {("dma", seq): seq} (every DMA)
     for r in records:
         for op in r.reads + r.writes:
@@ -47,6 +72,7 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             if op.buffer == "psum":
                 nbytes = -(-nbytes // target.psum_bank_bytes) * target.psum_bank_bytes
             size[key] = nbytes
+            names.setdefault(key, op.name)
     capacity = {"sbuf": target.sbuf_bytes_per_partition, "psum": target.psum_bytes_per_partition}
     starts, ends = {}, {}
     for key, seq in first.items():
@@ -67,6 +93,11 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             last_on_engine[key] = r.seq
 
     waits_later = set()  # seqs given a wait for a later access (fragmentation fallback)
+    fallback_waits = {}  # seq -> [(key, its waits)] for the tiles the fragmentation fallback placed at that seq
+
+    def report_unplaceable(key, reason):
+        if unplaceable is not None:
+            unplaceable.append(UnplaceableTile(key[0], key[1], names[key], size[key], capacity[key[1]], reason))
 
     def depends(later, first):
         """True if `later` waits (data dependency, in-order engine queue or a wait added here) on `first`,
@@ -114,6 +145,11 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
                 if any(q > r.seq for q in waits):
                     waits_later.add(r.seq)
                 waited.update(waits)
+                fallback_waits.setdefault(r.seq, []).append((key, set(waits)))
+                if lo is None:
+                    lo = 0
+                    report_unplaceable(key, "every placement overlaps live tiles whose final accesses depend "
+                                            "on this tile's first access")
                 if placements is not None:
                     placements.setdefault("fragmented", []).append((key, nbytes, bool(waits)))
             hi = lo + nbytes
@@ -149,9 +185,14 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     # the scheduled occupancy shows the excess (as when no placement was valid). Every cycle holds
     # such a wait (all other edges point back in program order), so none remains.
     for seq in sorted(waits_later):
+        dropped = set()
         for q in sorted(q for q in deps[seq] if q > seq):
             if depends(q, seq):
                 deps[seq].discard(q)
+                dropped.add(q)
+        for key, waits in fallback_waits.get(seq, ()):
+            if waits & dropped:
+                report_unplaceable(key, "its wait for a live tile's final access closed a dependency cycle")
     return deps
 
 
@@ -159,7 +200,7 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
 def _place_over_live(live, tails, last, nbytes, cap, first_seq, depends):
     """(lo, seqs to wait for) for a tile that fits no gap: candidate starts are 0 and the ends of live
     tiles; the covered live tiles must not depend on `first_seq`; the one whose covered tiles die
-    soonest (program order) wins. No valid candidate: (0, ()) — the overlap is then over capacity."""
+    soonest (program order) wins. No valid candidate: (None, ()) — no placement (a plan error)."""
     best = None
     for lo in sorted({0} | {b for a, b in live.values()}):
         hi = lo + nbytes
@@ -172,7 +213,7 @@ def _place_over_live(live, tails, last, nbytes, cap, first_seq, depends):
         cost = max((last[k] for k in covered), default=-1)
         if best is None or cost < best[0]:
             best = (cost, lo, [q for q in waits if q != first_seq])
-    return (best[1], best[2]) if best else (0, ())
+    return (best[1], best[2]) if best else (None, ())
 
 
 def scheduled_occupancy(sched, target: TargetSpec) -> list:

@@ -72,7 +72,9 @@ class CostReport:
     @property
     def plan_errors(self) -> list:
         """Capacity violations, each a message: the kernel's plan (program-order peak, as the simulator
-        counts it) or the overlap the modeled schedule needs exceeds a core's SBUF/PSUM per partition.
+        counts it) or the overlap the modeled schedule needs exceeds a core's SBUF/PSUM per partition, or
+        a tile has no placement that does not overlap live tiles it cannot wait for (fragmentation:
+        `allocator.UnplaceableTile`; the rule is docs/cost-model.md's "Allocator").
         Usable SBUF is the documented capacity ([TRN2]: 224 KiB, [TRN3]: 32 MiB / 128 = 256 KiB); the docs
         state no compiler reservation. A report with plan errors has no valid time."""
         t = self.target
@@ -84,6 +86,7 @@ class CostReport:
                     if peak.get(buf, 0) > limit:
                         out.append(f"core {core}: the {what} needs {peak[buf] / 1024:.1f} KiB of {buf.upper()} per "
                                    f"partition, the target has {limit / 1024:.0f} KiB")
+        out.extend(u.message() for u in self.schedule.unplaceable)
         return out
 
     def hbm_traffic(self) -> dict:

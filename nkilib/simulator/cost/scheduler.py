@@ -4,7 +4,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..hardware import resolve_target
 from .allocator import _memory_reuse_deps
@@ -28,6 +28,7 @@ class Schedule:
     engine_busy: dict  # (program, engine) -> busy seconds (DMA: time with >= 1 transfer in flight)
     dma_bytes: dict  # program -> bytes moved
     hbm_bytes: dict  # program -> HBM bytes
+    unplaceable: list = field(default_factory=list)  # allocator.UnplaceableTile: plan errors (no valid placement)
 
     def engine_of(self, i) -> str:
         return self.costs[i].engine
@@ -98,7 +99,8 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
         """In-order engine queue an instruction occupies: its engine; software-DGE DMAs: GpSimd [DGE]."""
         return costs[i].engine if costs[i].kind == "compute" else "gpsimd" if sw_dge(i) else None
 
-    for i, extra in _memory_reuse_deps(records, target, preds, queue_of=queue_engine).items():
+    unplaceable = []
+    for i, extra in _memory_reuse_deps(records, target, preds, queue_of=queue_engine, unplaceable=unplaceable).items():
         preds[i] = tuple(set(preds[i]) | {q for q in extra if q != i})
     succ = [[] for _ in range(n)]
     for i, ps in enumerate(preds):
@@ -291,5 +293,5 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
         engine_busy[(p, "dma")] = dma_busy[p]
     makespan = max(end) if n else 0.0
     return Schedule(target.name, lnc, records, costs, start, end, blocker, makespan, engine_busy, dma_bytes,
-                    hbm_bytes)
+                    hbm_bytes, unplaceable)
 
