@@ -63,6 +63,11 @@ PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Slot counts of the resident path's code variants (ResidentBlocks): an expert takes the smallest that holds its
 #: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4).
 PASS_C_RESIDENT_TIERS = (8,)
+#: Windows of R resident blocks for an expert of more than R blocks (MXFP8): up to W R blocks are read and quantized
+#: once per core, the output tiles' fp32 partial sums carried across windows through HBM scratch (docs/moe.md
+#: section 10, round 5b); larger experts (and W = 1) take the streamed path. Each window is traced code (W x the
+#: resident path's loops), so W bounds the kernel's size.
+PASS_C_RESIDENT_WINDOWS = 4
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
 #: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
 WEIGHT_GRAD_STORE_WIDTH = 2048
