@@ -8,6 +8,8 @@ Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the
     once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
     over the slots in PSUM (compute_phase3_resident_grads_mxfp8), in the code of the smallest slot tier that
     holds the expert's blocks (ResidentBlocks.tiers: 8 slot loops for most experts, R for a hot one);
+    R < blocks <= W R (MXFP8, W = PASS_C_RESIDENT_WINDOWS > 1): the resident code once per window of R blocks,
+    each tile's fp32 partial sum carried across windows through HBM scratch (compute_phase3_windowed_grads_mxfp8);
     more blocks (or BF16): groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
     block loop (first block overwrites, later blocks add), each group re-reading the blocks' rows;
 and an expert without blocks stores zeros. Numerics and the LNC2 split: docs/moe.md, sections 3-5.
@@ -232,6 +234,10 @@ class ResidentBlocks(nl.NKIObject):
         if_multi: nb >= 2); over [1, E] = 1 - min(max(R + 1 - nb, 0), 1); slot_lo[j], slot_hi[j] [1, E] =
         min(offsets[e] + j (+ 1), offsets[e+1]) for j < R: slot j holds block offsets[e] + j when the expert has
         one (a 0/1-trip loop per slot).
+    Windows (PASS_C_RESIDENT_WINDOWS = W > 1): window_used[w] [1, E] = min(max(nb - w R, 0), 1) for 1 <= w <= W;
+    windowed = window_used[1] - window_used[W] (R < nb <= W R); window_last[w] = window_used[w] - window_used[w+1];
+    over = window_used[W] (streamed); slot bounds for W R slots (slot w R + j: block offsets[e] + w R + j);
+    partials: one [M, N] fp32 HBM scratch per gradient (each core uses its own tiles).
     Integer values < 2^24, exact in VectorE's fp32 arithmetic (as ExpertLoops).
     """
 
