@@ -7,6 +7,8 @@ that every path gives mx_exact's bits.
 |                                       | single-block, zeros in one launch; LNC1 == LNC2 == mx_exact       |
 | test_resident_tiers_in_one_launch     | tiers (2,) under R = 3: experts of 4 / 3 / 2 / 1 / 0 blocks take |
 |                                       | streamed, tier 3, tier 2, single, zeros; LNC2 == mx_exact        |
+| test_windowed_path_experts_above_r    | R = 2, W = 3: experts of 5 / 3 / 4 blocks in windows, 7 streamed,  |
+|                                       | 2 resident, 0 zeros; LNC1 and LNC2 == mx_exact                    |
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
@@ -43,6 +45,7 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     slots, expert 2 (1 block) takes the single-block path, expert 3 (no tokens) stores zeros; clamps and
     I = 160 (a partial last tile). Both multi-block paths run, and LNC1 == LNC2 == mx_exact bit for bit."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)  # no windows: over R streams
     calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
                                        "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, k, H, I = 520, 4, 1, 96, 160
@@ -64,6 +67,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     expert 4 (no tokens) stores zeros: LNC2 == mx_exact bit for bit, and each tier is entered for its expert only."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 3)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_TIERS", (2,))
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)
     slots_seen = []
     resident = W.compute_phase3_resident_grads_mxfp8
 
@@ -84,6 +88,30 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     assert calls == {"compute_phase3_expert_weight_grads_mxfp8": 4}
     assert_outputs_identical(out2, moe_backward_reference(**ref), "resident tiers vs mx_exact")
     assert not out2[2][4].view(np.uint16).any() and not out2[3][4].view(np.uint16).any()
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_windowed_path_experts_above_r(monkeypatch, lnc):
+    """Windows (round 5b): R = 2 slots, W = 3 windows. Expert 0 (5 blocks: windows 2 + 2 + 1, the last of one block,
+    a partial sum carried twice), expert 1 (3 blocks: 2 + 1), expert 2 (4: 2 + 2) take the windowed path, expert 3
+    (7 blocks > W R) streams, expert 4 (2 blocks) stays resident, expert 5 has none; clamps and I = 160 (a partial
+    last tile). Bit-exact vs mx_exact (acc = fp32(acc + mm(block)) block by block across windows)."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
+                                       "_add_partial"])
+    T, E, k, H, I = 2400, 6, 1, 96, 160
+    ids = np.repeat(np.arange(5, dtype=np.int32)[:, None], [600, 300, 450, 850, 200], axis=0)
+    ids = ids[np.random.default_rng(12).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 3, 4, 7, 2, 0]
+    out = run(kernel, lnc=lnc)
+    # per core and gradient: experts 0, 1, 2 windowed, expert 3 streamed; partial sums added in windows 1 and 2
+    assert calls["compute_phase3_windowed_grads_mxfp8"] == 3 * 2 * lnc
+    assert calls["compute_phase3_expert_weight_grads_mxfp8"] == 2 * lnc
+    assert calls["_add_partial"] > 0
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"windows LNC{lnc} vs mx_exact")
+    assert not out[2][5].view(np.uint16).any() and not out[3][5].view(np.uint16).any()
 
 
 def test_resident_path_wrapx_b256():

@@ -53,7 +53,7 @@ WEIGHT_LOAD_WIDTH = 1024
 PASS_C_STAGING_BUFFERS = 3
 #: Most blocks of one expert whose pass-C operands stay in SBUF (MXFP8): an expert with 2..R blocks reads and
 #: quantizes each of its blocks' rows once per core (moe_bwd_mxfp8_weight_grads.compute_phase3_resident_grads_mxfp8);
-#: a larger one re-reads them per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for
+#: a larger one runs windows of R blocks (PASS_C_RESIDENT_WINDOWS) or, beyond them, re-reads its blocks per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for
 #: Qwen3-30B-A3B, 8 for GPT-OSS-20B, 7 for the DeepSeek-V3 rank (16 instead of 8: docs/moe.md section 10, round 4).
 PASS_C_RESIDENT_BLOCKS = 16
 #: SBUF bytes per partition for those resident K tiles (R blocks of the moving operand's columns plus R blocks of
@@ -63,6 +63,11 @@ PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Slot counts of the resident path's code variants (ResidentBlocks): an expert takes the smallest that holds its
 #: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4).
 PASS_C_RESIDENT_TIERS = (8,)
+#: Windows of R resident blocks for an expert of more than R blocks (MXFP8): up to W R blocks are read and quantized
+#: once per core, the output tiles' fp32 partial sums carried across windows through HBM scratch (docs/moe.md
+#: section 10, round 5b); larger experts (and W = 1) take the streamed path. Each window is traced code (W x the
+#: resident path's loops), so W bounds the kernel's size.
+PASS_C_RESIDENT_WINDOWS = 4
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
 #: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
 WEIGHT_GRAD_STORE_WIDTH = 2048

@@ -8,6 +8,8 @@ Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the
     once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
     over the slots in PSUM (compute_phase3_resident_grads_mxfp8), in the code of the smallest slot tier that
     holds the expert's blocks (ResidentBlocks.tiers: 8 slot loops for most experts, R for a hot one);
+    R < blocks <= W R (MXFP8, W = PASS_C_RESIDENT_WINDOWS > 1): the resident code once per window of R blocks,
+    each tile's fp32 partial sum carried across windows through HBM scratch (compute_phase3_windowed_grads_mxfp8);
     more blocks (or BF16): groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
     block loop (first block overwrites, later blocks add), each group re-reading the blocks' rows;
 and an expert without blocks stores zeros. Numerics and the LNC2 split: docs/moe.md, sections 3-5.
@@ -26,11 +28,13 @@ from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_pe
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_TIERS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_TIERS,
+                        PASS_C_RESIDENT_WINDOWS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
 
 __all__ = ["BlockRowSource", "GateUpBiasGrad", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
+           "compute_phase3_windowed_grads_mxfp8",
            "compute_phase3_single_block_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
 
 
@@ -230,12 +234,17 @@ class ResidentBlocks(nl.NKIObject):
         if_multi: nb >= 2); over [1, E] = 1 - min(max(R + 1 - nb, 0), 1); slot_lo[j], slot_hi[j] [1, E] =
         min(offsets[e] + j (+ 1), offsets[e+1]) for j < R: slot j holds block offsets[e] + j when the expert has
         one (a 0/1-trip loop per slot).
+    Windows (PASS_C_RESIDENT_WINDOWS = W > 1): window_used[w] [1, E] = min(max(nb - w R, 0), 1) for 1 <= w <= W;
+    windowed = window_used[1] - window_used[W] (R < nb <= W R); window_last[w] = window_used[w] - window_used[w+1];
+    over = window_used[W] (streamed); slot bounds for W R slots (slot w R + j: block offsets[e] + w R + j);
+    partials: one [M, N] fp32 HBM scratch per gradient (each core uses its own tiles).
     Integer values < 2^24, exact in VectorE's fp32 arithmetic (as ExpertLoops).
     """
 
     def __init__(self, ctx, grads):
         self.ctx, self.R, E = ctx, resident_block_count(ctx, grads), ctx.E
         self.tiers = sorted({min(r, self.R) for r in PASS_C_RESIDENT_TIERS} | {self.R})
+        self.windowed = None
         if self.R < 2:
             return
         offs = ctx.loops.offs
@@ -252,10 +261,31 @@ class ResidentBlocks(nl.NKIObject):
             tier = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=tier, data1=within[t], data2=within[t - 1], op=nl.subtract)
             self.fits.append(tier)
-        self.over = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=self.over, data=within[-1], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        # window_used[w] [1, E] = min(max(nb - w R, 0), 1): the expert has a block in window w (slots w R .. w R + R - 1)
+        self.W = max(1, PASS_C_RESIDENT_WINDOWS)
+        self.window_used = [None]
+        for w in range(1, self.W + 1):
+            used = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=used, data=nb, op0=nl.add, operand0=float(-w * self.R), op1=nl.maximum, operand1=0.0)
+            nisa.tensor_scalar(dst=used, data=used, op0=nl.minimum, operand0=1.0)
+            self.window_used.append(used)
+        # over R: windowed (R < nb <= W R) when W > 1, else streamed; streamed: nb > W R
+        self.over = self.window_used[self.W]
+        self.windowed = None
+        if self.W > 1:
+            self.windowed = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=self.windowed, data1=self.window_used[1], data2=self.window_used[self.W],
+                               op=nl.subtract)
+            # the expert's last window is w: used[w] - used[w+1]
+            self.window_last = [None] + [nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf) for _ in range(1, self.W)]
+            for w in range(1, self.W):
+                nisa.tensor_tensor(dst=self.window_last[w], data1=self.window_used[w], data2=self.window_used[w + 1],
+                                   op=nl.subtract)
+            self.partials = [nl.ndarray((m_total, n_total), dtype=nl.float32, buffer=nl.shared_hbm,
+                                        name=f"moe_bwd_weight_grad_partial{g}")
+                             for g, (_, _, _, m_total, n_total) in enumerate(grads)]
         self.slot_lo, self.slot_hi = [], []
-        for j in range(self.R):
+        for j in range(self.R * self.W):
             for bounds, plus in ((self.slot_lo, j), (self.slot_hi, j + 1)):
                 tile = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
                 nisa.tensor_scalar(dst=tile, data=offs[:, 0:E], op0=nl.add, operand0=float(plus))
@@ -272,11 +302,27 @@ class ResidentBlocks(nl.NKIObject):
         """body() once when expert e has more blocks than slots."""
         nl.fori_loop(0, self.ctx.loops._reg(self.over, e), lambda _: body())
 
-    def for_slots(self, e, body, slots=None):
-        """body(i, j) for each slot j < slots (default R) that holds a block of expert e (i: the block's register)."""
+    def if_windowed(self, e, body):
+        """body() once when expert e has more blocks than R but at most W R (PASS_C_RESIDENT_WINDOWS)."""
+        if self.windowed != None:  # noqa: E711
+            nl.fori_loop(0, self.ctx.loops._reg(self.windowed, e), lambda _: body())
+
+    def if_window(self, e, w, body):
+        """body() once when expert e has a block in window w >= 1 (window 0 always has: nb > R)."""
+        nl.fori_loop(0, self.ctx.loops._reg(self.window_used[w], e), lambda _: body())
+
+    def if_last_window(self, e, w, last, body):
+        """body() once when window w is (last=True) or is not (last=False) expert e's last (inside if_windowed)."""
+        tile = self.window_last[w] if last else self.window_used[w + 1]
+        nl.fori_loop(0, self.ctx.loops._reg(tile, e), lambda _: body())
+
+    def for_slots(self, e, body, slots=None, window=0, first=0):
+        """body(i, j) for each slot j in [first, slots) (default R) of window `window` that holds a block of expert e
+        (block offsets[e] + window R + j; i: the block's register)."""
         reg = self.ctx.loops._reg
-        for j in range(self.R if slots == None else slots):  # noqa: E711
-            nl.fori_loop(reg(self.slot_lo[j], e), reg(self.slot_hi[j], e), lambda i, j=j: body(i, j))
+        for j in range(first, self.R if slots == None else slots):  # noqa: E711
+            s = window * self.R + j
+            nl.fori_loop(reg(self.slot_lo[s], e), reg(self.slot_hi[s], e), lambda i, j=j: body(i, j))
 
 
 def _resident_schedule(ctx, m_total, n_total):
@@ -301,7 +347,7 @@ def _resident_schedule(ctx, m_total, n_total):
     return out
 
 
-def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None):
+def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None):
     """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
     read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
 
@@ -313,6 +359,12 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     its K tiles, and per group of m tiles under all N_c columns one slot loop of matmuls into the group's PSUM
     accumulators: slot 0 (always present: the expert has >= 2 blocks) overwrites, slot j > 0 adds, so each
     tile's sum runs over the blocks in order as the reference's; evicted with +0.0 and stored.
+
+    Windows (window = (w, partial), an expert of R < nb <= W R blocks: compute_phase3_windowed_grads_mxfp8): the
+    slots hold blocks lo + w R + j; in window w > 0 each tile's slot-0 matmul overwrites PSUM, then the fp32
+    partial sum of the earlier windows (partial [M, N] fp32 HBM scratch, this core's tiles) is added to it on VectorE
+    (fp32(mm + acc) == fp32(acc + mm): the reference's next step), then slots 1.. add. A window that is not the
+    expert's last stores its tiles' fp32 sums to `partial` (as they are); the last one evicts with +0.0 and stores.
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
@@ -332,7 +384,8 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         for c0, slots in moving:
             load(rhs, i, j, c0, slots)
 
-    ctx.resident.for_slots(e, load_moving, R)
+    w, partial = (0, None) if window == None else window  # noqa: E711
+    ctx.resident.for_slots(e, load_moving, R, w)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
         stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
@@ -341,7 +394,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
                 load(lhs, i, j, p0, stationary)
 
-        ctx.resident.for_slots(e, load_stationary, R)
+        ctx.resident.for_slots(e, load_stationary, R, w)
         for m_group in groups:
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
                     for _ in m_group]
@@ -354,14 +407,77 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
                         matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), setup,
                                       accumulate=j > 0)
 
-            ctx.resident.for_slots(e, body, R)
-            for (m0, msz), row in zip(m_group, accs):
-                store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
-                for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                    store.tile(acc, n0, nsz, t)
-                    t += 1
+            if partial == None:  # noqa: E711
+                ctx.resident.for_slots(e, body, R)
+                for (m0, msz), row in zip(m_group, accs):
+                    store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+                    for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                        store.tile(acc, n0, nsz, t)
+                        t += 1
+            else:
+                ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
+                if w > 0:
+                    _add_partial(partial, m_group, n_tiles, accs)
+                ctx.resident.for_slots(e, body, R, w, first=1)
+                _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t)
+                t += len(m_group) * len(n_tiles)
             accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
         stationary = load_stationary = None
+
+
+def _add_partial(partial, m_group, n_tiles, accs):
+    """acc = fp32(acc + partial[tile]) for the group's PSUM accumulators (after their slot-0 matmul overwrote them):
+    the earlier windows' fp32 sums, loaded from this core's tiles of the HBM scratch, added on VectorE."""
+    for (m0, msz), row in zip(m_group, accs):
+        for (n0, nsz, _, _), acc in zip(n_tiles, row):
+            part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=part[:msz, :nsz], src=partial[m0:m0 + msz, n0:n0 + nsz])
+            nisa.tensor_tensor(dst=acc[:msz, :nsz], data1=acc[:msz, :nsz], data2=part[:msz, :nsz], op=nl.add)
+
+
+def _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t):
+    """After window w's slots: the expert's last window stores wg(acc + 0.0) (_RowStore), any other the fp32 sums
+    as they are into this core's tiles of `partial` (copied out of PSUM on ScalarE and VectorE in turn)."""
+
+    def final():
+        tt = t
+        for (m0, msz), row in zip(m_group, accs):
+            store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+            for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                store.tile(acc, n0, nsz, tt)
+                tt += 1
+
+    def carry():
+        tt = t
+        for (m0, msz), row in zip(m_group, accs):
+            for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
+                engine = nisa.engine.scalar if tt % 2 == 0 else nisa.engine.vector
+                nisa.tensor_copy(dst=part[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
+                nisa.dma_copy(dst=partial[m0:m0 + msz, n0:n0 + nsz], src=part[:msz, :nsz])
+                tt += 1
+
+    if w == 0:
+        carry()  # window 0 is never the last (nb > R)
+        return
+    ctx.resident.if_last_window(e, w, True, final)
+    if w < ctx.resident.W - 1:
+        ctx.resident.if_last_window(e, w, False, carry)
+
+
+def compute_phase3_windowed_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, partial):
+    """out[e] for an expert of R < nb <= W R blocks (ResidentBlocks.if_windowed): its blocks in windows of R resident
+    slots (each block read and quantized once per core), the output tiles' fp32 partial sums carried across windows
+    through `partial` [M, N] fp32 HBM scratch (this core's tiles only: no other core reads or writes them), in the
+    reference's order (compute_phase3_resident_grads_mxfp8, window). Window 0 always runs; window w > 0 in a 0/1-trip
+    loop (the expert has a block there).
+
+    Dimensions: as compute_phase3_resident_grads_mxfp8; partial [M, N] float32 (shared HBM).
+    """
+    compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(0, partial))
+    for w in range(1, ctx.resident.W):
+        ctx.resident.if_window(e, w, lambda w=w: compute_phase3_resident_grads_mxfp8(
+            ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(w, partial)))
 
 
 def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
@@ -384,7 +500,12 @@ def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
         for out, lhs, rhs, m_total, n_total in grads:
             compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots)
 
+    def windowed():
+        for (out, lhs, rhs, m_total, n_total), partial in zip(grads, ctx.resident.partials):
+            compute_phase3_windowed_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, partial)
+
     ctx.resident.if_fits(e, resident)
+    ctx.resident.if_windowed(e, windowed)
     ctx.resident.if_over(e, streamed)
 
 
