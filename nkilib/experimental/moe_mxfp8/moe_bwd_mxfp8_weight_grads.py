@@ -347,8 +347,7 @@ def _resident_schedule(ctx, m_total, n_total):
     return out
 
 
-def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None,
-                                       room=None):
+def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None):
     """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
     read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
 
@@ -366,16 +365,13 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     partial sum of the earlier windows (partial [M, N] fp32 HBM scratch, this core's tiles) is added to it on VectorE
     (fp32(mm + acc) == fp32(acc + mm): the reference's next step), then slots 1.. add. A window that is not the
     expert's last stores its tiles' fp32 sums to `partial` (as they are); the last one evicts with +0.0 and stores.
-    room: the slot tiles of the windows (_WindowRoom), allocated once before window 0 and reused by every window
-    (None: allocated here), so a later window never allocates SBUF while an earlier one's slots are live.
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-    if room == None:  # noqa: E711
-        room = _WindowRoom(ctx, R, m_total, n_total)
-    moving = room.moving
+    moving = [(c0, PanelSlots(R, csz, setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
+              if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
                if c0 <= n0 < c0 + slots.f_pad]
@@ -392,7 +388,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     ctx.resident.for_slots(e, load_moving, R, w)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
-        stationary = room.stationary(ctx.f_pad(psz)) if psz else None
+        stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
@@ -427,39 +423,6 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
                 t += len(m_group) * len(n_tiles)
             accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
         stationary = load_stationary = None
-    room.release()
-
-
-class _WindowRoom(nl.NKIObject):
-    """The resident path's SBUF slots of one gradient: the moving operand's pieces (all of this core's N columns,
-    allocated now) and the stationary piece's slots (stationary(f_pad): allocated on first use). Without windows
-    each piece gets its own (release() after each use); the windowed path keeps one room for all its windows, so
-    window w + 1 refills the slots window w read (ordered by the tiles' dependencies) instead of allocating new
-    ones while window w's are live: the allocator cannot place those (docs/moe.md section 10, round 5b).
-
-    Dimensions: as compute_phase3_resident_grads_mxfp8.
-    """
-
-    def __init__(self, ctx, R, m_total, n_total, keep=False):
-        (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-        self.R, self.setup, self.keep = R, ctx.setup, keep
-        self.moving = [(c0, PanelSlots(R, csz, ctx.setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
-                       if m_lo < m_hi]
-        self._stationary = {}
-
-    def stationary(self, f_pad):
-        """R slots of f_pad stationary columns: kept across pieces of that width and windows when keep, else new."""
-        if not self.keep:
-            return PanelSlots(self.R, f_pad, self.setup)
-        if f_pad not in self._stationary:
-            self._stationary[f_pad] = PanelSlots(self.R, f_pad, self.setup)
-        return self._stationary[f_pad]
-
-    def release(self):
-        """Drop the slots unless they are kept for the next window."""
-        if not self.keep:
-            self.moving = None
-            self._stationary = {}
 
 
 def _add_partial(partial, m_group, n_tiles, accs):
@@ -511,12 +474,10 @@ def compute_phase3_windowed_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
     Dimensions: as compute_phase3_resident_grads_mxfp8; partial [M, N] float32 (shared HBM).
     """
-    room = _WindowRoom(ctx, ctx.resident.R, m_total, n_total, keep=True)  # one set of slots for every window
-    compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(0, partial),
-                                        room=room)
+    compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(0, partial))
     for w in range(1, ctx.resident.W):
         ctx.resident.if_window(e, w, lambda w=w: compute_phase3_resident_grads_mxfp8(
-            ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(w, partial), room=room))
+            ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(w, partial)))
 
 
 def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
