@@ -32,21 +32,9 @@ from ...emulate_numerics import _decode, _quantize_dequantize, _tiled_sum  # noq
 from .constants import MX_K_TILE  # noqa: F401  (re-exported for simulations/emulate_speed.py)
 from .mlp_bwd_mxfp8_emulate_fast import EMULATE_GEMMS, fast_gemm, resolve_gemm  # noqa: F401
 
-__all__ = [
-    "FP8_DTYPES",
-    "CLAMP_NAMES",
-    "fp8_name",
-    "clamp_tuple",
-    "mx_quantize_dequantize",
-    "mx_quantize_rows",
-    "mx_dequantize_rows",
-    "FUSED_QUANTIZER_MODES",
-    "set_fused_quantizer",
-    "contract_matmul",
-    "swiglu_activations",
-    "recompute_projection",
-    "mlp_backward_emulate",
-]
+# The numerics names imported above are re-exported for the torch layer and simulations/emulate_speed.py; their
+# home and list is emulate_numerics.__all__.
+__all__ = ["mlp_backward_emulate", "CLAMP_NAMES", "EMULATE_GEMMS"]
 
 
 # ----------------------------------------------------------------------------------------------
