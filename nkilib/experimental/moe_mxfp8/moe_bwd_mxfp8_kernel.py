@@ -356,12 +356,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype)
 
     bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
-    # the staging ring is touched here, after the long-lived register tiles (resident bounds, bias) and before the
-    # expert loop: it lives from pass C's first load to the kernel's end, so it sits next to those tiles at the
-    # bottom of SBUF, not wherever the allocator's cursor is at that first load (between pass A's tiles: a later
-    # expert's 56 KiB panel then found no gap once a windowed expert had moved that cursor; docs/moe.md round 5b)
-    for stage in ctx.stages or ():
-        nisa.memset(dst=stage, value=0.0)
 
     def pass_c(e):
         if bias != None:  # noqa: E711  (reads e's d_gate_up scratch rows: after the fence that follows A(e))
