@@ -36,7 +36,7 @@ class ExpertPanels(nl.NKIObject):
         self.op, self.tiles, self.setup = op, tiles, setup
         self.loads, self.load_of = self.super_panels(op, tiles)
         self.resident = self.fits(op, tiles, setup)
-        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
+        self.panels = [load_panel(op, f0, w, w, setup, split=True) for f0, w in self.loads] if self.resident else []
         self.current = -1
 
     @staticmethod
@@ -67,7 +67,7 @@ class ExpertPanels(nl.NKIObject):
         if not self.resident and self.current != s:
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+            self.panels = [load_panel(self.op, f0, w, w, self.setup, split=True)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)

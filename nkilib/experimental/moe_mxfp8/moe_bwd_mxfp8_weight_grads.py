@@ -370,7 +370,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-    moving = [(c0, PanelSlots(R, csz, setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
+    moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
               if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
@@ -388,7 +388,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     ctx.resident.for_slots(e, load_moving, R, w)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
-        stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
+        stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
