@@ -312,7 +312,8 @@ class _PanelBuilder(nl.NKIObject):
             s = i // SCALE_PACK_SLOTS if packing else i
             if self._scale_tiles[s] == None:  # noqa: E711
                 self._scale_tiles[s] = nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
-            return self._scale_tiles[s][SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, :] if packing else self._scale_tiles[s]
+            tile = self._scale_tiles[s]
+            return tile[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, :] if packing else tile
         if self._scale_tile == None:  # noqa: E711
             n = -(-self.count // SCALE_PACK_SLOTS) if packing else self.count
             self._scale_tile = nl.ndarray((PARTITIONS, n, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)

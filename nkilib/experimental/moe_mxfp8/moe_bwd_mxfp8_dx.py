@@ -30,6 +30,9 @@ class ExpertPanels(nl.NKIObject):
     (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
     super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
     traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
+    Each MXFP8 K tile of a panel is its own SBUF allocation (load_panel split=True: 4 KiB per partition for 1024
+    columns, not one 56 KiB tile for DeepSeek-V3's 14 K tiles of W_down), so a panel never needs one wide gap
+    among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
     """
 
     def __init__(self, op, tiles, setup):

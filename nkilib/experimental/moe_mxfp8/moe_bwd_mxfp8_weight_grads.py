@@ -353,8 +353,9 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
     Dimensions: as compute_phase3_expert_weight_grads_mxfp8; this core's output [M_c, N_c] with N_c <=
     WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE (resident_block_count).
-    Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots), written
-    in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
+    Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots, one
+    allocation per slot: split=True, so R slots never need one R x 4 KiB gap; docs/moe.md section 10, round 6a),
+    written in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
     in SINGLE_BLOCK_LOAD_WIDTH pieces), then per piece of SINGLE_BLOCK_LOAD_WIDTH stationary columns (lhs)
     its K tiles, and per group of m tiles under all N_c columns one slot loop of matmuls into the group's PSUM
     accumulators: slot 0 (always present: the expert has >= 2 blocks) overwrites, slot j > 0 adds, so each
