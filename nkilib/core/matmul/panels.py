@@ -271,18 +271,29 @@ class _PanelBuilder(nl.NKIObject):
     MXFP8: all K tiles of a panel share one SBUF allocation (words [128, count, F_pad], scales [128,
     scale tiles, F_pad]), placed at its first write: the panel stays contiguous instead of interleaving
     small words tiles with the staging tiles, which would leave staging-sized holes behind.
+    split=True: one words tile [128, F_pad] per K tile and one scale tile [128, F_pad] per scale tile instead
+    (each placed at its own first write), for panels too large to ask for one contiguous gap: a kernel whose
+    many small, differently-lived tiles fragment SBUF (the MoE kernel, docs/moe.md section 10, round 6a) then
+    never needs a gap wider than one K tile's words (4 KiB per partition for 1024 columns).
     """
 
-    def __init__(self, f_pad, setup, t_lo, count):
+    def __init__(self, f_pad, setup, t_lo, count, split=False):
         self.f_pad = f_pad
         self.setup = setup
         self.t_lo = t_lo
         self.count = count
+        self.split = split
         self.data, self.scales = [], []
         self._data_tile = self._scale_tile = None
+        self._data_tiles, self._scale_tiles = [None] * count, [None] * count  # split: per K / scale tile
 
     def words(self, t, P):
         """SBUF [P, F_pad] x4 words (MXFP8) for K tile t."""
+        if self.split:
+            i = t - self.t_lo
+            if self._data_tiles[i] == None:  # noqa: E711
+                self._data_tiles[i] = nl.ndarray((PARTITIONS, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
+            return self._data_tiles[i][:P, :]
         if self._data_tile == None:  # noqa: E711
             self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
                                          buffer=nl.sbuf)
@@ -297,6 +308,12 @@ class _PanelBuilder(nl.NKIObject):
         """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
         i = t - self.t_lo
         packing = self.setup.use_scale_packing
+        if self.split:
+            s = i // SCALE_PACK_SLOTS if packing else i
+            if self._scale_tiles[s] == None:  # noqa: E711
+                self._scale_tiles[s] = nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+            tile = self._scale_tiles[s]
+            return tile[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, :] if packing else tile
         if self._scale_tile == None:  # noqa: E711
             n = -(-self.count // SCALE_PACK_SLOTS) if packing else self.count
             self._scale_tile = nl.ndarray((PARTITIONS, n, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
@@ -333,7 +350,7 @@ def _natural_groups(tiles, setup):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None) -> Panel:
+               ring=None, split: bool = False) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -345,10 +362,14 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     ring: a LoadRing for the MXFP8 staging tiles ([K, F] operands) or the natural row tiles (K-contiguous
     bf16 operands), shared with the caller's other loads (default: a fresh STAGING_BUFFERS ring for this
     load's staging tiles; fresh natural tiles).
+    split: one SBUF allocation per MXFP8 K tile instead of one for the panel (_PanelBuilder; not with
+    panel-layout operands, which load all K tiles' words in one DMA).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
-    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo)
+    kernel_assert(not (split and op.panel_layout), "load_panel: split=True needs a bf16 or per-K-tile operand, "
+                  "got a panel-layout operand (its K tiles load in one DMA into one allocation)")
+    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split)
     if op.panel_layout:
         return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
@@ -420,14 +441,16 @@ class PanelSlots(nl.NKIObject):
     """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
     tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
     loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of _PanelBuilder
-    (words [128, count, f_pad], scales shared by K-tile quads with scale packing)."""
+    (words [128, count, f_pad], scales shared by K-tile quads with scale packing; split: one allocation per
+    slot's words and per scale tile)."""
 
-    def __init__(self, count: int, f_pad: int, setup: MatmulSetup):
+    def __init__(self, count: int, f_pad: int, setup: MatmulSetup, split: bool = False):
         kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
         self.f_pad = f_pad
-        self._builder = _PanelBuilder(f_pad, setup, 0, count)
-        self._builder.words(0, PARTITIONS)  # allocate both tiles now, outside any loop
-        self._builder.scale(0)
+        self._builder = _PanelBuilder(f_pad, setup, 0, count, split)
+        for t in range(count if split else 1):  # allocate the tiles now, outside any loop (split: one per slot)
+            self._builder.words(t, PARTITIONS)
+            self._builder.scale(t)
 
     def tile(self, t: int, P: int = PARTITIONS) -> Panel:
         """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""

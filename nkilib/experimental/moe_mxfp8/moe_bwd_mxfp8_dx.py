@@ -30,13 +30,16 @@ class ExpertPanels(nl.NKIObject):
     (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
     super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
     traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
+    Each MXFP8 K tile of a panel is its own SBUF allocation (load_panel split=True: 4 KiB per partition for 1024
+    columns, not one 56 KiB tile for DeepSeek-V3's 14 K tiles of W_down), so a panel never needs one wide gap
+    among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
     """
 
     def __init__(self, op, tiles, setup):
         self.op, self.tiles, self.setup = op, tiles, setup
         self.loads, self.load_of = self.super_panels(op, tiles)
         self.resident = self.fits(op, tiles, setup)
-        self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
+        self.panels = [load_panel(op, f0, w, w, setup, split=True) for f0, w in self.loads] if self.resident else []
         self.current = -1
 
     @staticmethod
@@ -67,7 +70,7 @@ class ExpertPanels(nl.NKIObject):
         if not self.resident and self.current != s:
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+            self.panels = [load_panel(self.op, f0, w, w, self.setup, split=True)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)

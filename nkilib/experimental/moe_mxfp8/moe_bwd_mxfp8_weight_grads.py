@@ -353,8 +353,9 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
     Dimensions: as compute_phase3_expert_weight_grads_mxfp8; this core's output [M_c, N_c] with N_c <=
     WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE (resident_block_count).
-    Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots), written
-    in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
+    Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots, one
+    allocation per slot: split=True, so R slots never need one R x 4 KiB gap; docs/moe.md section 10, round 6a),
+    written in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
     in SINGLE_BLOCK_LOAD_WIDTH pieces), then per piece of SINGLE_BLOCK_LOAD_WIDTH stationary columns (lhs)
     its K tiles, and per group of m tiles under all N_c columns one slot loop of matmuls into the group's PSUM
     accumulators: slot 0 (always present: the expert has >= 2 blocks) overwrites, slot j > 0 adds, so each
@@ -370,7 +371,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-    moving = [(c0, PanelSlots(R, csz, setup)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
+    moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
               if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
@@ -388,7 +389,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     ctx.resident.for_slots(e, load_moving, R, w)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
-        stationary = PanelSlots(R, ctx.f_pad(psz), setup) if psz else None
+        stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
