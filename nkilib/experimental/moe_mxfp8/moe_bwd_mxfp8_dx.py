@@ -127,6 +127,14 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     def scatter_add(r0, m, part):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        if ctx.k == 1:
+            # one routed pair per token: its dX row is written exactly once (no zeroed dX, no read-modify-write):
+            # dx[t] = bf16(fp32(+0 + part)), i.e. part with -0 made +0 (the fp32 add of the RMW on a zero row; on
+            # ScalarE, which has room in pass B: docs/moe.md section 10, round 6c)
+            nisa.tensor_scalar(dst=part[:m, :], data=part[:m, :], op0=nl.add, operand0=0.0,
+                               engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=rows, src=part[:m, :], oob_mode=nisa.oob_mode.skip)
+            return
         nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
     row_chunks = _blocks(0, ctx.B, PARTITIONS)
