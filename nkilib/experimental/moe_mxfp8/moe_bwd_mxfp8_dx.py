@@ -16,8 +16,9 @@ import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div
 from ...core.matmul import load_panel, matmul_panels, panel_bytes_per_partition, panel_columns, panel_from_rows
-from ...core.matmul.panels import blocks as _blocks
-from .constants import MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH
+from ...core.matmul.panels import LoadRing, blocks as _blocks
+from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
+                        WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
 
@@ -27,23 +28,35 @@ class ExpertPanels(nl.NKIObject):
     expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
 
     A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
-    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
+    (2 KiB DMA runs instead of a 512-column tile's 1 KiB), or, loaded on use, of WIDE_WEIGHT_LOAD_WIDTH (4 KiB
+    runs) where such a panel fits WIDE_WEIGHT_PANEL_BYTES (load_width), served as column slices; on use, the current
     super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
     traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
     """
 
     def __init__(self, op, tiles, setup):
         self.op, self.tiles, self.setup = op, tiles, setup
-        self.loads, self.load_of = self.super_panels(op, tiles)
         self.resident = self.fits(op, tiles, setup)
+        width = self.load_width(op, setup, wide=not self.resident)
+        self.loads, self.load_of = self.super_panels(op, tiles, width)
         self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
         self.current = -1
 
     @staticmethod
-    def super_panels(op, tiles):
-        """([(f0, width)] super-panel loads, [index of the load serving each tile]); tiles are MOE_N_TILE-aligned
-        from tiles[0]."""
-        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
+    def load_width(op, setup, wide=False):
+        """Columns per super-panel load of a [K, F] bf16 operand: WEIGHT_LOAD_WIDTH, or with `wide` (panels loaded on
+        use, one at a time) WIDE_WEIGHT_LOAD_WIDTH when its panel of that width fits WIDE_WEIGHT_PANEL_BYTES per
+        partition (4 KiB DMA runs: DeepSeek-V3's W_gu in pass B); 0 (one load per tile) for other operands."""
+        if op.k_axis != 0 or op.prequantized:
+            return 0
+        if wide and panel_bytes_per_partition(op.k_size, WIDE_WEIGHT_LOAD_WIDTH, setup) <= WIDE_WEIGHT_PANEL_BYTES:
+            return WIDE_WEIGHT_LOAD_WIDTH
+        return WEIGHT_LOAD_WIDTH
+
+    @staticmethod
+    def super_panels(op, tiles, width):
+        """([(f0, width)] super-panel loads of `width` columns (0: one per tile), [index of the load serving each
+        tile]); tiles are MOE_N_TILE-aligned from tiles[0]."""
         loads, load_of = [], []
         for n0, nsz in tiles:
             if not loads or n0 + nsz > loads[-1][0] + loads[-1][1]:
@@ -55,7 +68,7 @@ class ExpertPanels(nl.NKIObject):
     @staticmethod
     def fits(op, tiles, setup):
         """Whether the panels of `tiles` stay resident (RESIDENT_WEIGHT_BUDGET_BYTES per partition)."""
-        loads, _ = ExpertPanels.super_panels(op, tiles)
+        loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
         return sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
     def start_block(self):
@@ -67,7 +80,10 @@ class ExpertPanels(nl.NKIObject):
         if not self.resident and self.current != s:
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup)]
+            # a wide panel stages through a smaller ring (its three 16 KiB staging tiles left the 64 KiB panel no
+            # SBUF placement on the 4-expert DeepSeek-V3 run: docs/moe.md section 10, round 6c)
+            ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS) if w > WEIGHT_LOAD_WIDTH else None
+            self.panels = [load_panel(self.op, f0, w, w, self.setup, ring=ring)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)
