@@ -111,7 +111,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     Dimensions:
         d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
         ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
-        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once); with k = 1 a
+        plain scatter of bf16(part + 0.0) (every row written once: the same bits as the add on a zero row).
     Weights loaded per block (skip_padding False): the H tiles are the outer loop (every chunk's d_gate_up
     panel stays on chip), so a weight tile loads once per block. Resident weights (skip_padding True, decided
     on core 0's share so both cores run the same loops): chunk by chunk, and a chunk past the block's last
