@@ -41,6 +41,7 @@ class ExpertPanels(nl.NKIObject):
         self.loads, self.load_of = self.super_panels(op, tiles, width)
         self.panels = [load_panel(op, f0, w, w, setup) for f0, w in self.loads] if self.resident else []
         self.current = -1
+        self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
 
     @staticmethod
     def load_width(op, setup, wide=False):
@@ -74,15 +75,18 @@ class ExpertPanels(nl.NKIObject):
     def start_block(self):
         if not self.resident:
             self.panels, self.current = [], -1
+            # one staging ring for the block's wide super-panels (created per traced body, like the panels)
+            self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)
 
     def get(self, j):
         s = self.load_of[j]
         if not self.resident and self.current != s:
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            # a wide panel stages through a smaller ring (its three 16 KiB staging tiles left the 64 KiB panel no
-            # SBUF placement on the 4-expert DeepSeek-V3 run: docs/moe.md section 10, round 6c)
-            ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS) if w > WEIGHT_LOAD_WIDTH else None
+            # wide panels share the block's ring: the next panel's staging reuses the previous panel's tiles instead of
+            # new ones beside them (a fresh ring per panel left the 64 KiB panel no SBUF placement on the 4-expert
+            # DeepSeek-V3 run: docs/moe.md section 10, round 6c)
+            ring = self.ring if w > WEIGHT_LOAD_WIDTH else None
             self.panels = [load_panel(self.op, f0, w, w, self.setup, ring=ring)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
