@@ -84,8 +84,7 @@ class ExpertPanels(nl.NKIObject):
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
             # wide panels share the block's ring: the next panel's staging reuses the previous panel's tiles instead of
-            # new ones beside them (a fresh ring per panel left the 64 KiB panel no SBUF placement on the 4-expert
-            # DeepSeek-V3 run: docs/moe.md section 10, round 6c)
+            # new ones beside them (WIDE_WEIGHT_STAGING_BUFFERS says why its size)
             ring = self.ring if w > WEIGHT_LOAD_WIDTH else None
             self.panels = [load_panel(self.op, f0, w, w, self.setup, ring=ring)]
         whole = self.panels[s] if self.resident else self.panels[0]
