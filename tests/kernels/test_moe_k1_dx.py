@@ -7,6 +7,7 @@ the bf16 rows before the scatter so that a product that rounds to -0 in bf16 sto
 |---------------------------------------|----------------------------------------------------------------|------------|
 | test_k1_scatter_without_rmw           | no dma_compute, no dX zeroing for k = 1; k = 2 keeps both      | LNC1, LNC2 |
 | test_k1_negative_zero_rows_bit_exact  | W_gu with subnormal negative entries: bf16(mm) = -0 elements   | LNC1, LNC2 |
+| test_k1_trn2_bf16                     | trn2, BF16 matmuls                                             | LNC2       |
 """
 from __future__ import annotations
 
@@ -79,3 +80,16 @@ def test_k1_negative_zero_rows_bit_exact(lnc):
     assert (dx_bits == 0).sum() > 0 and not (dx_bits == 0x8000).any()  # +0 elements, never -0
     out, _ = _run(kernel, lnc)
     assert_outputs_identical(out, want, f"tiny W_gu, LNC{lnc} vs mx_exact")
+
+
+def test_k1_trn2_bf16(set_target):
+    """trn2 (BF16 matmuls, ScalarE's trn2 operator set): the k = 1 scatter path == mx_exact bit for bit under LNC2."""
+    set_target("trn2")
+    T, E, H, I = 70, 3, 64, 96
+    ids = np.random.default_rng(23).integers(0, E, size=(T, 1)).astype(np.int32)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=29, block_size=256, checkpoints=("up",), matmul_precision="bf16")
+    del kernel["matmul_precision"]  # the trn2 default
+    out, trace = _run(kernel, 2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "k = 1 trn2 bf16 vs mx_exact")
+    rmw, copies = _dx_writes(trace)
+    assert not rmw and copies, (len(rmw), len(copies))
