@@ -26,21 +26,21 @@ SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
-    """No resident budget (weights loaded per block), H = 3200, 2I = 128 (one K tile: a 2048-column panel takes
-    10 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1: 2048 + 1152 through
+    """No resident budget (weights loaded per block), H = 3200, 2I = 1088 (three K tiles through the ring of 2: a
+    2048-column panel takes 26 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1: 2048 + 1152 through
     one shared ring per block; LNC2: the cores' 1664 / 1536 columns in one load each), an expert of two blocks (one load per 512-column
     resident group) beside single-block ones; outputs == mx_exact bit for bit."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I = 300, 3, 3200, 544
     widths = []
     load = D.load_panel
 
     def record(op, f0, f_size, *rest, **kw):
-        if op.k_size == 128:  # W_gu (K = 2I); W_down has K = H
+        if op.k_size == 2 * I:  # W_gu (K = 2I); W_down has K = H
             widths.append((f_size, kw.get("ring")))
         return load(op, f0, f_size, *rest, **kw)
 
     monkeypatch.setattr(D, "load_panel", record)
-    T, E, H, I = 300, 3, 3200, 64
     ids = np.repeat(np.array([[0], [1], [2]], np.int32), [150, 100, 50], axis=0)
     ids = ids[np.random.default_rng(8).permutation(T)]
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
