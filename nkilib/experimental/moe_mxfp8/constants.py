@@ -57,8 +57,7 @@ WIDE_WEIGHT_LOAD_WIDTH = 2048
 WIDE_WEIGHT_PANEL_BYTES = 72 * 1024
 #: Staging tiles ([128, 4, WIDE_WEIGHT_LOAD_WIDTH] bf16, 16 KiB per partition) of the one ring that a block's wide
 #: super-panel loads share (docs/moe.md section 10, round 6c: a fresh ring of 3 per panel, load_panel's default, left
-#: the 64 KiB panel no SBUF placement on the 4-expert DeepSeek-V3 run, a shared ring of 3 on the 8-expert run; a fresh
-#: ring of 2 per panel placed but ran 1% slower than this).
+#: the 64 KiB panel no SBUF placement on the 4-expert DeepSeek-V3 run, a shared ring of 3 on the 8-expert run).
 WIDE_WEIGHT_STAGING_BUFFERS = 2
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
