@@ -6,11 +6,15 @@ the kernels that use it is covered by tests/kernels.
 """
 import numpy as np
 
+import nki
+import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import MatmulSetup, TensorDescriptor
+from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, matmul_panels
+from nkilib.core.matmul.constants import PARTITIONS
 from nkilib.core.matmul.panels import LoadRing, PanelSource
+from nkilib.core.numerics import contract_mm
 from nkilib.simulator.launcher import run_kernel
-from simkit import BF16, in_kernel, randn
+from simkit import BF16, assert_outputs_identical, in_kernel, randn, simulate
 
 MX = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
@@ -70,3 +74,36 @@ def test_panel_source_natural_row_tiles_one_for_the_first_load_then_two():
     assert len(dst) == 4
     assert dst[0] == dst[1]
     assert dst[2] != dst[3] and dst[0] in dst[2:]
+
+
+
+@nki.jit
+def _ring_matmul_kernel(a, b, ring_size):
+    """out [M, N] = a [K, M]ᵀ @ b [K, N], a's panel loaded through LoadRing(ring_size) (0: load_panel's default)."""
+    K, M = a.shape
+    N = b.shape[1]
+    ring = None if ring_size == 0 else LoadRing(ring_size)
+    stationary = load_panel(TensorDescriptor(a, k_axis=0), 0, M, M, MX, ring=ring)
+    moving = load_panel(TensorDescriptor(b, k_axis=0), 0, N, N, MX)
+    acc = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.psum)
+    matmul_panels(acc[:M, :], stationary, moving, MX)  # K=K, M=M, N=N
+    res = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=res[:M, :], src=acc[:M, :])
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=res[:M, :])
+    return out
+
+
+def test_load_panel_through_a_ring_smaller_than_its_look_ahead():
+    """load_panel stages at most ring.size K tiles ahead of its quantizes: a [K, F] MXFP8 operand of 4 K tiles loaded
+    through a ring of 2 (below STAGING_BUFFERS) multiplies to the contract's bits, as through the default ring (before,
+    the third K tile's DMA retook the first tile's stage before that tile was quantized), and its DMAs alternate the
+    ring's two tiles."""
+    a, b = randn(2, (2048, 64), BF16), randn(3, (2048, 32), BF16)
+    want = contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32")
+    for size in (0, 2):
+        assert_outputs_identical((simulate(_ring_matmul_kernel, 1, a=a, b=b, ring_size=size),), (want,), f"ring {size}")
+    res = run_kernel(_ring_matmul_kernel.fn, kwargs=dict(a=a, b=b, ring_size=2), trace=True)
+    dst = [r.writes[0].storage_id for r in res.trace
+           if r.instr == "dma_copy" and any(o.name == "a" for o in r.reads)]
+    assert len(dst) == 4 and len(set(dst)) == 2 and dst[0] == dst[2] and dst[1] == dst[3], dst

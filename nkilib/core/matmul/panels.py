@@ -401,20 +401,21 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
         if ring == None:  # noqa: E711
             ring = LoadRing(STAGING_BUFFERS)
         staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
+        ahead = min(STAGING_BUFFERS, ring.size)  # a smaller ring: a K tile's stage is not retaken before its quantize
 
         def stage_tile(t):
             k0, valid, padded = tiles[t]
             stage = ring.take((PARTITIONS, MX_PACK, f_pad))
             staged[t - t_lo] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage)
 
-        for t in range(t_lo, min(t_hi, t_lo + STAGING_BUFFERS)):
+        for t in range(t_lo, min(t_hi, t_lo + ahead)):
             stage_tile(t)
         for t in range(t_lo, t_hi):
             src, staged[t - t_lo] = staged[t - t_lo], None
             builder.add_mx(t, tiles[t][2], src)
             src = None
-            if t + STAGING_BUFFERS < t_hi:
-                stage_tile(t + STAGING_BUFFERS)
+            if t + ahead < t_hi:
+                stage_tile(t + ahead)
         return builder.panel()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]

@@ -48,6 +48,17 @@ SINGLE_BLOCK_LOAD_WIDTH = 1024
 #: MOE_N_TILE: 2 KiB bf16 DMA runs (75% of the sustained DMA rate by the cost model's payload rule, against
 #: 60% for a 512-column tile's 1 KiB runs).
 WEIGHT_LOAD_WIDTH = 1024
+#: Columns per super-panel load of a weight operand loaded on use (not resident) whose quantized
+#: [K, WIDE_WEIGHT_LOAD_WIDTH] panel takes at most WIDE_WEIGHT_PANEL_BYTES per partition: 4 KiB bf16 DMA runs (the
+#: sustained rate by the payload rule, against 75% for 2 KiB). DeepSeek-V3's W_gu in pass B (K = 2I = 4096: 68 KiB)
+#: loads this way; its W_down in pass A (K = H = 7168: 120 KiB) does not fit beside pass A's other tiles, and resident
+#: panels keep WEIGHT_LOAD_WIDTH (docs/moe.md section 10, round 6c).
+WIDE_WEIGHT_LOAD_WIDTH = 2048
+WIDE_WEIGHT_PANEL_BYTES = 72 * 1024
+#: Staging tiles ([128, 4, WIDE_WEIGHT_LOAD_WIDTH] bf16, 16 KiB per partition) of the one ring that a block's wide
+#: super-panel loads share (docs/moe.md section 10, round 6c: a fresh ring of 3 per panel, load_panel's default, left
+#: the 64 KiB panel no SBUF placement on the 4-expert DeepSeek-V3 run, a shared ring of 3 on the 8-expert run).
+WIDE_WEIGHT_STAGING_BUFFERS = 2
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
 PASS_C_STAGING_BUFFERS = 3

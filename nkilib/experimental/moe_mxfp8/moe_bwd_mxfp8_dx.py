@@ -16,8 +16,9 @@ import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div
 from ...core.matmul import load_panel, matmul_panels, panel_bytes_per_partition, panel_columns, panel_from_rows
-from ...core.matmul.panels import blocks as _blocks
-from .constants import MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH
+from ...core.matmul.panels import LoadRing, blocks as _blocks
+from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
+                        WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
 
@@ -27,7 +28,8 @@ class ExpertPanels(nl.NKIObject):
     expert's block loop when they fit RESIDENT_WEIGHT_BUDGET_BYTES, else loaded on use inside the loop.
 
     A [K, F] operand (k_axis=0, F contiguous in HBM) loads in super-panels of WEIGHT_LOAD_WIDTH columns
-    (2 KiB DMA runs instead of a 512-column tile's 1 KiB) served as column slices; on use, the current
+    (2 KiB DMA runs instead of a 512-column tile's 1 KiB), or, loaded on use, of WIDE_WEIGHT_LOAD_WIDTH (4 KiB
+    runs) where such a panel fits WIDE_WEIGHT_PANEL_BYTES (load_width), served as column slices; on use, the current
     super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
     traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
     Each MXFP8 K tile of a panel is its own SBUF allocation (load_panel split=True: 4 KiB per partition for 1024
@@ -37,16 +39,28 @@ class ExpertPanels(nl.NKIObject):
 
     def __init__(self, op, tiles, setup):
         self.op, self.tiles, self.setup = op, tiles, setup
-        self.loads, self.load_of = self.super_panels(op, tiles)
         self.resident = self.fits(op, tiles, setup)
+        width = self.load_width(op, setup, wide=not self.resident)
+        self.loads, self.load_of = self.super_panels(op, tiles, width)
         self.panels = [load_panel(op, f0, w, w, setup, split=True) for f0, w in self.loads] if self.resident else []
         self.current = -1
+        self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
 
     @staticmethod
-    def super_panels(op, tiles):
-        """([(f0, width)] super-panel loads, [index of the load serving each tile]); tiles are MOE_N_TILE-aligned
-        from tiles[0]."""
-        width = WEIGHT_LOAD_WIDTH if op.k_axis == 0 and not op.prequantized else 0
+    def load_width(op, setup, wide=False):
+        """Columns per super-panel load of a [K, F] bf16 operand: WEIGHT_LOAD_WIDTH, or with `wide` (panels loaded on
+        use, one at a time) WIDE_WEIGHT_LOAD_WIDTH when its panel of that width fits WIDE_WEIGHT_PANEL_BYTES per
+        partition (4 KiB DMA runs: DeepSeek-V3's W_gu in pass B); 0 (one load per tile) for other operands."""
+        if op.k_axis != 0 or op.prequantized:
+            return 0
+        if wide and panel_bytes_per_partition(op.k_size, WIDE_WEIGHT_LOAD_WIDTH, setup) <= WIDE_WEIGHT_PANEL_BYTES:
+            return WIDE_WEIGHT_LOAD_WIDTH
+        return WEIGHT_LOAD_WIDTH
+
+    @staticmethod
+    def super_panels(op, tiles, width):
+        """([(f0, width)] super-panel loads of `width` columns (0: one per tile), [index of the load serving each
+        tile]); tiles are MOE_N_TILE-aligned from tiles[0]."""
         loads, load_of = [], []
         for n0, nsz in tiles:
             if not loads or n0 + nsz > loads[-1][0] + loads[-1][1]:
@@ -58,19 +72,24 @@ class ExpertPanels(nl.NKIObject):
     @staticmethod
     def fits(op, tiles, setup):
         """Whether the panels of `tiles` stay resident (RESIDENT_WEIGHT_BUDGET_BYTES per partition)."""
-        loads, _ = ExpertPanels.super_panels(op, tiles)
+        loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
         return sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
     def start_block(self):
         if not self.resident:
             self.panels, self.current = [], -1
+            # one staging ring for the block's wide super-panels (created per traced body, like the panels)
+            self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)
 
     def get(self, j):
         s = self.load_of[j]
         if not self.resident and self.current != s:
             f0, w = self.loads[s]
             self.panels, self.current = [], s  # drop the previous super-panel before loading the next
-            self.panels = [load_panel(self.op, f0, w, w, self.setup, split=True)]
+            # wide panels share the block's ring: the next panel's staging reuses the previous panel's tiles instead of
+            # new ones beside them (WIDE_WEIGHT_STAGING_BUFFERS says why its size)
+            ring = self.ring if w > WEIGHT_LOAD_WIDTH else None
+            self.panels = [load_panel(self.op, f0, w, w, self.setup, ring=ring, split=True)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)
@@ -98,7 +117,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     Dimensions:
         d_gate_up_b [B, 2I] (scratch, K=2I stationary, chunks of <= 128 rows), W_gu[e] [2I, H] (moving,
         ExpertPanels over this core's H tiles) -> part [m, H_c] bf16 -> dma_compute scatter-add into
-        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once).
+        dX [T, H] (fp32 add, one RNE to bf16; padding rows skipped; a block holds a token once); with k = 1 a
+        plain scatter of bf16(part + 0.0) (every row written once: the same bits as the add on a zero row).
     Weights loaded per block (skip_padding False): the H tiles are the outer loop (every chunk's d_gate_up
     panel stays on chip), so a weight tile loads once per block. Resident weights (skip_padding True, decided
     on core 0's share so both cores run the same loops): chunk by chunk, and a chunk past the block's last
@@ -130,6 +150,14 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     def scatter_add(r0, m, part):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        if ctx.k == 1:
+            # one routed pair per token: its dX row is written exactly once (no zeroed dX, no read-modify-write):
+            # dx[t] = bf16(fp32(+0 + part)), i.e. part with -0 made +0 (the fp32 add of the RMW on a zero row; on
+            # ScalarE, which has room in pass B: docs/moe.md section 10, round 6c)
+            nisa.tensor_scalar(dst=part[:m, :], data=part[:m, :], op0=nl.add, operand0=0.0,
+                               engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=rows, src=part[:m, :], oob_mode=nisa.oob_mode.skip)
+            return
         nisa.dma_compute(dst=rows, srcs=[rows, part[:m, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
     row_chunks = _blocks(0, ctx.B, PARTITIONS)

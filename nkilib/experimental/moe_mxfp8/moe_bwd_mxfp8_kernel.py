@@ -247,11 +247,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ctx.unit_rows.append((u0 + lo * ROW_SPLIT_UNIT, (hi - lo) * ROW_SPLIT_UNIT))
     c_lo, c_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, split.shard_id)
     h_lo, h_hi = min(c_lo * SPLIT_ALIGN, H), min(c_hi * SPLIT_ALIGN, H)
-    # dX starts at zero (this core's columns; its scatter-adds follow on the same core)
-    zeros = nl.ndarray((PARTITIONS, max(1, h_hi - h_lo)), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=zeros, value=0.0)
-    for t0, tsz in _blocks(0, ctx.T if h_hi > h_lo else 0, PARTITIONS):
-        nisa.dma_copy(dst=ctx.dx[t0:t0 + tsz, h_lo:h_hi], src=zeros[:tsz, :])
+    # dX starts at zero (this core's columns; its scatter-adds follow on the same core). With k = 1 every token
+    # has exactly one routed pair (the layout holds every slot once), so pass B writes each row once instead
+    if ctx.k > 1:
+        zeros = nl.ndarray((PARTITIONS, max(1, h_hi - h_lo)), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        for t0, tsz in _blocks(0, ctx.T if h_hi > h_lo else 0, PARTITIONS):
+            nisa.dma_copy(dst=ctx.dx[t0:t0 + tsz, h_lo:h_hi], src=zeros[:tsz, :])
+        zeros = None
     i_tiles = _blocks(0, I, PHASE1_N_TILE)
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
     ctx.loops = ExpertLoops(ctx.offsets, E)

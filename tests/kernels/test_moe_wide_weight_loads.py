@@ -1,0 +1,69 @@
+"""Wide weight super-panels of the MoE kernel (docs/moe.md section 10, round 6c): a weight loaded on use (not
+resident) whose quantized panel of WIDE_WEIGHT_LOAD_WIDTH columns fits WIDE_WEIGHT_PANEL_BYTES loads in super-panels
+of that width (4 KiB DMA runs; DeepSeek-V3's W_gu in pass B), staged through one ring of WIDE_WEIGHT_STAGING_BUFFERS
+tiles that a block's wide loads share.
+
+| test                                   | what                                                            | fixed      |
+|----------------------------------------|-----------------------------------------------------------------|------------|
+| test_wide_w_gu_loads_bit_exact         | W_gu per block: 2048 + 1152 (LNC1), 1664 / 1536 (LNC2) columns  | LNC1, LNC2 |
+| test_load_width_by_panel_bytes         | width by panel size and residency                               | host side  |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nki.language as nl
+from nkilib.core.matmul import MatmulSetup, TensorDescriptor
+from nkilib.experimental.moe_mxfp8 import constants as K
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from simkit import BF16, assert_outputs_identical
+from test_moe_bwd_kernel import moe_case, run
+
+SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
+    """No resident budget (weights loaded per block), H = 3200, 2I = 1088 (three K tiles through the ring of 2: a
+    2048-column panel takes 26 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1: 2048 + 1152 through
+    one shared ring per block; LNC2: the cores' 1664 / 1536 columns in one load each), an expert of two blocks (one load per 512-column
+    resident group) beside single-block ones; outputs == mx_exact bit for bit."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I = 300, 3, 3200, 544
+    widths = []
+    load = D.load_panel
+
+    def record(op, f0, f_size, *rest, **kw):
+        if op.k_size == 2 * I:  # W_gu (K = 2I); W_down has K = H
+            widths.append((f_size, kw.get("ring")))
+        return load(op, f0, f_size, *rest, **kw)
+
+    monkeypatch.setattr(D, "load_panel", record)
+    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [150, 100, 50], axis=0)
+    ids = ids[np.random.default_rng(8).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
+    assert_outputs_identical(run(kernel, lnc=lnc), moe_backward_reference(**ref), f"wide loads, LNC{lnc}")
+    # the single-block experts load per block (two of them); the two-block expert one 512-column tile per group
+    wide = [(f, r) for f, r in widths if f > K.WEIGHT_LOAD_WIDTH]
+    assert all(f <= K.MOE_N_TILE and r == None for f, r in widths if f <= K.WEIGHT_LOAD_WIDTH)  # noqa: E711
+    assert all(r.size == K.WIDE_WEIGHT_STAGING_BUFFERS for _, r in wide)
+    if lnc == 1:  # per block: 2048 + 1152 columns through one ring
+        assert [f for f, _ in wide] == [2048, 1152] * 2, widths
+        assert wide[0][1] is wide[1][1] and wide[2][1] is wide[3][1] and wide[0][1] is not wide[2][1]
+    else:
+        assert sorted(f for f, _ in wide) == [1536, 1536, 1664, 1664], widths  # each core's columns, in one load
+
+
+def test_load_width_by_panel_bytes():
+    """DeepSeek-V3's W_gu (K = 2I = 4096: 68 KiB at 2048 columns) loads wide when not resident; its W_down (K = H =
+    7168: 120 KiB) and any resident panel keep WEIGHT_LOAD_WIDTH; a K-contiguous operand loads per tile (0)."""
+    w_gu = TensorDescriptor(np.zeros((4096, 8), BF16), k_axis=0)
+    w_down = TensorDescriptor(np.zeros((7168, 8), BF16), k_axis=0)
+    w_gate = TensorDescriptor(np.zeros((8, 4096), BF16), k_axis=1)
+    assert D.ExpertPanels.load_width(w_gu, SETUP, wide=True) == K.WIDE_WEIGHT_LOAD_WIDTH == 2048
+    assert D.ExpertPanels.load_width(w_gu, SETUP) == K.WEIGHT_LOAD_WIDTH == 1024
+    assert D.ExpertPanels.load_width(w_down, SETUP, wide=True) == 1024
+    assert D.ExpertPanels.load_width(w_gate, SETUP, wide=True) == 0
