@@ -12,6 +12,8 @@ that every path gives mx_exact's bits.
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
+| test_resident_loads_rotate_stages     | resident path: consecutive operand loads alternate staging tiles, |
+|                                       | evictions on ScalarE; LNC1 and LNC2 == mx_exact                   |
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup, panel_bytes_per_partition
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.examples.moe_backward_cost import PHASES
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES
+from nkilib.simulator.launcher import run_kernel
+from nkilib.simulator.trace import label_phases
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
@@ -164,3 +171,34 @@ def test_resident_block_count_off():
     assert W.resident_block_count(_Ctx("bf16"), _grads(2880, 2880)) == 0
     assert W.resident_block_count(_Ctx("mxfp8"), ((None, None, None, 256, 2 * 8 * 512 + 256),)) == 0
     assert W.resident_block_count(_Ctx("mxfp8", cores=1), _grads(8192, 256)) == 0
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_resident_loads_rotate_stages(lnc):
+    """Round 6b (docs/moe.md section 10): a pass-C operand is one K tile, so the staging ring's own per-K-tile
+    rotation put every load on one tile, each load waiting for the quantize before it. The resident path's loads now
+    take PASS_C_RESIDENT_STAGES tiles in turn (no two consecutive loads share one) and its evictions run on ScalarE
+    (VectorE keeps the quantizes, so the next stationary piece's quantizes do not queue behind them). Experts of 3
+    and 2 blocks (resident), B = 128; bit-exact against mx_exact."""
+    T, E, k, H, I = 600, 3, 1, 64, 96
+    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [330, 250, 20], axis=0)
+    ids = ids[np.random.default_rng(12).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=37, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1]
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"LNC{lnc} resident path vs mx_exact")
+    scratch = ("moe_bwd_d_gate_up", "moe_bwd_x_blocks", "moe_bwd_dy_blocks", "moe_bwd_weighted_inter")
+    in_c = [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+    stages = [r.writes[0].storage_id for r in in_c
+              if r.instr == "dma_copy" and any(o.name in scratch for o in r.reads)]
+    # a load is one DMA per slot of the MX layout into its staging tile: runs of one tile, one run per load
+    runs = [s for n, s in enumerate(stages) if n == 0 or stages[n - 1] != s]
+    # experts 0 and 1 (resident): per gradient the moving and the stationary operand of each of 5 blocks (20 loads),
+    # slot j's loads on tile j % 2 (slot 0's stationary load follows the last slot's moving one on the same tile
+    # when the expert's block count is odd); before the rotation every load took one tile (a single run)
+    assert len(set(stages)) == PASS_C_RESIDENT_STAGES and len(runs) >= 16, runs
+    evictions = {r.engine for r in in_c if r.instr == "tensor_scalar" and r.attrs.get("op0") == "add"
+                 and any(o.buffer == "psum" for o in r.reads)}
+    assert evictions and "scalar" in evictions

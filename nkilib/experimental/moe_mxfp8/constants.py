@@ -62,6 +62,11 @@ WIDE_WEIGHT_STAGING_BUFFERS = 2
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
 PASS_C_STAGING_BUFFERS = 3
+#: Staging tiles (of those PASS_C_STAGING_BUFFERS) that the resident path's consecutive loads take in turn, so a
+#: block's load need not wait for the quantize of the load before it (each pass-C operand is one K tile, and a
+#: panel's own ring rotation is per K tile). 3 measured faster but leaves a later 48 KiB weight panel no placement
+#: on GPT-OSS-20B's 4 x 2048 shape (docs/moe.md section 10, round 6b).
+PASS_C_RESIDENT_STAGES = 2
 #: Most blocks of one expert whose pass-C operands stay in SBUF (MXFP8): an expert with 2..R blocks reads and
 #: quantizes each of its blocks' rows once per core (moe_bwd_mxfp8_weight_grads.compute_phase3_resident_grads_mxfp8);
 #: a larger one runs windows of R blocks (PASS_C_RESIDENT_WINDOWS) or, beyond them, re-reads its blocks per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for
@@ -72,8 +77,10 @@ PASS_C_RESIDENT_BLOCKS = 16
 #: errors; 80 KiB (R = 4) gave the same times on 2-4 block experts.
 PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Slot counts of the resident path's code variants (ResidentBlocks): an expert takes the smallest that holds its
-#: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4).
-PASS_C_RESIDENT_TIERS = (8,)
+#: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4). Tier 4
+#: (round 6b): an expert of 2-4 blocks (GPT-OSS-20B and Qwen3-30B-A3B balanced at T = 16384) allocates half the slot
+#: SBUF of tier 8, which lets the next pass's tiles be placed without waiting for pass C's.
+PASS_C_RESIDENT_TIERS = (4, 8)
 #: Windows of R resident blocks for an expert of more than R blocks (MXFP8): up to W R blocks are read and quantized
 #: once per core, the output tiles' fp32 partial sums carried across windows through HBM scratch (docs/moe.md
 #: section 10, round 5b); larger experts (and W = 1) take the streamed path. Each window is traced code (W x the

@@ -28,7 +28,7 @@ from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_pe
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_TIERS,
+                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS,
                         PASS_C_RESIDENT_WINDOWS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
 
@@ -127,8 +127,9 @@ class _RowStore(nl.NKIObject):
     instead of one tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html)."""
 
-    def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype):
+    def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar, nisa.engine.vector)):
         self.out, self.e, self.m0, self.msz, self.n_hi, self.wg_dtype = out, e, m0, msz, n_hi, wg_dtype
+        self.engines = engines
         self.piece, self.p0, self.p_end = None, n_lo, n_lo
 
     def tile(self, acc, n0, nsz, t):
@@ -136,13 +137,25 @@ class _RowStore(nl.NKIObject):
             self.p0, self.p_end = n0, min(self.n_hi, n0 + WEIGHT_GRAD_STORE_WIDTH)
             self.piece = nl.ndarray((PARTITIONS, WEIGHT_GRAD_STORE_WIDTH), dtype=self.wg_dtype, buffer=nl.sbuf)
         msz, off = self.msz, n0 - self.p0
-        engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
+        engine = self.engines[t % len(self.engines)]
         nisa.tensor_scalar(dst=self.piece[:msz, off:off + nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0,
                            engine=engine)
         if n0 + nsz >= self.p_end:
             nisa.dma_copy(dst=self.out[self.e, self.m0:self.m0 + msz, self.p0:self.p_end],
                           src=self.piece[:msz, :self.p_end - self.p0])
             self.piece = None
+
+
+def _stage(ctx, k):
+    """The k-th load's MXFP8 staging tile (of the first PASS_C_RESIDENT_STAGES of ctx.stages), as a one-tile ring for
+    panel_from_row_loader (None in BF16).
+
+    A pass-C operand is one K tile (B <= 512 tokens), so panel_from_row_loader's own rotation (K tile t takes
+    stages[t % len]) puts every load on stages[0], each waiting for the quantize of the one before. The resident
+    path numbers its loads in program order instead (k static in a traced body: the same on hardware, where a loop
+    body is traced once), so consecutive loads take different tiles and a load overlaps the quantize before it
+    (docs/moe.md section 10, round 6b). The single-block and streamed paths keep stages[0]."""
+    return None if ctx.stages == None else [ctx.stages[k % PASS_C_RESIDENT_STAGES]]  # noqa: E711
 
 
 def _row_panels(ctx, src, i, lo, hi):
@@ -377,13 +390,13 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
                if c0 <= n0 < c0 + slots.f_pad]
 
-    def load(src, i, j, c0, slots):
-        panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=ctx.stages,
+    def load(src, i, j, c0, slots, k):
+        panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=_stage(ctx, k),
                               into=(slots, j))
 
-    def load_moving(i, j):
-        for c0, slots in moving:
-            load(rhs, i, j, c0, slots)
+    def load_moving(i, j):  # slot j's loads numbered j * pieces + q: consecutive slots rotate the staging tiles
+        for q, (c0, slots) in enumerate(moving):
+            load(rhs, i, j, c0, slots, j * len(moving) + q)
 
     w, partial = (0, None) if window == None else window  # noqa: E711
     ctx.resident.for_slots(e, load_moving, R, w)
@@ -393,7 +406,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
-                load(lhs, i, j, p0, stationary)
+                load(lhs, i, j, p0, stationary, j)
 
         ctx.resident.for_slots(e, load_stationary, R, w)
         for m_group in groups:
@@ -411,7 +424,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
             if partial == None:  # noqa: E711
                 ctx.resident.for_slots(e, body, R)
                 for (m0, msz), row in zip(m_group, accs):
-                    store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+                    store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
                     for (n0, nsz, _, _), acc in zip(n_tiles, row):
                         store.tile(acc, n0, nsz, t)
                         t += 1
