@@ -19,7 +19,8 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, shard_range
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
-                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
+                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
@@ -95,6 +96,22 @@ def stationary_load_width(op, m_tile, setup):
 def psum_buffers(n_tile):
     """PSUM_BUFFERS fp32 accumulators [128, n_tile], used round-robin across output tiles."""
     return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
+
+
+def _resident_operand(moving_bytes, stationary_bytes):
+    """(keep_moving, keep_stationary, moving panel budget) when neither operand fits PANEL_CACHE_BUDGET_BYTES:
+    keep the smaller whole operand resident when it fits RESIDENT_OPERAND_BUDGET_BYTES, so that both are read
+    and quantized once (instead of the moving panels swept once per stationary group). A resident stationary
+    leaves the moving panels what SBUF has left, for two of them (the next one loads while the last m tiles
+    of the current one run). Neither fits: (False, False, MOVING_PANEL_BUDGET_BYTES), groups as before.
+    (TP1, I = 12288: phase 3 keeps X [S, H] and reads it once per core instead of 6 times; phase 4 keeps dY.)"""
+    smaller = min(moving_bytes, stationary_bytes)
+    if smaller > RESIDENT_OPERAND_BUDGET_BYTES:
+        return False, False, MOVING_PANEL_BUDGET_BYTES
+    if moving_bytes == smaller:
+        return True, False, MOVING_PANEL_BUDGET_BYTES
+    left = (usable_sbuf_bytes() - RESIDENT_HEADROOM_BYTES - stationary_bytes) // 2
+    return False, True, min(MOVING_PANEL_BUDGET_BYTES, left)
 
 
 class StoreEpilogue(nl.NKIObject):
@@ -184,12 +201,15 @@ class MatmulPlan(nl.NKIObject):
         if m_lo >= m_hi or n_lo >= n_hi:
             self.order = []
             return
-        self.keep_moving = (sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving)
-                            <= PANEL_CACHE_BUDGET_BYTES)
-        keep_stationary = (not self.keep_moving and
-                           sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary)
-                           <= PANEL_CACHE_BUDGET_BYTES)
-        self.n_tile = fit_width(config.n_tile, moving, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
+        moving_bytes = sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving)
+        stationary_bytes = sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary)
+        self.keep_moving = moving_bytes <= PANEL_CACHE_BUDGET_BYTES
+        keep_stationary = not self.keep_moving and stationary_bytes <= PANEL_CACHE_BUDGET_BYTES
+        moving_budget = MOVING_PANEL_BUDGET_BYTES
+        if (groups and resident == None and len(products) == 1 and not self.keep_moving  # noqa: E711
+                and not keep_stationary):
+            self.keep_moving, keep_stationary, moving_budget = _resident_operand(moving_bytes, stationary_bytes)
+        self.n_tile = fit_width(config.n_tile, moving, setup, moving_budget, SPLIT_ALIGN)
         m_group = 0
         if resident != None:  # noqa: E711
             self.stationary, self.m_tile = [resident], resident.m_tile
