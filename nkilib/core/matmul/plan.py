@@ -346,13 +346,22 @@ class MatmulPlan(nl.NKIObject):
             a_panels = [self.stationary[0].get(m0, msz) for m0, msz in group]
             # the next n block's first matmuls wait for these tiles' evictions (WAR)
             accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
-            for n0, nsz in n_blocks:
+            nxt = None  # the next n block's first K quad, loaded before this block's evictions
+            for bi, (n0, nsz) in enumerate(n_blocks):
                 for t0 in range(0, n_k, SCALE_PACK_SLOTS):
                     t1 = min(n_k, t0 + SCALE_PACK_SLOTS)
-                    b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
+                    if t0 == 0 and nxt != None:  # noqa: E711
+                        b, nxt = nxt, None
+                    else:
+                        b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
                     for a, acc in zip(a_panels, accs):
                         matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
                     b = None
+                if bi + 1 < len(n_blocks):
+                    # VectorE runs in program order: quantizing the next block's first quad after this block's
+                    # evictions left TensorE idle for both at every n block (TP1 phase 2: ~5 us x 16 per core)
+                    n1, nsz1 = n_blocks[bi + 1]
+                    nxt = load_panel(b_op, n1, nsz1, nsz1, setup, 0, min(n_k, SCALE_PACK_SLOTS))
                 for (m0, msz), acc in zip(group, accs):
                     engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
                     self.epilogue.store_streamed(m0, msz, n0, nsz, acc, engine)
