@@ -10,7 +10,8 @@ Kernels with a run-time loop over blocks (grouped MoE experts) build one plan pe
 descriptors (TensorDescriptor.window) and the same split.
 
 Operands that do not fit SBUF: moving panels all resident (m-major) > stationary panels all resident
-(n-major) > K-streamed groups > stationary groups (see MatmulPlan).
+(n-major) > the smaller whole operand resident beside the other's streamed panels (RESIDENT_OPERAND_BUDGET_BYTES)
+> K-streamed groups > stationary groups (see MatmulPlan).
 """
 from __future__ import annotations
 
@@ -157,9 +158,10 @@ class MatmulPlan(nl.NKIObject):
     Tiling, decided once: every moving panel of this core stays resident (quantized once) when all of
     them fit PANEL_CACHE_BUDGET_BYTES, and tiles run m-major so each stationary panel is also quantized
     once; else, when all stationary panels fit, they stay resident and tiles run n-major (each moving
-    panel loaded once); otherwise (groups=True, one product) K-streamed groups (_run_streamed) when the
-    moving operand can be loaded by K tile and that holds more stationary panels, else n-major inside
-    groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
+    panel loaded once); else (groups=True, one product) when the smaller whole operand fits
+    RESIDENT_OPERAND_BUDGET_BYTES it stays resident the same way (_resident_operand); otherwise
+    K-streamed groups (_run_streamed) when the moving operand can be loaded by K tile and that holds more
+    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
     moving panels swept once per group).
 
     Args:
