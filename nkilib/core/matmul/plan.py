@@ -25,7 +25,7 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
+from .panels import LoadRing, PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
 
 
 def usable_sbuf_bytes() -> int:
@@ -339,13 +339,16 @@ class MatmulPlan(nl.NKIObject):
         setup, b_op = self.setup, self.moving[0].op
         n_k = len(k_tiles(b_op.k_size, setup))
         evictions = 0
-        a_panels = accs = None
+        a_panels = accs = ring = None
         for lo in range(0, len(m_blocks), g):
             group = m_blocks[lo:lo + g]
             # drop the previous group's panels and accumulators (all of PSUM) before loading this group
             # (its PE transposes use PSUM too)
-            a_panels = accs = acc = None
+            a_panels = accs = acc = ring = None
             a_panels = [self.stationary[0].get(m0, msz) for m0, msz in group]
+            # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads
+            # wait for the previous quads' quantizes instead of running ahead into SBUF the group holds
+            ring = LoadRing(STAGING_BUFFERS)
             # the next n block's first matmuls wait for these tiles' evictions (WAR)
             accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
             nxt = None  # the next n block's first K quad, loaded before this block's evictions
@@ -355,7 +358,7 @@ class MatmulPlan(nl.NKIObject):
                     if t0 == 0 and nxt != None:  # noqa: E711
                         b, nxt = nxt, None
                     else:
-                        b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
+                        b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1, ring=ring)
                     for a, acc in zip(a_panels, accs):
                         matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
                     b = None
@@ -363,7 +366,7 @@ class MatmulPlan(nl.NKIObject):
                     # VectorE runs in program order: quantizing the next block's first quad after this block's
                     # evictions left TensorE idle for both at every n block (TP1 phase 2: ~5 us x 16 per core)
                     n1, nsz1 = n_blocks[bi + 1]
-                    nxt = load_panel(b_op, n1, nsz1, nsz1, setup, 0, min(n_k, SCALE_PACK_SLOTS))
+                    nxt = load_panel(b_op, n1, nsz1, nsz1, setup, 0, min(n_k, SCALE_PACK_SLOTS), ring=ring)
                 for (m0, msz), acc in zip(group, accs):
                     engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
                     self.epilogue.store_streamed(m0, msz, n0, nsz, acc, engine)
