@@ -17,6 +17,7 @@ from simkit import assert_matches_mx_exact, mlp_inputs, mlp_reference, run_mlp
 def tiny_budgets(monkeypatch):
     """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles."""
     monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
     monkeypatch.setattr(plan_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
@@ -41,6 +42,30 @@ def test_forced_large_shape_plans_are_bit_exact(tiny_budgets, precision, shape, 
     measured = assert_matches_mx_exact(out, mlp_reference(inp, matmul_precision=precision))
     assert all(m == (0, 0.0) for m in measured), measured
     assert tiny_budgets["streamed"] > 0, "the K-streamed plan was not exercised"
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_resident_operand_plans_are_bit_exact(monkeypatch, precision, lnc):
+    """Neither operand fits the panel cache (TP1's phases 3 and 4 at model shapes): the smaller whole operand
+    stays resident (moving: m-major; stationary: n-major) and the other is streamed once; outputs stay
+    bit-exact. Both variants must be taken on these shapes."""
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    taken = []
+    original = plan_module._resident_operand
+
+    def recording(moving_bytes, stationary_bytes):
+        out = original(moving_bytes, stationary_bytes)
+        taken.append(out[:2])
+        return out
+
+    monkeypatch.setattr(plan_module, "_resident_operand", recording)
+    for S, H, I in [(512, 256, 384), (512, 384, 128)]:
+        inp = mlp_inputs(S, H, I, seed=S + H + I)
+        out = run_mlp(inp, lnc=lnc, matmul_precision=precision)
+        measured = assert_matches_mx_exact(out, mlp_reference(inp, matmul_precision=precision))
+        assert all(m == (0, 0.0) for m in measured), measured
+    assert (True, False) in taken and (False, True) in taken, taken
 
 
 @pytest.mark.slow

@@ -23,6 +23,10 @@ MATMUL_PRECISIONS = ("mxfp8", "bf16")
 PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
 PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident
 MOVING_PANEL_BUDGET_BYTES = 96 * 1024  # one moving panel (all K tiles) when panels are not resident
+RESIDENT_OPERAND_BUDGET_BYTES = 144 * 1024  # one whole operand kept resident when neither fits PANEL_CACHE_BUDGET_BYTES
+# (the other is then streamed once instead of swept once per group): TP1 phase 3's X [S, H] (136 KiB at S = H = 4096)
+RESIDENT_HEADROOM_BYTES = 48 * 1024  # SBUF left beside such a resident operand and its streamed panels (staging,
+# eviction tiles, the next phase's first loads)
 STATIONARY_PANEL_BUDGET_BYTES = 48 * 1024  # one stationary (super-)panel
 STATIONARY_GROUP_BUDGET_BYTES = 72 * 1024  # stationary loads kept while the moving panels are swept (neither fits);
 # sized so the modeled overlap fits SBUF: at 112 KiB TP1 (I = 12288) phase 3 needed 294 KiB per partition

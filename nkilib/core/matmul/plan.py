@@ -10,7 +10,8 @@ Kernels with a run-time loop over blocks (grouped MoE experts) build one plan pe
 descriptors (TensorDescriptor.window) and the same split.
 
 Operands that do not fit SBUF: moving panels all resident (m-major) > stationary panels all resident
-(n-major) > K-streamed groups > stationary groups (see MatmulPlan).
+(n-major) > the smaller whole operand resident beside the other's streamed panels (RESIDENT_OPERAND_BUDGET_BYTES)
+> K-streamed groups > stationary groups (see MatmulPlan).
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, shard_range
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
-                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
+                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
+from .panels import LoadRing, PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
 
 
 def usable_sbuf_bytes() -> int:
@@ -97,6 +99,22 @@ def psum_buffers(n_tile):
     return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
 
 
+def _resident_operand(moving_bytes, stationary_bytes):
+    """(keep_moving, keep_stationary, moving panel budget) when neither operand fits PANEL_CACHE_BUDGET_BYTES:
+    keep the smaller whole operand resident when it fits RESIDENT_OPERAND_BUDGET_BYTES, so that both are read
+    and quantized once (instead of the moving panels swept once per stationary group). A resident stationary
+    leaves the moving panels what SBUF has left, for two of them (the next one loads while the last m tiles
+    of the current one run). Neither fits: (False, False, MOVING_PANEL_BUDGET_BYTES), groups as before.
+    (TP1, I = 12288: phase 3 keeps X [S, H] and reads it once per core instead of 6 times; phase 4 keeps dY.)"""
+    smaller = min(moving_bytes, stationary_bytes)
+    if smaller > RESIDENT_OPERAND_BUDGET_BYTES:
+        return False, False, MOVING_PANEL_BUDGET_BYTES
+    if moving_bytes == smaller:
+        return True, False, MOVING_PANEL_BUDGET_BYTES
+    left = (usable_sbuf_bytes() - RESIDENT_HEADROOM_BYTES - stationary_bytes) // 2
+    return False, True, min(MOVING_PANEL_BUDGET_BYTES, left)
+
+
 class StoreEpilogue(nl.NKIObject):
     """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
     in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
@@ -140,9 +158,10 @@ class MatmulPlan(nl.NKIObject):
     Tiling, decided once: every moving panel of this core stays resident (quantized once) when all of
     them fit PANEL_CACHE_BUDGET_BYTES, and tiles run m-major so each stationary panel is also quantized
     once; else, when all stationary panels fit, they stay resident and tiles run n-major (each moving
-    panel loaded once); otherwise (groups=True, one product) K-streamed groups (_run_streamed) when the
-    moving operand can be loaded by K tile and that holds more stationary panels, else n-major inside
-    groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
+    panel loaded once); else (groups=True, one product) when the smaller whole operand fits
+    RESIDENT_OPERAND_BUDGET_BYTES it stays resident the same way (_resident_operand); otherwise
+    K-streamed groups (_run_streamed) when the moving operand can be loaded by K tile and that holds more
+    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
     moving panels swept once per group).
 
     Args:
@@ -184,12 +203,15 @@ class MatmulPlan(nl.NKIObject):
         if m_lo >= m_hi or n_lo >= n_hi:
             self.order = []
             return
-        self.keep_moving = (sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving)
-                            <= PANEL_CACHE_BUDGET_BYTES)
-        keep_stationary = (not self.keep_moving and
-                           sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary)
-                           <= PANEL_CACHE_BUDGET_BYTES)
-        self.n_tile = fit_width(config.n_tile, moving, setup, MOVING_PANEL_BUDGET_BYTES, SPLIT_ALIGN)
+        moving_bytes = sum(panel_bytes_per_partition(op.k_size, n_hi - n_lo, setup) for op in moving)
+        stationary_bytes = sum(panel_bytes_per_partition(op.k_size, m_hi - m_lo, setup) for op in stationary)
+        self.keep_moving = moving_bytes <= PANEL_CACHE_BUDGET_BYTES
+        keep_stationary = not self.keep_moving and stationary_bytes <= PANEL_CACHE_BUDGET_BYTES
+        moving_budget = MOVING_PANEL_BUDGET_BYTES
+        if (groups and resident == None and len(products) == 1 and not self.keep_moving  # noqa: E711
+                and not keep_stationary):
+            self.keep_moving, keep_stationary, moving_budget = _resident_operand(moving_bytes, stationary_bytes)
+        self.n_tile = fit_width(config.n_tile, moving, setup, moving_budget, SPLIT_ALIGN)
         m_group = 0
         if resident != None:  # noqa: E711
             self.stationary, self.m_tile = [resident], resident.m_tile
@@ -317,22 +339,34 @@ class MatmulPlan(nl.NKIObject):
         setup, b_op = self.setup, self.moving[0].op
         n_k = len(k_tiles(b_op.k_size, setup))
         evictions = 0
-        a_panels = accs = None
+        a_panels = accs = ring = None
         for lo in range(0, len(m_blocks), g):
             group = m_blocks[lo:lo + g]
             # drop the previous group's panels and accumulators (all of PSUM) before loading this group
             # (its PE transposes use PSUM too)
-            a_panels = accs = acc = None
+            a_panels = accs = acc = ring = None
             a_panels = [self.stationary[0].get(m0, msz) for m0, msz in group]
+            # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads
+            # wait for the previous quads' quantizes instead of running ahead into SBUF the group holds
+            ring = LoadRing(STAGING_BUFFERS)
             # the next n block's first matmuls wait for these tiles' evictions (WAR)
             accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
-            for n0, nsz in n_blocks:
+            nxt = None  # the next n block's first K quad, loaded before this block's evictions
+            for bi, (n0, nsz) in enumerate(n_blocks):
                 for t0 in range(0, n_k, SCALE_PACK_SLOTS):
                     t1 = min(n_k, t0 + SCALE_PACK_SLOTS)
-                    b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1)
+                    if t0 == 0 and nxt != None:  # noqa: E711
+                        b, nxt = nxt, None
+                    else:
+                        b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1, ring=ring)
                     for a, acc in zip(a_panels, accs):
                         matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
                     b = None
+                if bi + 1 < len(n_blocks):
+                    # VectorE runs in program order: quantizing the next block's first quad after this block's
+                    # evictions left TensorE idle for both at every n block (TP1 phase 2: ~5 us x 16 per core)
+                    n1, nsz1 = n_blocks[bi + 1]
+                    nxt = load_panel(b_op, n1, nsz1, nsz1, setup, 0, min(n_k, SCALE_PACK_SLOTS), ring=ring)
                 for (m0, msz), acc in zip(group, accs):
                     engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
                     self.epilogue.store_streamed(m0, msz, n0, nsz, acc, engine)
