@@ -77,10 +77,10 @@ PASS_C_RESIDENT_BLOCKS = 16
 #: errors; 80 KiB (R = 4) gave the same times on 2-4 block experts.
 PASS_C_RESIDENT_BUDGET_BYTES = 136 * 1024
 #: Slot counts of the resident path's code variants (ResidentBlocks): an expert takes the smallest that holds its
-#: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4). Tier 4
-#: (round 6b): an expert of 2-4 blocks (GPT-OSS-20B and Qwen3-30B-A3B balanced at T = 16384) allocates half the slot
-#: SBUF of tier 8, which lets the next pass's tiles be placed without waiting for pass C's.
-PASS_C_RESIDENT_TIERS = (4, 8)
+#: blocks, so the many small experts run 8 slot loops while a hot one (up to R) runs R (docs/moe.md, round 4). A tier
+#: of 4 (round 6b: +0.2 points on GPT-OSS-20B balanced at T = 16384) made the full study's GPT-OSS-20B T = 16384 Zipf
+#: run unplaceable (two 11.2 KiB tiles whose waits closed a dependency cycle), so it is not used.
+PASS_C_RESIDENT_TIERS = (8,)
 #: Windows of R resident blocks for an expert of more than R blocks (MXFP8): up to W R blocks are read and quantized
 #: once per core, the output tiles' fp32 partial sums carried across windows through HBM scratch (docs/moe.md
 #: section 10, round 5b); larger experts (and W = 1) take the streamed path. Each window is traced code (W x the
