@@ -30,9 +30,10 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import kernel_assert, round_up
-from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
-                        NATURAL_BUFFERS, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
+from ..kernel_helpers import ceil_div, kernel_assert, round_up
+from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, MX_PANEL_PIECE_BYTES,
+                        MX_PANEL_WHOLE_MAX_BYTES, NATURAL_BUFFERS, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS,
+                        SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
 
 
@@ -270,23 +271,48 @@ class _PanelBuilder(nl.NKIObject):
 
     MXFP8: all K tiles of a panel share one SBUF allocation (words [128, count, F_pad], scales [128,
     scale tiles, F_pad]), placed at its first write: the panel stays contiguous instead of interleaving
-    small words tiles with the staging tiles, which would leave staging-sized holes behind.
+    small words tiles with the staging tiles, which would leave staging-sized holes behind. Words of more
+    than MX_PANEL_WHOLE_MAX_BYTES per partition quantized on chip are allocated in pieces of
+    MX_PANEL_PIECE_BYTES (whole K tiles each): a block that large finds no gap among the previous phase's
+    live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited for phase 2's last stores:
+    modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB: 0.685; splitting every
+    panel above 16 KiB, W_down's included: 0.671).
     """
 
-    def __init__(self, f_pad, setup, t_lo, count):
+    def __init__(self, f_pad, setup, t_lo, count, pieces=False):
         self.f_pad = f_pad
+        self.pieces = pieces  # large words in pieces (quantized_words)
         self.setup = setup
         self.t_lo = t_lo
         self.count = count
         self.data, self.scales = [], []
         self._data_tile = self._scale_tile = None
+        self._pieces = None  # words in pieces of piece_tiles K tiles (quantized_words), when the panel is large
+        self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
 
     def words(self, t, P):
-        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t."""
+        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t, in the panel's one allocation."""
         if self._data_tile == None:  # noqa: E711
             self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
                                          buffer=nl.sbuf)
         return self._data_tile[:P, t - self.t_lo, :]
+
+    def quantized_words(self, t, P):
+        """SBUF [P, F_pad] x4 words for K tile t quantized on chip: words(t, P), or, when built with pieces=True,
+        for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece (each piece
+        allocated at its first write)."""
+        whole = self.count * self.f_pad * 4 <= MX_PANEL_WHOLE_MAX_BYTES or self.piece_tiles >= self.count
+        if not self.pieces or whole:
+            return self.words(t, P)
+        i = t - self.t_lo
+        if self._pieces == None:  # noqa: E711
+            self._pieces = [None] * ceil_div(self.count, self.piece_tiles)
+        g = i // self.piece_tiles
+        if self._pieces[g] == None:  # noqa: E711
+            tiles = min(self.piece_tiles, self.count - g * self.piece_tiles)
+            self._pieces[g] = nl.ndarray((PARTITIONS, tiles, self.f_pad), dtype=self.setup.x4_dtype,
+                                         buffer=nl.sbuf)
+        return self._pieces[g][:P, i % self.piece_tiles, :]
 
     def bf16_tile(self, t):
         """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
@@ -307,7 +333,7 @@ class _PanelBuilder(nl.NKIObject):
     def add_mx(self, t, padded, src):
         """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
         P = padded // MX_PACK
-        words = self.words(t, P)
+        words = self.quantized_words(t, P)
         scale = self.scale(t)
         nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
         self.data.append(words)
@@ -333,7 +359,7 @@ def _natural_groups(tiles, setup):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None) -> Panel:
+               ring=None, pieces: bool = False) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -345,10 +371,12 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     ring: a LoadRing for the MXFP8 staging tiles ([K, F] operands) or the natural row tiles (K-contiguous
     bf16 operands), shared with the caller's other loads (default: a fresh STAGING_BUFFERS ring for this
     load's staging tiles; fresh natural tiles).
+    pieces: a [K, F] operand's MX words of more than MX_PANEL_WHOLE_MAX_BYTES per partition in pieces
+    (_PanelBuilder; MatmulPlan's panels).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
-    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo)
+    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, pieces=pieces)
     if op.panel_layout:
         return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
@@ -604,7 +632,7 @@ class PanelSource(nl.NKIObject):
             # (capacity > 1, e.g. K-streamed plans) load as before: each load its own tiles; so do BF16
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
             self.ring = LoadRing(1 if natural else STAGING_BUFFERS)
-        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring)
+        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring, pieces=True)
         if natural and self.ring != None and self.ring.size < NATURAL_BUFFERS:  # noqa: E711
             self.ring.size += 1
         self.keys.append(f0)
