@@ -107,3 +107,23 @@ def test_load_panel_through_a_ring_smaller_than_its_look_ahead():
     dst = [r.writes[0].storage_id for r in res.trace
            if r.instr == "dma_copy" and any(o.name == "a" for o in r.reads)]
     assert len(dst) == 4 and len(set(dst)) == 2 and dst[0] == dst[2] and dst[1] == dst[3], dst
+
+
+def _quantize_destinations(kernel, operand):
+    """Storage ids that quantize_mx writes its words into (program order)."""
+    res = run_kernel(kernel, args=(operand,), trace=True)
+    return [r.writes[0].storage_id for r in res.trace if r.instr == "quantize_mx"]
+
+
+def test_panel_source_large_panel_words_in_pieces():
+    """A [K, F] MXFP8 panel whose words exceed MX_PANEL_WHOLE_MAX_BYTES per partition (K = 2560: 5 K tiles of
+    2048 words x 4 bytes = 40 KiB) is allocated in MX_PANEL_PIECE_BYTES pieces of whole K tiles (2 + 2 + 1);
+    a panel of 16 KiB (1024 columns) stays one allocation."""
+    def kernel(w):
+        PanelSource(TensorDescriptor(w, k_axis=0), MX, pad_even=False, keep_all=True).get(0, w.shape[1])
+
+    big = _quantize_destinations(kernel, randn(2, (2560, 2048), BF16))
+    assert len(big) == 5
+    assert big[0] == big[1] and big[2] == big[3] and len(set(big)) == 3
+    small = _quantize_destinations(kernel, randn(3, (2560, 1024), BF16))
+    assert len(small) == 5 and len(set(small)) == 1

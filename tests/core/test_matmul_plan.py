@@ -113,3 +113,23 @@ def test_plans_over_row_blocks_of_windowed_operands(lnc):
     x, w = randn(4, (S, K), BF16), randn(5, (K, N), BF16)
     got = simulate(_blocked_kernel, lnc, x=x, w=w, block=256)
     assert_outputs_identical((got,), (contract_mm(x, w, "mxfp8", "float8_e4m3fn", "1x32"),), f"lnc{lnc}")
+
+
+@nki.jit
+def _large_moving_panel_kernel(a, b):
+    """out = a @ b with b's whole [K, N] panel resident (40 KiB of MX words per partition: in pieces)."""
+    M, N = a.shape[0], b.shape[1]
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    plan = MatmulPlan([TensorDescriptor(a, k_axis=1)], [TensorDescriptor(b, k_axis=0)], M, N, _setup("mxfp8"),
+                      MatmulConfig(m_tile=128, n_tile=N), CoreSplit(1, 0), StoreEpilogue(out, nl.float32))
+    plan.step("all")
+    return out
+
+
+def test_plan_with_moving_panel_words_in_pieces():
+    """Bit-exact with the moving panel's MX words allocated in pieces (tests/core/test_load_ring.py checks the
+    pieces): K = 5120 (10 K tiles) x N = 1024, 40 KiB of words per partition, pieces of 4 + 4 + 2 K tiles."""
+    M, K, N = 128, 5120, 1024
+    a, b = randn(6, (M, K), BF16), randn(7, (K, N), BF16)
+    got = simulate(_large_moving_panel_kernel, 1, a=a, b=b)
+    assert_outputs_identical((got,), (contract_mm(a, b, "mxfp8", "float8_e4m3fn", "1x32"),), "pieces")

@@ -44,6 +44,8 @@ NATURAL_LOAD_K = 2048  # K columns per DMA of a K-contiguous bf16 operand (4 KiB
 NATURAL_BUFFERS = 2  # row tiles of a K-contiguous operand that a PanelSource's loads share (one for its first
 # load, then this many: the next load waits for the previous one's PE transposes). TP8 MXFP8 modeled 0.692 ms;
 # 3: 0.698, 4: 0.715; 2 from the first load on: 0.711; not shared: 0.722
+MX_PANEL_WHOLE_MAX_BYTES = 32 * 1024  # a plan's MX panel words above this (per partition) are allocated in pieces
+MX_PANEL_PIECE_BYTES = 16 * 1024  # of this size (panels.py _PanelBuilder: TP8 MXFP8 modeled 0.685 -> 0.660 ms)
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

@@ -30,9 +30,10 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import kernel_assert, round_up
-from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
-                        NATURAL_BUFFERS, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
+from ..kernel_helpers import ceil_div, kernel_assert, round_up
+from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, MX_PANEL_PIECE_BYTES,
+                        MX_PANEL_WHOLE_MAX_BYTES, NATURAL_BUFFERS, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS,
+                        SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
 
 
@@ -275,10 +276,16 @@ class _PanelBuilder(nl.NKIObject):
     (each placed at its own first write), for panels too large to ask for one contiguous gap: a kernel whose
     many small, differently-lived tiles fragment SBUF (the MoE kernel, docs/moe.md section 10, round 6a) then
     never needs a gap wider than one K tile's words (4 KiB per partition for 1024 columns).
+    pieces=True (the dense plans; exclusive with split): words of more than MX_PANEL_WHOLE_MAX_BYTES per partition quantized on chip are allocated in pieces of
+    MX_PANEL_PIECE_BYTES (whole K tiles each): a block that large finds no gap among the previous phase's
+    live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited for phase 2's last stores:
+    modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB: 0.685; splitting every
+    panel above 16 KiB, W_down's included: 0.671).
     """
 
-    def __init__(self, f_pad, setup, t_lo, count, split=False):
+    def __init__(self, f_pad, setup, t_lo, count, split=False, pieces=False):
         self.f_pad = f_pad
+        self.pieces = pieces  # large words in pieces (quantized_words)
         self.setup = setup
         self.t_lo = t_lo
         self.count = count
@@ -286,9 +293,11 @@ class _PanelBuilder(nl.NKIObject):
         self.data, self.scales = [], []
         self._data_tile = self._scale_tile = None
         self._data_tiles, self._scale_tiles = [None] * count, [None] * count  # split: per K / scale tile
+        self._pieces = None  # words in pieces of piece_tiles K tiles (quantized_words), when the panel is large
+        self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
 
     def words(self, t, P):
-        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t."""
+        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t: in the panel's one allocation, or its own with split."""
         if self.split:
             i = t - self.t_lo
             if self._data_tiles[i] == None:  # noqa: E711
@@ -298,6 +307,23 @@ class _PanelBuilder(nl.NKIObject):
             self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
                                          buffer=nl.sbuf)
         return self._data_tile[:P, t - self.t_lo, :]
+
+    def quantized_words(self, t, P):
+        """SBUF [P, F_pad] x4 words for K tile t quantized on chip: words(t, P), or, when built with pieces=True,
+        for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece (each piece
+        allocated at its first write)."""
+        whole = self.count * self.f_pad * 4 <= MX_PANEL_WHOLE_MAX_BYTES or self.piece_tiles >= self.count
+        if not self.pieces or whole:
+            return self.words(t, P)
+        i = t - self.t_lo
+        if self._pieces == None:  # noqa: E711
+            self._pieces = [None] * ceil_div(self.count, self.piece_tiles)
+        g = i // self.piece_tiles
+        if self._pieces[g] == None:  # noqa: E711
+            tiles = min(self.piece_tiles, self.count - g * self.piece_tiles)
+            self._pieces[g] = nl.ndarray((PARTITIONS, tiles, self.f_pad), dtype=self.setup.x4_dtype,
+                                         buffer=nl.sbuf)
+        return self._pieces[g][:P, i % self.piece_tiles, :]
 
     def bf16_tile(self, t):
         """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
@@ -324,7 +350,7 @@ class _PanelBuilder(nl.NKIObject):
     def add_mx(self, t, padded, src):
         """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
         P = padded // MX_PACK
-        words = self.words(t, P)
+        words = self.quantized_words(t, P)
         scale = self.scale(t)
         nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
         self.data.append(words)
@@ -350,7 +376,7 @@ def _natural_groups(tiles, setup):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, split: bool = False) -> Panel:
+               ring=None, split: bool = False, pieces: bool = False) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -364,12 +390,15 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     load's staging tiles; fresh natural tiles).
     split: one SBUF allocation per MXFP8 K tile instead of one for the panel (_PanelBuilder; not with
     panel-layout operands, which load all K tiles' words in one DMA).
+    pieces: a [K, F] operand's MX words of more than MX_PANEL_WHOLE_MAX_BYTES per partition in pieces
+    (_PanelBuilder; MatmulPlan's panels). Not with split.
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
     kernel_assert(not (split and op.panel_layout), "load_panel: split=True needs a bf16 or per-K-tile operand, "
                   "got a panel-layout operand (its K tiles load in one DMA into one allocation)")
-    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split)
+    kernel_assert(not (split and pieces), "load_panel: split=True and pieces=True are exclusive, got both")
+    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split, pieces)
     if op.panel_layout:
         return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
@@ -628,7 +657,7 @@ class PanelSource(nl.NKIObject):
             # (capacity > 1, e.g. K-streamed plans) load as before: each load its own tiles; so do BF16
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
             self.ring = LoadRing(1 if natural else STAGING_BUFFERS)
-        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring)
+        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring, pieces=True)
         if natural and self.ring != None and self.ring.size < NATURAL_BUFFERS:  # noqa: E711
             self.ring.size += 1
         self.keys.append(f0)
