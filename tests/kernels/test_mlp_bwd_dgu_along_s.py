@@ -48,18 +48,3 @@ def test_rows_not_in_whole_k_tiles_take_the_bf16_path():
     res = run_mlp(inp, lnc=2, trace=True)
     assert _hbm_writes(res, MX_WORDS) == 0 and _hbm_writes(res, BF16_ROWS) > 0
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
-
-
-def test_along_s_quantize_spread_in_512_column_chunks():
-    """I = 512 (2I = 1024 columns, one 1024-wide n tile per S tile): each finished K tile is quantized along S in
-    ALONG_S_QUANTIZE_COLUMNS = 512-column pieces, one per epilogue call of the next S tiles (one 1024-wide
-    quantize_mx per K tile before), and the outputs stay mx_exact."""
-    S, H, I = 1024, 128, 512  # LNC1: two K tiles of phase 3
-    inp = mlp_inputs(S, H, I, seed=13, kind="pow2")
-    res = run_mlp(inp, lnc=1, trace=True)
-    # the along-S quantizes read the interleaved staging tile [128, 4, 2I] bf16 (8 KiB per partition)
-    along_s = [r.writes[0].shape for r in res.trace
-               if r.instr == "quantize_mx" and r.reads[0].alloc_bytes_per_partition == 4 * 2 * 2 * I]
-    assert along_s == [(128, 512)] * 4  # 2 K tiles x 2 pieces
-    assert _hbm_writes(res, MX_WORDS) == S // 512
-    assert_matches_mx_exact(res.outputs, mlp_reference(inp))

@@ -14,5 +14,3 @@ MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulator
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
 CHECKPOINT_BUFFERS = 2  # phase 1's ring of checkpoint tile sets (gate_pre, up, gate_act): loads run this many tiles
 # ahead of the epilogue (TP8 MXFP8 modeled 0.715 -> 0.708 ms; 1: 0.731, 3: 0.710, 4: 0.737)
-ALONG_S_QUANTIZE_COLUMNS = 512  # columns of a finished along-S K tile of d_gate_up that phase 1 quantizes per
-# epilogue call (spread over the next S tiles; TP8 MXFP8 modeled 0.660 -> 0.655 ms central, 0.740 -> 0.719 pessimistic)

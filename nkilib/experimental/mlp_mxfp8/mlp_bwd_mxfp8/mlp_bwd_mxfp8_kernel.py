@@ -63,8 +63,7 @@ from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import (ALONG_S_QUANTIZE_COLUMNS, CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
-                        PHASE2_STATIONARY_BUDGET_BYTES)
+from .constants import CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -270,16 +269,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.stage = None
 
     def _quantize_along_s_chunk(self, n0) -> None:
-        """Quantize the next ALONG_S_QUANTIZE_COLUMNS columns of the pending K tile per epilogue call of the
-        next S tiles (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
-        dY quantizes and epilogue), wider when the K tile's epilogue calls would not cover 2I (the next K
-        tile must find none pending), and store the K tile after its last chunk. TP8 MXFP8 modeled
-        0.660 / 0.740 ms with 1536 columns (one n tile's worth), 0.655 / 0.719 with 512, 0.661 / 0.723 with
-        1024, 0.671 / 0.740 with 384."""
+        """Quantize the next columns of the pending K tile: one n tile's worth per epilogue call of the next
+        S tile (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
+        quantizes and epilogue), and store the K tile after its last chunk."""
         t, stage, words, scale, c0 = self.along_s_pending
         two_i = 2 * self.I
-        calls = (MX_K_TILE // self.m_tile) * ceil_div(self.n_hi - self.n_lo, self.ncols)  # per K tile
-        c1 = min(two_i, c0 + max(ALONG_S_QUANTIZE_COLUMNS, ceil_div(two_i, calls)))
+        c1 = min(two_i, c0 + ceil_div(two_i, ceil_div(self.n_hi - self.n_lo, self.ncols)))
         nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
         if c1 < two_i:
             self.along_s_pending = (t, stage, words, scale, c1)
