@@ -30,7 +30,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import ceil_div, kernel_assert, round_up
+from ..kernel_helpers import kernel_assert, round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, MX_PANEL_PIECE_BYTES,
                         MX_PANEL_WHOLE_MAX_BYTES, NATURAL_BUFFERS, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS,
                         SCALE_PACK_STRIDE, STAGING_BUFFERS)
@@ -276,9 +276,9 @@ class _PanelBuilder(nl.NKIObject):
     (each placed at its own first write), for panels too large to ask for one contiguous gap: a kernel whose
     many small, differently-lived tiles fragment SBUF (the MoE kernel, docs/moe.md section 10, round 6a) then
     never needs a gap wider than one K tile's words (4 KiB per partition for 1024 columns).
-    pieces=True (the dense plans; exclusive with split): words of more than MX_PANEL_WHOLE_MAX_BYTES per partition quantized on chip are allocated in pieces of
-    MX_PANEL_PIECE_BYTES (whole K tiles each): a block that large finds no gap among the previous phase's
-    live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited for phase 2's last stores:
+    pieces=True (the dense plans; exclusive with split): words of more than MX_PANEL_WHOLE_MAX_BYTES per
+    partition quantized on chip are allocated in pieces of MX_PANEL_PIECE_BYTES (whole K tiles each): a block
+    that large finds no gap among the previous phase's live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited for phase 2's last stores:
     modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB: 0.685; splitting every
     panel above 16 KiB, W_down's included: 0.671).
     """
@@ -292,17 +292,24 @@ class _PanelBuilder(nl.NKIObject):
         self.split = split
         self.data, self.scales = [], []
         self._data_tile = self._scale_tile = None
-        self._data_tiles, self._scale_tiles = [None] * count, [None] * count  # split: per K / scale tile
-        self._pieces = None  # words in pieces of piece_tiles K tiles (quantized_words), when the panel is large
+        self._scale_tiles = [None] * count  # split: one per scale tile
+        self._pieces = [None] * count  # words allocated in pieces of whole K tiles (split: 1; pieces: piece_tiles)
         self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
+
+    def _piece_words(self, t, P, tiles_per_piece):
+        """SBUF [P, F_pad] x4 words for K tile t in a piece of `tiles_per_piece` K tiles, allocated at its first
+        write (the one place where a panel's words are not one allocation: split and pieces)."""
+        i = t - self.t_lo
+        g = i // tiles_per_piece
+        if self._pieces[g] == None:  # noqa: E711
+            tiles = min(tiles_per_piece, self.count - g * tiles_per_piece)
+            self._pieces[g] = nl.ndarray((PARTITIONS, tiles, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
+        return self._pieces[g][:P, i % tiles_per_piece, :]
 
     def words(self, t, P):
         """SBUF [P, F_pad] x4 words (MXFP8) for K tile t: in the panel's one allocation, or its own with split."""
         if self.split:
-            i = t - self.t_lo
-            if self._data_tiles[i] == None:  # noqa: E711
-                self._data_tiles[i] = nl.ndarray((PARTITIONS, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
-            return self._data_tiles[i][:P, :]
+            return self._piece_words(t, P, 1)
         if self._data_tile == None:  # noqa: E711
             self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
                                          buffer=nl.sbuf)
@@ -310,20 +317,11 @@ class _PanelBuilder(nl.NKIObject):
 
     def quantized_words(self, t, P):
         """SBUF [P, F_pad] x4 words for K tile t quantized on chip: words(t, P), or, when built with pieces=True,
-        for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece (each piece
-        allocated at its first write)."""
+        for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece."""
         whole = self.count * self.f_pad * 4 <= MX_PANEL_WHOLE_MAX_BYTES or self.piece_tiles >= self.count
         if not self.pieces or whole:
             return self.words(t, P)
-        i = t - self.t_lo
-        if self._pieces == None:  # noqa: E711
-            self._pieces = [None] * ceil_div(self.count, self.piece_tiles)
-        g = i // self.piece_tiles
-        if self._pieces[g] == None:  # noqa: E711
-            tiles = min(self.piece_tiles, self.count - g * self.piece_tiles)
-            self._pieces[g] = nl.ndarray((PARTITIONS, tiles, self.f_pad), dtype=self.setup.x4_dtype,
-                                         buffer=nl.sbuf)
-        return self._pieces[g][:P, i % self.piece_tiles, :]
+        return self._piece_words(t, P, self.piece_tiles)
 
     def bf16_tile(self, t):
         """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
