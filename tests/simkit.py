@@ -42,6 +42,23 @@ def hbm_store(tile, dtype=None):
     return out
 
 
+def matmul_panels_to_hbm(stationary, moving, setup, M: int, N: int):
+    """Inside a kernel: out [M, N] fp32 = stationaryᵀ @ moving (nkilib.core.matmul.matmul_panels into PSUM),
+    evicted to SBUF and stored to a new shared_hbm tensor, which is returned."""
+    import nki.isa as nisa
+    import nki.language as nl
+    from nkilib.core.matmul import matmul_panels
+    from nkilib.core.matmul.constants import PARTITIONS
+
+    acc = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.psum)
+    matmul_panels(acc[:M, :], stationary, moving, setup)  # K=panels' K, M=M, N=N
+    res = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=res[:M, :], src=acc[:M, :])
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=res[:M, :])
+    return out
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     """Raw bit pattern of an array (unsigned int of the same itemsize), for bit-exact comparisons."""
     a = np.asarray(a)

@@ -7,14 +7,12 @@ the kernels that use it is covered by tests/kernels.
 import numpy as np
 
 import nki
-import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, matmul_panels
-from nkilib.core.matmul.constants import PARTITIONS
+from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel
 from nkilib.core.matmul.panels import LoadRing, PanelSource
 from nkilib.core.numerics import contract_mm
 from nkilib.simulator.launcher import run_kernel
-from simkit import BF16, assert_outputs_identical, in_kernel, randn, simulate
+from simkit import BF16, assert_outputs_identical, in_kernel, matmul_panels_to_hbm, randn, simulate
 
 MX = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
@@ -85,13 +83,7 @@ def _ring_matmul_kernel(a, b, ring_size):
     ring = None if ring_size == 0 else LoadRing(ring_size)
     stationary = load_panel(TensorDescriptor(a, k_axis=0), 0, M, M, MX, ring=ring)
     moving = load_panel(TensorDescriptor(b, k_axis=0), 0, N, N, MX)
-    acc = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.psum)
-    matmul_panels(acc[:M, :], stationary, moving, MX)  # K=K, M=M, N=N
-    res = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=res[:M, :], src=acc[:M, :])
-    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=res[:M, :])
-    return out
+    return matmul_panels_to_hbm(stationary, moving, MX, M, N)  # K=K, M=M, N=N
 
 
 def test_load_panel_through_a_ring_smaller_than_its_look_ahead():

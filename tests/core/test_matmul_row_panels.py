@@ -7,10 +7,9 @@ import pytest
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, matmul_panels, panel_from_row_loader
-from nkilib.core.matmul.constants import PARTITIONS
+from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, panel_from_row_loader
 from nkilib.core.numerics import contract_mm
-from simkit import BF16, assert_outputs_identical, randn, simulate
+from simkit import BF16, assert_outputs_identical, matmul_panels_to_hbm, randn, simulate
 
 
 @nki.jit
@@ -29,13 +28,7 @@ def _gathered_matmul_kernel(a, b, idx, precision, scheme):
 
     stationary = panel_from_row_loader(load_rows, K, M, M, setup, zero_fill=True)
     moving = load_panel(TensorDescriptor(b, k_axis=0, k_base=K, k_len=K), 0, N, N, setup)
-    acc = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.psum)
-    matmul_panels(acc[:M, :], stationary, moving, setup)  # K=K, M=M, N=N
-    res = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=res[:M, :], src=acc[:M, :])
-    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=res[:M, :])
-    return out
+    return matmul_panels_to_hbm(stationary, moving, setup, M, N)  # K=K, M=M, N=N
 
 
 @pytest.mark.parametrize("precision, scheme", [("mxfp8", "1x32"), ("mxfp8", "wrapX"), ("bf16", "1x32")])
