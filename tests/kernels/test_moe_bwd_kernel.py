@@ -298,8 +298,15 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
         ran_b.append(m)
         return panel_b(rows_tile, m, *rest)
 
+    load_b = D.load_panel_tiles
+
+    def record_b_loaded(words, scales, k_size, f_pad, *rest):  # pass B's panels quantized by pass A (round 7a)
+        ran_b.append(f_pad)
+        return load_b(words, scales, k_size, f_pad, *rest)
+
     monkeypatch.setattr(A, "_phase1_rows", record_a)
     monkeypatch.setattr(D, "panel_from_rows", record_b)
+    monkeypatch.setattr(D, "load_panel_tiles", record_b_loaded)
     counts = [100, 200, 300, 552, 512]
     T, E, H, I = sum(counts), 5, 64, 64
     ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)

@@ -8,5 +8,6 @@ constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
 from .panels import (Panel, PanelSlots, PanelSource, ResidentPanels, k_tiles, load_panel, matmul_panels,  # noqa: F401
                      panel_bytes_per_partition, panel_columns, panel_from_row_loader, panel_from_rows,
-                     panel_layout_hbm, panels_from_row_blocks, single_k_tile, stage_row_block, store_k_tile)
+                     panel_layout_hbm, panel_tile_widths, panels_from_row_blocks, single_k_tile, stage_row_block,
+                     store_k_tile, store_panel_tiles, load_panel_tiles)
 from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401

@@ -42,12 +42,15 @@ class Panel(nl.NKIObject):
     """An operand's [K, F] panel resident in SBUF, one entry per K tile.
 
     data[t]: x4 words [P_t, F_pad] (MXFP8) or bf16 [T_t, F_pad]; scales[t]: scale view (MXFP8) or None.
+    words_tile, scale_tile: the SBUF allocations behind data / scales when the panel's K tiles share one of each
+    (_PanelBuilder without split or pieces; store_panel_tiles copies them), else None.
     """
 
-    def __init__(self, data, scales, f_pad):
+    def __init__(self, data, scales, f_pad, words_tile=None, scale_tile=None):
         self.data = data
         self.scales = scales
         self.f_pad = f_pad
+        self.words_tile, self.scale_tile = words_tile, scale_tile
 
 
 class LoadRing(nl.NKIObject):
@@ -364,7 +367,9 @@ class _PanelBuilder(nl.NKIObject):
             self.scales.append(None)
 
     def panel(self):
-        return Panel(self.data, self.scales, self.f_pad)
+        whole = not self.split and not self.pieces
+        return Panel(self.data, self.scales, self.f_pad, self._data_tile if whole else None,
+                     self._scale_tile if whole else None)
 
 
 def _natural_groups(tiles, setup):
@@ -555,6 +560,41 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     chunks = [(0, f_size, rows_tile, 0)]
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
+    return builder.panel()
+
+
+def panel_tile_widths(k_size: int, f_pad: int, setup: MatmulSetup):
+    """(K tiles, scale tiles) of an MXFP8 [K, f_pad] panel built on chip in one allocation of each (panel_from_rows):
+    its words are [128, K tiles, f_pad] x4 and its scales [128, scale tiles, f_pad] uint8 (store_panel_tiles)."""
+    n = len(k_tiles(k_size, setup))
+    return n, (-(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n)
+
+
+def store_panel_tiles(panel: Panel, words_dst, scales_dst) -> None:
+    """Copy an MXFP8 panel built on chip (panel_from_rows) to HBM as its SBUF allocations hold it: words_dst
+    [128, K tiles, f_pad] x4 and scales_dst [128, scale tiles, f_pad] uint8 views (panel_tile_widths), one DMA
+    each (per partition one contiguous run). A K tile of fewer than 128 partitions (K padded to 128, not 512)
+    and the scale rows quantize_mx does not write are copied as they are (a copy may move never-written bytes;
+    no matmul reads them); load_panel_tiles rebuilds the same Panel from the copy."""
+    kernel_assert(panel.words_tile != None and panel.scale_tile != None,  # noqa: E711
+                  "store_panel_tiles needs an MXFP8 panel held in one words and one scale allocation "
+                  f"(panel_from_rows), got words_tile={panel.words_tile!r}, scale_tile={panel.scale_tile!r}")
+    nisa.dma_copy(dst=words_dst, src=panel.words_tile)
+    nisa.dma_copy(dst=scales_dst, src=panel.scale_tile)
+
+
+def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+    """The Panel that store_panel_tiles stored in HBM (words_src [128, K tiles, f_pad] x4, scales_src [128, scale
+    tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel."""
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder.words(0, PARTITIONS)  # allocates words [128, K tiles, f_pad]
+    builder.scale(0)  # and scales [128, scale tiles, f_pad]
+    nisa.dma_copy(dst=builder._data_tile, src=words_src)
+    nisa.dma_copy(dst=builder._scale_tile, src=scales_src)
+    for t in range(len(tiles)):
+        builder.data.append(builder.words(t, tiles[t][2] // MX_PACK))
+        builder.scales.append(builder.scale(t))
     return builder.panel()
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.matmul import matmul_panels, panel_from_rows
+from ...core.kernel_helpers import kernel_assert
+from ...core.matmul import matmul_panels, panel_from_rows, store_panel_tiles
 from ...core.matmul.panels import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
@@ -109,7 +110,10 @@ class RowChunk(nl.NKIObject):
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
         self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
                       for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
-        self.d_gu = nl.ndarray((PARTITIONS, 2 * width), dtype=nl.bfloat16, buffer=nl.sbuf)  # gate cols, up cols
+        # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
+        self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if self.d_gu.shape[1] > 2 * width:
+            nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         if i_lo > 0:  # the fold so far (tiles below i_lo), from this core's earlier group
@@ -142,10 +146,18 @@ class RowChunk(nl.NKIObject):
     def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
         if width == I:
-            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :])
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
+            if ctx.d_gu_mx != None:  # noqa: E711  pass B's stationary panel of these rows (K=2I, M=m)
+                kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
+                              f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
+                panel = panel_from_rows(self.d_gu[:m, :], m, 2 * I, self.f_pad, ctx.setup)
+                words, scales = ctx.d_gu_mx
+                store_panel_tiles(panel, ctx.block_tiles(words, i, r0, len(panel.data)),
+                                  ctx.block_tiles(scales, i, r0, panel.scale_tile.shape[1]))
+                panel = None
         else:
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
-            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:])
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:2 * width])
         nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
         if self.i_hi < I:  # more groups follow: keep the partial fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)

@@ -15,7 +15,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div
-from ...core.matmul import load_panel, matmul_panels, panel_bytes_per_partition, panel_columns, panel_from_rows
+from ...core.matmul import (load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition, panel_columns,
+                            panel_from_rows, panel_tile_widths)
 from ...core.matmul.panels import LoadRing, blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
                         WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
@@ -134,6 +135,11 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
 
     def chunk_panel(r0, m):
+        if ctx.d_gu_mx != None:  # noqa: E711  quantized by pass A (round 7a): words and scales as stored
+            words, scales = ctx.d_gu_mx
+            nk, ns = panel_tile_widths(two_i, PARTITIONS, ctx.setup)
+            return load_panel_tiles(ctx.block_tiles(words, i, r0, nk), ctx.block_tiles(scales, i, r0, ns), two_i,
+                                    ctx.f_pad(m), ctx.setup)
         nat = nl.ndarray((PARTITIONS, ctx.k_width(two_i)), dtype=nl.bfloat16, buffer=nl.sbuf)
         if nat.shape[1] > two_i:
             nisa.memset(dst=nat[:m, two_i:], value=0.0)

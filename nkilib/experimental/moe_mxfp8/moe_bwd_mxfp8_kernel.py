@@ -68,7 +68,7 @@ import nki.language as nl
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks as _blocks
-from ...core.matmul import CoreSplit, TensorDescriptor
+from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_block_grads_mxfp8
@@ -146,6 +146,13 @@ class MoeContext(nl.NKIObject):
         row = src2d.shape[1]
         view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
+
+    def block_tiles(self, scratch, i, r0, tiles):
+        """View [128, tiles, F / tiles] of rows r0..r0+128 of block i of a [N, B, F] scratch: one stored panel's
+        allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p)."""
+        F = scratch.shape[2]
+        return scratch.ap([[F, PARTITIONS], [F // tiles, tiles], [1, F // tiles]], offset=r0 * F, scalar_offset=i,
+                          indirect_dim=0)
 
     def block_rows(self, scratch, i, r0, count, step, f0, f_size):
         """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""
@@ -333,6 +340,21 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     b_skip = ((True, 0) if fits([b_desc(0)], [h0_tiles]) else (False, len(h0_tiles)),
               (True, 0) if fits([b_desc(0)], b_groups0) else False)
     b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, len(b_groups0)) if len(b_groups0) > 1 else None
+
+    # pass B's stationary d_gate_up panels, quantized along 2I in pass A (docs/moe.md section 10, round 7a): pass A
+    # holds every d_gate_up row of its chunks on chip (all of I in one group) while TensorE idles there, so it transposes
+    # and quantizes each 128-row chunk once (each core its own rows) and stores the panel's words and scales; pass B
+    # loads them instead of transposing and quantizing every row on both cores. Needs pass A's chunks to be pass B's
+    # (128 rows from a multiple of 128: B a multiple of 128 per core) and pass B's resident path (it reads only the
+    # chunks that hold a routed pair, which pass A computed; the per-block paths also read skipped, zeroed units).
+    ctx.d_gu_mx = None
+    if setup.is_mx and a_groups == None and fits([b_desc(0)], [h0_tiles]) and \
+            ctx.B % (PARTITIONS * split.num_cores) == 0:  # noqa: E711
+        nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
+        ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
+                                  name="moe_bwd_d_gate_up_panels"),
+                       nl.ndarray((ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
+                                  name="moe_bwd_d_gate_up_panel_scales"))
 
     def b_block(e, i, w, skip):
         resident, flag_tiles = skip if skip else (False, 0)

@@ -1,0 +1,104 @@
+"""Pass B's stationary d_gate_up panels made by pass A (docs/moe.md section 10, round 7a): where pass A holds all of a
+128-row chunk's d_gate_up on chip (all of I in one group), it transposes and quantizes the chunk along 2I once (each
+core its own rows) and stores the panel's words and scales (core/matmul/panels.store_panel_tiles); pass B loads them
+(load_panel_tiles) instead of transposing and quantizing every row on both cores. The bits are those of the panel
+pass B built before (the same panel_from_rows on the same rows), so the outputs equal mx_exact.
+
+| test                                  | what                                                               | fixed      |
+|---------------------------------------|--------------------------------------------------------------------|------------|
+| test_pass_b_loads_pass_a_panels       | bit-exact; pass B issues no nc_transpose / quantize_mx, loads the  | LNC1, LNC2 |
+|                                       | panels pass A stored (one per computed chunk and core); 2I = 192:  |            |
+|                                       | a K tile of 64 partitions and zero columns up to the K padding     |            |
+| test_panels_of_several_scale_tiles    | 2I = 2112 (five K tiles, the last of 32 partitions: two scale      | LNC2       |
+|                                       | tiles with packing, five without), clamped                         |            |
+| test_unaligned_rows_keep_pass_b_panels| B = 128 under LNC2 (64 rows per core in pass A): no panels stored, | LNC2       |
+|                                       | pass B transposes and quantizes as before                          |            |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
+from nkilib.simulator.trace import label_phases
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import CLAMPS, moe_case, routing
+
+CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
+PANELS, SCALES = "moe_bwd_d_gate_up_panels", "moe_bwd_d_gate_up_panel_scales"
+PHASES = {"compute_phase1_block_grads_mxfp8": "A", "compute_phase2_hidden_states_grad_mxfp8": "B"}
+
+
+def _run(kernel_kwargs, lnc):
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel_kwargs, lnc=lnc, grid_ndim=1,
+                         trace=True)
+    return tuple(np.asarray(o) for o in res.outputs), res.trace
+
+
+def _touches(records, name, side):
+    return [r for r in records if any(getattr(t, "name", "") == name for t in getattr(r, side))]
+
+
+def _pass(trace, label):
+    return [r for r in trace if r.attrs.get("phase") == label]
+
+
+def _check_panels_used(trace, lnc):
+    """Pass B builds no panel on chip and loads pass A's; pass A stores one words + one scales copy per chunk."""
+    a, b = _pass(trace, "A"), _pass(trace, "B")
+    assert b and not [r for r in b if r.instr in ("nc_transpose", "quantize_mx")], \
+        sorted({r.instr for r in b})
+    stored, loaded = _touches(a, PANELS, "writes"), _touches(b, PANELS, "reads")
+    assert stored and loaded, (len(stored), len(loaded))
+    assert len(_touches(a, SCALES, "writes")) == len(stored)
+    for p in range(lnc):  # each core stores only its own chunks; both cores load the chunks of their H columns
+        assert [r for r in stored if r.program == p], p
+    return stored, loaded
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_pass_b_loads_pass_a_panels(lnc):
+    """T = 300, k = 2, B = 256 (full and padded blocks), H = 192 (LNC2: core 0 128 columns, core 1 64), I = 96:
+    2I = 192 pads to one K tile of 256 (64 partitions; pass A's d_gate_up tile zeroed from column 192)."""
+    T, E, k, H, I, B = 300, 3, 2, 192, 96, 256
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=3), seed=21, block_size=B,
+                           checkpoints=CHECKPOINTS)
+    out, trace = _run(kernel, lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"d_gate_up panels, LNC{lnc} vs mx_exact")
+    stored, loaded = _check_panels_used(trace, lnc)
+    # pass B runs (and loads) a 128-row chunk when its first position holds a routed pair, on each core (both hold
+    # H columns); pass A stores the chunks it computed: LNC1 the same ones (128-row units), LNC2 both chunks of
+    # every used block (a core's 128 rows of a 256-row unit, which runs when position 0 holds a pair)
+    used = int(kernel["expert_block_offsets"][-1])
+    ids = np.asarray(kernel["token_position_to_id"]).reshape(-1, B)[:used]
+    routed_chunks = int((ids[:, ::128] < T).sum())
+    assert len(loaded) == routed_chunks * lnc, (len(loaded), routed_chunks)
+    assert len(stored) == (routed_chunks if lnc == 1 else used * (B // 128)), (len(stored), routed_chunks, used)
+
+
+@pytest.mark.parametrize("scale_packing", [True, False])
+def test_panels_of_several_scale_tiles(scale_packing):
+    """2I = 2112: K tiles of 512 x 4 and 128 (32 partitions); with scale packing two scale tiles (the second holds
+    one K tile at offset 0), without five. GPT-OSS-style clamps, B = 256, LNC2."""
+    T, E, k, H, I, B = 160, 2, 2, 128, 1056, 256
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=8), seed=4, block_size=B,
+                           checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS, use_scale_packing=scale_packing)
+    out, trace = _run(kernel, 2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"2I = 2112, packing {scale_packing} vs mx_exact")
+    _check_panels_used(trace, 2)
+
+
+def test_unaligned_rows_keep_pass_b_panels():
+    """B = 128 under LNC2: pass A's chunks are 64 rows per core, not pass B's 128-row chunks, so no panel is stored
+    and pass B transposes and quantizes its d_gate_up rows as before (bit-exact either way)."""
+    T, E, k, H, I, B = 150, 3, 2, 128, 64, 128
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=9, block_size=B,
+                           checkpoints=CHECKPOINTS)
+    out, trace = _run(kernel, 2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "B = 128, LNC2 vs mx_exact")
+    assert not _touches(trace, PANELS, "writes")
+    b = _pass(trace, "B")
+    assert [r for r in b if r.instr == "nc_transpose"] and [r for r in b if r.instr == "quantize_mx"]
