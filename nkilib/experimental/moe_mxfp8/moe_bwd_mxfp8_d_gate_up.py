@@ -12,6 +12,9 @@ Rows (LNC2: each core its share of every block's rows) go in one of two ways:
 The weights' I tiles may be a resident group of them (a multi-block expert, moe_bwd_mxfp8_dx.resident_tile_groups):
 the first group gathers dY / X, later ones read the block-ordered copies back, and the routing-gradient fold
 continues across groups through fp32 scratch (docs/moe.md, section 10, round 3).
+With all of I in one group, a chunk's d_gate_up rows are also quantized along 2I into pass B's stationary panel
+and stored as words and scales when the kernel asks for them (ctx.d_gu_mx; round 7a): pass A holds the rows on chip
+while TensorE idles, and each core makes only its own rows' panels (pass B used to transpose every row on both cores).
 """
 from __future__ import annotations
 
@@ -149,7 +152,8 @@ class RowChunk(nl.NKIObject):
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
             if ctx.d_gu_mx != None:  # noqa: E711  pass B's stationary panel of these rows (K=2I, M=m)
                 kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
-                              f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
+                              "pass B's d_gate_up panels need 128-row chunks from a multiple of 128, "
+                              f"got r0={r0}, m={m}")
                 panel = panel_from_rows(self.d_gu[:m, :], m, 2 * I, self.f_pad, ctx.setup)
                 words, scales = ctx.d_gu_mx
                 store_panel_tiles(panel, ctx.block_tiles(words, i, r0, len(panel.data)),

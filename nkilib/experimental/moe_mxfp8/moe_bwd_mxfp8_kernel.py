@@ -19,9 +19,13 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
        derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
        to HBM scratch in block-position order (pass C then reads its K = tokens operands by plain DMA,
-       never gathering a row twice), d_topk_weights is scattered by slot.
+       never gathering a row twice), d_topk_weights is scattered by slot. Where all of I is one resident group,
+       pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
+       pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
+       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
-       to bf16 and scatter-added into dX (block order = expert order per token, like the reference).
+       to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
+       stationary panels are pass A's when it stored them, else built from the bf16 rows.
     C  compute_phase3_expert_weight_grads_mxfp8, per expert: dW_gu[e] = sum_b d_gate_up_bᵀ X_b and
        dW_down[e] = sum_b dY_bᵀ hs_b (K = the block's tokens, both operands MX-quantized along tokens:
        B is a multiple of 128 so no MX group mixes two experts), accumulated over the expert's blocks in
@@ -91,7 +95,9 @@ class MoeContext(nl.NKIObject):
     Dimensions:
         dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
         offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
-        checkpoints: [T*k, I] bf16 or None; scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM).
+        checkpoints: [T*k, I] bf16 or None; scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
+        d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
+        and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
     """
 
     def __init__(self, T, k, E, H, I, B, N, setup, split, clamp):
@@ -342,11 +348,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     b_groups = resident_tile_groups(h_tiles, [b_desc(0)], setup, len(b_groups0)) if len(b_groups0) > 1 else None
 
     # pass B's stationary d_gate_up panels, quantized along 2I in pass A (docs/moe.md section 10, round 7a): pass A
-    # holds every d_gate_up row of its chunks on chip (all of I in one group) while TensorE idles there, so it transposes
-    # and quantizes each 128-row chunk once (each core its own rows) and stores the panel's words and scales; pass B
-    # loads them instead of transposing and quantizing every row on both cores. Needs pass A's chunks to be pass B's
-    # (128 rows from a multiple of 128: B a multiple of 128 per core) and pass B's resident path (it reads only the
-    # chunks that hold a routed pair, which pass A computed; the per-block paths also read skipped, zeroed units).
+    # holds every d_gate_up row of its chunks on chip (all of I in one group) while TensorE idles there, so it
+    # transposes and quantizes each 128-row chunk once (each core its own rows) and stores the panel's words and
+    # scales; pass B loads them instead of transposing and quantizing every row on both cores. Needs pass A's chunks
+    # to be pass B's (128 rows from a multiple of 128: B a multiple of 128 per core, so one writer per chunk) and pass
+    # B's resident path (it runs only the chunks whose first position holds a routed pair, which pass A computed).
     ctx.d_gu_mx = None
     if setup.is_mx and a_groups == None and fits([b_desc(0)], [h0_tiles]) and \
             ctx.B % (PARTITIONS * split.num_cores) == 0:  # noqa: E711
