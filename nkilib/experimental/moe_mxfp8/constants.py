@@ -56,9 +56,10 @@ WEIGHT_LOAD_WIDTH = 1024
 WIDE_WEIGHT_LOAD_WIDTH = 2048
 WIDE_WEIGHT_PANEL_BYTES = 72 * 1024
 #: Staging tiles ([128, 4, WIDE_WEIGHT_LOAD_WIDTH] bf16, 16 KiB per partition) of the one ring that a block's wide
-#: super-panel loads share (docs/moe.md section 10, round 6c: a fresh ring of 3 per panel, load_panel's default, left
-#: the 64 KiB panel no SBUF placement on the 4-expert DeepSeek-V3 run, a shared ring of 3 on the 8-expert run).
-WIDE_WEIGHT_STAGING_BUFFERS = 2
+#: super-panel loads share: 3 lets a K tile's DMA run two quantizes ahead (DeepSeek-V3 rank, 8 x 512: 3303 -> 3216 us
+#: central). Round 6c's shared ring of 3 found no SBUF placement on 8 experts; since round 6's merge (no resident tier
+#: of 4) it places (docs/moe.md section 10, round 7b).
+WIDE_WEIGHT_STAGING_BUFFERS = 3
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
 PASS_C_STAGING_BUFFERS = 3

@@ -150,8 +150,9 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         h0, hsz = tiles[j]
         acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
         matmul_panels(acc[:panel.f_pad, :hsz], panel, w_gu.get(j), ctx.setup)  # K=2I, M=m, N=hsz
-        engine = nisa.engine.scalar if (j + c) % 2 == 0 else nisa.engine.vector
-        nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=engine)
+        # on ScalarE only: an eviction waits for its matmul, and on VectorE's in-order queue that wait held back the
+        # W_gu quantizes behind it (and, through the staging ring, W_gu's loads): docs/moe.md section 10, round 7b
+        nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
 
     def scatter_add(r0, m, part):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
