@@ -382,9 +382,13 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     grads = ((ctx.d_gate_up_weight, d_gu_src, x_src, 2 * I, H), (ctx.d_down_weight, dy_src, hs_src, H, I))
     ctx.resident = ResidentBlocks(ctx, grads)  # an expert of 2..R blocks: pass C reads each block once per core
 
+    single_loads = [0]  # pass C's single-block loads traced so far (each expert's body is traced once): the staging
+    # tiles go round across gradients and experts, so no two consecutive loads share one
+
     def pass_c_single(e, i):
         for out, lhs, rhs, m_total, n_total in grads:
-            compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype)
+            single_loads[0] = compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total,
+                                                                      wg_dtype, first=single_loads[0])
 
     bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
 

@@ -28,7 +28,7 @@ from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_pe
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS,
+                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS, PASS_C_RESIDENT_TIERS,
                         PASS_C_RESIDENT_WINDOWS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
 
@@ -158,11 +158,22 @@ def _stage(ctx, k):
     return None if ctx.stages == None else [ctx.stages[k % PASS_C_RESIDENT_STAGES]]  # noqa: E711
 
 
-def _row_panels(ctx, src, i, lo, hi):
+def _row_panels(ctx, src, i, lo, hi, first=-1):
     """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
-    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages."""
-    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup, stages=ctx.stages))
-            for c0, csz in blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)]
+    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages: all
+    pieces through ctx.stages' rotation per K tile (one K tile each: stages[0]), or, with first >= 0, piece q
+    through the staging tile of load number first + q (_single_stage)."""
+    pieces = blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)
+    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup,
+                                       stages=ctx.stages if first < 0 else _single_stage(ctx, first + q)))
+            for q, (c0, csz) in enumerate(pieces)]
+
+
+def _single_stage(ctx, k):
+    """The k-th load's staging tile of the single-block path, as a one-tile ring (None in BF16): consecutive loads take
+    the PASS_C_STAGING_BUFFERS tiles in turn, so a load waits for the quantize PASS_C_STAGING_BUFFERS loads before it
+    instead of the one just before (_stage's reason; docs/moe.md section 10, round 7b)."""
+    return None if ctx.stages == None else [ctx.stages[k % PASS_C_STAGING_BUFFERS]]  # noqa: E711
 
 
 def _columns(pieces, f0, width):
@@ -173,7 +184,7 @@ def _columns(pieces, f0, width):
     return None
 
 
-def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype):
+def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype, first=0):
     """out[e] = wg(lhs_iᵀ @ rhs_i) for an expert whose only block is i (ExpertLoops.if_single): both
     operands of this core's tiles are loaded and quantized once (the moving one whole, the stationary one
     piece by piece in an m-major sweep), then every output tile is one matmul
@@ -181,18 +192,24 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
     block per tile group (compute_phase3_expert_weight_grads_mxfp8's price for accumulating in PSUM).
 
     Dimensions: as compute_phase3_expert_weight_grads_mxfp8.
+    first: number of the first load (_single_stage), the loads of the expert's gradients before this one.
+
+    Returns:
+        first plus this gradient's loads (the next gradient's first).
     """
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     if m_lo >= m_hi or n_lo >= n_hi:
-        return
-    b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi)
+        return first
+    b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi, first=first)
+    loads = first + len(b_pieces)  # loads so far (static: the same numbering in the traced body on hardware)
     t = 0
     a_pieces = []
     for m0, msz in blocks(m_lo, m_hi, PARTITIONS):
         if _columns(a_pieces, m0, ctx.f_pad(msz)) == None:  # noqa: E711
             # the next piece of stationary columns; the previous one is dropped (m-major sweep)
             a_pieces = None
-            a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH))
+            a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH), first=loads)
+            loads += len(a_pieces)
         a = _columns(a_pieces, m0, ctx.f_pad(msz))
         row = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
         for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE):
@@ -202,6 +219,7 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
             row.tile(acc, n0, nsz, t)
             t += 1
             acc = None
+    return loads
 
 
 def resident_block_count(ctx, grads) -> int:
