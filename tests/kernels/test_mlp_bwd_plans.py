@@ -10,7 +10,7 @@ import pytest
 
 from nkilib.core.matmul import plan as plan_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
-from simkit import assert_matches_mx_exact, mlp_inputs, mlp_reference, run_mlp
+from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
 
 
 @pytest.fixture
@@ -92,3 +92,33 @@ def test_model_shapes_fit_on_chip_memory(model, target, precision):
     for peak in report.memory_peak:
         assert peak["sbuf"] <= report.target.sbuf_bytes_per_partition
         assert peak["psum"] <= report.target.psum_bytes_per_partition
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_phase1_split_along_i_is_bit_exact(monkeypatch, precision):
+    """W_down's panels fit no panel cache (TP1, I = 12288): under LNC2 phase 1 splits I instead of S when each
+    core then keeps all of dY resident (phase1_split_along_i). Forced on a small shape (S < I / 2, so dY is the
+    smaller whole operand): the split must be taken, the outputs bit-exact against mx_exact and equal to LNC1's
+    (which never splits). Checkpoints given, as in the study's configurations."""
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    taken = []
+    original = kernel_module.phase1_split_along_i
+
+    def recording(plan_s, plan_i):
+        out = original(plan_s, plan_i)
+        taken.append((out, plan_i.ranges))
+        return out
+
+    monkeypatch.setattr(kernel_module, "phase1_split_along_i", recording)
+    S, H, I = 256, 256, 768
+    inp = mlp_inputs(S, H, I, seed=S + H + I)
+    # the model shapes' checkpoints given (phase 1 then forms one product, dI, the rule's case)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision=precision)}
+    out2 = run_mlp(inp, lnc=2, matmul_precision=precision)
+    assert [t[0] for t in taken] == [True, True], taken  # both cores
+    assert {t[1] for t in taken} == {((0, S), (0, 384)), ((0, S), (384, I))}, taken
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision=precision))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision=precision)
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()

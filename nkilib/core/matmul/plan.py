@@ -168,6 +168,10 @@ class MatmulPlan(nl.NKIObject):
         split: the kernel's CoreSplit; ranges: this core's ((m_lo, m_hi), (n_lo, n_hi)) when the caller
             fixes them (default split.ranges(m_total, n_total)); resident: ResidentPanels already on chip
             (built by an earlier phase) as the one stationary operand, for its rows and all N columns.
+        groups: neither operand fitting, keep the smaller whole one resident (_resident_operand) or else sweep
+            groups of stationary loads (False: neither; the panels of the operand that fits stay resident).
+        keep_whole: with groups=False, still keep the smaller whole operand resident by _resident_operand
+            (the MLP backward's phase 1 split along I keeps all of dY; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -181,7 +185,7 @@ class MatmulPlan(nl.NKIObject):
     """
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
-                 ranges=None, resident=None, groups=True):
+                 ranges=None, resident=None, groups=True, keep_whole=False):
         self.setup = setup
         self.epilogue = epilogue
         self.products = products
@@ -208,7 +212,7 @@ class MatmulPlan(nl.NKIObject):
         self.keep_moving = moving_bytes <= PANEL_CACHE_BUDGET_BYTES
         keep_stationary = not self.keep_moving and stationary_bytes <= PANEL_CACHE_BUDGET_BYTES
         moving_budget = MOVING_PANEL_BUDGET_BYTES
-        if (groups and resident == None and len(products) == 1 and not self.keep_moving  # noqa: E711
+        if ((groups or keep_whole) and resident == None and len(products) == 1 and not self.keep_moving  # noqa: E711
                 and not keep_stationary):
             self.keep_moving, keep_stationary, moving_budget = _resident_operand(moving_bytes, stationary_bytes)
         self.n_tile = fit_width(config.n_tile, moving, setup, moving_budget, SPLIT_ALIGN)

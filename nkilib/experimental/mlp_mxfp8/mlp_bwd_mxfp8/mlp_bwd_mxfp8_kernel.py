@@ -8,10 +8,13 @@ are written down in reference.py (`mx_exact`), which the kernel matches to fp32 
 
 LNC2 sharding: every phase splits the larger dimension of its output [M, N] in halves (multiples of
 128; the other one when the larger has fewer than 128 per core), which minimises the operand bytes a
-core reads (split M: a/2 + b; split N: a + b/2). Phase 1 always splits S when it can (its dY is
-transposed on the PE array: each core transposes only its own rows, and they can stay resident). For
-model shapes (S >= I, S >= H):
-- phase 0+1: the S tiles of [S, I] (each core transposes only its own dY rows; W_down is read by both);
+core reads (split M: a/2 + b; split N: a + b/2). Phase 1 splits S when it can (its dY is
+transposed on the PE array: each core transposes only its own rows, and they can stay resident), unless
+W_down's panels fit no panel cache and split along I each core keeps all of dY resident
+(phase1_split_along_i: TP1, I = 12288, reads half of W_down instead of all of it). For model shapes
+(S >= I, S >= H):
+- phase 0+1: the S tiles of [S, I] (each core transposes only its own dY rows; W_down is read by both), or
+  (phase1_split_along_i) the I columns (each core all of dY, half of W_down);
 - phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
@@ -44,7 +47,7 @@ Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantiz
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
 HBM traffic per core (LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, its checkpoint rows and writes
-its d_gate_up rows; phase 2 reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of
+its d_gate_up rows (split along I: dY, W_down[:, I/2], the checkpoints' and d_gate_up's I/2 columns); phase 2 reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of
 X; phase 4 its half of dY along S and the intermediate. K-contiguous operands are read as stored and transposed
 on the PE array, also when output_grad_T / hidden_states_T are given (read as stored, their quantize_mx runs
 on a strided source at half rate on VectorE, the scarcer engine: modeled TP8 0.80 vs 0.72 ms).
@@ -63,7 +66,8 @@ from ....core.phase_graph import Phase, PhaseGraph
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
+from .constants import (CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES,
+                        SPLIT_ALIGN)
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -98,7 +102,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
                                            spill_reload=True, use_scale_packing=True, run_with_lnc2=True,
                                            clamp_limits=None, hidden_states_td=None, gate_weight_td=None,
                                            up_weight_td=None, setup=None, keep_for_phase2=False, split=None,
-                                           ranges=None, plan=None, stage="all"):
+                                           ranges=None, plan=None, stage="all", keep_whole=False):
     """Phase 1 (with the phase-0 recompute fused per tile): d_gate, d_up [S, I] and the intermediate.
 
     One MatmulPlan over this core's [S, I] tiles with up to three products sharing each output tile:
@@ -127,6 +131,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
             (i_lo, i_hi)) (default: split.ranges(S, I, prefer_m=True): S split whenever it can be, so each
             core transposes only its own dY rows).
         plan / stage: "plan" returns the MatmulPlan without running it; "all" (default) runs the rest.
+        keep_whole: when neither dY's panels nor W_down's fit the panel cache, keep the smaller whole operand
+            resident (MatmulPlan keep_whole; the split along I, phase1_split_along_i).
 
     Returns:
         stage "all": ResidentPanels for compute_phase2_hidden_states_grad_mxfp8 (rows [lo, hi) of this
@@ -154,7 +160,7 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
         epilogue = SwigluBackwardEpilogue(gate_pre_td, gate_act_td, up_td, d_gate_up_td, scratch_td,
                                           clamp_limits or ClampLimits(), s_base, I, dtype, setup, keep_for_phase2)
         plan = MatmulPlan(stationary, moving, S, I, setup, config, split, epilogue, products=products,
-                          ranges=ranges, groups=False)
+                          ranges=ranges, groups=False, keep_whole=keep_whole)
     if stage == "plan":
         return plan
     plan.step(stage)
@@ -393,6 +399,17 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
     return plan if stage == "plan" else plan.step(stage)
 
 
+def phase1_split_along_i(plan_s, plan_i) -> bool:
+    """Whether phase 1 (LNC2) splits I instead of S: W_down's panels fit neither split's panel cache, and split
+    along I each core keeps all of dY resident (MatmulPlan keep_whole) while streaming its half of W_down once.
+    Split along S each core reads and quantizes all of W_down (TP1, I = 12288: 101 MB per core) for half of
+    dY; along I, half of W_down for all of dY (34 MB) and twice the dY transposes (TP1 modeled 4.684 -> 4.635 ms
+    central, 4.953 -> 4.823 pessimistic; HBM 2517 -> 2449 MB). Phase 2 then reads its S rows of d_gate_up
+    from HBM (never resident when W_down is not)."""
+    return (not plan_s.keep_moving and not plan_i.keep_moving and len(plan_i.stationary) == 1 and
+            plan_i.stationary[0].keep_all)
+
+
 def mx_along_s_applies(plan1, S, I, split, setup) -> bool:
     """Whether phase 1 can quantize d_gate_up along S on chip for phase 3 (SwigluBackwardEpilogue.
     exchange_along_s): MXFP8, phase 1 runs S-tile-major in 128-row tiles, and every core's rows are whole
@@ -431,7 +448,6 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     inter_td = TensorDescriptor(intermediate if intermediate != None else scratch, k_axis=0)  # noqa: E711
     # phase 1 splits S when it can; phase 2 then takes the same S rows (every core alike, resident panels or not)
     rows1, cols1 = split.ranges(S, I, prefer_m=True)
-    rows2 = rows1 if split.num_cores > 1 and cols1 == (0, I) else None
     phase2_args = (hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16, setup.x4_dtype)
     phase3_args = (gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype, setup.x4_dtype)
     phase4_args = (down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype, setup.x4_dtype)
@@ -457,6 +473,18 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
                                                      **common)
 
     plan1 = phase1(None, "plan")  # planned first: whether phase 3 can take d_gate_up quantized on chip
+    if split.num_cores > 1 and not plan1.keep_moving and I >= SPLIT_ALIGN * split.num_cores:
+        # W_down does not fit: split along I instead when each core then keeps all of dY (phase1_split_along_i)
+        _, cols_i = split.ranges(1, I)  # one row cannot be split, I has SPLIT_ALIGN columns per core: the I split
+        plan_i = compute_phase1_down_proj_mm_grad_mxfp8(
+            output_grad_td, gate_pre, gate_act, up, d_gate_up, scratch, down_weight_td, 0, nl.bfloat16,
+            setup.x4_dtype, config=config.phase1, use_scale_packing=setup.use_scale_packing,
+            clamp_limits=clamp_limits, hidden_states_td=hidden_states_td, gate_weight_td=gate_weight_td,
+            up_weight_td=up_weight_td, keep_for_phase2=True, ranges=((0, S), cols_i), stage="plan", keep_whole=True,
+            **common)
+        if phase1_split_along_i(plan1, plan_i):
+            plan1, rows1, cols1 = plan_i, (0, S), cols_i
+    rows2 = rows1 if split.num_cores > 1 and cols1 == (0, I) else None
 
     def build_phase1(outputs):
         return plan1
