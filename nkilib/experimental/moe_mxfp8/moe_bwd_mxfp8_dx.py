@@ -14,7 +14,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import ceil_div
+from ...core.kernel_helpers import ceil_div, kernel_assert
 from ...core.matmul import (load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition, panel_columns,
                             panel_from_rows, panel_tile_widths)
 from ...core.matmul.panels import LoadRing, blocks as _blocks
@@ -136,6 +136,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
 
     def chunk_panel(r0, m):
         if ctx.d_gu_mx != None:  # noqa: E711  quantized by pass A (round 7a): words and scales as stored
+            kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
+                          f"pass A's d_gate_up panels cover 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
             words, scales = ctx.d_gu_mx
             nk, ns = panel_tile_widths(two_i, PARTITIONS, ctx.setup)
             return load_panel_tiles(ctx.block_tiles(words, i, r0, nk), ctx.block_tiles(scales, i, r0, ns), two_i,

@@ -354,8 +354,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # to be pass B's (128 rows from a multiple of 128: B a multiple of 128 per core, so one writer per chunk) and pass
     # B's resident path (it runs only the chunks whose first position holds a routed pair, which pass A computed).
     ctx.d_gu_mx = None
-    if setup.is_mx and a_groups == None and fits([b_desc(0)], [h0_tiles]) and \
-            ctx.B % (PARTITIONS * split.num_cores) == 0:  # noqa: E711
+    one_i_group = a_groups == None  # noqa: E711
+    if setup.is_mx and one_i_group and fits([b_desc(0)], [h0_tiles]) and ctx.B % (PARTITIONS * split.num_cores) == 0:
         nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
         ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panels"),
