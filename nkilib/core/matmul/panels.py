@@ -236,13 +236,15 @@ def panel_layout_hbm(k_size: int, f_size: int, setup: MatmulSetup, name: str):
     return words, scales
 
 
-def store_k_tile(words, scale, words_hbm, scales_hbm, t: int, setup: MatmulSetup) -> None:
+def store_k_tile(words, scale, words_hbm, scales_hbm, t: int, setup: MatmulSetup, f0: int = 0) -> None:
     """Store one full MXFP8 K tile (words [128, F] x4, scale [128, F] uint8 as quantize_mx wrote it at
-    partition offset 0: rows 32q + r, q, r < 4) in the panel layout (TensorDescriptor.panel_layout)."""
-    nisa.dma_copy(dst=words_hbm[PARTITIONS * t:PARTITIONS * (t + 1), :], src=words)
+    partition offset 0: rows 32q + r, q, r < 4) in the panel layout (TensorDescriptor.panel_layout), at
+    columns [f0, f0 + F) of the HBM tensors (default: from column 0, all of their F)."""
+    f1 = f0 + words.shape[1]
+    nisa.dma_copy(dst=words_hbm[PARTITIONS * t:PARTITIONS * (t + 1), f0:f1], src=words)
     r0 = panel_scale_row(t, setup)
     for q in range(PARTITIONS // 32):
-        nisa.dma_copy(dst=scales_hbm[r0 + 32 * q:r0 + 32 * q + 4, :], src=scale[32 * q:32 * q + 4, :])
+        nisa.dma_copy(dst=scales_hbm[r0 + 32 * q:r0 + 32 * q + 4, f0:f1], src=scale[32 * q:32 * q + 4, :])
 
 
 def _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi):

@@ -61,7 +61,8 @@ WIDE_WEIGHT_PANEL_BYTES = 72 * 1024
 #: of 4) it places (docs/moe.md section 10, round 7b).
 WIDE_WEIGHT_STAGING_BUFFERS = 3
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
-#: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead.
+#: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead (the single-block
+#: path numbers its loads across gradients and experts for this: docs/moe.md section 10, round 7b).
 PASS_C_STAGING_BUFFERS = 3
 #: Staging tiles (of those PASS_C_STAGING_BUFFERS) that the resident path's consecutive loads take in turn, so a
 #: block's load need not wait for the quantize of the load before it (each pass-C operand is one K tile, and a

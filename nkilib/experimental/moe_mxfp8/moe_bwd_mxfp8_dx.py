@@ -15,8 +15,9 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert
-from ...core.matmul import (load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition, panel_columns,
-                            panel_from_rows, panel_tile_widths)
+from ...core.matmul import (Panel, k_tiles, load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition,
+                            panel_columns, panel_from_rows, panel_tile_widths)
+from ...core.matmul.constants import SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing, blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
                         WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
@@ -43,7 +44,7 @@ class ExpertPanels(nl.NKIObject):
         self.resident = self.fits(op, tiles, setup)
         width = self.load_width(op, setup, wide=not self.resident)
         self.loads, self.load_of = self.super_panels(op, tiles, width)
-        self.panels = [load_panel(op, f0, w, w, setup, split=True) for f0, w in self.loads] if self.resident else []
+        self.panels = [self._load(f0, w) for f0, w in self.loads] if self.resident else []
         self.current = -1
         self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
 
@@ -52,7 +53,7 @@ class ExpertPanels(nl.NKIObject):
         """Columns per super-panel load of a [K, F] bf16 operand: WEIGHT_LOAD_WIDTH, or with `wide` (panels loaded on
         use, one at a time) WIDE_WEIGHT_LOAD_WIDTH when its panel of that width fits WIDE_WEIGHT_PANEL_BYTES per
         partition (4 KiB DMA runs: DeepSeek-V3's W_gu in pass B); 0 (one load per tile) for other operands."""
-        if op.k_axis != 0 or op.prequantized:
+        if op.k_axis != 0 or (op.prequantized and not op.panel_layout):
             return 0
         if wide and panel_bytes_per_partition(op.k_size, WIDE_WEIGHT_LOAD_WIDTH, setup) <= WIDE_WEIGHT_PANEL_BYTES:
             return WIDE_WEIGHT_LOAD_WIDTH
@@ -76,6 +77,20 @@ class ExpertPanels(nl.NKIObject):
         loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
         return sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
+    def _load(self, f0, w, ring=None):
+        """Panel of columns [f0, f0 + w): quantized on chip (split per K tile), or, for a panel-layout operand (words
+        and scales quantized earlier: DownWeightExchange), loaded as they are, one DMA pair per scale tile's
+        SCALE_PACK_SLOTS K tiles (not one allocation for the panel: round 6a), joined into one Panel."""
+        if not self.op.panel_layout:
+            return load_panel(self.op, f0, w, w, self.setup, ring=ring, split=True)
+        n = len(k_tiles(self.op.k_size, self.setup))
+        data, scales = [], []
+        for t in range(0, n, SCALE_PACK_SLOTS):
+            part = load_panel(self.op, f0, w, w, self.setup, t_lo=t, t_hi=min(n, t + SCALE_PACK_SLOTS))
+            data = data + part.data
+            scales = scales + part.scales
+        return Panel(data, scales, w)
+
     def start_block(self):
         if not self.resident:
             self.panels, self.current = [], -1
@@ -90,7 +105,7 @@ class ExpertPanels(nl.NKIObject):
             # wide panels share the block's ring: the next panel's staging reuses the previous panel's tiles instead of
             # new ones beside them (WIDE_WEIGHT_STAGING_BUFFERS says why its size)
             ring = self.ring if w > WEIGHT_LOAD_WIDTH else None
-            self.panels = [load_panel(self.op, f0, w, w, self.setup, ring=ring, split=True)]
+            self.panels = [self._load(f0, w, ring)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)

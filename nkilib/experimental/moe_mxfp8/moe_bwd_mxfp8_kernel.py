@@ -22,7 +22,9 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        never gathering a row twice), d_topk_weights is scattered by slot. Where all of I is one resident group,
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
-       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a).
+       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a). Under LNC2 a W_down loaded on use
+       (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first fence group: each core
+       quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows.
@@ -55,7 +57,8 @@ last group). B(e) and C(e) read scratch rows of expert e written by both cores i
 previous segment (or before the first fence) and so before the fence that opens e's segment; inside a segment
 A writes only blocks of the next group's experts and slots of their pairs, B(e) only this core's dX columns,
 C(e) only this core's tiles of expert e's gradients, so no byte is written by two cores or read by one while
-the other writes it, for any routing (blocks are owned by one expert). The number of accumulator groups in
+the other writes it, for any routing (blocks are owned by one expert). The W_down exchange's scratch of expert e is
+written (each core its K tiles) a segment before A(e), or before the first fence for the second group. The number of accumulator groups in
 pass C (each a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
 LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
 (docs/moe.md, section 5, says why the rows and not I are split).
@@ -76,6 +79,7 @@ from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_block_grads_mxfp8
+from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
@@ -315,18 +319,33 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ctx.loops.if_multi(e, per_group)
 
     # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
+    # software pipeline over groups of EXPERTS_PER_FENCE consecutive experts (the schedule at the end)
+    groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
+    exchange = None  # W_down quantized once per core pair (moe_bwd_mxfp8_down_exchange.py), set below
+
     def a_descs(e):
-        """W_down[e] [H, I] (K=H), and W_gate[e] / W_up[e] [I, H] for the recompute (None when given)."""
+        """W_down[e] [H, I] (K=H; from the exchange's scratch for its experts), and W_gate[e] / W_up[e] [I, H] for
+        the recompute (None when given)."""
         gate = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I)
         up = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I)
-        return [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H),
-                None if ctx.gate_pre != None else gate, None if ctx.up != None else up]  # noqa: E711
+        down = TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)
+        if exchange != None and exchange.exchanged(e):  # noqa: E711
+            down = exchange.descriptor(e)
+        return [down, None if ctx.gate_pre != None else gate, None if ctx.up != None else up]  # noqa: E711
 
     # more than one resident group of I tiles: per_block's split (the same I tiles on both cores)
     a_ops = [d for d in a_descs(0) if d != None]  # noqa: E711
     a_groups = resident_tile_groups(i_tiles, a_ops, setup)
     a_skip = (fits(a_ops, [i_tiles]), fits(a_ops, a_groups))
     a_groups = a_groups if len(a_groups) > 1 else None
+    # W_down loaded on use: each core quantizes half of it for the experts after the first group (A of the first
+    # group runs before the first fence, so it quantizes on chip as before); the same panel bytes (a_groups holds)
+    if DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup)) and len(groups) > 1:
+        exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
+
+    def quantize_down(e):
+        if exchange != None and exchange.exchanged(e):  # noqa: E711
+            ctx.loops.if_used(e, lambda: exchange.quantize(e))
 
     def pass_a(e):
         per_block(e, a_descs(e), i_tiles, a_groups,
@@ -407,16 +426,22 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # group A of the next group interleaved with B, C of this one, fence (module docstring and docs/moe.md
     # section 5: why no race; per token the dX adds stay in ascending expert order). Scratch rows are per
     # block (no ring to recycle), so A may run a whole group ahead: one fence per group, not per expert.
-    groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
+    # With the W_down exchange, each core's half of W_down for the group after next is quantized in the segment
+    # (for the second group: before the first fence), so a fence lies between its store and every A that reads it.
     for e in groups[0]:
         ctx.loops.if_used(e, lambda e=e: pass_a(e))
+    for e in (groups[1] if len(groups) > 1 else []):
+        quantize_down(e)
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
+        later = groups[n + 2] if n + 2 < len(groups) else []
         for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
             if j < len(ahead):
                 ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
             ctx.loops.if_used(e, lambda e=e: pass_b(e))
+            if j < len(later):
+                quantize_down(later[j])
             pass_c(e)
         if n + 1 < len(groups):
             fence()

@@ -1,0 +1,77 @@
+"""W_down quantized once per LNC2 core pair (moe_bwd_mxfp8_down_exchange.py; docs/moe.md sections 5 and 10, round 7b).
+
+A W_down loaded on use (not resident) is quantized in halves of its K tiles, one half per core, a pipeline segment
+before pass A reads it; the halves meet in an HBM scratch in the panel layout, with a core_barrier between every store
+and every load. The words are quantize_mx's either way, so the outputs stay mx_exact's bit for bit, LNC1 (no
+exchange) and LNC2 (under the simulator's race detector).
+
+| test                                | what                                                              | fixed      |
+|-------------------------------------|-------------------------------------------------------------------|------------|
+| test_exchange_bit_exact             | experts after the first fence group exchanged, none under LNC1    | LNC1, LNC2 |
+| test_exchange_applies_only_on_use   | resident W_down, LNC1, BF16 or H not whole K tiles: no exchange   | host side  |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nki.language as nl
+from nkilib.core.matmul import CoreSplit, MatmulSetup
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_down_exchange as X
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import moe_case, run
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_exchange_bit_exact(monkeypatch, lnc):
+    """No resident budget (weights loaded on use), H = 1024 (two MX K tiles: one per core), five experts in fence
+    groups [0, 1], [2, 3], [4] with expert 3 empty and expert 2 of two blocks (its W_down resident per I-tile group,
+    loaded from the scratch once per group), B = 128, k = 1. Under LNC2 experts 2 and 4 are quantized by halves (in
+    the prologue and in the first segment) and pass A reads their scratch; under LNC1 nothing is exchanged."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I = 440, 5, 1024, 544
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [100, 60, 200, 80], axis=0)
+    ids = ids[np.random.default_rng(17).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    quantized, loaded = [], []
+    quantize, load = X.DownWeightExchange.quantize, D.ExpertPanels._load
+
+    def record_quantize(self, e):
+        quantized.append((e, self.t_lo, self.t_hi))
+        return quantize(self, e)
+
+    def record_load(self, f0, w, ring=None):
+        if self.op.panel_layout:
+            loaded.append(self.op.tensor.name)
+        return load(self, f0, w, ring)
+
+    monkeypatch.setattr(X.DownWeightExchange, "quantize", record_quantize)
+    monkeypatch.setattr(D.ExpertPanels, "_load", record_load)
+    out = run(kernel, lnc=lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} W_down exchange vs mx_exact")
+    if lnc == 1:
+        assert quantized == [] and loaded == []
+        return
+    # per core (each traces the kernel): its one K tile of experts 2 and 4 (the empty expert 3 runs no quantize)
+    assert sorted(e for e, _, _ in quantized) == [2, 2, 4, 4], quantized
+    assert sorted((lo, hi) for _, lo, hi in quantized) == [(0, 1), (0, 1), (1, 2), (1, 2)], quantized
+    assert set(loaded) == {"moe_bwd_down_mx_2", "moe_bwd_down_mx_4"}, loaded
+
+
+class _Ctx:
+    def __init__(self, H, cores, precision="mxfp8"):
+        self.H, self.split = H, CoreSplit(cores, 0)
+        self.setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
+
+
+def test_exchange_applies_only_on_use():
+    """The exchange only pays where W_down is loaded per use on two cores (DeepSeek-V3's rank); a resident W_down is
+    quantized once per expert and core already, one core has no partner, BF16 has no quantize."""
+    assert X.DownWeightExchange.applies(_Ctx(7168, 2), w_down_resident=False)
+    assert not X.DownWeightExchange.applies(_Ctx(7168, 2), w_down_resident=True)
+    assert not X.DownWeightExchange.applies(_Ctx(7168, 1), w_down_resident=False)
+    assert not X.DownWeightExchange.applies(_Ctx(7168, 2, "bf16"), w_down_resident=False)
+    assert not X.DownWeightExchange.applies(_Ctx(2880, 2), w_down_resident=False)  # GPT-OSS-20B: H % 512 != 0
