@@ -375,7 +375,7 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
         config = config or MatmulConfig()
         two_i, H = weight_grad_td.shape
         plan = MatmulPlan([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(weight_grad_td, dtype))
+                          StoreEpilogue(weight_grad_td, dtype), lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -395,7 +395,7 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
         plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype))
+                          StoreEpilogue(out, dtype), lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
