@@ -750,12 +750,15 @@ def blocks(lo: int, hi: int, size: int):
     return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
 
 
-def tile_order(m_blocks, n_blocks, m_outer: bool, m_group: int = 0):
+def tile_order(m_blocks, n_blocks, m_outer: bool, m_group: int = 0, lead: int = 1):
     """Output tiles in the order that reuses the cached operand: m-major when moving panels are all
     resident (each stationary panel loaded once), else n-major (each moving panel loaded once).
     m_group > 0 (n-major only): n-major inside consecutive groups of m_group m blocks, so a group of
-    stationary panels stays resident while the moving panels are swept once per group."""
+    stationary panels stays resident while the moving panels are swept once per group.
+    lead > 1 (m-major only): the first `lead` m blocks (one stationary load) run n-major, so the first moving
+    panel serves them while the next ones are loaded and quantized for the first time."""
     if m_outer:
-        return [(m, n) for m in m_blocks for n in n_blocks]
+        return ([(m, n) for n in n_blocks for m in m_blocks[:lead]] +
+                [(m, n) for m in m_blocks[lead:] for n in n_blocks])
     group = m_group or len(m_blocks)
     return [(m, n) for g in range(0, len(m_blocks), group) for n in n_blocks for m in m_blocks[g:g + group]]

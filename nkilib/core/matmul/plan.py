@@ -172,6 +172,10 @@ class MatmulPlan(nl.NKIObject):
             groups of stationary loads (False: neither; the panels of the operand that fits stay resident).
         keep_whole: with groups=False, still keep the smaller whole operand resident by _resident_operand
             (the MLP backward's phase 1 split along I keeps all of dY; default off).
+        lead_n_major: with the moving panels resident (m-major), run the m tiles of the first stationary load
+            n-major (tile_order's lead): every moving panel is loaded and quantized during the first m tile's
+            row otherwise, one wait of TensorE per panel (the MLP backward's phases 3 and 4, whose epilogue
+            takes tiles in any order; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -185,7 +189,7 @@ class MatmulPlan(nl.NKIObject):
     """
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
-                 ranges=None, resident=None, groups=True, keep_whole=False):
+                 ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False):
         self.setup = setup
         self.epilogue = epilogue
         self.products = products
@@ -246,8 +250,11 @@ class MatmulPlan(nl.NKIObject):
                 self.stream = (g, blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, STREAM_N_TILE))
                 self.stationary = [PanelSource(stationary[0], setup, pad_even=True, keep_all=False, lo=m_lo,
                                                hi=m_hi, capacity=g)]
+        lead = 1
+        if lead_n_major and self.keep_moving and resident == None:  # noqa: E711
+            lead = max(1, self.stationary[0].load_width // self.m_tile)
         self.order = tile_order(blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, self.n_tile),
-                                m_outer=self.keep_moving, m_group=m_group)
+                                m_outer=self.keep_moving, m_group=m_group, lead=lead)
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:

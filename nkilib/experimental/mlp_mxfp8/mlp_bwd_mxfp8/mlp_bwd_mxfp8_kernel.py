@@ -47,10 +47,11 @@ Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantiz
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
 
 HBM traffic per core (LNC2, given checkpoints): phase 1 reads dY[S/2, H], W_down, its checkpoint rows and writes
-its d_gate_up rows (split along I: dY, W_down[:, I/2], the checkpoints' and d_gate_up's I/2 columns); phase 2 reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of
-X; phase 4 its half of dY along S and the intermediate. K-contiguous operands are read as stored and transposed
-on the PE array, also when output_grad_T / hidden_states_T are given (read as stored, their quantize_mx runs
-on a strided source at half rate on VectorE, the scarcer engine: modeled TP8 0.80 vs 0.72 ms).
+its d_gate_up rows (split along I: dY, W_down[:, I/2], the checkpoints' and d_gate_up's I/2 columns); phase 2
+reads W_gu and writes dX[S/2, H]; phase 3 reads all of d_gate_up and its half of X; phase 4 its half of dY along
+S and the intermediate. K-contiguous operands are read as stored and transposed on the PE array, also when
+output_grad_T / hidden_states_T are given (read as stored, their quantize_mx runs on a strided source at half
+rate on VectorE, the scarcer engine: modeled TP8 0.80 vs 0.72 ms).
 """
 from __future__ import annotations
 
@@ -375,7 +376,7 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
         config = config or MatmulConfig()
         two_i, H = weight_grad_td.shape
         plan = MatmulPlan([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(weight_grad_td, dtype))
+                          StoreEpilogue(weight_grad_td, dtype), lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -395,7 +396,7 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
         plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype))
+                          StoreEpilogue(out, dtype), lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -446,19 +447,21 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     d_gu_k_cols = TensorDescriptor(d_gate_up, k_axis=1)
     d_gu_k_rows = TensorDescriptor(d_gate_up, k_axis=0)
     inter_td = TensorDescriptor(intermediate if intermediate != None else scratch, k_axis=0)  # noqa: E711
-    # phase 1 splits S when it can; phase 2 then takes the same S rows (every core alike, resident panels or not)
+    # phase 1 splits S when it can (or I: phase1_split_along_i); phase 2 then takes the same S rows (every core
+    # alike, resident panels or not), or its own S split after an I split
     rows1, cols1 = split.ranges(S, I, prefer_m=True)
     phase2_args = (hidden_states_grad, gate_up_weight_td, d_gu_k_cols, 0, nl.bfloat16, setup.x4_dtype)
     phase3_args = (gate_up_weight_grad, hidden_states_T_td, d_gu_k_rows, weight_grad_dtype, setup.x4_dtype)
     phase4_args = (down_proj_weight_grad, output_grad_T_td, inter_td, 0, weight_grad_dtype, setup.x4_dtype)
     common = dict(run_with_lnc2=run_with_lnc2, setup=setup, split=split)
 
-    def phase1(plan, stage):
+    def phase1(plan, stage, ranges=None, keep_whole=False):
         return compute_phase1_down_proj_mm_grad_mxfp8(
             output_grad_td, gate_pre, gate_act, up, d_gate_up, scratch, down_weight_td, 0, nl.bfloat16,
             setup.x4_dtype, config=config.phase1, use_scale_packing=setup.use_scale_packing,
             clamp_limits=clamp_limits, hidden_states_td=hidden_states_td, gate_weight_td=gate_weight_td,
-            up_weight_td=up_weight_td, keep_for_phase2=True, ranges=(rows1, cols1), plan=plan, stage=stage, **common)
+            up_weight_td=up_weight_td, keep_for_phase2=True, ranges=ranges, plan=plan, stage=stage,
+            keep_whole=keep_whole, **common)
 
     def phase2(plan, stage):
         return compute_phase2_hidden_states_grad_mxfp8(*phase2_args, config=config.phase2, plan=plan, stage=stage,
@@ -472,16 +475,12 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return compute_phase4_down_weight_grad_mxfp8(*phase4_args, config=config.phase4, plan=plan, stage=stage,
                                                      **common)
 
-    plan1 = phase1(None, "plan")  # planned first: whether phase 3 can take d_gate_up quantized on chip
+    # planned first: whether phase 3 can take d_gate_up quantized on chip
+    plan1 = phase1(None, "plan", (rows1, cols1))
     if split.num_cores > 1 and not plan1.keep_moving and I >= SPLIT_ALIGN * split.num_cores:
         # W_down does not fit: split along I instead when each core then keeps all of dY (phase1_split_along_i)
         _, cols_i = split.ranges(1, I)  # one row cannot be split, I has SPLIT_ALIGN columns per core: the I split
-        plan_i = compute_phase1_down_proj_mm_grad_mxfp8(
-            output_grad_td, gate_pre, gate_act, up, d_gate_up, scratch, down_weight_td, 0, nl.bfloat16,
-            setup.x4_dtype, config=config.phase1, use_scale_packing=setup.use_scale_packing,
-            clamp_limits=clamp_limits, hidden_states_td=hidden_states_td, gate_weight_td=gate_weight_td,
-            up_weight_td=up_weight_td, keep_for_phase2=True, ranges=((0, S), cols_i), stage="plan", keep_whole=True,
-            **common)
+        plan_i = phase1(None, "plan", ((0, S), cols_i), keep_whole=True)
         if phase1_split_along_i(plan1, plan_i):
             plan1, rows1, cols1 = plan_i, (0, S), cols_i
     rows2 = rows1 if split.num_cores > 1 and cols1 == (0, I) else None
