@@ -9,7 +9,8 @@ import numpy as np
 import nki
 import nki.language as nl
 from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel
-from nkilib.core.matmul.panels import LoadRing, PanelSource
+from nkilib.core.matmul.panels import LoadRing
+from nkilib.core.matmul.sources import PanelSource
 from nkilib.core.numerics import contract_mm
 from nkilib.simulator.launcher import run_kernel
 from simkit import BF16, assert_outputs_identical, in_kernel, matmul_panels_to_hbm, randn, simulate

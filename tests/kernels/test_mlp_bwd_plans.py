@@ -126,7 +126,7 @@ def test_phase1_split_along_i_is_bit_exact(monkeypatch, precision):
 
 def test_tile_order_lead_runs_the_first_stationary_load_n_major():
     """tile_order(lead=k): the first k m blocks n-major, the rest m-major; lead=1 is the plain m-major order."""
-    from nkilib.core.matmul.panels import tile_order
+    from nkilib.core.matmul.sources import tile_order
 
     m, n = [(0, 128), (128, 128), (256, 128)], [(0, 512), (512, 512)]
     assert tile_order(m, n, True) == [(a, b) for a in m for b in n]
@@ -142,7 +142,7 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
     """Phases 3 and 4 (lead_n_major): with X / the intermediate resident and several n blocks, the m tiles of the
     first stationary load run n-major (H = I = 2880 at S = 4096 modeled 1.174 -> 1.138 ms). Forced with 32-row
     m tiles and 128-column n tiles on a small shape: the lead order must be taken and the outputs stay bit-exact."""
-    from nkilib.core.matmul import panels as panels_module
+    from nkilib.core.matmul import sources as sources_module
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
     leads = []
@@ -156,7 +156,7 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
         return out
 
     monkeypatch.setattr(plan_module, "tile_order", recording)
-    assert panels_module.tile_order is original
+    assert sources_module.tile_order is original
     small = MatmulConfig(m_tile=32, n_tile=128)
     config = MlpBwdMatmulConfig(phase3=small, phase4=small)
     S, H, I = 512, 256, 384

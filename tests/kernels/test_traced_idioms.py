@@ -32,6 +32,7 @@ TRACED_MODULES = (
     "core/matmul/descriptor.py",
     "core/matmul/panels.py",
     "core/matmul/plan.py",
+    "core/matmul/sources.py",
 )
 
 

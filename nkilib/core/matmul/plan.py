@@ -25,7 +25,8 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import LoadRing, PanelSource, blocks, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition, tile_order
+from .panels import LoadRing, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
+from .sources import PanelSource, blocks, tile_order
 
 
 def usable_sbuf_bytes() -> int:

@@ -23,7 +23,7 @@ import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert
 from ...core.matmul import matmul_panels, panel_from_rows, store_panel_tiles
-from ...core.matmul.panels import blocks as _blocks
+from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 

@@ -21,7 +21,8 @@ import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul import TensorDescriptor, k_tiles, load_panel, panel_layout_hbm, store_k_tile
-from ...core.matmul.panels import LoadRing, blocks as _blocks
+from ...core.matmul.panels import LoadRing
+from ...core.matmul.sources import blocks as _blocks
 from .constants import MX_K_TILE, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS
 
 __all__ = ["DownWeightExchange"]

@@ -18,7 +18,8 @@ from ...core.kernel_helpers import ceil_div, kernel_assert
 from ...core.matmul import (Panel, k_tiles, load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition,
                             panel_columns, panel_from_rows, panel_tile_widths)
 from ...core.matmul.constants import SCALE_PACK_SLOTS
-from ...core.matmul.panels import LoadRing, blocks as _blocks
+from ...core.matmul.panels import LoadRing
+from ...core.matmul.sources import blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
                         WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 

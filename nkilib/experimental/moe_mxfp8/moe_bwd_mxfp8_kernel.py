@@ -74,7 +74,7 @@ import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from ...core.matmul.constants import MX_PACK
-from ...core.matmul.panels import blocks as _blocks
+from ...core.matmul.sources import blocks as _blocks
 from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info

@@ -26,7 +26,7 @@ from ...core.kernel_helpers import ceil_div, shard_range
 from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
                             panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
-from ...core.matmul.panels import blocks
+from ...core.matmul.sources import blocks
 from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
                         PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS, PASS_C_RESIDENT_TIERS,
                         PASS_C_RESIDENT_WINDOWS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,

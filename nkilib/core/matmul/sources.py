@@ -1,0 +1,127 @@
+"""Where a MatmulPlan's operand panels come from, and the order of its output tiles.
+
+PanelSource loads an operand's panels on demand through the panel builders of panels.py (keeping all of them,
+or a bounded group, and sharing one LoadRing across its loads); ResidentPanels serves panels an earlier phase
+built on chip; blocks and tile_order tile the output. plan.py composes these into a plan.
+"""
+from __future__ import annotations
+
+import nki.language as nl
+
+from .constants import NATURAL_BUFFERS, STAGING_BUFFERS
+from .descriptor import MatmulSetup
+from .panels import LoadRing, Panel, load_panel, panel_columns
+
+
+class PanelSource(nl.NKIObject):
+    """Panels of one operand on demand, for columns inside [lo, hi).
+
+    keep_all=True keeps every panel loaded (each quantized once); otherwise up to `capacity` loads are
+    kept and all of them are dropped *before* the next one is loaded, so at most `capacity` are live
+    (capacity > 1: a group of stationary panels reused across a sweep of moving panels).
+    load_width: when set, columns are loaded and quantized in super-panels of that width (aligned to
+    `lo`) and requests are served as column slices of them. For [K, F] operands this turns 256-byte
+    DMA runs of a 128-column stationary tile into load_width*2-byte runs.
+    The loaded panels are two parallel lists (first column, Panel): NKI dictionaries take string keys only.
+    """
+
+    resident = False  # panels are loaded on demand (ResidentPanels: built on chip by an earlier phase)
+
+    def __init__(self, op, setup: MatmulSetup, pad_even: bool, keep_all: bool, lo: int = 0, hi: int = -1,
+                 load_width: int = 0, capacity: int = 1):
+        self.op = op
+        self.capacity = capacity
+        self.setup = setup
+        self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
+        self.keep_all = keep_all
+        self.lo = lo
+        self.hi = op.f_extent if hi < 0 else hi
+        self.load_width = load_width
+        self.keys = []  # first column of each loaded panel
+        self.panels = []  # the loaded Panels, parallel to keys
+        # LoadRing shared by this source's loads (load_panel's `ring`: MXFP8 staging tiles, or natural row
+        # tiles of a K-contiguous operand), dropped when a load completes the columns [lo, hi)
+        self.ring = None
+        self.loaded = 0
+
+    def _padded(self, n: int) -> int:
+        return n + (n % 2 if self.pad_even else 0)
+
+    def _load(self, f0: int, f_size: int) -> Panel:
+        if f0 in self.keys:
+            return self.panels[self.keys.index(f0)]
+        if not self.keep_all and len(self.keys) >= self.capacity:
+            self.release()
+        natural = self.op.k_axis == 1 and not self.op.prequantized
+        if self.ring == None and self.capacity == 1 and self.setup.is_mx:  # noqa: E711
+            # natural row tiles: one for the first load (its second half waits for the first half's PE
+            # transposes, leaving the DMA bandwidth to the other operand's first K tiles), then up to
+            # NATURAL_BUFFERS (the next load waits for this one's transposes). Groups of loads
+            # (capacity > 1, e.g. K-streamed plans) load as before: each load its own tiles; so do BF16
+            # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
+            self.ring = LoadRing(1 if natural else STAGING_BUFFERS)
+        panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring, pieces=True)
+        if natural and self.ring != None and self.ring.size < NATURAL_BUFFERS:  # noqa: E711
+            self.ring.size += 1
+        self.keys.append(f0)
+        self.panels.append(panel)
+        self.loaded += f_size
+        if self.loaded >= self.hi - self.lo:
+            self.ring, self.loaded = None, 0  # nothing left to load: the next phase's panels take its SBUF
+        return panel
+
+    def release(self) -> None:
+        """Drop every loaded panel (its SBUF is free once no caller holds it)."""
+        self.keys = []
+        self.panels = []
+
+    def load_key(self, f0: int) -> int:
+        """First column of the load (super-panel) that serves column f0."""
+        if not self.load_width:
+            return f0
+        return self.lo + (f0 - self.lo) // self.load_width * self.load_width
+
+    def get(self, f0: int, f_size: int) -> Panel:
+        if not self.load_width:
+            return self._load(f0, f_size)
+        base = self.lo + (f0 - self.lo) // self.load_width * self.load_width
+        whole = self._load(base, min(self.load_width, self.hi - base))
+        return panel_columns(whole, f0 - base, self._padded(f_size))
+
+
+class ResidentPanels(nl.NKIObject):
+    """Stationary panels built on chip by an earlier phase for rows [lo, hi) in tiles of m_tile rows:
+    panels[j] is the Panel of rows [lo + j*m_tile, lo + (j+1)*m_tile) (a PanelSource-like `get`)."""
+
+    resident = True
+
+    def __init__(self, lo: int, hi: int, m_tile: int, panels: list):
+        self.lo = lo
+        self.hi = hi
+        self.m_tile = m_tile
+        self.panels = panels
+
+    def get(self, f0: int, f_size: int) -> Panel:
+        return self.panels[(f0 - self.lo) // self.m_tile]
+
+    def release(self) -> None:
+        self.panels.clear()  # in place: the phase that built them holds the same list
+
+
+def blocks(lo: int, hi: int, size: int):
+    """[(start, length)] covering [lo, hi) in blocks of `size` (the last may be shorter)."""
+    return [(b, min(size, hi - b)) for b in range(lo, hi, size)]
+
+
+def tile_order(m_blocks, n_blocks, m_outer: bool, m_group: int = 0, lead: int = 1):
+    """Output tiles in the order that reuses the cached operand: m-major when moving panels are all
+    resident (each stationary panel loaded once), else n-major (each moving panel loaded once).
+    m_group > 0 (n-major only): n-major inside consecutive groups of m_group m blocks, so a group of
+    stationary panels stays resident while the moving panels are swept once per group.
+    lead > 1 (m-major only): the first `lead` m blocks (one stationary load) run n-major, so the first moving
+    panel serves them while the next ones are loaded and quantized for the first time."""
+    if m_outer:
+        return ([(m, n) for n in n_blocks for m in m_blocks[:lead]] +
+                [(m, n) for m in m_blocks[lead:] for n in n_blocks])
+    group = m_group or len(m_blocks)
+    return [(m, n) for g in range(0, len(m_blocks), group) for n in n_blocks for m in m_blocks[g:g + group]]
