@@ -8,7 +8,8 @@ chunk runs only when its unit's first position holds a routed pair. The bits do 
 |-----------------------------------|-------------------------------------------------------------------|------------|
 | test_pipeline_bit_exact_and_order | B = 512: an expert of two full blocks, one of a full and a padded | LNC1, LNC2 |
 |                                   | block, one of a padded block, one empty; the first expert's dY    |            |
-|                                   | gathers run one chunk ahead of its d_topk_weights scatters        |            |
+|                                   | gathers run one chunk ahead of its d_gate_up stores; its          |            |
+|                                   | d_topk_weights scatters come after the fence (in B's segment)     |            |
 """
 from __future__ import annotations
 
@@ -43,16 +44,28 @@ def test_pipeline_bit_exact_and_order(lnc):
         res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"pass A pipeline, LNC{lnc} vs mx_exact")
-    # program 0 in program order: each chunk gathers dY once and scatters its d_topk_weights once. The first
-    # expert (two full blocks) runs first: its chunk j + 1's gather precedes chunk j's scatter, also across the
-    # block boundary (the unpipelined path gathers a block's chunks together: [2, 2, 4, 4] under LNC2)
+    # program 0 in program order: each chunk gathers dY once and stores its d_gate_up rows once. The first expert
+    # (two full blocks) runs first: its chunk j + 1's gather precedes chunk j's store, also across the block
+    # boundary (the unpipelined path gathers a block's chunks together: [2, 2, 4, 4] under LNC2)
     gathered, before = 0, []
     for r in res.trace:
         if r.program != 0:
             continue
         if any(getattr(t, "name", "") == "output_grad" for t in r.reads):
             gathered += 1
-        if any(getattr(t, "name", "") == "topk_weights_grad" for t in r.writes):
+        if any(getattr(t, "name", "") == "moe_bwd_d_gate_up" for t in r.writes):
             before.append(gathered)
     chunks = 2 * (B // 128) // lnc  # the first expert's chunks on this core
     assert before[:chunks] == [j + 2 for j in range(chunks - 1)] + [chunks], before[:chunks]
+    # the pipeline's d_topk_weights wait in scratch until B(e)'s segment: none is scattered before the first
+    # expert's last d_gate_up store, nor (LNC2) before the first fence
+    seq = [r for r in res.trace if r.program == 0]
+
+    def where(pred):
+        return [n for n, r in enumerate(seq) if pred(r)]
+
+    stores = where(lambda r: any(getattr(t, "name", "") == "moe_bwd_d_gate_up" for t in r.writes))
+    scatters = where(lambda r: any(getattr(t, "name", "") == "topk_weights_grad" for t in r.writes))
+    fences = where(lambda r: r.instr == "core_barrier")
+    assert scatters and min(scatters) > stores[chunks - 1], (min(scatters), stores[:chunks])
+    assert lnc == 1 or min(scatters) > fences[0], (min(scatters), fences[:1])

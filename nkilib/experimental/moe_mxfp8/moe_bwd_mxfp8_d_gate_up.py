@@ -198,7 +198,7 @@ class RowChunk(nl.NKIObject):
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:2 * width])
         nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
-        if self.i_hi < I:  # more groups follow: keep the partial fold
+        if self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
             return
         out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
@@ -306,6 +306,30 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     ctx.if_flag(full, 1, lambda: last_two(True))
     ctx.if_flag(full, 1, lambda: last_two(False), complement=True)
     sets = None
+
+
+def scatter_deferred_d_w(ctx, b_lo, b_hi):
+    """d_topk_weights of blocks [b_lo, b_hi) (registers) from ctx.d_w_partial, where the pipeline left them: this
+    core's chunks (ctx.unit_rows), scattered by slot (padding slots skipped); a chunk whose unit starts with padding
+    was not computed (its rows were never written) and is skipped by the same flag as in the pipeline."""
+    rows = ctx.unit_rows
+
+    def chunk(i, r0, m):
+        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
+        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+
+    def block(i):
+        flags = ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if q == 0:  # a block's first position holds a routed pair
+                chunk(i, r0, m)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m))
+
+    nl.fori_loop(b_lo, b_hi, block)
 
 
 def _zero_rows(ctx, i, r0, m, i_lo, i_hi):

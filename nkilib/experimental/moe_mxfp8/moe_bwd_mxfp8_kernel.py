@@ -75,7 +75,8 @@ from ...core.matmul.panels import blocks as _blocks
 from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
-from .moe_bwd_mxfp8_d_gate_up import compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8
+from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
+                                      scatter_deferred_d_w)
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
@@ -343,6 +344,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
     ctx.d_up_engine = nisa.engine.vector if pipelined else nisa.engine.gpsimd
+    # GpSimd bounds the pipeline, so its d_topk_weights scatters (software DGE) wait in HBM scratch (d_w_partial, this
+    # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c
+    ctx.defer_d_w = pipelined
 
     def pass_a(e):
         if pipelined:
@@ -437,6 +441,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
             if j < len(ahead):
                 ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
+            if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
+                b_lo, _, b_hi = ctx.loops.bounds(e)
+                scatter_deferred_d_w(ctx, b_lo, b_hi)
             ctx.loops.if_used(e, lambda e=e: pass_b(e))
             pass_c(e)
         if n + 1 < len(groups):
