@@ -9,7 +9,8 @@ chunk runs only when its unit's first position holds a routed pair. The bits do 
 | test_pipeline_bit_exact_and_order | B = 512: an expert of two full blocks, one of a full and a padded | LNC1, LNC2 |
 |                                   | block, one of a padded block, one empty; the first expert's dY    |            |
 |                                   | gathers run one chunk ahead of its d_gate_up stores; its          |            |
-|                                   | d_topk_weights scatters come after the fence (in B's segment)     |            |
+|                                   | d_topk_weights scatters come after the fence (in B's segment);    |            |
+|                                   | X is gathered after the first group's pass A, before the fence    |            |
 """
 from __future__ import annotations
 
@@ -69,3 +70,7 @@ def test_pipeline_bit_exact_and_order(lnc):
     fences = where(lambda r: r.instr == "core_barrier")
     assert scatters and min(scatters) > stores[chunks - 1], (min(scatters), stores[:chunks])
     assert lnc == 1 or min(scatters) > fences[0], (min(scatters), fences[:1])
+    # gate_pre and up given: X is gathered (for pass C's x_blocks only) after the first group's pass A, before the fence
+    x_reads = where(lambda r: any(getattr(t, "name", "") == "hidden_states" for t in r.reads))
+    assert x_reads and min(x_reads) > stores[chunks - 1], (min(x_reads), stores[:chunks])
+    assert lnc == 1 or min(x_reads) < fences[0], (min(x_reads), fences[:1])

@@ -82,7 +82,8 @@ class ChunkInputs(nl.NKIObject):
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
-        self.dy_nat, self.x_nat = _natural_rows(ctx, ctx.H), _natural_rows(ctx, ctx.H)
+        self.dy_nat = _natural_rows(ctx, ctx.H)
+        self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
         self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         given = (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)
         self.ckpts = [None if c == None else nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16,  # noqa: E711
@@ -93,7 +94,7 @@ class ChunkInputs(nl.NKIObject):
         m, H, first = self.m, ctx.H, ahead * ctx.B + r0
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
-        for nat, src in ((self.dy_nat, ctx.dy), (self.x_nat, ctx.x)):
+        for nat, src in ((self.dy_nat, ctx.dy),) + (() if ctx.defer_x else ((self.x_nat, ctx.x),)):
             if not full:
                 nisa.memset(dst=nat[:m, :], value=0.0)
             elif nat.shape[1] > H:
@@ -133,7 +134,8 @@ class RowChunk(nl.NKIObject):
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+            if not ctx.defer_x:
+                nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
             self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
             self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
@@ -330,6 +332,34 @@ def scatter_deferred_d_w(ctx, b_lo, b_hi):
             ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m))
 
     nl.fori_loop(b_lo, b_hi, block)
+
+
+def gather_deferred_x(ctx, b_lo, last, b_hi):
+    """x_blocks rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) for this core's chunks, gathered
+    by token id, where the pipeline does not gather X (ctx.defer_x: gate_pre and up given, so X serves only pass C).
+    Padding rows are zero; a unit starting with padding is left to the pipeline's zero rows (_zero_rows).
+
+    Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
+    rows = ctx.unit_rows
+
+    def chunk(i, r0, m, full):
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        nat = _natural_rows(ctx, ctx.H)
+        if not full:
+            nisa.memset(dst=nat[:m, :], value=0.0)
+        ctx.gather(nat[:m, :ctx.H], ctx.x, ids, 0, ctx.H)
+        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, ctx.H), src=nat[:m, :ctx.H])
+
+    def block(i, full):
+        flags = None if full else ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if full or q == 0:
+                chunk(i, r0, m, full)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
+
+    nl.fori_loop(b_lo, last, lambda i: block(i, True))
+    nl.fori_loop(last, b_hi, lambda i: block(i, False))
 
 
 def _zero_rows(ctx, i, r0, m, i_lo, i_hi):

@@ -76,7 +76,7 @@ from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
-                                      scatter_deferred_d_w)
+                                      gather_deferred_x, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
@@ -347,6 +347,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # GpSimd bounds the pipeline, so its d_topk_weights scatters (software DGE) wait in HBM scratch (d_w_partial, this
     # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c
     ctx.defer_d_w = pipelined
+    # with gate_pre and up given, pass A gathers X only for pass C's x_blocks copy: the pipeline leaves it to a loop
+    # at the end of the segment before the expert's (behind B and C, where GpSimd idles; before the fence, since
+    # C(e) reads both cores' rows): round 7c
+    ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
+
+    def x_ahead(experts):
+        """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
+        for a in experts if ctx.defer_x else []:
+            def gather(a=a):
+                lo, _, hi = ctx.loops.bounds(a)
+                gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
+            ctx.loops.if_used(a, gather)
 
     def pass_a(e):
         if pipelined:
@@ -435,6 +447,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
     for e in groups[0]:
         ctx.loops.if_used(e, lambda e=e: pass_a(e))
+    x_ahead(groups[0])
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
@@ -446,6 +459,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 scatter_deferred_d_w(ctx, b_lo, b_hi)
             ctx.loops.if_used(e, lambda e=e: pass_b(e))
             pass_c(e)
+        x_ahead(ahead)
         if n + 1 < len(groups):
             fence()
 
