@@ -316,13 +316,13 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "padding units skipped vs mx_exact")
     # pass A, an expert's last block: unit [0, 256) is core 0's rows 0-127 and core 1's 128-255, unit [256, 512)
-    # rows 256-383 / 384-511; its other blocks (full) keep one group of contiguous rows per core
+    # rows 256-383 / 384-511; its other blocks (full) run in pass A's pipeline, one 128-row chunk at a time (round 7c)
     units = {1: [0], 2: [0], 3: [0, 1], 4: [0, 1]}  # units with routed pairs by chunks of routed pairs
     chunks = [1, 2, 3, 4, 1, 4]  # chunks of 128 with routed pairs per block (expert 3: two blocks)
     expected_a = [(e, core, ((256 * u + 128 * core, 128),)) for e, b in zip([0, 1, 2, 3], [1, 2, 3, 1])
                   for u in units[b] for core in (0, 1)]
-    for e in (3, 4):  # expert 3's first block and expert 4's only block are full: no skipping, contiguous rows
-        expected_a += [(e, 0, ((0, 128), (128, 128))), (e, 1, ((256, 128), (384, 128)))]
+    for e in (3, 4):  # expert 3's first block and expert 4's only block are full: no skipping, every chunk
+        expected_a += [(e, core, ((256 * u + 128 * core, 128),)) for u in (0, 1) for core in (0, 1)]
     assert sorted(ran_a) == sorted(expected_a)
     # pass B: H = 64 columns all go to core 0 (LNC2 splits H in units of 128); core 1 runs the same loops empty
     assert len(ran_b) == sum(chunks) and set(ran_b) == {128}

@@ -28,7 +28,8 @@ from test_moe_bwd_kernel import CLAMPS, moe_case, routing
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 PANELS, SCALES = "moe_bwd_d_gate_up_panels", "moe_bwd_d_gate_up_panel_scales"
-PHASES = {"compute_phase1_block_grads_mxfp8": "A", "compute_phase2_hidden_states_grad_mxfp8": "B"}
+PHASES = {"compute_phase1_block_grads_mxfp8": "A", "compute_phase1_pipelined_mxfp8": "A",
+          "compute_phase2_hidden_states_grad_mxfp8": "B"}
 
 
 def _run(kernel_kwargs, lnc):

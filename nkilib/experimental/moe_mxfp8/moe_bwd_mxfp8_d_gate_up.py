@@ -12,6 +12,9 @@ Rows (LNC2: each core its share of every block's rows) go in one of two ways:
 The weights' I tiles may be a resident group of them (a multi-block expert, moe_bwd_mxfp8_dx.resident_tile_groups):
 the first group gathers dY / X, later ones read the block-ordered copies back, and the routing-gradient fold
 continues across groups through fp32 scratch (docs/moe.md, section 10, round 3).
+With resident weights in one group and an even number of 128-row chunks per core, an expert's chunks run as one
+pipeline (compute_phase1_pipelined_mxfp8, round 7c): each chunk's gathers are issued before the previous chunk's
+epilogue, so GpSimd's software-DGE descriptors no longer queue behind that epilogue's products.
 With all of I in one group, a chunk's d_gate_up rows are also quantized along 2I into pass B's stationary panel
 and stored as words and scales when the kernel asks for them (ctx.d_gu_mx; round 7a): pass A holds the rows on chip
 while TensorE idles, and each core makes only its own rows' panels (pass B used to transpose every row on both cores).
@@ -27,24 +30,13 @@ from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
-__all__ = ["RowChunk", "compute_phase1_block_grads_mxfp8"]
+__all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8",
+           "compute_phase1_pipelined_mxfp8"]
 
 
 def _natural_rows(ctx, k_size):
     """SBUF [128, Kp] bf16 tile for rows of K = k_size (Kp: K padded to the MX K alignment)."""
     return nl.ndarray((PARTITIONS, ctx.k_width(k_size)), dtype=nl.bfloat16, buffer=nl.sbuf)
-
-
-def _gathered_natural(ctx, src2d, ids, m, k_size, full=False):
-    """SBUF [128, Kp] bf16 tile: rows src2d[ids] (zero rows for padding, zero columns beyond K). full: every id
-    is a routed pair (a full block), so only the columns beyond K are zeroed."""
-    nat = _natural_rows(ctx, k_size)
-    if not full:
-        nisa.memset(dst=nat[:m, :], value=0.0)
-    elif nat.shape[1] > k_size:
-        nisa.memset(dst=nat[:m, k_size:], value=0.0)
-    ctx.gather(nat[:m, :k_size], src2d, ids, 0, k_size)
-    return nat
 
 
 def _block_natural(ctx, scratch, i, r0, m, k_size):
@@ -77,6 +69,47 @@ def _projection_tile(ckpt_tile, psum, m, c0, nsz):
     return tile[:m, :nsz]
 
 
+class ChunkInputs(nl.NKIObject):
+    """SBUF tiles of what pass A gathers for m <= 128 rows of a block with all of I in one group: token ids and slots,
+    dY and X rows, p and the given checkpoints (zero rows for padding unless the block is full).
+
+    Dimensions: ids, slots [m, 1] int32; dy_nat, x_nat [128, Hp] bf16; p [m, 1] fp32; checkpoints [128, I] bf16.
+    RowChunk allocates and fills one per chunk; compute_phase1_pipelined_mxfp8 allocates two per expert and fills one
+    a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
+    """
+
+    def __init__(self, ctx, m, width):
+        self.m = m
+        self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
+        self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
+        self.dy_nat = _natural_rows(ctx, ctx.H)
+        self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
+        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        given = (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)
+        self.ckpts = [None if c == None else nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16,  # noqa: E711
+                                                        buffer=nl.sbuf) for c in given]
+
+    def gather(self, ctx, i, r0, full, ahead=0):
+        """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i)."""
+        m, H, first = self.m, ctx.H, ahead * ctx.B + r0
+        ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
+        ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
+        for nat, src in ((self.dy_nat, ctx.dy),) + (() if ctx.defer_x else ((self.x_nat, ctx.x),)):
+            if not full:
+                nisa.memset(dst=nat[:m, :], value=0.0)
+            elif nat.shape[1] > H:
+                nisa.memset(dst=nat[:m, H:], value=0.0)
+            ctx.gather(nat[:m, :H], src, self.ids, 0, H)
+        if not full:  # padding rows' p = 0 (a full block gathers every row)
+            nisa.memset(dst=self.p, value=0.0)
+        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+        for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
+            if tile != None:  # noqa: E711
+                if not full:
+                    nisa.memset(dst=tile[:m, :], value=0.0)
+                ctx.gather(tile[:m, :], src, self.slots, 0, tile.shape[1])
+
+
 class RowChunk(nl.NKIObject):
     """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A, for the I columns
     [i_lo, i_hi) (all of I, or one resident weight group of a multi-block expert): gathered inputs, their
@@ -87,32 +120,36 @@ class RowChunk(nl.NKIObject):
     continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
     """
 
-    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False):
+    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None):
         I, H = ctx.I, ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
-        self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        if inputs == None and i_lo == 0:  # noqa: E711
+            inputs = ChunkInputs(ctx, m, width)
+            inputs.gather(ctx, i, r0, full)
         x_nat = None
-        if i_lo == 0:
-            dy_nat = _gathered_natural(ctx, ctx.dy, self.ids, m, H, full)
-            x_nat = _gathered_natural(ctx, ctx.x, self.ids, m, H, full)
+        if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
+            self.ids, self.slots, self.p, self.ckpts = inputs.ids, inputs.slots, inputs.p, inputs.ckpts
+            dy_nat, x_nat = inputs.dy_nat, inputs.x_nat
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
+            if not ctx.defer_x:
+                nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
+            self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+            self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
             dy_nat = _block_natural(ctx, ctx.dy_blocks, i, r0, m, H)
             if recompute:
                 x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)
+            self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+            if not full:  # padding rows' p = 0 (a full block gathers every row)
+                nisa.memset(dst=self.p, value=0.0)
+            ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
+                          for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
-        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if not full:  # padding rows' p = 0 (a full block gathers every row)
-            nisa.memset(dst=self.p, value=0.0)
-        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-        self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
-                      for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
         self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
         if self.d_gu.shape[1] > 2 * width:
@@ -141,7 +178,7 @@ class RowChunk(nl.NKIObject):
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
                              self.d_gu[:m, width + c0:width + c0 + nsz],
                              d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
-                             d_up_engine=nisa.engine.gpsimd)  # (MoeContext's engines, in the kernel file)
+                             d_up_engine=ctx.d_up_engine)  # (MoeContext's engines, in the kernel file)
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
@@ -163,7 +200,7 @@ class RowChunk(nl.NKIObject):
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:2 * width])
         nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
-        if self.i_hi < I:  # more groups follow: keep the partial fold
+        if self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
             return
         out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
@@ -210,6 +247,121 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
         ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
 
 
+def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up):
+    """Pass A of expert e with resident weights (all of I in one group) over its blocks [b_lo, last] (last: the
+    register of its last block), this core's 128-row chunks one after the other, each chunk's gathers issued before
+    the previous chunk's epilogue (docs/moe.md section 10, round 7c).
+
+    GpSimd generates the gathers' software-DGE descriptors in its program order, which also holds the epilogue's
+    products: issued after a chunk's epilogue, the next chunk's gathers wait for it, and the epilogue then waits
+    for them. Here two ChunkInputs sets alternate: chunk q + 1 is gathered into one while chunk q is computed from
+    the other, and the last chunk of block i is followed by block i + 1's first chunk (the register i with a static
+    offset of B positions), so the sets' roles are static in the loop body (an even number of chunks per block).
+    The chunks are ctx.unit_rows (core c's 128 rows of every 128·cores-row unit): in the last block, the only one
+    that can hold padding, a chunk is computed only when its unit's first position holds a routed pair (the same
+    flag on both cores: identical trip counts), else its scratch rows are stored as zeros; its gathers are issued
+    anyway (rows of padding are skipped: no descriptor, no byte). Only gathers that may meet padding zero their tiles
+    first (the expert's first chunk, and the last block's chunks when its final position is padding): the blocks
+    before the last and the block before the last are separate loops, the latter in two variants by that flag.
+
+    Dimensions: per chunk as compute_phase1_block_grads_mxfp8 (m = 128 rows, dY_b [128, H], K=H).
+
+    Args:
+        ctx: MoeContext (ctx.unit_rows: this core's 128-row chunks of a block, an even count).
+        e: expert (static). b_lo, before_last, last: registers, the expert's first block, max(last - 1, b_lo) and
+            its last block.
+        w_down / w_gate / w_up: ExpertPanels over all of I, resident.
+    """
+    rows = ctx.unit_rows
+    kernel_assert(len(rows) % 2 == 0 and all(m == PARTITIONS for _, m in rows),
+                  f"the pass A pipeline needs an even number of 128-row chunks per core, got {rows}")
+    sets = [ChunkInputs(ctx, PARTITIONS, ctx.I) for _ in range(2)]
+    # the expert's first chunk: of a full block when the expert has more than one (a one-block expert's is gathered
+    # with its padding known, below); a tile zeroed here would hold VectorE's queue until the previous expert's
+    # last use of that SBUF
+    ctx.loops.if_multi(e, lambda: sets[0].gather(ctx, b_lo, rows[0][0], True))
+
+    def block(i, full, next_full, flags=None):
+        """Block i's chunks; next_full: block i + 1 holds no padding (None: no next block of this expert)."""
+        for q, (r0, m) in enumerate(rows):
+            if q + 1 < len(rows):
+                sets[(q + 1) % 2].gather(ctx, i, rows[q + 1][0], full)
+            elif next_full != None:  # noqa: E711  block i + 1's first chunk (i + 1 <= last: the same expert)
+                sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1)
+            body = (lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full,
+                                                         [sets[q % 2]]))
+            if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
+                body()
+                continue
+            ctx.if_flag(flags, q, body)
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
+
+    def last_two(next_full):
+        """The block before the last (if any) and the last block, whose padding (next_full False) is known here."""
+        ctx.loops.if_single(e, lambda i: sets[0].gather(ctx, i, rows[0][0], next_full))
+        nl.fori_loop(before_last, last, lambda i: block(i, True, next_full))
+        flags = None if next_full else ctx.row_flags(last, ctx.row_unit, len(rows))
+        block(last, next_full, None, flags)
+
+    nl.fori_loop(b_lo, before_last, lambda i: block(i, True, True))
+    full = ctx.row_flags(last, ctx.B - 1, 2)  # position B - 1 of the last block holds a routed pair: no padding
+    ctx.if_flag(full, 1, lambda: last_two(True))
+    ctx.if_flag(full, 1, lambda: last_two(False), complement=True)
+    sets = None
+
+
+def scatter_deferred_d_w(ctx, b_lo, b_hi):
+    """d_topk_weights of blocks [b_lo, b_hi) (registers) from ctx.d_w_partial, where the pipeline left them: this
+    core's chunks (ctx.unit_rows), scattered by slot (padding slots skipped); a chunk whose unit starts with padding
+    was not computed (its rows were never written) and is skipped by the same flag as in the pipeline."""
+    rows = ctx.unit_rows
+
+    def chunk(i, r0, m):
+        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
+        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+
+    def block(i):
+        flags = ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if q == 0:  # a block's first position holds a routed pair
+                chunk(i, r0, m)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m))
+
+    nl.fori_loop(b_lo, b_hi, block)
+
+
+def gather_deferred_x(ctx, b_lo, last, b_hi):
+    """x_blocks rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) for this core's chunks, gathered
+    by token id, where the pipeline does not gather X (ctx.defer_x: gate_pre and up given, so X serves only pass C).
+    Padding rows are zero; a unit starting with padding is left to the pipeline's zero rows (_zero_rows).
+
+    Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
+    rows = ctx.unit_rows
+
+    def chunk(i, r0, m, full):
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        nat = _natural_rows(ctx, ctx.H)
+        if not full:
+            nisa.memset(dst=nat[:m, :], value=0.0)
+        ctx.gather(nat[:m, :ctx.H], ctx.x, ids, 0, ctx.H)
+        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, ctx.H), src=nat[:m, :ctx.H])
+
+    def block(i, full):
+        flags = None if full else ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if full or q == 0:
+                chunk(i, r0, m, full)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
+
+    nl.fori_loop(b_lo, last, lambda i: block(i, True))
+    nl.fori_loop(last, b_hi, lambda i: block(i, False))
+
+
 def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
     """Rows r0..r0+m of block i hold only padding: their scratch rows (the columns RowChunk.store would
     write for I columns [i_lo, i_hi), and dY / X with the first group) become zeros, as a gathered padding
@@ -223,15 +375,17 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
 
 
-def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False):
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
-    together: the I tiles loop outside them, so a weight tile that is not resident loads once for all."""
+    together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
+    inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full) for r0, m in rows]
+    inputs = inputs or [None] * len(rows)
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp) for (r0, m), inp in zip(rows, inputs)]
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
         wd = w_down.get(jj)

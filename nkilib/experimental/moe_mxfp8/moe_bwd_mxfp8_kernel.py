@@ -78,7 +78,8 @@ from ...core.matmul.sources import blocks as _blocks
 from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
-from .moe_bwd_mxfp8_d_gate_up import compute_phase1_block_grads_mxfp8
+from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
+                                      gather_deferred_x, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
@@ -123,9 +124,10 @@ class MoeContext(nl.NKIObject):
         nisa.register_load(hi, self.offsets[e + 1:e + 2])
         return lo, hi
 
-    def positions(self, table, i, first, step, count):
-        """SBUF [count, 1] int32 index tile: table[i, first + step*r] (token ids or slots of block i)."""
-        idx = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf)
+    def positions(self, table, i, first, step, count, dst=None):
+        """SBUF [count, 1] int32 index tile: table[i, first + step*r] (token ids or slots of block i; first may
+        reach into the blocks after i), written into dst when given."""
+        idx = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf) if dst == None else dst  # noqa: E711
         nisa.dma_copy(dst=idx, src=table.ap([[step, count], [1, 1]], offset=first, scalar_offset=i, indirect_dim=0))
         return idx
 
@@ -178,7 +180,7 @@ class ExpertLoops(nl.NKIObject):
         the expert's first block, or its start when it has none); used [1, E] = min(blocks_e, 1);
         unused [1, E] = 1 - used; multi [1, E] = min(max(blocks_e - 1, 0), 1); single = used - multi;
         single_end = offsets[e] + single; last [1, E] = offsets[e+1] - used (start of the expert's last block,
-        the only one that can hold padding).
+        the only one that can hold padding); before_last [1, E] = max(last - 1, offsets[e]).
     The registers are loaded from these tiles where a loop needs them (register_load of a one-element SBUF
     slice): a 0/1-trip fori_loop is the kernel's run-time "if" (an expert without tokens skips its weight
     loads), and the peeled first block lets pass C overwrite PSUM before it accumulates. Integer values
@@ -211,6 +213,10 @@ class ExpertLoops(nl.NKIObject):
         nisa.tensor_tensor(dst=self.single_end, data1=offs[:, 0:E], data2=self.single, op=nl.add)
         self.last = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=self.last, data1=offs[:, 1:E + 1], data2=self.used, op=nl.subtract)
+        # max(last - 1, offsets[e]): the block before the last one, or the expert's start when it has one block or none
+        self.before_last = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.before_last, data=self.last, op0=nl.add, operand0=-1.0)
+        nisa.tensor_tensor(dst=self.before_last, data1=self.before_last, data2=offs[:, 0:E], op=nl.maximum)
 
     @staticmethod
     def _reg(tile, e):
@@ -225,6 +231,10 @@ class ExpertLoops(nl.NKIObject):
     def last_block(self, e):
         """Register with the start of expert e's last block ([last, hi): at most one block)."""
         return self._reg(self.last, e)
+
+    def before_last_block(self, e):
+        """Register with max(last - 1, offsets[e]): [before_last, last) is the block before the last, if any."""
+        return self._reg(self.before_last, e)
 
     def if_used(self, e, body):
         """body() once when expert e has blocks, else never (a 0/1-trip run-time loop)."""
@@ -347,7 +357,34 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if exchange != None and exchange.exchanged(e):  # noqa: E711
             ctx.loops.if_used(e, lambda: exchange.quantize(e))
 
+    # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
+    # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
+    pipelined = (a_groups == None and a_skip[0] and ctx.B % (2 * PARTITIONS * split.num_cores) == 0)  # noqa: E711
+    # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
+    # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
+    ctx.d_up_engine = nisa.engine.vector if pipelined else nisa.engine.gpsimd
+    # GpSimd bounds the pipeline, so its d_topk_weights scatters (software DGE) wait in HBM scratch (d_w_partial, this
+    # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c
+    ctx.defer_d_w = pipelined
+    # with gate_pre and up given, pass A gathers X only for pass C's x_blocks copy: the pipeline leaves it to a loop
+    # at the end of the segment before the expert's (behind B and C, where GpSimd idles; before the fence, since
+    # C(e) reads both cores' rows): round 7c
+    ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
+
+    def x_ahead(experts):
+        """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
+        for a in experts if ctx.defer_x else []:
+            def gather(a=a):
+                lo, _, hi = ctx.loops.bounds(a)
+                gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
+            ctx.loops.if_used(a, gather)
+
     def pass_a(e):
+        if pipelined:
+            b_lo, _, _ = ctx.loops.bounds(e)
+            w = panels_of(a_descs(e), i_tiles)
+            compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w)
+            return
         per_block(e, a_descs(e), i_tiles, a_groups,
                   lambda i, w, skip, full: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip,
                                                                             full=full), a_skip)
@@ -432,6 +469,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ctx.loops.if_used(e, lambda e=e: pass_a(e))
     for e in (groups[1] if len(groups) > 1 else []):
         quantize_down(e)
+    x_ahead(groups[0])
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
@@ -439,10 +477,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
             if j < len(ahead):
                 ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
+            if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
+                b_lo, _, b_hi = ctx.loops.bounds(e)
+                scatter_deferred_d_w(ctx, b_lo, b_hi)
             ctx.loops.if_used(e, lambda e=e: pass_b(e))
             if j < len(later):
                 quantize_down(later[j])
             pass_c(e)
+        x_ahead(ahead)
         if n + 1 < len(groups):
             fence()
 
