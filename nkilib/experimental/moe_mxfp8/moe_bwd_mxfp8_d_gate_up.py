@@ -78,19 +78,27 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width):
+    def __init__(self, ctx, m, width, values=True):
+        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.dy_nat = _natural_rows(ctx, ctx.H)
         self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
-        self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        given = (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)
-        self.ckpts = [None if c == None else nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16,  # noqa: E711
-                                                        buffer=nl.sbuf) for c in given]
+        self.p, self.ckpts = None, None
+        if values:
+            self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+            given = (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)
+            self.ckpts = [None if c == None else nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16,  # noqa: E711
+                                                            buffer=nl.sbuf) for c in given]
 
     def gather(self, ctx, i, r0, full, ahead=0):
         """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i)."""
+        self.gather_rows(ctx, i, r0, full, ahead)
+        self.gather_pair_values(ctx, full)
+
+    def gather_rows(self, ctx, i, r0, full, ahead=0):
+        """The token ids, slots and the dY / X rows (gather's first part)."""
         m, H, first = self.m, ctx.H, ahead * ctx.B + r0
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
@@ -100,6 +108,10 @@ class ChunkInputs(nl.NKIObject):
             elif nat.shape[1] > H:
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
+
+    def gather_pair_values(self, ctx, full):
+        """p and the given checkpoints by slot (gather's second part)."""
+        m = self.m
         if not full:  # padding rows' p = 0 (a full block gathers every row)
             nisa.memset(dst=self.p, value=0.0)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
@@ -125,11 +137,13 @@ class RowChunk(nl.NKIObject):
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
         if inputs == None and i_lo == 0:  # noqa: E711
-            inputs = ChunkInputs(ctx, m, width)
-            inputs.gather(ctx, i, r0, full)
+            # rows only: p and the checkpoints are gathered after the panels below, as before round 7c (every
+            # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2)
+            inputs = ChunkInputs(ctx, m, width, values=False)
+            inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
-            self.ids, self.slots, self.p, self.ckpts = inputs.ids, inputs.slots, inputs.p, inputs.ckpts
+            self.ids, self.slots = inputs.ids, inputs.slots
             dy_nat, x_nat = inputs.dy_nat, inputs.x_nat
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
@@ -142,14 +156,17 @@ class RowChunk(nl.NKIObject):
             dy_nat = _block_natural(ctx, ctx.dy_blocks, i, r0, m, H)
             if recompute:
                 x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)
+        self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
+        self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
+        if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
+            self.p, self.ckpts = inputs.p, inputs.ckpts
+        else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)
                 nisa.memset(dst=self.p, value=0.0)
             ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
             self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
                           for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
-        self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
-        self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
         self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
         if self.d_gu.shape[1] > 2 * width:
