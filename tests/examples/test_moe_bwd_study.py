@@ -2,7 +2,6 @@
 generators, the useful-FLOP and padding counts against hand computations, capacity refusal, --quick."""
 import csv
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -14,15 +13,13 @@ from nkilib.examples.moe_backward_cost import (MOE_PRESETS, choose_block_size, m
                                                useful_flops)
 from nkilib.examples.moe_routing_scenarios import balanced_topk_ids, expert_token_counts, make_topk_ids, zipf_topk_ids
 from nkilib.simulator.hardware import resolve_target
+from scriptkit import load_script
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("moe_bwd_study", os.path.join(ROOT, "simulations", "moe_bwd_study.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("moe_bwd_study")
 
 
 def _distinct_per_token(ids):

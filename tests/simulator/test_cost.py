@@ -1,6 +1,5 @@
 """Cost model (nkilib.simulator.cost): hand-computed instruction costs, scheduler rules on synthetic
 traces, shape-only vs numeric traces, and the calibration script on a small subset."""
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ from nkilib.examples.bf16_matmul import bf16_matmul, predict_bf16_gemm_time
 from nkilib.simulator import ShapeSpec, run_kernel
 from nkilib.simulator.cost import CostModelError, instr_cost, model_kernel, schedule
 from nkilib.simulator.hardware import TRN2, TRN3
+from scriptkit import load_script
 # ---------------------------------------------------------------------------------------------
 # per-instruction costs, hand-computed from spec §6.2 / §8
 # ---------------------------------------------------------------------------------------------
@@ -259,11 +259,7 @@ def test_predict_bf16_gemm_time_scales_with_work():
 
 
 def _load_calibration_module():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "simulations", "calibrate_bf16_gemm.py")
-    spec = importlib.util.spec_from_file_location("calibrate_bf16_gemm", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("calibrate_bf16_gemm")
 
 
 def test_calibration_script_runs_on_a_subset(tmp_path, capsys):

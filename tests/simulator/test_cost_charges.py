@@ -6,6 +6,7 @@ import pytest
 from costkit import chip, chip_view, hbm, new_id, rec
 from nkilib.simulator.cost import CostReport, instr_cost, schedule
 from nkilib.simulator.hardware import TRN2, TRN3, with_scenario
+from scriptkit import load_script
 
 PESS = with_scenario(TRN3, "pessimistic")
 DGE_S = 600e-9  # hardware DGE per DMA instruction, "about 600 ns" [TRN2]
@@ -198,12 +199,7 @@ def test_capacity_violation_is_a_plan_error_with_no_time(tmp_path):
     over = CostReport.from_schedule(s, TRN3, memory_peak=[{"sbuf": 263 * 1024, "psum": 0}])
     assert over.plan_errors == ["core 0: the plan needs 263.0 KiB of SBUF per partition, the target has 256 KiB"]
     assert "PLAN ERROR" in over.table()
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "simulations", "mlp_bwd_study.py")
-    spec = importlib.util.spec_from_file_location("mlp_bwd_study", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_script("mlp_bwd_study")
     refused = study.summarize(over)
     assert refused["modeled_time_s"] is None and refused["invalid_modeled_time_s"] == pytest.approx(over.modeled_time_s)
     assert study.summarize(ok)["modeled_time_s"] == pytest.approx(ok.modeled_time_s)

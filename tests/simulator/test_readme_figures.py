@@ -3,21 +3,18 @@
 Tolerance: 1% relative on times and ratios, 0.5 points on MFU (the README rounds to 3 significant digits /
 0.1 point). The default suite checks the Qwen3-8B TP8 MXFP8 band; the BF16 column and TP1 are slow.
 """
-import importlib.util
 import os
 import re
 
 import pytest
+from scriptkit import load_script
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ROWS = {"qwen3-8b-tp8": "Qwen3-8B TP8", "qwen3-8b-tp1": "Qwen3-8B TP1"}
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("mlp_bwd_study", os.path.join(ROOT, "simulations", "mlp_bwd_study.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("mlp_bwd_study")
 
 
 def _readme_row(model) -> dict:

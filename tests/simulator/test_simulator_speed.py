@@ -1,15 +1,9 @@
 """Smoke test of the simulator speed benchmark (simulations/simulator_speed.py) on a small shape."""
-import importlib.util
-import os
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "simulations", "simulator_speed.py")
+from scriptkit import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("simulator_speed", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("simulator_speed")
 
 
 def test_simulator_speed_main_small_shape(capsys):

@@ -1,28 +1,19 @@
 """Smoke tests of the torch-side scripts in simulations/ (tiny sizes; the studies themselves are not tests)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
+from scriptkit import load_script
 
 torch = pytest.importorskip("torch")
 
 _SIM = os.path.join(os.path.dirname(__file__), "..", "..", "simulations")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_SIM, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    # registered before it runs, as an import would: a dataclass in a module with postponed annotations looks its
-    # module up in sys.modules (else AttributeError: 'NoneType' object has no attribute '__dict__', in whichever
-    # xdist worker had not imported that module by name already)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_script
 
 
 def _plot_flags():
