@@ -290,9 +290,9 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     ran_a, ran_b = [], []
     rows_a, panel_b = A._phase1_rows, D.panel_from_rows
 
-    def record_a(ctx, e, i, rows, *rest):
+    def record_a(ctx, e, i, rows, *rest, **kw):
         ran_a.append((e, ctx.split.shard_id, tuple(rows)))
-        return rows_a(ctx, e, i, rows, *rest)
+        return rows_a(ctx, e, i, rows, *rest, **kw)
 
     def record_b(rows_tile, m, *rest):
         ran_b.append(m)

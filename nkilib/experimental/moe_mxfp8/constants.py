@@ -37,6 +37,12 @@ ROW_SPLIT_UNIT = 32
 #: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above
 #: it the panels are loaded per block inside the loop.
 RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
+#: SBUF bytes per partition that pass A's resident weight panels and pass B's W_gu panels (this core's H tiles) may
+#: take together for pass B to run in pieces between pass A's chunks (round 8a, moe_bwd_mxfp8_interleave.py): both
+#: stay on chip through the segment's A. Qwen3-30B-A3B (12 + 12 KiB) interleaves; GPT-OSS-20B (~65 + ~65 KiB) does
+#: not: with both resident, pass A's chunk tiles find no placement, and with a third of W_gu (one H tile) interleaved
+#: it ran 3038.5 -> 3066.6 us (docs/moe.md section 10, round 8a).
+INTERLEAVE_PANEL_BUDGET_BYTES = 96 * 1024
 #: Weight-gradient output tiles ([128, MOE_N_TILE] fp32, one PSUM bank each) accumulated together across
 #: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
 #: blocks' rows of its tiles).

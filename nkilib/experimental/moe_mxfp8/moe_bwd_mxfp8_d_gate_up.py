@@ -264,7 +264,7 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
         ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
 
 
-def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up):
+def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):
     """Pass A of expert e with resident weights (all of I in one group) over its blocks [b_lo, last] (last: the
     register of its last block), this core's 128-row chunks one after the other, each chunk's gathers issued before
     the previous chunk's epilogue (docs/moe.md section 10, round 7c).
@@ -288,6 +288,10 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
         e: expert (static). b_lo, before_last, last: registers, the expert's first block, max(last - 1, b_lo) and
             its last block.
         w_down / w_gate / w_up: ExpertPanels over all of I, resident.
+        between: None, or between(q), issued once with every block's chunk q (static) whether the chunk runs or not:
+            another pass's work in this pass's loop bodies (InterleavedDx.piece, round 8a). A chunk that runs issues
+            it after its I tiles, before its stores: on TensorE after its dI matmuls, before its d_gate_up panel's
+            transposes (which wait for its whole epilogue).
     """
     rows = ctx.unit_rows
     kernel_assert(len(rows) % 2 == 0 and all(m == PARTITIONS for _, m in rows),
@@ -305,13 +309,15 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
                 sets[(q + 1) % 2].gather(ctx, i, rows[q + 1][0], full)
             elif next_full != None:  # noqa: E711  block i + 1's first chunk (i + 1 <= last: the same expert)
                 sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1)
-            body = (lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full,
-                                                         [sets[q % 2]]))
+            piece = None if between == None else (lambda q=q: between(q))  # noqa: E711
             if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
-                body()
+                _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece)
                 continue
-            ctx.if_flag(flags, q, body)
+            ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up,
+                                                                       full, [sets[q % 2]]))
             ctx.if_flag(flags, q, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
+            if piece != None:  # noqa: E711  (outside the flag: every block's chunk q issues it)
+                piece()
 
     def last_two(next_full):
         """The block before the last (if any) and the last block, whose padding (next_full False) is known here."""
@@ -392,10 +398,11 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
 
 
-def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None):
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
-    inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here)."""
+    inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
+    before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
@@ -420,6 +427,8 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None)
                 matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
             c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
         wd = wg = wu = None
+    if before_store != None:  # noqa: E711
+        before_store()
     for c in chunks:
         c.store(ctx, i)
     chunks = c = None

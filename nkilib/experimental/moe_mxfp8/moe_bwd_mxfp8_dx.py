@@ -73,10 +73,18 @@ class ExpertPanels(nl.NKIObject):
         return loads, load_of
 
     @staticmethod
+    def bytes_of(ops, tiles, setup):
+        """SBUF bytes per partition of the resident panels of `tiles` of every operand in `ops`."""
+        total = 0
+        for op in ops:
+            loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
+            total += sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads)
+        return total
+
+    @staticmethod
     def fits(op, tiles, setup):
         """Whether the panels of `tiles` stay resident (RESIDENT_WEIGHT_BUDGET_BYTES per partition)."""
-        loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
-        return sum(panel_bytes_per_partition(op.k_size, w, setup) for _, w in loads) <= RESIDENT_WEIGHT_BUDGET_BYTES
+        return ExpertPanels.bytes_of([op], tiles, setup) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
     def _load(self, f0, w, ring=None):
         """Panel of columns [f0, f0 + w): quantized on chip (split per K tile), or, for a panel-layout operand (words
@@ -128,7 +136,7 @@ def resident_tile_groups(tiles, ops, setup, count=0):
     return groups + [[]] * (count - len(groups))
 
 
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0):
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
@@ -143,8 +151,11 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     block with flag_tiles > 0 (core 0's tile count: both cores run that many tiles' loops, empty past their
     own): H tiles outer as above, each chunk's matmul and its scatter-add in such a loop (the weight tile loads
     before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
-    read-modify-write (one descriptor per row).
+    read-modify-write (one descriptor per row). only_chunks (resident weights only): the indices of the 128-row
+    chunks to run, None for all (pass B in pieces between pass A's chunks: moe_bwd_mxfp8_interleave.py).
     """
+    kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
+                  f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
     two_i = 2 * ctx.I
     tiles = w_gu.tiles
     h_lo = tiles[0][0] if tiles else 0
@@ -196,8 +207,11 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
                 chunk_tile(c, j, panel, part, m)
             scatter_add(r0, m, part)
 
-        flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if len(row_chunks) > 1 else None
+        run = range(len(row_chunks)) if only_chunks == None else only_chunks  # noqa: E711
+        flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if max(run) > 0 else None
         for c, (r0, m) in enumerate(row_chunks):
+            if c not in run:
+                continue
             if c == 0:
                 one_chunk(c, r0, m)
             else:
