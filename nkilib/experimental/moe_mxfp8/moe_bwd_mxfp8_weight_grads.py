@@ -2,7 +2,7 @@
 dW_gu[e] = sum_b d_gate_up_bᵀ X_b and dW_down[e] = sum_b dY_bᵀ hs_b, K = the tokens of the expert's blocks
 (both operands MX-quantized along tokens), from the block-ordered scratch rows pass A wrote.
 
-Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in the kernel module, ResidentBlocks):
+Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in moe_bwd_mxfp8_loops.py, ResidentBlocks):
     single block: both operands loaded and quantized once, every output tile one matmul;
     2..R blocks (MXFP8, ResidentBlocks.R > 1): every block's rows of this core's tiles loaded and quantized
     once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
