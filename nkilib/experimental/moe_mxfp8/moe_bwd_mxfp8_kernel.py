@@ -22,7 +22,8 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        never gathering a row twice), d_topk_weights is scattered by slot. Where all of I is one resident group,
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
-       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a). Under LNC2 a W_down loaded on use
+       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
+       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2 a W_down loaded on use
        (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first fence group: each core
        quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
@@ -310,17 +311,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
-    def per_block(e, descs, tiles, groups, block, skip):
+    def per_block(e, descs, tiles, groups, block, skip, single=None):
         """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
-        it when they fit (`groups` None), else per block for an expert with one block and, for one with more,
-        one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
-        are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
-        with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
+        it when they fit (`groups` None), else per block for an expert with one block (`single` instead of
+        `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
+        before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
+        last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
+        (both cores: identical trip counts)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
             block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
             return
-        ctx.loops.if_single(e, lambda i: last_block(i, block, panels_of(descs, tiles), skip[0]))
+        ctx.loops.if_single(e, lambda i: last_block(i, single or block, panels_of(descs, tiles), skip[0]))
 
         def per_group():
             for g in groups:
@@ -409,21 +411,31 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # scales; pass B loads them instead of transposing and quantizing every row on both cores. Needs pass A's chunks
     # to be pass B's (128 rows from a multiple of 128: B a multiple of 128 per core, so one writer per chunk) and pass
     # B's resident path (it runs only the chunks whose first position holds a routed pair, which pass A computed).
+    # Where W_down is loaded per block (a_skip[0] False: the DeepSeek-V3 rank), an expert with one block runs pass A
+    # over all of I for every row of the block (no padding skipped), so it makes the panels of every chunk pass B
+    # may read, whichever of pass B's paths runs; experts of more blocks run pass A per resident group of I tiles
+    # (no chunk's d_gate_up on chip whole) and pass B builds their panels from the bf16 rows (round 8c).
     ctx.d_gu_mx = None
     one_i_group = a_groups == None  # noqa: E711
-    if setup.is_mx and one_i_group and fits([b_desc(0)], [h0_tiles]) and ctx.B % (PARTITIONS * split.num_cores) == 0:
+    whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
+    every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
+    single_block_panels = whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+    if every_block_panels or single_block_panels:
         nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
         ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panels"),
                        nl.ndarray((ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panel_scales"))
 
-    def b_block(e, i, w, skip):
+    def b_block(e, i, w, skip, stored_panels):
         resident, flag_tiles = skip if skip else (False, 0)
-        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
+        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles,
+                                                stored_panels=stored_panels)
 
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip), b_skip)
+        per_block(e, [b_desc(e)], h_tiles, b_groups,
+                  lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, ctx.d_gu_mx != None))  # noqa: E711
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
