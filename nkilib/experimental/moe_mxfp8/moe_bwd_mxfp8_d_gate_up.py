@@ -2,6 +2,8 @@
 gate_pre / up when not given) and phase 1, dI = dY_b W_down[e] (K=H) with the SwiGLU derivative and the
 routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (and the gathered dY / X rows)
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot. Numerics: docs/moe.md, section 4.
+With gate_pre and up given (no recompute) X serves only pass C: a full block's X rows then go from hidden_states to
+the scratch by one HBM -> HBM indirect DMA per chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -78,13 +80,15 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width, values=True):
-        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels)."""
-        self.m = m
+    def __init__(self, ctx, m, width, values=True, direct_x=False):
+        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels).
+        direct_x: X's rows go to x_blocks HBM -> HBM in gather_rows (no recompute, a full block: round 8c)."""
+        self.m, self.direct_x = m, direct_x
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.dy_nat = _natural_rows(ctx, ctx.H)
-        self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
+        # (gather_deferred_x or direct_x: no recompute, X not needed on chip)
+        self.x_nat = None if ctx.defer_x or direct_x else _natural_rows(ctx, ctx.H)
         self.p, self.ckpts = None, None
         if values:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -102,12 +106,15 @@ class ChunkInputs(nl.NKIObject):
         m, H, first = self.m, ctx.H, ahead * ctx.B + r0
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
-        for nat, src in ((self.dy_nat, ctx.dy),) + (() if ctx.defer_x else ((self.x_nat, ctx.x),)):
+        for nat, src in ((self.dy_nat, ctx.dy),) + (() if self.x_nat == None else ((self.x_nat, ctx.x),)):  # noqa: E711
             if not full:
                 nisa.memset(dst=nat[:m, :], value=0.0)
             elif nat.shape[1] > H:
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
+        if self.direct_x:  # after dY's gather, which the chunk's dI waits for
+            kernel_assert(full, "X's rows go HBM -> HBM only for a full block (padding rows must be zeroed)")
+            ctx.gather_to_blocks(ctx.x_blocks, i, first, m, ctx.x, self.ids)
 
     def gather_pair_values(self, ctx, full):
         """p and the given checkpoints by slot (gather's second part)."""
@@ -139,7 +146,9 @@ class RowChunk(nl.NKIObject):
         if inputs == None and i_lo == 0:  # noqa: E711
             # rows only: p and the checkpoints are gathered after the panels below, as before round 7c (every
             # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2)
-            inputs = ChunkInputs(ctx, m, width, values=False)
+            # with no recompute, a full block's X rows go HBM -> HBM to x_blocks (the gather into SBUF and the copy
+            # out moved them twice through the DMA queues; round 8c)
+            inputs = ChunkInputs(ctx, m, width, values=False, direct_x=full and ctx.x_copy_only and not ctx.defer_x)
             inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
@@ -148,7 +157,7 @@ class RowChunk(nl.NKIObject):
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            if not ctx.defer_x:
+            if x_nat != None:  # noqa: E711  (else gathered HBM -> HBM or deferred)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
             self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
@@ -361,6 +370,9 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 
     def chunk(i, r0, m, full):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
+            ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
+            return
         nat = _natural_rows(ctx, ctx.H)
         if not full:
             nisa.memset(dst=nat[:m, :], value=0.0)
@@ -375,8 +387,13 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
 
+    def last_block(i):  # full when its final position holds a routed pair: then HBM -> HBM like the blocks before
+        flag = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+        ctx.if_flag(flag, 1, lambda: block(i, True))
+        ctx.if_flag(flag, 1, lambda: block(i, False), complement=True)
+
     nl.fori_loop(b_lo, last, lambda i: block(i, True))
-    nl.fori_loop(last, b_hi, lambda i: block(i, False))
+    nl.fori_loop(last, b_hi, last_block)
 
 
 def _zero_rows(ctx, i, r0, m, i_lo, i_hi):

@@ -160,6 +160,14 @@ class MoeContext(nl.NKIObject):
         view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
 
+    def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
+        """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing
+        passes through SBUF: the DMA engines move the bytes once instead of in and out). Only for rows that all hold
+        a routed pair: a skipped padding sentinel would leave its scratch row unwritten."""
+        row = src2d.shape[1]
+        view = src2d.ap([[row, m], [1, row]], offset=0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, 0, row), src=view, oob_mode=nisa.oob_mode.skip)
+
     def block_tiles(self, scratch, i, r0, tiles):
         """View [128, tiles, F / tiles] of rows r0..r0+128 of block i of a [N, B, F] scratch: one stored panel's
         allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p)."""
@@ -371,7 +379,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # with gate_pre and up given, pass A gathers X only for pass C's x_blocks copy: the pipeline leaves it to a loop
     # at the end of the segment before the expert's (behind B and C, where GpSimd idles; before the fence, since
     # C(e) reads both cores' rows): round 7c
-    ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
+    ctx.x_copy_only = ctx.gate_pre != None and ctx.up != None  # noqa: E711  (no recompute: X serves pass C only)
+    ctx.defer_x = pipelined and ctx.x_copy_only
 
     def x_ahead(experts):
         """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
