@@ -23,9 +23,9 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
        and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
-       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2 a W_down loaded on use
-       (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first fence group: each core
-       quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
+       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2
+       a W_down loaded on use (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first
+       fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows.
