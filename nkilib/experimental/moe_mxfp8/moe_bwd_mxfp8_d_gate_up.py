@@ -2,8 +2,9 @@
 gate_pre / up when not given) and phase 1, dI = dY_b W_down[e] (K=H) with the SwiGLU derivative and the
 routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (and the gathered dY / X rows)
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot. Numerics: docs/moe.md, section 4.
-With gate_pre and up given (no recompute) X serves only pass C: a full block's X rows then go from hidden_states to
-the scratch by one HBM -> HBM indirect DMA per chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
+With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
+the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
+chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -80,15 +81,13 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width, values=True, direct_x=False):
-        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels).
-        direct_x: X's rows go to x_blocks HBM -> HBM in gather_rows (no recompute, a full block: round 8c)."""
-        self.m, self.direct_x = m, direct_x
+    def __init__(self, ctx, m, width, values=True):
+        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels)."""
+        self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.dy_nat = _natural_rows(ctx, ctx.H)
-        # (gather_deferred_x or direct_x: no recompute, X not needed on chip)
-        self.x_nat = None if ctx.defer_x or direct_x else _natural_rows(ctx, ctx.H)
+        self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
         self.p, self.ckpts = None, None
         if values:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -112,9 +111,6 @@ class ChunkInputs(nl.NKIObject):
             elif nat.shape[1] > H:
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
-        if self.direct_x:  # after dY's gather, which the chunk's dI waits for
-            kernel_assert(full, "X's rows go HBM -> HBM only for a full block (padding rows must be zeroed)")
-            ctx.gather_to_blocks(ctx.x_blocks, i, first, m, ctx.x, self.ids)
 
     def gather_pair_values(self, ctx, full):
         """p and the given checkpoints by slot (gather's second part)."""
@@ -146,9 +142,7 @@ class RowChunk(nl.NKIObject):
         if inputs == None and i_lo == 0:  # noqa: E711
             # rows only: p and the checkpoints are gathered after the panels below, as before round 7c (every
             # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2)
-            # with no recompute, a full block's X rows go HBM -> HBM to x_blocks (the gather into SBUF and the copy
-            # out moved them twice through the DMA queues; round 8c)
-            inputs = ChunkInputs(ctx, m, width, values=False, direct_x=full and ctx.x_copy_only and not ctx.defer_x)
+            inputs = ChunkInputs(ctx, m, width, values=False)
             inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
@@ -157,7 +151,7 @@ class RowChunk(nl.NKIObject):
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            if x_nat != None:  # noqa: E711  (else gathered HBM -> HBM or deferred)
+            if x_nat != None:  # noqa: E711  (else deferred: gather_deferred_x)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
             self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)

@@ -379,8 +379,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # with gate_pre and up given, pass A gathers X only for pass C's x_blocks copy: the pipeline leaves it to a loop
     # at the end of the segment before the expert's (behind B and C, where GpSimd idles; before the fence, since
     # C(e) reads both cores' rows): round 7c
-    ctx.x_copy_only = ctx.gate_pre != None and ctx.up != None  # noqa: E711  (no recompute: X serves pass C only)
-    ctx.defer_x = pipelined and ctx.x_copy_only
+    ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
 
     def x_ahead(experts):
         """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
