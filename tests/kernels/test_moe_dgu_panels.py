@@ -13,12 +13,16 @@ pass B built before (the same panel_from_rows on the same rows), so the outputs 
 |                                       | tiles with packing, five without), clamped                         |            |
 | test_unaligned_rows_keep_pass_b_panels| B = 128 under LNC2 (64 rows per core in pass A): no panels stored, | LNC2       |
 |                                       | pass B transposes and quantizes as before                          |            |
+| test_single_block_experts_panels      | weights loaded on use (the DeepSeek-V3 rank's path, round 8c):     | LNC1, LNC2 |
+|                                       | one-block experts (full and padded) take pass A's panels, the      |            |
+|                                       | two-block expert's pass B builds its own; bit-exact                |            |
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
@@ -103,3 +107,33 @@ def test_unaligned_rows_keep_pass_b_panels():
     assert not _touches(trace, PANELS, "writes")
     b = _pass(trace, "B")
     assert [r for r in b if r.instr == "nc_transpose"] and [r for r in b if r.instr == "quantize_mx"]
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_single_block_experts_panels(monkeypatch, lnc):
+    """No resident budget (W_down and W_gu loaded on use, pass A's I tiles in resident groups: the DeepSeek-V3 rank's
+    path), B = 256, k = 1, H = 2048 (LNC2: two H tiles per core), I = 544 (2I = 1088: three K tiles, zero columns up to 1536). Experts of 256 (one
+    full block), 100 (one block, its second chunk padding only), 300 (two blocks), 0 and 80 pairs. Pass A computes all
+    of I for every row of a one-block expert and stores its chunks' panels; pass B loads them for those experts (both
+    chunks of each block, padding-only ones too: pass A computed them) and builds the two-block expert's panels from
+    its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on this path."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 736, 5, 2048, 544, 256
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 80], axis=0)
+    ids = ids[np.random.default_rng(29).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    out, trace = _run(kernel, lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"one-block experts' panels, LNC{lnc} vs mx_exact")
+    a, b = _pass(trace, "A"), _pass(trace, "B")
+    stored, loaded = _touches(a, PANELS, "writes"), _touches(b, PANELS, "reads")
+    single_chunks = 3 * (B // 128)  # experts 0, 1 and 4: one block of two 128-row chunks each
+    assert len(stored) == single_chunks and len(_touches(a, SCALES, "writes")) == single_chunks, len(stored)
+    assert len(loaded) == single_chunks * lnc, (len(loaded), lnc)
+    for p in range(lnc):  # each core stores its own chunks (LNC2: one of every block's two)
+        assert len([r for r in stored if r.program == p]) == single_chunks // lnc, p
+    # pass B still transposes and quantizes the two-block expert's rows, read from the bf16 scratch once per
+    # resident group of its H tiles: its 2 blocks x 2 chunks per core and group
+    assert [r for r in b if r.instr == "nc_transpose"] and [r for r in b if r.instr == "quantize_mx"]
+    bf16_reads = _touches([r for r in b if r.instr == "dma_copy"], "moe_bwd_d_gate_up", "reads")
+    assert bf16_reads and len(bf16_reads) % (2 * (B // 128) * lnc) == 0, len(bf16_reads)

@@ -2,6 +2,9 @@
 gate_pre / up when not given) and phase 1, dI = dY_b W_down[e] (K=H) with the SwiGLU derivative and the
 routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (and the gathered dY / X rows)
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot. Numerics: docs/moe.md, section 4.
+With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
+the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
+chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -102,7 +105,7 @@ class ChunkInputs(nl.NKIObject):
         m, H, first = self.m, ctx.H, ahead * ctx.B + r0
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
-        for nat, src in ((self.dy_nat, ctx.dy),) + (() if ctx.defer_x else ((self.x_nat, ctx.x),)):
+        for nat, src in ((self.dy_nat, ctx.dy),) + (() if self.x_nat == None else ((self.x_nat, ctx.x),)):  # noqa: E711
             if not full:
                 nisa.memset(dst=nat[:m, :], value=0.0)
             elif nat.shape[1] > H:
@@ -148,7 +151,7 @@ class RowChunk(nl.NKIObject):
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
             nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            if not ctx.defer_x:
+            if x_nat != None:  # noqa: E711  (else deferred: gather_deferred_x)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
             self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
@@ -367,6 +370,9 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 
     def chunk(i, r0, m, full):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
+            ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
+            return
         nat = _natural_rows(ctx, ctx.H)
         if not full:
             nisa.memset(dst=nat[:m, :], value=0.0)
@@ -381,8 +387,13 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
 
+    def last_block(i):  # full when its final position holds a routed pair: then HBM -> HBM like the blocks before
+        flag = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+        ctx.if_flag(flag, 1, lambda: block(i, True))
+        ctx.if_flag(flag, 1, lambda: block(i, False), complement=True)
+
     nl.fori_loop(b_lo, last, lambda i: block(i, True))
-    nl.fori_loop(last, b_hi, lambda i: block(i, False))
+    nl.fori_loop(last, b_hi, last_block)
 
 
 def _zero_rows(ctx, i, r0, m, i_lo, i_hi):

@@ -136,7 +136,8 @@ def resident_tile_groups(tiles, ops, setup, count=0):
     return groups + [[]] * (count - len(groups))
 
 
-def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None):
+def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None,
+                                            stored_panels=None):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
@@ -153,16 +154,24 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
     read-modify-write (one descriptor per row). only_chunks (resident weights only): the indices of the 128-row
     chunks to run, None for all (pass B in pieces between pass A's chunks: moe_bwd_mxfp8_interleave.py).
+
+    Args:
+        stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
+            transposing and quantizing the bf16 rows; None: whenever the kernel made them.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
     two_i = 2 * ctx.I
     tiles = w_gu.tiles
+    if stored_panels == None:  # noqa: E711
+        stored_panels = ctx.d_gu_mx != None  # noqa: E711
+    kernel_assert(not stored_panels or ctx.d_gu_mx != None,  # noqa: E711
+                  f"pass B reads pass A's d_gate_up panels of block {i} but the kernel made none")
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
 
     def chunk_panel(r0, m):
-        if ctx.d_gu_mx != None:  # noqa: E711  quantized by pass A (round 7a): words and scales as stored
+        if stored_panels:  # quantized by pass A (rounds 7a, 8c): words and scales as stored
             kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
                           f"pass A's d_gate_up panels cover 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
             words, scales = ctx.d_gu_mx

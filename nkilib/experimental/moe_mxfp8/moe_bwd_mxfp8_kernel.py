@@ -22,9 +22,10 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        never gathering a row twice), d_topk_weights is scattered by slot. Where all of I is one resident group,
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
-       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a). Under LNC2 a W_down loaded on use
-       (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first fence group: each core
-       quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
+       and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
+       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2
+       a W_down loaded on use (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first
+       fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows. With pass A's chunk pipeline
@@ -163,6 +164,14 @@ class MoeContext(nl.NKIObject):
         view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
 
+    def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
+        """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing
+        passes through SBUF: the DMA engines move the bytes once instead of in and out). Only for rows that all hold
+        a routed pair: a skipped padding sentinel would leave its scratch row unwritten."""
+        row = src2d.shape[1]
+        view = src2d.ap([[row, m], [1, row]], offset=0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, 0, row), src=view, oob_mode=nisa.oob_mode.skip)
+
     def block_tiles(self, scratch, i, r0, tiles):
         """View [128, tiles, F / tiles] of rows r0..r0+128 of block i of a [N, B, F] scratch: one stored panel's
         allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p)."""
@@ -232,17 +241,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
-    def per_block(e, descs, tiles, groups, block, skip):
+    def per_block(e, descs, tiles, groups, block, skip, single=None):
         """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
-        it when they fit (`groups` None), else per block for an expert with one block and, for one with more,
-        one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows
-        are read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped
-        with those panels (False: not), decided on core 0's share (both cores: identical trip counts)."""
+        it when they fit (`groups` None), else per block for an expert with one block (`single` instead of
+        `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
+        before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
+        last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
+        (both cores: identical trip counts)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
             block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
             return
-        ctx.loops.if_single(e, lambda i: last_block(i, block, panels_of(descs, tiles), skip[0]))
+        ctx.loops.if_single(e, lambda i: last_block(i, single or block, panels_of(descs, tiles), skip[0]))
 
         def per_group():
             for g in groups:
@@ -332,21 +342,31 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # scales; pass B loads them instead of transposing and quantizing every row on both cores. Needs pass A's chunks
     # to be pass B's (128 rows from a multiple of 128: B a multiple of 128 per core, so one writer per chunk) and pass
     # B's resident path (it runs only the chunks whose first position holds a routed pair, which pass A computed).
+    # Where W_down is loaded per block (a_skip[0] False: the DeepSeek-V3 rank), an expert with one block runs pass A
+    # over all of I for every row of the block (no padding skipped), so it makes the panels of every chunk pass B
+    # may read, whichever of pass B's paths runs; experts of more blocks run pass A per resident group of I tiles
+    # (no chunk's d_gate_up on chip whole) and pass B builds their panels from the bf16 rows (round 8c).
     ctx.d_gu_mx = None
     one_i_group = a_groups == None  # noqa: E711
-    if setup.is_mx and one_i_group and fits([b_desc(0)], [h0_tiles]) and ctx.B % (PARTITIONS * split.num_cores) == 0:
+    whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
+    every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
+    single_block_panels = whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+    if every_block_panels or single_block_panels:
         nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
         ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panels"),
                        nl.ndarray((ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panel_scales"))
 
-    def b_block(e, i, w, skip):
+    def b_block(e, i, w, skip, stored_panels):
         resident, flag_tiles = skip if skip else (False, 0)
-        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles)
+        compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles,
+                                                stored_panels=stored_panels)
 
     def pass_b(e):
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip), b_skip)
+        per_block(e, [b_desc(e)], h_tiles, b_groups,
+                  lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, ctx.d_gu_mx != None))  # noqa: E711
 
     # pass B(e) in pieces between the chunks of the segment's pipelined pass A(a) (round 8a, moe_bwd_mxfp8_interleave)
     # where both passes' resident weight panels fit INTERLEAVE_PANEL_BUDGET_BYTES together: B's matmuls then queue on

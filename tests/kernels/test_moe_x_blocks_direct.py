@@ -1,0 +1,120 @@
+"""Pass C's block-ordered X copy written HBM -> HBM (docs/moe.md section 10, round 8c): with gate_pre and up given, pass
+A needs no X on chip (no recompute), and its chunk pipeline gathers X for x_blocks in a loop of its own
+(gather_deferred_x); there a full block's X rows go from hidden_states to x_blocks by one indirect DMA per chunk (the
+gather by token id straight into the scratch) instead of a gather into SBUF and a copy out, which moved the same bytes
+twice through the DMA queues. A block holding padding keeps the SBUF path (its padding rows must be zeros, and a
+skipped sentinel would leave its scratch row unwritten). Pass A's unpipelined path (the DeepSeek-V3 rank's) keeps the
+copy through SBUF: the direct copy there cost the full rank 1.7% (round 8c). The bytes of x_blocks are the same, so
+the outputs equal mx_exact.
+
+| test                                | what                                                               | fixed      |
+|-------------------------------------|--------------------------------------------------------------------|------------|
+| test_pipeline_copies_x_directly     | pipelined pass A, every block full: every X row reaches x_blocks   | LNC1, LNC2 |
+|                                     | HBM -> HBM (last blocks too), none through SBUF; bit-exact         |            |
+| test_padded_blocks_keep_sbuf_path   | pipeline, full and padded blocks: full ones direct, padded ones    | LNC1, LNC2 |
+|                                     | through SBUF; bit-exact                                            |            |
+| test_unpipelined_keeps_sbuf_path    | B = 256 under LNC2, and weights loaded on use: no HBM -> HBM copy  | LNC2       |
+| test_recompute_keeps_x_on_chip      | up not given (X recomputes it): no HBM -> HBM copy                 | LNC2       |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import moe_case
+
+CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
+X_BLOCKS = "moe_bwd_x_blocks"
+
+
+def _run(kernel_kwargs, lnc):
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel_kwargs, lnc=lnc, grid_ndim=1, trace=True)
+    return tuple(np.asarray(o) for o in res.outputs), res.trace
+
+
+def _x_writes(trace):
+    """(direct, through_sbuf): DMAs writing x_blocks that read hidden_states (HBM -> HBM) / anything else."""
+    writes = [r for r in trace if any(getattr(t, "name", "") == X_BLOCKS for t in r.writes)]
+    direct = [r for r in writes if any(getattr(t, "name", "") == "hidden_states" for t in r.reads)]
+    return direct, [r for r in writes if r not in direct]
+
+
+def _full_blocks(kernel, B, T):
+    used = int(kernel["expert_block_offsets"][-1])
+    ids = np.asarray(kernel["token_position_to_id"]).reshape(-1, B)[:used]
+    return int((ids < T).all(axis=1).sum()), used
+
+
+def _balanced_case(B, H=128, I=96, seed=53):
+    """k = 1, every expert's pairs a multiple of B (all blocks full): expert 0 one block, expert 2 three, expert 1 none."""
+    T = 4 * B
+    ids = np.repeat(np.array([[0], [2]], np.int32), [B, 3 * B], axis=0)
+    ids = ids[np.random.default_rng(seed).permutation(T)]
+    kernel, ref = moe_case(T, 3, H, I, ids, seed=59, block_size=B, checkpoints=CHECKPOINTS)
+    full, used = _full_blocks(kernel, B, T)
+    assert full == used == 4, (full, used)
+    return kernel, ref, used
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_pipeline_copies_x_directly(lnc):
+    """B = 512 (the pipeline under LNC1 and LNC2): every chunk's X rows go HBM -> HBM once (one DMA of 128 rows per
+    chunk, each core its own chunks), the expert's last block included (its final position tested at run time), and
+    no x_blocks row is written from SBUF."""
+    B = 512
+    kernel, ref, used = _balanced_case(B)
+    out, trace = _run(kernel, lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"X copied HBM -> HBM, LNC{lnc} vs mx_exact")
+    direct, through_sbuf = _x_writes(trace)
+    assert not through_sbuf, [(r.instr, [getattr(t, "name", "") for t in r.reads]) for r in through_sbuf][:4]
+    assert len(direct) == used * (B // 128), (len(direct), used)
+    for p in range(lnc):
+        assert len([r for r in direct if r.program == p]) == used * (B // 128) // lnc, p
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_padded_blocks_keep_sbuf_path(lnc):
+    """B = 512, k = 2: expert 0 takes every token (two full blocks), expert 1 the first 700 (a full and a padded
+    block), expert 2 the other 324 (a padded block), expert 3 none. The three full blocks' chunks go HBM -> HBM, the
+    padded blocks' through SBUF (their padding rows zeros), and the outputs equal mx_exact."""
+    T, E, H, I, B = 1024, 4, 64, 96, 512
+    ids = np.zeros((T, 2), np.int32)
+    ids[:700, 1], ids[700:, 1] = 1, 2
+    kernel, ref = moe_case(T, E, H, I, ids, seed=23, block_size=B, checkpoints=CHECKPOINTS)
+    full, used = _full_blocks(kernel, B, T)
+    assert (full, used) == (3, 5), (full, used)
+    out, trace = _run(kernel, lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"padded blocks, LNC{lnc} vs mx_exact")
+    direct, through_sbuf = _x_writes(trace)
+    assert len(direct) == full * (B // 128), (len(direct), full)
+    assert through_sbuf
+
+
+@pytest.mark.parametrize("on_use", [False, True])
+def test_unpipelined_keeps_sbuf_path(monkeypatch, on_use):
+    """B = 256 under LNC2 (one chunk per core: no pipeline) and, on_use, no resident budget (weights loaded per block,
+    I = 544 in resident groups: the DeepSeek-V3 rank's path): pass A gathers X into SBUF and copies it out."""
+    if on_use:
+        monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    kernel, ref, _ = _balanced_case(256, H=1024 if on_use else 128, I=544 if on_use else 96)
+    out, trace = _run(kernel, 2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"unpipelined (on use {on_use}), LNC2 vs mx_exact")
+    direct, through_sbuf = _x_writes(trace)
+    assert not direct and through_sbuf, (len(direct), len(through_sbuf))
+
+
+def test_recompute_keeps_x_on_chip():
+    """up recomputed from X (K = H), B = 512 under LNC2: X is needed on chip, so its rows are gathered into SBUF and
+    copied out as before (no deferred loop)."""
+    T, E, k, H, I, B = 1024, 2, 1, 128, 96, 512
+    ids = np.repeat(np.array([[0], [1]], np.int32), [512, 512], axis=0)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=31, block_size=B, checkpoints=("gate_pre",))
+    out, trace = _run(kernel, 2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "recompute, LNC2 vs mx_exact")
+    direct, through_sbuf = _x_writes(trace)
+    assert not direct and through_sbuf, (len(direct), len(through_sbuf))
