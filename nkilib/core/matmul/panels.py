@@ -380,6 +380,60 @@ def _natural_groups(tiles, setup):
     return [list(range(g, min(g + per, len(tiles)))) for g in range(0, len(tiles), per)]
 
 
+class PanelLoad(nl.NKIObject):
+    """The MXFP8 panel of a [K, F] bf16 operand (k_axis=0) for K tiles [t_lo, t_hi), loaded in steps: advance(count)
+    issues the next `count` K tiles' quantizes, finish() the rest and returns the Panel. load_panel runs it in one
+    go; PanelSource.load_ahead advances it a few K tiles at a time (MatmulPlan's interleave_first_loads: the first
+    tile's stationary and moving panels, one K tile of each in turn).
+
+    Each K tile is DMAed into a ring of staging tiles (`ring`, default a fresh STAGING_BUFFERS ring), issued up to
+    STAGING_BUFFERS K tiles ahead of its quantize. The ring is placed before the panel's words, so it frees one
+    contiguous block when the panel is done (no staging-sized holes between the words: next-fit placement). A
+    caller's ring (PanelSource: one per operand) is shared by its successive loads, so a load's DMAs wait for the
+    quantizes of the previous load's K tiles instead of every load of a phase start sharing the DMA bandwidth at
+    once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
+    """
+
+    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, pieces=False, builder=None):
+        self.tiles = k_tiles(op.k_size, setup)
+        t_hi = len(self.tiles) if t_hi < 0 else t_hi
+        if builder == None:  # noqa: E711  (load_panel passes its own)
+            builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, pieces=pieces)
+        self.op, self.f0, self.f_size, self.f_pad, self.setup = op, f0, f_size, f_pad, setup
+        self.builder, self.t_lo, self.t_hi = builder, t_lo, t_hi
+        self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
+        self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
+        self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
+        self.next = t_lo  # the next K tile to quantize
+        for t in range(t_lo, min(t_hi, t_lo + self.ahead)):
+            self._stage(t)
+
+    def _stage(self, t) -> None:
+        k0, valid, padded = self.tiles[t]
+        stage = self.ring.take((PARTITIONS, MX_PACK, self.f_pad))
+        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, self.f0, self.f_size, self.f_pad,
+                                                    self.setup, stage)
+
+    def remaining(self) -> int:
+        """K tiles not quantized yet."""
+        return self.t_hi - self.next
+
+    def advance(self, count: int) -> None:
+        """Quantize the next `count` K tiles (fewer when fewer remain), staging the ones `ahead` of them."""
+        for _ in range(min(count, self.remaining())):
+            t = self.next
+            src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
+            self.builder.add_mx(t, self.tiles[t][2], src)
+            src = None
+            if t + self.ahead < self.t_hi:
+                self._stage(t + self.ahead)
+            self.next = t + 1
+
+    def finish(self) -> Panel:
+        self.advance(self.remaining())
+        return self.builder.panel()
+
+
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
                ring=None, split: bool = False, pieces: bool = False) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
@@ -426,31 +480,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
                 builder.add_natural(t, tiles[t], chunks, f_size)
         return builder.panel()
     if setup.is_mx and not op.prequantized:
-        # [K, F] operand: DMA into a ring of STAGING_BUFFERS staging tiles, issued STAGING_BUFFERS K tiles
-        # ahead of the quantizes. The ring is placed before the panel's words, so it frees one contiguous
-        # block when the panel is done (no staging-sized holes between the words: next-fit placement).
-        # A caller's ring (PanelSource: one per operand) is shared by its successive loads, so a load's DMAs
-        # wait for the quantizes of the previous load's K tiles instead of every load of a phase start
-        # sharing the DMA bandwidth at once.
-        if ring == None:  # noqa: E711
-            ring = LoadRing(STAGING_BUFFERS)
-        staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
-        ahead = min(STAGING_BUFFERS, ring.size)  # a smaller ring: a K tile's stage is not retaken before its quantize
-
-        def stage_tile(t):
-            k0, valid, padded = tiles[t]
-            stage = ring.take((PARTITIONS, MX_PACK, f_pad))
-            staged[t - t_lo] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage)
-
-        for t in range(t_lo, min(t_hi, t_lo + ahead)):
-            stage_tile(t)
-        for t in range(t_lo, t_hi):
-            src, staged[t - t_lo] = staged[t - t_lo], None
-            builder.add_mx(t, tiles[t][2], src)
-            src = None
-            if t + ahead < t_hi:
-                stage_tile(t + ahead)
-        return builder.panel()
+        # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
+        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:
