@@ -33,6 +33,7 @@ TRACED_MODULES = (
     "core/matmul/descriptor.py",
     "core/matmul/panels.py",
     "core/matmul/plan.py",
+    "core/matmul/row_panels.py",
     "core/matmul/sources.py",
 )
 
