@@ -231,7 +231,7 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
         plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
                           StoreEpilogue(out, dtype), lead_n_major=True,
-                          interleave_first_loads=True)
+                          interleave_first_loads=True, stationary_lookahead=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
