@@ -120,3 +120,62 @@ def test_panel_source_large_panel_words_in_pieces():
     assert big[0] == big[1] and big[2] == big[3] and len(set(big)) == 3
     small = _quantize_destinations(kernel, randn(3, (2560, 1024), BF16))
     assert len(small) == 5 and len(set(small)) == 1
+
+
+@nki.jit
+def _interleaved_matmul_kernel(a, b, interleave):
+    """out [M, N] = a [K, M]ᵀ @ b [K, N] through two PanelSources; interleave: both panels begun by load_ahead and
+    quantized one K tile of each in turn (MatmulPlan's interleave_first_loads), else loaded by get one after the
+    other."""
+    K, M = a.shape
+    N = b.shape[1]
+    st = PanelSource(TensorDescriptor(a, k_axis=0), MX, pad_even=True, keep_all=True)
+    mv = PanelSource(TensorDescriptor(b, k_axis=0), MX, pad_even=False, keep_all=False)
+    if interleave:
+        for t in range(1, K // 512 + 1):
+            st.load_ahead(0, M, t)
+            mv.load_ahead(0, N, t)
+    return matmul_panels_to_hbm(st.get(0, M), mv.get(0, N), MX, M, N)  # K=K, M=M, N=N
+
+
+def _quantized_operands(kernel, **kwargs):
+    """Names of the HBM operands whose staged K tiles quantize_mx reads, in program order (each staging tile's
+    operand is the one its latest DMA read)."""
+    res = run_kernel(kernel.fn, kwargs=kwargs, trace=True)
+    staged_from, order = {}, []
+    for r in res.trace:
+        if r.instr == "dma_copy":
+            hbm = [o.name for o in r.reads if o.buffer.endswith("hbm")]
+            if hbm:
+                staged_from[r.writes[0].storage_id] = hbm[0]
+        elif r.instr == "quantize_mx":
+            order.append(staged_from[r.reads[0].storage_id])
+    return order
+
+
+def test_load_ahead_interleaves_two_panels_with_the_same_bits():
+    """PanelSource.load_ahead / PanelLoad: two [K, F] MXFP8 panels (K = 2048: 4 K tiles) begun together and quantized
+    one K tile of each in turn give the contract's bits, as get's one-after-the-other loads do; the quantizes
+    alternate between the operands (a, b, a, b, ...) instead of all of a's first."""
+    a, b = randn(4, (2048, 64), BF16), randn(5, (2048, 96), BF16)
+    want = contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32")
+    for interleave in (False, True):
+        out = simulate(_interleaved_matmul_kernel, 1, a=a, b=b, interleave=interleave)
+        assert_outputs_identical((out,), (want,), f"interleave={interleave}")
+    assert _quantized_operands(_interleaved_matmul_kernel, a=a, b=b, interleave=False) == ["a"] * 4 + ["b"] * 4
+    assert _quantized_operands(_interleaved_matmul_kernel, a=a, b=b, interleave=True) == ["a", "b"] * 4
+
+
+def test_load_ahead_refuses_a_k_contiguous_source():
+    """load_ahead steps the staged [K, F] path only; a K-contiguous operand (PE transposes) is refused with the
+    source's values in the message."""
+    import pytest
+
+    def body():
+        src = PanelSource(TensorDescriptor(nl.ndarray((128, 512), dtype=nl.bfloat16, buffer=nl.shared_hbm),
+                                           k_axis=1), MX, pad_even=True, keep_all=True)
+        assert not src.can_load_ahead()
+        with pytest.raises(AssertionError, match="k_axis=1"):
+            src.load_ahead(0, 128, 1)
+
+    in_kernel(body)

@@ -133,3 +133,46 @@ def test_plan_with_moving_panel_words_in_pieces():
     a, b = randn(6, (M, K), BF16), randn(7, (K, N), BF16)
     got = simulate(_large_moving_panel_kernel, 1, a=a, b=b)
     assert_outputs_identical((got,), (contract_mm(a, b, "mxfp8", "float8_e4m3fn", "1x32"),), "pieces")
+
+
+_KEPT = []  # per trace of _kept_stationary_kernel: whether its plan kept the stationary operand whole
+
+
+@nki.jit
+def _kept_stationary_kernel(a, b, lookahead):
+    """out [M, N] = a [K, M]ᵀ @ b [K, N] with a kept whole (the resident-operand rule, forced by the caller's budgets)
+    and b's panels streamed n-major; lookahead: MatmulPlan's stationary_lookahead."""
+    M, N = a.shape[1], b.shape[1]
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    plan = MatmulPlan([TensorDescriptor(a, k_axis=0)], [TensorDescriptor(b, k_axis=0)], M, N, _setup("mxfp8"),
+                      MatmulConfig(m_tile=128, n_tile=512), CoreSplit(1, 0), StoreEpilogue(out, nl.float32),
+                      stationary_lookahead=lookahead)
+    _KEPT.append(plan.stationary[0].keep_all and not plan.keep_moving)
+    plan.step("all")
+    return out
+
+
+def test_stationary_lookahead_loads_the_next_super_panel_early(monkeypatch):
+    """stationary_lookahead: a kept-whole stationary operand's panels load STATIONARY_LOOKAHEAD_TILES tiles ahead
+    (TP1's phase 4, modeled 4.616 -> 4.603 ms). M = 1024: two 512-column super-panels of four 128-row m tiles; the
+    second one's DMAs follow the first tile's matmul instead of the fourth's; the bits are the contract's."""
+    from nkilib.core.matmul import plan as plan_module
+    from nkilib.simulator.launcher import run_kernel
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # neither fits: keep the smaller (a) whole
+    K, M, N = 512, 1024, 2048
+    a, b = randn(8, (K, M), BF16), randn(9, (K, N), BF16)
+    want = contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32")
+    matmuls_before = []
+    for lookahead in (False, True):
+        res = run_kernel(_kept_stationary_kernel.fn, kwargs=dict(a=a, b=b, lookahead=lookahead), trace=True)
+        assert _KEPT[-1], "the plan must keep a whole"
+        assert_outputs_identical((res.outputs,), (want,), f"lookahead={lookahead}")
+        matmuls = 0
+        for r in res.trace:
+            if r.instr == "nc_matmul_mx":
+                matmuls += 1
+            elif r.instr == "dma_copy" and any(o.name == "a" and o.byte_lo % (M * 2) >= 512 * 2 for o in r.reads):
+                break
+        matmuls_before.append(matmuls)
+    assert matmuls_before == [4, 1], matmuls_before

@@ -1,6 +1,6 @@
 """Pass B's stationary d_gate_up panels made by pass A (docs/moe.md section 10, round 7a): where pass A holds all of a
 128-row chunk's d_gate_up on chip (all of I in one group), it transposes and quantizes the chunk along 2I once (each
-core its own rows) and stores the panel's words and scales (core/matmul/panels.store_panel_tiles); pass B loads them
+core its own rows) and stores the panel's words and scales (core/matmul/row_panels.store_panel_tiles); pass B loads them
 (load_panel_tiles) instead of transposing and quantizing every row on both cores. The bits are those of the panel
 pass B built before (the same panel_from_rows on the same rows), so the outputs equal mx_exact.
 

@@ -21,6 +21,7 @@ ROOT = pathlib.Path(nkilib.__file__).parent
 TRACED_MODULES = (
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/api.py",
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/config.py",
+    "experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_epilogue.py",
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
     "experimental/moe_mxfp8/moe_bwd_mxfp8_kernel.py",
     "experimental/moe_mxfp8/moe_bwd_mxfp8_weight_grads.py",
@@ -32,6 +33,7 @@ TRACED_MODULES = (
     "core/matmul/descriptor.py",
     "core/matmul/panels.py",
     "core/matmul/plan.py",
+    "core/matmul/row_panels.py",
     "core/matmul/sources.py",
 )
 

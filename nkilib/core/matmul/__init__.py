@@ -2,14 +2,16 @@
 
 descriptor.py: operand descriptors (TensorDescriptor) and numeric setup (MatmulSetup);
 panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transposes) -> PSUM matmuls;
+row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
 plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps), CoreSplit, StoreEpilogue;
 constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
-from .panels import (Panel, PanelSlots, k_tiles, load_panel, matmul_panels,  # noqa: F401
-                     panel_bytes_per_partition, panel_columns, panel_from_row_loader, panel_from_rows,
-                     panel_layout_hbm, panel_tile_widths, panels_from_row_blocks, single_k_tile, stage_row_block,
-                     store_k_tile, store_panel_tiles, load_panel_tiles)
+from .panels import (Panel, PanelLoad, k_tiles, load_panel, matmul_panels,  # noqa: F401
+                     panel_bytes_per_partition, panel_columns, panel_layout_hbm, single_k_tile, stage_row_block,
+                     store_k_tile)
+from .row_panels import (PanelSlots, load_panel_tiles, panel_from_row_loader, panel_from_rows,  # noqa: F401
+                         panel_tile_widths, panels_from_row_blocks, store_panel_tiles)
 from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F401
 from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401

@@ -380,6 +380,60 @@ def _natural_groups(tiles, setup):
     return [list(range(g, min(g + per, len(tiles)))) for g in range(0, len(tiles), per)]
 
 
+class PanelLoad(nl.NKIObject):
+    """The MXFP8 panel of a [K, F] bf16 operand (k_axis=0) for K tiles [t_lo, t_hi), loaded in steps: advance(count)
+    issues the next `count` K tiles' quantizes, finish() the rest and returns the Panel. load_panel runs it in one
+    go; PanelSource.load_ahead advances it a few K tiles at a time (MatmulPlan's interleave_first_loads: the first
+    tile's stationary and moving panels, one K tile of each in turn).
+
+    Each K tile is DMAed into a ring of staging tiles (`ring`, default a fresh STAGING_BUFFERS ring), issued up to
+    STAGING_BUFFERS K tiles ahead of its quantize. The ring is placed before the panel's words, so it frees one
+    contiguous block when the panel is done (no staging-sized holes between the words: next-fit placement). A
+    caller's ring (PanelSource: one per operand) is shared by its successive loads, so a load's DMAs wait for the
+    quantizes of the previous load's K tiles instead of every load of a phase start sharing the DMA bandwidth at
+    once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
+    """
+
+    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, pieces=False, builder=None):
+        self.tiles = k_tiles(op.k_size, setup)
+        t_hi = len(self.tiles) if t_hi < 0 else t_hi
+        if builder == None:  # noqa: E711  (load_panel passes its own)
+            builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, pieces=pieces)
+        self.op, self.f0, self.f_size, self.f_pad, self.setup = op, f0, f_size, f_pad, setup
+        self.builder, self.t_lo, self.t_hi = builder, t_lo, t_hi
+        self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
+        self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
+        self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
+        self.next = t_lo  # the next K tile to quantize
+        for t in range(t_lo, min(t_hi, t_lo + self.ahead)):
+            self._stage(t)
+
+    def _stage(self, t) -> None:
+        k0, valid, padded = self.tiles[t]
+        stage = self.ring.take((PARTITIONS, MX_PACK, self.f_pad))
+        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, self.f0, self.f_size, self.f_pad,
+                                                    self.setup, stage)
+
+    def remaining(self) -> int:
+        """K tiles not quantized yet."""
+        return self.t_hi - self.next
+
+    def advance(self, count: int) -> None:
+        """Quantize the next `count` K tiles (fewer when fewer remain), staging the ones `ahead` of them."""
+        for _ in range(min(count, self.remaining())):
+            t = self.next
+            src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
+            self.builder.add_mx(t, self.tiles[t][2], src)
+            src = None
+            if t + self.ahead < self.t_hi:
+                self._stage(t + self.ahead)
+            self.next = t + 1
+
+    def finish(self) -> Panel:
+        self.advance(self.remaining())
+        return self.builder.panel()
+
+
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
                ring=None, split: bool = False, pieces: bool = False) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
@@ -426,31 +480,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
                 builder.add_natural(t, tiles[t], chunks, f_size)
         return builder.panel()
     if setup.is_mx and not op.prequantized:
-        # [K, F] operand: DMA into a ring of STAGING_BUFFERS staging tiles, issued STAGING_BUFFERS K tiles
-        # ahead of the quantizes. The ring is placed before the panel's words, so it frees one contiguous
-        # block when the panel is done (no staging-sized holes between the words: next-fit placement).
-        # A caller's ring (PanelSource: one per operand) is shared by its successive loads, so a load's DMAs
-        # wait for the quantizes of the previous load's K tiles instead of every load of a phase start
-        # sharing the DMA bandwidth at once.
-        if ring == None:  # noqa: E711
-            ring = LoadRing(STAGING_BUFFERS)
-        staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
-        ahead = min(STAGING_BUFFERS, ring.size)  # a smaller ring: a K tile's stage is not retaken before its quantize
-
-        def stage_tile(t):
-            k0, valid, padded = tiles[t]
-            stage = ring.take((PARTITIONS, MX_PACK, f_pad))
-            staged[t - t_lo] = _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage)
-
-        for t in range(t_lo, min(t_hi, t_lo + ahead)):
-            stage_tile(t)
-        for t in range(t_lo, t_hi):
-            src, staged[t - t_lo] = staged[t - t_lo], None
-            builder.add_mx(t, tiles[t][2], src)
-            src = None
-            if t + ahead < t_hi:
-                stage_tile(t + ahead)
-        return builder.panel()
+        # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
+        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:
@@ -472,143 +503,9 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     return builder.panel()
 
 
-class PanelSlots(nl.NKIObject):
-    """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
-    tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
-    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of _PanelBuilder
-    (words [128, count, f_pad], scales shared by K-tile quads with scale packing; split: one allocation per
-    slot's words and per scale tile)."""
-
-    def __init__(self, count: int, f_pad: int, setup: MatmulSetup, split: bool = False):
-        kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
-        self.f_pad = f_pad
-        self._builder = _PanelBuilder(f_pad, setup, 0, count, split)
-        for t in range(count if split else 1):  # allocate the tiles now, outside any loop (split: one per slot)
-            self._builder.words(t, PARTITIONS)
-            self._builder.scale(t)
-
-    def tile(self, t: int, P: int = PARTITIONS) -> Panel:
-        """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
-        return Panel([self._builder.words(t, P)], [self._builder.scale(t)], self.f_pad)
-
-
-def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
-                          zero_fill: bool = False, stages=None, into=None) -> Panel:
-    """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
-    gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
-
-    load_rows(dst, first, step, count) must DMA the F columns of rows first, first + step, ...
-    (count rows) into the SBUF view dst [count, f_size]. MXFP8: one call per slot j of each K tile
-    (rows k(p, j) of the scheme, see _slot_geometry) straight into the interleaved staging tile, then
-    quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
-    zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
-    leaves them untouched; zero rows add nothing and do not move a group's scale).
-    stages: optional ring of MXFP8 staging tiles [128, 4, >= f_pad] bf16 the caller reuses across
-    panels (K tile t uses stages[t % len]): a load then waits for the quantize that last read its
-    stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
-    into: (PanelSlots, t): quantize the operand's single K tile (k_size <= 512, MXFP8) into slot t of
-    room allocated earlier, and return that slot's Panel.
-
-    Dimensions:
-        result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
-    """
-    tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
-    if into != None:  # noqa: E711
-        kernel_assert(setup.is_mx and len(tiles) == 1 and into[0].f_pad == f_pad,
-                      f"into= takes one MXFP8 K tile of width {into[0].f_pad}; got K={k_size}, f_pad={f_pad}, "
-                      f"{setup.precision}")
-        builder = into[0]._builder
-    for t in range(len(tiles)):
-        k0, valid, padded = tiles[t]
-        if setup.is_mx:
-            P = padded // MX_PACK
-            step_p, step_j = _slot_geometry(setup.scheme, P)
-            if stages == None:  # noqa: E711
-                stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
-            else:
-                stage = stages[t % len(stages)]
-            if zero_fill or valid < padded or f_size < f_pad:
-                nisa.memset(dst=stage[:P, :, :], value=0.0)
-            for j in range(MX_PACK):
-                rows = _rows_in_slot(valid, j, step_p, step_j, P)
-                if rows:
-                    load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
-            if into != None:  # noqa: E711
-                nisa.quantize_mx(dst=builder.words(into[1], P), src=stage[:P, :, :f_pad].permute((0, 2, 1)),
-                                 dst_scale=builder.scale(into[1]))
-                return into[0].tile(into[1], P)
-            builder.add_mx(t, padded, stage[:P, :, :f_pad].permute((0, 2, 1)))
-        else:
-            tile = builder.bf16_tile(t)
-            if zero_fill or f_size < f_pad:
-                nisa.memset(dst=tile[:valid, :], value=0.0)
-            load_rows(tile[:valid, :f_size], k0, 1, valid)
-            builder.data.append(tile[:valid, :])
-            builder.scales.append(None)
-    return builder.panel()
-
-
 def single_k_tile(panel: Panel, t: int) -> Panel:
     """K tile t of a panel as a one-tile Panel (a fold that adds each K tile's product separately)."""
     return Panel([panel.data[t]], [panel.scales[t]], panel.f_pad)
-
-
-def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
-    """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
-    up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
-    tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
-    chunks = [(0, f_size, rows_tile, 0)]
-    for t in range(len(tiles)):
-        builder.add_natural(t, tiles[t], chunks, f_size)
-    return builder.panel()
-
-
-def panel_tile_widths(k_size: int, f_pad: int, setup: MatmulSetup):
-    """(K tiles, scale tiles) of an MXFP8 [K, f_pad] panel built on chip in one allocation of each (panel_from_rows):
-    its words are [128, K tiles, f_pad] x4 and its scales [128, scale tiles, f_pad] uint8 (store_panel_tiles)."""
-    n = len(k_tiles(k_size, setup))
-    return n, (-(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n)
-
-
-def store_panel_tiles(panel: Panel, words_dst, scales_dst) -> None:
-    """Copy an MXFP8 panel built on chip (panel_from_rows) to HBM as its SBUF allocations hold it: words_dst
-    [128, K tiles, f_pad] x4 and scales_dst [128, scale tiles, f_pad] uint8 views (panel_tile_widths), one DMA
-    each (per partition one contiguous run). A K tile of fewer than 128 partitions (K padded to 128, not 512)
-    and the scale rows quantize_mx does not write are copied as they are (a copy may move never-written bytes;
-    no matmul reads them); load_panel_tiles rebuilds the same Panel from the copy."""
-    kernel_assert(panel.words_tile != None and panel.scale_tile != None,  # noqa: E711
-                  "store_panel_tiles needs an MXFP8 panel held in one words and one scale allocation "
-                  f"(panel_from_rows), got words_tile={panel.words_tile!r}, scale_tile={panel.scale_tile!r}")
-    nisa.dma_copy(dst=words_dst, src=panel.words_tile)
-    nisa.dma_copy(dst=scales_dst, src=panel.scale_tile)
-
-
-def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
-    """The Panel that store_panel_tiles stored in HBM (words_src [128, K tiles, f_pad] x4, scales_src [128, scale
-    tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel."""
-    tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
-    builder.words(0, PARTITIONS)  # allocates words [128, K tiles, f_pad]
-    builder.scale(0)  # and scales [128, scale tiles, f_pad]
-    nisa.dma_copy(dst=builder._data_tile, src=words_src)
-    nisa.dma_copy(dst=builder._scale_tile, src=scales_src)
-    for t in range(len(tiles)):
-        builder.data.append(builder.words(t, tiles[t][2] // MX_PACK))
-        builder.scales.append(builder.scale(t))
-    return builder.panel()
-
-
-def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup) -> list:
-    """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
-    each block's msz rows become the F axis, quantized along K); empties `row_blocks`."""
-    out = []
-    for m_rel, msz, rows, k_size in row_blocks:
-        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
-        out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
-    row_blocks.clear()
-    return out
 
 
 def matmul_panels(dst, stationary: Panel, moving: Panel, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,

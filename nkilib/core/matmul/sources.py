@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import nki.language as nl
 
+from ..kernel_helpers import kernel_assert
 from .constants import NATURAL_BUFFERS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
-from .panels import LoadRing, Panel, load_panel, panel_columns
+from .panels import LoadRing, Panel, PanelLoad, load_panel, panel_columns
 
 
 class PanelSource(nl.NKIObject):
@@ -43,16 +44,13 @@ class PanelSource(nl.NKIObject):
         # tiles of a K-contiguous operand), dropped when a load completes the columns [lo, hi)
         self.ring = None
         self.loaded = 0
+        self.pending = None  # PanelLoad of the next panel begun early (load_ahead), and its first column
+        self.pending_key = -1
 
     def _padded(self, n: int) -> int:
         return n + (n % 2 if self.pad_even else 0)
 
-    def _load(self, f0: int, f_size: int) -> Panel:
-        if f0 in self.keys:
-            return self.panels[self.keys.index(f0)]
-        if not self.keep_all and len(self.keys) >= self.capacity:
-            self.release()
-        natural = self.op.k_axis == 1 and not self.op.prequantized
+    def _start_ring(self, natural: bool) -> None:
         if self.ring == None and self.capacity == 1 and self.setup.is_mx:  # noqa: E711
             # natural row tiles: one for the first load (its second half waits for the first half's PE
             # transposes, leaving the DMA bandwidth to the other operand's first K tiles), then up to
@@ -60,7 +58,53 @@ class PanelSource(nl.NKIObject):
             # (capacity > 1, e.g. K-streamed plans) load as before: each load its own tiles; so do BF16
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
             self.ring = LoadRing(1 if natural else STAGING_BUFFERS)
+
+    def can_load_ahead(self) -> bool:
+        """Whether load_ahead applies: MXFP8 panels of a [K, F] bf16 operand quantized on chip, all of them kept
+        or one at a time."""
+        return (self.setup.is_mx and (self.keep_all or self.capacity == 1) and self.op.k_axis == 0 and
+                not self.op.prequantized and not self.op.panel_layout)
+
+    def holds(self, f0: int) -> bool:
+        """Whether the panel serving column f0 is loaded (or its load begun)."""
+        base = self.load_key(f0)
+        return base in self.keys or (self.pending != None and self.pending_key == base)  # noqa: E711
+
+    def load_ahead(self, f0: int, f_size: int, quantized: int) -> None:
+        """Begin the load of the panel serving column f0 while the current one stays (it is still being
+        read), and quantize its K tiles up to `quantized` (of all K tiles); the get that first asks for f0
+        issues the rest. The SBUF of both panels is live meanwhile (the caller's budget must hold two)."""
+        kernel_assert(self.can_load_ahead(), "load_ahead needs an MXFP8 [K, F] bf16 source kept whole or one panel "
+                      f"at a time, got keep_all={self.keep_all}, capacity={self.capacity}, k_axis={self.op.k_axis}")
+        base = self.load_key(f0)
+        if base in self.keys:
+            return
+        if self.pending == None:  # noqa: E711
+            width = min(self.load_width, self.hi - base) if self.load_width else f_size
+            self._start_ring(False)
+            self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
+                                     pieces=True)
+            self.pending_key = base
+        kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
+                      "load is pending")
+        self.pending.advance(quantized - self.pending.next)
+
+    def _load(self, f0: int, f_size: int) -> Panel:
+        if f0 in self.keys:
+            return self.panels[self.keys.index(f0)]
+        if self.pending != None and self.pending_key == f0:  # noqa: E711  begun by load_ahead
+            panel, self.pending, self.pending_key = self.pending.finish(), None, -1
+            if not self.keep_all and len(self.keys) >= self.capacity:
+                self.release()
+            return self._keep(f0, f_size, panel, False)
+        if not self.keep_all and len(self.keys) >= self.capacity:
+            self.release()
+        natural = self.op.k_axis == 1 and not self.op.prequantized
+        self._start_ring(natural)
         panel = load_panel(self.op, f0, f_size, self._padded(f_size), self.setup, ring=self.ring, pieces=True)
+        return self._keep(f0, f_size, panel, natural)
+
+    def _keep(self, f0: int, f_size: int, panel: Panel, natural: bool) -> Panel:
         if natural and self.ring != None and self.ring.size < NATURAL_BUFFERS:  # noqa: E711
             self.ring.size += 1
         self.keys.append(f0)

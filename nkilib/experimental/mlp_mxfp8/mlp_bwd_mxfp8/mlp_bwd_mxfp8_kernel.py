@@ -29,8 +29,8 @@ Finite SBUF/PSUM: each plan allocates its PSUM accumulators and eviction tiles o
 (core/matmul/panels.py LoadRing: a load waits for the previous one's quantizes instead of taking DMA
 bandwidth from the loads the next matmuls wait for); K-contiguous operands' row tiles likewise.
 
-On-chip reuse: with W_down resident, phase 1 runs S-tile-major and gathers each finished [128, 2I]
-d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is transposed and
+On-chip reuse (phase 1's epilogue, mlp_bwd_mxfp8_epilogue.py): with W_down resident, phase 1 runs
+S-tile-major and gathers each finished [128, 2I] d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is transposed and
 quantized along 2I into phase 2's stationary panel. When every core's rows are whole 512-row K tiles
 (mx_along_s_applies), each block is also DMAed SBUF -> SBUF into phase 3's interleaved staging layout
 and, per K tile, quantized along S (spread over the next S tile's epilogues) and stored as MX words +
@@ -59,16 +59,13 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
-from ....core.matmul import (CoreSplit, MatmulPlan, ResidentPanels, StoreEpilogue, panel_bytes_per_partition,
-                             panel_layout_hbm, panels_from_row_blocks, stage_row_block,
-                             store_k_tile)
+from ....core.kernel_helpers import kernel_assert
+from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm
 from ....core.phase_graph import Phase, PhaseGraph
-from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
-from .constants import (CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES,
-                        SPLIT_ALIGN)
+from .constants import MX_K_TILE, PARTITIONS, SPLIT_ALIGN
+from .mlp_bwd_mxfp8_epilogue import SwigluBackwardEpilogue
 
 __all__ = [
     "get_program_sharding_info", "compute_phase1_down_proj_mm_grad_mxfp8", "compute_phase2_hidden_states_grad_mxfp8",
@@ -168,169 +165,6 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
     return plan.epilogue.resident if stage == "all" else plan
 
 
-class SwigluBackwardEpilogue(nl.NKIObject):
-    """Phase 1's MatmulPlan epilogue per [msz, nsz] tile of [S, I]: d_gate / d_up from dI (and the
-    recomputed gate_pre / up), the intermediate for phase 4, stores of d_gate_up.
-
-    With the moving panels resident (m-major), a whole d_gate_up row block [msz, 2I] is finished per S
-    tile: it is gathered in SBUF, stored once with 2I-long runs and, when asked (keep_for_phase2), one S
-    tile later transposed and quantized along 2I into phase 2's stationary panel (TensorE runs in program
-    order, so building it right after the tile's own matmuls keeps the transposes off the epilogue's path).
-    """
-
-    def __init__(self, gate_pre_td, gate_act_td, up_td, d_gate_up_td, scratch_td, clamp, s_base, I, dtype, setup,
-                 keep_for_phase2):
-        self.gate_pre_td, self.gate_act_td, self.up_td = gate_pre_td, gate_act_td, up_td
-        self.d_gate_up_td, self.scratch_td = d_gate_up_td, scratch_td
-        self.clamp, self.s_base, self.I, self.dtype, self.setup = clamp, s_base, I, dtype, setup
-        self.keep_for_phase2 = keep_for_phase2
-        self.fused = False
-        self.along_s = None  # (words, scales) HBM panel layout of d_gate_up quantized along S (exchange_along_s)
-        self.stage = None  # interleaved staging tile [128, 4, 2I] of the current 512-row K tile
-        self.along_s_pending = None  # (K tile, stage, words, scale, next column) of a K tile being quantized
-        self.resident = None  # ResidentPanels for phase 2 after finish() (fused only)
-        self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
-        self.rows = None
-
-    def exchange_along_s(self, words_hbm, scales_hbm) -> None:
-        """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
-        in the panel layout (words_hbm [S/4, 2I] x4, scales_hbm, TensorDescriptor.panel_layout) instead of
-        storing the bf16 rows: phase 3 then reads both cores' halves quantized (half the bytes, no second
-        quantize_mx). Only for S-tile-major plans over whole rows whose S range is in whole 512-row K tiles
-        (the caller checks: mx_along_s_applies)."""
-        self.along_s = (words_hbm, scales_hbm)
-
-    def prepare(self, plan) -> None:
-        (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
-        self.m_lo, self.m_hi, self.n_lo, self.n_hi = m_lo, m_hi, n_lo, n_hi
-        self.m_tile, self.ncols, self.keep = plan.m_tile, plan.n_tile, plan.keep_moving
-        # gate_pre / up / gate_act tiles in a ring of CHECKPOINT_BUFFERS sets: tile i's loads wait for tile
-        # i - CHECKPOINT_BUFFERS's epilogue instead of running ahead and sharing the DMA queues with the
-        # operand loads the next matmuls wait for (phase 1's start waits on W_down)
-        kinds = 3 if self.gate_act_td != None else 2  # noqa: E711
-        self.checkpoints = [[nl.ndarray((PARTITIONS, plan.n_tile), dtype=nl.bfloat16, buffer=nl.sbuf)
-                             for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
-        two_i = 2 * self.I
-        self.fused = (self.keep_for_phase2 and self.keep and (n_lo, n_hi) == (0, self.I) and
-                      ceil_div(m_hi - m_lo, plan.m_tile) * panel_bytes_per_partition(two_i, plan.m_tile, self.setup)
-                      <= PHASE2_STATIONARY_BUDGET_BYTES)
-        self.row_width = round_up(two_i, MX_K_ALIGN) if (self.fused and self.setup.is_mx) else two_i
-
-    def tile(self, i, m_rel, msz, n0, nsz, accumulators) -> None:
-        m0 = self.s_base + m_rel
-        I, two_i, ncols, dtype = self.I, 2 * self.I, self.ncols, self.dtype
-        d_i = accumulators[0]
-        g_psum = accumulators[1] if self.gate_pre_td == None else None  # noqa: E711
-        u_psum = accumulators[-1] if self.up_td == None else None  # noqa: E711
-        if self.pending and n0 == self.n_lo:
-            # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
-            # otherwise wait for the previous tile's epilogue before these transposes
-            self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
-        if self.along_s_pending != None:  # noqa: E711
-            self._quantize_along_s_chunk(n0)
-        ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
-        gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
-        up = _bf16_tile(ring[1], self.up_td, u_psum, m0, msz, n0, nsz)
-        if self.keep:
-            if n0 == self.n_lo:
-                self.rows = nl.ndarray((PARTITIONS, self.row_width), dtype=dtype, buffer=nl.sbuf)
-                if self.row_width > two_i:  # zero K padding of phase 2's operand
-                    nisa.memset(dst=self.rows[:msz, two_i:], value=0.0)
-            rows = self.rows
-            d_gate, d_up = rows[:msz, n0:n0 + nsz], rows[:msz, I + n0:I + n0 + nsz]
-        else:
-            d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
-            d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
-        _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
-                              m0, msz, n0, nsz, ncols, d_gate, d_up)
-        out = self.d_gate_up_td
-        if not self.keep:
-            nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
-            nisa.dma_copy(dst=out[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up)
-        elif n0 + nsz == self.n_hi:  # row block complete
-            if self.along_s != None:  # noqa: E711
-                self._quantize_along_s(m0, rows, two_i)
-            # bf16 rows in HBM only for a reader: phase 2 when they are not its resident panels, phase 3
-            # when it does not read the MX words
-            if self.along_s == None or not self.fused:  # noqa: E711
-                if (self.n_lo, self.n_hi) == (0, I):
-                    nisa.dma_copy(dst=out[m0:m0 + msz, :], src=rows[:msz, :two_i])
-                else:
-                    width = self.n_hi - self.n_lo
-                    for c in (self.n_lo, I + self.n_lo):
-                        nisa.dma_copy(dst=out[m0:m0 + msz, c:c + width], src=rows[:msz, c:c + width])
-            if self.fused:
-                self.pending.append((m_rel, msz, rows, two_i))
-
-    def _quantize_along_s(self, m0, rows, two_i) -> None:
-        """Row block [m0, m0 + 128) of d_gate_up into its K tile's staging tile; after the K tile's fourth
-        block, quantize it along S (K=S of phase 3) and store it in the panel layout."""
-        block = (m0 % MX_K_TILE) // PARTITIONS
-        if block == 0:
-            self.stage = nl.ndarray((PARTITIONS, MX_PACK, two_i), dtype=nl.bfloat16, buffer=nl.sbuf)
-        stage_row_block(self.stage, rows, block, two_i, self.setup)
-        if block == MX_PACK - 1:
-            words = nl.ndarray((PARTITIONS, two_i), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
-            scale = nl.ndarray((PARTITIONS, two_i), dtype=nl.uint8, buffer=nl.sbuf)
-            self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
-            self.stage = None
-
-    def _quantize_along_s_chunk(self, n0) -> None:
-        """Quantize the next columns of the pending K tile: one n tile's worth per epilogue call of the next
-        S tile (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
-        quantizes and epilogue), and store the K tile after its last chunk."""
-        t, stage, words, scale, c0 = self.along_s_pending
-        two_i = 2 * self.I
-        c1 = min(two_i, c0 + ceil_div(two_i, ceil_div(self.n_hi - self.n_lo, self.ncols)))
-        nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
-        if c1 < two_i:
-            self.along_s_pending = (t, stage, words, scale, c1)
-            return
-        store_k_tile(words, scale, self.along_s[0], self.along_s[1], t, self.setup)
-        self.along_s_pending = None
-
-    def held_bytes(self, n_tile) -> int:
-        """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
-        return 0
-
-    def finish(self) -> None:
-        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
-        while self.along_s_pending != None:  # noqa: E711
-            self._quantize_along_s_chunk(self.along_s_pending[4])
-        if self.fused:
-            self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
-        self.rows = self.checkpoints = None
-
-
-def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
-    """The bf16 [msz, nsz] view of SBUF `tile`, loaded from a checkpoint in HBM or rounded from a PSUM result."""
-    if src_hbm != None:  # noqa: E711
-        nisa.dma_copy(dst=tile[:msz, :nsz], src=src_hbm[m0:m0 + msz, n0:n0 + nsz])
-    else:
-        nisa.tensor_copy(dst=tile[:msz, :nsz], src=psum_or_none[:msz, :nsz])
-    return tile[:msz, :nsz]
-
-
-def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
-                          d_gate_dst, d_up_dst):
-    """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
-    derivative, clamp masks, intermediate.
-
-    Writes bf16 d_gate / d_up into the SBUF views d_gate_dst / d_up_dst (the caller stores them) and
-    stores the intermediate to scratch_td when given. gate_pre / up are bf16 tiles read as is (bf16 ->
-    fp32 is exact, so no fp32 copies are made); gate_act, when given, is loaded into act_tile [128, >= nsz].
-    """
-    act = None
-    if gate_act_td != None:  # noqa: E711
-        act = act_tile
-        nisa.dma_copy(dst=act[:msz, :nsz], src=gate_act_td[m0:m0 + msz, n0:n0 + nsz])
-        act = act[:msz, :nsz]
-    terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
-    if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
-        nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
-    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Phases 2-4: plain matmul plans stored to HBM
 # ---------------------------------------------------------------------------------------------------
@@ -396,7 +230,8 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
         plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype), lead_n_major=True)
+                          StoreEpilogue(out, dtype), lead_n_major=True,
+                          interleave_first_loads=True, stationary_lookahead=True)
     return plan if stage == "plan" else plan.step(stage)
 
 

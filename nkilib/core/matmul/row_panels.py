@@ -1,0 +1,148 @@
+"""Panels from rows: MXFP8 / bf16 panels of operands whose rows only the caller can fetch (gathered rows, run-time
+offsets: panel_from_row_loader, into room allocated earlier: PanelSlots) or that are already on chip (panel_from_rows,
+panels_from_row_blocks), and on-chip panels copied to HBM and back as they are (store_panel_tiles, load_panel_tiles).
+The same K tiles, scale layout and panel builder as panels.py's load_panel, so the bits are the same.
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ..kernel_helpers import kernel_assert
+from .constants import MX_PACK, PARTITIONS, SCALE_PACK_SLOTS
+from .descriptor import MatmulSetup
+from .panels import Panel, _PanelBuilder, _rows_in_slot, _slot_geometry, k_tiles
+
+
+class PanelSlots(nl.NKIObject):
+    """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
+    tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
+    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of _PanelBuilder
+    (words [128, count, f_pad], scales shared by K-tile quads with scale packing; split: one allocation per
+    slot's words and per scale tile)."""
+
+    def __init__(self, count: int, f_pad: int, setup: MatmulSetup, split: bool = False):
+        kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
+        self.f_pad = f_pad
+        self._builder = _PanelBuilder(f_pad, setup, 0, count, split)
+        for t in range(count if split else 1):  # allocate the tiles now, outside any loop (split: one per slot)
+            self._builder.words(t, PARTITIONS)
+            self._builder.scale(t)
+
+    def tile(self, t: int, P: int = PARTITIONS) -> Panel:
+        """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
+        return Panel([self._builder.words(t, P)], [self._builder.scale(t)], self.f_pad)
+
+
+def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
+                          zero_fill: bool = False, stages=None, into=None) -> Panel:
+    """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
+    gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
+
+    load_rows(dst, first, step, count) must DMA the F columns of rows first, first + step, ...
+    (count rows) into the SBUF view dst [count, f_size]. MXFP8: one call per slot j of each K tile
+    (rows k(p, j) of the scheme, see _slot_geometry) straight into the interleaved staging tile, then
+    quantize_mx as load_panel does for a [K, F] operand in HBM; bf16: one call per K tile.
+    zero_fill: zero the destination first (a gather that skips rows, e.g. oob_mode.skip padding,
+    leaves them untouched; zero rows add nothing and do not move a group's scale).
+    stages: optional ring of MXFP8 staging tiles [128, 4, >= f_pad] bf16 the caller reuses across
+    panels (K tile t uses stages[t % len]): a load then waits for the quantize that last read its
+    stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
+    into: (PanelSlots, t): quantize the operand's single K tile (k_size <= 512, MXFP8) into slot t of
+    room allocated earlier, and return that slot's Panel.
+
+    Dimensions:
+        result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
+    """
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    if into != None:  # noqa: E711
+        kernel_assert(setup.is_mx and len(tiles) == 1 and into[0].f_pad == f_pad,
+                      f"into= takes one MXFP8 K tile of width {into[0].f_pad}; got K={k_size}, f_pad={f_pad}, "
+                      f"{setup.precision}")
+        builder = into[0]._builder
+    for t in range(len(tiles)):
+        k0, valid, padded = tiles[t]
+        if setup.is_mx:
+            P = padded // MX_PACK
+            step_p, step_j = _slot_geometry(setup.scheme, P)
+            if stages == None:  # noqa: E711
+                stage = nl.ndarray((PARTITIONS, MX_PACK, f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
+            else:
+                stage = stages[t % len(stages)]
+            if zero_fill or valid < padded or f_size < f_pad:
+                nisa.memset(dst=stage[:P, :, :], value=0.0)
+            for j in range(MX_PACK):
+                rows = _rows_in_slot(valid, j, step_p, step_j, P)
+                if rows:
+                    load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
+            if into != None:  # noqa: E711
+                nisa.quantize_mx(dst=builder.words(into[1], P), src=stage[:P, :, :f_pad].permute((0, 2, 1)),
+                                 dst_scale=builder.scale(into[1]))
+                return into[0].tile(into[1], P)
+            builder.add_mx(t, padded, stage[:P, :, :f_pad].permute((0, 2, 1)))
+        else:
+            tile = builder.bf16_tile(t)
+            if zero_fill or f_size < f_pad:
+                nisa.memset(dst=tile[:valid, :], value=0.0)
+            load_rows(tile[:valid, :f_size], k0, 1, valid)
+            builder.data.append(tile[:valid, :])
+            builder.scales.append(None)
+    return builder.panel()
+
+
+def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+    """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
+    up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    chunks = [(0, f_size, rows_tile, 0)]
+    for t in range(len(tiles)):
+        builder.add_natural(t, tiles[t], chunks, f_size)
+    return builder.panel()
+
+
+def panel_tile_widths(k_size: int, f_pad: int, setup: MatmulSetup):
+    """(K tiles, scale tiles) of an MXFP8 [K, f_pad] panel built on chip in one allocation of each (panel_from_rows):
+    its words are [128, K tiles, f_pad] x4 and its scales [128, scale tiles, f_pad] uint8 (store_panel_tiles)."""
+    n = len(k_tiles(k_size, setup))
+    return n, (-(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n)
+
+
+def store_panel_tiles(panel: Panel, words_dst, scales_dst) -> None:
+    """Copy an MXFP8 panel built on chip (panel_from_rows) to HBM as its SBUF allocations hold it: words_dst
+    [128, K tiles, f_pad] x4 and scales_dst [128, scale tiles, f_pad] uint8 views (panel_tile_widths), one DMA
+    each (per partition one contiguous run). A K tile of fewer than 128 partitions (K padded to 128, not 512)
+    and the scale rows quantize_mx does not write are copied as they are (a copy may move never-written bytes;
+    no matmul reads them); load_panel_tiles rebuilds the same Panel from the copy."""
+    kernel_assert(panel.words_tile != None and panel.scale_tile != None,  # noqa: E711
+                  "store_panel_tiles needs an MXFP8 panel held in one words and one scale allocation "
+                  f"(panel_from_rows), got words_tile={panel.words_tile!r}, scale_tile={panel.scale_tile!r}")
+    nisa.dma_copy(dst=words_dst, src=panel.words_tile)
+    nisa.dma_copy(dst=scales_dst, src=panel.scale_tile)
+
+
+def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+    """The Panel that store_panel_tiles stored in HBM (words_src [128, K tiles, f_pad] x4, scales_src [128, scale
+    tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel."""
+    tiles = k_tiles(k_size, setup)
+    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder.words(0, PARTITIONS)  # allocates words [128, K tiles, f_pad]
+    builder.scale(0)  # and scales [128, scale tiles, f_pad]
+    nisa.dma_copy(dst=builder._data_tile, src=words_src)
+    nisa.dma_copy(dst=builder._scale_tile, src=scales_src)
+    for t in range(len(tiles)):
+        builder.data.append(builder.words(t, tiles[t][2] // MX_PACK))
+        builder.scales.append(builder.scale(t))
+    return builder.panel()
+
+
+def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup) -> list:
+    """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
+    each block's msz rows become the F axis, quantized along K); empties `row_blocks`."""
+    out = []
+    for m_rel, msz, rows, k_size in row_blocks:
+        f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
+        out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
+    row_blocks.clear()
+    return out
