@@ -11,6 +11,7 @@ that every path gives mx_exact's bits.
 |                                       | 2 resident, 0 zeros; LNC1 and LNC2 == mx_exact                    |
 | test_parts_tiers_experts_above_r      | R = 2 with part tiers R_2 = 3, R_3 = 4, W = 3: experts of 3 / 4  |
 |                                       | blocks per part, 5 in windows, 2 resident; == mx_exact            |
+| test_resident_block_count_parts_...   | R, R_2, R_3 on the presets' shapes, each part within the budget   |
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
@@ -202,6 +203,29 @@ def test_resident_block_count_presets(H, I):
 
     assert held(r) <= PASS_C_RESIDENT_BUDGET_BYTES
     assert r == W.PASS_C_RESIDENT_BLOCKS or held(r + 1) > PASS_C_RESIDENT_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("H, I, expected", [(2880, 2880, (8, 12, 16)), (7168, 2048, (7, 10, 12)),
+                                            (2048, 768, (16, 16, 16))])
+def test_resident_block_count_parts_presets(H, I, expected):
+    """Round 8b's N-part tiers on the presets' shapes: R, R_2, R_3 (GPT-OSS-20B 8 / 12 / 16: its 9- and 11-block Zipf
+    experts fit parts of 2, the 15-block one parts of 3; the DeepSeek-V3 rank's 8-block expert parts of 2; Qwen3-30B-A3B
+    at the cap of 16 already), and what the slots of a part hold stays within PASS_C_RESIDENT_BUDGET_BYTES on every core
+    and part (the moving operand's part in load pieces plus one stationary piece)."""
+    ctx = _Ctx("mxfp8")
+    counts = tuple(W.resident_block_count(ctx, _grads(H, I), parts) for parts in (1, 2, 3))
+    assert counts == expected
+    for parts, r in zip((2, 3), counts[1:]):
+        for _, _, _, m_total, n_total in _grads(H, I):
+            for core in (0, 1):
+                _, (n_lo, n_hi) = CoreSplit(2, core).ranges(m_total, n_total)
+                for p in range(parts):
+                    p_lo, p_hi = W._n_part(n_lo, n_hi, (p, parts))
+                    assert (p_lo - n_lo) % 512 == 0 and p_hi <= n_hi
+                    widths = [min(SINGLE_BLOCK_LOAD_WIDTH, p_hi - c) for c in range(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)]
+                    held = sum(panel_bytes_per_partition(512 * r, w, ctx.setup)
+                               for w in widths + [SINGLE_BLOCK_LOAD_WIDTH])
+                    assert held <= PASS_C_RESIDENT_BUDGET_BYTES, (parts, core, p, held)
 
 
 def test_resident_block_count_off():
