@@ -66,9 +66,11 @@ def test_bias_grad_bit_exact(lnc):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_bias_grad_groups_and_b256(lnc, monkeypatch):
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_bias_grad as BG
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 
     monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
+    monkeypatch.setattr(BG, "WEIGHT_GRAD_PSUM_TILES", 1)
     counts = [600, 0, 40]  # expert 0: three blocks of 256 (two 128-row tiles each), expert 1 empty
     T, E, H, I = sum(counts), len(counts), 64, 544
     kernel, ref = moe_case(T, E, H, I, _expert_ids(counts, seed=8), seed=9, block_size=256,

@@ -9,6 +9,9 @@ that every path gives mx_exact's bits.
 |                                       | streamed, tier 3, tier 2, single, zeros; LNC2 == mx_exact        |
 | test_windowed_path_experts_above_r    | R = 2, W = 3: experts of 5 / 3 / 4 blocks in windows, 7 streamed,  |
 |                                       | 2 resident, 0 zeros; LNC1 and LNC2 == mx_exact                    |
+| test_parts_tiers_experts_above_r      | R = 2 with part tiers R_2 = 3, R_3 = 4, W = 3: experts of 3 / 4  |
+|                                       | blocks per part, 5 in windows, 2 resident; == mx_exact            |
+| test_resident_block_count_parts_...   | R, R_2, R_3 on the presets' shapes, each part within the budget   |
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
@@ -121,6 +124,43 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     assert not out[2][5].view(np.uint16).any() and not out[3][5].view(np.uint16).any()
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_parts_tiers_experts_above_r(monkeypatch, lnc):
+    """N-part tiers (round 8b): R = 2 slots, R_2 = 3 with 2 parts and R_3 = 4 with 3 parts of this core's N columns,
+    W = 3 windows of R = 2; 64-column output tiles, so dW_gu's N (H = 96) has 2 tiles and
+    dW_down's (I = 160) 3: a third part of dW_gu is empty. Expert 0 (3 blocks) runs the resident code once per part of
+    2, expert 1 (4 blocks) once per part of 3, expert 2 (5 blocks, above R_3) takes windows of 2 + 2 + 1 blocks
+    (two fp32 carries), expert 3 (2 blocks) stays resident with all its columns, expert 4 has none. Every tile sums its
+    expert's blocks in order: bit-exact vs mx_exact."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2, 3))
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "resident_block_count", lambda ctx, grads, parts=1: {1: 2, 2: 3, 3: 4}[parts])
+    seen = []
+    resident = W.compute_phase3_resident_grads_mxfp8
+
+    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None):
+        seen.append((e, slots, part, window != None))  # noqa: E711
+        return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part)
+
+    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
+    T, E, k, H, I = 1420, 5, 1, 96, 160
+    ids = np.repeat(np.arange(4, dtype=np.int32)[:, None], [300, 450, 520, 150], axis=0)
+    ids = ids[np.random.default_rng(14).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=59, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 4, 5, 2, 0]
+    out = run(kernel, lnc=lnc)
+    per_grad = 2 * lnc  # two gradients per core
+    assert sorted(set(seen)) == sorted({(0, 3, (0, 2), False), (0, 3, (1, 2), False), (1, 4, (0, 3), False),
+                                        (1, 4, (1, 3), False), (1, 4, (2, 3), False), (3, 2, None, False),
+                                        (2, None, None, True)})
+    assert seen.count((0, 3, (0, 2), False)) == per_grad and seen.count((1, 4, (2, 3), False)) == per_grad
+    assert calls == {"compute_phase3_windowed_grads_mxfp8": per_grad, "compute_phase3_expert_weight_grads_mxfp8": 0}
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"parts tiers LNC{lnc} vs mx_exact")
+    assert not out[2][4].view(np.uint16).any() and not out[3][4].view(np.uint16).any()
+
+
 def test_resident_path_wrapx_b256():
     """The wrapX scheme (groups strided inside the K tile) and B = 256 (64-partition K tiles, scale slots packed
     at offsets 0/4/8/12): an expert of 4 blocks in the resident slots, LNC2 == mx_exact."""
@@ -163,6 +203,29 @@ def test_resident_block_count_presets(H, I):
 
     assert held(r) <= PASS_C_RESIDENT_BUDGET_BYTES
     assert r == W.PASS_C_RESIDENT_BLOCKS or held(r + 1) > PASS_C_RESIDENT_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("H, I, expected", [(2880, 2880, (8, 12, 16)), (7168, 2048, (7, 10, 12)),
+                                            (2048, 768, (16, 16, 16))])
+def test_resident_block_count_parts_presets(H, I, expected):
+    """Round 8b's N-part tiers on the presets' shapes: R, R_2, R_3 (GPT-OSS-20B 8 / 12 / 16: its 9- and 11-block Zipf
+    experts fit parts of 2, the 15-block one parts of 3; the DeepSeek-V3 rank's 8-block expert parts of 2; Qwen3-30B-A3B
+    at the cap of 16 already), and what the slots of a part hold stays within PASS_C_RESIDENT_BUDGET_BYTES on every core
+    and part (the moving operand's part in load pieces plus one stationary piece)."""
+    ctx = _Ctx("mxfp8")
+    counts = tuple(W.resident_block_count(ctx, _grads(H, I), parts) for parts in (1, 2, 3))
+    assert counts == expected
+    for parts, r in zip((2, 3), counts[1:]):
+        for _, _, _, m_total, n_total in _grads(H, I):
+            for core in (0, 1):
+                _, (n_lo, n_hi) = CoreSplit(2, core).ranges(m_total, n_total)
+                for p in range(parts):
+                    p_lo, p_hi = W._n_part(n_lo, n_hi, (p, parts))
+                    assert (p_lo - n_lo) % 512 == 0 and p_hi <= n_hi
+                    widths = [min(SINGLE_BLOCK_LOAD_WIDTH, p_hi - c) for c in range(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)]
+                    held = sum(panel_bytes_per_partition(512 * r, w, ctx.setup)
+                               for w in widths + [SINGLE_BLOCK_LOAD_WIDTH])
+                    assert held <= PASS_C_RESIDENT_BUDGET_BYTES, (parts, core, p, held)
 
 
 def test_resident_block_count_off():

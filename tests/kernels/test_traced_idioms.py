@@ -25,6 +25,7 @@ TRACED_MODULES = (
     "experimental/mlp_mxfp8/mlp_bwd_mxfp8/mlp_bwd_mxfp8_kernel.py",
     "experimental/moe_mxfp8/moe_bwd_mxfp8_kernel.py",
     "experimental/moe_mxfp8/moe_bwd_mxfp8_weight_grads.py",
+    "experimental/moe_mxfp8/moe_bwd_mxfp8_bias_grad.py",
     "core/kernel_helpers.py",
     "core/options.py",
     "core/phase_graph.py",

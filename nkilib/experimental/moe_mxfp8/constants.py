@@ -94,6 +94,12 @@ PASS_C_RESIDENT_TIERS = (8,)
 #: section 10, round 5b); larger experts (and W = 1) take the streamed path. Each window is traced code (W x the
 #: resident path's loops), so W bounds the kernel's size.
 PASS_C_RESIDENT_WINDOWS = 4
+#: N-part counts of the resident path's tiers above R (MXFP8): with P parts of this core's output columns (whole
+#: MOE_N_TILE tiles) a slot holds one part of the moving operand, so R_P > R blocks fit the budget; an expert of
+#: R_{P-1} < nb <= R_P blocks runs the resident code once per part, reading its stationary operand P times instead of
+#: carrying every output tile's fp32 partial sum through HBM between windows (docs/moe.md section 10, round 8b).
+#: () = no such tiers.
+PASS_C_RESIDENT_PARTS = (2, 3)
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
 #: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
 WEIGHT_GRAD_STORE_WIDTH = 2048

@@ -85,9 +85,10 @@ from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_
                                       gather_deferred_x, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
+from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_interleave import InterleavedDx
 from .moe_bwd_mxfp8_loops import ExpertLoops
-from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, GateUpBiasGrad, ResidentBlocks, store_zero_expert_grads,
+from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8)
@@ -497,7 +498,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         fp8_x4_dtype, use_scale_packing, clamp_limits, quant_scheme, weight_grad_dtype, matmul_precision:
             as in the dense mlp_backward_mxfp8_nki (matmul_precision default: "mxfp8" on trn3, "bf16" on trn2).
         gate_up_bias_grad: also return d_gate_up_bias [E, 2I] float32 (GPT-OSS's gate_up bias: per expert the
-            sum of its d_gate_up rows; moe_bwd_mxfp8_weight_grads.GateUpBiasGrad, computed in pass C).
+            sum of its d_gate_up rows; moe_bwd_mxfp8_bias_grad.GateUpBiasGrad, computed in pass C).
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],

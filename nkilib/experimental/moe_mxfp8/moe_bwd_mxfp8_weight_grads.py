@@ -13,26 +13,23 @@ Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in moe
     more blocks (or BF16): groups of WEIGHT_GRAD_PSUM_TILES output tiles accumulate in PSUM across the
     block loop (first block overwrites, later blocks add), each group re-reading the blocks' rows;
 and an expert without blocks stores zeros. Numerics and the LNC2 split: docs/moe.md, sections 3-5.
-
-Optional (gate_up_bias_grad=True): d_gate_up_bias[e] [2I] = sum over the expert's block rows of d_gate_up
-(GateUpBiasGrad), BF16 matmuls of the bf16 rows with a ones column on TensorE accumulated in PSUM.
+The optional gate_up bias gradient is moe_bwd_mxfp8_bias_grad.py's.
 """
 from __future__ import annotations
 
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import ceil_div, shard_range
+from ...core.kernel_helpers import shard_range
 from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
                             panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.sources import blocks
-from .constants import (BIAS_GRAD_K_TILE, MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS,
-                        PASS_C_RESIDENT_BUDGET_BYTES, PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS, PASS_C_RESIDENT_TIERS,
-                        PASS_C_RESIDENT_WINDOWS, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
+from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
+                        PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
 
-__all__ = ["BlockRowSource", "GateUpBiasGrad", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
+__all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
            "compute_phase3_windowed_grads_mxfp8",
            "compute_phase3_single_block_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
@@ -222,7 +219,17 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
     return loads
 
 
-def resident_block_count(ctx, grads) -> int:
+def _n_part(n_lo, n_hi, part):
+    """Columns [lo, hi) of part p of P (part = (p, P); None: all) of this core's N columns [n_lo, n_hi): whole
+    MOE_N_TILE tiles, split as evenly as shard_range splits them (an empty range where the core has fewer tiles)."""
+    if part == None:  # noqa: E711
+        return n_lo, n_hi
+    tiles = blocks(n_lo, n_hi, MOE_N_TILE)
+    a, b = shard_range(len(tiles), part[1], part[0])
+    return (tiles[a][0], tiles[b - 1][0] + tiles[b - 1][1]) if a < b else (n_lo, n_lo)
+
+
+def resident_block_count(ctx, grads, parts=1) -> int:
     """R: the most blocks of one expert whose pass-C operands stay in SBUF (compute_phase3_resident_grads_mxfp8),
     or 0 where that path does not apply: BF16 (its K tiles are 128 rows, PanelSlots holds MXFP8 tiles), a core's
     N columns of a gradient beyond one PSUM of accumulators (WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE), or fewer
@@ -231,7 +238,8 @@ def resident_block_count(ctx, grads) -> int:
     Per block and partition the slots take this core's N columns of the moving operand and one
     SINGLE_BLOCK_LOAD_WIDTH piece of the stationary one (panel_bytes_per_partition of R K tiles); the two
     gradients run one after the other, so the larger of them counts. Every core's split is checked: both
-    must take the same path.
+    must take the same path. parts > 1: the slots hold one of `parts` parts of the N columns (_n_part), the
+    resident tiers above R (ResidentBlocks.tier_parts).
 
     Dimensions:
         grads: [(out, lhs, rhs, M, N)] as the kernel's pass C (dW_gu [2I, H], dW_down [H, I]).
@@ -244,7 +252,9 @@ def resident_block_count(ctx, grads) -> int:
             _, (n_lo, n_hi) = CoreSplit(ctx.split.num_cores, core).ranges(m_total, n_total)
             if n_hi - n_lo > WEIGHT_GRAD_PSUM_TILES * MOE_N_TILE:
                 return 0
-            widths.append([csz for _, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)] + [SINGLE_BLOCK_LOAD_WIDTH])
+            for p in range(parts):
+                p_lo, p_hi = _n_part(n_lo, n_hi, (p, parts))
+                widths.append([csz for _, csz in blocks(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)] + [SINGLE_BLOCK_LOAD_WIDTH])
 
     def fits(r):
         return all(sum(panel_bytes_per_partition(r * MX_K_TILE, w, ctx.setup) for w in ws)
@@ -259,6 +269,10 @@ class ResidentBlocks(nl.NKIObject):
     Tiers: an expert of nb blocks takes the smallest tier r in `tiers` (PASS_C_RESIDENT_TIERS capped at R, then R)
     with nb <= r, whose code runs r slot loops (a slot loop costs its loop control and register loads even when
     it runs no trip, so a 2-block expert does not pay R = 16 of them); over R blocks it takes the streamed path.
+    Parts tiers (with windows): R_P = resident_block_count with P parts of the N columns (P in PASS_C_RESIDENT_PARTS),
+    capped at W R, a tier where it exceeds the tiers before (tier_parts[R_P] = P); an expert of those blocks runs the
+    resident code once per part (compute_phase3_multi_block_grads_mxfp8) instead of windows, so windows start one
+    block above the largest tier.
 
     Dimensions (SBUF int32 tiles, one column per expert, nb = offsets[e+1] - offsets[e]):
         fits[t] [1, E] = min(max(r_t + 1 - nb, 0), 1) - (the same for r_{t-1}): tier t is the expert's (used with
@@ -266,7 +280,8 @@ class ResidentBlocks(nl.NKIObject):
         min(offsets[e] + j (+ 1), offsets[e+1]) for j < R: slot j holds block offsets[e] + j when the expert has
         one (a 0/1-trip loop per slot).
     Windows (PASS_C_RESIDENT_WINDOWS = W > 1): window_used[w] [1, E] = min(max(nb - w R, 0), 1) for 1 <= w <= W;
-    windowed = window_used[1] - window_used[W] (R < nb <= W R); window_last[w] = window_used[w] - window_used[w+1];
+    windowed = 1 - within[largest tier] - over (largest tier < nb <= W R); window_last[w] = window_used[w] -
+    window_used[w+1];
     over = window_used[W] (streamed); slot bounds for W R slots (slot w R + j: block offsets[e] + w R + j);
     partials: one [M, N] fp32 HBM scratch per gradient (each core uses its own tiles).
     Integer values < 2^24, exact in VectorE's fp32 arithmetic (as ExpertLoops).
@@ -274,7 +289,15 @@ class ResidentBlocks(nl.NKIObject):
 
     def __init__(self, ctx, grads):
         self.ctx, self.R, E = ctx, resident_block_count(ctx, grads), ctx.E
+        self.W = max(1, PASS_C_RESIDENT_WINDOWS)
         self.tiers = sorted({min(r, self.R) for r in PASS_C_RESIDENT_TIERS} | {self.R})
+        # the tiers of N parts (R_{P-1} < nb <= R_P): only with windows (their slots use window 0 .. W-1's bounds)
+        self.tier_parts = {}  # tier -> its part count
+        for parts in PASS_C_RESIDENT_PARTS if self.R >= 2 and self.W > 1 else ():
+            r = min(resident_block_count(ctx, grads, parts), self.R * self.W)
+            if r > self.tiers[-1]:
+                self.tiers.append(r)
+                self.tier_parts[r] = parts
         self.windowed = None
         if self.R < 2:
             return
@@ -293,20 +316,21 @@ class ResidentBlocks(nl.NKIObject):
             nisa.tensor_tensor(dst=tier, data1=within[t], data2=within[t - 1], op=nl.subtract)
             self.fits.append(tier)
         # window_used[w] [1, E] = min(max(nb - w R, 0), 1): the expert has a block in window w (slots w R .. w R + R - 1)
-        self.W = max(1, PASS_C_RESIDENT_WINDOWS)
         self.window_used = [None]
         for w in range(1, self.W + 1):
             used = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=used, data=nb, op0=nl.add, operand0=float(-w * self.R), op1=nl.maximum, operand1=0.0)
             nisa.tensor_scalar(dst=used, data=used, op0=nl.minimum, operand0=1.0)
             self.window_used.append(used)
-        # over R: windowed (R < nb <= W R) when W > 1, else streamed; streamed: nb > W R
+        # above the largest tier: windowed (nb <= W R) when W > 1, else streamed; streamed: nb > W R
         self.over = self.window_used[self.W]
         self.windowed = None
         if self.W > 1:
+            # windowed = 1 - within[largest tier] - over
             self.windowed = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=self.windowed, data1=self.window_used[1], data2=self.window_used[self.W],
-                               op=nl.subtract)
+            nisa.tensor_tensor(dst=self.windowed, data1=within[-1], data2=self.over, op=nl.add)
+            nisa.tensor_scalar(dst=self.windowed, data=self.windowed, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                               operand1=1.0)
             # the expert's last window is w: used[w] - used[w+1]
             self.window_last = [None] + [nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf) for _ in range(1, self.W)]
             for w in range(1, self.W):
@@ -356,14 +380,15 @@ class ResidentBlocks(nl.NKIObject):
             nl.fori_loop(reg(self.slot_lo[s], e), reg(self.slot_hi[s], e), lambda i, j=j: body(i, j))
 
 
-def _resident_schedule(ctx, m_total, n_total):
+def _resident_schedule(ctx, m_total, n_total, part=None):
     """This core's stationary pieces and output-tile groups of the resident path: [((p0, psz), [[m blocks]])],
     pieces of SINGLE_BLOCK_LOAD_WIDTH columns of its M range, groups of m tiles under all of its N tiles (at
     most WEIGHT_GRAD_PSUM_TILES accumulators). Piece and group counts are core 0's (the larger share): a core
-    with fewer runs empty ones, so both cores enter the same loops."""
+    with fewer runs empty ones, so both cores enter the same loops. part: of the N columns (_n_part)."""
 
     def schedule(split):
         (m_lo, m_hi), (n_lo, n_hi) = split.ranges(m_total, n_total)
+        n_lo, n_hi = _n_part(n_lo, n_hi, part)
         return [(piece, blocks(piece[0], piece[0] + piece[1], PARTITIONS))
                 for piece in blocks(m_lo, m_hi, SINGLE_BLOCK_LOAD_WIDTH)], len(blocks(n_lo, n_hi, MOE_N_TILE))
 
@@ -378,7 +403,8 @@ def _resident_schedule(ctx, m_total, n_total):
     return out
 
 
-def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None):
+def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None,
+                                        part=None):
     """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
     read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
 
@@ -397,11 +423,16 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     partial sum of the earlier windows (partial [M, N] fp32 HBM scratch, this core's tiles) is added to it on VectorE
     (fp32(mm + acc) == fp32(acc + mm): the reference's next step), then slots 1.. add. A window that is not the
     expert's last stores its tiles' fp32 sums to `partial` (as they are); the last one evicts with +0.0 and stores.
+
+    Parts (part = (p, P), a tier above R: ResidentBlocks.tier_parts): only the output tiles of part p of this core's N
+    columns (_n_part), so the slots hold that part of the moving operand; the stationary pieces are loaded again per
+    part. Each tile still sums all of the expert's blocks in order in PSUM: the same bits as one pass.
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
+    n_lo, n_hi = _n_part(n_lo, n_hi, part)
     moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
               if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
@@ -419,7 +450,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     w, partial = (0, None) if window == None else window  # noqa: E711
     ctx.resident.for_slots(e, load_moving, R, w)
     t = 0
-    for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total):
+    for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total, part):
         stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
@@ -529,8 +560,14 @@ def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
         return
 
     def resident(slots):
+        # a parts tier (slots > R): once per part of the N columns, each part's slots loaded from the blocks again
+        parts = ctx.resident.tier_parts.get(slots, 1)
         for out, lhs, rhs, m_total, n_total in grads:
-            compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots)
+            if parts == 1:
+                compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots)
+            for p in range(parts if parts > 1 else 0):
+                compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots,
+                                                    part=(p, parts))
 
     def windowed():
         for (out, lhs, rhs, m_total, n_total), partial in zip(grads, ctx.resident.partials):
@@ -548,89 +585,3 @@ def store_zero_expert_grads(ctx, e, zeros):
         for (n0, nsz), m_blocks in _tile_groups(ctx, m_total, n_total):
             for m0, msz in m_blocks:
                 nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=zeros[:msz, :nsz])
-
-
-class GateUpBiasGrad(nl.NKIObject):
-    """d_gate_up_bias [E, 2I] float32 (GPT-OSS's gate_up bias): per expert the sum of its d_gate_up rows.
-
-    Numerics (reference.reference_bias_grad_fold, the contract): acc = +0 (fp32); for each of the expert's
-    blocks in order, for each tile of BIAS_GRAD_K_TILE (128) rows of the block in order (padding rows are zero):
-    acc = fp32(acc + fp32(sum of the tile's bf16 values per column)); stored as is (float32). An expert
-    without blocks stores +0.
-
-    Kernel: per tile one BF16 nc_matmul with the bf16 rows as the moving operand and a ones column as the
-    stationary one (K = the tile's 128 tokens, M = 1, N <= MOE_N_TILE columns): the products are exact
-    (x * 1) and the PE array's fp32 result is the tile's column sum rounded once (the simulator sums in
-    float64: exact while a tile's values span fewer than 2^38, so independent of the order). The result
-    lands in one PSUM row and the expert's tiles accumulate there across its blocks (first tile of the
-    first block overwrites, the rest add, as pass C's weight gradients); the eviction adds +0.0 so that an
-    all -0 sum leaves +0 like the reference's. TensorE rather than a VectorE/GpSimd reduction: the rows
-    arrive with tokens on partitions (the scratch layout), and a partition-axis sum is what the PE array
-    does in one pass; a VectorE free-axis reduction would need the rows transposed first (a DMA
-    transpose or a PE transpose per tile, each costlier than this matmul). Not MXFP8: nc_matmul_mx would
-    quantize d_gate_up.
-
-    LNC2: each core sums its share of the 2I columns (SPLIT_ALIGN multiples) and stores only those; the
-    group count is core 0's, so both cores run the same loops. Reads pass A's scratch (after the barrier).
-
-    Dimensions:
-        ctx.d_gu scratch [N, B, 2I] bf16 -> out [E, 2I] float32 (shared HBM).
-    """
-
-    def __init__(self, ctx, out):
-        self.ctx, self.out = ctx, out
-        two_i = 2 * ctx.I
-        self.ones = nl.ndarray((BIAS_GRAD_K_TILE, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.memset(dst=self.ones, value=1.0)
-
-        def groups_of(shard_id):
-            lo, hi = shard_range(ceil_div(two_i, SPLIT_ALIGN), ctx.split.num_cores, shard_id)
-            tiles = blocks(min(lo * SPLIT_ALIGN, two_i), min(hi * SPLIT_ALIGN, two_i), MOE_N_TILE)
-            return [tiles[g:g + WEIGHT_GRAD_PSUM_TILES] for g in range(0, len(tiles), WEIGHT_GRAD_PSUM_TILES)]
-
-        mine = groups_of(ctx.split.shard_id)
-        self.groups = mine + [[]] * (len(groups_of(0)) - len(mine))
-        width = max([t[-1][0] + t[-1][1] - t[0][0] for t in mine] + [1])
-        self.zeros = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.zeros, value=0.0)
-
-    def expert(self, e):
-        """Expert e's bias gradient: summed when it has blocks, +0 when it has none."""
-        self.ctx.loops.if_used(e, lambda: self._sum(e))
-        self.ctx.loops.if_unused(e, lambda: self._store_zeros(e))
-
-    def _sum(self, e):
-        ctx, out = self.ctx, self.out
-        lo, first, hi = ctx.loops.bounds(e)
-        for tiles in self.groups:
-            accs = [nl.ndarray((1, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in tiles]
-
-            def body(i, accumulate, tiles=tiles, accs=accs):
-                if not tiles:
-                    return
-                g_lo, g_hi = tiles[0][0], tiles[-1][0] + tiles[-1][1]
-                for r0, m in blocks(0, ctx.B, BIAS_GRAD_K_TILE):
-                    rows = nl.ndarray((BIAS_GRAD_K_TILE, g_hi - g_lo), dtype=nl.bfloat16, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=rows[:m, :], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, g_lo, g_hi - g_lo))
-                    for (c0, csz), acc in zip(tiles, accs):
-                        # K=m tokens of the block, M=1 (ones column), N=csz columns of d_gate_up (BF16)
-                        nisa.nc_matmul(dst=acc[0:1, :csz], stationary=self.ones[:m, :],
-                                       moving=rows[:m, c0 - g_lo:c0 - g_lo + csz], accumulate=accumulate or r0 > 0)
-                    rows = None
-
-            nl.fori_loop(lo, first, lambda i, body=body: body(i, False))
-            nl.fori_loop(first, hi, lambda i, body=body: body(i, True))
-            if tiles:
-                g_lo, g_hi = tiles[0][0], tiles[-1][0] + tiles[-1][1]
-                res = nl.ndarray((1, g_hi - g_lo), dtype=nl.float32, buffer=nl.sbuf)
-                for (c0, csz), acc in zip(tiles, accs):
-                    nisa.tensor_scalar(dst=res[0:1, c0 - g_lo:c0 - g_lo + csz], data=acc[0:1, :csz], op0=nl.add,
-                                       operand0=0.0)
-                nisa.dma_copy(dst=out[e:e + 1, g_lo:g_hi], src=res)
-            accs = body = None  # drop the group's PSUM before the next group allocates its own
-
-    def _store_zeros(self, e):
-        for tiles in self.groups:
-            if tiles:
-                g_lo, g_hi = tiles[0][0], tiles[-1][0] + tiles[-1][1]
-                nisa.dma_copy(dst=self.out[e:e + 1, g_lo:g_hi], src=self.zeros[0:1, :g_hi - g_lo])
