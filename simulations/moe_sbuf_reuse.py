@@ -8,7 +8,7 @@ Diagnostic for docs/moe.md section 10, round 9 (groundwork). Usage (from the rep
 The cost model adds the allocator's memory-reuse dependencies to the data dependencies without a label
 (nkilib/simulator/cost/scheduler.py: `_memory_reuse_deps` merged into `preds`); this script wraps that function
 to keep both sets, so an instruction whose blocker (the predecessor that set its start) is only a reuse
-predecessor is a memory-reuse wait. Shapes: the coordinator harness's ds4 and gpt4 (B = 512, LNC2, balanced).
+predecessor is a memory-reuse wait. Shapes: the coordinator harness's ds4 and gpt4 (B = 512, LNC2, balanced) and the study's tiny one.
 Wraps private functions of the cost model: a diagnostic, not an API.
 """
 import collections
@@ -17,14 +17,19 @@ import sys
 
 import nkilib.examples.moe_backward_cost as M
 import nkilib.simulator.cost.scheduler as S
-from nkilib.examples.moe_backward_cost import MoePreset
+from nkilib.examples.moe_backward_cost import MOE_PRESETS, MoePreset
 from nkilib.simulator.hardware import TRN3
 
-SHAPES = {"ds4": (MoePreset("ds4", 7168, 2048, 4, 8, global_experts=32), 2048, "balanced"),
-          "gpt4": (MoePreset("gptoss4", 2880, 2880, 4, 4, clamped=True), 2048, "balanced")}
+SHAPES = {"ds4": (MoePreset("ds4", 7168, 2048, 4, 8, global_experts=32), 2048, "balanced", 512),
+          "gpt4": (MoePreset("gptoss4", 2880, 2880, 4, 4, clamped=True), 2048, "balanced", 512),
+          # the study's --quick shape (seconds; the default test suite runs it)
+          "tiny": (MOE_PRESETS["tiny"], 256, "balanced", 128)}
 
 
 def run(name, mode):
+    """Model shape `name` in `mode` (waits / sbuf<KiB> / nowar) and print the findings; returns (the
+    moe_modeled_backward result, in waits mode {"critical_path_edges": {kind: count}, "peak_live_sbuf_bytes":
+    {phase: bytes per partition}}, else None). The cost model's functions are restored on return."""
     cap = {}
     orig = S._memory_reuse_deps
 
@@ -44,9 +49,9 @@ def run(name, mode):
     M.model_kernel = keep
     target = dataclasses.replace(TRN3, sbuf_bytes_per_partition=int(mode[4:]) * 1024) if mode.startswith("sbuf") \
         else "trn3"
-    p, t, r = SHAPES[name]
+    p, t, r, block_size = SHAPES[name]
     try:
-        res = M.moe_modeled_backward(p, t, r, block_size=512, dense=False, target=target)
+        res = M.moe_modeled_backward(p, t, r, block_size=block_size, dense=False, target=target)
     finally:
         S._memory_reuse_deps, M.model_kernel = orig, model_kernel
     c, pe = res.scenarios["central"], res.scenarios["pessimistic"]
@@ -54,11 +59,12 @@ def run(name, mode):
     fmt = lambda s: f"{s['modeled_time_s'] * 1e6:.1f}" if s["modeled_time_s"] else "refused"
     print(f"{name} {mode}: {fmt(c)} / {fmt(pe)} us; central makespan {sch.makespan * 1e6:.1f} us "
           f"(without the launch overhead); plan errors {c['plan_errors'][:2]}")
-    if mode == "waits":
-        report_waits(sch, cap["data"], cap["extra"])
+    waits = report_waits(sch, cap["data"], cap["extra"]) if mode == "waits" else None
+    return res, waits
 
 
 def report_waits(sch, data, extra):
+    """Print core 0's memory-reuse waits, its critical path's edges by kind and each phase's peak live SBUF."""
     recs, st, en, bl = sch.records, sch.start, sch.end, sch.blocker
     ph = lambda i: (recs[i].attrs or {}).get("phase", "kernel")
     reuse = lambda i, b: b is not None and b in extra.get(i, ()) and b not in data[i]
@@ -114,6 +120,7 @@ def report_waits(sch, data, extra):
         for (pk, instr, v), tot in groups.most_common(12):
             print(f"  {tot / 1024:7.2f} KiB = {count[(pk, instr, v)]:3d} x {v / 1024:.2f} KiB, first written by {instr} "
                   f"in {pk}")
+    return {"critical_path_edges": dict(edges), "peak_live_sbuf_bytes": {k: b for k, (b, _) in peak.items()}}
 
 
 if __name__ == "__main__":

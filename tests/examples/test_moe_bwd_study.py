@@ -188,3 +188,20 @@ def test_jobs_run_configurations_in_processes_with_the_same_numbers(tmp_path):
     assert list(two) == list(one) == ["tiny/T256/balanced", "tiny/T256/zipf"]
     for k in one:
         assert two[k].time() == one[k].time() and two[k].padding == one[k].padding
+
+
+def test_sbuf_reuse_diagnostic_separates_reuse_waits_on_the_tiny_shape():
+    """simulations/moe_sbuf_reuse.py (docs/moe.md round 9) wraps the cost model's private _memory_reuse_deps: it must
+    still find it, restore it, see data edges on the critical path and per-phase live SBUF within the target's."""
+    import nkilib.examples.moe_backward_cost as cost_module
+    import nkilib.simulator.cost.scheduler as scheduler
+    from nkilib.simulator.hardware import TRN3
+
+    diag = load_script("moe_sbuf_reuse")
+    before = (scheduler._memory_reuse_deps, cost_module.model_kernel)
+    res, waits = diag.run("tiny", "waits")
+    assert (scheduler._memory_reuse_deps, cost_module.model_kernel) == before
+    assert res.scenarios["central"]["modeled_time_s"] > 0
+    assert waits["critical_path_edges"].get("data", 0) > 0, waits
+    peaks = waits["peak_live_sbuf_bytes"]
+    assert peaks and all(0 < b <= TRN3.sbuf_bytes_per_partition for b in peaks.values()), peaks
