@@ -283,6 +283,24 @@ def assert_outputs_identical(a, b, what: str = "") -> None:
         assert_bits_equal(x, y, f"{what} output {i}")
 
 
+def touches(record, name: str, side: str = "reads") -> bool:
+    """Whether a trace record reads (side "reads") or writes ("writes") the tensor named `name`."""
+    return any(getattr(t, "name", "") == name for t in getattr(record, side))
+
+
+def reads_before_writes(trace, read_name: str, write_name: str, program: int = 0) -> list:
+    """For each record of `program` that writes `write_name` (in program order), how many of its records read
+    `read_name` before it: an ordering fingerprint of two kinds of instruction in one core's program."""
+    reads, counts = 0, []
+    for r in trace:
+        if r.program != program:
+            continue
+        reads += touches(r, read_name)
+        if touches(r, write_name, "writes"):
+            counts.append(reads)
+    return counts
+
+
 def assert_matches_mx_exact(out, ref, max_ulp: int = 0, max_fraction: float = 0.0, rel_fp32: float = 0.0) -> list:
     """The kernel against reference mode "mx_exact": bit-exact by default (the documented claim); a test
     that passes a tolerance says why.

@@ -19,7 +19,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, reads_before_writes
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -68,14 +68,7 @@ def test_b_pieces_between_a_chunks(lnc):
     # program 0 in program order: pass A stores each chunk's d_gate_up rows once, pass B loads each of its chunks'
     # stationary panels (made by pass A) once. A(0), A(1) run first (2 blocks x B / 128 / lnc chunks each), then A(2)
     # with B(0) in pieces of lnc chunks: before A(2)'s j-th store come the B(0) loads of pieces 0..j
-    loads, before = 0, []
-    for r in res.trace:
-        if r.program != 0:
-            continue
-        if any(getattr(t, "name", "") == "moe_bwd_d_gate_up_panels" for t in r.reads):
-            loads += 1
-        if any(getattr(t, "name", "") == "moe_bwd_d_gate_up" for t in r.writes):
-            before.append(loads)
+    before = reads_before_writes(res.trace, "moe_bwd_d_gate_up_panels", "moe_bwd_d_gate_up")
     per_expert = 2 * (B // 128) // lnc  # A's chunks of one expert on this core
     assert len(before) == E * per_expert, len(before)
     a2 = before[2 * per_expert:3 * per_expert]

@@ -22,7 +22,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, reads_before_writes
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -48,14 +48,7 @@ def test_pipeline_bit_exact_and_order(lnc):
     # program 0 in program order: each chunk gathers dY once and stores its d_gate_up rows once. The first expert
     # (two full blocks) runs first: its chunk j + 1's gather precedes chunk j's store, also across the block
     # boundary (the unpipelined path gathers a block's chunks together: [2, 2, 4, 4] under LNC2)
-    gathered, before = 0, []
-    for r in res.trace:
-        if r.program != 0:
-            continue
-        if any(getattr(t, "name", "") == "output_grad" for t in r.reads):
-            gathered += 1
-        if any(getattr(t, "name", "") == "moe_bwd_d_gate_up" for t in r.writes):
-            before.append(gathered)
+    before = reads_before_writes(res.trace, "output_grad", "moe_bwd_d_gate_up")
     chunks = 2 * (B // 128) // lnc  # the first expert's chunks on this core
     assert before[:chunks] == [j + 2 for j in range(chunks - 1)] + [chunks], before[:chunks]
     # the pipeline's d_topk_weights wait in scratch until B(e)'s segment: none is scattered before the first
