@@ -4,7 +4,6 @@ What is checked is where the loads write: a load into a tile of the ring waits (
 WAR dependency on that SBUF) for the previous reader, which is the point of the ring. Bit-exactness of
 the kernels that use it is covered by tests/kernels.
 """
-import numpy as np
 
 import nki
 import nki.language as nl

@@ -32,8 +32,8 @@ import nki.language as nl
 
 from ..kernel_helpers import kernel_assert, round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, MX_PANEL_PIECE_BYTES,
-                        MX_PANEL_WHOLE_MAX_BYTES, NATURAL_BUFFERS, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS,
-                        SCALE_PACK_STRIDE, STAGING_BUFFERS)
+                        MX_PANEL_WHOLE_MAX_BYTES, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE,
+                        STAGING_BUFFERS)
 from .descriptor import MatmulSetup
 
 
