@@ -57,11 +57,12 @@ class LoadRing(nl.NKIObject):
     """Up to `size` SBUF bf16 tiles that successive loads take in turn, least recently used first: a load
     into a taken tile waits for the instructions that read its previous contents, which bounds how far an
     operand's loads run ahead of their consumers (PanelSource shares one across its loads, see there).
-    `size` may grow between loads (a new tile is taken before any old one)."""
+    `size` may grow between loads (a new tile is taken before any old one). `tiles`: SBUF tiles the ring starts with
+    (oldest first; e.g. another phase's ring, idle while this one's loads run), taken before any new one."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, tiles=None):
         self.size = size
-        self.tiles = []  # oldest first
+        self.tiles = [] if tiles == None else list(tiles)  # noqa: E711  (oldest first)
 
     def take(self, shape):
         """The next tile, viewed as `shape` (a shape larger than the ring's tiles starts a new ring)."""

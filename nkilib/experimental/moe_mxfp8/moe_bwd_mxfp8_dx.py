@@ -38,14 +38,16 @@ class ExpertPanels(nl.NKIObject):
     Each MXFP8 K tile of a panel is its own SBUF allocation (load_panel split=True: 4 KiB per partition for 1024
     columns, not one 56 KiB tile for DeepSeek-V3's 14 K tiles of W_down), so a panel never needs one wide gap
     among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
+    ring: a LoadRing that the resident panels' loads share for their MXFP8 staging tiles (pass B: pass C's kernel-scope
+    ring, round 9a); None: a fresh ring per super-panel.
     """
 
-    def __init__(self, op, tiles, setup):
+    def __init__(self, op, tiles, setup, ring=None):
         self.op, self.tiles, self.setup = op, tiles, setup
         self.resident = self.fits(op, tiles, setup)
         width = self.load_width(op, setup, wide=not self.resident)
         self.loads, self.load_of = self.super_panels(op, tiles, width)
-        self.panels = [self._load(f0, w) for f0, w in self.loads] if self.resident else []
+        self.panels = [self._load(f0, w, ring) for f0, w in self.loads] if self.resident else []
         self.current = -1
         self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
 

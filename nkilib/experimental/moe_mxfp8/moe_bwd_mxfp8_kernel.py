@@ -77,6 +77,7 @@ import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert, round_up, shard_range
 from ...core.matmul.constants import MX_PACK
+from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
@@ -221,8 +222,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def fits(ops, groups):
         return all(ExpertPanels.fits(op, g, setup) for op in ops for g in groups)
 
-    def panels_of(descs, tiles):
-        return [None if d == None else ExpertPanels(d, tiles, setup) for d in descs]  # noqa: E711
+    def panels_of(descs, tiles, ring=None):
+        return [None if d == None else ExpertPanels(d, tiles, setup, ring) for d in descs]  # noqa: E711
 
     def last_block(i, block, panels, skip):
         """block(i, panels, skip, full) for an expert's last block, by the flag of its final position: a full
@@ -242,16 +243,16 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
-    def per_block(e, descs, tiles, groups, block, skip, single=None):
+    def per_block(e, descs, tiles, groups, block, skip, single=None, ring=None):
         """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
         it when they fit (`groups` None), else per block for an expert with one block (`single` instead of
         `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
         before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
         last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
-        (both cores: identical trip counts)."""
+        (both cores: identical trip counts). ring: the resident weights' staging tiles (ExpertPanels)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
         if groups == None:  # noqa: E711
-            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles), skip[0])
+            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles, ring), skip[0])
             return
         ctx.loops.if_single(e, lambda i: last_block(i, single or block, panels_of(descs, tiles), skip[0]))
 
@@ -365,9 +366,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                                 stored_panels=stored_panels)
 
     def pass_b(e):
+        # resident W_gu staged through pass C's kernel-scope ring (when there is one: not with the interleave), idle
+        # from C(e - 1)'s last load to C(e)'s first: fresh staging tiles were placed over A(a)'s freed tiles and their
+        # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
+        # B's first matmul waited for it (round 9a: GPT-OSS 4 x 2048 2962.9 -> 2885.3 us)
+        ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         per_block(e, [b_desc(e)], h_tiles, b_groups,
                   lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
-                  single=lambda i, w, skip, full: b_block(e, i, w, skip, ctx.d_gu_mx != None))  # noqa: E711
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, ctx.d_gu_mx != None), ring=ring)  # noqa: E711
 
     # pass B(e) in pieces between the chunks of the segment's pipelined pass A(a) (round 8a, moe_bwd_mxfp8_interleave)
     # where both passes' resident weight panels fit INTERLEAVE_PANEL_BUDGET_BYTES together: B's matmuls then queue on
