@@ -137,14 +137,16 @@ class RowChunk(nl.NKIObject):
     continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
     tile_sums (the I split of one-block experts, moe_bwd_mxfp8_i_split.py): the rows' routing-weight gradient is
     kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
-    in order after the fence.
+    in order after the fence. staged (with tile_sums, a full block whose dY / X rows were copied to dy_blocks /
+    x_blocks a fence earlier: SingleBlockISplit.stage): the rows are read from there by plain DMA, not gathered.
     """
 
-    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False):
+    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False,
+                 staged=False):
         I, H = ctx.I, ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
-        if inputs == None and (i_lo == 0 or tile_sums):  # noqa: E711
+        if inputs == None and (i_lo == 0 or tile_sums) and not staged:  # noqa: E711
             # rows only: p and the checkpoints are gathered after the panels below, as before round 7c (every
             # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2). The I split: every core gathers every
             # row of dY, and X where it writes the copy (one core per chunk) or recomputes
@@ -286,11 +288,12 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
         ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
 
 
-def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False):
+def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False):
     """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
     on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
-    gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums: RowChunk's."""
-    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums)
+    gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged: RowChunk's.
+    """
+    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums, staged=staged)
 
 
 def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):
@@ -435,19 +438,20 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
 
 
-def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False):
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
+                 staged=False):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
-    tile_sums: RowChunk's (the I split of one-block experts)."""
+    tile_sums, staged: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
     inputs = inputs or [None] * len(rows)
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums)
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged)
               for (r0, m), inp in zip(rows, inputs)]
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)

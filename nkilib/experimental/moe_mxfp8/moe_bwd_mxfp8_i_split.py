@@ -45,7 +45,7 @@ class SingleBlockISplit(nl.NKIObject):
     Dimensions: as the module docstring; i_tiles are pass A's [(n0, 512)] tiles of I, this core's [j_lo, j_hi).
     """
 
-    def __init__(self, ctx, i_tiles):
+    def __init__(self, ctx, i_tiles, staged=()):
         self.ctx = ctx
         cores, shard = ctx.split.num_cores, ctx.split.shard_id
         self.j_lo, self.j_hi = shard_range(len(i_tiles), cores, shard)
@@ -54,6 +54,7 @@ class SingleBlockISplit(nl.NKIObject):
         self.chunks = _blocks(0, ctx.B, PARTITIONS)
         kernel_assert(all(m == PARTITIONS for _, m in ctx.unit_rows),
                       f"the I split needs 128-row chunks per core, got {ctx.unit_rows}")
+        self.staged = list(staged)  # experts whose dY / X rows are staged a fence ahead of their pass A (stage)
         ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
                                    name="moe_bwd_routing_grad_tiles")
 
@@ -83,8 +84,19 @@ class SingleBlockISplit(nl.NKIObject):
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us); the engine is the epilogue's, read while it is traced
         saved, ctx.d_up_engine = ctx.d_up_engine, nisa.engine.vector
-        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True)
+        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged)
         ctx.d_up_engine = saved
+
+    def stage(self, i):
+        """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies) by one
+        HBM -> HBM indirect DMA each, so that pass A reads all rows back by plain DMA instead of gathering them on both
+        cores. Only for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence
+        before the block's pass A, which reads both cores' rows."""
+        ctx = self.ctx
+        for r0, m in ctx.unit_rows:
+            ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+            ctx.gather_to_blocks(ctx.dy_blocks, i, r0, m, ctx.dy, ids)
+            ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
 
     def scatter(self, i):
         """d_topk_weights of block i's slots (this core's chunks): fold of the I tiles' sums both cores wrote (tile 0,

@@ -290,10 +290,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # W_down loaded on use under LNC2: an expert of one full block splits I between the cores instead of rows, each
     # core loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b), so only the other
     # experts (more blocks, or one holding padding) take the exchange
-    i_split = (SingleBlockISplit(ctx, i_tiles)
+    # (the experts after the first group have their dY / X rows staged a fence ahead, in the exchange's place)
+    i_split = (SingleBlockISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
                if SingleBlockISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
 
     def quantize_down(e):
+        """A(e)'s inputs made a fence ahead of it: W_down's exchange, the I split's staged rows."""
+        if i_split != None and e in i_split.staged:  # noqa: E711
+            ctx.loops.if_single(e, lambda i: i_split.if_full(i, lambda: i_split.stage(i)))
         if exchange == None or not exchange.exchanged(e):  # noqa: E711
             return
         if i_split == None:  # noqa: E711
