@@ -137,8 +137,9 @@ class RowChunk(nl.NKIObject):
     continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
     tile_sums (the I split of one-block experts, moe_bwd_mxfp8_i_split.py): the rows' routing-weight gradient is
     kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
-    in order after the fence. staged (with tile_sums, a full block whose dY / X rows were copied to dy_blocks /
-    x_blocks a fence earlier: SingleBlockISplit.stage): the rows are read from there by plain DMA, not gathered.
+    in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
+    x_blocks / p_blocks a fence earlier: SingleBlockISplit.stage): they are read from there by plain DMA, not
+    gathered.
     """
 
     def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False,
@@ -174,6 +175,11 @@ class RowChunk(nl.NKIObject):
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
+        elif staged:
+            self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.p, src=ctx.block_rows(ctx.p_blocks, i, r0, m, 1, 0, 1))
+            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
+                          for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)

@@ -17,7 +17,8 @@ and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 The price: both cores gather all B rows of dY and the checkpoints' I_c columns of all B rows (software-DGE
 descriptors on GpSimd), and no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up panels from the
 bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by one core per
-128-row chunk (ctx.unit_rows: the rows the row split gives it). A one-block expert holding padding keeps the row split
+128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's experts, else
+a segment ahead by stage() (with p's), so that pass A reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split
 and the exchange (if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded
 blocks).
 
@@ -55,6 +56,9 @@ class SingleBlockISplit(nl.NKIObject):
         kernel_assert(all(m == PARTITIONS for _, m in ctx.unit_rows),
                       f"the I split needs 128-row chunks per core, got {ctx.unit_rows}")
         self.staged = list(staged)  # experts whose dY / X rows are staged a fence ahead of their pass A (stage)
+        if self.staged:
+            ctx.p_blocks = nl.ndarray((ctx.N, ctx.B, 1), dtype=nl.float32, buffer=nl.shared_hbm,
+                                      name="moe_bwd_routing_weight_blocks")
         ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
                                    name="moe_bwd_routing_grad_tiles")
 
@@ -88,15 +92,19 @@ class SingleBlockISplit(nl.NKIObject):
         ctx.d_up_engine = saved
 
     def stage(self, i):
-        """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies) by one
-        HBM -> HBM indirect DMA each, so that pass A reads all rows back by plain DMA instead of gathering them on both
-        cores. Only for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence
-        before the block's pass A, which reads both cores' rows."""
+        """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and
+        their routing weights p by slot to p_blocks, by one HBM -> HBM indirect DMA each, so that pass A reads all rows
+        back by plain DMA instead of gathering them on both cores (the checkpoints stay gathered in pass A: staged,
+        their scratch round trip cost more DMA time than their descriptors cost GpSimd, docs/moe.md round 9b). Only
+        for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence before the
+        block's pass A, which reads both cores' rows."""
         ctx = self.ctx
         for r0, m in ctx.unit_rows:
             ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
             ctx.gather_to_blocks(ctx.dy_blocks, i, r0, m, ctx.dy, ids)
             ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
+            slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+            ctx.gather_to_blocks(ctx.p_blocks, i, r0, m, ctx.weights, slots)
 
     def scatter(self, i):
         """d_topk_weights of block i's slots (this core's chunks): fold of the I tiles' sums both cores wrote (tile 0,

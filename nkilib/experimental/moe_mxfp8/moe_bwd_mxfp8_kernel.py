@@ -290,7 +290,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # W_down loaded on use under LNC2: an expert of one full block splits I between the cores instead of rows, each
     # core loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b), so only the other
     # experts (more blocks, or one holding padding) take the exchange
-    # (the experts after the first group have their dY / X rows staged a fence ahead, in the exchange's place)
+    # (the experts after the first group have their dY / X rows and p staged a fence ahead, in the exchange's place)
     i_split = (SingleBlockISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
                if SingleBlockISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
 
