@@ -3,24 +3,25 @@
 Elsewhere pass A splits every block's rows between the two cores (docs/moe.md section 5), so both cores need all of
 W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) each core quantizes
 half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). For an expert of exactly
-one block that holds no padding (the DeepSeek-V3 rank under balanced routing) the cores here split I instead: core c computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the
-block, I_c its contiguous share of the 512-column I tiles, with W_down's I_c columns loaded and quantized on chip
-(each core half of W_down, read once: no exchange, no fence between a quantize and its use). The epilogue of an I
-tile needs only that tile's columns (gate_pre, up, gate_act, intermediate, dI) and the row's p, so each core writes
-d_gate_up's gate and up columns of I_c and hs's I_c columns for every row: disjoint bytes.
+one block that holds no padding (the DeepSeek-V3 rank under balanced routing) the cores here split I instead: core c
+computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the block, I_c its contiguous share of the 512-column I
+tiles, with W_down's I_c columns loaded and quantized on chip (each core half of W_down, read once: no exchange, no
+fence between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up,
+gate_act, intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c
+columns for every row: disjoint bytes.
 
 The routing-weight gradient <dI, h> folds over all of I in tile order (docs/moe.md section 4: tile 0 overwrites, the
 others add in fp32). Each core keeps its tiles' sums apart (RowChunk tile_sums) in ctx.d_w_tiles [N, B, I/512] fp32;
 after the fence that precedes B(e), scatter() folds every row's tiles in order (the same fp32 adds as the reference)
 and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 
-The price: both cores gather all B rows of dY and the checkpoints' I_c columns of all B rows (software-DGE
-descriptors on GpSimd), and no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up panels from the
-bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by one core per
-128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's experts, else
-a segment ahead by stage() (with p's), so that pass A reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split
-and the exchange (if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded
-blocks).
+The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
+(software-DGE descriptors on GpSimd), and no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
+panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
+one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
+experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
+reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
+(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks).
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
@@ -74,6 +75,21 @@ class SingleBlockISplit(nl.NKIObject):
         """body() when block i holds no padding (its last position holds a routed pair; complement: when it does),
         a 0/1-trip run-time loop with the same trip count on both cores."""
         self.ctx.if_flag(self.ctx.row_flags(i, self.ctx.B - 1, 2), 1, body, complement)
+
+    def if_row_split(self, e, body):
+        """body() when expert e has blocks and takes the row split (more than one block, or one holding padding)."""
+        loops = self.ctx.loops
+        loops.if_multi(e, body)
+        loops.if_single(e, lambda i: self.if_full(i, body, complement=True))
+
+    def stage_expert(self, e):
+        """stage() of expert e's block when it is a staged expert of one full block."""
+        if e in self.staged:
+            self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.stage(i)))
+
+    def scatter_expert(self, e):
+        """scatter() of expert e's block when it has one full block (after the fence that follows its pass A)."""
+        self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.scatter(i)))
 
     def block(self, e, i, descs):
         """Pass A of expert e's only block i (register, a full block) for this core's I tiles: every row's dI,

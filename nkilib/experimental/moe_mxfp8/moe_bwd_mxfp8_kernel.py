@@ -296,15 +296,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     def quantize_down(e):
         """A(e)'s inputs made a fence ahead of it: W_down's exchange, the I split's staged rows."""
-        if i_split != None and e in i_split.staged:  # noqa: E711
-            ctx.loops.if_single(e, lambda i: i_split.if_full(i, lambda: i_split.stage(i)))
-        if exchange == None or not exchange.exchanged(e):  # noqa: E711
-            return
-        if i_split == None:  # noqa: E711
-            ctx.loops.if_used(e, lambda: exchange.quantize(e))
-            return
-        ctx.loops.if_multi(e, lambda: exchange.quantize(e))
-        ctx.loops.if_single(e, lambda i: i_split.if_full(i, lambda: exchange.quantize(e), complement=True))
+        if i_split != None:  # noqa: E711
+            i_split.stage_expert(e)
+        if exchange != None and exchange.exchanged(e):  # noqa: E711
+            if_row_split = ctx.loops.if_used if i_split == None else i_split.if_row_split  # noqa: E711
+            if_row_split(e, lambda: exchange.quantize(e))
 
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
@@ -484,7 +480,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
                 if i_split != None:  # noqa: E711  (both cores' I tiles of a full block, written before the fence)
-                    ctx.loops.if_single(e, lambda i: i_split.if_full(i, lambda: i_split.scatter(i)))
+                    i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e: pass_b(e))
             if j < len(later):
                 quantize_down(later[j])
