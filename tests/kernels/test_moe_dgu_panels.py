@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
@@ -116,8 +117,10 @@ def test_single_block_experts_panels(monkeypatch, lnc):
     full block), 100 (one block, its second chunk padding only), 300 (two blocks), 0 and 80 pairs. Pass A computes all
     of I for every row of a one-block expert and stores its chunks' panels; pass B loads them for those experts (both
     chunks of each block, padding-only ones too: pass A computed them) and builds the two-block expert's panels from
-    its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on this path."""
+    its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on this path. Since round
+    9b a full one-block expert splits I under LNC2 (tests/kernels/test_moe_i_split.py), so that split is off here."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    monkeypatch.setattr(S.SingleBlockISplit, "applies", staticmethod(lambda ctx, w_down_resident, i_tiles: False))
     T, E, H, I, B = 736, 5, 2048, 544, 256
     ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 80], axis=0)
     ids = ids[np.random.default_rng(29).permutation(T)]

@@ -33,7 +33,7 @@ from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
-__all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8",
+__all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8"]
 
 
@@ -81,13 +81,15 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width, values=True):
-        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels)."""
+    def __init__(self, ctx, m, width, values=True, own=True):
+        """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels).
+        own=False: another core writes these rows' block-ordered dY / X copies (the I split: no X rows gathered)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.dy_nat = _natural_rows(ctx, ctx.H)
-        self.x_nat = None if ctx.defer_x else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
+        self.x_nat = None if ctx.defer_x or not own else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
+        self.own = own
         self.p, self.ckpts = None, None
         if values:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -133,16 +135,25 @@ class RowChunk(nl.NKIObject):
     The group at i_lo = 0 gathers dY / X by token id and writes the block-ordered copies; later groups read
     those copies back (plain DMA, this core's own rows). The routing-weight gradient's fold over I tiles
     continues across groups through ctx.d_w_partial (fp32, exact), so its order is the reference's.
+    tile_sums (the I split of one-block experts, moe_bwd_mxfp8_i_split.py): the rows' routing-weight gradient is
+    kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
+    in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
+    x_blocks / p_blocks a fence earlier: SingleBlockISplit.stage): they are read from there by plain DMA, not
+    gathered.
     """
 
-    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None):
+    def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False,
+                 staged=False):
         I, H = ctx.I, ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
-        if inputs == None and i_lo == 0:  # noqa: E711
+        if inputs == None and (i_lo == 0 or tile_sums) and not staged:  # noqa: E711
             # rows only: p and the checkpoints are gathered after the panels below, as before round 7c (every
-            # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2)
-            inputs = ChunkInputs(ctx, m, width, values=False)
+            # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2). The I split: every core gathers every
+            # row of dY, and X where it writes the copy (one core per chunk) or recomputes
+            own = not tile_sums or r0 in [r for r, _ in ctx.unit_rows]
+            inputs = ChunkInputs(ctx, m, width, values=False, own=own or recompute)
+            inputs.own = own
             inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
@@ -150,8 +161,9 @@ class RowChunk(nl.NKIObject):
             dy_nat, x_nat = inputs.dy_nat, inputs.x_nat
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
-            nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
-            if x_nat != None:  # noqa: E711  (else deferred: gather_deferred_x)
+            if inputs.own:
+                nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
+            if x_nat != None and inputs.own:  # noqa: E711  (else deferred: gather_deferred_x)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
             self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
@@ -163,6 +175,11 @@ class RowChunk(nl.NKIObject):
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
+        elif staged:
+            self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.p, src=ctx.block_rows(ctx.p_blocks, i, r0, m, 1, 0, 1))
+            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
+                          for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)
@@ -175,8 +192,10 @@ class RowChunk(nl.NKIObject):
         if self.d_gu.shape[1] > 2 * width:
             nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-        self.d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if i_lo > 0:  # the fold so far (tiles below i_lo), from this core's earlier group
+        self.tile_sums = tile_sums
+        self.d_w = nl.ndarray((m, len(_blocks(i_lo, i_hi, PHASE1_N_TILE)) if tile_sums else 1), dtype=nl.float32,
+                              buffer=nl.sbuf)
+        if i_lo > 0 and not tile_sums:  # the fold so far (tiles below i_lo), from this core's earlier group
             nisa.dma_copy(dst=self.d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
 
     def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
@@ -189,7 +208,11 @@ class RowChunk(nl.NKIObject):
         terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
                                      clamp_engine=ctx.clamp_engine)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
-        _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
+        if self.tile_sums:  # this tile's sum alone (folded with the other core's tiles after the fence)
+            c = c0 // PHASE1_N_TILE
+            _routing_grad_tile(d_i[:m, :nsz], h, self.d_w[:, c:c + 1], 0, m, nsz)
+        else:
+            _routing_grad_tile(d_i[:m, :nsz], h, self.d_w, j, m, nsz)
         # dh = dI * p (fp32), then the dense SwiGLU derivative on dh
         dh = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
         # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
@@ -220,6 +243,10 @@ class RowChunk(nl.NKIObject):
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:2 * width])
         nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
+        if self.tile_sums:  # this core's tiles' sums: columns [lo / 512, ...) of the rows in ctx.d_w_tiles
+            cols = self.d_w.shape[1]
+            nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, lo // PHASE1_N_TILE, cols), src=self.d_w)
+            return
         if self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
             return
@@ -265,6 +292,14 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
             continue
         ctx.if_flag(flags, u, body)
         ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
+
+
+def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False):
+    """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
+    on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
+    gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged: RowChunk's.
+    """
+    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums, staged=staged)
 
 
 def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):
@@ -409,18 +444,21 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
 
 
-def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None):
+def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
+                 staged=False):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
-    before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`)."""
+    before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
+    tile_sums, staged: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
     inputs = inputs or [None] * len(rows)
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp) for (r0, m), inp in zip(rows, inputs)]
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged)
+              for (r0, m), inp in zip(rows, inputs)]
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
         wd = w_down.get(jj)

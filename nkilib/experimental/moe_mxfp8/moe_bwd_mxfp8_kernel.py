@@ -25,7 +25,8 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
        the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2
        a W_down loaded on use (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first
-       fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py).
+       fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py), except
+       for an expert of one full block, whose I columns the cores split instead (moe_bwd_mxfp8_i_split.py, round 9b).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows. With pass A's chunk pipeline
@@ -87,6 +88,7 @@ from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
+from .moe_bwd_mxfp8_i_split import SingleBlockISplit
 from .moe_bwd_mxfp8_interleave import InterleavedDx
 from .moe_bwd_mxfp8_loops import ExpertLoops
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
@@ -286,10 +288,20 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # group runs before the first fence, so it quantizes on chip as before); the same panel bytes (a_groups holds)
     if DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup)) and len(groups) > 1:
         exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
+    # W_down loaded on use under LNC2: an expert of one full block splits I between the cores instead of rows, each
+    # core loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b), so only the other
+    # experts (more blocks, or one holding padding) take the exchange
+    # (the experts after the first group have their dY / X rows and p staged a fence ahead, in the exchange's place)
+    i_split = (SingleBlockISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
+               if SingleBlockISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
 
     def quantize_down(e):
+        """A(e)'s inputs made a fence ahead of it: W_down's exchange, the I split's staged rows."""
+        if i_split != None:  # noqa: E711
+            i_split.stage_expert(e)
         if exchange != None and exchange.exchanged(e):  # noqa: E711
-            ctx.loops.if_used(e, lambda: exchange.quantize(e))
+            if_row_split = ctx.loops.if_used if i_split == None else i_split.if_row_split  # noqa: E711
+            if_row_split(e, lambda: exchange.quantize(e))
 
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
@@ -320,9 +332,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
                                            between=between)
             return
-        per_block(e, a_descs(e), i_tiles, a_groups,
-                  lambda i, w, skip, full: compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip,
-                                                                            full=full), a_skip)
+        def rows(i, w, skip, full):
+            compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
+
+        single = None
+        if i_split != None:  # noqa: E711  (a full block: W_down[e] from HBM as it is; one with padding: as before)
+            descs = [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)] + a_descs(e)[1:]
+            single = (lambda i, w, skip, full: i_split.block(e, i, descs) if full else rows(i, w, skip, full))
+        per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip, single=single)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -373,7 +390,12 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         per_block(e, [b_desc(e)], h_tiles, b_groups,
                   lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
-                  single=lambda i, w, skip, full: b_block(e, i, w, skip, ctx.d_gu_mx != None), ring=ring)  # noqa: E711
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full)), ring=ring)
+
+    def stored_single(full):
+        """Whether pass A stored a one-block expert's panels: not where it split the block along I (a full block
+        under SingleBlockISplit: no core holds a chunk's whole 2I)."""
+        return ctx.d_gu_mx != None and not (i_split != None and full)  # noqa: E711
 
     # pass B(e) in pieces between the chunks of the segment's pipelined pass A(a) (round 8a, moe_bwd_mxfp8_interleave)
     # where both passes' resident weight panels fit INTERLEAVE_PANEL_BUDGET_BYTES together: B's matmuls then queue on
@@ -463,6 +485,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
+                if i_split != None:  # noqa: E711  (both cores' I tiles of a full block, written before the fence)
+                    i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e: pass_b(e))
             if j < len(later):
                 quantize_down(later[j])

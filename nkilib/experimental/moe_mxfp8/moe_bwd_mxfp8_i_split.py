@@ -1,0 +1,139 @@
+"""Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py) split along I for experts of one block (LNC2).
+
+Elsewhere pass A splits every block's rows between the two cores (docs/moe.md section 5), so both cores need all of
+W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) each core quantizes
+half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). For an expert of exactly
+one block that holds no padding (the DeepSeek-V3 rank under balanced routing) the cores here split I instead: core c
+computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the block, I_c its contiguous share of the 512-column I
+tiles, with W_down's I_c columns loaded and quantized on chip (each core half of W_down, read once: no exchange, no
+fence between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up,
+gate_act, intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c
+columns for every row: disjoint bytes.
+
+The routing-weight gradient <dI, h> folds over all of I in tile order (docs/moe.md section 4: tile 0 overwrites, the
+others add in fp32). Each core keeps its tiles' sums apart (RowChunk tile_sums) in ctx.d_w_tiles [N, B, I/512] fp32;
+after the fence that precedes B(e), scatter() folds every row's tiles in order (the same fp32 adds as the reference)
+and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
+
+The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
+(software-DGE descriptors on GpSimd), and no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
+panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
+one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
+experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
+reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
+(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks).
+
+Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
+(moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
+d_w_tiles [B, tiles of I_c].
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ...core.kernel_helpers import kernel_assert, shard_range
+from ...core.matmul.sources import blocks as _blocks
+from .constants import PARTITIONS, PHASE1_N_TILE
+from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8
+from .moe_bwd_mxfp8_dx import ExpertPanels
+
+__all__ = ["SingleBlockISplit"]
+
+
+class SingleBlockISplit(nl.NKIObject):
+    """Pass A of one-block experts with I split between the cores, and its deferred d_topk_weights scatter.
+
+    Dimensions: as the module docstring; i_tiles are pass A's [(n0, 512)] tiles of I, this core's [j_lo, j_hi).
+    """
+
+    def __init__(self, ctx, i_tiles, staged=()):
+        self.ctx = ctx
+        cores, shard = ctx.split.num_cores, ctx.split.shard_id
+        self.j_lo, self.j_hi = shard_range(len(i_tiles), cores, shard)
+        self.tiles = i_tiles[self.j_lo:self.j_hi]
+        self.n_tiles = len(i_tiles)
+        self.chunks = _blocks(0, ctx.B, PARTITIONS)
+        kernel_assert(all(m == PARTITIONS for _, m in ctx.unit_rows),
+                      f"the I split needs 128-row chunks per core, got {ctx.unit_rows}")
+        self.staged = list(staged)  # experts whose dY / X rows are staged a fence ahead of their pass A (stage)
+        if self.staged:
+            ctx.p_blocks = nl.ndarray((ctx.N, ctx.B, 1), dtype=nl.float32, buffer=nl.shared_hbm,
+                                      name="moe_bwd_routing_weight_blocks")
+        ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
+                                   name="moe_bwd_routing_grad_tiles")
+
+    @staticmethod
+    def applies(ctx, w_down_resident, i_tiles) -> bool:
+        """Under LNC2 with MXFP8 where W_down is loaded on use (not resident: the W_down exchange's case) and every
+        core gets whole 128-row chunks of a block and at least one I tile (the DeepSeek-V3 rank at B = 512)."""
+        cores = ctx.split.num_cores
+        return (cores > 1 and ctx.setup.is_mx and not w_down_resident and len(i_tiles) >= cores
+                and ctx.B % (PARTITIONS * cores) == 0)
+
+    def if_full(self, i, body, complement=False):
+        """body() when block i holds no padding (its last position holds a routed pair; complement: when it does),
+        a 0/1-trip run-time loop with the same trip count on both cores."""
+        self.ctx.if_flag(self.ctx.row_flags(i, self.ctx.B - 1, 2), 1, body, complement)
+
+    def if_row_split(self, e, body):
+        """body() when expert e has blocks and takes the row split (more than one block, or one holding padding)."""
+        loops = self.ctx.loops
+        loops.if_multi(e, body)
+        loops.if_single(e, lambda i: self.if_full(i, body, complement=True))
+
+    def stage_expert(self, e):
+        """stage() of expert e's block when it is a staged expert of one full block."""
+        if e in self.staged:
+            self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.stage(i)))
+
+    def scatter_expert(self, e):
+        """scatter() of expert e's block when it has one full block (after the fence that follows its pass A)."""
+        self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.scatter(i)))
+
+    def block(self, e, i, descs):
+        """Pass A of expert e's only block i (register, a full block) for this core's I tiles: every row's dI,
+        epilogue and stores.
+
+        Args:
+            descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
+        """
+        ctx = self.ctx
+        w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
+        # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
+        # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
+        # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us); the engine is the epilogue's, read while it is traced
+        saved, ctx.d_up_engine = ctx.d_up_engine, nisa.engine.vector
+        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged)
+        ctx.d_up_engine = saved
+
+    def stage(self, i):
+        """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and
+        their routing weights p by slot to p_blocks, by one HBM -> HBM indirect DMA each, so that pass A reads all rows
+        back by plain DMA instead of gathering them on both cores (the checkpoints stay gathered in pass A: staged,
+        their scratch round trip cost more DMA time than their descriptors cost GpSimd, docs/moe.md round 9b). Only
+        for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence before the
+        block's pass A, which reads both cores' rows."""
+        ctx = self.ctx
+        for r0, m in ctx.unit_rows:
+            ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+            ctx.gather_to_blocks(ctx.dy_blocks, i, r0, m, ctx.dy, ids)
+            ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
+            slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+            ctx.gather_to_blocks(ctx.p_blocks, i, r0, m, ctx.weights, slots)
+
+    def scatter(self, i):
+        """d_topk_weights of block i's slots (this core's chunks): fold of the I tiles' sums both cores wrote (tile 0,
+        then + tile 1, ... in fp32: the reference's order), scattered by slot (padding slots skipped). Must follow the
+        fence after the block's pass A."""
+        ctx = self.ctx
+        for r0, m in ctx.unit_rows:
+            slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+            sums = nl.ndarray((m, self.n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=sums, src=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, 0, self.n_tiles))
+            d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=d_w, src=sums[:, 0:1])
+            for j in range(1, self.n_tiles):
+                nisa.tensor_tensor(dst=d_w, data1=d_w, data2=sums[:, j:j + 1], op=nl.add)
+            out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
+            nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
