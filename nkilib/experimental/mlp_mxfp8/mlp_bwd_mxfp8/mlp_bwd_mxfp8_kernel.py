@@ -191,7 +191,7 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
         ranges = (rows, (0, H)) if rows != None else None  # noqa: E711
         plan = MatmulPlan([a_op], [gate_up_weight_td], S, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype), ranges=ranges, resident=resident)
+                          StoreEpilogue(out, dtype), ranges=ranges, resident=resident, contiguous_group=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
