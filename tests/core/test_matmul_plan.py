@@ -218,3 +218,24 @@ def test_contiguous_group_places_a_streamed_group_in_one_block(monkeypatch):
         allocations.append(len({o.storage_id for r in res.trace if r.instr == "nc_matmul_mx"
                                 for o in r.reads if o.arg == "stationary"}))
     assert allocations == [3, 2], allocations
+
+
+def test_streamed_group_moving_quads_share_a_ring_of_four_staging_tiles(monkeypatch):
+    """A K-streamed group's moving K-tile quads stage through one ring of STREAM_STAGING_BUFFERS = 4 tiles (TP1's phase
+    2, modeled 4.572 -> 4.567 / 4.762 -> 4.730 ms; 3 before). K = 2048 (4 K tiles: one quad per n block), N = 600 (two n
+    blocks), M = 300 in groups of 2 and 1: each group stages 8 K tiles through 4 tiles, 8 in all (6 with a ring of 3);
+    the bits are the contract's."""
+    from nkilib.core.matmul import plan as plan_module
+    from nkilib.simulator.launcher import run_kernel
+
+    for name in ("PANEL_CACHE_BUDGET_BYTES", "RESIDENT_OPERAND_BUDGET_BYTES", "STATIONARY_GROUP_BUDGET_BYTES"):
+        monkeypatch.setattr(plan_module, name, 1)
+    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 2 * (4 * 128 * 4 + 128))  # two panels
+    M, K, N = 300, 2048, 600
+    a, b = randn(12, (M, K), BF16), randn(13, (K, N), BF16)
+    res = run_kernel(_streamed_kernel.fn, kwargs=dict(a=a, b=b, contiguous=True), trace=True)
+    assert _STREAMED[-1], "the plan must be K-streamed"
+    assert_outputs_identical((res.outputs,), (contract_mm(a, b, "mxfp8", "float8_e4m3fn", "1x32"),), "ring of 4")
+    staging = {o.storage_id for r in res.trace if r.instr == "dma_copy" and any(i.name == "b" for i in r.reads)
+               for o in r.writes if o.buffer == "sbuf"}
+    assert len(staging) == 8, len(staging)

@@ -25,7 +25,8 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_LOOKAHEAD_TILES,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
+                        STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BYTES)
 from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
 from .sources import PanelSource, blocks, tile_order
 
@@ -409,7 +410,7 @@ class MatmulPlan(nl.NKIObject):
                 a_panels = [source.get(m0, msz) for m0, msz in group]
             # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads
             # wait for the previous quads' quantizes instead of running ahead into SBUF the group holds
-            ring = LoadRing(STAGING_BUFFERS)
+            ring = LoadRing(STREAM_STAGING_BUFFERS)
             # the next n block's first matmuls wait for these tiles' evictions (WAR)
             accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
             nxt = None  # the next n block's first K quad, loaded before this block's evictions
