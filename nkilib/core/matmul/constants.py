@@ -36,6 +36,8 @@ STREAM_STATIONARY_BUDGET_BYTES = 208 * 1024  # stationary group of a K-streamed 
 STREAM_STATIONARY_HEADROOM_BYTES = 48 * 1024  # SBUF the K-streamed plan leaves for everything else (MXFP8)
 STREAM_STATIONARY_HEADROOM_BF16_BYTES = 64 * 1024  # the same for BF16 panels (one tile per 128-row K tile)
 STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
+STREAM_STAGING_BUFFERS = 4  # staging ring of a K-streamed group's moving K-tile quads (TP1 MXFP8 modeled, with the
+# contiguous group: 2: 4.881, 3: 4.572, 4: 4.567, 5: 4.569, 6: 4.580 ms central)
 PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
 PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
 TRANSPOSE_PSUM_BANKS = 2  # PE-transpose tiles live while a phase's accumulators are (two in flight)

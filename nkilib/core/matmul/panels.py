@@ -289,7 +289,9 @@ class _PanelBuilder(nl.NKIObject):
     panel above 16 KiB, W_down's included: 0.671).
     """
 
-    def __init__(self, f_pad, setup, t_lo, count, split=False, pieces=False):
+    def __init__(self, f_pad, setup, t_lo, count, split=False, pieces=False, into=None):
+        kernel_assert(into == None or not split, "_PanelBuilder: `into` (a caller's allocation) and split=True are "  # noqa: E711
+                      "exclusive, got both")
         self.f_pad = f_pad
         self.pieces = pieces  # large words in pieces (quantized_words)
         self.setup = setup
@@ -301,6 +303,9 @@ class _PanelBuilder(nl.NKIObject):
         self._scale_tiles = [None] * count  # split: one per scale tile
         self._pieces = [None] * count  # words allocated in pieces of whole K tiles (split: 1; pieces: piece_tiles)
         self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
+        self.into = into != None  # noqa: E711  the panel's words and scales live in the caller's allocation
+        if self.into:
+            self._data_tile, self._scale_tile = into
 
     def _piece_words(self, t, P, tiles_per_piece):
         """SBUF [P, F_pad] x4 words for K tile t in a piece of `tiles_per_piece` K tiles, allocated at its first
@@ -325,7 +330,7 @@ class _PanelBuilder(nl.NKIObject):
         """SBUF [P, F_pad] x4 words for K tile t quantized on chip: words(t, P), or, when built with pieces=True,
         for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece."""
         whole = self.count * self.f_pad * 4 <= MX_PANEL_WHOLE_MAX_BYTES or self.piece_tiles >= self.count
-        if not self.pieces or whole:
+        if not self.pieces or whole or self.into:
             return self.words(t, P)
         return self._piece_words(t, P, self.piece_tiles)
 
@@ -436,7 +441,7 @@ class PanelLoad(nl.NKIObject):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, split: bool = False, pieces: bool = False) -> Panel:
+               ring=None, split: bool = False, pieces: bool = False, into=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -452,13 +457,18 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     panel-layout operands, which load all K tiles' words in one DMA).
     pieces: a [K, F] operand's MX words of more than MX_PANEL_WHOLE_MAX_BYTES per partition in pieces
     (_PanelBuilder; MatmulPlan's panels). Not with split.
+    into: (words [128, t_hi - t_lo, f_pad], scales [128, scale tiles, f_pad]) SBUF views of a caller's allocation
+    that holds the panel instead of its own (PanelGroupBlock: a K-streamed group's panels in one block; MXFP8 only,
+    not with split; pieces are then ignored).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
     kernel_assert(not (split and op.panel_layout), "load_panel: split=True needs a bf16 or per-K-tile operand, "
                   "got a panel-layout operand (its K tiles load in one DMA into one allocation)")
     kernel_assert(not (split and pieces), "load_panel: split=True and pieces=True are exclusive, got both")
-    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split, pieces)
+    kernel_assert(into == None or setup.is_mx,  # noqa: E711
+                  "load_panel: `into` holds MXFP8 words and scales, got a BF16 setup")
+    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split, pieces, into)
     if op.panel_layout:
         return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
@@ -546,3 +556,28 @@ def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> in
         return n * f_pad * 2
     scale_tiles = -(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n
     return n * f_pad * 4 + scale_tiles * f_pad
+
+
+class PanelGroupBlock(nl.NKIObject):
+    """One SBUF allocation for the MXFP8 words (and one for the scales) of `count` whole panels of equal shape
+    [K, f_pad]: a K-streamed group's stationary panels (MatmulPlan(contiguous_group=True)). Each panel is a slot
+    (`slot(i, f_pad)`, load_panel's `into`). Separate panel allocations, placed next-fit one by one among the
+    group's transient natural row and staging tiles, find no gap and wait for tiles of the previous group (TP1's
+    phase 2: each group start); one block is placed once, where the previous group's block was.
+
+    Dimensions:
+        words [128, count, K tiles, f_pad] x4; scales [128, count, scale tiles, f_pad] uint8.
+    """
+
+    def __init__(self, count: int, k_size: int, f_pad: int, setup: MatmulSetup):
+        kernel_assert(setup.is_mx, "PanelGroupBlock holds MXFP8 panels, got a BF16 setup")
+        n = len(k_tiles(k_size, setup))
+        scale_tiles = -(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n
+        self.count = count
+        self.words = nl.ndarray((PARTITIONS, count, n, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
+        self.scales = nl.ndarray((PARTITIONS, count, scale_tiles, f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+
+    def slot(self, i: int, f_pad: int):
+        """(words, scales) views of panel i, its first f_pad columns (load_panel's `into`)."""
+        kernel_assert(0 <= i < self.count, f"PanelGroupBlock: slot {i} of {self.count} panels")
+        return self.words[:, i, :, :f_pad], self.scales[:, i, :, :f_pad]

@@ -25,8 +25,9 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_LOOKAHEAD_TILES,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import LoadRing, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
+                        STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BYTES)
+from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
 from .sources import PanelSource, blocks, tile_order
 
 
@@ -184,6 +185,8 @@ class MatmulPlan(nl.NKIObject):
         stationary_lookahead: with the stationary operand kept whole (loaded on demand), load each tile's stationary
             MXFP8 panels STATIONARY_LOOKAHEAD_TILES tiles ahead (_load_stationary_ahead; the MLP backward's phase 4
             at TP1, whose epilogue leaves VectorE to the quantizes; default off).
+        contiguous_group: a K-streamed plan (MXFP8) places each group's stationary panels in one SBUF allocation
+            (PanelGroupBlock) instead of one per panel (the MLP backward's phase 2 at TP1; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -198,8 +201,9 @@ class MatmulPlan(nl.NKIObject):
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
-                 interleave_first_loads=False, stationary_lookahead=False):
+                 interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False):
         self.setup = setup
+        self.contiguous_group = contiguous_group and setup.is_mx
         self.epilogue = epilogue
         self.products = products
         self.done = 0
@@ -383,22 +387,30 @@ class MatmulPlan(nl.NKIObject):
         backward's phase 2 at I = 12288: K = 2I = 24576): PSUM, not SBUF, bounds the moving width (g
         accumulators of STREAM_N_TILE), so g stationary panels share each moving pass (the moving operand
         is read m_tiles / g times). The group's evictions alternate VectorE / ScalarE: they gate the next
-        n block's matmuls.
+        n block's matmuls. contiguous_group: the group's panels are slots of one PanelGroupBlock.
         """
         g, m_blocks, n_blocks = self.stream
         setup, b_op = self.setup, self.moving[0].op
         n_k = len(k_tiles(b_op.k_size, setup))
         evictions = 0
-        a_panels = accs = ring = None
+        source = self.stationary[0]
+        a_panels = accs = ring = block = None
         for lo in range(0, len(m_blocks), g):
             group = m_blocks[lo:lo + g]
             # drop the previous group's panels and accumulators (all of PSUM) before loading this group
             # (its PE transposes use PSUM too)
-            a_panels = accs = acc = ring = None
-            a_panels = [self.stationary[0].get(m0, msz) for m0, msz in group]
+            a_panels = accs = acc = ring = a = block = None
+            if self.contiguous_group:
+                # the previous group's block is dead before this one is allocated (program order), so the new
+                # block can take its place
+                source.release()
+                block = PanelGroupBlock(len(group), source.op.k_size, self.m_tile, setup)
+                a_panels = [source.get(m0, msz, block, i) for i, (m0, msz) in enumerate(group)]
+            else:
+                a_panels = [source.get(m0, msz) for m0, msz in group]
             # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads
             # wait for the previous quads' quantizes instead of running ahead into SBUF the group holds
-            ring = LoadRing(STAGING_BUFFERS)
+            ring = LoadRing(STREAM_STAGING_BUFFERS)
             # the next n block's first matmuls wait for these tiles' evictions (WAR)
             accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
             nxt = None  # the next n block's first K quad, loaded before this block's evictions
