@@ -205,3 +205,17 @@ def test_sbuf_reuse_diagnostic_separates_reuse_waits_on_the_tiny_shape():
     assert waits["critical_path_edges"].get("data", 0) > 0, waits
     peaks = waits["peak_live_sbuf_bytes"]
     assert peaks and all(0 < b <= TRN3.sbuf_bytes_per_partition for b in peaks.values()), peaks
+
+
+def test_skew_shapes_keep_the_full_zipf_block_histogram():
+    """simulations/moe_skew_shapes.py (docs/moe.md round 9c): each hand-made routing gives every expert its pairs, no
+    token one expert twice, and the blocks the round's table names (gzp 36 for 32, gwz 51 for 48 at B = 512)."""
+    diag = load_script("moe_skew_shapes")
+    blocks = {"gzp": [4, 3, 3, 2, 2, 14, 6, 2], "gwz": [3, 6, 3, 23, 4, 3, 5, 4]}
+    for name, expected in blocks.items():
+        counts, T, preset = diag.SHAPES[name]
+        ids = diag.handmade_topk_ids(counts, T, preset.top_k)
+        assert ids.shape == (T, preset.top_k) and all(len(set(row)) == preset.top_k for row in ids)
+        assert expert_token_counts(ids, preset.experts).tolist() == counts
+        assert [-(-c // 512) for c in counts] == expected
+        assert padding_counts(np.array(counts), 512)["used_blocks"] == sum(expected)

@@ -17,6 +17,8 @@ that every path gives mx_exact's bits.
 |                                       | within the SBUF budget; BF16 and an N wider than PSUM get none    |
 | test_resident_loads_rotate_stages     | resident path: consecutive operand loads alternate staging tiles, |
 |                                       | evictions on ScalarE; LNC1 and LNC2 == mx_exact                   |
+| test_loads_above_r_rotate_all_stages  | parts tiers and windows: loads go round all 3 staging tiles, at   |
+|                                       | most R blocks 2; LNC2 == mx_exact                                 |
 """
 from __future__ import annotations
 
@@ -267,3 +269,44 @@ def test_resident_loads_rotate_stages(lnc):
     evictions = {r.engine for r in in_c if r.instr == "tensor_scalar" and r.attrs.get("op0") == "add"
                  and any(o.buffer == "psum" for o in r.reads)}
     assert evictions and "scalar" in evictions
+
+
+def test_loads_above_r_rotate_all_stages(monkeypatch):
+    """Round 9c (docs/moe.md section 10): the loads of an expert above R (a tier of N parts or windows: its stationary
+    operand read once per part, DMA-bound under skewed routing) go round all PASS_C_STAGING_BUFFERS staging tiles, so a
+    load waits for the quantize that many loads before it; experts of at most R blocks keep PASS_C_RESIDENT_STAGES tiles
+    (round 6b). R = 3 with a tier of 2 parts (R_2 = 4) and W = 3 windows: expert 0 (4 blocks) runs per part, expert 1
+    (7 blocks) in windows of 3 + 3 + 1, expert 2 (3 blocks) resident, expert 3 single-block; LNC2 == mx_exact. Per core
+    (each has its own ring): 3 staging tiles above R (2 on the old code), 2 at most R."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2,))
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "resident_block_count", lambda ctx, grads, parts=1: {1: 3, 2: 4}[parts])
+    path, tiles = [None], {}
+    resident, loader = W.compute_phase3_resident_grads_mxfp8, W.panel_from_row_loader
+
+    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None):
+        path[0] = ("parts" if part != None else "windows" if window != None else "resident", id(ctx))  # noqa: E711
+        try:
+            return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part)
+        finally:
+            path[0] = None
+
+    def staged(*args, stages=None, **kw):
+        if path[0] != None:  # noqa: E711
+            tiles.setdefault(path[0], set()).update(id(s) for s in stages)
+        return loader(*args, stages=stages, **kw)
+
+    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    monkeypatch.setattr(W, "panel_from_row_loader", staged)
+    T, E, k, H, I = 1630, 4, 1, 96, 160
+    ids = np.repeat(np.arange(4, dtype=np.int32)[:, None], [450, 850, 300, 30], axis=0)
+    ids = ids[np.random.default_rng(15).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 7, 3, 1]
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "loads above R vs mx_exact")
+    assert len({c for _, c in tiles}) == 2  # the two cores' traces
+    assert {key: len(s) for key, s in tiles.items()} == {
+        (p, c): W.PASS_C_STAGING_BUFFERS if p != "resident" else PASS_C_RESIDENT_STAGES for p, c in tiles}, tiles
+    assert {p for p, _ in tiles} == {"parts", "windows", "resident"}

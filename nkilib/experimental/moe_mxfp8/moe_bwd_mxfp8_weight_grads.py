@@ -440,7 +440,10 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
                if c0 <= n0 < c0 + slots.f_pad]
 
     def load(src, i, j, c0, slots, k):
-        panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=_stage(ctx, k),
+        # an expert above R (parts: its stationary operand read once per part; windows) is DMA-bound: its loads go
+        # round all the ring's tiles, a load waiting for the quantize PASS_C_STAGING_BUFFERS loads back (round 9c)
+        stages = _stage(ctx, k) if part == None and window == None else _single_stage(ctx, k)  # noqa: E711
+        panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=stages,
                               into=(slots, j))
 
     def load_moving(i, j):  # slot j's loads numbered j * pieces + q: consecutive slots rotate the staging tiles

@@ -1,0 +1,100 @@
+"""MoE backward: reduced GPT-OSS-20B shapes for skewed routing, and where a run's time goes per pipeline segment.
+
+Diagnostic for docs/moe.md section 10, round 9c. Usage (from the repository root, 1-5 minutes per shape):
+    PYTHONPATH=$PWD python simulations/moe_skew_shapes.py time gb gzp      # central / pessimistic, per-phase critical path
+    PYTHONPATH=$PWD python simulations/moe_skew_shapes.py segments gzp     # core 0's segments (split by core_barrier)
+
+Shapes: GPT-OSS-20B's H = I = 2880 (clamped), 8 experts, k = 2, B = 512, LNC2, all checkpoints. The full preset's Zipf
+routing at T = 16384 (seed 0) gives its 32 experts 23, 15, 11, 9, 7, 6, 6, 5, 4 x 4, 6 x 3 and 14 x 2 blocks: 144 blocks
+for 128 blocks' pairs (+12.5%). The hand-made routings below keep that histogram's shape on 8 experts (k = 2, because a
+token routes to k distinct experts and an expert may hold at most T pairs):
+    gb   balanced, T = 8192: 8 x 2048 pairs (4 blocks each, 32 blocks)
+    gzp  T = 8192: 1950 / 1100 / 1400 / 700 / 900 / 6900 / 2900 / 534 pairs = 4, 3, 3, 2, 2, 14 (parts of 3), 6, 2 blocks
+         (36 blocks, +12.5%), in the order of default_rng(0).permutation(8) of the sorted counts
+    gwb  balanced, T = 12288: 8 x 3072 pairs (6 blocks each, 48 blocks)
+    gwz  T = 12288: the full Zipf's hottest expert (11725 pairs: 23 blocks, windows 8 + 8 + 7) and seven of its others,
+         1514 / 3000 / 1337 / 11725 / 1980 / 1025 / 2332 / 1663 pairs = 3, 6, 3, 23, 4, 3, 5, 4 blocks (51 for 48)
+    dsz  the DeepSeek-V3 rank's H = 7168, I = 2048, k = 1: round 8b's 4054 / 1288 / 333 / 162 / 154 / 136 pairs
+The routed pairs of each expert are laid out over the tokens column by column (no token gets one expert twice) and the
+tokens shuffled (seed 0). Wraps moe_backward_cost.make_topk_ids and model_kernel: a diagnostic, not an API.
+"""
+import collections
+import sys
+import time
+
+import numpy as np
+
+import nkilib.examples.moe_backward_cost as M
+from nkilib.examples.moe_backward_cost import MoePreset
+
+GPT_OSS = MoePreset("gptoss8", 2880, 2880, 8, 2, clamped=True)
+#: name -> (pairs per expert or None for balanced, tokens T, preset)
+SHAPES = {"gb": (None, 8192, GPT_OSS), "gzp": ([1950, 1100, 1400, 700, 900, 6900, 2900, 534], 8192, GPT_OSS),
+          "gwb": (None, 12288, GPT_OSS), "gwz": ([1514, 3000, 1337, 11725, 1980, 1025, 2332, 1663], 12288, GPT_OSS),
+          # round 8b's skewed DeepSeek-V3 rank shape (k = 1 rows): 8 blocks (parts of 2), 3, and four single blocks
+          "dsz": ([4054, 1288, 333, 162, 154, 136], 6127, MoePreset("ds6", 7168, 2048, 6, 1))}
+
+
+def handmade_topk_ids(counts, T, k, seed=0):
+    """[T, k] int32 expert ids with counts[e] pairs for expert e: the pairs expert by expert, column by column."""
+    assert sum(counts) == T * k and max(counts) <= T, (sum(counts), T * k, max(counts))
+    ids = np.concatenate([np.full(c, e, np.int32) for e, c in enumerate(counts)]).reshape(k, T).T.copy()
+    assert all(len(set(row)) == k for row in ids)
+    return ids[np.random.default_rng(seed).permutation(T)]
+
+
+def run(name):
+    """Model shape `name`; returns (the moe_modeled_backward result, the central schedule)."""
+    counts, T, preset = SHAPES[name]
+    kept, make_ids, model_kernel = {}, M.make_topk_ids, M.model_kernel
+
+    def keep(*a, **k):
+        kept["report"] = model_kernel(*a, **k)
+        return kept["report"]
+
+    M.model_kernel = keep
+    if counts:
+        M.make_topk_ids = lambda routing, T, k, E, seed=0, zipf_exponent=1.0: handmade_topk_ids(counts, T, k)
+    try:
+        res = M.moe_modeled_backward(preset, T, "balanced", block_size=512, dense=False)
+    finally:
+        M.make_topk_ids, M.model_kernel = make_ids, model_kernel
+    return res, kept["report"].schedule
+
+
+def print_time(name, res):
+    c, p = res.scenarios["central"], res.scenarios["pessimistic"]
+    print(f"{name}: {c['modeled_time_s'] * 1e6:.1f} / {p['modeled_time_s'] * 1e6:.1f} us, blocks "
+          f"{res.padding['used_blocks']}, MFU {100 * c['mfu']:.1f}%, HBM {c['hbm_bytes'] / 1e6:.0f} MB, "
+          f"plan errors {len(c['plan_errors'])}")
+    for phase, v in c["phases"].items():
+        print(f"  {phase}: critical path {v['critical_path_s'] * 1e6:.0f} us",
+              {e: round(s * 1e6) for e, s in v["critical_path_by_engine_s"].items()})
+
+
+def print_segments(sch):
+    """Core 0's segments between core_barriers: span, and the critical path's us in it by phase / engine."""
+    recs, st, en, bl = sch.records, sch.start, sch.end, sch.blocker
+    phase = lambda i: (recs[i].attrs or {}).get("phase", "kernel")
+    bars = [en[i] for i in range(len(recs)) if recs[i].program == 0 and "barrier" in str(recs[i].instr)]
+    seg = lambda t: sum(1 for b in bars if t >= b)
+    crit = collections.defaultdict(float)
+    i = max(range(len(recs)), key=lambda j: en[j])
+    while i is not None:
+        crit[(seg(st[i]), phase(i), sch.costs[i].engine)] += en[i] - st[i]
+        i = bl[i]
+    for s, (t0, t1) in enumerate(zip([0.0] + bars, bars + [sch.makespan])):
+        items = sorted(((k[1], k[2], v) for k, v in crit.items() if k[0] == s), key=lambda x: -x[2])
+        print(f"segment {s}: {t0 * 1e6:.0f} -> {t1 * 1e6:.0f} us ({(t1 - t0) * 1e6:.0f}); critical path:",
+              {f"{p}/{e}": round(v * 1e6) for p, e, v in items if v > 3e-6})
+
+
+if __name__ == "__main__":
+    mode, names = sys.argv[1], sys.argv[2:]
+    for name in names:
+        t0 = time.time()
+        res, sch = run(name)
+        print_time(name, res)
+        if mode == "segments":
+            print_segments(sch)
+        print(f"  ({time.time() - t0:.0f} s)", flush=True)
