@@ -1,0 +1,99 @@
+"""The MoE backward kernel's shared context: shapes, HBM tensors, numeric setup and core split, with the row and
+block addressing every pass uses (index tiles, run-time row flags, indirect gathers, views of the block-ordered HBM
+scratch). Built and validated by the entry point in moe_bwd_mxfp8_kernel.py; the passes only read it.
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ...core.kernel_helpers import round_up
+from .constants import MX_K_ALIGN, PARTITIONS
+
+__all__ = ["MoeContext"]
+
+
+class MoeContext(nl.NKIObject):
+    """Everything the passes share: shapes, HBM tensors (flattened views), numeric setup, core split.
+
+    Dimensions:
+        dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
+        offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
+        checkpoints: [T*k, I] bf16 or None; scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
+        d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
+        and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
+    """
+
+    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp):
+        self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
+        self.setup, self.split, self.clamp = setup, split, clamp
+
+    def f_pad(self, rows):
+        """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""
+        return rows + (rows % 2 if self.setup.is_mx else 0)
+
+    def k_width(self, k_size):
+        """Columns of a natural [rows, K] tile: K padded to the MX K alignment (zero beyond K)."""
+        return round_up(k_size, MX_K_ALIGN) if self.setup.is_mx else k_size
+
+    def expert_bounds(self, e):
+        """Registers (lo, hi) with expert e's blocks [offsets[e], offsets[e+1])."""
+        lo, hi = nisa.register_alloc(), nisa.register_alloc()
+        nisa.register_load(lo, self.offsets[e:e + 1])
+        nisa.register_load(hi, self.offsets[e + 1:e + 2])
+        return lo, hi
+
+    def positions(self, table, i, first, step, count, dst=None):
+        """SBUF [count, 1] int32 index tile: table[i, first + step*r] (token ids or slots of block i; first may
+        reach into the blocks after i), written into dst when given."""
+        idx = nl.ndarray((count, 1), dtype=nl.int32, buffer=nl.sbuf) if dst == None else dst  # noqa: E711
+        nisa.dma_copy(dst=idx, src=table.ap([[step, count], [1, 1]], offset=first, scalar_offset=i, indirect_dim=0))
+        return idx
+
+    def row_flags(self, i, step, count):
+        """SBUF [count, 1] int32: 1 where position step*r of block i holds a routed pair, else 0 (a block's
+        padding is its tail, so a row range starting at a padding position holds only padding). min(T - id, 1):
+        ids are at most the sentinel T; integers < 2^24, exact in VectorE's fp32 arithmetic."""
+        flags = self.positions(self.ids2d, i, 0, step, count)
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(self.T))
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.minimum, operand0=1.0)
+        return flags
+
+    @staticmethod
+    def if_flag(flags, r, body, complement=False):
+        """body() when flags[r] is 1 (complement: when it is 0), a 0/1-trip run-time loop."""
+        flag = flags[r:r + 1, 0:1]
+        if complement:
+            flag = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=flag, data=flags[r:r + 1, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                               operand1=1.0)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, flag)
+        nl.fori_loop(0, reg, lambda _: body())
+
+    def gather(self, dst, src2d, idx, f0, f_size):
+        """dst [count, f_size] <- src2d[idx[r], f0:f0+f_size] by indirect DMA (padding sentinels skipped:
+        those rows of dst keep their bytes, so callers zero dst first)."""
+        row = src2d.shape[1]
+        view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
+
+    def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
+        """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing
+        passes through SBUF: the DMA engines move the bytes once instead of in and out). Only for rows that all hold
+        a routed pair: a skipped padding sentinel would leave its scratch row unwritten."""
+        row = src2d.shape[1]
+        view = src2d.ap([[row, m], [1, row]], offset=0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, 0, row), src=view, oob_mode=nisa.oob_mode.skip)
+
+    def block_tiles(self, scratch, i, r0, tiles):
+        """View [128, tiles, F / tiles] of rows r0..r0+128 of block i of a [N, B, F] scratch: one stored panel's
+        allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p)."""
+        F = scratch.shape[2]
+        return scratch.ap([[F, PARTITIONS], [F // tiles, tiles], [1, F // tiles]], offset=r0 * F, scalar_offset=i,
+                          indirect_dim=0)
+
+    def block_rows(self, scratch, i, r0, count, step, f0, f_size):
+        """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""
+        F = scratch.shape[2]
+        return scratch.ap([[step * F, count], [1, f_size]], offset=r0 * F + f0, scalar_offset=i, indirect_dim=0)
