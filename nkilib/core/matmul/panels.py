@@ -180,20 +180,6 @@ def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi, natural=None):
     return natural
 
 
-def preload_natural_rows(op, f0: int, rows: int, k_ranges, count: int, setup: MatmulSetup) -> dict:
-    """[(natural group index, row tile)] of the first `count` natural groups (NATURAL_LOAD_K columns each) of a
-    K-contiguous bf16 operand's rows [f0, f0 + rows) that lie inside one of k_ranges [(k_lo, k_hi)], each DMAed now
-    into a tile of its own (load_panel(preloaded=...) transposes them later; MatmulPlan.prefetch_own)."""
-    tiles = k_tiles(op.k_size, setup)
-    out = []
-    for gi, group in enumerate(_natural_groups(tiles, setup)):
-        k_lo = tiles[group[0]][0]
-        k_last, valid_last, padded_last = tiles[group[-1]]
-        if len(out) < count and any(lo <= k_lo and k_last + valid_last <= hi for lo, hi in k_ranges):
-            out.append((gi, _load_rows_natural(op, f0, rows, k_lo, k_last + valid_last, k_last + padded_last)))
-    return out
-
-
 def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
     """DMA pre-quantized x4 codes and E8M0 scales of one K tile into the interleaved SBUF layout."""
     P = padded // MX_PACK

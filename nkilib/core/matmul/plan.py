@@ -27,8 +27,8 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import (LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition,
-                     preload_natural_rows)
+from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
+from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order
 
 
