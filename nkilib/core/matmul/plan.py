@@ -188,9 +188,9 @@ class MatmulPlan(nl.NKIObject):
             at TP1, whose epilogue leaves VectorE to the quantizes; default off).
         contiguous_group: a K-streamed plan (MXFP8) places each group's stationary panels in one SBUF allocation
             (PanelGroupBlock) instead of one per panel (the MLP backward's phase 2 at TP1; default off).
-        own_k_ranges: K column ranges [(k_lo, k_hi)] of a K-contiguous stationary operand that this core wrote itself
-            (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's panels' rows
-            there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed plans with
+        own_k_ranges: K column ranges [(k_lo, k_hi)] of a K-contiguous stationary operand that this core wrote
+            itself (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's
+            panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed plans with
             contiguous_group only; default none).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods

@@ -19,9 +19,9 @@ W_down's panels fit no panel cache and split along I each core keeps all of dY r
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
 Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
-(+ the first W_gu panel of phase 2 when its stationary rows are resident; after phase 1's split along I, the DMAs of
-phase 2's first row tiles of the d_gate_up columns this core wrote, MatmulPlan.prefetch_own) -> core_barrier -> phase 2 ->
-phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
+(+ the first W_gu panel of phase 2 when its stationary rows are resident; after phase 1's split along I, the DMAs
+of phase 2's first row tiles of the d_gate_up columns this core wrote, MatmulPlan.prefetch_own) -> core_barrier ->
+phase 2 -> phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
 writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF, and
 of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
 K-streamed phase 2 that takes no early loads, the smaller starts cold (TP1: 4 then 3).
