@@ -194,3 +194,36 @@ def test_phase4_interleaved_first_loads_are_bit_exact(monkeypatch, lnc):
     # per core: dY [S, H] and the intermediate [S, I] in turn, K = S: two K tiles each
     assert calls[:4] == [((S, H), 1), ((S, I), 1), ((S, H), 2), ((S, I), 2)], calls
     assert len(calls) == 4 * lnc, calls
+
+
+def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch):
+    """After phase 1's split along I, each core wrote d_gate's and d_up's columns of its I half in every row, and
+    phase 2 (K-streamed, K = 2I) loads the first group's panels' natural row tiles from those columns before
+    the core barrier (MatmulPlan.prefetch_own; TP1 modeled 4.567 / 4.730 -> 4.562 / 4.726 ms). Forced on S = 512,
+    H = 256, I = 4096 (each core's I half is two NATURAL_LOAD_K groups of d_gate and two of d_up; phase 2 streams
+    groups of two m tiles): both cores must preload exactly their own groups, the LNC2 run must pass the simulator's
+    race check (the early reads are of the core's own writes) and be bit-exact against mx_exact and equal to LNC1's."""
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    preloaded = []
+    original = plan_module.MatmulPlan.prefetch_own
+
+    def recording(plan):
+        original(plan)
+        preloaded.append((plan.own_k_ranges, [[g for g, _ in tiles] for tiles in plan.preloaded or []]))
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "prefetch_own", recording)
+    S, H, I = 512, 256, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8")
+    # NATURAL_LOAD_K = 2048 columns per group: core 0 owns groups 0 (d_gate) and 2 (d_up), core 1 groups 1 and 3, of
+    # both panels of the first group (4 row tiles, under OWN_PREFETCH_GROUPS = 6)
+    assert sorted(preloaded) == [(((0, 2048), (4096, 6144)), [[0, 2], [0, 2]]),
+                                 (((2048, 4096), (6144, 8192)), [[1, 3], [1, 3]])], preloaded
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision="mxfp8"))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8")
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()

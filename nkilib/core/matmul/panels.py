@@ -441,7 +441,7 @@ class PanelLoad(nl.NKIObject):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, split: bool = False, pieces: bool = False, into=None) -> Panel:
+               ring=None, split: bool = False, pieces: bool = False, into=None, preloaded=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -460,6 +460,9 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     into: (words [128, t_hi - t_lo, f_pad], scales [128, scale tiles, f_pad]) SBUF views of a caller's allocation
     that holds the panel instead of its own (PanelGroupBlock: a K-streamed group's panels in one block; MXFP8 only,
     not with split; pieces are then ignored).
+    preloaded: [(natural group index, row tile)] of a K-contiguous operand whose rows preload_natural_rows already
+    DMAed (MatmulPlan.prefetch_own): those groups are transposed and quantized first, the rest in K order. Every K
+    tile is quantized on its own into its own words and scale rows, so the order changes no bit.
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -476,19 +479,34 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
                       f"K-contiguous bf16 operands load whole panels, got K tiles [{t_lo}, {t_hi}) of {len(tiles)}")
         if ring != None:  # noqa: E711  a group's chunks are all read by its transposes: one tile each
             ring.size = max(ring.size, -(-f_size // PARTITIONS))
-        for group in _natural_groups(tiles, setup):
+        groups = _natural_groups(tiles, setup)
+        preloaded = preloaded or []
+        kernel_assert(not preloaded or f_size <= PARTITIONS,
+                      f"load_panel: preloaded row tiles hold one chunk of 128 rows, got f_size={f_size}")
+        early = [gi for gi, _ in preloaded]
+        built = []  # K tiles in the order they are built (the Panel lists them in K order)
+        for gi in early + [g for g in range(len(groups)) if g not in early]:
+            group = groups[gi]
             k_lo = tiles[group[0]][0]
             k_last, valid_last, padded_last = tiles[group[-1]]
             chunks = []
             for c0 in range(0, f_size, PARTITIONS):
                 rows = min(PARTITIONS, f_size - c0)
-                dst = None
-                if ring != None:  # noqa: E711
-                    dst = ring.take((PARTITIONS, k_last + padded_last - k_lo))
-                natural = _load_rows_natural(op, f0 + c0, rows, k_lo, k_last + valid_last, k_last + padded_last, dst)
+                if gi in early:
+                    natural = preloaded[early.index(gi)][1]
+                else:
+                    dst = None
+                    if ring != None:  # noqa: E711
+                        dst = ring.take((PARTITIONS, k_last + padded_last - k_lo))
+                    natural = _load_rows_natural(op, f0 + c0, rows, k_lo, k_last + valid_last, k_last + padded_last,
+                                                 dst)
                 chunks.append((c0, rows, natural, k_lo))
             for t in group:
                 builder.add_natural(t, tiles[t], chunks, f_size)
+                built.append(t)
+        if early:
+            builder.data = [builder.data[built.index(t)] for t in range(len(tiles))]
+            builder.scales = [builder.scales[built.index(t)] for t in range(len(tiles))]
         return builder.panel()
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)

@@ -23,11 +23,12 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
-                        STATIONARY_LOOKAHEAD_TILES,
+                        STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES)
 from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
+from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order
 
 
@@ -187,6 +188,10 @@ class MatmulPlan(nl.NKIObject):
             at TP1, whose epilogue leaves VectorE to the quantizes; default off).
         contiguous_group: a K-streamed plan (MXFP8) places each group's stationary panels in one SBUF allocation
             (PanelGroupBlock) instead of one per panel (the MLP backward's phase 2 at TP1; default off).
+        own_k_ranges: K column ranges [(k_lo, k_hi)] of a K-contiguous stationary operand that this core wrote
+            itself (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's
+            panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed plans with
+            contiguous_group only; default none).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -201,8 +206,10 @@ class MatmulPlan(nl.NKIObject):
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
-                 interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False):
+                 interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=()):
         self.setup = setup
+        self.own_k_ranges = own_k_ranges
+        self.preloaded = None  # prefetch_own's row tiles per panel of the first group
         self.contiguous_group = contiguous_group and setup.is_mx
         self.epilogue = epilogue
         self.products = products
@@ -377,6 +384,23 @@ class MatmulPlan(nl.NKIObject):
                 self.stationary[s].get(m0, msz)
                 self.moving[m].get(n0, nsz)
 
+    def prefetch_own(self) -> None:
+        """Before the core barrier: DMA the first OWN_PREFETCH_GROUPS natural row tiles (NATURAL_LOAD_K columns of
+        128 rows each) of the first group's stationary panels, panel by panel, that lie in own_k_ranges (columns this
+        core wrote, so no other core's write is awaited and no race). After the barrier TensorE transposes them
+        first while the other core's columns load (load_panel's preloaded); every K tile is quantized on its own and
+        the matmuls accumulate K in order as before, so the bits do not change."""
+        if (self.stream == None or not self.contiguous_group or not self.own_k_ranges  # noqa: E711
+                or self.preloaded != None):  # noqa: E711
+            return
+        source = self.stationary[0]
+        g, m_blocks, _ = self.stream
+        self.preloaded, left = [], OWN_PREFETCH_GROUPS
+        for m0, msz in m_blocks[:g]:
+            tiles = preload_natural_rows(source.op, m0, msz, self.own_k_ranges, left, self.setup)
+            self.preloaded.append(tiles)
+            left -= len(tiles)
+
     # ---- running ----
     def _run_streamed(self) -> None:
         """All tiles with a group of g stationary panels resident and the moving operand streamed in
@@ -405,7 +429,13 @@ class MatmulPlan(nl.NKIObject):
                 # block can take its place
                 source.release()
                 block = PanelGroupBlock(len(group), source.op.k_size, self.m_tile, setup)
-                a_panels = [source.get(m0, msz, block, i) for i, (m0, msz) in enumerate(group)]
+                a_panels = []
+                for i, (m0, msz) in enumerate(group):
+                    early = None
+                    if lo == 0 and self.preloaded != None and i < len(self.preloaded):  # noqa: E711
+                        early = self.preloaded[i]
+                    a_panels.append(source.get(m0, msz, block, i, early))
+                self.preloaded = None
             else:
                 a_panels = [source.get(m0, msz) for m0, msz in group]
             # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads

@@ -1,6 +1,7 @@
 """Panels from rows: MXFP8 / bf16 panels of operands whose rows only the caller can fetch (gathered rows, run-time
 offsets: panel_from_row_loader, into room allocated earlier: PanelSlots) or that are already on chip (panel_from_rows,
-panels_from_row_blocks), and on-chip panels copied to HBM and back as they are (store_panel_tiles, load_panel_tiles).
+panels_from_row_blocks), and on-chip panels copied to HBM and back as they are (store_panel_tiles, load_panel_tiles);
+row tiles of a K-contiguous operand DMAed ahead of their panel's load (preload_natural_rows).
 The same K tiles, scale layout and panel builder as panels.py's load_panel, so the bits are the same.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import MX_PACK, PARTITIONS, SCALE_PACK_SLOTS
 from .descriptor import MatmulSetup
-from .panels import Panel, _PanelBuilder, _rows_in_slot, _slot_geometry, k_tiles
+from .panels import Panel, _load_rows_natural, _natural_groups, _PanelBuilder, _rows_in_slot, _slot_geometry, k_tiles
 
 
 class PanelSlots(nl.NKIObject):
@@ -89,6 +90,20 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
             builder.data.append(tile[:valid, :])
             builder.scales.append(None)
     return builder.panel()
+
+
+def preload_natural_rows(op, f0: int, rows: int, k_ranges, count: int, setup: MatmulSetup) -> dict:
+    """[(natural group index, row tile)] of the first `count` natural groups (NATURAL_LOAD_K columns each) of a
+    K-contiguous bf16 operand's rows [f0, f0 + rows) that lie inside one of k_ranges [(k_lo, k_hi)], each DMAed now
+    into a tile of its own (load_panel(preloaded=...) transposes them later; MatmulPlan.prefetch_own)."""
+    tiles = k_tiles(op.k_size, setup)
+    out = []
+    for gi, group in enumerate(_natural_groups(tiles, setup)):
+        k_lo = tiles[group[0]][0]
+        k_last, valid_last, padded_last = tiles[group[-1]]
+        if len(out) < count and any(lo <= k_lo and k_last + valid_last <= hi for lo, hi in k_ranges):
+            out.append((gi, _load_rows_natural(op, f0, rows, k_lo, k_last + valid_last, k_last + padded_last)))
+    return out
 
 
 def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:

@@ -89,7 +89,7 @@ class PanelSource(nl.NKIObject):
                       "load is pending")
         self.pending.advance(quantized - self.pending.next)
 
-    def _load(self, f0: int, f_size: int, block=None, slot: int = 0) -> Panel:
+    def _load(self, f0: int, f_size: int, block=None, slot: int = 0, preloaded=None) -> Panel:
         if f0 in self.keys:
             return self.panels[self.keys.index(f0)]
         if self.pending != None and self.pending_key == f0:  # noqa: E711  begun by load_ahead
@@ -103,7 +103,8 @@ class PanelSource(nl.NKIObject):
         self._start_ring(natural)
         f_pad = self._padded(f_size)
         into = block.slot(slot, f_pad) if block != None else None  # noqa: E711
-        panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, pieces=True, into=into)
+        panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, pieces=True, into=into,
+                           preloaded=preloaded)
         return self._keep(f0, f_size, panel, natural)
 
     def _keep(self, f0: int, f_size: int, panel: Panel, natural: bool) -> Panel:
@@ -127,13 +128,14 @@ class PanelSource(nl.NKIObject):
             return f0
         return self.lo + (f0 - self.lo) // self.load_width * self.load_width
 
-    def get(self, f0: int, f_size: int, block=None, slot: int = 0) -> Panel:
+    def get(self, f0: int, f_size: int, block=None, slot: int = 0, preloaded=None) -> Panel:
         """The panel of columns [f0, f0 + f_size) (loaded if needed). block / slot: load it into slot `slot` of a
-        PanelGroupBlock (whole panels without load_width; MatmulPlan's contiguous K-streamed groups)."""
+        PanelGroupBlock (whole panels without load_width; MatmulPlan's contiguous K-streamed groups). preloaded:
+        row tiles already DMAed (load_panel; MatmulPlan.prefetch_own)."""
         kernel_assert(block == None or not self.load_width,  # noqa: E711
                       f"PanelSource.get: a group block takes whole panels, got load_width={self.load_width}")
         if not self.load_width:
-            return self._load(f0, f_size, block, slot)
+            return self._load(f0, f_size, block, slot, preloaded)
         base = self.lo + (f0 - self.lo) // self.load_width * self.load_width
         whole = self._load(base, min(self.load_width, self.hi - base))
         return panel_columns(whole, f0 - base, self._padded(f_size))

@@ -19,8 +19,9 @@ W_down's panels fit no panel cache and split along I each core keeps all of dY r
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
 Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
-(+ the first W_gu panel of phase 2 when its stationary rows are resident) -> core_barrier -> phase 2 ->
-phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
+(+ the first W_gu panel of phase 2 when its stationary rows are resident; after phase 1's split along I, the DMAs
+of phase 2's first row tiles of the d_gate_up columns this core wrote, MatmulPlan.prefetch_own) -> core_barrier ->
+phase 2 -> phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
 writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF, and
 of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
 K-streamed phase 2 that takes no early loads, the smaller starts cold (TP1: 4 then 3).
@@ -170,7 +171,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
 # ---------------------------------------------------------------------------------------------------
 def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weight_td, d_gate_up_td, s_base, dtype,
                                             fp8_x4_dtype, config=None, run_with_lnc2=True, setup=None,
-                                            resident=None, rows=None, plan=None, stage="all", split=None):
+                                            resident=None, rows=None, plan=None, stage="all", split=None,
+                                            own_k_ranges=()):
     """Phase 2: dX [S, H] = d_gate_up [S, 2I] @ gate_up_weights [2I, H] (K=2I).
 
     Dimensions:
@@ -182,6 +184,8 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         panels compute disjoint rows), or None (split.ranges).
         plan / stage: "plan" returns the MatmulPlan; "head" / "first" / "all" run that step of it (see
         MatmulPlan.step) and return it. split: the kernel's CoreSplit (default: from run_with_lnc2).
+        own_k_ranges: the d_gate_up columns [(k_lo, k_hi)] this core wrote in phase 1 (split along I), whose first
+            rows MatmulPlan.prefetch_own loads before the core barrier.
     """
     if plan == None:  # noqa: E711
         config = config or MatmulConfig()
@@ -191,7 +195,8 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         out = hidden_states_grad_td if not s_base else hidden_states_grad_td[s_base:, :]
         ranges = (rows, (0, H)) if rows != None else None  # noqa: E711
         plan = MatmulPlan([a_op], [gate_up_weight_td], S, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype), ranges=ranges, resident=resident, contiguous_group=True)
+                          StoreEpilogue(out, dtype), ranges=ranges, resident=resident, contiguous_group=True,
+                          own_k_ranges=own_k_ranges)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -319,13 +324,20 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         if phase1_split_along_i(plan1, plan_i):
             plan1, rows1, cols1 = plan_i, (0, S), cols_i
     rows2 = rows1 if split.num_cores > 1 and cols1 == (0, I) else None
+    # split along I, this core wrote d_gate's and d_up's columns cols1 of every row: phase 2 may load those before
+    # the barrier (MatmulPlan.prefetch_own)
+    own2 = (cols1, (I + cols1[0], I + cols1[1])) if split.num_cores > 1 and cols1 != (0, I) else ()
+    built = []
 
     def build_phase1(outputs):
         return plan1
 
     def build_phase2(outputs):
-        return compute_phase2_hidden_states_grad_mxfp8(*phase2_args, config=config.phase2, resident=outputs["phase1"],
-                                                       rows=rows2, stage="plan", **common)
+        plan2 = compute_phase2_hidden_states_grad_mxfp8(*phase2_args, config=config.phase2,
+                                                        resident=outputs["phase1"], rows=rows2, stage="plan",
+                                                        own_k_ranges=own2, **common)
+        built.append(plan2)
+        return plan2
 
     sync_data = d_gate_up
     if mx_along_s_applies(plan1, S, I, split, setup):
@@ -344,6 +356,8 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return phase4(None, "plan")
 
     def barrier():
+        if built:  # phase 2 is the only phase after the barrier that reads what phase 1 wrote
+            built[0].prefetch_own()
         nisa.core_barrier(data=sync_data, cores=(0, 1))
 
     graph = PhaseGraph(split.num_cores, shared=("d_gate_up", "intermediate"), barrier=barrier)
