@@ -290,8 +290,8 @@ class _PanelBuilder(nl.NKIObject):
     """
 
     def __init__(self, f_pad, setup, t_lo, count, split=False, pieces=False, into=None):
-        kernel_assert(into == None or not split, "_PanelBuilder: `into` (a caller's allocation) and split=True are "  # noqa: E711
-                      "exclusive, got both")
+        kernel_assert(into == None or not split,  # noqa: E711
+                      "_PanelBuilder: `into` (a caller's allocation) and split=True are exclusive, got both")
         self.f_pad = f_pad
         self.pieces = pieces  # large words in pieces (quantized_words)
         self.setup = setup

@@ -190,8 +190,8 @@ class MatmulPlan(nl.NKIObject):
             (PanelGroupBlock) instead of one per panel (the MLP backward's phase 2 at TP1; default off).
         own_k_ranges: K column ranges [(k_lo, k_hi)] of a K-contiguous stationary operand that this core wrote
             itself (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's
-            panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed plans with
-            contiguous_group only; default none).
+            panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed
+            plans with contiguous_group only; default none).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate

@@ -92,7 +92,7 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
     return builder.panel()
 
 
-def preload_natural_rows(op, f0: int, rows: int, k_ranges, count: int, setup: MatmulSetup) -> dict:
+def preload_natural_rows(op, f0: int, rows: int, k_ranges, count: int, setup: MatmulSetup) -> list:
     """[(natural group index, row tile)] of the first `count` natural groups (NATURAL_LOAD_K columns each) of a
     K-contiguous bf16 operand's rows [f0, f0 + rows) that lie inside one of k_ranges [(k_lo, k_hi)], each DMAed now
     into a tile of its own (load_panel(preloaded=...) transposes them later; MatmulPlan.prefetch_own)."""

@@ -81,14 +81,15 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width, values=True, own=True):
+    def __init__(self, ctx, m, width, values=True, own=True, gather_x=True):
         """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels).
-        own=False: another core writes these rows' block-ordered dY / X copies (the I split: no X rows gathered)."""
+        own=False: another core writes these rows' block-ordered dY / X copies (the I split). gather_x=False: no X rows
+        (the I split where neither this core's copy nor a recompute needs them)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.dy_nat = _natural_rows(ctx, ctx.H)
-        self.x_nat = None if ctx.defer_x or not own else _natural_rows(ctx, ctx.H)  # (gather_deferred_x: no recompute)
+        self.x_nat = None if ctx.defer_x or not gather_x else _natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
         self.p, self.ckpts = None, None
         if values:
@@ -139,12 +140,12 @@ class RowChunk(nl.NKIObject):
     kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
     in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
     x_blocks / p_blocks a fence earlier: SingleBlockISplit.stage): they are read from there by plain DMA, not
-    gathered.
+    gathered. d_up_engine: the epilogue's engine for the product dh * a (None: ctx.d_up_engine, the kernel's choice).
     """
 
     def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False,
-                 staged=False):
-        I, H = ctx.I, ctx.H
+                 staged=False, d_up_engine=None):
+        H = ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
         if inputs == None and (i_lo == 0 or tile_sums) and not staged:  # noqa: E711
@@ -152,8 +153,7 @@ class RowChunk(nl.NKIObject):
             # gather first: DeepSeek-V3 4 x 512 1515.2 us instead of 1497.2). The I split: every core gathers every
             # row of dY, and X where it writes the copy (one core per chunk) or recomputes
             own = not tile_sums or r0 in [r for r, _ in ctx.unit_rows]
-            inputs = ChunkInputs(ctx, m, width, values=False, own=own or recompute)
-            inputs.own = own
+            inputs = ChunkInputs(ctx, m, width, values=False, own=own, gather_x=own or recompute)
             inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
@@ -193,6 +193,8 @@ class RowChunk(nl.NKIObject):
             nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
+        # engine of the epilogue's product dh * a: the kernel's choice (MoeContext.d_up_engine) unless the caller's
+        self.d_up_engine = ctx.d_up_engine if d_up_engine == None else d_up_engine  # noqa: E711
         self.d_w = nl.ndarray((m, len(_blocks(i_lo, i_hi, PHASE1_N_TILE)) if tile_sums else 1), dtype=nl.float32,
                               buffer=nl.sbuf)
         if i_lo > 0 and not tile_sums:  # the fold so far (tiles below i_lo), from this core's earlier group
@@ -221,7 +223,7 @@ class RowChunk(nl.NKIObject):
         swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
                              self.d_gu[:m, width + c0:width + c0 + nsz],
                              d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
-                             d_up_engine=ctx.d_up_engine)  # (MoeContext's engines, in the kernel file)
+                             d_up_engine=self.d_up_engine)
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
@@ -294,12 +296,15 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
         ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
 
 
-def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False):
+def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False,
+                                d_up_engine=None):
     """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
     on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
-    gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged: RowChunk's.
+    gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged,
+    d_up_engine: RowChunk's.
     """
-    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums, staged=staged)
+    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums, staged=staged,
+                 d_up_engine=d_up_engine)
 
 
 def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):
@@ -445,19 +450,19 @@ def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
-                 staged=False):
+                 staged=False, d_up_engine=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
-    tile_sums, staged: RowChunk's (the I split of one-block experts)."""
+    tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
     inputs = inputs or [None] * len(rows)
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged)
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged, d_up_engine)
               for (r0, m), inp in zip(rows, inputs)]
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)

@@ -34,7 +34,7 @@ import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul.sources import blocks as _blocks
-from .constants import PARTITIONS, PHASE1_N_TILE
+from .constants import PARTITIONS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8
 from .moe_bwd_mxfp8_dx import ExpertPanels
 
@@ -102,10 +102,9 @@ class SingleBlockISplit(nl.NKIObject):
         w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
-        # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us); the engine is the epilogue's, read while it is traced
-        saved, ctx.d_up_engine = ctx.d_up_engine, nisa.engine.vector
-        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged)
-        ctx.d_up_engine = saved
+        # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
+        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged,
+                                    d_up_engine=nisa.engine.vector)
 
     def stage(self, i):
         """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and

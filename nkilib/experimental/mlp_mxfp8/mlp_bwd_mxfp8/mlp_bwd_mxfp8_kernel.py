@@ -42,7 +42,8 @@ stored in bf16 (2I-long runs) for phase 3 (and phase 2 when not resident).
 Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): moving panels all resident
 (m-major) > stationary panels all resident (n-major) > the smaller whole operand resident (up to 144 KiB; TP1:
 phase 3 keeps X, phase 4 keeps dY, each read once per core) > K-streamed groups (TP1 phase 2; each group's
-stationary panels in one SBUF block, MatmulPlan contiguous_group) > stationary groups. Phase 1 keeps its dY (and X) panels resident when W_down's are not.
+stationary panels in one SBUF block, MatmulPlan contiguous_group) > stationary groups. Phase 1 keeps its dY (and X)
+panels resident when W_down's are not.
 
 Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
