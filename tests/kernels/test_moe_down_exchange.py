@@ -24,18 +24,9 @@ from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
 
-@pytest.mark.parametrize("lnc", [1, 2])
-def test_exchange_bit_exact(monkeypatch, lnc):
-    """No resident budget (weights loaded on use), H = 1024 (two MX K tiles: one per core), five experts in fence
-    groups [0, 1], [2, 3], [4] with expert 3 empty and expert 2 of two blocks (its W_down resident per I-tile group,
-    loaded from the scratch once per group), B = 128, k = 1. Under LNC2 experts 2 and 4 are quantized by halves (in
-    the prologue and in the first segment) and pass A reads their scratch; under LNC1 nothing is exchanged."""
-    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I = 440, 5, 1024, 544
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [100, 60, 200, 80], axis=0)
-    ids = ids[np.random.default_rng(17).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+def record_exchange(monkeypatch):
+    """Lists, filled as the kernel traces, of (expert, t_lo, t_hi) the exchange quantized and of the HBM scratch names
+    pass A loaded in the panel layout (the exchange's reads)."""
     quantized, loaded = [], []
     quantize, load = X.DownWeightExchange.quantize, D.ExpertPanels._load
 
@@ -50,6 +41,22 @@ def test_exchange_bit_exact(monkeypatch, lnc):
 
     monkeypatch.setattr(X.DownWeightExchange, "quantize", record_quantize)
     monkeypatch.setattr(D.ExpertPanels, "_load", record_load)
+    return quantized, loaded
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_exchange_bit_exact(monkeypatch, lnc):
+    """No resident budget (weights loaded on use), H = 1024 (two MX K tiles: one per core), five experts in fence
+    groups [0, 1], [2, 3], [4] with expert 3 empty and expert 2 of two blocks (its W_down resident per I-tile group,
+    loaded from the scratch once per group), B = 128, k = 1. Under LNC2 experts 2 and 4 are quantized by halves (in
+    the prologue and in the first segment) and pass A reads their scratch; under LNC1 nothing is exchanged."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I = 440, 5, 1024, 544
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [100, 60, 200, 80], axis=0)
+    ids = ids[np.random.default_rng(17).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    quantized, loaded = record_exchange(monkeypatch)
     out = run(kernel, lnc=lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} W_down exchange vs mx_exact")
     if lnc == 1:

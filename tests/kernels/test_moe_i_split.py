@@ -23,21 +23,21 @@ import pytest
 
 import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
-from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_down_exchange as X
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
+from test_moe_down_exchange import record_exchange
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 
 
 def _record(monkeypatch):
-    """Lists of (expert) the I split ran for, (expert) quantized by the exchange and scratch names pass A loaded."""
-    split, quantized, loaded, staged = [], [], [], []
-    block, quantize, load = S.SingleBlockISplit.block, X.DownWeightExchange.quantize, D.ExpertPanels._load
-    stage = S.SingleBlockISplit.stage
+    """Lists of (expert, j_lo, j_hi) the I split ran for, (expert, t_lo, t_hi) quantized by the exchange, scratch
+    names pass A loaded in the panel layout and the cores that staged a block's rows."""
+    split, staged = [], []
+    block, stage = S.SingleBlockISplit.block, S.SingleBlockISplit.stage
 
     def record_stage(self, i):
         staged.append(self.ctx.split.shard_id)
@@ -47,19 +47,9 @@ def _record(monkeypatch):
         split.append((e, self.j_lo, self.j_hi))
         return block(self, e, i, descs)
 
-    def record_quantize(self, e):
-        quantized.append(e)
-        return quantize(self, e)
-
-    def record_load(self, f0, w, ring=None):
-        if self.op.panel_layout:
-            loaded.append(self.op.tensor.name)
-        return load(self, f0, w, ring)
-
     monkeypatch.setattr(S.SingleBlockISplit, "block", record_block)
-    monkeypatch.setattr(X.DownWeightExchange, "quantize", record_quantize)
-    monkeypatch.setattr(D.ExpertPanels, "_load", record_load)
     monkeypatch.setattr(S.SingleBlockISplit, "stage", record_stage)
+    quantized, loaded = record_exchange(monkeypatch)
     return split, quantized, loaded, staged
 
 
@@ -88,7 +78,7 @@ def test_i_split_bit_exact(monkeypatch, lnc):
     assert sorted(split) == [(0, 0, 1), (0, 1, 2), (4, 0, 1), (4, 1, 2)], split
     # the exchange quantizes expert 2 (two blocks) on each core, not expert 4 (its padded-block branch does not run),
     # and pass A reads only expert 2's scratch (expert 4's panel-layout loads are gone)
-    assert quantized == [2, 2], quantized
+    assert [e for e, _, _ in quantized] == [2, 2], quantized
     assert set(loaded) == {"moe_bwd_down_mx_2"}, loaded
     assert sorted(staged) == [0, 1], staged  # expert 4's block, once per core (its own chunks)
 
