@@ -62,7 +62,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import kernel_assert
-from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm
+from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm, plan_matmul
 from ....core.phase_graph import Phase, PhaseGraph
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
@@ -215,8 +215,8 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
     if plan == None:  # noqa: E711
         config = config or MatmulConfig()
         two_i, H = weight_grad_td.shape
-        plan = MatmulPlan([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(weight_grad_td, dtype), lead_n_major=True)
+        plan = plan_matmul([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
+                           StoreEpilogue(weight_grad_td, dtype), k_chunks=True, lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -235,9 +235,9 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         H, I = down_weight_grad_td.shape
         a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
-        plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype), lead_n_major=True,
-                          interleave_first_loads=True, stationary_lookahead=True)
+        plan = plan_matmul([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
+                           StoreEpilogue(out, dtype), k_chunks=True, lead_n_major=True,
+                           interleave_first_loads=True, stationary_lookahead=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
