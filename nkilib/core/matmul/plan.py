@@ -11,7 +11,8 @@ descriptors (TensorDescriptor.window) and the same split.
 
 Operands that do not fit SBUF: moving panels all resident (m-major) > stationary panels all resident
 (n-major) > the smaller whole operand resident beside the other's streamed panels (RESIDENT_OPERAND_BUDGET_BYTES)
-> K-streamed groups > stationary groups (see MatmulPlan).
+> K-streamed groups > stationary groups (see MatmulPlan). A long K that leaves only the last two can be cut into
+chunks that each keep an operand resident instead (k_chunks.py plan_matmul, the caller's choice).
 """
 from __future__ import annotations
 

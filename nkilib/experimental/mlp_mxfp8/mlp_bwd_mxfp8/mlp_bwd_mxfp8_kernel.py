@@ -43,7 +43,9 @@ Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): 
 (m-major) > stationary panels all resident (n-major) > the smaller whole operand resident (up to 144 KiB; TP1:
 phase 3 keeps X, phase 4 keeps dY, each read once per core) > K-streamed groups (TP1 phase 2; each group's
 stationary panels in one SBUF block, MatmulPlan contiguous_group) > stationary groups. Phase 1 keeps its dY (and X)
-panels resident when W_down's are not.
+panels resident when W_down's are not. Phases 3 and 4 (K = S) at long sequences, where neither whole operand fits
+(S = 32768, H = 2048, I = 768), run as chunks along S instead (core/matmul/k_chunks.py plan_matmul): each chunk
+keeps its smaller operand resident, the fp32 sums pass from chunk to chunk through HBM, every operand is read once.
 
 Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
