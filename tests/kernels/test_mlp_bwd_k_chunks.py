@@ -30,12 +30,14 @@ def _phase4_plan(S: int, H: int = 2048, I: int = 768, shard: int = 0):
     return plan, dy, inter
 
 
-@pytest.mark.parametrize("S, rows", [(16384, 0), (32768, 16384), (65536, 22528)])
+@pytest.mark.parametrize("S, rows", [(16384, 0), (32768, 8192), (65536, 8192)])
 def test_k_chunk_decision_flips_where_the_intermediate_no_longer_fits(S, rows):
     """Qwen3-30B-A3B's dense comparison (H = 2048, I = 768), phase 4 per core: at S = 16384 the intermediate [S, I]
     (102 KiB per partition in MXFP8) stays resident and nothing is chunked; at S = 32768 (204 KiB) the ordinary plan
-    is K-streamed (the intermediate read once per group of dY panels) and two chunks of 16384 rows make each chunk's
-    intermediate resident again; S = 65536 takes three (whole scale tiles each)."""
+    is K-streamed (the intermediate read once per group of dY panels). Chunks of 16384 rows would hold the
+    intermediate but load dY 256 columns wide; 8192 rows keep 512-column loads within STATIONARY_PANEL_BUDGET_BYTES.
+    S = 65536: eight of 8192 (seven of 10240 would fit too, but with a last of 4096; chunks of one length are
+    preferred)."""
     plan, dy, inter = _phase4_plan(S)
     assert k_chunks_module.k_chunk_rows(plan, [dy], [inter], SETUP) == rows
     assert (plan.stream != None) == (rows > 0)  # noqa: E711
@@ -113,3 +115,17 @@ def test_k_chunked_lnc1_equals_lnc2(shrunk_budgets):
     out1, out2 = run_mlp(inp, lnc=1), run_mlp(inp, lnc=2)
     for a, b in zip(out1, out2):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_k_chunks_of_one_length_unless_they_spill_more_than_the_rereads():
+    """H = I = 2880, S = 16384, phase 3 per core (dW_gu rows [0, 2944) of 5760, all 2880 columns): X's chunk fits at
+    6144 rows (three chunks, the last 4096); four equal chunks of 4096 would spill 3 x 68 MB of fp32 sums against
+    2 x 94 MB of X re-reads, so the uneven three are taken."""
+    S, H, I = 16384, 2880, 2880
+    dgu = TensorDescriptor(types.SimpleNamespace(shape=(S, 2 * I)), k_axis=0)
+    x = TensorDescriptor(types.SimpleNamespace(shape=(S, H)), k_axis=0)
+    plan3 = MatmulPlan([dgu], [x], 2 * I, H, SETUP, MatmulConfig(n_tile=2048), CoreSplit(2, 0), None,
+                       lead_n_major=True)
+    assert plan3.ranges == ((0, 2944), (0, 2880))
+    assert k_chunks_module.PARTIAL_SUM_HBM_BYTES * 2944 * 2880 * 3 > k_chunks_module._moving_rereads(plan3, x)
+    assert k_chunks_module.k_chunk_rows(plan3, [dgu], [x], SETUP) == 6144

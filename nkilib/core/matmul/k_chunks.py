@@ -29,7 +29,8 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
-                        PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES)
+                        PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
+                        STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -39,8 +40,15 @@ def k_chunk_rows(plan, stationary, moving, setup) -> int:
     operand's panels (or an earlier phase's) resident already, or an operand cannot be cut along K (pre-quantized
     along a contiguous K; BF16 setups are not chunked), or the chunks' fp32 sums would move more HBM bytes than
     the moving operand's re-reads they save (at equal bytes the chunks win: a re-read of a bf16 operand is
-    quantized again, H = 7168, I = 2048, S = 16384 modeled 7.667 ms chunked against 8.182 ms without phase 3's). Chunks: as few as let the smaller operand's chunk fit
-    RESIDENT_OPERAND_BUDGET_BYTES, of equal length in whole multiples of K_CHUNK_ALIGN (the last may be shorter)."""
+    quantized again; H = 7168, I = 2048, S = 16384 modeled 7.667 ms chunked against 8.182 ms without phase 3's).
+
+    Chunks: as few as let (a) the smaller operand's chunk fit RESIDENT_OPERAND_BUDGET_BYTES and (b) a [K, F]
+    stationary operand's chunk load STATIONARY_LOAD_WIDTH columns within STATIONARY_PANEL_BUDGET_BYTES (its DMA runs
+    stay 1 KiB long: S = 32768, H = 2048, I = 768 modeled 2.197 ms in two chunks of 16384 rows, whose dY loads were
+    256 columns wide, against 2.040 in four of 8192; 4096-row chunks: 2.087), in whole multiples of K_CHUNK_ALIGN,
+    all of one length when at most twice as many chunks give that and pass the bytes rule (else the last is
+    shorter: H = I = 2880, S = 16384, phase 3 in 6144 + 6144 + 4096 rows; four of 4096 would spill more than the
+    re-reads)."""
     if (not setup.is_mx or len(stationary) != 1 or len(moving) != 1 or not plan.order or plan.keep_moving
             or plan.stationary[0].resident or plan.stationary[0].keep_all):
         return 0
@@ -48,11 +56,23 @@ def k_chunk_rows(plan, stationary, moving, setup) -> int:
         return 0
     (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
     k, narrower = stationary[0].k_size, min(m_hi - m_lo, n_hi - n_lo)
+    load = min(STATIONARY_LOAD_WIDTH, m_hi - m_lo) if stationary[0].k_axis == 0 else 0
+    fitting = []
     for chunks in range(2, ceil_div(k, K_CHUNK_ALIGN) + 1):
         rows = round_up(ceil_div(k, chunks), K_CHUNK_ALIGN)
-        if panel_bytes_per_partition(rows, narrower, setup) <= RESIDENT_OPERAND_BUDGET_BYTES:
-            spilled = PARTIAL_SUM_HBM_BYTES * (m_hi - m_lo) * (n_hi - n_lo) * (ceil_div(k, rows) - 1)
-            return rows if rows < k and spilled <= _moving_rereads(plan, moving[0]) else 0
+        if (panel_bytes_per_partition(rows, narrower, setup) <= RESIDENT_OPERAND_BUDGET_BYTES and
+                panel_bytes_per_partition(rows, load, setup) <= STATIONARY_PANEL_BUDGET_BYTES):
+            fitting.append(rows)
+    if not fitting:
+        return 0
+    # chunks of one length where up to twice as many give that: the chunk plans then hold the same tiles (S = 65536:
+    # seven of 10240 rows and a last of 4096 left a tile with no SBUF placement; eight of 8192 modeled 3.974 ms)
+    few = ceil_div(k, fitting[0])
+    equal = [r for r in fitting if round_up(k, K_CHUNK_ALIGN) % r == 0 and ceil_div(k, r) <= 2 * few]
+    for rows in equal[:1] + fitting[:1]:
+        spilled = PARTIAL_SUM_HBM_BYTES * (m_hi - m_lo) * (n_hi - n_lo) * (ceil_div(k, rows) - 1)
+        if rows < k and spilled <= _moving_rereads(plan, moving[0]):
+            return rows
     return 0
 
 
