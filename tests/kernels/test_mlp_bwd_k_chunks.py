@@ -30,20 +30,22 @@ def _phase4_plan(S: int, H: int = 2048, I: int = 768, shard: int = 0):
     return plan, dy, inter
 
 
-@pytest.mark.parametrize("S, rows", [(16384, 0), (32768, 8192), (65536, 8192)])
-def test_k_chunk_decision_flips_where_the_intermediate_no_longer_fits(S, rows):
-    """Qwen3-30B-A3B's dense comparison (H = 2048, I = 768), phase 4 per core: at S = 16384 the intermediate [S, I]
-    (102 KiB per partition in MXFP8) stays resident and nothing is chunked; at S = 32768 (204 KiB) the ordinary plan
-    is K-streamed (the intermediate read once per group of dY panels). Chunks of 16384 rows would hold the
-    intermediate but load dY 256 columns wide; 8192 rows keep 512-column loads within STATIONARY_PANEL_BUDGET_BYTES.
-    S = 65536: eight of 8192 (seven of 10240 would fit too, but with a last of 4096; chunks of one length are
+@pytest.mark.parametrize("S, rows", [(8192, 0), (16384, 8192), (32768, 8192), (65536, 8192)])
+def test_k_chunk_decisions_at_long_sequences(S, rows):
+    """Qwen3-30B-A3B's dense comparison (H = 2048, I = 768), phase 4 per core ([1024, 768]): at S = 8192 the
+    intermediate stays resident and dY loads 512 columns wide: nothing to chunk. At S = 16384 the intermediate
+    (102 KiB per partition in MXFP8) still fits, but STATIONARY_PANEL_BUDGET_BYTES narrows dY's loads to 256 columns:
+    two chunks of 8192 rows. At S = 32768 (204 KiB) the ordinary plan is K-streamed (the intermediate read once per
+    group of dY panels): four chunks (two of 16384 would hold the intermediate but load dY 256 columns wide).
+    S = 65536: eight of 8192 (seven of 10240 would fit too, with a last of 4096; chunks of one length are
     preferred)."""
     plan, dy, inter = _phase4_plan(S)
     assert k_chunks_module.k_chunk_rows(plan, [dy], [inter], SETUP) == rows
-    assert (plan.stream != None) == (rows > 0)  # noqa: E711
+    assert (plan.stream != None) == (S > 16384)  # noqa: E711
     if rows:
         chunk, _, _ = _phase4_plan(rows)
         assert chunk.keep_moving and chunk.stream == None  # noqa: E711  each chunk: the S = `rows` plan
+        assert chunk.stationary[0].load_width == 512
 
 
 def test_k_chunks_only_where_the_sums_move_no_more_bytes_than_the_rereads(monkeypatch):

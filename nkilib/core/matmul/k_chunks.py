@@ -37,10 +37,13 @@ from .plan import MatmulPlan
 
 def k_chunk_rows(plan, stationary, moving, setup) -> int:
     """K rows per chunk for `plan` (a MatmulPlan of one product), or 0 when it should run as it is: it keeps an
-    operand's panels (or an earlier phase's) resident already, or an operand cannot be cut along K (pre-quantized
-    along a contiguous K; BF16 setups are not chunked), or the chunks' fp32 sums would move more HBM bytes than
-    the moving operand's re-reads they save (at equal bytes the chunks win: a re-read of a bf16 operand is
-    quantized again; H = 7168, I = 2048, S = 16384 modeled 7.667 ms chunked against 8.182 ms without phase 3's).
+    operand's panels resident already and loads its [K, F] stationary operand at full width (or it uses an earlier
+    phase's panels), or an operand cannot be cut along K (pre-quantized along a contiguous K; BF16 setups are not
+    chunked), or the chunks' fp32 sums would move more HBM bytes than they save: the moving operand's re-reads (at
+    equal bytes the chunks win: a re-read of a bf16 operand is quantized again; H = 7168, I = 2048, S = 16384
+    modeled 7.667 ms chunked against 8.182 ms without phase 3's), or, with an operand resident, the stationary
+    operand's bytes, whose loads STATIONARY_PANEL_BUDGET_BYTES narrowed (S = 16384, H = 2048, I = 768: dY 256
+    columns wide, 512-byte DMA runs; two chunks of 8192 rows modeled 1.016 ms against 1.132).
 
     Chunks: as few as let (a) the smaller operand's chunk fit RESIDENT_OPERAND_BUDGET_BYTES and (b) a [K, F]
     stationary operand's chunk load STATIONARY_LOAD_WIDTH columns within STATIONARY_PANEL_BUDGET_BYTES (its DMA runs
@@ -49,14 +52,20 @@ def k_chunk_rows(plan, stationary, moving, setup) -> int:
     all of one length when at most twice as many chunks give that and pass the bytes rule (else the last is
     shorter: H = I = 2880, S = 16384, phase 3 in 6144 + 6144 + 4096 rows; four of 4096 would spill more than the
     re-reads)."""
-    if (not setup.is_mx or len(stationary) != 1 or len(moving) != 1 or not plan.order or plan.keep_moving
-            or plan.stationary[0].resident or plan.stationary[0].keep_all):
+    if (not setup.is_mx or len(stationary) != 1 or len(moving) != 1 or not plan.order
+            or plan.stationary[0].resident):
         return 0
     if any(op.prequantized and not op.panel_layout for op in (stationary[0], moving[0])):
         return 0
     (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
     k, narrower = stationary[0].k_size, min(m_hi - m_lo, n_hi - n_lo)
     load = min(STATIONARY_LOAD_WIDTH, m_hi - m_lo) if stationary[0].k_axis == 0 else 0
+    kept = plan.keep_moving or plan.stationary[0].keep_all
+    if kept and not (load and (plan.stationary[0].load_width or plan.m_tile) < load):
+        return 0  # an operand resident and full-width stationary loads: nothing to gain
+    # what the chunks save: the moving operand's re-reads, or (an operand resident already, the stationary loads
+    # narrowed by a long K) the stationary operand's bytes, whose DMA runs at least double
+    saved = _hbm_bytes(stationary[0], m_hi - m_lo) if kept else _moving_rereads(plan, moving[0])
     fitting = []
     for chunks in range(2, ceil_div(k, K_CHUNK_ALIGN) + 1):
         rows = round_up(ceil_div(k, chunks), K_CHUNK_ALIGN)
@@ -71,7 +80,7 @@ def k_chunk_rows(plan, stationary, moving, setup) -> int:
     equal = [r for r in fitting if round_up(k, K_CHUNK_ALIGN) % r == 0 and ceil_div(k, r) <= 2 * few]
     for rows in equal[:1] + fitting[:1]:
         spilled = PARTIAL_SUM_HBM_BYTES * (m_hi - m_lo) * (n_hi - n_lo) * (ceil_div(k, rows) - 1)
-        if rows < k and spilled <= _moving_rereads(plan, moving[0]):
+        if rows < k and spilled <= saved:
             return rows
     return 0
 
@@ -86,8 +95,12 @@ def _moving_rereads(plan, op) -> int:
     else:
         source = plan.stationary[0]
         group = max(1, source.capacity * (source.load_width or plan.m_tile) // plan.m_tile)
-    per_element = 1 if op.panel_layout else 2  # MX words (+ 1/32 scales) or bf16
-    return (ceil_div(m_tiles, group) - 1) * op.k_size * (n_hi - n_lo) * per_element
+    return (ceil_div(m_tiles, group) - 1) * _hbm_bytes(op, n_hi - n_lo)
+
+
+def _hbm_bytes(op, width: int) -> int:
+    """HBM bytes of `width` columns of operand `op` over its K: MX words (+ 1/32 scales) or bf16."""
+    return op.k_size * width * (1 if op.panel_layout else 2)
 
 
 class PartialSums(nl.NKIObject):
