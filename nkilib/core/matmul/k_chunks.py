@@ -8,7 +8,9 @@ S = 32768, H = 2048, I = 768: X [S, H/2] takes 272 KiB per partition in MXFP8 an
 runs). Cut along K into chunks whose smaller operand fits RESIDENT_OPERAND_BUDGET_BYTES, every chunk is the plan
 a shorter K gets (the smaller chunk resident, the other streamed once) and each operand is read once; each
 output tile's fp32 sums leave PSUM after a chunk and come back before the next (PartialSums): 8 bytes per output
-element per chunk boundary instead of re-reading a K-long operand.
+element per chunk boundary instead of re-reading a K-long operand. Shorter chunks also widen the stationary
+loads that STATIONARY_PANEL_BUDGET_BYTES narrows at long K even where an operand fits (S = 16384: dY loads 256
+columns wide, 512 in chunks of 8192 rows), so that case is cut too (k_chunk_rows says when).
 
 Bit-exactness: the reference (nkilib.mx.mx_matmul) adds each K tile's float32 sum, in K order, to one float32
 accumulator. A later chunk's matmuls continue that accumulation (accumulate=True) from the exact fp32 value the
