@@ -5,6 +5,7 @@ panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transp
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
 plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps), CoreSplit, StoreEpilogue;
+k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neither long-K operand fits SBUF);
 constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
@@ -15,3 +16,4 @@ from .row_panels import (PanelSlots, load_panel_tiles, panel_from_row_loader, pa
                          panel_tile_widths, panels_from_row_blocks, store_panel_tiles)
 from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F401
 from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
+from .k_chunks import KChunkedPlan, plan_matmul  # noqa: F401

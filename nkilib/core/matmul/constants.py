@@ -38,8 +38,13 @@ STREAM_STATIONARY_HEADROOM_BF16_BYTES = 64 * 1024  # the same for BF16 panels (o
 STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
 STREAM_STAGING_BUFFERS = 4  # staging ring of a K-streamed group's moving K-tile quads (TP1 MXFP8 modeled, with the
 # contiguous group: 2: 4.881, 3: 4.572, 4: 4.567, 5: 4.569, 6: 4.580 ms central)
+K_CHUNK_ALIGN = 2048  # K rows a K-chunked plan's chunks start at multiples of (MX_K_TILE x SCALE_PACK_SLOTS: whole
+# scale tiles, so a chunk's K tiles are quantized and packed as in one plan; k_chunks.py)
+PARTIAL_SUM_HBM_BYTES = 8  # HBM bytes per output element and K-chunk boundary: an fp32 sum stored and loaded back
+PARTIAL_FETCH_AHEAD = 2  # K-chunk tiles whose fp32 sums are DMAed ahead of their reload (MatmulPlan.prefetch)
 PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
 PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
+PSUM_BANK_COLUMNS = PSUM_BANK_BYTES // 4  # fp32 columns of one PSUM bank
 TRANSPOSE_PSUM_BANKS = 2  # PE-transpose tiles live while a phase's accumulators are (two in flight)
 SPLIT_ALIGN = 128  # LNC2 splits rows/columns in multiples of 128 when possible
 STATIONARY_LOAD_WIDTH = 512  # columns per stationary load of a [K, F] operand (1 KiB bf16 DMA runs; 1024 made

@@ -24,7 +24,8 @@ class TensorDescriptor(nl.NKIObject):
         (panels.panel_scale_row); loaded with long runs and no quantize_mx.
 
     `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights); `k_base`/`k_len`
-    a window of K (e.g. one expert's rows of stacked expert weights reshaped to [E*K, F]; not with scales).
+    a window of K (e.g. one expert's rows of stacked expert weights reshaped to [E*K, F], or one K chunk of a
+    K-chunked plan; with scales only in the panel layout, from a multiple of MX_K_TILE * SCALE_PACK_SLOTS).
     """
 
     tensor: object
@@ -43,7 +44,7 @@ class TensorDescriptor(nl.NKIObject):
     @property
     def k_size(self) -> int:
         if self.panel_layout:
-            return self.tensor.shape[0] * MX_PACK
+            return self.k_len if self.k_len >= 0 else self.tensor.shape[0] * MX_PACK - self.k_base
         if self.prequantized:
             return self.scales.shape[1] * 32
         if self.k_len >= 0:
@@ -61,6 +62,10 @@ class TensorDescriptor(nl.NKIObject):
 
     def window(self, f_base: int, f_size: int) -> "TensorDescriptor":
         return dataclasses.replace(self, f_base=self.f_base + f_base, f_size=f_size)
+
+    def k_window(self, k_base: int, k_len: int) -> "TensorDescriptor":
+        """K rows [k_base, k_base + k_len) of this operand's K (a K chunk; see k_chunks.py)."""
+        return dataclasses.replace(self, k_base=self.k_base + k_base, k_len=k_len)
 
 
 class MatmulSetup(nl.NKIObject):

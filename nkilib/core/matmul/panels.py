@@ -258,13 +258,13 @@ def _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi):
     if f_size < f_pad:
         nisa.memset(dst=words[:, :, :], value=0)
         nisa.memset(dst=scales[:, :, :], value=0)
-    c0 = op.f_base + f0
+    c0, t0 = op.f_base + f0, t_lo + op.k_base // MX_K_TILE  # a K window starts at a whole scale tile (k_window)
     src = op.tensor.ap(pattern=[[cols, PARTITIONS], [PARTITIONS * cols, count], [1, f_size]],
-                       offset=PARTITIONS * t_lo * cols + c0)
+                       offset=PARTITIONS * t0 * cols + c0)
     nisa.dma_copy(dst=words[:, :, :f_size], src=src)
     n_scale = scales.shape[1]
     src = op.scales.ap(pattern=[[cols, PARTITIONS], [PARTITIONS * cols, n_scale], [1, f_size]],
-                       offset=panel_scale_row(t_lo, setup) * cols + c0)
+                       offset=panel_scale_row(t0, setup) * cols + c0)
     nisa.dma_copy(dst=scales[:, :, :f_size], src=src)
     for t in range(t_lo, t_hi):
         builder.data.append(builder.words(t, PARTITIONS))

@@ -11,7 +11,8 @@ descriptors (TensorDescriptor.window) and the same split.
 
 Operands that do not fit SBUF: moving panels all resident (m-major) > stationary panels all resident
 (n-major) > the smaller whole operand resident beside the other's streamed panels (RESIDENT_OPERAND_BUDGET_BYTES)
-> K-streamed groups > stationary groups (see MatmulPlan).
+> K-streamed groups > stationary groups (see MatmulPlan). A long K that leaves only the last two can be cut into
+chunks that each keep an operand resident instead (k_chunks.py plan_matmul, the caller's choice).
 """
 from __future__ import annotations
 
@@ -188,6 +189,9 @@ class MatmulPlan(nl.NKIObject):
             at TP1, whose epilogue leaves VectorE to the quantizes; default off).
         contiguous_group: a K-streamed plan (MXFP8) places each group's stationary panels in one SBUF allocation
             (PanelGroupBlock) instead of one per panel (the MLP backward's phase 2 at TP1; default off).
+        reload: PartialSums (k_chunks.py) whose earlier K chunk's fp32 sums each tile continues: they are put back
+            into the tile's PSUM accumulator (bit-exact) before its matmuls, which then accumulate (one product;
+            KChunkedPlan's later chunks; default none).
         own_k_ranges: K column ranges [(k_lo, k_hi)] of a K-contiguous stationary operand that this core wrote
             itself (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's
             panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed
@@ -206,8 +210,10 @@ class MatmulPlan(nl.NKIObject):
 
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
-                 interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=()):
+                 interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=(),
+                 reload=None):
         self.setup = setup
+        self.reload = reload
         self.own_k_ranges = own_k_ranges
         self.preloaded = None  # prefetch_own's row tiles per panel of the first group
         self.contiguous_group = contiguous_group and setup.is_mx
@@ -383,6 +389,8 @@ class MatmulPlan(nl.NKIObject):
             for s, m in self.products:
                 self.stationary[s].get(m0, msz)
                 self.moving[m].get(n0, nsz)
+            if self.reload != None:  # noqa: E711
+                self.reload.fetch(m0, n0, nsz)
 
     def prefetch_own(self) -> None:
         """Before the core barrier: DMA the first OWN_PREFETCH_GROUPS natural row tiles (NATURAL_LOAD_K columns of
@@ -488,7 +496,11 @@ class MatmulPlan(nl.NKIObject):
             for p, (s, m) in enumerate(self.products):
                 a = self.stationary[s].get(m0, msz)
                 psum = self.accumulators[p][i % PSUM_BUFFERS]
-                matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
+                continued = self.reload != None  # noqa: E711  (a later K chunk: its sums so far come back first)
+                if continued:
+                    self.reload.reload(m0, a.f_pad, n0, nsz, psum)
+                # K=op K, M=m tile, N=n block
+                matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup, accumulate=continued)
                 finished.append(psum)
                 a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
             if self.lookahead and i + self.lookahead < len(self.order):

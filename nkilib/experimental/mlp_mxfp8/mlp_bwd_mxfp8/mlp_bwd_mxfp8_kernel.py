@@ -43,7 +43,9 @@ Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): 
 (m-major) > stationary panels all resident (n-major) > the smaller whole operand resident (up to 144 KiB; TP1:
 phase 3 keeps X, phase 4 keeps dY, each read once per core) > K-streamed groups (TP1 phase 2; each group's
 stationary panels in one SBUF block, MatmulPlan contiguous_group) > stationary groups. Phase 1 keeps its dY (and X)
-panels resident when W_down's are not.
+panels resident when W_down's are not. Phases 3 and 4 (K = S) at long sequences, where neither whole operand fits
+(S = 32768, H = 2048, I = 768), run as chunks along S instead (core/matmul/k_chunks.py plan_matmul): each chunk
+keeps its smaller operand resident, the fp32 sums pass from chunk to chunk through HBM, every operand is read once.
 
 Engines: PSUM evictions of phases 2-4 run on ScalarE, leaving VectorE to quantize_mx and the phase-1
 epilogue. Modeled time, MFU band and HBM bytes: README "Current kernel status" (simulations/mlp_bwd_study.py).
@@ -62,7 +64,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ....core.kernel_helpers import kernel_assert
-from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm
+from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm, plan_matmul
 from ....core.phase_graph import Phase, PhaseGraph
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
 from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
@@ -215,8 +217,8 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
     if plan == None:  # noqa: E711
         config = config or MatmulConfig()
         two_i, H = weight_grad_td.shape
-        plan = MatmulPlan([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(weight_grad_td, dtype), lead_n_major=True)
+        plan = plan_matmul([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
+                           StoreEpilogue(weight_grad_td, dtype), k_chunks=True, lead_n_major=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
@@ -235,9 +237,9 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         H, I = down_weight_grad_td.shape
         a_op = output_grad_T_td.window(h_base, H - h_base) if h_base else output_grad_T_td
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
-        plan = MatmulPlan([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
-                          StoreEpilogue(out, dtype), lead_n_major=True,
-                          interleave_first_loads=True, stationary_lookahead=True)
+        plan = plan_matmul([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
+                           StoreEpilogue(out, dtype), k_chunks=True, lead_n_major=True,
+                           interleave_first_loads=True, stationary_lookahead=True)
     return plan if stage == "plan" else plan.step(stage)
 
 

@@ -1,0 +1,267 @@
+"""K-chunked matmul plans: out[M, N] = sum over K chunks of stationary[Kc, M]ᵀ @ moving[Kc, N], each chunk a
+MatmulPlan that keeps one operand's chunk resident, the fp32 sums carried from chunk to chunk through HBM.
+
+Why: when neither whole operand of a long-K plan fits SBUF (the MLP backward's phases 3 and 4, K = S, at
+S = 32768, H = 2048, I = 768: X [S, H/2] takes 272 KiB per partition in MXFP8 and the intermediate [S, I]
+204 KiB, beyond RESIDENT_OPERAND_BUDGET_BYTES), MatmulPlan falls back to groups of stationary panels and reads
+(and quantizes) the moving operand once per group, with narrow stationary loads (128 columns: 256-byte DMA
+runs). Cut along K into chunks whose smaller operand fits RESIDENT_OPERAND_BUDGET_BYTES, every chunk is the plan
+a shorter K gets (the smaller chunk resident, the other streamed once) and each operand is read once; each
+output tile's fp32 sums leave PSUM after a chunk and come back before the next (PartialSums): 8 bytes per output
+element per chunk boundary instead of re-reading a K-long operand. Shorter chunks also widen the stationary
+loads that STATIONARY_PANEL_BUDGET_BYTES narrows at long K even where an operand fits (S = 16384: dY loads 256
+columns wide, 512 in chunks of 8192 rows), so that case is cut too (k_chunk_rows says when).
+
+Bit-exactness: the reference (nkilib.mx.mx_matmul) adds each K tile's float32 sum, in K order, to one float32
+accumulator. A later chunk's matmuls continue that accumulation (accumulate=True) from the exact fp32 value the
+previous chunk left: the value goes back into PSUM through PE transposes (nc_transpose on the Tensor engine is
+bit-exact and a matmul write, so nc_matmul_mx may accumulate onto it; a tensor_copy into PSUM may not:
+docs/simulator.md#choice-psum-accumulate,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html). It is
+spilled transposed (PE transposes as well), [n, m] per 128-column block, so that the reload's transposes give
+[m, n] back. Chunks start at multiples of K_CHUNK_ALIGN (whole scale tiles): every K tile is quantized as in one
+plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ..kernel_helpers import ceil_div, round_up
+from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
+                        PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
+                        STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from .panels import panel_bytes_per_partition
+from .plan import MatmulPlan
+
+
+def k_chunk_rows(plan, stationary, moving, setup) -> int:
+    """K rows per chunk for `plan` (a MatmulPlan of one product), or 0 when it should run as it is: it keeps an
+    operand's panels resident already and loads its [K, F] stationary operand at full width (or it uses an earlier
+    phase's panels), or an operand cannot be cut along K (pre-quantized along a contiguous K; BF16 setups are not
+    chunked), or the chunks' fp32 sums would move more HBM bytes than they save: the moving operand's re-reads (at
+    equal bytes the chunks win: a re-read of a bf16 operand is quantized again; H = 7168, I = 2048, S = 16384
+    modeled 7.667 ms chunked against 8.182 ms without phase 3's), or, with an operand resident, the stationary
+    operand's bytes, whose loads STATIONARY_PANEL_BUDGET_BYTES narrowed (S = 16384, H = 2048, I = 768: dY 256
+    columns wide, 512-byte DMA runs; two chunks of 8192 rows modeled 1.016 ms against 1.132).
+
+    Chunks: as few as let (a) the smaller operand's chunk fit RESIDENT_OPERAND_BUDGET_BYTES and (b) a [K, F]
+    stationary operand's chunk load STATIONARY_LOAD_WIDTH columns within STATIONARY_PANEL_BUDGET_BYTES (its DMA runs
+    stay 1 KiB long: S = 32768, H = 2048, I = 768 modeled 2.197 ms in two chunks of 16384 rows, whose dY loads were
+    256 columns wide, against 2.040 in four of 8192; 4096-row chunks: 2.087), in whole multiples of K_CHUNK_ALIGN,
+    all of one length when at most twice as many chunks give that and pass the bytes rule (else the last is
+    shorter: H = I = 2880, S = 16384, phase 3 in 6144 + 6144 + 4096 rows; four of 4096 would spill more than the
+    re-reads)."""
+    if (not setup.is_mx or len(stationary) != 1 or len(moving) != 1 or not plan.order
+            or plan.stationary[0].resident):
+        return 0
+    if any(op.prequantized and not op.panel_layout for op in (stationary[0], moving[0])):
+        return 0
+    (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
+    k, narrower = stationary[0].k_size, min(m_hi - m_lo, n_hi - n_lo)
+    load = min(STATIONARY_LOAD_WIDTH, m_hi - m_lo) if stationary[0].k_axis == 0 else 0
+    kept = plan.keep_moving or plan.stationary[0].keep_all
+    if kept and not (load and (plan.stationary[0].load_width or plan.m_tile) < load):
+        return 0  # an operand resident and full-width stationary loads: nothing to gain
+    # what the chunks save: the moving operand's re-reads, or (an operand resident already, the stationary loads
+    # narrowed by a long K) the stationary operand's bytes, whose DMA runs at least double
+    saved = _hbm_bytes(stationary[0], m_hi - m_lo) if kept else _moving_rereads(plan, moving[0])
+    fitting = []
+    for chunks in range(2, ceil_div(k, K_CHUNK_ALIGN) + 1):
+        rows = round_up(ceil_div(k, chunks), K_CHUNK_ALIGN)
+        if (panel_bytes_per_partition(rows, narrower, setup) <= RESIDENT_OPERAND_BUDGET_BYTES and
+                panel_bytes_per_partition(rows, load, setup) <= STATIONARY_PANEL_BUDGET_BYTES):
+            fitting.append(rows)
+    if not fitting:
+        return 0
+    # chunks of one length where up to twice as many give that: the chunk plans then hold the same tiles (S = 65536:
+    # seven of 10240 rows and a last of 4096 left a tile with no SBUF placement; eight of 8192 modeled 3.974 ms)
+    few = ceil_div(k, fitting[0])
+    equal = [r for r in fitting if round_up(k, K_CHUNK_ALIGN) % r == 0 and ceil_div(k, r) <= 2 * few]
+    for rows in equal[:1] + fitting[:1]:
+        spilled = PARTIAL_SUM_HBM_BYTES * (m_hi - m_lo) * (n_hi - n_lo) * (ceil_div(k, rows) - 1)
+        if rows < k and spilled <= saved:
+            return rows
+    return 0
+
+
+def _moving_rereads(plan, op) -> int:
+    """HBM bytes `plan` reads its moving operand `op` beyond once: it sweeps it once per group of stationary panels
+    (K-streamed: the group's g panels; else the m tiles of one group of stationary loads)."""
+    (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
+    m_tiles = ceil_div(m_hi - m_lo, plan.m_tile)
+    if plan.stream != None:  # noqa: E711
+        group = plan.stream[0]
+    else:
+        source = plan.stationary[0]
+        group = max(1, source.capacity * (source.load_width or plan.m_tile) // plan.m_tile)
+    return (ceil_div(m_tiles, group) - 1) * _hbm_bytes(op, n_hi - n_lo)
+
+
+def _hbm_bytes(op, width: int) -> int:
+    """HBM bytes of `width` columns of operand `op` over its K: MX words (+ 1/32 scales) or bf16."""
+    return op.k_size * width * (1 if op.panel_layout else 2)
+
+
+class PartialSums(nl.NKIObject):
+    """fp32 sums of a K-chunked plan's output tiles between two chunks, in this core's private HBM.
+
+    Dimensions:
+        hbm [tiles, 128, n_tile rounded up to 128] fp32: tile (m0, n0)'s sums transposed per 128-column block:
+        row r, column c0 + m holds out[m0 + m, n0 + c0 + r] (c0 a multiple of 128).
+    """
+
+    def __init__(self, ranges, m_tile: int, n_tile: int):
+        (m_lo, m_hi), (n_lo, n_hi) = ranges
+        self.m_lo, self.n_lo, self.m_tile, self.n_tile = m_lo, n_lo, m_tile, n_tile
+        self.n_count = ceil_div(n_hi - n_lo, n_tile)
+        self.width = round_up(n_tile, PARTITIONS)
+        count = ceil_div(m_hi - m_lo, m_tile) * self.n_count
+        self.hbm = nl.ndarray((count, PARTITIONS, self.width), dtype=nl.float32, buffer=nl.private_hbm)
+        self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload, oldest first
+
+    def index(self, m0: int, n0: int) -> int:
+        return (m0 - self.m_lo) // self.m_tile * self.n_count + (n0 - self.n_lo) // self.n_tile
+
+    def spill(self, m0: int, msz: int, n0: int, nsz: int, acc) -> None:
+        """Store tile (m0, n0)'s sums (acc [:rows, :nsz] in PSUM, rows = msz padded to the even M the matmuls
+        wrote) transposed: evict on ScalarE, transpose each 128-column block on the PE array, copy, DMA."""
+        rows = msz + msz % 2
+        whole = rows == PARTITIONS and nsz % PARTITIONS == 0
+        natural = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        flipped = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=natural[:rows, :nsz], src=acc[:rows, :nsz], engine=nisa.engine.scalar)
+        for c0 in range(0, nsz, PSUM_BANK_COLUMNS):
+            cw = min(PSUM_BANK_COLUMNS, nsz - c0)
+            span = round_up(cw, PARTITIONS)
+            bank = nl.ndarray((PARTITIONS, PSUM_BANK_COLUMNS), dtype=nl.float32, buffer=nl.psum)
+            if not whole:  # blocks narrower than [128, 128]: the copy below reads the whole span
+                nisa.memset(dst=bank[:, :span], value=0.0)
+            for j0 in range(0, cw, PARTITIONS):
+                w = min(PARTITIONS, cw - j0)
+                nisa.nc_transpose(dst=bank[:w, j0:j0 + rows], data=natural[:rows, c0 + j0:c0 + j0 + w],
+                                  engine=nisa.engine.tensor)
+            nisa.tensor_copy(dst=flipped[:, c0:c0 + span], src=bank[:, :span], engine=nisa.engine.scalar)
+        span = round_up(nsz, PARTITIONS)
+        nisa.dma_copy(dst=self.hbm[self.index(m0, n0), :, :span], src=flipped[:, :span])
+
+    def fetch(self, m0: int, n0: int, nsz: int) -> None:
+        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch)."""
+        idx = self.index(m0, n0)
+        if any(i == idx for i, _ in self.fetched):
+            return
+        span = round_up(nsz, PARTITIONS)
+        tile = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[:, :span], src=self.hbm[idx, :, :span])
+        self.fetched = self.fetched[-(PARTIAL_FETCH_AHEAD - 1):] + [(idx, tile)]
+
+    def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
+        """Put tile (m0, n0)'s sums back into acc [:rows, :nsz] (PSUM) by PE transposes, bit-exactly."""
+        self.fetch(m0, n0, nsz)
+        idx = self.index(m0, n0)
+        flipped = [t for i, t in self.fetched if i == idx][0]
+        for j0 in range(0, nsz, PARTITIONS):
+            w = min(PARTITIONS, nsz - j0)
+            nisa.nc_transpose(dst=acc[:rows, j0:j0 + w], data=flipped[:w, j0:j0 + rows], engine=nisa.engine.tensor)
+        self.fetched = [(i, t) for i, t in self.fetched if i != idx]
+
+
+class SpillEpilogue(nl.NKIObject):
+    """Epilogue of a K-chunked plan's chunks but the last (MatmulPlan's epilogue protocol): spill each finished
+    tile's sums to PartialSums."""
+
+    def __init__(self, partials: PartialSums):
+        self.partials = partials
+
+    def prepare(self, plan) -> None:
+        pass
+
+    def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        self.partials.spill(m0, msz, n0, nsz, accumulators[0])
+
+    def finish(self) -> None:
+        pass
+
+    def held_bytes(self, n_tile) -> int:
+        return 2 * round_up(n_tile, PARTITIONS) * 4
+
+
+class KChunkedPlan(nl.NKIObject):
+    """A MatmulPlan cut along K (module docstring): `chunks` run one after the other, chunk c's first panels
+    loading under chunk c - 1's last tiles when both fit SBUF. Offers MatmulPlan's interface to PhaseGraph
+    (step, first_bytes, held_bytes, can_prefetch, stationary_on_chip, stream, order)."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.done = 0  # chunks run to the end
+        self.stream = None
+        self.order = chunks[-1].order
+        self.ranges = chunks[0].ranges
+
+    def first_bytes(self) -> int:
+        return self.chunks[0].first_bytes()
+
+    def held_bytes(self) -> int:
+        return self.chunks[-1].held_bytes()
+
+    def can_prefetch(self, nxt) -> bool:
+        return self.chunks[-1].can_prefetch(nxt)
+
+    def stationary_on_chip(self) -> bool:
+        return False
+
+    def _run_chunks(self, last: int) -> None:
+        """Run chunks [done, last) to the end, each next one's first panels under its predecessor's tail."""
+        while self.done < last:
+            chunk, nxt = self.chunks[self.done], self.chunks[self.done + 1]
+            if chunk.can_prefetch(nxt):
+                chunk.step("head")
+                nxt.step("first")
+            chunk.step("all")
+            self.done += 1
+
+    def step(self, stage: str) -> "KChunkedPlan":
+        """MatmulPlan.step's stages: "first" loads the first chunk's first panels; "head" runs every chunk but
+        the last and the last one's head; "all" the rest."""
+        if stage == "first":
+            self.chunks[0].step("first")
+        else:
+            self._run_chunks(len(self.chunks) - 1)
+            self.chunks[-1].step(stage)
+        return self
+
+
+def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epilogue, k_chunks=False, **options):
+    """MatmulPlan(stationary, moving, m_total, n_total, setup, config, split, epilogue, **options), or with
+    k_chunks=True, when k_chunk_rows cuts it, a KChunkedPlan of MatmulPlans over K windows of the operands
+    (each keeping its smaller operand's chunk resident; the same tiles in every chunk). Chunk plans keep two
+    accumulators and a PSUM bank for the spill's transposes: their n_tile is capped to fit.
+    (The MLP backward's phases 3 and 4, K = S: at S = 32768, H = 2048, I = 768 each reads X, dY and the
+    intermediate once instead of X and the intermediate twice.)"""
+    plan = MatmulPlan(stationary, moving, m_total, n_total, setup, config, split, epilogue, **options)
+    rows = k_chunk_rows(plan, stationary, moving, setup) if k_chunks else 0
+    if not rows:
+        return plan
+    k = stationary[0].k_size
+    widest = (PSUM_BYTES // PSUM_BANK_BYTES - 1) // PSUM_BUFFERS * PSUM_BANK_COLUMNS
+    chunk_config = dataclasses.replace(config, n_tile=min(config.n_tile, widest))
+    options = dict(options)
+    options["ranges"] = plan.ranges
+    windows = [([stationary[0].k_window(k0, min(rows, k - k0))], [moving[0].k_window(k0, min(rows, k - k0))])
+               for k0 in range(0, k, rows)]
+    probes = [MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, epilogue, **options)
+              for st, mv in windows]
+    first = probes[0]
+    for probe in probes:
+        resident = probe.keep_moving or probe.stationary[0].keep_all
+        if probe.stream != None or not resident or probe.order != first.order:  # noqa: E711
+            return plan  # a chunk would not keep an operand resident, or its tiles differ: no gain / no match
+    partials = PartialSums(plan.ranges, first.m_tile, first.n_tile)
+    chunks = []
+    for c, (st, mv) in enumerate(windows):
+        chunk_epilogue = epilogue if c == len(windows) - 1 else SpillEpilogue(partials)
+        chunks.append(MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, chunk_epilogue,
+                                 reload=partials if c else None, **options))
+    return KChunkedPlan(chunks)

@@ -1,0 +1,133 @@
+"""K-chunked weight-gradient plans (nkilib/core/matmul/k_chunks.py): the MLP backward's phases 3 and 4 (K = S) at long
+sequences, where neither whole operand fits SBUF, run as chunks along S, each keeping its smaller operand resident,
+the fp32 sums carried between chunks (spilled and reloaded through PE transposes). At the model shape that needs it
+(S = 32768, H = 2048, I = 768) the plan decision is checked on the real budgets; the numerics on small shapes with
+the budgets shrunk so that the same decision is taken, bit for bit against mx_exact with fp32 weight gradients (so
+no bf16 rounding can hide a wrong fp32 sum), LNC1 = LNC2.
+"""
+import types
+
+import nki.language as nl
+import numpy as np
+import pytest
+
+from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
+from nkilib.core.matmul import k_chunks as k_chunks_module
+from nkilib.core.matmul import plan as plan_module
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
+from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+
+SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+
+
+def _phase4_plan(S: int, H: int = 2048, I: int = 768, shard: int = 0):
+    """Phase 4's ordinary plan (dW_down [H, I] = dYᵀ @ intermediate, K = S) from shape-only descriptors, LNC2."""
+    dy = TensorDescriptor(types.SimpleNamespace(shape=(S, H)), k_axis=0)
+    inter = TensorDescriptor(types.SimpleNamespace(shape=(S, I)), k_axis=0)
+    plan = MatmulPlan([dy], [inter], H, I, SETUP, MatmulConfig(n_tile=2048), CoreSplit(2, shard), None,
+                      lead_n_major=True)
+    return plan, dy, inter
+
+
+@pytest.mark.parametrize("S, rows", [(8192, 0), (16384, 8192), (32768, 8192), (65536, 8192)])
+def test_k_chunk_decisions_at_long_sequences(S, rows):
+    """Qwen3-30B-A3B's dense comparison (H = 2048, I = 768), phase 4 per core ([1024, 768]): at S = 8192 the
+    intermediate stays resident and dY loads 512 columns wide: nothing to chunk. At S = 16384 the intermediate
+    (102 KiB per partition in MXFP8) still fits, but STATIONARY_PANEL_BUDGET_BYTES narrows dY's loads to 256 columns:
+    two chunks of 8192 rows. At S = 32768 (204 KiB) the ordinary plan is K-streamed (the intermediate read once per
+    group of dY panels): four chunks (two of 16384 would hold the intermediate but load dY 256 columns wide).
+    S = 65536: eight of 8192 (seven of 10240 would fit too, with a last of 4096; chunks of one length are
+    preferred)."""
+    plan, dy, inter = _phase4_plan(S)
+    assert k_chunks_module.k_chunk_rows(plan, [dy], [inter], SETUP) == rows
+    assert (plan.stream != None) == (S > 16384)  # noqa: E711
+    if rows:
+        chunk, _, _ = _phase4_plan(rows)
+        assert chunk.keep_moving and chunk.stream == None  # noqa: E711  each chunk: the S = `rows` plan
+        assert chunk.stationary[0].load_width == 512
+
+
+def test_k_chunks_only_where_the_sums_move_no_more_bytes_than_the_rereads(monkeypatch):
+    """H = 7168, I = 2048, S = 16384 (per core: dW_down [3584, 2048], dW_gu [4096, 3584]): phase 4's ordinary plan
+    reads the intermediate 4 times (201 MB of re-reads per core), two chunks spill 59 MB of fp32 sums; phase 3's
+    reads X 4 times (352 MB of re-reads), four chunks spill exactly as many bytes of sums and are taken (the re-reads
+    also cost a quantize each; modeled 7.667 ms chunked against 8.182 with phase 3 left as it was). Sums one byte
+    per element dearer than the re-reads: phase 3 is left as it is."""
+    S, H, I = 16384, 7168, 2048
+    plan4, dy, inter = _phase4_plan(S, H, I)
+    assert k_chunks_module.k_chunk_rows(plan4, [dy], [inter], SETUP) == 8192
+    dgu = TensorDescriptor(types.SimpleNamespace(shape=(S, 2 * I)), k_axis=0)
+    x = TensorDescriptor(types.SimpleNamespace(shape=(S, H)), k_axis=0)
+    plan3 = MatmulPlan([dgu], [x], 2 * I, H, SETUP, MatmulConfig(n_tile=2048), CoreSplit(2, 0), None,
+                       lead_n_major=True)
+    assert plan3.stream != None  # noqa: E711  (neither operand fits)
+    assert k_chunks_module._moving_rereads(plan3, x) == 3 * S * (H // 2) * 2
+    assert k_chunks_module.k_chunk_rows(plan3, [dgu], [x], SETUP) == 4096
+    monkeypatch.setattr(k_chunks_module, "PARTIAL_SUM_HBM_BYTES", 9)
+    assert k_chunks_module.k_chunk_rows(plan3, [dgu], [x], SETUP) == 0
+    assert k_chunks_module.k_chunk_rows(plan4, [dy], [inter], SETUP) == 8192
+
+
+@pytest.fixture
+def shrunk_budgets(monkeypatch):
+    """Phases 3 and 4 at S = 4096-6144 get the S = 32768 decision: their operands fit neither the panel cache nor
+    the resident-operand budget (the ordinary plan would sweep the moving operand once per stationary panel), a
+    2048-row chunk of the smaller one does. W_down still fits (phase 1 keeps it and
+    quantizes d_gate_up along S on chip, so phase 3 reads it in the panel layout, K-windowed)."""
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 4096)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
+    # one 128-column stationary panel per group, so the ordinary plan re-reads its moving operand (what chunks save)
+    monkeypatch.setattr(plan_module, "STATIONARY_PANEL_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 1)
+    monkeypatch.setattr(k_chunks_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
+    taken = []
+    original = kernel_module.plan_matmul
+
+    def recording(stationary, moving, *args, **kwargs):
+        plan = original(stationary, moving, *args, **kwargs)
+        if isinstance(plan, KChunkedPlan):
+            taken.append(([c.stationary_ops[0].k_base for c in plan.chunks], stationary[0].panel_layout))
+        return plan
+
+    monkeypatch.setattr(kernel_module, "plan_matmul", recording)
+    return taken
+
+
+@pytest.mark.parametrize("S, H, I, lnc", [(4096, 256, 384, 1), (4096, 256, 512, 2), (6144, 192, 320, 1)])
+def test_k_chunked_weight_grads_are_bit_exact(shrunk_budgets, S, H, I, lnc):
+    """Both weight-gradient phases cut along S; fp32 weight gradients equal mx_exact exactly. (6144, 192, 320):
+    three chunks (the middle one reloads and spills) and tiles narrower than 128 columns / an m tile of 64."""
+    inp = mlp_inputs(S, H, I, seed=S + H + I)
+    inp = {**inp, **mlp_checkpoints(inp)}
+    out = run_mlp(inp, lnc=lnc, weight_grad_dtype="float32")
+    measured = assert_matches_mx_exact(out, mlp_reference(inp, weight_grad_dtype="float32"))
+    assert all(m == (0, 0.0) for m in measured), measured
+    starts = [0, 2048] if S == 4096 else [0, 2048, 4096]
+    assert [t[0] for t in shrunk_budgets] == [starts] * (2 * lnc), shrunk_budgets  # phases 4 and 3, every core
+    assert any(layout for _, layout in shrunk_budgets), "phase 3 did not read d_gate_up in the panel layout"
+
+
+def test_k_chunked_lnc1_equals_lnc2(shrunk_budgets):
+    """The same chunks on one core and split over two give the same bits (bf16 weight gradients, the default)."""
+    S, H, I = 4096, 256, 384
+    inp = mlp_inputs(S, H, I, seed=7)
+    inp = {**inp, **mlp_checkpoints(inp)}
+    out1, out2 = run_mlp(inp, lnc=1), run_mlp(inp, lnc=2)
+    for a, b in zip(out1, out2):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_k_chunks_of_one_length_unless_they_spill_more_than_the_rereads():
+    """H = I = 2880, S = 16384, phase 3 per core (dW_gu rows [0, 2944) of 5760, all 2880 columns): X's chunk fits at
+    6144 rows (three chunks, the last 4096); four equal chunks of 4096 would spill 3 x 68 MB of fp32 sums against
+    2 x 94 MB of X re-reads, so the uneven three are taken."""
+    S, H, I = 16384, 2880, 2880
+    dgu = TensorDescriptor(types.SimpleNamespace(shape=(S, 2 * I)), k_axis=0)
+    x = TensorDescriptor(types.SimpleNamespace(shape=(S, H)), k_axis=0)
+    plan3 = MatmulPlan([dgu], [x], 2 * I, H, SETUP, MatmulConfig(n_tile=2048), CoreSplit(2, 0), None,
+                       lead_n_major=True)
+    assert plan3.ranges == ((0, 2944), (0, 2880))
+    assert k_chunks_module.PARTIAL_SUM_HBM_BYTES * 2944 * 2880 * 3 > k_chunks_module._moving_rereads(plan3, x)
+    assert k_chunks_module.k_chunk_rows(plan3, [dgu], [x], SETUP) == 6144
