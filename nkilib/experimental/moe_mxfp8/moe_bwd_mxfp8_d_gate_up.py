@@ -51,15 +51,13 @@ def _block_natural(ctx, scratch, i, r0, m, k_size):
     return nat
 
 
-def _gathered_checkpoint(ctx, ckpt, slots, m, i_lo, width, full=False):
-    """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a [T*k, I] checkpoint's rows by slot (zero for
-    padding, unless the block is full), or None."""
+def _checkpoint_tile(ctx, ckpt, i, r0, m, slots, i_lo, width, full=False):
+    """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a checkpoint's rows r0..r0+m of block i (zero for
+    padding), or None: MoeContext.checkpoint_rows (a gather by slot, or one plain DMA in the block layout)."""
     if ckpt == None:  # noqa: E711
         return None
     tile = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if not full:
-        nisa.memset(dst=tile[:m, :], value=0.0)
-    ctx.gather(tile[:m, :], ckpt, slots, i_lo, width)
+    ctx.checkpoint_rows(tile[:m, :], ckpt, i, r0, m, slots, i_lo, width, full)
     return tile
 
 
@@ -101,7 +99,7 @@ class ChunkInputs(nl.NKIObject):
     def gather(self, ctx, i, r0, full, ahead=0):
         """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i)."""
         self.gather_rows(ctx, i, r0, full, ahead)
-        self.gather_pair_values(ctx, full)
+        self.gather_pair_values(ctx, i, ahead * ctx.B + r0, full)
 
     def gather_rows(self, ctx, i, r0, full, ahead=0):
         """The token ids, slots and the dY / X rows (gather's first part)."""
@@ -115,17 +113,15 @@ class ChunkInputs(nl.NKIObject):
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
 
-    def gather_pair_values(self, ctx, full):
-        """p and the given checkpoints by slot (gather's second part)."""
+    def gather_pair_values(self, ctx, i, first, full):
+        """p by slot and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
         m = self.m
         if not full:  # padding rows' p = 0 (a full block gathers every row)
             nisa.memset(dst=self.p, value=0.0)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
         for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
             if tile != None:  # noqa: E711
-                if not full:
-                    nisa.memset(dst=tile[:m, :], value=0.0)
-                ctx.gather(tile[:m, :], src, self.slots, 0, tile.shape[1])
+                ctx.checkpoint_rows(tile[:m, :], src, i, first, m, self.slots, 0, tile.shape[1], full)
 
 
 class RowChunk(nl.NKIObject):
@@ -178,14 +174,14 @@ class RowChunk(nl.NKIObject):
         elif staged:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=self.p, src=ctx.block_rows(ctx.p_blocks, i, r0, m, 1, 0, 1))
-            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
+            self.ckpts = [_checkpoint_tile(ctx, c, i, r0, m, self.slots, i_lo, width, full)
                           for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)
                 nisa.memset(dst=self.p, value=0.0)
             ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
+            self.ckpts = [_checkpoint_tile(ctx, c, i, r0, m, self.slots, i_lo, width, full)
                           for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
         self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
