@@ -11,7 +11,8 @@ layout's outputs, LNC1 and LNC2 (the race detector on under LNC2).
 |---------------------------------------|-----------------------------------------------------------------|------------|
 | test_block_layout_i_split             | no resident budget, B = 256, k = 1: one full block (I split     | LNC1, LNC2 |
 |                                       | under LNC2, gathered and staged), one padded block, two blocks, |            |
-|                                       | none; no indirect DMA reads a checkpoint, the slot layout's do  |            |
+|                                       | none; no indirect DMA reads a checkpoint, the slot layout's do; |            |
+|                                       | the I split reads them after its W_down loads (LNC2)            |            |
 | test_block_layout_pipeline            | resident weights, B = 512, k = 2, clamps: pass A's pipeline     | LNC2       |
 |                                       | (block i + 1's first chunk read a block ahead), a padded last   |            |
 |                                       | block, an empty expert, two checkpoints (recompute of up)       |            |
@@ -59,8 +60,10 @@ def test_block_layout_i_split(monkeypatch, lnc):
     """test_moe_i_split's routing (T = 912, experts of 256 / 100 / 300 / 0 / 256 pairs at B = 256, H = 1024, I = 544,
     fence groups [0, 1], [2, 3], [4]; under LNC2 experts 0 and 4 take the I split, expert 4's dY / X staged a fence
     ahead) with all four checkpoints in the block layout: == mx_exact and == the slot layout's outputs bit for bit;
-    every checkpoint read is a plain DMA (the slot layout's are all indirect). Fails on the old code (no
-    checkpoint_layout argument; a kernel that gathered the block layout by slot would read rows past the padding)."""
+    every checkpoint read is a plain DMA (the slot layout's are all indirect); under LNC2 the I split's first
+    checkpoint read follows its first W_down load in program order (read at the first epilogue). Fails on the old
+    code (no checkpoint_layout argument; a kernel that gathered the block layout by slot would read rows past the
+    padding) and without the deferred read (checkpoints first: trace positions 330 against W_down's 354)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 912, 5, 1024, 544, 256
     ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
@@ -77,6 +80,14 @@ def test_block_layout_i_split(monkeypatch, lnc):
     assert slot_indirect and not slot_plain, (len(slot_indirect), len(slot_plain))
     # every read is a chunk's rows of one block (at most 128 rows): no DMA reaches past a chunk
     assert all(r.writes[0].partition_hi - r.writes[0].partition_lo <= 128 for r in plain)
+    if lnc == 2:  # the I split (expert 0 first) reads its checkpoints after its W_down loads are queued
+        seq = [r for r in trace if r.program == 0]
+
+        def first_read(names):
+            return min(n for n, r in enumerate(seq) if r.instr.startswith("dma")
+                       and any(getattr(o, "name", "") in names for o in r.reads))
+        assert first_read(CHECKPOINTS) > first_read(("down_weight",)), (first_read(CHECKPOINTS),
+                                                                        first_read(("down_weight",)))
 
 
 def test_block_layout_pipeline():

@@ -14,7 +14,8 @@ and dX contributions are scatter-added back to token rows by dma_compute (a read
 fp32, one bf16 rounding) -- no permute / unpermute pass over HBM.
 
 Passes (reference.moe_backward_reference's order; docs/moe.md):
-    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot);
+    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot, or, with
+       checkpoint_layout="block", read their block-ordered rows by plain DMA: docs/moe.md section 6);
        dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up (K=H); epilogue: the
        routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
        derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
