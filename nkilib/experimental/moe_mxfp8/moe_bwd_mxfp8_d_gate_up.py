@@ -169,10 +169,11 @@ class RowChunk(nl.NKIObject):
                 x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)
         self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
-        # the I split with block-ordered checkpoints: their plain DMAs wait for the first epilogue, so that in the
-        # DMA queues they follow W_down's loads, which the dI matmuls wait for (slot layout: the gathers' descriptors
-        # on GpSimd already held them back; deferred there they queue behind the epilogue's products: ds4 1406.4 ->
-        # 1497.0 us; the row split's padded blocks lose too: ds4z 1704.4 -> 1720.5 us, docs/moe.md round 11b)
+        # the I split with block-ordered checkpoints: their plain DMAs (ready at once) wait for the first epilogue,
+        # after the first dI matmul, so that they do not take the DMA queues from W_down's loads and the dY rows that
+        # matmul waits for (slot layout: the gathers' descriptors on GpSimd already held them back; deferred there
+        # they queue behind the epilogue's products: ds4 1406.4 -> 1497.0 us; the row split's padded blocks lose
+        # too: ds4z 1704.4 -> 1720.5 us, docs/moe.md round 11b)
         defer_checkpoints = ctx.checkpoints_blocked and tile_sums
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
