@@ -2,7 +2,7 @@
 
     python simulations/moe_bwd_study.py [--presets qwen3-30b-a3b gpt-oss-20b deepseek-v3-ep8]
         [--tokens 4096 16384] [--routings balanced zipf] [--lnc 2] [--block-size B]
-        [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768]
+        [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768] [--checkpoint-layout block]
         [--out simulations/out/moe_bwd] [--plots] [--resume] [--jobs N] [--quick]
 
 For each (preset, T, routing) it builds the routing (exactly balanced, or Zipf-skewed with a seed), runs
@@ -165,6 +165,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     ap.add_argument("--block-size", type=int, default=None, help="B (default: moe_backward_cost.choose_block_size)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint-layout", default="slot", choices=("slot", "block"),
+                    help="the kernel's checkpoint_layout: [T, k, I] gathered by slot, or [N*B, I] block-ordered as a "
+                         "forward that saves them so (docs/moe.md section 6)")
     ap.add_argument("--zipf-exponent", type=float, default=DEFAULT_ZIPF_EXPONENT)
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--dense-max-tokens", type=int, default=32768,
@@ -186,7 +189,8 @@ def main(argv=None) -> dict:
     results = _load(jpath) if args.resume else {}
     jobs = [(p, t, r) for p in args.presets for t in args.tokens for r in args.routings if key_of(p, t, r) not in results]
     kw = dict(block_size=args.block_size, lnc=args.lnc, scenarios=scenarios, seed=args.seed,
-              zipf_exponent=args.zipf_exponent, dense=args.dense, dense_max_tokens=args.dense_max_tokens)
+              zipf_exponent=args.zipf_exponent, dense=args.dense, dense_max_tokens=args.dense_max_tokens,
+              checkpoint_layout=args.checkpoint_layout)
     if args.jobs > 1:  # one fresh process per configuration (each needs up to ~5.5 GB at model shapes)
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed

@@ -195,8 +195,9 @@ class MoeModeledResult:
         return asdict(self)
 
 
-def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout) -> dict:
-    """ShapeSpecs for data, real int32 arrays for the block layout (the kernel loads them into registers)."""
+def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_layout: str = "slot") -> dict:
+    """ShapeSpecs for data, real int32 arrays for the block layout (the kernel loads them into registers);
+    checkpoints [T, k, I] (checkpoint_layout "slot") or [N*B, I] ("block": saved by the forward in block order)."""
     bf16 = nki.language.bfloat16
     inputs = {
         "output_grad": ShapeSpec((T, H), bf16), "hidden_states": ShapeSpec((T, H), bf16),
@@ -206,7 +207,8 @@ def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout) -> dict:
         "expert_block_offsets": layout.expert_block_offsets,
     }
     for name in ("gate_pre", "gate_act", "up", "intermediate"):
-        inputs[name] = ShapeSpec((T, k, I), bf16)
+        inputs[name] = ShapeSpec((T, k, I) if checkpoint_layout == "slot" else
+                                 (len(layout.token_position_to_slot), I), bf16)
     return inputs
 
 
@@ -220,7 +222,8 @@ def _summaries(report, scenarios) -> dict:
 def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, block_size: int | None = None,
                          lnc: int = 2, scenarios=SCENARIOS, seed: int = 0,
                          zipf_exponent: float = DEFAULT_ZIPF_EXPONENT, dense: bool = True,
-                         dense_max_tokens: int | None = None, target="trn3") -> MoeModeledResult:
+                         dense_max_tokens: int | None = None, target="trn3",
+                         checkpoint_layout: str = "slot") -> MoeModeledResult:
     """Modeled MXFP8 MoE expert backward (trn3) of one preset, token count and routing.
 
     Args:
@@ -235,6 +238,8 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         dense_max_tokens: model the dense kernel at most at this S and scale its time linearly to P
             (recorded in dense_scaled_from_tokens); None = always at S = P.
         target: "trn3" or a TargetSpec (tests shrink SBUF to exercise the capacity refusal).
+        checkpoint_layout: the kernel's checkpoint_layout: "slot" ([T, k, I], gathered by slot) or "block"
+            ([N*B, I] in block-position order, read by plain DMA: a forward that saves them so; docs/moe.md round 11b).
 
     Returns:
         MoeModeledResult. A configuration whose plan or modeled overlap needs more SBUF/PSUM than the
@@ -253,12 +258,13 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
     for B in sizes:
         layout = build_block_layout(topk_ids, E, B)
         kwargs = {"block_size": B, "clamp_limits": GPT_OSS_CLAMP if p.clamped else None,
-                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2}
+                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2, "checkpoint_layout": checkpoint_layout}
         try:
             with label_phases(kernel_module, PHASES):
-                report = model_kernel(kernel_module.moe_backward_mxfp8_nki, _kernel_inputs(T, k, E, H, I, layout),
-                                      lnc=lnc, target=target, kwargs=kwargs, precision="mx", model_flops=flops,
-                                      scenario=scenarios[0], check_races=False)
+                inputs = _kernel_inputs(T, k, E, H, I, layout, checkpoint_layout)
+                report = model_kernel(kernel_module.moe_backward_mxfp8_nki, inputs, lnc=lnc, target=target,
+                                      kwargs=kwargs, precision="mx", model_flops=flops, scenario=scenarios[0],
+                                      check_races=False)
         except CapacityError as e:
             refused_block_sizes[B] = f"the kernel's allocations overflow on-chip memory in the run: {str(e)[:240]}..."
             report = None

@@ -52,3 +52,30 @@ def test_simulator_backend_errors():
                                  scale_rule="rceil")
     with pytest.raises(ValueError, match="scale_rule='rceil' is only available with backend='emulate'"):
         y.sum().backward()
+
+
+def test_simulator_forward_saves_block_ordered_checkpoints():
+    """For the simulator backend the forward saves the checkpoints as [N*B, I] in the kernel's block layout
+    (checkpoint_layout="block", read by plain DMA): equal bit for bit to reference.checkpoints_to_blocks of the slot
+    layout's [T, k, I] (an expert of two blocks, an empty one, a padded one), y unchanged, and the op's fake gives the
+    same shapes. Fails on the old forward (always [T, k, I])."""
+    import numpy as np
+    from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_torch as M, routing
+    from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks
+    T, E, k, H, I, B = 300, 4, 1, 64, 64, 128
+    x, _, w, w_gu, w_down, _ = make(T=T, E=E, k=k, H=H, I=I, seed=3)
+    ids = torch.tensor([0] * 200 + [2] * 100, dtype=torch.int64)[torch.randperm(T, generator=torch.Generator()
+                                                                                 .manual_seed(2))].reshape(T, k)
+    clamps = (None,) * 4 + ("silu",)
+    slot = M.forward_impl(x, ids, w, w_gu, w_down, *clamps)
+    blocked = M.forward_impl(x, ids, w, w_gu, w_down, *clamps, None, B)
+    layout = routing.build_block_layout(ids.numpy(), E, B)
+    assert np.diff(layout.expert_block_offsets).tolist() == [2, 0, 1, 0]
+    assert_outputs_identical((to_numpy(blocked[0]),), (to_numpy(slot[0]),), "y, block vs slot checkpoints")
+    for s, b in zip(slot[1:], blocked[1:]):
+        assert tuple(b.shape) == (layout.capacity * B, I), b.shape
+        assert_outputs_identical((to_numpy(b),), (checkpoints_to_blocks(to_numpy(s), layout),), "block layout")
+    opts = (None,) * 4 + ("silu", "float8_e4m3fn", "1x32", "mxfp8", "neuron", "bfloat16", B)
+    fake = M.forward_fake(x, ids, w, w_gu, w_down, *opts, "simulator", 1)
+    assert [tuple(c.shape) for c in fake[1:]] == [tuple(b.shape) for b in blocked[1:]]
+    assert tuple(M.forward_fake(x, ids, w, w_gu, w_down, *opts, "emulate", 1)[1].shape) == (T, k, I)

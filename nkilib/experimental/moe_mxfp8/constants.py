@@ -20,6 +20,10 @@ ROUTING_GRAD_TILE = 512
 BIAS_GRAD_K_TILE = BF16_K_TILE
 #: Accepted dtypes of topk_ids.
 TOPK_ID_DTYPES = ("int32", "int64")
+#: Layouts of the checkpoints the kernel accepts (checkpoint_layout; the first is the default): "slot" [T, k, I], one
+#: row per routed pair, gathered by slot; "block" [N*B, I], one row per block position (padding rows zero), read by
+#: plain DMA (docs/moe.md section 6).
+CHECKPOINT_LAYOUTS = ("slot", "block")
 
 # ---- the NKI kernel (moe_bwd_mxfp8_kernel.py) ----
 from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401

@@ -19,14 +19,16 @@ class MoeContext(nl.NKIObject):
     Dimensions:
         dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
         offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
-        checkpoints: [T*k, I] bf16 or None; scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
+        checkpoints: [T*k, I] bf16 by slot, or [N, B, I] by block position (checkpoints_blocked), or None;
+        scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
         d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
         and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
     """
 
-    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp):
+    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp, checkpoints_blocked=False):
         self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
         self.setup, self.split, self.clamp = setup, split, clamp
+        self.checkpoints_blocked = checkpoints_blocked  # the entry point's checkpoint_layout == "block"
 
     def f_pad(self, rows):
         """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""
@@ -77,6 +79,19 @@ class MoeContext(nl.NKIObject):
         row = src2d.shape[1]
         view = src2d.ap([[row, idx.shape[0]], [1, f_size]], offset=f0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
+
+    def checkpoint_rows(self, dst, ckpt, i, first, m, slots, f0, width, full):
+        """dst [m, width] <- columns [f0, f0 + width) of a checkpoint's rows at positions first..first+m of block i
+        (first may reach into the next block). Block layout ([N, B, I], padding rows zero by the entry point's
+        contract): one plain DMA, no descriptor per row. Slot layout ([T*k, I]): a gather by slot (software DGE, one
+        descriptor per row on GpSimd), dst zeroed first unless the rows are known to hold no padding (a skipped
+        sentinel leaves dst's bytes)."""
+        if self.checkpoints_blocked:
+            nisa.dma_copy(dst=dst, src=self.block_rows(ckpt, i, first, m, 1, f0, width))
+            return
+        if not full:
+            nisa.memset(dst=dst, value=0.0)
+        self.gather(dst, ckpt, slots, f0, width)
 
     def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
         """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing

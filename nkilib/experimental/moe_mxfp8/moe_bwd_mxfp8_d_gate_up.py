@@ -51,15 +51,13 @@ def _block_natural(ctx, scratch, i, r0, m, k_size):
     return nat
 
 
-def _gathered_checkpoint(ctx, ckpt, slots, m, i_lo, width, full=False):
-    """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a [T*k, I] checkpoint's rows by slot (zero for
-    padding, unless the block is full), or None."""
+def _checkpoint_tile(ctx, ckpt, i, r0, m, slots, i_lo, width, full=False):
+    """SBUF [128, width] bf16 columns [i_lo, i_lo + width) of a checkpoint's rows r0..r0+m of block i (zero for
+    padding), or None: MoeContext.checkpoint_rows (a gather by slot, or one plain DMA in the block layout)."""
     if ckpt == None:  # noqa: E711
         return None
     tile = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if not full:
-        nisa.memset(dst=tile[:m, :], value=0.0)
-    ctx.gather(tile[:m, :], ckpt, slots, i_lo, width)
+    ctx.checkpoint_rows(tile[:m, :], ckpt, i, r0, m, slots, i_lo, width, full)
     return tile
 
 
@@ -101,7 +99,7 @@ class ChunkInputs(nl.NKIObject):
     def gather(self, ctx, i, r0, full, ahead=0):
         """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i)."""
         self.gather_rows(ctx, i, r0, full, ahead)
-        self.gather_pair_values(ctx, full)
+        self.gather_pair_values(ctx, i, ahead * ctx.B + r0, full)
 
     def gather_rows(self, ctx, i, r0, full, ahead=0):
         """The token ids, slots and the dY / X rows (gather's first part)."""
@@ -115,17 +113,15 @@ class ChunkInputs(nl.NKIObject):
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
 
-    def gather_pair_values(self, ctx, full):
-        """p and the given checkpoints by slot (gather's second part)."""
+    def gather_pair_values(self, ctx, i, first, full):
+        """p by slot and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
         m = self.m
         if not full:  # padding rows' p = 0 (a full block gathers every row)
             nisa.memset(dst=self.p, value=0.0)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
         for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
             if tile != None:  # noqa: E711
-                if not full:
-                    nisa.memset(dst=tile[:m, :], value=0.0)
-                ctx.gather(tile[:m, :], src, self.slots, 0, tile.shape[1])
+                ctx.checkpoint_rows(tile[:m, :], src, i, first, m, self.slots, 0, tile.shape[1], full)
 
 
 class RowChunk(nl.NKIObject):
@@ -173,20 +169,25 @@ class RowChunk(nl.NKIObject):
                 x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)
         self.dy_panel = panel_from_rows(dy_nat[:m, :], m, H, self.f_pad, ctx.setup)
         self.x_panel = panel_from_rows(x_nat[:m, :], m, H, self.f_pad, ctx.setup) if recompute else None
+        # the I split with block-ordered checkpoints: their plain DMAs (ready at once) wait for the first epilogue,
+        # after the first dI matmul, so that they do not take the DMA queues from W_down's loads and the dY rows that
+        # matmul waits for (slot layout: the gathers' descriptors on GpSimd already held them back; deferred there
+        # they queue behind the epilogue's products: ds4 1406.4 -> 1497.0 us; the row split's padded blocks lose
+        # too: ds4z 1704.4 -> 1720.5 us, docs/moe.md round 11b)
+        defer_checkpoints = ctx.checkpoints_blocked and tile_sums
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
         elif staged:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=self.p, src=ctx.block_rows(ctx.p_blocks, i, r0, m, 1, 0, 1))
-            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
-                          for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
+            self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)
                 nisa.memset(dst=self.p, value=0.0)
             ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
-            self.ckpts = [_gathered_checkpoint(ctx, c, self.slots, m, i_lo, width, full)
-                          for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
+            self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
+        self.block, self.full = i, full
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
         self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
         if self.d_gu.shape[1] > 2 * width:
@@ -200,9 +201,16 @@ class RowChunk(nl.NKIObject):
         if i_lo > 0 and not tile_sums:  # the fold so far (tiles below i_lo), from this core's earlier group
             nisa.dma_copy(dst=self.d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
 
+    def _checkpoints(self, ctx, i, full):
+        """The given checkpoints' tiles [128, width] of the rows (None for each one not given)."""
+        return [_checkpoint_tile(ctx, c, i, self.r0, self.m, self.slots, self.i_lo, self.i_hi - self.i_lo, full)
+                for c in (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)]
+
     def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
         """I tile j ([n0, n0+nsz), global) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
         m, c0, width = self.m, n0 - self.i_lo, self.i_hi - self.i_lo
+        if self.ckpts == None:  # noqa: E711
+            self.ckpts = self._checkpoints(ctx, self.block, self.full)
         g_ck, a_ck, u_ck, h_ck = self.ckpts
         gate_pre = _projection_tile(g_ck, g_psum, m, c0, nsz)
         up = _projection_tile(u_ck, u_psum, m, c0, nsz)

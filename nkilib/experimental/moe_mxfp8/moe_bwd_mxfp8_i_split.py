@@ -16,7 +16,8 @@ after the fence that precedes B(e), scatter() folds every row's tiles in order (
 and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 
 The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
-(software-DGE descriptors on GpSimd), and no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
+(software-DGE descriptors on GpSimd; with checkpoint_layout="block" one plain DMA per chunk instead, round 11b), and
+no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
 panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
 one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
 experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
@@ -109,8 +110,9 @@ class SingleBlockISplit(nl.NKIObject):
     def stage(self, i):
         """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and
         their routing weights p by slot to p_blocks, by one HBM -> HBM indirect DMA each, so that pass A reads all rows
-        back by plain DMA instead of gathering them on both cores (the checkpoints stay gathered in pass A: staged,
-        their scratch round trip cost more DMA time than their descriptors cost GpSimd, docs/moe.md round 9b). Only
+        back by plain DMA instead of gathering them on both cores (the checkpoints are not staged: their scratch round
+        trip cost more DMA time than their descriptors cost GpSimd, docs/moe.md round 9b; pass A gathers them, or
+        reads them by plain DMA in the block layout, round 11b). Only
         for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence before the
         block's pass A, which reads both cores' rows."""
         ctx = self.ctx

@@ -14,7 +14,8 @@ and dX contributions are scatter-added back to token rows by dma_compute (a read
 fp32, one bf16 rounding) -- no permute / unpermute pass over HBM.
 
 Passes (reference.moe_backward_reference's order; docs/moe.md):
-    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot);
+    A  compute_phase1_block_grads_mxfp8, per block: gather dY, X (and the given checkpoints by slot, or, with
+       checkpoint_layout="block", read their block-ordered rows by plain DMA: docs/moe.md section 6);
        dI = dY_b W_down[e] (K=H) with the recompute products gate_pre / up (K=H); epilogue: the
        routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
        derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
@@ -96,9 +97,9 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8,
                                          compute_phase3_single_block_grads_mxfp8)
-from .constants import (BLOCK_ALIGN, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MAX_BLOCK_SIZE, MOE_N_TILE,
-                        PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN, PASS_C_STAGING_BUFFERS,
-                        SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
+from .constants import (BLOCK_ALIGN, CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES,
+                        MAX_BLOCK_SIZE, MOE_N_TILE, PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN,
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -426,7 +427,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                            gate_act=None, up=None, intermediate=None, block_size=128, run_with_lnc2=True,
                            fp8_x4_dtype=nl.float8_e4m3fn_x4, use_scale_packing=True, clamp_limits=None,
                            quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None,
-                           gate_up_bias_grad=False):
+                           gate_up_bias_grad=False, checkpoint_layout=CHECKPOINT_LAYOUTS[0]):
     """Backward of y[t] = sum_j p[t, j] · W_down[e]·(silu(W_gate[e]·x[t]) ⊙ W_up[e]·x[t]) over the routed experts.
 
     Dimensions:
@@ -434,7 +435,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         gate_up_weight [E, 2I, H] (per expert gate rows then up rows), down_weight [E, H, I] (bf16);
         routing (routing.build_block_layout, int32): token_position_to_id [N*B], token_position_to_slot
         [N*B], expert_block_offsets [E+1]; checkpoints gate_pre / gate_act / up / intermediate [T, k, I]
-        bf16 (one row per routed pair, slot t*k + j).
+        bf16 (one row per routed pair, slot t*k + j), or [N*B, I] with checkpoint_layout="block".
 
     Args:
         block_size: B (static; multiple of 128, at most 512); N = len(token_position_to_id) / B.
@@ -444,6 +445,11 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
             as in the dense mlp_backward_mxfp8_nki (matmul_precision default: "mxfp8" on trn3, "bf16" on trn2).
         gate_up_bias_grad: also return d_gate_up_bias [E, 2I] float32 (GPT-OSS's gate_up bias: per expert the
             sum of its d_gate_up rows; moe_bwd_mxfp8_bias_grad.GateUpBiasGrad, computed in pass C).
+        checkpoint_layout: "slot" (default): the checkpoints are [T, k, I], gathered by slot (one software-DGE
+            descriptor per row). "block": they are [N*B, I] in block-position order (row p = the pair at position p
+            of the routing layout, reference.checkpoints_to_blocks), every padding position's row and every row of an
+            unused block +0.0; pass A reads them by plain DMA (docs/moe.md sections 6 and 10, round 11b). The kernel
+            cannot check the zeros: a padding row that is not zero enters the weight gradients.
 
     Returns:
         (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
@@ -493,12 +499,17 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     _check("token_position_to_id", token_position_to_id, (N * block_size,), ("int32",))
     _check("token_position_to_slot", token_position_to_slot, (N * block_size,), ("int32",))
     _check("expert_block_offsets", expert_block_offsets, (E + 1,), ("int32",))
+    kernel_assert(checkpoint_layout in CHECKPOINT_LAYOUTS,
+                  f"checkpoint_layout must be one of {list(CHECKPOINT_LAYOUTS)}, got {checkpoint_layout!r}")
+    blocked = checkpoint_layout == "block"
+    ckpt_shape = (N * block_size, I) if blocked else (T, k, I)
     for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
         if ckpt != None:  # noqa: E711
-            _check(name, ckpt, (T, k, I), ("bfloat16",))
+            _check(f"{name} (checkpoint_layout={checkpoint_layout!r}: [N*B, I] by block position)" if blocked else
+                   name, ckpt, ckpt_shape, ("bfloat16",))
 
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
-                     clamp_limits or ClampLimits())
+                     clamp_limits or ClampLimits(), checkpoints_blocked=blocked)
     # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
     # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
     # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
@@ -514,8 +525,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.offsets = expert_block_offsets
     ctx.gu_rows = gate_up_weight.reshape((E * 2 * I, H))
     ctx.down_rows = down_weight.reshape((E * H, I))
+    ckpt_view = (N, block_size, I) if blocked else (T * k, I)  # MoeContext.checkpoint_rows reads either
     ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate = (
-        None if c == None else c.reshape((T * k, I)) for c in (gate_pre, gate_act, up, intermediate))  # noqa: E711
+        None if c == None else c.reshape(ckpt_view) for c in (gate_pre, gate_act, up, intermediate))  # noqa: E711
     ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
     ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
     ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")

@@ -13,7 +13,8 @@ same leading dimensions (or [T, k]).
 
 Forward: BF16 in torch (per expert: bf16 projections, the kernel's formulas for gate_act and
 intermediate, hs = bf16(f32(h) * p), bf16 down projection, fp32 sum over a token's experts).
-It saves the checkpoints the policy keeps, one row per routed pair ([T, k, I] bf16):
+It saves the checkpoints the policy keeps, one row per routed pair ([T, k, I] bf16; for the simulator backend
+[N*B, I] in the kernel's block-position order, moe_bwd_mxfp8_forward.py, read by plain DMA):
 "all", "none" or any subset of (gate_pre, gate_act, up, intermediate). Policies that keep gate_pre and
 up give gradients bit-identical to "all"; without them the backward recomputes the projections as
 MX matmuls (K = H), which differ from the forward's BF16 matmuls by about the MXFP8 error.
@@ -58,7 +59,6 @@ from ...core import options
 from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import EMULATE_BACKENDS
-from ..emulate_numerics import swiglu_activations
 from ..neuron_dispatch import (NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc,
                                register_ops_if_available)
 from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
@@ -66,6 +66,7 @@ from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, wei
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
+from .moe_bwd_mxfp8_forward import checkpoint_rows, forward_math as _forward_math
 from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, torchneuron_ops
 
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
@@ -143,39 +144,6 @@ def _check_routing_values(topk_ids: Tensor, topk_weights: Tensor, num_experts: i
     routing.validate_topk_weights(topk_weights.detach().to("cpu", torch.float32).numpy(), tuple(topk_weights.shape))
 
 
-def _forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None):
-    """y [T, H] (x2's dtype) and the bf16 checkpoints [T, k, I] of the clamped SwiGLU experts; clamps: the four
-    limits and the activation; gate_up_bias [E, 2I] or None (added to the bf16 projections in bf16, as GPT-OSS)."""
-    bf, f32 = torch.bfloat16, torch.float32
-    t, h_dim = x2.shape
-    k = ids.shape[1]
-    e_num, two_i, _ = w_gu.shape
-    n_i = two_i // 2
-    xb, wgu, wd = x2.to(bf), w_gu.to(bf), w_down.to(bf)
-    flat = ids.reshape(-1).to(torch.int64)
-    p = w.reshape(-1).to(f32)
-    ckpts = [x2.new_zeros((t * k, n_i), dtype=bf) for _ in CHECKPOINT_NAMES]
-    y = torch.zeros(t, h_dim, dtype=f32, device=x2.device)
-    clamp_dict = dict(zip(options.CLAMP_NAMES + ("activation",), clamps))
-    b_gu = None if gate_up_bias is None else gate_up_bias.to(bf)
-    for e in range(e_num):
-        slots = torch.nonzero(flat == e).squeeze(1)
-        if slots.numel() == 0:
-            continue
-        tok = slots // k
-        x_e = xb[tok]
-        gate_pre = x_e @ wgu[e, :n_i].t()  # K = H, M = tokens of e, N = I
-        up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
-        if b_gu is not None:
-            gate_pre, up = gate_pre + b_gu[e, :n_i], up + b_gu[e, n_i:]
-        gate_act, inter = swiglu_activations(gate_pre, up, clamp_dict)
-        hs = (inter.to(f32) * p[slots, None]).to(bf)
-        y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
-        for c, v in zip(ckpts, (gate_pre, gate_act, up, inter)):
-            c[slots] = v
-    return (y.to(x2.dtype), *(c.reshape(t, k, n_i) for c in ckpts))
-
-
 # ----------------------------------------------------------------------------------------------
 # custom ops
 # ----------------------------------------------------------------------------------------------
@@ -240,8 +208,12 @@ def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme,
 
     layout = routing.build_block_layout(_to_numpy(ids), w_gu.shape[0], block_size)
     t, k, n_i = ids.shape[0], ids.shape[1], w_gu.shape[1] // 2
-    kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(t, k, n_i) for c in ckpts],
+    # the forward saved them block-ordered ([N*B, I], forward_math) for this backend; [T, k, I] if given by slot
+    blocked = any(c is not None and c.dim() == 2 for c in ckpts)
+    shape = (-1, n_i) if blocked else (t, k, n_i)
+    kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(shape) for c in ckpts],
                        clamps, fp8, scheme, precision, wg)
+    kw["checkpoint_layout"] = "block" if blocked else "slot"
     outs = nki.simulate(moe_backward_mxfp8_nki)[lnc](
         output_grad=_to_numpy(dy.to(torch.bfloat16)), hidden_states=_to_numpy(x.to(torch.bfloat16)),
         topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
@@ -271,12 +243,18 @@ moe_swiglu_experts_mxfp8_backward_op.register_fake(backward_fake_with_bias)
 
 
 def forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
-                 up_upper, activation, gate_up_bias=None):
+                 up_upper, activation, gate_up_bias=None, checkpoint_block_size=None):
     """Body of the forward ops: validates the routing's values, then (y [T, H] in x's dtype, gate_pre, gate_act,
-    up, intermediate [T, k, I] bf16)."""
+    up, intermediate [T, k, I] bf16, or [N*B, I] by block position with checkpoint_block_size = B)."""
     _check_routing_values(topk_ids, topk_weights, gate_up_weight.shape[0])
     return _forward_math(x, topk_ids, topk_weights, gate_up_weight, down_weight,
-                         (gate_lower, gate_upper, up_lower, up_upper, activation), gate_up_bias)
+                         (gate_lower, gate_upper, up_lower, up_upper, activation), gate_up_bias, checkpoint_block_size)
+
+
+def _checkpoint_block_size(block_size, backend):
+    """B when the backward's backend reads block-ordered checkpoints (the simulator: the kernel's
+    checkpoint_layout="block"), else None (by slot: the emulate backends; the Neuron path keeps the slot layout)."""
+    return block_size if backend == "simulator" else None
 
 
 @torch.library.custom_op("nkilib::moe_swiglu_experts_mxfp8", mutates_args=())
@@ -288,17 +266,20 @@ def moe_swiglu_experts_mxfp8_op(
     save_up: bool, save_intermediate: bool, gate_up_bias: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward on x [T, H], topk_ids / topk_weights [T, k]: (y [T, H] in x's dtype, gate_pre, gate_act, up,
-    intermediate [T, k, I] bf16). Validates the routing's values first. The options after the clamps are
-    carried for the backward; the save_* flags choose what the autograd formula keeps; gate_up_bias [E, 2I]
-    or None (GPT-OSS; in gate_pre / up)."""
+    intermediate [T, k, I] bf16, or [N*B, I] by block position for the simulator backend). Validates the routing's
+    values first. The options after the clamps are carried for the backward; the save_* flags choose what the
+    autograd formula keeps; gate_up_bias [E, 2I] or None (GPT-OSS; in gate_pre / up)."""
     return forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
-                        up_upper, activation, gate_up_bias)
+                        up_upper, activation, gate_up_bias, _checkpoint_block_size(block_size, backend))
 
 
 def forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
-    """Shapes / dtypes of the forward ops (CPU custom op and TorchNeuron nki_op)."""
+    """Shapes / dtypes of the forward ops (CPU custom op and TorchNeuron nki_op); args: the op's after down_weight
+    (block_size and backend at 10 and 11)."""
     t, k, n_i = x.shape[0], topk_ids.shape[1], gate_up_weight.shape[1] // 2
-    ck = [x.new_empty((t, k, n_i), dtype=torch.bfloat16) for _ in CHECKPOINT_NAMES]
+    b = _checkpoint_block_size(args[10], args[11]) if len(args) > 11 else None
+    shape = (t, k, n_i) if b is None else (checkpoint_rows(t, k, gate_up_weight.shape[0], b), n_i)
+    ck = [x.new_empty(shape, dtype=torch.bfloat16) for _ in CHECKPOINT_NAMES]
     return (x.new_empty((t, down_weight.shape[1])), *ck)
 
 

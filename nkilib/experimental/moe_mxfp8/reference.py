@@ -36,8 +36,9 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # the dense contract's public
 from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 from .routing import BlockLayout, validate_block_layout, validate_topk_weights
 
-__all__ = ["MODES", "CHECKPOINT_NAMES", "gather_rows", "reference_block_phase1", "reference_dx_scatter_add",
-           "reference_weight_grad_fold", "reference_bias_grad_fold", "moe_backward_reference", "error_report"]
+__all__ = ["MODES", "CHECKPOINT_NAMES", "checkpoints_to_blocks", "gather_rows", "reference_block_phase1",
+           "reference_dx_scatter_add", "reference_weight_grad_fold", "reference_bias_grad_fold",
+           "moe_backward_reference", "error_report"]
 
 CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
 
@@ -54,6 +55,19 @@ def gather_rows(a: np.ndarray, index: np.ndarray) -> np.ndarray:
     out = np.zeros((index.shape[0],) + a.shape[1:], dtype=a.dtype)
     out[valid] = a[index[valid]]
     return out
+
+
+def checkpoints_to_blocks(checkpoint, layout: BlockLayout):
+    """A checkpoint in the kernel's block layout (checkpoint_layout="block"): row p = the slot-layout row of the
+    routed pair at block position p, zero (+0.0) at padding positions and in unused blocks.
+
+    Dimensions:
+        checkpoint [T, k, I] (or [T*k, I]) -> [N*B, I] of its dtype; None -> None.
+    """
+    if checkpoint is None:
+        return None
+    c = np.asarray(checkpoint)
+    return gather_rows(c.reshape(layout.num_tokens * layout.top_k, c.shape[-1]), layout.token_position_to_slot)
 
 
 def _routing_grad(d_i, h, mode: str) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""The BF16 forward math of the MoE torch op (moe_bwd_mxfp8_torch.py): y and the checkpoints its backward reads,
+in the checkpoint layout the backward's backend consumes (docs/moe.md section 6).
+
+Dimensions: x2 [T, H], ids / w [T, k], w_gu [E, 2I, H], w_down [E, H, I]; checkpoints gate_pre / gate_act / up /
+intermediate bf16, [T, k, I] by slot (the emulate backends, the Neuron path) or [N*B, I] by block position (the
+simulator backend: the kernel's checkpoint_layout="block", read by plain DMA instead of gathered by slot).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...core import options
+from ..emulate_numerics import swiglu_activations
+from ..torch_common import CHECKPOINT_NAMES
+from . import routing
+
+__all__ = ["forward_math", "checkpoint_rows"]
+
+
+def checkpoint_rows(t: int, k: int, num_experts: int, block_size=None) -> int:
+    """Rows of a saved checkpoint: T*k by slot, or N*B by block position (N = routing.capacity_blocks, the capacity
+    routing.build_block_layout gives the backward by default) when block_size is given."""
+    if block_size is None:
+        return t * k
+    return routing.capacity_blocks(t, k, num_experts, block_size) * block_size
+
+
+def forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None, block_size=None):
+    """y [T, H] (x2's dtype) and the bf16 checkpoints of the clamped SwiGLU experts; clamps: the four limits and the
+    activation; gate_up_bias [E, 2I] or None (added to the bf16 projections in bf16, as GPT-OSS).
+
+    block_size None: checkpoints [T, k, I], row t*k + j = pair (t, j). Else [N*B, I] in the block layout of
+    routing.build_block_layout(ids, E, B): expert e's pairs, in ascending slot order, at positions from
+    offsets[e] * B (offsets: the cumulative ceil(pairs / B) of the experts before e), +0 elsewhere (padding and
+    unused blocks) -- each expert's rows written where the kernel reads them, no scatter by slot."""
+    bf, f32 = torch.bfloat16, torch.float32
+    t, h_dim = x2.shape
+    k = ids.shape[1]
+    e_num, two_i, _ = w_gu.shape
+    n_i = two_i // 2
+    xb, wgu, wd = x2.to(bf), w_gu.to(bf), w_down.to(bf)
+    flat = ids.reshape(-1).to(torch.int64)
+    p = w.reshape(-1).to(f32)
+    ckpts = [x2.new_zeros((checkpoint_rows(t, k, e_num, block_size), n_i), dtype=bf) for _ in CHECKPOINT_NAMES]
+    y = torch.zeros(t, h_dim, dtype=f32, device=x2.device)
+    clamp_dict = dict(zip(options.CLAMP_NAMES + ("activation",), clamps))
+    b_gu = None if gate_up_bias is None else gate_up_bias.to(bf)
+    first = 0  # block layout: expert e's first position
+    for e in range(e_num):
+        slots = torch.nonzero(flat == e).squeeze(1)
+        if slots.numel() == 0:
+            continue
+        if block_size is None:
+            rows = slots
+        else:
+            rows = torch.arange(first, first + slots.numel(), device=x2.device)
+            first += -(-slots.numel() // block_size) * block_size  # the expert's blocks, its last one padded
+        tok = slots // k
+        x_e = xb[tok]
+        gate_pre = x_e @ wgu[e, :n_i].t()  # K = H, M = tokens of e, N = I
+        up = x_e @ wgu[e, n_i:].t()  # K = H, M = tokens of e, N = I
+        if b_gu is not None:
+            gate_pre, up = gate_pre + b_gu[e, :n_i], up + b_gu[e, n_i:]
+        gate_act, inter = swiglu_activations(gate_pre, up, clamp_dict)
+        hs = (inter.to(f32) * p[slots, None]).to(bf)
+        y.index_add_(0, tok, (hs @ wd[e].t()).to(f32))  # K = I, M = tokens of e, N = H
+        for c, v in zip(ckpts, (gate_pre, gate_act, up, inter)):
+            c[rows] = v
+    if block_size is None:
+        ckpts = [c.reshape(t, k, n_i) for c in ckpts]
+    return (y.to(x2.dtype), *ckpts)
