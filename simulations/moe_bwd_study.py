@@ -2,7 +2,7 @@
 
     python simulations/moe_bwd_study.py [--presets qwen3-30b-a3b gpt-oss-20b deepseek-v3-ep8]
         [--tokens 4096 16384] [--routings balanced zipf] [--lnc 2] [--block-size B]
-        [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768] [--checkpoint-layout block]
+        [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768] [--checkpoint-layout {block,slot}]
         [--out simulations/out/moe_bwd] [--plots] [--resume] [--jobs N] [--quick]
 
 For each (preset, T, routing) it builds the routing (exactly balanced, or Zipf-skewed with a seed), runs
@@ -22,6 +22,10 @@ once in separate processes (the committed table: --jobs 12 on a 16-core, 128 GB 
 DeepSeek-V3 per EP-8 rank: T tokens per rank, 8 of 256 experts per token, 32 local experts: the rank's
 experts receive T·8·32/256 = T routed pairs (balanced expectation), passed as T rows with k = 1
 (MoePreset.kernel_routing_shape says why that prices the same work).
+
+Checkpoints: all four given, block-ordered [N*B, I] by default (--checkpoint-layout block): the layout the torch
+op's forward saves for the backends that run the kernel (docs/moe.md section 6); --checkpoint-layout slot models
+the kernel API's default [T, k, I], gathered row by row.
 """
 from __future__ import annotations
 
@@ -165,9 +169,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     ap.add_argument("--block-size", type=int, default=None, help="B (default: moe_backward_cost.choose_block_size)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-layout", default="slot", choices=("slot", "block"),
-                    help="the kernel's checkpoint_layout: [T, k, I] gathered by slot, or [N*B, I] block-ordered as a "
-                         "forward that saves them so (docs/moe.md section 6)")
+    ap.add_argument("--checkpoint-layout", default="block", choices=("slot", "block"),
+                    help="the kernel's checkpoint_layout: [N*B, I] block-ordered, as the torch op's forward saves them "
+                         "for the backends that run the kernel (default), or [T, k, I] gathered by slot (the kernel "
+                         "API's default; docs/moe.md section 6)")
     ap.add_argument("--zipf-exponent", type=float, default=DEFAULT_ZIPF_EXPONENT)
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--dense-max-tokens", type=int, default=32768,

@@ -12,6 +12,7 @@ gradients. Whether the real SDK accepts these calls is untested here.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import types
@@ -32,10 +33,12 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # no
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel, moe_swiglu_experts_mxfp8  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_neuron as MN  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_torch as M  # noqa: E402
+from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks  # noqa: E402
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout  # noqa: E402
 
 S, H, I = 24, 64, 32
 CLAMP = ClampLimits(non_linear_upper=0.5, linear_lower=-0.4, linear_upper=0.45)
+CLAMP_ARGS = tuple(getattr(CLAMP, f.name) for f in dataclasses.fields(CLAMP))  # as the forward ops take it
 KERNEL_KWARGS = {"output_grad", "hidden_states", "down_proj_weight", "gate_up_weights", "gate_pre", "gate_act", "up",
                  "intermediate", "clamp_limits", "fp8_x4_dtype", "quant_scheme", "weight_grad_dtype",
                  "matmul_precision"}
@@ -278,7 +281,8 @@ T_TOK, E_NUM, K_TOP = 10, 4, 2
 MOE_KERNEL_KWARGS = {"output_grad", "hidden_states", "topk_weights", "gate_up_weight", "down_weight",
                      "token_position_to_id", "token_position_to_slot", "expert_block_offsets", "block_size",
                      "run_with_lnc2", "gate_pre", "gate_act", "up", "intermediate", "clamp_limits", "fp8_x4_dtype",
-                     "quant_scheme", "weight_grad_dtype", "matmul_precision", "gate_up_bias_grad"}
+                     "quant_scheme", "weight_grad_dtype", "matmul_precision", "gate_up_bias_grad",
+                     "checkpoint_layout"}
 
 
 class RecordingMoEKernel(RecordingKernel):
@@ -323,8 +327,17 @@ def _check_moe_kernel_call(call, lnc, x, ids, w, wgu, wd, wg, bias_grad=False):
     layout = build_block_layout(ids.numpy(), E_NUM, kw["block_size"])  # the routing, as block layout tensors
     for name in ("token_position_to_id", "token_position_to_slot", "expert_block_offsets"):
         assert torch.equal(kw[name], torch.from_numpy(getattr(layout, name))), name
-    # checkpoint=("gate_pre", "up"): one row per routed pair [T, k, I]; the others recomputed by the kernel
-    assert kw["gate_pre"].shape == (T_TOK, K_TOP, I) and kw["up"].shape == (T_TOK, K_TOP, I)
+    # checkpoint=("gate_pre", "up"), saved by the forward op block-ordered [N*B, I] (checkpoint_layout="block"):
+    # row p is the slot-layout row of the routed pair at block position p (the forward by slot, as the emulate
+    # backends save it), +0 at padding; the other two are recomputed by the kernel
+    assert kw["checkpoint_layout"] == "block"
+    bf = torch.bfloat16
+    _, *by_slot = M.forward_impl(x.detach().to(bf), ids, w.detach(), wgu.detach().to(bf), wd.detach().to(bf),
+                                 *CLAMP_ARGS)
+    for name, slot_rows in (("gate_pre", by_slot[0]), ("up", by_slot[2])):
+        expected = torch.from_numpy(checkpoints_to_blocks(slot_rows.float().numpy(), layout)).to(bf)
+        assert kw[name].shape == (layout.token_position_to_id.shape[0], I), (name, kw[name].shape)
+        assert torch.equal(kw[name].view(torch.int16), expected.view(torch.int16)), name
     assert kw["gate_act"] is None and kw["intermediate"] is None
     assert kw["clamp_limits"] == CLAMP and kw["weight_grad_dtype"] == getattr(nl, wg)
     assert kw["fp8_x4_dtype"] == nl.float8_e4m3fn_x4 and kw["quant_scheme"] == "1x32"

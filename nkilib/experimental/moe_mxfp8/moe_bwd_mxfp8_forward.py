@@ -2,8 +2,8 @@
 in the checkpoint layout the backward's backend consumes (docs/moe.md section 6).
 
 Dimensions: x2 [T, H], ids / w [T, k], w_gu [E, 2I, H], w_down [E, H, I]; checkpoints gate_pre / gate_act / up /
-intermediate bf16, [T, k, I] by slot (the emulate backends, the Neuron path) or [N*B, I] by block position (the
-simulator backend: the kernel's checkpoint_layout="block", read by plain DMA instead of gathered by slot).
+intermediate bf16, [T, k, I] by slot (the emulate backends) or [N*B, I] by block position (the backends that run
+the kernel, simulator and neuron: its checkpoint_layout="block", read by plain DMA instead of gathered by slot).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..emulate_numerics import swiglu_activations
 from ..torch_common import CHECKPOINT_NAMES
 from . import routing
 
-__all__ = ["forward_math", "checkpoint_rows"]
+__all__ = ["forward_math", "checkpoint_rows", "kernel_checkpoint_layout"]
 
 
 def checkpoint_rows(t: int, k: int, num_experts: int, block_size=None) -> int:
@@ -23,6 +23,14 @@ def checkpoint_rows(t: int, k: int, num_experts: int, block_size=None) -> int:
     if block_size is None:
         return t * k
     return routing.capacity_blocks(t, k, num_experts, block_size) * block_size
+
+
+def kernel_checkpoint_layout(ckpts, t: int, k: int, n_i: int) -> tuple:
+    """(shape, checkpoint_layout) to pass the saved checkpoints to moe_backward_mxfp8_nki: 2-D ones were saved
+    block-ordered ([N*B, I], forward_math with a block_size) -> ((-1, I), "block"); otherwise by slot ->
+    ((T, k, I), "slot"). One rule for the simulator backend and the Neuron path."""
+    blocked = any(c is not None and c.dim() == 2 for c in ckpts)
+    return ((-1, n_i), "block") if blocked else ((t, k, n_i), "slot")
 
 
 def forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None, block_size=None):

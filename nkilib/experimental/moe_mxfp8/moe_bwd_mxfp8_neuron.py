@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..neuron_dispatch import finish_torchneuron_ops, kernel_kwargs, neuron_nki_language, require_torchneuron_nki_op
 from . import routing
+from .moe_bwd_mxfp8_forward import kernel_checkpoint_layout
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
 TORCHNEURON_FORWARD_OP = "nkilib_neuron::moe_swiglu_experts_mxfp8"
@@ -42,7 +43,8 @@ def call_kernel(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
     with bias_grad, d_gate_up_bias [E, 2I] float32.
 
     Dimensions:
-        dy / x [T, H] bf16, ids / w [T, k], w_gu [E, 2I, H] and w_down [E, H, I] bf16, ckpts [T, k, I] or None.
+        dy / x [T, H] bf16, ids / w [T, k], w_gu [E, 2I, H] and w_down [E, H, I] bf16, ckpts [N*B, I] (saved
+        block-ordered by the forward ops here) or [T, k, I], or None.
 
     Raises:
         ValueError: scale_rule other than "neuron" (the hardware's quantize_mx rule).
@@ -52,9 +54,10 @@ def call_kernel(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
     from . import moe_bwd_mxfp8_kernel
 
     layout = routing.build_block_layout(ids.detach().to("cpu").numpy(), w_gu.shape[0], block_size)
-    t, k, n_i = ids.shape[0], ids.shape[1], w_gu.shape[1] // 2
-    kw = kernel_kwargs(nl, [None if c is None else c.reshape(t, k, n_i) for c in ckpts], clamps, fp8, scheme,
+    shape, ckpt_layout = kernel_checkpoint_layout(ckpts, ids.shape[0], ids.shape[1], w_gu.shape[1] // 2)
+    kw = kernel_kwargs(nl, [None if c is None else c.reshape(shape) for c in ckpts], clamps, fp8, scheme,
                        precision, wg)
+    kw["checkpoint_layout"] = ckpt_layout
 
     def on_device(a):
         return torch.from_numpy(a).to(dy.device)
@@ -115,7 +118,8 @@ def torchneuron_ops() -> tuple:
         save_gate_act: bool, save_up: bool, save_intermediate: bool, gate_up_bias: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return M.forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper,
-                              up_lower, up_upper, activation, gate_up_bias)
+                              up_lower, up_upper, activation, gate_up_bias,
+                              M.checkpoint_block_size(block_size, backend))
 
     return finish_torchneuron_ops(_TORCHNEURON_OPS, forward_op, backward_op, M)
 
@@ -137,7 +141,9 @@ class XlaMoESwiGLUExperts(torch.autograd.Function):
     def forward(ctx, x2, ids, w, gate_up_weight, down_weight, clamps, options, keep, gate_up_bias=None):
         from . import moe_bwd_mxfp8_torch as M
 
-        y, *ckpts = M.forward_impl(x2, ids, w, gate_up_weight, down_weight, *clamps, gate_up_bias)
+        block_size = options[5]  # fp8, scheme, precision, scale_rule, wg, block_size, lnc
+        y, *ckpts = M.forward_impl(x2, ids, w, gate_up_weight, down_weight, *clamps, gate_up_bias,
+                                   M.checkpoint_block_size(block_size, "neuron"))  # block-ordered for the kernel
         ctx.save_for_backward(x2, ids, w, gate_up_weight, down_weight,
                               *[c if k else None for c, k in zip(ckpts, keep)], gate_up_bias)
         ctx.clamps, ctx.options = clamps, options

@@ -13,8 +13,9 @@ same leading dimensions (or [T, k]).
 
 Forward: BF16 in torch (per expert: bf16 projections, the kernel's formulas for gate_act and
 intermediate, hs = bf16(f32(h) * p), bf16 down projection, fp32 sum over a token's experts).
-It saves the checkpoints the policy keeps, one row per routed pair ([T, k, I] bf16; for the simulator backend
-[N*B, I] in the kernel's block-position order, moe_bwd_mxfp8_forward.py, read by plain DMA):
+It saves the checkpoints the policy keeps, one row per routed pair ([T, k, I] bf16 for the emulate backends; for
+the backends that run the kernel, simulator and neuron, [N*B, I] in the kernel's block-position order,
+moe_bwd_mxfp8_forward.py, read by plain DMA):
 "all", "none" or any subset of (gate_pre, gate_act, up, intermediate). Policies that keep gate_pre and
 up give gradients bit-identical to "all"; without them the backward recomputes the projections as
 MX matmuls (K = H), which differ from the forward's BF16 matmuls by about the MXFP8 error.
@@ -66,7 +67,7 @@ from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, wei
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
-from .moe_bwd_mxfp8_forward import checkpoint_rows, forward_math as _forward_math
+from .moe_bwd_mxfp8_forward import checkpoint_rows, forward_math as _forward_math, kernel_checkpoint_layout
 from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, torchneuron_ops
 
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
@@ -207,13 +208,10 @@ def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme,
     from .moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
 
     layout = routing.build_block_layout(_to_numpy(ids), w_gu.shape[0], block_size)
-    t, k, n_i = ids.shape[0], ids.shape[1], w_gu.shape[1] // 2
-    # the forward saved them block-ordered ([N*B, I], forward_math) for this backend; [T, k, I] if given by slot
-    blocked = any(c is not None and c.dim() == 2 for c in ckpts)
-    shape = (-1, n_i) if blocked else (t, k, n_i)
+    shape, ckpt_layout = kernel_checkpoint_layout(ckpts, ids.shape[0], ids.shape[1], w_gu.shape[1] // 2)
     kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(shape) for c in ckpts],
                        clamps, fp8, scheme, precision, wg)
-    kw["checkpoint_layout"] = "block" if blocked else "slot"
+    kw["checkpoint_layout"] = ckpt_layout
     outs = nki.simulate(moe_backward_mxfp8_nki)[lnc](
         output_grad=_to_numpy(dy.to(torch.bfloat16)), hidden_states=_to_numpy(x.to(torch.bfloat16)),
         topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
@@ -251,10 +249,10 @@ def forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lo
                          (gate_lower, gate_upper, up_lower, up_upper, activation), gate_up_bias, checkpoint_block_size)
 
 
-def _checkpoint_block_size(block_size, backend):
-    """B when the backward's backend reads block-ordered checkpoints (the simulator: the kernel's
-    checkpoint_layout="block"), else None (by slot: the emulate backends; the Neuron path keeps the slot layout)."""
-    return block_size if backend == "simulator" else None
+def checkpoint_block_size(block_size, backend):
+    """B when the backward's backend runs the kernel, which reads block-ordered checkpoints (checkpoint_layout=
+    "block": the simulator and the Neuron path), else None (by slot: the emulate backends compute per routed pair)."""
+    return block_size if backend in ("simulator", "neuron") else None
 
 
 @torch.library.custom_op("nkilib::moe_swiglu_experts_mxfp8", mutates_args=())
@@ -270,14 +268,14 @@ def moe_swiglu_experts_mxfp8_op(
     values first. The options after the clamps are carried for the backward; the save_* flags choose what the
     autograd formula keeps; gate_up_bias [E, 2I] or None (GPT-OSS; in gate_pre / up)."""
     return forward_impl(x, topk_ids, topk_weights, gate_up_weight, down_weight, gate_lower, gate_upper, up_lower,
-                        up_upper, activation, gate_up_bias, _checkpoint_block_size(block_size, backend))
+                        up_upper, activation, gate_up_bias, checkpoint_block_size(block_size, backend))
 
 
 def forward_fake(x, topk_ids, topk_weights, gate_up_weight, down_weight, *args):
     """Shapes / dtypes of the forward ops (CPU custom op and TorchNeuron nki_op); args: the op's after down_weight
     (block_size and backend at 10 and 11)."""
     t, k, n_i = x.shape[0], topk_ids.shape[1], gate_up_weight.shape[1] // 2
-    b = _checkpoint_block_size(args[10], args[11]) if len(args) > 11 else None
+    b = checkpoint_block_size(args[10], args[11]) if len(args) > 11 else None
     shape = (t, k, n_i) if b is None else (checkpoint_rows(t, k, gate_up_weight.shape[0], b), n_i)
     ck = [x.new_empty(shape, dtype=torch.bfloat16) for _ in CHECKPOINT_NAMES]
     return (x.new_empty((t, down_weight.shape[1])), *ck)
