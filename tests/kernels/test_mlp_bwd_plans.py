@@ -227,3 +227,61 @@ def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch
     out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8")
     for a, b in zip(out1, out2):
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
+    """After phase 1's split along I (dY resident, W_down's panels streamed n-major), the first two tiles of each new
+    W_down panel multiply it K tile by K tile in turn (MatmulPlan interleave_switch: TP1 modeled 4.562 / 4.726 ->
+    4.555 / 4.729 ms), with a third PSUM accumulator. Forced on S = 256, H = 1024, I = 768 with 128-column phase-1
+    tiles (each core: 2 S tiles x 3 n blocks; K = H: 2 MXFP8 / 8 BF16 K tiles): both cores must interleave exactly at the two switches, the matmuls
+    there must alternate between the two tiles' accumulators with each one's K tiles in order, and the outputs be
+    bit-exact against mx_exact and equal to LNC1's (which does not split along I)."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    spans, interleaved = [], []
+    original_spans = plan_module.MatmulPlan._tile_spans
+    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
+    original_matmul_panels = plan_module.matmul_panels
+
+    def recording_spans(plan, lo, hi):
+        out = original_spans(plan, lo, hi)
+        if plan.switch_span > 1:
+            spans.append((plan.psum_count, [s for s in out if s[1] > 1]))
+        return out
+
+    def recording_matmuls(plan, i, span, finished):
+        calls = []
+
+        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
+            calls.append((id(dst.storage), len(stationary.data), accumulate))
+            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
+
+        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
+        original_matmuls(plan, i, span, finished)
+        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+        interleaved.append(calls)
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "_tile_spans", recording_spans)
+    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+    S, H, I = 256, 1024, 768
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision=precision)}
+    config = MlpBwdMatmulConfig(phase1=MatmulConfig(n_tile=128))
+    out2 = run_mlp(inp, lnc=2, matmul_precision=precision, matmul_config=config)
+    # per core: tiles (m0, n0), (m1, n0), (m0, n1), ... n-major; the switches are tiles 2 and 4
+    assert spans == [(3, [(2, 2), (4, 2)])] * 2, spans
+    k_tiles = H // (512 if precision == "mxfp8" else 128)
+    assert len(interleaved) == 4, len(interleaved)
+    for calls in interleaved:
+        accs = [c[0] for c in calls]
+        assert len(set(accs)) == 2 and len(calls) == 2 * k_tiles, calls
+        assert accs == [accs[0], accs[1]] * k_tiles, calls  # K tile by K tile, alternating
+        assert [c[2] for c in calls] == [t > 0 for t in range(k_tiles) for _ in range(2)], calls
+        assert all(c[1] == 1 for c in calls), calls  # one K tile per matmul_panels call
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision=precision))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision=precision, matmul_config=config)
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()
