@@ -30,7 +30,7 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
 from .panels import (LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition,
                      single_k_tile)
 from .row_panels import preload_natural_rows
-from .sources import PanelSource, blocks, tile_order
+from .sources import PanelSource, blocks, tile_order, tile_spans
 
 
 def usable_sbuf_bytes() -> int:
@@ -195,8 +195,10 @@ class MatmulPlan(nl.NKIObject):
             plans with contiguous_group only; default none).
         interleave_switch: an n-major plan whose moving panels are not resident runs the matmuls of the first
             SWITCH_INTERLEAVE_TILES tiles of each new moving panel K tile by K tile across them
-            (_matmuls_k_interleaved), with one PSUM accumulator more than the span when that fits PSUM beside
-            TRANSPOSE_PSUM_BANKS (else off; the MLP backward's phase 1 split along I; default off).
+            (_matmuls_k_interleaved), with one PSUM accumulator more than the span: as many as fit beside
+            TRANSPOSE_PSUM_BANKS (off below 3), and from the first switch on also in those banks when no PE transposes
+            follow (stationary kept whole, moving [K, F]). The caller's epilogue must take no PSUM (the MLP
+            backward's phase 1 split along I; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -215,6 +217,7 @@ class MatmulPlan(nl.NKIObject):
                  interleave_switch=False):
         self.setup = setup
         self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
+        self.acc_order = []  # accumulator indices, least recently taken first
         self.psum_count = PSUM_BUFFERS  # accumulators per product, used round-robin
         self.own_k_ranges = own_k_ranges
         self.preloaded = None  # prefetch_own's row tiles per panel of the first group
@@ -285,13 +288,22 @@ class MatmulPlan(nl.NKIObject):
             lead = max(1, self.stationary[0].load_width // self.m_tile)
         self.order = tile_order(blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, self.n_tile),
                                 m_outer=self.keep_moving, m_group=m_group, lead=lead)
+        self.extra_accumulators = 0  # interleave_switch: accumulators added at the first switch
         if interleave_switch and not self.keep_moving:
-            # the span's tiles must not take the accumulator of the tile before it, whose epilogue VectorE runs
-            # only after the new panel's quantizes (program order): one accumulator more than the span
-            count = max(PSUM_BUFFERS, SWITCH_INTERLEAVE_TILES + 1)
+            # the span's tiles must not take the accumulator of the tile before it, whose epilogue VectorE runs only
+            # after the new panel's quantizes (program order): one accumulator more than the span. Beside them the
+            # PE transposes of the first n block (which loads every stationary panel) take TRANSPOSE_PSUM_BANKS;
+            # with the stationary operand kept whole and the moving panels quantized from [K, F] (no transposes),
+            # none follow, and the first switch adds accumulators in their banks
             banks = ceil_div(self.n_tile * 4, PSUM_BANK_BYTES) * len(products)
-            if count * banks + TRANSPOSE_PSUM_BANKS <= PSUM_BYTES // PSUM_BANK_BYTES:
-                self.switch_span, self.psum_count = SWITCH_INTERLEAVE_TILES, count
+            total = PSUM_BYTES // PSUM_BANK_BYTES
+            count = min(SWITCH_INTERLEAVE_TILES + 1, (total - TRANSPOSE_PSUM_BANKS) // banks)
+            later = count
+            if (all(st.resident or st.keep_all for st in self.stationary) and
+                    all(op.k_axis == 0 or op.prequantized for op in moving)):
+                later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
+            if count > PSUM_BUFFERS:
+                self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
@@ -392,22 +404,12 @@ class MatmulPlan(nl.NKIObject):
             if st.keep_all and not st.resident:
                 st.get(m0, msz)
 
-    def _tile_spans(self, lo: int, hi: int) -> list:
-        """[(i, span)] covering tiles [lo, hi): span > 1 for the first switch_span tiles of an n block whose moving
-        panel is new (interleave_switch; not the first tile, whose panels load cold), whose matmuls run K-interleaved;
-        1 elsewhere."""
-        spans, i = [], lo
-        for j in range(lo, hi):
-            if j < i:
-                continue
-            span = 1
-            n0 = self.order[j][1][0]
-            if self.switch_span > 1 and j > 0 and self.order[j - 1][1][0] != n0:
-                while span < self.switch_span and j + span < hi and self.order[j + span][1][0] == n0:
-                    span += 1
-            spans.append((j, span))
-            i = j + span
-        return spans
+    def _take_accumulator(self) -> int:
+        """Index of the accumulator (of every product) the next tile takes: the least recently taken one (round-robin
+        with a fixed count; after interleave_switch's extra accumulators, those first)."""
+        k = self.acc_order.pop(0)
+        self.acc_order.append(k)
+        return k
 
     def _matmuls_k_interleaved(self, i: int, span: int, finished) -> None:
         """interleave_switch: the matmuls of tiles [i, i + span) (one n block whose moving panel is new) K tile by K
@@ -418,10 +420,17 @@ class MatmulPlan(nl.NKIObject):
         its K tiles 0..n-1 in order, so the bits do not change."""
         tiles = self.order[i:i + span]
         n0, nsz = tiles[0][1]
+        if self.extra_accumulators:
+            # the first switch: the stationary panels are all on chip, no PE transposes follow (see __init__)
+            for accs in self.accumulators:
+                accs.extend(psum_buffers(self.n_tile, self.extra_accumulators))
+            self.acc_order = list(range(self.psum_count, self.psum_count + self.extra_accumulators)) + self.acc_order
+            self.psum_count, self.extra_accumulators = self.psum_count + self.extra_accumulators, 0
+        taken = [self._take_accumulator() for _ in range(span)]
         for p, (s, m) in enumerate(self.products):
             b = self.moving[m].get(n0, nsz)
             a_panels = [self.stationary[s].get(m0, msz) for (m0, msz), _ in tiles]
-            psums = [self.accumulators[p][(i + j) % self.psum_count] for j in range(span)]
+            psums = [self.accumulators[p][k] for k in taken]
             for t in range(len(b.data)):
                 for j in range(span):
                     a = a_panels[j]
@@ -534,8 +543,9 @@ class MatmulPlan(nl.NKIObject):
             # allocated once per plan (psum_count accumulators per product; the epilogue's rotating tiles),
             # so a run split around another plan's prefetch allocates nothing new mid-phase
             self.accumulators = [psum_buffers(self.n_tile, self.psum_count) for _ in self.products]
+            self.acc_order = list(range(self.psum_count))
             self.epilogue.prepare(self)
-        for i, span in self._tile_spans(self.done, hi):
+        for i, span in tile_spans(self.order, self.done, hi, self.switch_span):
             finished = [[] for _ in range(span)]
             if span > 1:
                 self._matmuls_k_interleaved(i, span, finished)
@@ -543,9 +553,10 @@ class MatmulPlan(nl.NKIObject):
                 (m0, msz), (n0, nsz) = self.order[i]
                 if i == 0 and self.interleave:
                     self._interleave_loads(0)
+                k = self._take_accumulator()
                 for p, (s, m) in enumerate(self.products):
                     a = self.stationary[s].get(m0, msz)
-                    psum = self.accumulators[p][i % self.psum_count]
+                    psum = self.accumulators[p][k]
                     matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
                     finished[0].append(psum)
                     a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
