@@ -557,7 +557,8 @@ class MatmulPlan(nl.NKIObject):
                 for p, (s, m) in enumerate(self.products):
                     a = self.stationary[s].get(m0, msz)
                     psum = self.accumulators[p][k]
-                    matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)  # K=op K, M=m tile, N=n block
+                    # K=op K, M=m tile, N=n block
+                    matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup)
                     finished[0].append(psum)
                     a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
             for j in range(i, i + span):
