@@ -227,3 +227,79 @@ def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch
     out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8")
     for a, b in zip(out1, out2):
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
+    """After phase 1's split along I (dY resident, W_down's panels streamed n-major), the first three tiles of each new
+    W_down panel multiply it K tile by K tile in turn (MatmulPlan interleave_switch: TP1 modeled 4.562 / 4.726 ->
+    4.537 / 4.712 ms): three PSUM accumulators of 1024 columns beside the PE transposes' banks, a fourth added at the
+    first switch (dY is then all on chip). Forced on S = 512, H = 1024, I = 4096 with 1024-column phase-1 tiles (each
+    core: 4 S tiles x 2 n blocks; K = H: 2 MXFP8 / 8 BF16 K tiles): both cores must interleave exactly tiles 4-6, the
+    matmuls there cycle through three accumulators (none the one of tile 3, whose epilogue follows the new panel's
+    quantizes) with each one's K tiles in order, and the outputs be bit-exact against mx_exact and equal to LNC1's
+    (which does not split along I)."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    spans, interleaved = [], []
+    original_spans = plan_module.tile_spans
+    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
+    original_matmul_panels = plan_module.matmul_panels
+
+    def recording_spans(order, lo, hi, switch_span):
+        out = original_spans(order, lo, hi, switch_span)
+        if switch_span > 1:
+            spans.append([s for s in out if s[1] > 1])
+        return out
+
+    def recording_matmuls(plan, i, span, finished):
+        calls, count = [], len(plan.accumulators[0])
+        before = plan.acc_order[-1]  # the accumulator of the tile before the switch
+
+        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
+            calls.append((id(dst.storage), len(stationary.data), accumulate))
+            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
+
+        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
+        original_matmuls(plan, i, span, finished)
+        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+        interleaved.append((calls, (count, len(plan.accumulators[0])), id(plan.accumulators[0][before].storage)))
+
+    monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
+    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+    S, H, I = 512, 1024, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision=precision)}
+    config = MlpBwdMatmulConfig(phase1=MatmulConfig(n_tile=1024))
+    out2 = run_mlp(inp, lnc=2, matmul_precision=precision, matmul_config=config)
+    # per core: tiles (m0, n0) .. (m3, n0), (m0, n1) .. (m3, n1), n-major; the switch is tile 4
+    assert spans == [[(4, 3)]] * 2, spans
+    k_tiles = H // (512 if precision == "mxfp8" else 128)
+    assert len(interleaved) == 2, len(interleaved)
+    for calls, accumulators, before in interleaved:
+        accs = [c[0] for c in calls]
+        assert accumulators == (3, 4), accumulators  # the fourth, added at the switch
+        assert len(set(accs)) == 3 and before not in accs and len(calls) == 3 * k_tiles, calls
+        assert accs == accs[:3] * k_tiles, calls  # K tile by K tile, cycling through the span's tiles
+        assert [c[2] for c in calls] == [t > 0 for t in range(k_tiles) for _ in range(3)], calls
+        assert all(c[1] == 1 for c in calls), calls  # one K tile per matmul_panels call
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision=precision))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision=precision, matmul_config=config)
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
+    """tile_spans: the first switch_span tiles of each n block after the first (capped by the block and by hi) form one
+    span; the plan's first tile and every other tile are spans of 1; switch_span 1 gives all 1."""
+    from nkilib.core.matmul.sources import tile_order, tile_spans
+
+    m, n = [(0, 128), (128, 128), (256, 128), (384, 128)], [(0, 512), (512, 512), (1024, 512)]
+    order = tile_order(m, n, False)  # n-major: tiles 0-3 n block 0, 4-7 n block 1, 8-11 n block 2
+    assert tile_spans(order, 0, 12, 3) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (7, 1), (8, 3), (11, 1)]
+    assert tile_spans(order, 0, 12, 1) == [(i, 1) for i in range(12)]
+    assert tile_spans(order, 0, 10, 3) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (7, 1), (8, 2)]
+    two = tile_order(m[:2], n, False)  # blocks of 2 tiles: a span of 3 is capped at 2
+    assert tile_spans(two, 0, 6, 3) == [(0, 1), (1, 1), (2, 2), (4, 2)]

@@ -59,6 +59,11 @@ OWN_PREFETCH_GROUPS = 6  # natural row tiles (4 KiB per partition each) of a K-s
 # MatmulPlan.prefetch_own DMAs before the core barrier (columns this core wrote itself). TP1 MXFP8 modeled (none:
 # 4.567 / 4.730 ms) 2: 4.565 / 4.727, 4: 4.5625 / 4.7251, 5: 4.5625 / 4.7253, 6 (the first panel's own tiles): 4.5618 /
 # 4.7258; 8 and 9: refused (the group's 192 KiB block unplaceable); 12: beyond SBUF
+SWITCH_INTERLEAVE_TILES = 3  # at most this many tiles of a new moving panel multiply it K tile by K tile in turn
+# (MatmulPlan interleave_switch), with one PSUM accumulator more than the span. TP1 MXFP8 modeled (from 4.562 / 4.726
+# ms): 2 tiles, 3 accumulators: 4.555 / 4.729; 3 tiles, the 4th accumulator added at the first switch in the PE
+# transposes' banks: 4.537 / 4.712; 3 tiles with 3 accumulators: 4.591 / 4.765 and 2 tiles with 2: 4.585 / 4.749 (the
+# last tile of the span then waits for the epilogue of the tile before the switch)
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

@@ -21,16 +21,17 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, shard_range
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
-                        PREFETCH_MARGIN_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
+                        PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BYTES)
-from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
+                        STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS)
+from .panels import (LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition,
+                     single_k_tile)
 from .row_panels import preload_natural_rows
-from .sources import PanelSource, blocks, tile_order
+from .sources import PanelSource, blocks, tile_order, tile_spans
 
 
 def usable_sbuf_bytes() -> int:
@@ -99,9 +100,9 @@ def stationary_load_width(op, m_tile, setup):
     return fit_width(wanted, [op], setup, STATIONARY_PANEL_BUDGET_BYTES, m_tile)
 
 
-def psum_buffers(n_tile):
-    """PSUM_BUFFERS fp32 accumulators [128, n_tile], used round-robin across output tiles."""
-    return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(PSUM_BUFFERS)]
+def psum_buffers(n_tile, count=PSUM_BUFFERS):
+    """`count` (default PSUM_BUFFERS) fp32 accumulators [128, n_tile], used round-robin across output tiles."""
+    return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(count)]
 
 
 def _resident_operand(moving_bytes, stationary_bytes):
@@ -196,6 +197,12 @@ class MatmulPlan(nl.NKIObject):
             itself (the MLP backward's d_gate_up after phase 1's split along I): prefetch_own DMAs the first group's
             panels' rows there before the core barrier (OWN_PREFETCH_GROUPS natural row tiles in all; K-streamed
             plans with contiguous_group only; default none).
+        interleave_switch: an n-major plan whose moving panels are not resident runs the matmuls of the first
+            SWITCH_INTERLEAVE_TILES tiles of each new moving panel K tile by K tile across them
+            (_matmuls_k_interleaved), with one PSUM accumulator more than the span: as many as fit beside
+            TRANSPOSE_PSUM_BANKS (off below 3), and from the first switch on also in those banks when no PE transposes
+            follow (stationary kept whole, moving [K, F]). The caller's epilogue must take no PSUM (the MLP
+            backward's phase 1 split along I; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -211,9 +218,12 @@ class MatmulPlan(nl.NKIObject):
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
                  interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=(),
-                 reload=None):
+                 reload=None, interleave_switch=False):
         self.setup = setup
         self.reload = reload
+        self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
+        self.acc_order = []  # accumulator indices, least recently taken first
+        self.psum_count = PSUM_BUFFERS  # accumulators per product, used round-robin
         self.own_k_ranges = own_k_ranges
         self.preloaded = None  # prefetch_own's row tiles per panel of the first group
         self.contiguous_group = contiguous_group and setup.is_mx
@@ -283,6 +293,25 @@ class MatmulPlan(nl.NKIObject):
             lead = max(1, self.stationary[0].load_width // self.m_tile)
         self.order = tile_order(blocks(m_lo, m_hi, self.m_tile), blocks(n_lo, n_hi, self.n_tile),
                                 m_outer=self.keep_moving, m_group=m_group, lead=lead)
+        self.extra_accumulators = 0  # interleave_switch: accumulators added at the first switch
+        kernel_assert(not (interleave_switch and reload != None),  # noqa: E711
+                      "interleave_switch and reload (a K-chunked plan) cannot be combined: the K-interleaved "
+                      f"matmuls do not put earlier chunks' sums back, got interleave_switch={interleave_switch!r}")
+        if interleave_switch and not self.keep_moving:
+            # the span's tiles must not take the accumulator of the tile before it, whose epilogue VectorE runs only
+            # after the new panel's quantizes (program order): one accumulator more than the span. Beside them the
+            # PE transposes of the first n block (which loads every stationary panel) take TRANSPOSE_PSUM_BANKS;
+            # with the stationary operand kept whole and the moving panels quantized from [K, F] (no transposes),
+            # none follow, and the first switch adds accumulators in their banks
+            banks = ceil_div(self.n_tile * 4, PSUM_BANK_BYTES) * len(products)
+            total = PSUM_BYTES // PSUM_BANK_BYTES
+            count = min(SWITCH_INTERLEAVE_TILES + 1, (total - TRANSPOSE_PSUM_BANKS) // banks)
+            later = count
+            if (all(st.resident or st.keep_all for st in self.stationary) and
+                    all(op.k_axis == 0 or op.prequantized for op in moving)):
+                later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
+            if count > PSUM_BUFFERS:
+                self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
@@ -382,6 +411,43 @@ class MatmulPlan(nl.NKIObject):
             st = self.stationary[s]
             if st.keep_all and not st.resident:
                 st.get(m0, msz)
+
+    def _take_accumulator(self) -> int:
+        """Index of the accumulator (of every product) the next tile takes: the least recently taken one (round-robin
+        with a fixed count; after interleave_switch's extra accumulators, those first)."""
+        k = self.acc_order.pop(0)
+        self.acc_order.append(k)
+        return k
+
+    def _matmuls_k_interleaved(self, i: int, span: int, finished) -> None:
+        """interleave_switch: the matmuls of tiles [i, i + span) (one n block whose moving panel is new) K tile by K
+        tile across the tiles. The new panel's K tiles can only be quantized once the previous panel's last matmuls
+        have read the SBUF they take, and the first tile waits for each in turn; TensorE now multiplies each K tile
+        into every tile of the span meanwhile (TP1 phase 1: 5 W_down panel switches per core). The same
+        instructions as matmul_panels per tile, in another order across the tiles' accumulators: each still sums
+        its K tiles 0..n-1 in order, so the bits do not change."""
+        tiles = self.order[i:i + span]
+        n0, nsz = tiles[0][1]
+        if self.extra_accumulators:
+            # the first switch: the stationary panels are all on chip, no PE transposes follow (see __init__)
+            for accs in self.accumulators:
+                accs.extend(psum_buffers(self.n_tile, self.extra_accumulators))
+            self.acc_order = list(range(self.psum_count, self.psum_count + self.extra_accumulators)) + self.acc_order
+            self.psum_count, self.extra_accumulators = self.psum_count + self.extra_accumulators, 0
+        taken = [self._take_accumulator() for _ in range(span)]
+        for p, (s, m) in enumerate(self.products):
+            b = self.moving[m].get(n0, nsz)
+            a_panels = [self.stationary[s].get(m0, msz) for (m0, msz), _ in tiles]
+            psums = [self.accumulators[p][k] for k in taken]
+            for t in range(len(b.data)):
+                for j in range(span):
+                    a = a_panels[j]
+                    # K=one K tile, M=m tile, N=n block
+                    matmul_panels(psums[j][:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), self.setup,
+                                  accumulate=t > 0)
+            for j in range(span):
+                finished[j].append(psums[j])
+            a_panels = b = None
 
     def prefetch(self, lo: int, hi: int) -> None:
         """Issue the loads of tiles [lo, hi) now (e.g. while another plan computes)."""
@@ -484,33 +550,41 @@ class MatmulPlan(nl.NKIObject):
             self._run_streamed()
             return
         if self.accumulators == None:  # noqa: E711
-            # allocated once per plan (PSUM_BUFFERS accumulators per product; the epilogue's rotating tiles),
+            # allocated once per plan (psum_count accumulators per product; the epilogue's rotating tiles),
             # so a run split around another plan's prefetch allocates nothing new mid-phase
-            self.accumulators = [psum_buffers(self.n_tile) for _ in self.products]
+            self.accumulators = [psum_buffers(self.n_tile, self.psum_count) for _ in self.products]
+            self.acc_order = list(range(self.psum_count))
             self.epilogue.prepare(self)
-        for i in range(self.done, hi):
-            (m0, msz), (n0, nsz) = self.order[i]
-            if i == 0 and self.interleave:
-                self._interleave_loads(0)
-            finished = []
-            for p, (s, m) in enumerate(self.products):
-                a = self.stationary[s].get(m0, msz)
-                psum = self.accumulators[p][i % PSUM_BUFFERS]
-                continued = self.reload != None  # noqa: E711  (a later K chunk: its sums so far come back first)
-                if continued:
-                    self.reload.reload(m0, a.f_pad, n0, nsz, psum)
-                # K=op K, M=m tile, N=n block
-                matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup, accumulate=continued)
-                finished.append(psum)
-                a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
-            if self.lookahead and i + self.lookahead < len(self.order):
-                self._load_stationary_ahead(i + self.lookahead)
-            if i + 1 < len(self.order):
-                # the next tile's loads before this tile's epilogue: the in-order engines (VectorE's
-                # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
-                # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
-                self.prefetch(i + 1, i + 2)
-            self.epilogue.tile(i, m0, msz, n0, nsz, finished)
+        for i, span in tile_spans(self.order, self.done, hi, self.switch_span):
+            finished = [[] for _ in range(span)]
+            if span > 1:
+                self._matmuls_k_interleaved(i, span, finished)
+            else:
+                (m0, msz), (n0, nsz) = self.order[i]
+                if i == 0 and self.interleave:
+                    self._interleave_loads(0)
+                k = self._take_accumulator()
+                for p, (s, m) in enumerate(self.products):
+                    a = self.stationary[s].get(m0, msz)
+                    psum = self.accumulators[p][k]
+                    continued = self.reload != None  # noqa: E711  (a later K chunk: its sums so far come back first)
+                    if continued:
+                        self.reload.reload(m0, a.f_pad, n0, nsz, psum)
+                    # K=op K, M=m tile, N=n block
+                    matmul_panels(psum[:a.f_pad, :nsz], a, self.moving[m].get(n0, nsz), self.setup,
+                                  accumulate=continued)
+                    finished[0].append(psum)
+                    a = None  # hold no panel across the next get (a dropped panel's SBUF is then free)
+            for j in range(i, i + span):
+                (m0, msz), (n0, nsz) = self.order[j]
+                if self.lookahead and j + self.lookahead < len(self.order):
+                    self._load_stationary_ahead(j + self.lookahead)
+                if j + 1 < len(self.order):
+                    # the next tile's loads before this tile's epilogue: the in-order engines (VectorE's
+                    # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
+                    # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
+                    self.prefetch(j + 1, j + 2)
+                self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
         self.done = hi
 
     def release(self) -> None:
