@@ -4,7 +4,8 @@ descriptor.py: operand descriptors (TensorDescriptor) and numeric setup (MatmulS
 panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transposes) -> PSUM matmuls;
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
-plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps), CoreSplit, StoreEpilogue;
+plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps);
+core_split.py: CoreSplit (the LNC split, decided once per kernel); epilogue.py: StoreEpilogue (the default epilogue);
 k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neither long-K operand fits SBUF);
 constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
@@ -15,5 +16,7 @@ from .panels import (Panel, PanelLoad, k_tiles, load_panel, matmul_panels,  # no
 from .row_panels import (PanelSlots, load_panel_tiles, panel_from_row_loader, panel_from_rows,  # noqa: F401
                          panel_tile_widths, panels_from_row_blocks, store_panel_tiles)
 from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F401
-from .plan import CoreSplit, MatmulPlan, StoreEpilogue, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
+from .core_split import CoreSplit  # noqa: F401
+from .epilogue import StoreEpilogue  # noqa: F401
+from .plan import MatmulPlan, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
 from .k_chunks import KChunkedPlan, plan_matmul  # noqa: F401

@@ -19,10 +19,10 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import ceil_div, kernel_assert, shard_range
+from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
-                        RESIDENT_OPERAND_BUDGET_BYTES, RESULT_BUFFERS, SCALE_PACK_SLOTS,
+                        RESIDENT_OPERAND_BUDGET_BYTES, SCALE_PACK_SLOTS,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
@@ -40,45 +40,6 @@ def usable_sbuf_bytes() -> int:
     per-partition size": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/nki.language.tile_size.html
     (same text on the v2.33.0 page)."""
     return nl.tile_size.sbuf_fmax_bytes
-
-
-class CoreSplit(nl.NKIObject):
-    """The LNC split of one kernel launch (num_cores programs; this one is shard_id), decided once.
-
-    ranges() gives each core near-equal contiguous halves (in multiples of SPLIT_ALIGN) of the larger
-    output dimension when it has at least SPLIT_ALIGN per core, else of the other: out[M, N] = a[M, K] @
-    b[K, N] split along M reads a/2 + b per core, along N a + b/2, so splitting the larger one minimises
-    the operand bytes a core reads.
-    """
-
-    def __init__(self, num_cores: int, shard_id: int):
-        self.num_cores = num_cores
-        self.shard_id = shard_id
-
-    def ranges(self, m_total: int, n_total: int, prefer_m: bool = False):
-        """This core's ([m_lo, m_hi), [n_lo, n_hi)) of an [M, N] output. prefer_m: split M whenever it has
-        SPLIT_ALIGN rows per core (e.g. a stationary operand transposed on the PE array: halving it halves
-        the transposes and lets the half stay resident)."""
-        if self.num_cores == 1:
-            return (0, m_total), (0, n_total)
-        enough = SPLIT_ALIGN * self.num_cores
-        split_m = ((m_total >= n_total or prefer_m) and m_total >= enough) or n_total < enough
-        axis_total = m_total if split_m else n_total
-        lo, hi = shard_range(ceil_div(axis_total, SPLIT_ALIGN), self.num_cores, self.shard_id)
-        lo, hi = min(lo * SPLIT_ALIGN, axis_total), min(hi * SPLIT_ALIGN, axis_total)
-        return ((lo, hi), (0, n_total)) if split_m else ((0, m_total), (lo, hi))
-
-
-    def whole_row_blocks(self, m_total: int, n_total: int, block: int) -> bool:
-        """Whether every core's part of ranges(m_total, n_total, prefer_m=True) is whole `block`-row blocks
-        with all n_total columns (checked for every core: a later phase may read all cores' parts)."""
-        if m_total % block:
-            return False
-        for core in range(self.num_cores):
-            (lo, hi), cols = CoreSplit(self.num_cores, core).ranges(m_total, n_total, prefer_m=True)
-            if cols != (0, n_total) or lo % block or hi % block:
-                return False
-        return True
 
 
 def fit_width(requested, ops, setup, budget, quantum):
@@ -119,38 +80,6 @@ def _resident_operand(moving_bytes, stationary_bytes):
         return True, False, MOVING_PANEL_BUDGET_BYTES
     left = (usable_sbuf_bytes() - RESIDENT_HEADROOM_BYTES - stationary_bytes) // 2
     return False, True, min(MOVING_PANEL_BUDGET_BYTES, left)
-
-
-class StoreEpilogue(nl.NKIObject):
-    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
-    in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
-    store may trail the next tiles' evictions)."""
-
-    def __init__(self, out_hbm, out_dtype):
-        self.out_hbm = out_hbm
-        self.out_dtype = out_dtype
-        self.results = None
-
-    def prepare(self, plan) -> None:
-        self.results = [nl.ndarray((PARTITIONS, plan.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
-                        for _ in range(RESULT_BUFFERS)]
-
-    def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
-        res = self.results[i % RESULT_BUFFERS]
-        nisa.tensor_copy(dst=res[:msz, :nsz], src=accumulators[0][:msz, :nsz], engine=nisa.engine.scalar)
-        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
-
-    def store_streamed(self, m0, msz, n0, nsz, acc, engine) -> None:
-        """Eviction of a K-streamed group's tile (one SBUF tile each, on `engine`)."""
-        res = nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=self.out_dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=res[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
-        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
-
-    def finish(self) -> None:
-        self.results = None
-
-    def held_bytes(self, n_tile) -> int:
-        return RESULT_BUFFERS * n_tile * self.out_dtype.itemsize
 
 
 class MatmulPlan(nl.NKIObject):

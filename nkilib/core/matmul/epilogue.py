@@ -1,0 +1,39 @@
+"""StoreEpilogue: a plan's default epilogue (evict each output tile and store it to HBM)."""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .constants import PARTITIONS, RESULT_BUFFERS, STREAM_N_TILE
+
+
+class StoreEpilogue(nl.NKIObject):
+    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
+    in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
+    store may trail the next tiles' evictions)."""
+
+    def __init__(self, out_hbm, out_dtype):
+        self.out_hbm = out_hbm
+        self.out_dtype = out_dtype
+        self.results = None
+
+    def prepare(self, plan) -> None:
+        self.results = [nl.ndarray((PARTITIONS, plan.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
+                        for _ in range(RESULT_BUFFERS)]
+
+    def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        res = self.results[i % RESULT_BUFFERS]
+        nisa.tensor_copy(dst=res[:msz, :nsz], src=accumulators[0][:msz, :nsz], engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def store_streamed(self, m0, msz, n0, nsz, acc, engine) -> None:
+        """Eviction of a K-streamed group's tile (one SBUF tile each, on `engine`)."""
+        res = nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=self.out_dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
+        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def finish(self) -> None:
+        self.results = None
+
+    def held_bytes(self, n_tile) -> int:
+        return RESULT_BUFFERS * n_tile * self.out_dtype.itemsize
