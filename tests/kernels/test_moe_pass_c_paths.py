@@ -19,6 +19,8 @@ that every path gives mx_exact's bits.
 |                                       | evictions on ScalarE; LNC1 and LNC2 == mx_exact                   |
 | test_loads_above_r_rotate_all_stages  | parts tiers and windows: loads go round all 3 staging tiles, at   |
 |                                       | most R blocks 2; LNC2 == mx_exact                                 |
+| test_windowed_carries_and_evictions_  | windows: carry copies and last-window evictions on ScalarE only,  |
+| on_scalar                             | one carry per tile and boundary; LNC1 and LNC2 == mx_exact        |
 """
 from __future__ import annotations
 
@@ -310,3 +312,39 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     assert {key: len(s) for key, s in tiles.items()} == {
         (p, c): W.PASS_C_STAGING_BUFFERS if p != "resident" else PASS_C_RESIDENT_STAGES for p, c in tiles}, tiles
     assert {p for p, _ in tiles} == {"parts", "windows", "resident"}
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_windowed_carries_and_evictions_on_scalar(monkeypatch, lnc):
+    """Round 11c (docs/moe.md section 10): a windowed expert's PSUM reads (the fp32 carries copied out between windows
+    and the last window's +0.0 evictions) run on ScalarE only, as the resident path's evictions since round 6b, so
+    VectorE (the next stationary piece's quantizes, the carries' adds into PSUM) never queues behind a group's last
+    matmuls. R = 2, W = 3: experts of 5 (windows 2 + 2 + 1: two carries) and 4 blocks (2 + 2: one) windowed, one of
+    2 resident; LNC1 and LNC2 == mx_exact bit for bit. Per core: one carry copy per output tile and boundary, each
+    tile's carry store its own DMA into the partial-sum scratch; on the old code half of the copies and evictions ran
+    on VectorE."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    T, E, k, H, I = 1300, 3, 1, 96, 160
+    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
+    ids = ids[np.random.default_rng(21).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=71, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"LNC{lnc} windows vs mx_exact")
+    in_c = [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+    reads_psum = [r for r in in_c if r.instr in ("tensor_copy", "tensor_scalar")
+                  and any(o.buffer == "psum" for o in r.reads)]
+    carries = [r for r in reads_psum if r.instr == "tensor_copy"]
+    carry_stores = [r for r in in_c if r.instr == "dma_copy"
+                    and any(o.name.startswith("moe_bwd_weight_grad_partial") for o in r.writes)]
+    # per core: dW_gu [2I = 320, H = 96] and dW_down [96, 160] split along M under LNC2; experts 0 (two boundaries)
+    # and 1 (one) carry every tile of this core's share: 3 boundaries x its tiles
+    ranges = [CoreSplit(lnc, 0).ranges(m, n) for m, n in ((2 * I, H), (H, I))]
+    tiles = sum(len(W.blocks(*m_range, 128)) * len(W.blocks(*n_range, 512)) for m_range, n_range in ranges)
+    assert len(carries) == len(carry_stores) == 3 * tiles, (len(carries), len(carry_stores), tiles)
+    assert {r.engine for r in reads_psum} == {"scalar"}, sorted({r.engine for r in reads_psum})
+    adds = [r for r in in_c if r.instr == "tensor_tensor" and any(o.buffer == "psum" for o in r.writes)]
+    assert len(adds) == 3 * tiles and {r.engine for r in adds} == {"vector"}

@@ -503,25 +503,24 @@ def _add_partial(partial, m_group, n_tiles, accs):
 
 def _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t):
     """After window w's slots: the expert's last window stores wg(acc + 0.0) (_RowStore), any other the fp32 sums
-    as they are into this core's tiles of `partial` (copied out of PSUM on ScalarE and VectorE in turn)."""
+    as they are into this core's tiles of `partial`. Both read PSUM on ScalarE only, as the resident path's evictions
+    (round 6b): VectorE holds the quantizes of the next stationary piece and window and the carries' adds, which would
+    otherwise queue behind a group's copies and so behind its last matmuls (docs/moe.md section 10, round 11c)."""
 
     def final():
         tt = t
         for (m0, msz), row in zip(m_group, accs):
-            store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+            store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
             for (n0, nsz, _, _), acc in zip(n_tiles, row):
                 store.tile(acc, n0, nsz, tt)
                 tt += 1
 
     def carry():
-        tt = t
         for (m0, msz), row in zip(m_group, accs):
             for (n0, nsz, _, _), acc in zip(n_tiles, row):
                 part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-                engine = nisa.engine.scalar if tt % 2 == 0 else nisa.engine.vector
-                nisa.tensor_copy(dst=part[:msz, :nsz], src=acc[:msz, :nsz], engine=engine)
+                nisa.tensor_copy(dst=part[:msz, :nsz], src=acc[:msz, :nsz], engine=nisa.engine.scalar)
                 nisa.dma_copy(dst=partial[m0:m0 + msz, n0:n0 + nsz], src=part[:msz, :nsz])
-                tt += 1
 
     if w == 0:
         carry()  # window 0 is never the last (nb > R)
