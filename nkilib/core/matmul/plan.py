@@ -371,7 +371,8 @@ class MatmulPlan(nl.NKIObject):
         have read the SBUF they take, and the first tile waits for each in turn; TensorE now multiplies each K tile
         into every tile of the span meanwhile (TP1 phase 1: 5 W_down panel switches per core). The same
         instructions as matmul_panels per tile, in another order across the tiles' accumulators: each still sums
-        its K tiles 0..n-1 in order, so the bits do not change."""
+        its K tiles 0..n-1 in order, so the bits do not change. interleave_lead uses it too (phase 3's lead meeting
+        X's second panel), each tile of the span span_skew K tiles behind the one before it."""
         tiles = self.order[i:i + span]
         n0, nsz = tiles[0][1]
         if self.extra_accumulators:
