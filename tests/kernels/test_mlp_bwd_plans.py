@@ -249,7 +249,7 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
 
     def recording_spans(order, lo, hi, switch_span):
         out = original_spans(order, lo, hi, switch_span)
-        if switch_span > 1:
+        if switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             spans.append([s for s in out if s[1] > 1])
         return out
 
@@ -264,7 +264,8 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
         monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
         original_matmuls(plan, i, span, finished)
         monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
-        interleaved.append((calls, (count, len(plan.accumulators[0])), id(plan.accumulators[0][before].storage)))
+        if plan.switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
+            interleaved.append((calls, (count, len(plan.accumulators[0])), id(plan.accumulators[0][before].storage)))
 
     monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
     monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
@@ -303,3 +304,73 @@ def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     assert tile_spans(order, 0, 10, 3) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (7, 1), (8, 2)]
     two = tile_order(m[:2], n, False)  # blocks of 2 tiles: a span of 3 is capped at 2
     assert tile_spans(two, 0, 6, 3) == [(0, 1), (1, 1), (2, 2), (4, 2)]
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
+    """Phase 3 with X kept whole by the resident rule (TP1): the first LEAD_INTERLEAVE_TILES = 2 tiles of the lead's
+    second n block multiply X's new panel K tile by K tile in turn (MatmulPlan interleave_lead; TP1 modeled 4.537 /
+    4.712 -> 4.533 / 4.707 ms), with the PSUM_BUFFERS accumulators (the StoreEpilogue evicts on ScalarE, so the span
+    takes the accumulator of the tile before it, for its second tile, which trails the first by LEAD_INTERLEAVE_SKEW
+    K tiles). Forced on S = 2048, H = 256, I = 384 with 32-row m tiles and 128-column n tiles (phase 3: 2 n blocks,
+    K = S: 4 MXFP8 / 16 BF16 K tiles): each core interleaves exactly the lead's first two tiles of n block 1, the matmuls alternate between the two accumulators (skewed) with each one's K tiles
+    in order, and the outputs are bit-exact against mx_exact and equal to LNC1's. Off where the panel cache keeps X."""
+    from nkilib.core.matmul.constants import LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, PSUM_BUFFERS
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    interleaved = []
+    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
+    original_matmul_panels = plan_module.matmul_panels
+
+    def recording_matmuls(plan, i, span, finished):
+        calls = []
+        before = plan.acc_order[-1]  # the accumulator of the tile before the span
+        (_, _), (n0, _) = plan.order[i]
+
+        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
+            calls.append((id(dst.storage), len(stationary.data), accumulate))
+            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
+
+        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
+        original_matmuls(plan, i, span, finished)
+        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+        if len(plan.accumulators[0]) == PSUM_BUFFERS:  # not phase 1's interleave_switch (one accumulator more)
+            interleaved.append((i, span, n0, calls, id(plan.accumulators[0][before].storage),
+                                [o for o in plan.order[:i + span]]))
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+    S, H, I = 2048, 256, 384
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
+    small = MatmulConfig(m_tile=32, n_tile=128)
+    config = MlpBwdMatmulConfig(phase3=small, phase4=small)
+    k_tiles = S // (512 if precision == "mxfp8" else 128)
+    reference = mlp_reference(inp, matmul_precision=precision)
+
+    # the panel cache keeps X (96 KiB budget): no interleave
+    run_mlp(inp, lnc=2, matmul_precision=precision, matmul_config=config)
+    assert interleaved == [], interleaved
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule instead
+    outs = {}
+    for lnc, cores in ((2, 2), (1, 1)):
+        interleaved.clear()
+        outs[lnc] = run_mlp(inp, lnc=lnc, matmul_precision=precision, matmul_config=config)
+        assert len(interleaved) == cores, interleaved
+        for i, span, n0, calls, before, head in interleaved:
+            assert span == LEAD_INTERLEAVE_TILES and n0 == 128, (i, span, n0)
+            # the span starts at the lead's second n block: every tile before it is n block 0 (the lead n-major)
+            assert all(n == 0 for _, (n, _) in head[:i]) and i > 1, head
+            assert all(n == 128 for _, (n, _) in head[i:]), head
+            accs = [c[0] for c in calls]
+            assert len(set(accs)) == 2 and accs[0] != before and len(calls) == 2 * k_tiles, calls
+            # K tile by K tile across the span's tiles, the second (which takes the accumulator of the tile before
+            # the span) LEAD_INTERLEAVE_SKEW K tiles behind the first
+            expected = [(j, t) for step in range(k_tiles + LEAD_INTERLEAVE_SKEW) for j in range(2)
+                        for t in [step - j * LEAD_INTERLEAVE_SKEW] if 0 <= t < k_tiles]
+            assert [(accs[0], before)[j] for j, _ in expected] == accs, calls
+            assert [c[2] for c in calls] == [t > 0 for _, t in expected], calls
+            assert all(c[1] == 1 for c in calls), calls  # one K tile per matmul_panels call
+        measured = assert_matches_mx_exact(outs[lnc], reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+    for a, b in zip(outs[1], outs[2]):
+        assert a.tobytes() == b.tobytes()

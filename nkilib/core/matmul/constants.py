@@ -64,6 +64,13 @@ SWITCH_INTERLEAVE_TILES = 3  # at most this many tiles of a new moving panel mul
 # ms): 2 tiles, 3 accumulators: 4.555 / 4.729; 3 tiles, the 4th accumulator added at the first switch in the PE
 # transposes' banks: 4.537 / 4.712; 3 tiles with 3 accumulators: 4.591 / 4.765 and 2 tiles with 2: 4.585 / 4.749 (the
 # last tile of the span then waits for the epilogue of the tile before the switch)
+LEAD_INTERLEAVE_TILES = 2  # tiles of a lead_n_major lead that multiply each new moving panel K tile by K tile in turn
+# (MatmulPlan interleave_lead, with the moving operand kept whole by the resident rule; the two accumulators of
+# PSUM_BUFFERS, so no third fits beside phase 3's [128, 2048] ones at TP1)
+LEAD_INTERLEAVE_SKEW = 2  # K tiles the second tile of such a span trails the first (it takes the accumulator of the
+# tile before the span). MXFP8 modeled, TP1 / H = 7168, I = 2048 at S = 4096 (main 4.5372 / 4.7115, 1.6195 / 1.7785
+# ms): skew 0 4.532 / 4.707, 1.622 / 1.775; 1: 4.5321 / 4.7066, 1.6202 / 1.7748; 2: 4.5329 / 4.7072, 1.6195 / 1.7752;
+# 3: 4.5337 / 4.7081, 1.6195 / 1.7759; 2 gains on TP1 and costs H = 7168 nothing
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist

@@ -27,7 +27,8 @@ from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_B
                         STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS)
+                        STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
+                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES)
 from .panels import (LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition,
                      single_k_tile)
 from .row_panels import preload_natural_rows
@@ -132,6 +133,12 @@ class MatmulPlan(nl.NKIObject):
             TRANSPOSE_PSUM_BANKS (off below 3), and from the first switch on also in those banks when no PE transposes
             follow (stationary kept whole, moving [K, F]). The caller's epilogue must take no PSUM (the MLP
             backward's phase 1 split along I; default off).
+        interleave_lead: with the moving operand kept whole by _resident_operand (not by the panel cache) and a
+            lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead run K tile by
+            K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators: the caller's epilogue
+            evicts on ScalarE, which no quantize holds back, so the span may take the accumulator of the tile before
+            it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
+            TP1; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -147,10 +154,11 @@ class MatmulPlan(nl.NKIObject):
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
                  interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=(),
-                 reload=None, interleave_switch=False):
+                 reload=None, interleave_switch=False, interleave_lead=False):
         self.setup = setup
         self.reload = reload
         self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
+        self.span_skew = 0  # K tiles each tile of such a span trails the one before it (interleave_lead)
         self.acc_order = []  # accumulator indices, least recently taken first
         self.psum_count = PSUM_BUFFERS  # accumulators per product, used round-robin
         self.own_k_ranges = own_k_ranges
@@ -183,9 +191,11 @@ class MatmulPlan(nl.NKIObject):
         self.keep_moving = moving_bytes <= PANEL_CACHE_BUDGET_BYTES
         keep_stationary = not self.keep_moving and stationary_bytes <= PANEL_CACHE_BUDGET_BYTES
         moving_budget = MOVING_PANEL_BUDGET_BYTES
+        moving_by_rule = False  # the moving operand kept whole by _resident_operand (interleave_lead)
         if ((groups or keep_whole) and resident == None and len(products) == 1 and not self.keep_moving  # noqa: E711
                 and not keep_stationary):
             self.keep_moving, keep_stationary, moving_budget = _resident_operand(moving_bytes, stationary_bytes)
+            moving_by_rule = self.keep_moving
         self.n_tile = fit_width(config.n_tile, moving, setup, moving_budget, SPLIT_ALIGN)
         m_group = 0
         if resident != None:  # noqa: E711
@@ -241,6 +251,13 @@ class MatmulPlan(nl.NKIObject):
                 later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
             if count > PSUM_BUFFERS:
                 self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
+        kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
+                      "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
+                      f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
+        if interleave_lead and moving_by_rule and lead > 1:
+            # the lead's tiles meet each moving panel as it is loaded and quantized for the first time: TensorE
+            # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
+            self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
@@ -354,7 +371,8 @@ class MatmulPlan(nl.NKIObject):
         have read the SBUF they take, and the first tile waits for each in turn; TensorE now multiplies each K tile
         into every tile of the span meanwhile (TP1 phase 1: 5 W_down panel switches per core). The same
         instructions as matmul_panels per tile, in another order across the tiles' accumulators: each still sums
-        its K tiles 0..n-1 in order, so the bits do not change."""
+        its K tiles 0..n-1 in order, so the bits do not change. interleave_lead uses it too (phase 3's lead meeting
+        X's second panel), each tile of the span span_skew K tiles behind the one before it."""
         tiles = self.order[i:i + span]
         n0, nsz = tiles[0][1]
         if self.extra_accumulators:
@@ -368,12 +386,15 @@ class MatmulPlan(nl.NKIObject):
             b = self.moving[m].get(n0, nsz)
             a_panels = [self.stationary[s].get(m0, msz) for (m0, msz), _ in tiles]
             psums = [self.accumulators[p][k] for k in taken]
-            for t in range(len(b.data)):
+            n_k = len(b.data)
+            for step in range(n_k + (span - 1) * self.span_skew):
                 for j in range(span):
-                    a = a_panels[j]
-                    # K=one K tile, M=m tile, N=n block
-                    matmul_panels(psums[j][:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t), self.setup,
-                                  accumulate=t > 0)
+                    t = step - j * self.span_skew
+                    if 0 <= t < n_k:
+                        a = a_panels[j]
+                        # K=one K tile, M=m tile, N=n block
+                        matmul_panels(psums[j][:a.f_pad, :nsz], single_k_tile(a, t), single_k_tile(b, t),
+                                      self.setup, accumulate=t > 0)
             for j in range(span):
                 finished[j].append(psums[j])
             a_panels = b = None

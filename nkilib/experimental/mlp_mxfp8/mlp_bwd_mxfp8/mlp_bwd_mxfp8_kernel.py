@@ -218,7 +218,8 @@ def compute_phase3_gate_up_weight_grad_mxfp8(weight_grad_td, hidden_states_T_td,
         config = config or MatmulConfig()
         two_i, H = weight_grad_td.shape
         plan = plan_matmul([grad_T_td], [hidden_states_T_td], two_i, H, setup, config, _split(split, run_with_lnc2),
-                           StoreEpilogue(weight_grad_td, dtype), k_chunks=True, lead_n_major=True)
+                           StoreEpilogue(weight_grad_td, dtype), k_chunks=True, lead_n_major=True,
+                           interleave_lead=True)
     return plan if stage == "plan" else plan.step(stage)
 
 
