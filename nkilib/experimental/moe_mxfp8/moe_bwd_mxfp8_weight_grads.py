@@ -20,7 +20,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import shard_range
+from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
                             panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
@@ -430,7 +430,6 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
-    P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     n_lo, n_hi = _n_part(n_lo, n_hi, part)
     moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
@@ -450,8 +449,10 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         for q, (c0, slots) in enumerate(moving):
             load(rhs, i, j, c0, slots, j * len(moving) + q)
 
-    w, partial = (0, None) if window == None else window  # noqa: E711
-    ctx.resident.for_slots(e, load_moving, R, w)
+    if window != None:  # noqa: E711
+        _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load)
+        return
+    ctx.resident.for_slots(e, load_moving, R)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total, part):
         stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
@@ -460,34 +461,95 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
                 load(lhs, i, j, p0, stationary, j)
 
-        ctx.resident.for_slots(e, load_stationary, R, w)
+        ctx.resident.for_slots(e, load_stationary, R)
         for m_group in groups:
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
                     for _ in m_group]
 
-            def body(i, j, p0=p0, stationary=stationary, m_group=m_group, accs=accs):
-                for (m0, msz), row in zip(m_group, accs):
-                    a = panel_columns(stationary.tile(j, P), m0 - p0, ctx.f_pad(msz))
-                    for (n0, nsz, c0, slots), acc in zip(n_tiles, row):
-                        # K=the block's B tokens (one MX K tile), M=msz, N=nsz
-                        matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), setup,
-                                      accumulate=j > 0)
-
-            if partial == None:  # noqa: E711
-                ctx.resident.for_slots(e, body, R)
-                for (m0, msz), row in zip(m_group, accs):
-                    store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
-                    for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                        store.tile(acc, n0, nsz, t)
-                        t += 1
-            else:
-                ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
-                if w > 0:
-                    _add_partial(partial, m_group, n_tiles, accs)
-                ctx.resident.for_slots(e, body, R, w, first=1)
-                _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t)
-                t += len(m_group) * len(n_tiles)
+            body = _group_matmuls(ctx, stationary, p0, m_group, n_tiles, accs)
+            ctx.resident.for_slots(e, body, R)
+            for (m0, msz), row in zip(m_group, accs):
+                store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
+                for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                    store.tile(acc, n0, nsz, t)
+                    t += 1
             accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
+        stationary = load_stationary = None
+
+
+def _group_matmuls(ctx, stationary, p0, m_group, n_group, accs):
+    """body(i, j) for ResidentBlocks.for_slots: slot j's matmuls into the PSUM accumulators accs[m][n] of the output
+    tiles m_group x n_group (n tiles as compute_phase3_resident_grads_mxfp8's: (n0, nsz, c0, moving slots)); slot 0
+    overwrites, later slots add (the reference's block order)."""
+    P = ctx.B // MX_PACK
+
+    def body(i, j):
+        for (m0, msz), row in zip(m_group, accs):
+            a = panel_columns(stationary.tile(j, P), m0 - p0, ctx.f_pad(msz))
+            for (n0, nsz, c0, slots), acc in zip(n_group, row):
+                # K=the block's B tokens (one MX K tile), M=msz, N=nsz
+                matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), ctx.setup,
+                              accumulate=j > 0)
+
+    return body
+
+
+def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load):
+    """Window w of a windowed expert (window = (w, partial); compute_phase3_resident_grads_mxfp8's moving pieces
+    `moving`, n tiles `n_tiles` and `load`), its output tiles taken n tile by n tile: per stationary piece, one group per
+    n tile of the piece's m tiles (at most SINGLE_BLOCK_LOAD_WIDTH / PARTITIONS accumulators). The moving operand is
+    loaded piece by piece (all slots of piece 0, then the stationary piece, then the first group; piece q + 1 once the
+    first group on piece q has its slot-0 matmuls and partial-sum adds issued), so a window's first group waits for one
+    moving piece's loads instead of all of them (docs/moe.md section 10, round 12a). Each tile's sum is the resident
+    path's: slot 0 overwrites, the earlier windows' fp32 partial sum is added (w > 0), slots 1.. add, in block order.
+    The expert's last window stores its tiles one by one; the others carry them (_store_window).
+
+    Dimensions: as compute_phase3_resident_grads_mxfp8 (this core's [M_c, N_c] tiles)."""
+    w, partial = window
+    # core 0's n tiles and moving pieces (the larger share): a core with fewer runs empty groups and loads, so both
+    # enter the same loops; n tile g of core 0 is the first on its piece q: piece q + 1 loads after its slot 0
+    _, (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
+    tiles0, pieces0 = blocks(n_lo0, n_hi0, MOE_N_TILE), blocks(n_lo0, n_hi0, SINGLE_BLOCK_LOAD_WIDTH)
+    groups = n_tiles + [None] * (len(tiles0) - len(n_tiles))
+    load_after = {next(g for g, (n0, _) in enumerate(tiles0) if n0 >= c0): q + 1 for q, (c0, _) in enumerate(pieces0)
+                  if q + 1 < len(pieces0)}
+
+    def load_moving(q):
+        def body(i, j):
+            if q < len(moving):
+                c0, slots = moving[q]
+                load(rhs, i, j, c0, slots, q * R + j)
+
+        ctx.resident.for_slots(e, body, R, w)
+
+    load_moving(0)
+    t = 0
+    for s, ((p0, psz), m_groups) in enumerate(_resident_schedule(ctx, m_total, n_total)):
+        m_group = [m for group in m_groups for m in group]
+        kernel_assert(len(m_group) <= WEIGHT_GRAD_PSUM_TILES,
+                      f"{len(m_group)} m tiles of a stationary piece > {WEIGHT_GRAD_PSUM_TILES} PSUM accumulators")
+        stationary = PanelSlots(R, ctx.f_pad(psz), ctx.setup, split=True) if psz else None
+
+        def load_stationary(i, j, p0=p0, stationary=stationary):
+            if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
+                load(lhs, i, j, p0, stationary, j)
+
+        ctx.resident.for_slots(e, load_stationary, R, w)
+        for g, n_tile in enumerate(groups):
+            n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
+            accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
+                    for _ in (m_group if n_group else [])]
+            body = _group_matmuls(ctx, stationary, p0, m_group, n_group, accs)
+            ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
+            if w > 0:
+                _add_partial(partial, m_group, n_group, accs)
+            if s == 0 and g in load_after:
+                load_moving(load_after[g])
+            ctx.resident.for_slots(e, body, R, w, first=1)
+            n_lo, n_hi = (n_tile[0], n_tile[0] + n_tile[1]) if n_group else (0, 0)
+            _store_window(ctx, e, w, out, partial, m_group, n_group, accs, n_lo, n_hi, wg_dtype, t)
+            t += len(m_group) * len(n_group)
+            accs = body = None  # drop the group's PSUM before the next group allocates its own
         stationary = load_stationary = None
 
 
