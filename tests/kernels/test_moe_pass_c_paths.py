@@ -21,6 +21,8 @@ that every path gives mx_exact's bits.
 |                                       | most R blocks 2; LNC2 == mx_exact                                 |
 | test_windowed_carries_and_evictions_  | windows: carry copies and last-window evictions on ScalarE only,  |
 | on_scalar                             | one carry per tile and boundary; LNC1 and LNC2 == mx_exact        |
+| test_windows_take_groups_n_tile_by_...| windows: groups n tile by n tile, moving operand piece by piece:  |
+|                                       | 2R quantizes before the first matmul; LNC1 and LNC2 == mx_exact   |
 """
 from __future__ import annotations
 
