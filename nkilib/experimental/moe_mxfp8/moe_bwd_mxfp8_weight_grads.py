@@ -388,6 +388,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     partial sum of the earlier windows (partial [M, N] fp32 HBM scratch, this core's tiles) is added to it on VectorE
     (fp32(mm + acc) == fp32(acc + mm): the reference's next step), then slots 1.. add. A window that is not the
     expert's last stores its tiles' fp32 sums to `partial` (as they are); the last one evicts with +0.0 and stores.
+    A window takes its tiles n tile by n tile and loads the moving operand piece by piece (_window_by_n_tiles).
 
     Parts (part = (p, P), a tier above R: ResidentBlocks.tier_parts): only the output tiles of part p of this core's N
     columns (_n_part), so the slots hold that part of the moving operand; the stationary pieces are loaded again per
