@@ -21,6 +21,8 @@ that every path gives mx_exact's bits.
 |                                       | most R blocks 2; LNC2 == mx_exact                                 |
 | test_windowed_carries_and_evictions_  | windows: carry copies and last-window evictions on ScalarE only,  |
 | on_scalar                             | one carry per tile and boundary; LNC1 and LNC2 == mx_exact        |
+| test_windows_take_groups_n_tile_by_...| windows: groups n tile by n tile, moving operand piece by piece:  |
+|                                       | 2R quantizes before the first matmul; LNC1 and LNC2 == mx_exact   |
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
-                                       "_add_partial"])
+                                       "add_partial"])
     T, E, k, H, I = 2400, 6, 1, 96, 160
     ids = np.repeat(np.arange(5, dtype=np.int32)[:, None], [600, 300, 450, 850, 200], axis=0)
     ids = ids[np.random.default_rng(12).permutation(T)]
@@ -123,7 +125,7 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     # per core and gradient: experts 0, 1, 2 windowed, expert 3 streamed; partial sums added in windows 1 and 2
     assert calls["compute_phase3_windowed_grads_mxfp8"] == 3 * 2 * lnc
     assert calls["compute_phase3_expert_weight_grads_mxfp8"] == 2 * lnc
-    assert calls["_add_partial"] > 0
+    assert calls["add_partial"] > 0
     assert_outputs_identical(out, moe_backward_reference(**ref), f"windows LNC{lnc} vs mx_exact")
     assert not out[2][5].view(np.uint16).any() and not out[3][5].view(np.uint16).any()
 
@@ -348,3 +350,37 @@ def test_windowed_carries_and_evictions_on_scalar(monkeypatch, lnc):
     assert {r.engine for r in reads_psum} == {"scalar"}, sorted({r.engine for r in reads_psum})
     adds = [r for r in in_c if r.instr == "tensor_tensor" and any(o.buffer == "psum" for o in r.writes)]
     assert len(adds) == 3 * tiles and {r.engine for r in adds} == {"vector"}
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_windows_take_groups_n_tile_by_n_tile(monkeypatch, lnc):
+    """Round 12a (docs/moe.md section 10): a windowed expert's output tiles go n tile by n tile (one group per n tile
+    of a stationary piece's m tiles) and its moving operand loads piece by piece, so a window's first matmul waits for
+    one moving piece's loads (R slots) and the stationary piece's (R), not every moving piece's. R = 2, W = 3, n tiles
+    of 64 columns and load pieces of 256 (several moving pieces and m tiles per piece at a small H, I): expert 0
+    (5 blocks: 2 + 2 + 1) and expert 1 (4: 2 + 2) windowed, expert 2 (2) resident; LNC1 and LNC2 == mx_exact. On the
+    old code the first matmul came after 2 x R loads per moving piece (dW_gu: 2 pieces, 6 loads), and each group's
+    matmuls covered all of a core's n tiles."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
+    T, E, k, H, I = 1300, 3, 1, 320, 288
+    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
+    ids = ids[np.random.default_rng(23).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=73, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"LNC{lnc} windows by n tile vs mx_exact")
+    in_c = [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+    matmuls = [g for g, r in enumerate(in_c) if r.instr == "nc_matmul_mx"]
+    quantizes = [g for g, r in enumerate(in_c) if r.instr == "quantize_mx"]  # one per operand load
+    # expert 0's dW_gu window 0 comes first in pass C: moving piece 0 (R = 2 slots), then the stationary piece (2)
+    assert sum(1 for g in quantizes if g < matmuls[0]) == 2 * 2, sorted({r.instr for r in in_c[:matmuls[0]]})
+    # its first group: the stationary piece's m tiles (dW_gu: 2 I = 576 rows, core 0's first 256: 2 m tiles) under one
+    # n tile, slot 0 (overwrites) then the earlier group's slot 1: 2 matmuls of one n tile each before the next load
+    first = [in_c[g] for g in matmuls[:2]]
+    assert len({o.name for r in first for o in r.writes}) == 2 and all(
+        o.shape[-1] == 64 for r in first for o in r.writes), [(o.name, o.shape) for r in first for o in r.writes]

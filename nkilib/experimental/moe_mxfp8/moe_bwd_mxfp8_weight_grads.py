@@ -20,14 +20,15 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import shard_range
+from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
                             panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.sources import blocks
+from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store, store_window
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
                         PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
-                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, WEIGHT_GRAD_STORE_WIDTH)
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -103,44 +104,8 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
         nl.fori_loop(lo, first, lambda i, body=body: body(i, False))
         nl.fori_loop(first, hi, lambda i, body=body: body(i, True))
         for j, ((m0, msz), acc) in enumerate(zip(m_blocks, accs)):
-            _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, g + j)
+            evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, g + j)
         accs = acc = body = None  # drop the group's PSUM before the next group allocates its own
-
-
-def _evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t):
-    """out[e, m0:m0+msz, n0:n0+nsz] = wg(acc + 0.0): the eviction adds +0.0 in fp32 (the reference's sum
-    starts from +0, so a first product of -0 must leave +0; x + 0.0 == x otherwise), on ScalarE and VectorE
-    in turn (t: the tile's count)."""
-    res = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=wg_dtype, buffer=nl.sbuf)
-    engine = nisa.engine.scalar if t % 2 == 0 else nisa.engine.vector
-    nisa.tensor_scalar(dst=res[:msz, :nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0, engine=engine)
-    nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
-
-
-class _RowStore(nl.NKIObject):
-    """Rows [m0, m0+msz) of out[e], columns [n_lo, n_hi), from [128, MOE_N_TILE] fp32 accumulators fed in column
-    order: each is evicted (_evict_and_store's +0.0 on ScalarE / VectorE in turn) into an SBUF piece of up to
-    WEIGHT_GRAD_STORE_WIDTH columns, which goes out in one DMA when its last tile is in: 4 KiB bf16 runs per row
-    instead of one tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html)."""
-
-    def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar, nisa.engine.vector)):
-        self.out, self.e, self.m0, self.msz, self.n_hi, self.wg_dtype = out, e, m0, msz, n_hi, wg_dtype
-        self.engines = engines
-        self.piece, self.p0, self.p_end = None, n_lo, n_lo
-
-    def tile(self, acc, n0, nsz, t):
-        if n0 >= self.p_end:  # first tile of the next piece (pieces start at n_lo: a tile never straddles two)
-            self.p0, self.p_end = n0, min(self.n_hi, n0 + WEIGHT_GRAD_STORE_WIDTH)
-            self.piece = nl.ndarray((PARTITIONS, WEIGHT_GRAD_STORE_WIDTH), dtype=self.wg_dtype, buffer=nl.sbuf)
-        msz, off = self.msz, n0 - self.p0
-        engine = self.engines[t % len(self.engines)]
-        nisa.tensor_scalar(dst=self.piece[:msz, off:off + nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0,
-                           engine=engine)
-        if n0 + nsz >= self.p_end:
-            nisa.dma_copy(dst=self.out[self.e, self.m0:self.m0 + msz, self.p0:self.p_end],
-                          src=self.piece[:msz, :self.p_end - self.p0])
-            self.piece = None
 
 
 def _stage(ctx, k):
@@ -208,7 +173,7 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
             a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH), first=loads)
             loads += len(a_pieces)
         a = _columns(a_pieces, m0, ctx.f_pad(msz))
-        row = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
+        row = RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
         for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE):
             acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
             # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
@@ -423,6 +388,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     partial sum of the earlier windows (partial [M, N] fp32 HBM scratch, this core's tiles) is added to it on VectorE
     (fp32(mm + acc) == fp32(acc + mm): the reference's next step), then slots 1.. add. A window that is not the
     expert's last stores its tiles' fp32 sums to `partial` (as they are); the last one evicts with +0.0 and stores.
+    A window takes its tiles n tile by n tile and loads the moving operand piece by piece (_window_by_n_tiles).
 
     Parts (part = (p, P), a tier above R: ResidentBlocks.tier_parts): only the output tiles of part p of this core's N
     columns (_n_part), so the slots hold that part of the moving operand; the stationary pieces are loaded again per
@@ -430,7 +396,6 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
-    P = B // MX_PACK  # partitions of a block's K tile (B <= MX_K_TILE: one K tile)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     n_lo, n_hi = _n_part(n_lo, n_hi, part)
     moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
@@ -450,8 +415,10 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         for q, (c0, slots) in enumerate(moving):
             load(rhs, i, j, c0, slots, j * len(moving) + q)
 
-    w, partial = (0, None) if window == None else window  # noqa: E711
-    ctx.resident.for_slots(e, load_moving, R, w)
+    if window != None:  # noqa: E711
+        _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load)
+        return
+    ctx.resident.for_slots(e, load_moving, R)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total, part):
         stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
@@ -460,74 +427,96 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
                 load(lhs, i, j, p0, stationary, j)
 
-        ctx.resident.for_slots(e, load_stationary, R, w)
+        ctx.resident.for_slots(e, load_stationary, R)
         for m_group in groups:
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
                     for _ in m_group]
 
-            def body(i, j, p0=p0, stationary=stationary, m_group=m_group, accs=accs):
-                for (m0, msz), row in zip(m_group, accs):
-                    a = panel_columns(stationary.tile(j, P), m0 - p0, ctx.f_pad(msz))
-                    for (n0, nsz, c0, slots), acc in zip(n_tiles, row):
-                        # K=the block's B tokens (one MX K tile), M=msz, N=nsz
-                        matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), setup,
-                                      accumulate=j > 0)
-
-            if partial == None:  # noqa: E711
-                ctx.resident.for_slots(e, body, R)
-                for (m0, msz), row in zip(m_group, accs):
-                    store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
-                    for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                        store.tile(acc, n0, nsz, t)
-                        t += 1
-            else:
-                ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
-                if w > 0:
-                    _add_partial(partial, m_group, n_tiles, accs)
-                ctx.resident.for_slots(e, body, R, w, first=1)
-                _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t)
-                t += len(m_group) * len(n_tiles)
+            body = _group_matmuls(ctx, stationary, p0, m_group, n_tiles, accs)
+            ctx.resident.for_slots(e, body, R)
+            for (m0, msz), row in zip(m_group, accs):
+                store = RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
+                for (n0, nsz, _, _), acc in zip(n_tiles, row):
+                    store.tile(acc, n0, nsz, t)
+                    t += 1
             accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
         stationary = load_stationary = None
 
 
-def _add_partial(partial, m_group, n_tiles, accs):
-    """acc = fp32(acc + partial[tile]) for the group's PSUM accumulators (after their slot-0 matmul overwrote them):
-    the earlier windows' fp32 sums, loaded from this core's tiles of the HBM scratch, added on VectorE."""
-    for (m0, msz), row in zip(m_group, accs):
-        for (n0, nsz, _, _), acc in zip(n_tiles, row):
-            part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=part[:msz, :nsz], src=partial[m0:m0 + msz, n0:n0 + nsz])
-            nisa.tensor_tensor(dst=acc[:msz, :nsz], data1=acc[:msz, :nsz], data2=part[:msz, :nsz], op=nl.add)
+def _group_matmuls(ctx, stationary, p0, m_group, n_group, accs):
+    """body(i, j) for ResidentBlocks.for_slots: slot j's matmuls into the PSUM accumulators accs[m][n] of the output
+    tiles m_group x n_group (n tiles as compute_phase3_resident_grads_mxfp8's: (n0, nsz, c0, moving slots)); slot 0
+    overwrites, later slots add (the reference's block order)."""
+    P = ctx.B // MX_PACK
 
-
-def _store_window(ctx, e, w, out, partial, m_group, n_tiles, accs, n_lo, n_hi, wg_dtype, t):
-    """After window w's slots: the expert's last window stores wg(acc + 0.0) (_RowStore), any other the fp32 sums
-    as they are into this core's tiles of `partial`. Both read PSUM on ScalarE only, as the resident path's evictions
-    (round 6b): VectorE holds the quantizes of the next stationary piece and window and the carries' adds, which would
-    otherwise queue behind a group's copies and so behind its last matmuls (docs/moe.md section 10, round 11c)."""
-
-    def final():
-        tt = t
+    def body(i, j):
         for (m0, msz), row in zip(m_group, accs):
-            store = _RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar,))
-            for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                store.tile(acc, n0, nsz, tt)
-                tt += 1
+            a = panel_columns(stationary.tile(j, P), m0 - p0, ctx.f_pad(msz))
+            for (n0, nsz, c0, slots), acc in zip(n_group, row):
+                # K=the block's B tokens (one MX K tile), M=msz, N=nsz
+                matmul_panels(acc[:a.f_pad, :nsz], a, panel_columns(slots.tile(j, P), n0 - c0, nsz), ctx.setup,
+                              accumulate=j > 0)
 
-    def carry():
-        for (m0, msz), row in zip(m_group, accs):
-            for (n0, nsz, _, _), acc in zip(n_tiles, row):
-                part = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=part[:msz, :nsz], src=acc[:msz, :nsz], engine=nisa.engine.scalar)
-                nisa.dma_copy(dst=partial[m0:m0 + msz, n0:n0 + nsz], src=part[:msz, :nsz])
+    return body
 
-    if w == 0:
-        carry()  # window 0 is never the last (nb > R)
-        return
-    ctx.resident.if_last_window(e, w, True, final)
-    if w < ctx.resident.W - 1:
-        ctx.resident.if_last_window(e, w, False, carry)
+
+def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load):
+    """Window w of a windowed expert (window = (w, partial); compute_phase3_resident_grads_mxfp8's moving pieces
+    `moving`, n tiles `n_tiles` and `load`), its output tiles taken n tile by n tile: per stationary piece, one group per
+    n tile of the piece's m tiles (at most SINGLE_BLOCK_LOAD_WIDTH / PARTITIONS accumulators). The moving operand is
+    loaded piece by piece (all slots of piece 0, then the stationary piece, then the first group; piece q + 1 once the
+    first group on piece q has its slot-0 matmuls and partial-sum adds issued), so a window's first group waits for one
+    moving piece's loads instead of all of them (docs/moe.md section 10, round 12a). Each tile's sum is the resident
+    path's: slot 0 overwrites, the earlier windows' fp32 partial sum is added (w > 0), slots 1.. add, in block order.
+    The expert's last window stores its tiles one by one; the others carry them (store_window).
+
+    Dimensions: as compute_phase3_resident_grads_mxfp8 (this core's [M_c, N_c] tiles)."""
+    w, partial = window
+    # core 0's n tiles and moving pieces (the larger share): a core with fewer runs empty groups and loads, so both
+    # enter the same loops; n tile g of core 0 is the first on its piece q: piece q + 1 loads after its slot 0
+    _, (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
+    tiles0, pieces0 = blocks(n_lo0, n_hi0, MOE_N_TILE), blocks(n_lo0, n_hi0, SINGLE_BLOCK_LOAD_WIDTH)
+    groups = n_tiles + [None] * (len(tiles0) - len(n_tiles))
+    load_after = {next(g for g, (n0, _) in enumerate(tiles0) if n0 >= c0): q + 1 for q, (c0, _) in enumerate(pieces0)
+                  if q + 1 < len(pieces0)}
+
+    def load_moving(q):
+        def body(i, j):
+            if q < len(moving):
+                c0, slots = moving[q]
+                load(rhs, i, j, c0, slots, q * R + j)
+
+        ctx.resident.for_slots(e, body, R, w)
+
+    load_moving(0)
+    t = 0
+    for s, ((p0, psz), m_groups) in enumerate(_resident_schedule(ctx, m_total, n_total)):
+        m_group = [m for group in m_groups for m in group]
+        kernel_assert(len(m_group) <= WEIGHT_GRAD_PSUM_TILES,
+                      f"{len(m_group)} m tiles of a stationary piece > {WEIGHT_GRAD_PSUM_TILES} PSUM accumulators")
+        stationary = PanelSlots(R, ctx.f_pad(psz), ctx.setup, split=True) if psz else None
+
+        def load_stationary(i, j, p0=p0, stationary=stationary):
+            if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
+                load(lhs, i, j, p0, stationary, j)
+
+        ctx.resident.for_slots(e, load_stationary, R, w)
+        for g, n_tile in enumerate(groups):
+            n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
+            accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
+                    for _ in (m_group if n_group else [])]
+            body = _group_matmuls(ctx, stationary, p0, m_group, n_group, accs)
+            ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
+            if w > 0:
+                add_partial(partial, m_group, n_group, accs)
+            if s == 0 and g in load_after:
+                load_moving(load_after[g])
+            ctx.resident.for_slots(e, body, R, w, first=1)
+            n_lo, n_hi = (n_tile[0], n_tile[0] + n_tile[1]) if n_group else (0, 0)
+            store_window(ctx, e, w, out, partial, m_group, n_group, accs, n_lo, n_hi, wg_dtype, t)
+            t += len(m_group) * len(n_group)
+            accs = body = None  # drop the group's PSUM before the next group allocates its own
+        stationary = load_stationary = None
 
 
 def compute_phase3_windowed_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, partial):
