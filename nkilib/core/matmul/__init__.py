@@ -2,6 +2,7 @@
 
 descriptor.py: operand descriptors (TensorDescriptor) and numeric setup (MatmulSetup);
 panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transposes) -> PSUM matmuls;
+panel_builder.py: Panel, PanelPlacement (where a panel's K tiles go in SBUF) and the PanelBuilder that places them;
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
 plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps);
@@ -10,7 +11,8 @@ k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neith
 constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
-from .panels import (Panel, PanelLoad, k_tiles, load_panel, matmul_panels,  # noqa: F401
+from .panel_builder import Panel, PanelPlacement  # noqa: F401
+from .panels import (PanelLoad, k_tiles, load_panel, matmul_panels,  # noqa: F401
                      panel_bytes_per_partition, panel_columns, panel_layout_hbm, single_k_tile, stage_row_block,
                      store_k_tile)
 from .row_panels import (PanelSlots, load_panel_tiles, panel_from_row_loader, panel_from_rows,  # noqa: F401

@@ -54,7 +54,7 @@ NATURAL_BUFFERS = 2  # row tiles of a K-contiguous operand that a PanelSource's 
 # load, then this many: the next load waits for the previous one's PE transposes). TP8 MXFP8 modeled 0.692 ms;
 # 3: 0.698, 4: 0.715; 2 from the first load on: 0.711; not shared: 0.722
 MX_PANEL_WHOLE_MAX_BYTES = 32 * 1024  # a plan's MX panel words above this (per partition) are allocated in pieces
-MX_PANEL_PIECE_BYTES = 16 * 1024  # of this size (panels.py _PanelBuilder: TP8 MXFP8 modeled 0.685 -> 0.660 ms)
+MX_PANEL_PIECE_BYTES = 16 * 1024  # of this size (panel_builder.py PanelPlacement.pieces: TP8 modeled 0.685 -> 0.660 ms)
 OWN_PREFETCH_GROUPS = 6  # natural row tiles (4 KiB per partition each) of a K-streamed plan's first group that
 # MatmulPlan.prefetch_own DMAs before the core barrier (columns this core wrote itself). TP1 MXFP8 modeled (none:
 # 4.567 / 4.730 ms) 2: 4.565 / 4.727, 4: 4.5625 / 4.7251, 5: 4.5625 / 4.7253, 6 (the first panel's own tiles): 4.5618 /
@@ -74,3 +74,7 @@ LEAD_INTERLEAVE_SKEW = 2  # K tiles the second tile of such a span trails the fi
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
+# Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per
+# K tile (and per scale tile), on-chip-quantized words in pieces of MX_PANEL_PIECE_BYTES, or a caller's allocation
+PLACEMENT_WHOLE, PLACEMENT_PER_K_TILE = "whole", "per_k_tile"
+PLACEMENT_PIECES, PLACEMENT_INTO = "pieces", "into"

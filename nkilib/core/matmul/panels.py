@@ -31,26 +31,10 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert, round_up
-from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, MX_PANEL_PIECE_BYTES,
-                        MX_PANEL_WHOLE_MAX_BYTES, NATURAL_LOAD_K, PARTITIONS, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE,
-                        STAGING_BUFFERS)
+from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
+                        PLACEMENT_PER_K_TILE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
-
-
-
-class Panel(nl.NKIObject):
-    """An operand's [K, F] panel resident in SBUF, one entry per K tile.
-
-    data[t]: x4 words [P_t, F_pad] (MXFP8) or bf16 [T_t, F_pad]; scales[t]: scale view (MXFP8) or None.
-    words_tile, scale_tile: the SBUF allocations behind data / scales when the panel's K tiles share one of each
-    (_PanelBuilder without split or pieces; store_panel_tiles copies them), else None.
-    """
-
-    def __init__(self, data, scales, f_pad, words_tile=None, scale_tile=None):
-        self.data = data
-        self.scales = scales
-        self.f_pad = f_pad
-        self.words_tile, self.scale_tile = words_tile, scale_tile
+from .panel_builder import Panel, PanelBuilder
 
 
 class LoadRing(nl.NKIObject):
@@ -124,47 +108,6 @@ def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
                 src = t.ap(pattern=[[step_p * row, rows], [1, f_size]], offset=base + step_j * j * row)
                 nisa.dma_copy(dst=stage[:rows, j, :f_size], src=src)
     return stage[:P, :, :f_pad].permute((0, 2, 1))  # [P, F_pad, 4]: (p, f, j) order for quantize_mx
-
-
-def _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup):
-    """Interleaved staging tile [P, F_pad, 4] of K tile [k0, k0+padded) from natural row tiles.
-
-    chunks: [(c0, rows, natural, k_lo)]: SBUF [rows, *] bf16 tiles holding columns k_lo.. of F rows
-    c0..c0+rows of a K-contiguous operand (zero beyond K). Slot j of the interleaved layout is the
-    column set k(p, j), p < P, of the natural tile, transposed on the PE array (bit-exact,
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html)
-    into PSUM and copied to SBUF on ScalarE (VectorE carries quantize_mx).
-    """
-    P = padded // MX_PACK
-    stage = nl.ndarray((PARTITIONS, f_pad, MX_PACK), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if f_size < f_pad:
-        nisa.memset(dst=stage[:P, :, :], value=0.0)
-    for c0, rows, natural, k_lo in chunks:
-        lo = k0 - k_lo
-        flipped = nl.ndarray((PARTITIONS, MX_PACK, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
-        for j in range(MX_PACK):
-            if setup.scheme == "1x32":
-                cols = natural[:rows, lo + j:lo + padded:MX_PACK]  # k = 4p + j
-            else:
-                cols = natural[:rows, lo + P * j:lo + P * (j + 1)]  # k = p + P*j
-            nisa.nc_transpose(dst=flipped[:P, j, :rows], data=cols, engine=nisa.engine.tensor)
-        # PSUM [P, 4, rows] -> SBUF [P, rows, 4]
-        nisa.tensor_copy(dst=stage[:P, c0:c0 + rows, :], src=flipped[:P, :, :rows].permute((0, 2, 1)),
-                         engine=nisa.engine.scalar)
-    return stage[:P, :, :]
-
-
-def _bf16_tile_natural(tile, chunks, k0, valid, f_size, f_pad):
-    """bf16 K tile [valid, F_pad] of a K-contiguous operand, transposed from natural row tiles into the
-    SBUF tile `tile` [128, F_pad]."""
-    if f_size < f_pad:
-        nisa.memset(dst=tile[:valid, :], value=0.0)
-    for c0, rows, natural, k_lo in chunks:
-        flipped = nl.ndarray((PARTITIONS, PARTITIONS), dtype=nl.bfloat16, buffer=nl.psum)
-        nisa.nc_transpose(dst=flipped[:valid, :rows], data=natural[:rows, k0 - k_lo:k0 - k_lo + valid],
-                          engine=nisa.engine.tensor)
-        nisa.tensor_copy(dst=tile[:valid, c0:c0 + rows], src=flipped[:valid, :rows], engine=nisa.engine.scalar)
-    return tile[:valid, :]
 
 
 def _load_rows_natural(op, f0, rows, k_lo, k_hi, k_pad_hi, natural=None):
@@ -272,114 +215,6 @@ def _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi):
     return builder.panel()
 
 
-class _PanelBuilder(nl.NKIObject):
-    """Accumulates the K tiles [t_lo, t_lo + count) of one panel.
-
-    MXFP8: all K tiles of a panel share one SBUF allocation (words [128, count, F_pad], scales [128,
-    scale tiles, F_pad]), placed at its first write: the panel stays contiguous instead of interleaving
-    small words tiles with the staging tiles, which would leave staging-sized holes behind.
-    split=True: one words tile [128, F_pad] per K tile and one scale tile [128, F_pad] per scale tile instead
-    (each placed at its own first write), for panels too large to ask for one contiguous gap: a kernel whose
-    many small, differently-lived tiles fragment SBUF (the MoE kernel, docs/moe.md section 10, round 6a) then
-    never needs a gap wider than one K tile's words (4 KiB per partition for 1024 columns).
-    pieces=True (the dense plans; exclusive with split): words of more than MX_PANEL_WHOLE_MAX_BYTES per
-    partition quantized on chip are allocated in pieces of MX_PANEL_PIECE_BYTES (whole K tiles each): a block
-    that large finds no gap among the previous phase's live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited for phase 2's last stores:
-    modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB: 0.685; splitting every
-    panel above 16 KiB, W_down's included: 0.671).
-    """
-
-    def __init__(self, f_pad, setup, t_lo, count, split=False, pieces=False, into=None):
-        kernel_assert(into == None or not split,  # noqa: E711
-                      "_PanelBuilder: `into` (a caller's allocation) and split=True are exclusive, got both")
-        self.f_pad = f_pad
-        self.pieces = pieces  # large words in pieces (quantized_words)
-        self.setup = setup
-        self.t_lo = t_lo
-        self.count = count
-        self.split = split
-        self.data, self.scales = [], []
-        self._data_tile = self._scale_tile = None
-        self._scale_tiles = [None] * count  # split: one per scale tile
-        self._pieces = [None] * count  # words allocated in pieces of whole K tiles (split: 1; pieces: piece_tiles)
-        self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
-        self.into = into != None  # noqa: E711  the panel's words and scales live in the caller's allocation
-        if self.into:
-            self._data_tile, self._scale_tile = into
-
-    def _piece_words(self, t, P, tiles_per_piece):
-        """SBUF [P, F_pad] x4 words for K tile t in a piece of `tiles_per_piece` K tiles, allocated at its first
-        write (the one place where a panel's words are not one allocation: split and pieces)."""
-        i = t - self.t_lo
-        g = i // tiles_per_piece
-        if self._pieces[g] == None:  # noqa: E711
-            tiles = min(tiles_per_piece, self.count - g * tiles_per_piece)
-            self._pieces[g] = nl.ndarray((PARTITIONS, tiles, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
-        return self._pieces[g][:P, i % tiles_per_piece, :]
-
-    def words(self, t, P):
-        """SBUF [P, F_pad] x4 words (MXFP8) for K tile t: in the panel's one allocation, or its own with split."""
-        if self.split:
-            return self._piece_words(t, P, 1)
-        if self._data_tile == None:  # noqa: E711
-            self._data_tile = nl.ndarray((PARTITIONS, self.count, self.f_pad), dtype=self.setup.x4_dtype,
-                                         buffer=nl.sbuf)
-        return self._data_tile[:P, t - self.t_lo, :]
-
-    def quantized_words(self, t, P):
-        """SBUF [P, F_pad] x4 words for K tile t quantized on chip: words(t, P), or, when built with pieces=True,
-        for a panel of more than MX_PANEL_WHOLE_MAX_BYTES per partition a slot of its piece."""
-        whole = self.count * self.f_pad * 4 <= MX_PANEL_WHOLE_MAX_BYTES or self.piece_tiles >= self.count
-        if not self.pieces or whole or self.into:
-            return self.words(t, P)
-        return self._piece_words(t, P, self.piece_tiles)
-
-    def bf16_tile(self, t):
-        """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
-        staging, and a whole-panel allocation would make its first load wait for all the memory)."""
-        return nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
-
-    def scale(self, t):
-        """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
-        i = t - self.t_lo
-        packing = self.setup.use_scale_packing
-        if self.split:
-            s = i // SCALE_PACK_SLOTS if packing else i
-            if self._scale_tiles[s] == None:  # noqa: E711
-                self._scale_tiles[s] = nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
-            tile = self._scale_tiles[s]
-            return tile[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, :] if packing else tile
-        if self._scale_tile == None:  # noqa: E711
-            n = -(-self.count // SCALE_PACK_SLOTS) if packing else self.count
-            self._scale_tile = nl.ndarray((PARTITIONS, n, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf)
-        if packing:
-            return self._scale_tile[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, i // SCALE_PACK_SLOTS, :]
-        return self._scale_tile[:, i, :]
-
-    def add_mx(self, t, padded, src):
-        """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
-        P = padded // MX_PACK
-        words = self.quantized_words(t, P)
-        scale = self.scale(t)
-        nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
-        self.data.append(words)
-        self.scales.append(scale)
-
-    def add_natural(self, t, tile, chunks, f_size):
-        """K tile t (k0, valid, padded) from natural row tiles (see _stage_mx_natural)."""
-        k0, valid, padded = tile
-        if self.setup.is_mx:
-            self.add_mx(t, padded, _stage_mx_natural(chunks, k0, padded, f_size, self.f_pad, self.setup))
-        else:
-            self.data.append(_bf16_tile_natural(self.bf16_tile(t), chunks, k0, valid, f_size, self.f_pad))
-            self.scales.append(None)
-
-    def panel(self):
-        whole = not self.split and not self.pieces
-        return Panel(self.data, self.scales, self.f_pad, self._data_tile if whole else None,
-                     self._scale_tile if whole else None)
-
-
 def _natural_groups(tiles, setup):
     """Consecutive K tiles grouped so one natural-row DMA covers up to NATURAL_LOAD_K columns."""
     per = max(1, NATURAL_LOAD_K // (MX_K_TILE if setup.is_mx else BF16_K_TILE))
@@ -400,11 +235,11 @@ class PanelLoad(nl.NKIObject):
     once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
     """
 
-    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, pieces=False, builder=None):
+    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
-            builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, pieces=pieces)
+            builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
         self.op, self.f0, self.f_size, self.f_pad, self.setup = op, f0, f_size, f_pad, setup
         self.builder, self.t_lo, self.t_hi = builder, t_lo, t_hi
         self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
@@ -441,7 +276,7 @@ class PanelLoad(nl.NKIObject):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, split: bool = False, pieces: bool = False, into=None, preloaded=None) -> Panel:
+               ring=None, placement=None, preloaded=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -453,25 +288,20 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     ring: a LoadRing for the MXFP8 staging tiles ([K, F] operands) or the natural row tiles (K-contiguous
     bf16 operands), shared with the caller's other loads (default: a fresh STAGING_BUFFERS ring for this
     load's staging tiles; fresh natural tiles).
-    split: one SBUF allocation per MXFP8 K tile instead of one for the panel (_PanelBuilder; not with
-    panel-layout operands, which load all K tiles' words in one DMA).
-    pieces: a [K, F] operand's MX words of more than MX_PANEL_WHOLE_MAX_BYTES per partition in pieces
-    (_PanelBuilder; MatmulPlan's panels). Not with split.
-    into: (words [128, t_hi - t_lo, f_pad], scales [128, scale tiles, f_pad]) SBUF views of a caller's allocation
-    that holds the panel instead of its own (PanelGroupBlock: a K-streamed group's panels in one block; MXFP8 only,
-    not with split; pieces are then ignored).
+    placement: where the MXFP8 K tiles' words and scales go (PanelPlacement, default whole(): one allocation of
+    each for the panel). per_k_tile() is not for panel-layout operands (all their K tiles' words load in one DMA);
+    pieces(): MatmulPlan's panels; into(words [128, t_hi - t_lo, f_pad], scales [128, scale tiles, f_pad]): a
+    caller's allocation (PanelGroupBlock: a K-streamed group's panels in one block; MXFP8 only).
     preloaded: [(natural group index, row tile)] of a K-contiguous operand whose rows preload_natural_rows already
     DMAed (MatmulPlan.prefetch_own): those groups are transposed and quantized first, the rest in K order. Every K
     tile is quantized on its own into its own words and scale rows, so the order changes no bit.
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
-    kernel_assert(not (split and op.panel_layout), "load_panel: split=True needs a bf16 or per-K-tile operand, "
-                  "got a panel-layout operand (its K tiles load in one DMA into one allocation)")
-    kernel_assert(not (split and pieces), "load_panel: split=True and pieces=True are exclusive, got both")
-    kernel_assert(into == None or setup.is_mx,  # noqa: E711
-                  "load_panel: `into` holds MXFP8 words and scales, got a BF16 setup")
-    builder = _PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, split, pieces, into)
+    builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
+    kernel_assert(not (builder.placement.kind == PLACEMENT_PER_K_TILE and op.panel_layout),
+                  "load_panel: PanelPlacement.per_k_tile() needs a bf16 or per-K-tile operand, got a panel-layout "
+                  "operand (its K tiles load in one DMA into one allocation)")
     if op.panel_layout:
         return _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi)
     if op.k_axis == 1 and not op.prequantized:
@@ -579,9 +409,9 @@ def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> in
 class PanelGroupBlock(nl.NKIObject):
     """One SBUF allocation for the MXFP8 words (and one for the scales) of `count` whole panels of equal shape
     [K, f_pad]: a K-streamed group's stationary panels (MatmulPlan(contiguous_group=True)). Each panel is a slot
-    (`slot(i, f_pad)`, load_panel's `into`). Separate panel allocations, placed next-fit one by one among the
-    group's transient natural row and staging tiles, find no gap and wait for tiles of the previous group (TP1's
-    phase 2: each group start); one block is placed once, where the previous group's block was.
+    (`slot(i, f_pad)`, load_panel's PanelPlacement.into). Separate panel allocations, placed next-fit one by one
+    among the group's transient natural row and staging tiles, find no gap and wait for tiles of the previous group
+    (TP1's phase 2: each group start); one block is placed once, where the previous group's block was.
 
     Dimensions:
         words [128, count, K tiles, f_pad] x4; scales [128, count, scale tiles, f_pad] uint8.
@@ -596,6 +426,6 @@ class PanelGroupBlock(nl.NKIObject):
         self.scales = nl.ndarray((PARTITIONS, count, scale_tiles, f_pad), dtype=nl.uint8, buffer=nl.sbuf)
 
     def slot(self, i: int, f_pad: int):
-        """(words, scales) views of panel i, its first f_pad columns (load_panel's `into`)."""
+        """(words, scales) views of panel i, its first f_pad columns (PanelPlacement.into's arguments)."""
         kernel_assert(0 <= i < self.count, f"PanelGroupBlock: slot {i} of {self.count} panels")
         return self.words[:, i, :, :f_pad], self.scales[:, i, :, :f_pad]

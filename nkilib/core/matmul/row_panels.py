@@ -2,7 +2,7 @@
 offsets: panel_from_row_loader, into room allocated earlier: PanelSlots) or that are already on chip (panel_from_rows,
 panels_from_row_blocks), and on-chip panels copied to HBM and back as they are (store_panel_tiles, load_panel_tiles);
 row tiles of a K-contiguous operand DMAed ahead of their panel's load (preload_natural_rows).
-The same K tiles, scale layout and panel builder as panels.py's load_panel, so the bits are the same.
+The same K tiles, scale layout and panel builder (panel_builder.py) as panels.py's load_panel, so the bits are the same.
 """
 from __future__ import annotations
 
@@ -12,23 +12,22 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import MX_PACK, PARTITIONS, SCALE_PACK_SLOTS
 from .descriptor import MatmulSetup
-from .panels import Panel, _load_rows_natural, _natural_groups, _PanelBuilder, _rows_in_slot, _slot_geometry, k_tiles
+from .panel_builder import Panel, PanelBuilder
+from .panels import _load_rows_natural, _natural_groups, _rows_in_slot, _slot_geometry, k_tiles
 
 
 class PanelSlots(nl.NKIObject):
     """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
     tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
-    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of _PanelBuilder
-    (words [128, count, f_pad], scales shared by K-tile quads with scale packing; split: one allocation per
-    slot's words and per scale tile)."""
+    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of PanelBuilder
+    (placement: a PanelPlacement, default whole(): words [128, count, f_pad], scales shared by K-tile quads with
+    scale packing; per_k_tile(): one allocation per slot's words and per scale tile)."""
 
-    def __init__(self, count: int, f_pad: int, setup: MatmulSetup, split: bool = False):
+    def __init__(self, count: int, f_pad: int, setup: MatmulSetup, placement=None):
         kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
         self.f_pad = f_pad
-        self._builder = _PanelBuilder(f_pad, setup, 0, count, split)
-        for t in range(count if split else 1):  # allocate the tiles now, outside any loop (split: one per slot)
-            self._builder.words(t, PARTITIONS)
-            self._builder.scale(t)
+        self._builder = PanelBuilder(f_pad, setup, 0, count, placement)
+        self._builder.allocate()  # the tiles now, outside any loop
 
     def tile(self, t: int, P: int = PARTITIONS) -> Panel:
         """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
@@ -56,7 +55,7 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
         result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
     """
     tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder = PanelBuilder(f_pad, setup, 0, len(tiles))
     if into != None:  # noqa: E711
         kernel_assert(setup.is_mx and len(tiles) == 1 and into[0].f_pad == f_pad,
                       f"into= takes one MXFP8 K tile of width {into[0].f_pad}; got K={k_size}, f_pad={f_pad}, "
@@ -110,7 +109,7 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
     up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
     tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder = PanelBuilder(f_pad, setup, 0, len(tiles))
     chunks = [(0, f_size, rows_tile, 0)]
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
@@ -141,7 +140,7 @@ def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: Matm
     """The Panel that store_panel_tiles stored in HBM (words_src [128, K tiles, f_pad] x4, scales_src [128, scale
     tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel."""
     tiles = k_tiles(k_size, setup)
-    builder = _PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder = PanelBuilder(f_pad, setup, 0, len(tiles))
     builder.words(0, PARTITIONS)  # allocates words [128, K tiles, f_pad]
     builder.scale(0)  # and scales [128, scale tiles, f_pad]
     nisa.dma_copy(dst=builder._data_tile, src=words_src)

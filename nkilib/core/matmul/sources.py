@@ -11,6 +11,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import NATURAL_BUFFERS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
+from .panel_builder import PanelPlacement
 from .panels import LoadRing, Panel, PanelLoad, load_panel, panel_columns
 
 
@@ -83,7 +84,7 @@ class PanelSource(nl.NKIObject):
             width = min(self.load_width, self.hi - base) if self.load_width else f_size
             self._start_ring(False)
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
-                                     pieces=True)
+                                     placement=PanelPlacement.pieces())
             self.pending_key = base
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
                       "load is pending")
@@ -102,8 +103,11 @@ class PanelSource(nl.NKIObject):
         natural = self.op.k_axis == 1 and not self.op.prequantized
         self._start_ring(natural)
         f_pad = self._padded(f_size)
-        into = block.slot(slot, f_pad) if block != None else None  # noqa: E711
-        panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, pieces=True, into=into,
+        placement = PanelPlacement.pieces()
+        if block != None:  # noqa: E711
+            words, scales = block.slot(slot, f_pad)
+            placement = PanelPlacement.into(words, scales)
+        panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded)
         return self._keep(f0, f_size, panel, natural)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, shard_range
-from ...core.matmul import TensorDescriptor, k_tiles, load_panel, panel_layout_hbm, store_k_tile
+from ...core.matmul import PanelPlacement, TensorDescriptor, k_tiles, load_panel, panel_layout_hbm, store_k_tile
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from .constants import MX_K_TILE, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS
@@ -64,7 +64,8 @@ class DownWeightExchange(nl.NKIObject):
         for t in range(self.t_lo, self.t_hi):
             for f0, fsz in _blocks(0, ctx.I, WIDE_WEIGHT_LOAD_WIDTH):
                 # one K tile at a time: its words die at their store instead of a whole half panel staying live
-                panel = load_panel(op, f0, fsz, fsz, ctx.setup, t_lo=t, t_hi=t + 1, ring=ring, split=True)
+                panel = load_panel(op, f0, fsz, fsz, ctx.setup, t_lo=t, t_hi=t + 1, ring=ring,
+                                   placement=PanelPlacement.per_k_tile())
                 store_k_tile(panel.data[0], panel.scales[0], self.words[e], self.scales[e], t, ctx.setup, f0=f0)
                 panel = None
 

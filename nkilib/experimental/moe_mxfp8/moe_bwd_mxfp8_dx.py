@@ -15,8 +15,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert
-from ...core.matmul import (Panel, k_tiles, load_panel, load_panel_tiles, matmul_panels, panel_bytes_per_partition,
-                            panel_columns, panel_from_rows, panel_tile_widths)
+from ...core.matmul import (Panel, PanelPlacement, k_tiles, load_panel, load_panel_tiles, matmul_panels,
+                            panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths)
 from ...core.matmul.constants import SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
@@ -35,7 +35,7 @@ class ExpertPanels(nl.NKIObject):
     runs) where such a panel fits WIDE_WEIGHT_PANEL_BYTES (load_width), served as column slices; on use, the current
     super-panel serves consecutive tiles. start_block() forgets it at the top of each loop body: the body is
     traced once on hardware, so each iteration must load what it uses (no Python state across iterations).
-    Each MXFP8 K tile of a panel is its own SBUF allocation (load_panel split=True: 4 KiB per partition for 1024
+    Each MXFP8 K tile of a panel is its own SBUF allocation (PanelPlacement.per_k_tile(): 4 KiB per partition for 1024
     columns, not one 56 KiB tile for DeepSeek-V3's 14 K tiles of W_down), so a panel never needs one wide gap
     among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
     ring: a LoadRing that the resident panels' loads share for their MXFP8 staging tiles (pass B: pass C's kernel-scope
@@ -93,7 +93,7 @@ class ExpertPanels(nl.NKIObject):
         and scales quantized earlier: DownWeightExchange), loaded as they are, one DMA pair per scale tile's
         SCALE_PACK_SLOTS K tiles (not one allocation for the panel: round 6a), joined into one Panel."""
         if not self.op.panel_layout:
-            return load_panel(self.op, f0, w, w, self.setup, ring=ring, split=True)
+            return load_panel(self.op, f0, w, w, self.setup, ring=ring, placement=PanelPlacement.per_k_tile())
         n = len(k_tiles(self.op.k_size, self.setup))
         data, scales = [], []
         for t in range(0, n, SCALE_PACK_SLOTS):

@@ -21,8 +21,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, shard_range
-from ...core.matmul import (CoreSplit, PanelSlots, matmul_panels, panel_bytes_per_partition, panel_columns,
-                            panel_from_row_loader)
+from ...core.matmul import (CoreSplit, PanelPlacement, PanelSlots, matmul_panels, panel_bytes_per_partition,
+                            panel_columns, panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.sources import blocks
 from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store, store_window
@@ -376,7 +376,8 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     Dimensions: as compute_phase3_expert_weight_grads_mxfp8; this core's output [M_c, N_c] with N_c <=
     WEIGHT_GRAD_PSUM_TILES x MOE_N_TILE (resident_block_count).
     Slots: block lo + j of the expert goes to static slot j < R of SBUF room allocated here (PanelSlots, one
-    allocation per slot: split=True, so R slots never need one R x 4 KiB gap; docs/moe.md section 10, round 6a),
+    allocation per slot: PanelPlacement.per_k_tile(), so R slots never need one R x 4 KiB gap; docs/moe.md section 10,
+    round 6a),
     written in a 0/1-trip loop per slot (ResidentBlocks.for_slots): first the moving operand (rhs: all N_c columns,
     in SINGLE_BLOCK_LOAD_WIDTH pieces), then per piece of SINGLE_BLOCK_LOAD_WIDTH stationary columns (lhs)
     its K tiles, and per group of m tiles under all N_c columns one slot loop of matmuls into the group's PSUM
@@ -398,8 +399,8 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     n_lo, n_hi = _n_part(n_lo, n_hi, part)
-    moving = [(c0, PanelSlots(R, csz, setup, split=True)) for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)
-              if m_lo < m_hi]
+    moving = [(c0, PanelSlots(R, csz, setup, PanelPlacement.per_k_tile()))
+              for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH) if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
                if c0 <= n0 < c0 + slots.f_pad]
@@ -421,7 +422,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     ctx.resident.for_slots(e, load_moving, R)
     t = 0
     for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total, part):
-        stationary = PanelSlots(R, ctx.f_pad(psz), setup, split=True) if psz else None
+        stationary = PanelSlots(R, ctx.f_pad(psz), setup, PanelPlacement.per_k_tile()) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
@@ -494,7 +495,7 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         m_group = [m for group in m_groups for m in group]
         kernel_assert(len(m_group) <= WEIGHT_GRAD_PSUM_TILES,
                       f"{len(m_group)} m tiles of a stationary piece > {WEIGHT_GRAD_PSUM_TILES} PSUM accumulators")
-        stationary = PanelSlots(R, ctx.f_pad(psz), ctx.setup, split=True) if psz else None
+        stationary = PanelSlots(R, ctx.f_pad(psz), ctx.setup, PanelPlacement.per_k_tile()) if psz else None
 
         def load_stationary(i, j, p0=p0, stationary=stationary):
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
