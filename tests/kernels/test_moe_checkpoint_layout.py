@@ -25,15 +25,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout
 from nkilib.simulator.launcher import run_kernel
 from simkit import BF16, assert_outputs_identical, simulate
 from test_moe_bwd_kernel import CLAMPS, moe_case, routing
+from test_moe_i_split import CHECKPOINTS, i_split_case
 
-CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 
 
 def _blocked(kernel, ref, names):
@@ -64,12 +63,7 @@ def test_block_layout_i_split(monkeypatch, lnc):
     checkpoint read follows its first W_down load in program order (read at the first epilogue). Fails on the old
     code (no checkpoint_layout argument; a kernel that gathered the block layout by slot would read rows past the
     padding) and without the deferred read (checkpoints first: trace positions 330 against W_down's 354)."""
-    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I, B = 912, 5, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
-    ids = ids[np.random.default_rng(23).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    kernel, ref = i_split_case(monkeypatch)
     slot_out, slot_trace = _run(kernel, lnc)
     out, trace = _run(_blocked(kernel, ref, CHECKPOINTS), lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} block-layout checkpoints vs mx_exact")

@@ -53,6 +53,18 @@ def _record(monkeypatch):
     return split, quantized, loaded, staged
 
 
+def i_split_case(monkeypatch):
+    """(kernel kwargs, reference kwargs) of test_i_split_bit_exact's routing: no resident budget, T = 912, B = 256,
+    k = 1, H = 1024, I = 544, all four checkpoints; experts of 256 / 100 / 300 / 0 / 256 pairs (blocks 1, 1, 2, 0, 1)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 912, 5, 1024, 544, 256
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
+    ids = ids[np.random.default_rng(23).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    return kernel, ref
+
+
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_i_split_bit_exact(monkeypatch, lnc):
     """No resident budget, B = 256, k = 1, H = 1024 (two MX K tiles), I = 544 (I tiles of 512 and 32: core 0 takes the
@@ -62,12 +74,7 @@ def test_i_split_bit_exact(monkeypatch, lnc):
     are staged to the block-ordered scratch a fence ahead, expert 0's are gathered in pass A), experts 1 and 2 the row
     split (2 with the exchange); under LNC1 nothing is split along I. Fails on the old code (no I split: expert 4's
     W_down is exchanged)."""
-    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I, B = 912, 5, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
-    ids = ids[np.random.default_rng(23).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    kernel, ref = i_split_case(monkeypatch)
     split, quantized, loaded, staged = _record(monkeypatch)
     out = run(kernel, lnc=lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} I split vs mx_exact")
