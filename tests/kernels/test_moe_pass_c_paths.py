@@ -316,6 +316,24 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     assert {p for p, _ in tiles} == {"parts", "windows", "resident"}
 
 
+def _windowed_pass_c(monkeypatch, lnc, H, I, order_seed, seed, label):
+    """Core 0's pass C trace records of a run with R = 2, W = 3 and experts of 600 / 450 / 250 pairs (k = 1, T = 1300,
+    B = 128: 5 blocks in windows 2 + 2 + 1, 4 in 2 + 2, 2 resident), gate_pre / up given, clamped; asserts LNC`lnc`
+    == mx_exact bit for bit first."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    T, E = 1300, 3
+    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
+    ids = ids[np.random.default_rng(order_seed).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=seed, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"LNC{lnc} {label} vs mx_exact")
+    return [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+
+
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_windowed_carries_and_evictions_on_scalar(monkeypatch, lnc):
     """Round 11c (docs/moe.md section 10): a windowed expert's PSUM reads (the fp32 carries copied out between windows
@@ -325,18 +343,8 @@ def test_windowed_carries_and_evictions_on_scalar(monkeypatch, lnc):
     2 resident; LNC1 and LNC2 == mx_exact bit for bit. Per core: one carry copy per output tile and boundary, each
     tile's carry store its own DMA into the partial-sum scratch; on the old code half of the copies and evictions ran
     on VectorE."""
-    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
-    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
-    T, E, k, H, I = 1300, 3, 1, 96, 160
-    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
-    ids = ids[np.random.default_rng(21).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=71, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
-    with label_phases(kernel_module, PHASES):
-        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"LNC{lnc} windows vs mx_exact")
-    in_c = [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+    H, I = 96, 160
+    in_c = _windowed_pass_c(monkeypatch, lnc, H, I, order_seed=21, seed=71, label="windows")
     reads_psum = [r for r in in_c if r.instr in ("tensor_copy", "tensor_scalar")
                   and any(o.buffer == "psum" for o in r.reads)]
     carries = [r for r in reads_psum if r.instr == "tensor_copy"]
@@ -361,20 +369,10 @@ def test_windows_take_groups_n_tile_by_n_tile(monkeypatch, lnc):
     (5 blocks: 2 + 2 + 1) and expert 1 (4: 2 + 2) windowed, expert 2 (2) resident; LNC1 and LNC2 == mx_exact. On the
     old code the first matmul came after 2 x R loads per moving piece (dW_gu: 2 pieces, 6 loads), and each group's
     matmuls covered all of a core's n tiles."""
-    monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
-    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     monkeypatch.setattr(W, "MOE_N_TILE", 64)
     monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
-    T, E, k, H, I = 1300, 3, 1, 320, 288
-    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
-    ids = ids[np.random.default_rng(23).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=73, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
-    with label_phases(kernel_module, PHASES):
-        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"LNC{lnc} windows by n tile vs mx_exact")
-    in_c = [r for r in res.trace if r.program == 0 and r.attrs.get("phase") == "C dW"]
+    H, I = 320, 288
+    in_c = _windowed_pass_c(monkeypatch, lnc, H, I, order_seed=23, seed=73, label="windows by n tile")
     matmuls = [g for g, r in enumerate(in_c) if r.instr == "nc_matmul_mx"]
     quantizes = [g for g, r in enumerate(in_c) if r.instr == "quantize_mx"]  # one per operand load
     # expert 0's dW_gu window 0 comes first in pass C: moving piece 0 (R = 2 slots), then the stationary piece (2)
