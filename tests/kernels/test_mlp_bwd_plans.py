@@ -229,6 +229,28 @@ def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch
         assert a.tobytes() == b.tobytes()
 
 
+def _record_k_interleaved(monkeypatch, keep):
+    """Wraps MatmulPlan._matmuls_k_interleaved: each K-interleaved span's matmul_panels calls, as (accumulator id,
+    K tiles in the call, accumulate), are handed to keep(plan, i, span, calls, before, count) after the span ran;
+    before = the index of the accumulator taken last before the span, count = the accumulators the plan had then."""
+    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
+    original_matmul_panels = plan_module.matmul_panels
+
+    def recording_matmuls(plan, i, span, finished):
+        calls, count, before = [], len(plan.accumulators[0]), plan.acc_order[-1]
+
+        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
+            calls.append((id(dst.storage), len(stationary.data), accumulate))
+            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
+
+        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
+        original_matmuls(plan, i, span, finished)
+        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+        keep(plan, i, span, calls, before, count)
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+
+
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     """After phase 1's split along I (dY resident, W_down's panels streamed n-major), the first three tiles of each new
@@ -244,8 +266,6 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     spans, interleaved = [], []
     original_spans = plan_module.tile_spans
-    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
-    original_matmul_panels = plan_module.matmul_panels
 
     def recording_spans(order, lo, hi, switch_span):
         out = original_spans(order, lo, hi, switch_span)
@@ -253,22 +273,12 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
             spans.append([s for s in out if s[1] > 1])
         return out
 
-    def recording_matmuls(plan, i, span, finished):
-        calls, count = [], len(plan.accumulators[0])
-        before = plan.acc_order[-1]  # the accumulator of the tile before the switch
-
-        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
-            calls.append((id(dst.storage), len(stationary.data), accumulate))
-            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
-
-        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
-        original_matmuls(plan, i, span, finished)
-        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+    def keep(plan, i, span, calls, before, count):
         if plan.switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             interleaved.append((calls, (count, len(plan.accumulators[0])), id(plan.accumulators[0][before].storage)))
 
     monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
-    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+    _record_k_interleaved(monkeypatch, keep)
     S, H, I = 512, 1024, 4096
     inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision=precision)}
@@ -319,26 +329,14 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
     interleaved = []
-    original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
-    original_matmul_panels = plan_module.matmul_panels
 
-    def recording_matmuls(plan, i, span, finished):
-        calls = []
-        before = plan.acc_order[-1]  # the accumulator of the tile before the span
+    def keep(plan, i, span, calls, before, count):
         (_, _), (n0, _) = plan.order[i]
-
-        def matmul_panels(dst, stationary, moving, setup, t_lo=0, t_hi=-1, accumulate=False):
-            calls.append((id(dst.storage), len(stationary.data), accumulate))
-            return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
-
-        monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
-        original_matmuls(plan, i, span, finished)
-        monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
         if len(plan.accumulators[0]) == PSUM_BUFFERS:  # not phase 1's interleave_switch (one accumulator more)
             interleaved.append((i, span, n0, calls, id(plan.accumulators[0][before].storage),
                                 [o for o in plan.order[:i + span]]))
 
-    monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
+    _record_k_interleaved(monkeypatch, keep)
     S, H, I = 2048, 256, 384
     inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
     small = MatmulConfig(m_tile=32, n_tile=128)
