@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from nkilib.examples.moe_backward_cost import (MOE_PRESETS, SCENARIOS, MoeModeledResult, fmt_ms, fmt_pct,  # noqa: E402
                                                moe_modeled_backward, result_row)
 from nkilib.examples.moe_routing_scenarios import DEFAULT_ZIPF_EXPONENT, ROUTINGS  # noqa: E402
+from nkilib.experimental.moe_mxfp8.constants import CHECKPOINT_LAYOUTS  # noqa: E402
 
 DEFAULT_PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3-ep8")
 DEFAULT_TOKENS = (4096, 16384)
@@ -169,7 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     ap.add_argument("--block-size", type=int, default=None, help="B (default: moe_backward_cost.choose_block_size)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-layout", default="block", choices=("slot", "block"),
+    ap.add_argument("--checkpoint-layout", default="block", choices=CHECKPOINT_LAYOUTS,
                     help="the kernel's checkpoint_layout: [N*B, I] block-ordered, as the torch op's forward saves them "
                          "for the backends that run the kernel (default), or [T, k, I] gathered by slot (the kernel "
                          "API's default; docs/moe.md section 6)")
