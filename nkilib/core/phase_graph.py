@@ -7,6 +7,8 @@ written piecewise by every core: the barrier is emitted only under LNC2), and ov
   * a phase's first panels load while the previous phase runs its last tiles, the ones that load
     nothing (MatmulPlan.step "head" / "first" / "all"), when no sync point separates them, the next
     phase reads nothing the previous writes, and both fit SBUF (MatmulPlan.can_prefetch);
+  * after a K-streamed phase (which holds all of SBUF until its last quad, so the above is refused) the next
+    phase's first stationary panels load under its last quad when they fit (MatmulPlan.can_load_under_tail);
   * the first panels of the phase right after a sync point load before it when they read no buffer
     the sync point protects (e.g. phase 1's on-chip panels as stationary and an input as moving);
   * phases that may run in any order (independent, no sync point between them) are taken so that the
@@ -152,6 +154,10 @@ class PhaseGraph(nl.NKIObject):
                     if plan.can_prefetch(nxt_plan):
                         phase.step(plan, "head")
                         nxt.step(nxt_plan, "first")
+                    elif plan.can_load_under_tail(nxt_plan):
+                        # a K-streamed plan holds all of SBUF until its last quad: the next plan's first stationary
+                        # panels load from there on, issued inside that plan's step (its phase function)
+                        plan.set_tail_load(nxt.step, nxt_plan)
             self.outputs[phase.name] = phase.step(plan, "all")
             phase.plan = None
         return self.outputs

@@ -8,13 +8,21 @@ from nkilib.core.phase_graph import Phase, PhaseGraph
 
 
 class FakePlan:
-    def __init__(self, prefetchable=True, on_chip=False, first=0):
+    def __init__(self, prefetchable=True, on_chip=False, first=0, streamed_tail=False):
         self.prefetchable = prefetchable
         self.on_chip = on_chip
         self.first = first
+        self.streamed_tail = streamed_tail  # a K-streamed plan that takes the next one's first stationary loads
+        self.tail_load = None
 
     def can_prefetch(self, nxt):
-        return self.prefetchable and nxt.prefetchable
+        return self.prefetchable and nxt.prefetchable and not self.streamed_tail
+
+    def can_load_under_tail(self, nxt):
+        return self.streamed_tail
+
+    def set_tail_load(self, step, nxt):
+        self.tail_load = (step, nxt)
 
     def first_bytes(self):
         return self.first
@@ -38,6 +46,10 @@ def _phase(log, name, reads=(), writes=(), plan=None, stationary_reads=(), built
     def step(p, stage):
         assert p is plan
         log.append(f"{name}:{stage}")
+        if stage == "all" and plan.tail_load is not None:  # a K-streamed plan's last quad (streamed.run_streamed)
+            tail_step, tail_plan = plan.tail_load
+            log.append(f"{name}:last quad")
+            tail_step(tail_plan, "first_stationary")
         return f"{name}-out"
 
     return Phase(name, build, step, reads=reads, writes=writes, stationary_reads=stationary_reads)
@@ -161,3 +173,15 @@ def test_cycles_and_duplicate_names_are_errors():
         g.order()
     with pytest.raises(AssertionError, match=r"phase names must be unique, got 'a' twice"):
         g.add(_phase(log, "a"))
+
+
+def test_after_a_k_streamed_phase_the_next_stationary_loads_under_its_last_quad():
+    """A K-streamed plan refuses can_prefetch (it budgets all of SBUF) but may take the next phase's first stationary
+    loads under its last quad: the graph hands it the next phase's step and plan (set_tail_load), which the plan
+    calls inside its own "all" step (TP1's phase 2 -> phase 4); the next phase then runs as usual."""
+    log = []
+    g = _graph(log, shared=())
+    g.add(_phase(log, "p2", reads=("W_gu",), writes=("dX",), plan=FakePlan(streamed_tail=True)))
+    g.add(_phase(log, "p4", reads=("dY",), writes=("dW_down",)))
+    g.run()
+    assert log == ["p2:all", "p2:last quad", "p4:first_stationary", "p4:all"]

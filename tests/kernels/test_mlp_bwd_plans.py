@@ -372,3 +372,53 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
         assert all(m == (0, 0.0) for m in measured), measured
     for a, b in zip(outs[1], outs[2]):
         assert a.tobytes() == b.tobytes()
+
+
+def _tail_order(trace, program):
+    """In one program's instruction trace: (index of phase 2's last matmul, the phase after phase 2, the index of
+    that phase's first instruction and of its first quantize_mx, the engines of phase 2's last PSUM evictions)."""
+    records = [r for r in trace if r.program == program]
+    phase = [r.attrs.get("phase") for r in records]
+    last_matmul = max(i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "nc_matmul_mx")
+    first = min(i for i in range(len(records)) if phase[i] in ("phase3", "phase4"))
+    first_quantize = min(i for i, r in enumerate(records) if phase[i] == phase[first] and r.instr == "quantize_mx")
+    evictions = [r.engine for i, r in enumerate(records[:-1]) if phase[i] == "phase2" and r.instr == "tensor_copy"
+                 and any(o.name == "hidden_states_grad" for o in records[i + 1].writes)]
+    return last_matmul, phase[first], first, first_quantize, evictions
+
+
+def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch):
+    """After the K-streamed phase 2 (which holds all of SBUF until its last quad, so can_prefetch refuses), the next
+    phase's first stationary panel loads and is quantized under phase 2's last quad (MatmulPlan.can_load_under_tail /
+    set_tail_load, PhaseGraph step "first_stationary"; TP1: phase 4's first dY panel), and phase 2's last n block
+    evicts on ScalarE only (VectorE quantizes that panel meanwhile). TP1 modeled 4.5329 / 4.7072 -> 4.5299 / 4.7053
+    ms. Forced on S = 512, H = 256, I = 4096 (the budgets of the prefetch_own test: phase 2 streams groups of two m
+    tiles): in each core's trace the next phase's first instruction and first quantize come before phase 2's last
+    matmul (after it on the old code), its last evictions are on ScalarE (alternating with VectorE on the old
+    code), and the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    S, H, I = 512, 256, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    reference = mlp_reference(inp, matmul_precision="mxfp8")
+    outputs = []
+    for lnc in (1, 2):
+        with label_phases(kernel_module, PHASES):
+            res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
+        for program in range(lnc):
+            last_matmul, nxt, first, first_quantize, evictions = _tail_order(res.trace, program)
+            assert first < last_matmul and first_quantize < last_matmul, (lnc, program, nxt, last_matmul, first,
+                                                                          first_quantize)
+            # the last n block evicts one tile per m tile of the last group (at least 2), otherwise alternating
+            # VectorE / ScalarE
+            assert evictions[-2:] == ["scalar", "scalar"], evictions
+        measured = assert_matches_mx_exact(res.outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+        outputs.append(res.outputs)
+    for a, b in zip(*outputs):
+        assert a.tobytes() == b.tobytes()

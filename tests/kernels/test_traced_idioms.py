@@ -36,6 +36,7 @@ TRACED_MODULES = (
     "core/matmul/plan.py",
     "core/matmul/row_panels.py",
     "core/matmul/sources.py",
+    "core/matmul/streamed.py",
 )
 
 

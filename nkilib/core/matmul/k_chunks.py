@@ -191,7 +191,8 @@ class SpillEpilogue(nl.NKIObject):
 class KChunkedPlan(nl.NKIObject):
     """A MatmulPlan cut along K (module docstring): `chunks` run one after the other, chunk c's first panels
     loading under chunk c - 1's last tiles when both fit SBUF. Offers MatmulPlan's interface to PhaseGraph
-    (step, first_bytes, held_bytes, can_prefetch, stationary_on_chip, stream, order)."""
+    (step, first_bytes, first_stationary_bytes, held_bytes, can_prefetch, can_load_under_tail, set_tail_load,
+    stationary_on_chip, stream, order)."""
 
     def __init__(self, chunks):
         self.chunks = chunks
@@ -203,11 +204,20 @@ class KChunkedPlan(nl.NKIObject):
     def first_bytes(self) -> int:
         return self.chunks[0].first_bytes()
 
+    def first_stationary_bytes(self) -> int:
+        return self.chunks[0].first_stationary_bytes()
+
     def held_bytes(self) -> int:
         return self.chunks[-1].held_bytes()
 
     def can_prefetch(self, nxt) -> bool:
         return self.chunks[-1].can_prefetch(nxt)
+
+    def can_load_under_tail(self, nxt) -> bool:
+        return self.chunks[-1].can_load_under_tail(nxt)
+
+    def set_tail_load(self, step, nxt) -> None:
+        self.chunks[-1].set_tail_load(step, nxt)
 
     def stationary_on_chip(self) -> bool:
         return False
@@ -223,10 +233,10 @@ class KChunkedPlan(nl.NKIObject):
             self.done += 1
 
     def step(self, stage: str) -> "KChunkedPlan":
-        """MatmulPlan.step's stages: "first" loads the first chunk's first panels; "head" runs every chunk but
-        the last and the last one's head; "all" the rest."""
-        if stage == "first":
-            self.chunks[0].step("first")
+        """MatmulPlan.step's stages: "first" / "first_stationary" load the first chunk's first (stationary) panels;
+        "head" runs every chunk but the last and the last one's head; "all" the rest."""
+        if stage == "first" or stage == "first_stationary":
+            self.chunks[0].step(stage)
         else:
             self._run_chunks(len(self.chunks) - 1)
             self.chunks[-1].step(stage)

@@ -16,23 +16,22 @@ chunks that each keep an operand resident instead (k_chunks.py plan_matmul, the 
 """
 from __future__ import annotations
 
-import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
-                        RESIDENT_OPERAND_BUDGET_BYTES, SCALE_PACK_SLOTS,
+                        RESIDENT_OPERAND_BUDGET_BYTES,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
-                        STREAM_STAGING_BUFFERS, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
                         LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES)
-from .panels import (LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition,
-                     single_k_tile)
+from .panels import k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
+from .streamed import run_streamed, tail_held_bytes
 
 
 def usable_sbuf_bytes() -> int:
@@ -169,6 +168,7 @@ class MatmulPlan(nl.NKIObject):
         self.done = 0
         self.accumulators = None
         self.stream = None
+        self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -305,6 +305,40 @@ class MatmulPlan(nl.NKIObject):
         budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
         return self.held_bytes() + nxt.first_bytes() <= budget
 
+    def can_load_under_tail(self, nxt) -> bool:
+        """Whether `nxt`'s first stationary panels may load during this K-streamed plan's last quad (set_tail_load,
+        where can_prefetch refuses: a K-streamed plan budgets all of SBUF): nxt is not K-streamed, its stationary
+        operand is [K, F] quantized on chip (first_stationary_bytes), and that load fits beside what this plan holds
+        once its last quad is loaded (streamed.tail_held_bytes) with PREFETCH_MARGIN_BYTES to spare."""
+        if self.stream == None or nxt.stream != None or not nxt.order:  # noqa: E711
+            return False
+        budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES - tail_held_bytes(self)
+        return nxt.first_stationary_bytes() <= budget
+
+    def first_stationary_bytes(self) -> int:
+        """SBUF bytes per partition of the first tile's stationary loads with their MXFP8 staging ring, when every
+        stationary operand is a [K, F] bf16 operand quantized on chip (PanelSource.can_load_ahead); else more than
+        SBUF holds (no such load under another plan)."""
+        if not self.order or not all(st.can_load_ahead() for st in self.stationary):
+            return usable_sbuf_bytes() + 1
+        (_, msz), _ = self.order[0]
+        total = 0
+        for st in self.stationary:
+            total += self._load_bytes(st, msz) + STAGING_BUFFERS * MX_PACK * 2 * (st.load_width or msz)
+        return total
+
+    def prefetch_stationary(self) -> None:
+        """Load the first tile's stationary panels now (under the previous K-streamed plan's last quad)."""
+        (m0, msz), _ = self.order[0]
+        for s, _ in self.products:
+            self.stationary[s].get(m0, msz)
+
+    def set_tail_load(self, step, nxt) -> None:
+        """K-streamed plans: call `step(nxt, "first_stationary")` (the next plan's first stationary loads, through its
+        phase function) right after loading the last quad of the last n block, and evict that block's accumulators
+        on ScalarE only: VectorE quantizes those loads meanwhile (PhaseGraph, when can_load_under_tail)."""
+        self.tail_load = (step, nxt)
+
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
         loads then read only the moving operand."""
@@ -427,67 +461,8 @@ class MatmulPlan(nl.NKIObject):
 
     # ---- running ----
     def _run_streamed(self) -> None:
-        """All tiles with a group of g stationary panels resident and the moving operand streamed in
-        quads of K tiles: for each n block, every K slice is loaded once and multiplied into the g
-        PSUM accumulators of the group (each accumulates its K tiles in order, like matmul_panels).
-
-        For a stationary too large to keep and moving panels too large to sweep often (e.g. the MLP
-        backward's phase 2 at I = 12288: K = 2I = 24576): PSUM, not SBUF, bounds the moving width (g
-        accumulators of STREAM_N_TILE), so g stationary panels share each moving pass (the moving operand
-        is read m_tiles / g times). The group's evictions alternate VectorE / ScalarE: they gate the next
-        n block's matmuls. contiguous_group: the group's panels are slots of one PanelGroupBlock.
-        """
-        g, m_blocks, n_blocks = self.stream
-        setup, b_op = self.setup, self.moving[0].op
-        n_k = len(k_tiles(b_op.k_size, setup))
-        evictions = 0
-        source = self.stationary[0]
-        a_panels = accs = ring = block = None
-        for lo in range(0, len(m_blocks), g):
-            group = m_blocks[lo:lo + g]
-            # drop the previous group's panels and accumulators (all of PSUM) before loading this group
-            # (its PE transposes use PSUM too)
-            a_panels = accs = acc = ring = a = block = None
-            if self.contiguous_group:
-                # the previous group's block is dead before this one is allocated (program order), so the new
-                # block can take its place
-                source.release()
-                block = PanelGroupBlock(len(group), source.op.k_size, self.m_tile, setup)
-                a_panels = []
-                for i, (m0, msz) in enumerate(group):
-                    early = None
-                    if lo == 0 and self.preloaded != None and i < len(self.preloaded):  # noqa: E711
-                        early = self.preloaded[i]
-                    a_panels.append(source.get(m0, msz, block, i, early))
-                self.preloaded = None
-            else:
-                a_panels = [source.get(m0, msz) for m0, msz in group]
-            # one staging ring for the group's moving quads (placed after its stationary panels): a quad's loads
-            # wait for the previous quads' quantizes instead of running ahead into SBUF the group holds
-            ring = LoadRing(STREAM_STAGING_BUFFERS)
-            # the next n block's first matmuls wait for these tiles' evictions (WAR)
-            accs = [nl.ndarray((PARTITIONS, STREAM_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in group]
-            nxt = None  # the next n block's first K quad, loaded before this block's evictions
-            for bi, (n0, nsz) in enumerate(n_blocks):
-                for t0 in range(0, n_k, SCALE_PACK_SLOTS):
-                    t1 = min(n_k, t0 + SCALE_PACK_SLOTS)
-                    if t0 == 0 and nxt != None:  # noqa: E711
-                        b, nxt = nxt, None
-                    else:
-                        b = load_panel(b_op, n0, nsz, nsz, setup, t0, t1, ring=ring)
-                    for a, acc in zip(a_panels, accs):
-                        matmul_panels(acc[:a.f_pad, :nsz], a, b, setup, t0, t1)  # K=4 K tiles, M=m tile, N=n block
-                    b = None
-                if bi + 1 < len(n_blocks):
-                    # VectorE runs in program order: quantizing the next block's first quad after this block's
-                    # evictions left TensorE idle for both at every n block (TP1 phase 2: ~5 us x 16 per core)
-                    n1, nsz1 = n_blocks[bi + 1]
-                    nxt = load_panel(b_op, n1, nsz1, nsz1, setup, 0, min(n_k, SCALE_PACK_SLOTS), ring=ring)
-                for (m0, msz), acc in zip(group, accs):
-                    engine = nisa.engine.vector if evictions % 2 == 0 else nisa.engine.scalar
-                    self.epilogue.store_streamed(m0, msz, n0, nsz, acc, engine)
-                    evictions += 1
-        self.done = len(self.order)
+        """All tiles of a K-streamed plan (streamed.run_streamed)."""
+        run_streamed(self)
 
     def run(self, hi: int = -1) -> None:
         """Compute the tiles not done yet, up to (excluding) hi (-1: all)."""
@@ -547,7 +522,8 @@ class MatmulPlan(nl.NKIObject):
 
     def step(self, stage: str) -> "MatmulPlan":
         """stage "head": run the tiles up to the last one that loads a panel (last_load); "first": load the
-        first tile's panels (prefetch while another plan computes); "all": run the remaining tiles, finish
+        first tile's panels (prefetch while another plan computes); "first_stationary": only its stationary panels
+        (under a K-streamed plan's last quad, set_tail_load); "all": run the remaining tiles, finish
         the epilogue and release the panels. (PhaseGraph calls these; see nkilib/core/phase_graph.py.)"""
         if stage == "head":
             if self.stream == None and self.order:  # noqa: E711
@@ -555,6 +531,9 @@ class MatmulPlan(nl.NKIObject):
         elif stage == "first":
             if self.stream == None and self.order:  # noqa: E711
                 self.prefetch(0, 1)
+        elif stage == "first_stationary":
+            if self.stream == None and self.order:  # noqa: E711
+                self.prefetch_stationary()
         elif stage == "all":
             self.run()
             self.epilogue.finish()
