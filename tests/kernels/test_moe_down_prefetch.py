@@ -8,7 +8,8 @@ them instead of loading its own. The outputs stay mx_exact's bit for bit under L
 | test                           | what                                                                     | fixed |
 |--------------------------------|--------------------------------------------------------------------------|-------|
 | test_down_prefetch_order       | fence groups [0, 1], [2, 3], [4]: W_down[4] prefetched after C(0), before | LNC2  |
-|                                | C(1); A(4) takes the prefetched panels, A(0) loads its own; bit-exact    |       |
+|                                | C(1), each prefetch before the segment's staging; A(4) takes the         |       |
+|                                | prefetched panels, A(0) loads its own; bit-exact                         |       |
 | test_down_prefetch_padded_next | the prefetched expert holds padding: its prefetch loop runs no trip and  | LNC2  |
 |                                | A(4) takes the row split; bit-exact                                      |       |
 """
@@ -31,6 +32,11 @@ def _record(monkeypatch):
     events = {}
     prefetch, block, single = S.SingleBlockISplit.prefetch_down, S.SingleBlockISplit.block, \
         K.compute_phase3_single_block_grads_mxfp8
+    stage = S.SingleBlockISplit.stage_expert
+
+    def record_stage(self, e):
+        events.setdefault(self.ctx.split.shard_id, []).append(("stage", e))
+        return stage(self, e)
 
     def record_prefetch(self, e, desc):
         events.setdefault(self.ctx.split.shard_id, []).append(("prefetch", e))
@@ -47,6 +53,7 @@ def _record(monkeypatch):
 
     monkeypatch.setattr(S.SingleBlockISplit, "prefetch_down", record_prefetch)
     monkeypatch.setattr(S.SingleBlockISplit, "block", record_block)
+    monkeypatch.setattr(S.SingleBlockISplit, "stage_expert", record_stage)
     monkeypatch.setattr(K, "compute_phase3_single_block_grads_mxfp8", record_single)
     return events
 
@@ -62,10 +69,13 @@ def test_down_prefetch_order(monkeypatch):
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_down prefetch vs mx_exact")
     for core in (0, 1):
         seq = events[core]
-        assert [ev for ev in seq if ev[0] != "C"] == [("A", 0, False), ("prefetch", 3), ("prefetch", 4),
-                                                      ("A", 4, True)], seq
+        assert [ev for ev in seq if ev[0] not in ("C", "stage")] == [("A", 0, False), ("prefetch", 3),
+                                                                     ("prefetch", 4), ("A", 4, True)], seq
         # W_down[4] is loaded in the first segment's second part (A(3), B(1), prefetch, C(1)): after C(0), before C(1)
         assert seq.index(("C", 0)) < seq.index(("prefetch", 4)) < seq.index(("C", 1)), seq
+        # the prefetch precedes the segment's staging of the group after next (expert 4's dY / X rows, issued in
+        # segment 0 after B(0)): B(0), prefetch(3), stage(4), C(0)
+        assert seq.index(("prefetch", 3)) < seq.index(("stage", 4)) < seq.index(("C", 0)), seq
 
 
 def test_down_prefetch_padded_next(monkeypatch):
@@ -82,5 +92,5 @@ def test_down_prefetch_padded_next(monkeypatch):
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_down prefetch, padded next expert")
     # the prefetch is issued, but its loop and A(4)'s I split body run no trip (the simulator runs what trips)
     for core in (0, 1):
-        assert [ev for ev in events[core] if ev[0] != "C"] == [("A", 0, False), ("prefetch", 3), ("prefetch", 4)], \
-            events[core]
+        runs = [ev for ev in events[core] if ev[0] in ("A", "prefetch")]
+        assert runs == [("A", 0, False), ("prefetch", 3), ("prefetch", 4)], events[core]

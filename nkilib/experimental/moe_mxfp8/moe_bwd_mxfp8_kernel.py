@@ -245,7 +245,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)
 
     # the I split's W_down[a] loaded a pass ahead of A(a): after the B that precedes A(a) in program order, before
-    # that segment's C (round 14b); A(a) of the first group and the second group's first expert load their own
+    # that segment's staging / exchange quantize and C (round 14b); A(a) of the first group and the second group's
+    # first expert load their own
     prefetched = {}
 
     def prefetch_down(a):
@@ -417,11 +418,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 if i_split != None:  # noqa: E711  (both cores' I tiles of a full block, written before the fence)
                     i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e: pass_b(e))
-            if j < len(later):
-                quantize_down(later[j])
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))
+            if j < len(later):
+                quantize_down(later[j])
             pass_c(e)
         x_ahead(ahead)
         if n + 1 < len(groups):
