@@ -22,7 +22,9 @@ panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ord
 one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
 experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
 reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
-(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks).
+(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks). W_down's I_c
+columns may be loaded and quantized a pass ahead of the block's pass A (prefetch_down, round 14b), so that dI does not
+wait for them at A's start.
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
