@@ -43,9 +43,9 @@ def _record(monkeypatch):
         staged.append(self.ctx.split.shard_id)
         return stage(self, i)
 
-    def record_block(self, e, i, descs):
+    def record_block(self, e, i, descs, *args):
         split.append((e, self.j_lo, self.j_hi))
-        return block(self, e, i, descs)
+        return block(self, e, i, descs, *args)
 
     monkeypatch.setattr(S.SingleBlockISplit, "block", record_block)
     monkeypatch.setattr(S.SingleBlockISplit, "stage", record_stage)

@@ -40,14 +40,21 @@ class ExpertPanels(nl.NKIObject):
     among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
     ring: a LoadRing that the resident panels' loads share for their MXFP8 staging tiles (pass B: pass C's kernel-scope
     ring, round 9a); None: a fresh ring per super-panel.
+    panels: the resident super-panels, loaded earlier by the caller (one Panel per super_panels load: the I split's
+    W_down loaded a pass ahead, SingleBlockISplit.prefetch_down); None: loaded here when they fit.
     """
 
-    def __init__(self, op, tiles, setup, ring=None):
+    def __init__(self, op, tiles, setup, ring=None, panels=None):
         self.op, self.tiles, self.setup = op, tiles, setup
-        self.resident = self.fits(op, tiles, setup)
+        self.resident = panels != None or self.fits(op, tiles, setup)  # noqa: E711
         width = self.load_width(op, setup, wide=not self.resident)
         self.loads, self.load_of = self.super_panels(op, tiles, width)
-        self.panels = [self._load(f0, w, ring) for f0, w in self.loads] if self.resident else []
+        if panels != None:  # noqa: E711
+            kernel_assert(len(panels) == len(self.loads),
+                          f"{len(panels)} preloaded panels for {len(self.loads)} super-panel loads")
+            self.panels = panels
+        else:
+            self.panels = [self._load(f0, w, ring) for f0, w in self.loads] if self.resident else []
         self.current = -1
         self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
 

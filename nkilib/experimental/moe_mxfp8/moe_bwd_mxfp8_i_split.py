@@ -22,7 +22,9 @@ panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ord
 one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
 experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
 reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
-(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks).
+(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks). W_down's I_c
+columns may be loaded and quantized a pass ahead of the block's pass A (prefetch_down, round 14b), so that dI does not
+wait for them at A's start.
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
@@ -33,7 +35,10 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import kernel_assert, shard_range
+from ...core.kernel_helpers import ceil_div, kernel_assert, shard_range
+from ...core.matmul import Panel, PanelPlacement, k_tiles, load_panel
+from ...core.matmul.constants import SCALE_PACK_SLOTS, STAGING_BUFFERS
+from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from .constants import PARTITIONS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8
@@ -92,15 +97,52 @@ class SingleBlockISplit(nl.NKIObject):
         """scatter() of expert e's block when it has one full block (after the fence that follows its pass A)."""
         self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.scatter(i)))
 
-    def block(self, e, i, descs):
+    def prefetch_down(self, e, desc):
+        """W_down[e][:, I_c]'s resident panels (what ExpertPanels loads at A(e)'s start) loaded and quantized now, in
+        a 0/1-trip loop of block()'s own run-time conditions (one full block), into words and scales allocated here
+        (outside that loop, so they outlive it) in groups of SCALE_PACK_SLOTS K tiles (16 KiB of words per 1024
+        columns: no one 56 KiB gap asked for, docs/moe.md section 10, round 6a). Issued a pass ahead of A(e), its
+        DMAs and quantizes run while the previous pass's do, instead of at A(e)'s start with dI waiting for them
+        (round 14b). Each K tile is quantize_mx's of the same staged rows: the same words and scales.
+
+        Returns:
+            the list of super-panels (Panel per ExpertPanels load) that block(w_down=...) takes, filled when the loop
+            body is traced (the simulator runs a 0/1-trip loop's body only when it trips, as block()'s: the same flag).
+        """
+        setup = self.ctx.setup
+        loads, _ = ExpertPanels.super_panels(desc, self.tiles, ExpertPanels.load_width(desc, setup))
+        n = len(k_tiles(desc.k_size, setup))
+        quads = [(t, min(n, t + SCALE_PACK_SLOTS)) for t in range(0, n, SCALE_PACK_SLOTS)]
+        room = [[(nl.ndarray((PARTITIONS, hi - lo, w), dtype=setup.x4_dtype, buffer=nl.sbuf),
+                  nl.ndarray((PARTITIONS, ceil_div(hi - lo, SCALE_PACK_SLOTS) if setup.use_scale_packing else hi - lo,
+                              w), dtype=nl.uint8, buffer=nl.sbuf)) for lo, hi in quads] for _, w in loads]
+        panels = []
+
+        def load():
+            ring = LoadRing(STAGING_BUFFERS)  # one ring across the quads: as one load_panel call of all K tiles
+            for (f0, w), parts in zip(loads, room):
+                data, scales = [], []
+                for (lo, hi), (words, scale) in zip(quads, parts):
+                    part = load_panel(desc, f0, w, w, setup, t_lo=lo, t_hi=hi, ring=ring,
+                                      placement=PanelPlacement.into(words, scale))
+                    data = data + part.data
+                    scales = scales + part.scales
+                panels.append(Panel(data, scales, w))
+
+        self.ctx.loops.if_single(e, lambda i: self.if_full(i, load))
+        return panels
+
+    def block(self, e, i, descs, w_down=None):
         """Pass A of expert e's only block i (register, a full block) for this core's I tiles: every row's dI,
         epilogue and stores.
 
         Args:
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
+            w_down: W_down[e]'s super-panels loaded ahead (prefetch_down), or None: loaded here.
         """
         ctx = self.ctx
-        w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
+        w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup, panels=w_down if k == 0 else None)  # noqa
+             for k, d in enumerate(descs)]
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)

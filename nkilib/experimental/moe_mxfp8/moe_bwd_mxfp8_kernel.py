@@ -241,6 +241,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
             ctx.loops.if_used(a, gather)
 
+    def down_desc(e):
+        return TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)
+
+    # the I split's W_down[a] loaded a pass ahead of A(a): after the B that precedes A(a) in program order, before
+    # that segment's staging / exchange quantize and C (round 14b); A(a) of the first group and the second group's
+    # first expert load their own
+    prefetched = {}
+
+    def prefetch_down(a):
+        if i_split != None and a != None:  # noqa: E711
+            prefetched[a] = i_split.prefetch_down(a, down_desc(a))
+
     def pass_a(e, between=None):
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
@@ -253,9 +265,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
         single = None
         if i_split != None:  # noqa: E711  (a full block: W_down[e] from HBM as it is; one with padding: as before)
-            descs = [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)] + a_descs(e)[1:]
-            single = (lambda i, w, skip, full: i_split.block(e, i, descs) if full else rows(i, w, skip, full))
+            descs = [down_desc(e)] + a_descs(e)[1:]
+            single = (lambda i, w, skip, full: i_split.block(e, i, descs, prefetched.get(e)) if full
+                      else rows(i, w, skip, full))
         per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip, single=single)
+        prefetched.pop(e, None)  # its panels die after A(e) (the allocator frees a tile its last reference drops)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -404,6 +418,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 if i_split != None:  # noqa: E711  (both cores' I tiles of a full block, written before the fence)
                     i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e: pass_b(e))
+            # the next A in program order: this segment's next, or the next segment's first
+            prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
+                                                                   else None))
             if j < len(later):
                 quantize_down(later[j])
             pass_c(e)
