@@ -57,14 +57,15 @@ class SwigluTerms(nl.NKIObject):
         return self.lin
 
 
-def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown):
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
     counterpart of nkilib.core.numerics.clamp_and_mask (NumPy) and nkilib.experimental.emulate_numerics'
     (torch). engine: of the tensor_scalar ops (unknown = the default, VectorE; ScalarE takes any operator
     pair on trn3 and (multiply/add) only on trn2, nki.isa.tensor_scalar page: a comparison or min/max there
-    is trn3 only); the two-limit mask's tensor_tensor runs on VectorE (on GpSimd it costs GPT-OSS's pipelined
+    is trn3 only). mask_engine: of the mask when it is a tensor_scalar (None: engine); the two-limit mask's
+    tensor_tensor runs on VectorE (on GpSimd it costs GPT-OSS's pipelined
     pass A more: docs/moe.md section 10, round 14e). Comparisons and clamps are exact in fp32, so the engine does not change a bit.
 
     The two-limit mask is (clamp(x) == x), one tensor_tensor
@@ -79,6 +80,7 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown)
     (|NaN| is NaN, which compares false).
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
+    mask_engine = engine if mask_engine == None else mask_engine  # noqa: E711
     if not has_lower and not has_upper:
         return x, None
     clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
@@ -92,21 +94,21 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown)
             # on the clamps' engine (nl.abs: an arithmetic unary operator of "Supported Math Operators",
             # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
             nisa.tensor_scalar(dst=m, data=x, op0=nl.abs, operand0=0.0, op1=nl.less_equal, operand1=float(upper),
-                               engine=engine)
+                               engine=mask_engine)
         else:
             # mask = (clamp(x) == x) = (x >= lower) * (x <= upper) (docstring): one pass instead of two
             nisa.tensor_tensor(dst=m, data1=c, data2=x, op=nl.equal, engine=nisa.engine.vector)
     elif has_lower:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), engine=engine)
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=mask_engine)
     else:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper), engine=engine)
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=mask_engine)
     return c, m
 
 
 def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
-                         clamp_engine=nisa.engine.unknown) -> SwigluTerms:
+                         clamp_engine=nisa.engine.unknown, up_mask_engine=None) -> SwigluTerms:
     """Clamps, masks and gate_act of one tile.
 
     Dimensions:
@@ -115,14 +117,16 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
         its activation).
     clamp_engine: engine of the clamps' and the offset's tensor_scalar ops (clamp_and_mask): the default
     (VectorE) for the dense kernel; the MoE kernel passes ScalarE to unload VectorE (the same fp32 bits).
-    The "gpt_oss" offset is not applied here: the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
+    up_mask_engine: engine of up's mask when it is a tensor_scalar (one limit, or symmetric limits; None:
+    clamp_engine), so a kernel can move that pass alone off ScalarE. The "gpt_oss" offset is not applied here: the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
                                                                          nl.gelu_apprx_sigmoid_dx)
     gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols,
                                 engine=clamp_engine)
-    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine)
+    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine,
+                                mask_engine=up_mask_engine)
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.activation(dst=act[:msz, :nsz], op=act_fn, data=gc)  # gate_act = bf16(act(gc))
