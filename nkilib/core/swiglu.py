@@ -65,8 +65,8 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown,
     (torch). engine: of the tensor_scalar ops (unknown = the default, VectorE; ScalarE takes any operator
     pair on trn3 and (multiply/add) only on trn2, nki.isa.tensor_scalar page: a comparison or min/max there
     is trn3 only). mask_engine: of the mask when it is a tensor_scalar (None: engine); the two-limit mask's
-    tensor_tensor runs on VectorE (on GpSimd it costs GPT-OSS's pipelined
-    pass A more: docs/moe.md section 10, round 14e). Comparisons and clamps are exact in fp32, so the engine does not change a bit.
+    tensor_tensor runs on VectorE (on GpSimd it costs GPT-OSS's pipelined pass A more: docs/moe.md section 10,
+    round 14e). Comparisons and clamps are exact in fp32, so the engine does not change a bit.
 
     The two-limit mask is (clamp(x) == x), one tensor_tensor
     (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html),
@@ -118,7 +118,8 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
     clamp_engine: engine of the clamps' and the offset's tensor_scalar ops (clamp_and_mask): the default
     (VectorE) for the dense kernel; the MoE kernel passes ScalarE to unload VectorE (the same fp32 bits).
     up_mask_engine: engine of up's mask when it is a tensor_scalar (one limit, or symmetric limits; None:
-    clamp_engine), so a kernel can move that pass alone off ScalarE. The "gpt_oss" offset is not applied here: the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
+    clamp_engine), so a kernel can move that pass alone off ScalarE. The "gpt_oss" offset is not applied here:
+    the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
