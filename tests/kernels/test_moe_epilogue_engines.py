@@ -2,8 +2,9 @@
 
 Clamped on trn3, the clamps' tensor_scalar ops run on ScalarE, up's one-instruction mask and dh * uc on VectorE
 (GpSimd keeps dh * a and the masks' products; round 14e for the masks and the folded "gpt_oss" offset); without
-clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the round-2 engines. The engine never changes a bit: the outputs stay equal to mx_exact, with GPT-OSS's
-clamped "gpt_oss" activation (gate clamped above, up on both sides, the +1 offset) included.
+clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the round-2 engines. The engine never changes a
+bit: the outputs stay equal to mx_exact, with GPT-OSS's clamped "gpt_oss" activation (gate clamped above, up on both
+sides, the +1 offset) included.
 """
 from __future__ import annotations
 
