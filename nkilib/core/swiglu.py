@@ -17,6 +17,11 @@ between them: swiglu_forward_terms, then intermediate_tile (optional), then swig
 Engines: products with a PSUM operand on VectorE, products of two SBUF tiles on GpSimd, activations on
 ScalarE, so the three share the epilogue; clamps (tensor_scalar) on VectorE unless the caller passes another
 engine (clamp_engine, d_up_engine: the MoE kernel rebalances its pass A with them, docs/moe.md section 10).
+Two exact rewrites save elementwise passes (docs/moe.md section 10, round 14e): a two-limit mask is
+(clamp(x) == x), one tensor_tensor, instead of (x >= lower) and (x <= upper) * that; and the "gpt_oss"
+offset is applied inside the product that uses it (scalar_tensor_tensor: fp32(fp32(uc + 1) * dI), the same
+bits as dI * fp32(uc + 1) since an fp32 multiply commutes) unless the intermediate is computed on chip, which
+materializes fp32(uc + 1) once for both products.
 """
 from __future__ import annotations
 
@@ -29,27 +34,53 @@ from .options import UP_OFFSETS, clamp_activation
 
 
 class SwigluTerms(nl.NKIObject):
-    """Forward terms of one [msz, nsz] tile: gc (clamped gate), uc (the linear factor: clamped up, plus 1 for
-    "gpt_oss"; fp32 views, or the bf16 inputs when unclamped and not offset), masks (fp32 0/1 views or None),
-    a = gate_act (bf16 view), act_dx: the ScalarE derivative of the activation (nl.silu_dx or
-    nl.gelu_apprx_sigmoid_dx)."""
+    """Forward terms of one [msz, nsz] tile: gc (clamped gate), uc (clamped up; fp32 views, or the bf16
+    inputs when unclamped), offset (the linear factor is fp32(uc + offset): 1.0 for "gpt_oss", else 0.0),
+    lin (that factor as an fp32 view once materialized, else None; uc itself when offset is 0), masks (fp32
+    0/1 views or None), a = gate_act (bf16 view), act_dx: the ScalarE derivative of the activation
+    (nl.silu_dx or nl.gelu_apprx_sigmoid_dx), offset_engine: the engine that materializes lin."""
 
-    def __init__(self, gc, mask_g, uc, mask_u, act, act_dx, msz, nsz, ncols):
+    def __init__(self, gc, mask_g, uc, mask_u, act, act_dx, msz, nsz, ncols, offset=0.0,
+                 offset_engine=nisa.engine.unknown):
         self.gc, self.mask_g, self.uc, self.mask_u, self.act = gc, mask_g, uc, mask_u, act
         self.act_dx, self.msz, self.nsz, self.ncols = act_dx, msz, nsz, ncols
+        self.offset, self.offset_engine = offset, offset_engine
+        self.lin = uc if offset == 0.0 else None
+
+    def linear_factor(self):
+        """fp32(uc + offset) [msz, nsz], materialized once (tensor_scalar on offset_engine)."""
+        if self.lin == None:  # noqa: E711
+            lin = nl.ndarray((PARTITIONS, self.ncols), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=lin[:self.msz, :self.nsz], data=self.uc, op0=nl.add, operand0=self.offset,
+                               engine=self.offset_engine)  # fp32(uc + 1)
+            self.lin = lin[:self.msz, :self.nsz]
+        return self.lin
 
 
-def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown):
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
     counterpart of nkilib.core.numerics.clamp_and_mask (NumPy) and nkilib.experimental.emulate_numerics'
     (torch). engine: of the tensor_scalar ops (unknown = the default, VectorE; ScalarE takes any operator
     pair on trn3 and (multiply/add) only on trn2, nki.isa.tensor_scalar page: a comparison or min/max there
-    is trn3 only); the two-limit mask's scalar_tensor_tensor runs on VectorE (its only engine). Comparisons
-    and clamps are exact in fp32, so the engine does not change a bit.
+    is trn3 only). mask_engine: of the mask when it is a tensor_scalar (None: engine); the two-limit mask's
+    tensor_tensor runs on VectorE (on GpSimd it costs GPT-OSS's pipelined pass A more: docs/moe.md section 10,
+    round 14e). Comparisons and clamps are exact in fp32, so the engine does not change a bit.
+
+    The two-limit mask is (clamp(x) == x), one tensor_tensor
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html),
+    equal to (x >= lower) * (x <= upper) for every x: the clamp is max then min against the same fp32
+    limits, so for lower <= x <= upper it returns x (a signed zero compares equal to either zero), for
+    x < lower it returns lower != x (or upper, when upper < lower: also != x), for x > upper it returns
+    upper != x; for x = NaN both are 0 (NaN == anything is false, whatever max / min return for NaN).
+    With symmetric limits (lower == -upper, GPT-OSS's +-7) the mask is (|x| <= upper) instead, one tensor_scalar
+    (cheaper than a tensor_tensor, and it can run on ScalarE): |x| is exact (the sign bit cleared) and
+    fp32(-upper) = -fp32(upper), so |x| <= upper exactly when -upper <= x <= upper; +-0 give 1, and NaN gives 0
+    (|NaN| is NaN, which compares false).
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
+    mask_engine = engine if mask_engine == None else mask_engine  # noqa: E711
     if not has_lower and not has_upper:
         return x, None
     clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
@@ -58,23 +89,26 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown)
     if has_lower and has_upper:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
                            operand1=float(upper), engine=engine)
-        lo_ok = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lo_ok[:msz, :nsz], data=x, op0=nl.greater_equal, operand0=float(lower),
-                           engine=engine)
-        # mask = (x <= upper) * (x >= lower); comparisons in fp32 against fp32(limit) like the clamp
-        nisa.scalar_tensor_tensor(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), op1=nl.multiply,
-                                  operand1=lo_ok[:msz, :nsz])
+        if float(lower) == -float(upper):
+            # symmetric limits: mask = (|x| <= upper) = (x >= -upper) * (x <= upper) (docstring), one tensor_scalar
+            # on the clamps' engine (nl.abs: an arithmetic unary operator of "Supported Math Operators",
+            # https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html)
+            nisa.tensor_scalar(dst=m, data=x, op0=nl.abs, operand0=0.0, op1=nl.less_equal, operand1=float(upper),
+                               engine=mask_engine)
+        else:
+            # mask = (clamp(x) == x) = (x >= lower) * (x <= upper) (docstring): one pass instead of two
+            nisa.tensor_tensor(dst=m, data1=c, data2=x, op=nl.equal, engine=nisa.engine.vector)
     elif has_lower:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), engine=engine)
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=mask_engine)
     else:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper), engine=engine)
-        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=engine)
+        nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=mask_engine)
     return c, m
 
 
 def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
-                         clamp_engine=nisa.engine.unknown) -> SwigluTerms:
+                         clamp_engine=nisa.engine.unknown, up_mask_engine=None) -> SwigluTerms:
     """Clamps, masks and gate_act of one tile.
 
     Dimensions:
@@ -83,31 +117,31 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
         its activation).
     clamp_engine: engine of the clamps' and the offset's tensor_scalar ops (clamp_and_mask): the default
     (VectorE) for the dense kernel; the MoE kernel passes ScalarE to unload VectorE (the same fp32 bits).
+    up_mask_engine: engine of up's mask when it is a tensor_scalar (one limit, or symmetric limits; None:
+    clamp_engine), so a kernel can move that pass alone off ScalarE. The "gpt_oss" offset is not applied here:
+    the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
                                                                          nl.gelu_apprx_sigmoid_dx)
     gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols,
                                 engine=clamp_engine)
-    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine)
-    offset = UP_OFFSETS[activation]
-    if offset != 0.0:
-        lin = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=lin[:msz, :nsz], data=uc, op0=nl.add, operand0=offset,
-                           engine=clamp_engine)  # fp32(uc + 1)
-        uc = lin[:msz, :nsz]
+    uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine,
+                                mask_engine=up_mask_engine)
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.activation(dst=act[:msz, :nsz], op=act_fn, data=gc)  # gate_act = bf16(act(gc))
         gate_act = act[:msz, :nsz]
-    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, act_dx, msz, nsz, ncols)
+    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, act_dx, msz, nsz, ncols, offset=UP_OFFSETS[activation],
+                       offset_engine=clamp_engine)
 
 
 def intermediate_tile(terms: SwigluTerms):
-    """intermediate = bf16(gate_act * uc) [msz, nsz] (GpSimd), a new SBUF view."""
+    """intermediate = bf16(gate_act * fp32(uc + offset)) [msz, nsz] (GpSimd), a new SBUF view (the linear
+    factor is materialized here, so d_gate's product reuses it)."""
     inter = nl.ndarray((PARTITIONS, terms.ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=inter[:terms.msz, :terms.nsz], data1=terms.act, data2=terms.uc, op=nl.multiply,
-                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=inter[:terms.msz, :terms.nsz], data1=terms.act, data2=terms.linear_factor(),
+                       op=nl.multiply, engine=nisa.engine.gpsimd)
     return inter[:terms.msz, :terms.nsz]
 
 
@@ -121,9 +155,13 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
     only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
     d_up_engine: engine of the product dI * a alone (None: d_i_engine), so a kernel can balance the two.
+    With an offset not yet materialized (no intermediate_tile), dI * fp32(uc + 1) is one scalar_tensor_tensor
+    on VectorE (its only engine,
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
+    fp32(fp32(uc + 1) * dI), the bits of the reference's dI * (uc + 1) (an fp32 multiply commutes).
     """
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
-    a, uc, mask_u, mask_g = terms.act, terms.uc, terms.mask_u, terms.mask_g
+    a, mask_u, mask_g = terms.act, terms.mask_u, terms.mask_g
     up_engine = d_i_engine if d_up_engine == None else d_up_engine  # noqa: E711
     # d_up = bf16((dI * a) * mask_u)
     if mask_u == None:  # noqa: E711
@@ -137,7 +175,11 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sd[:msz, :nsz], op=terms.act_dx, data=terms.gc)
     t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=uc, op=nl.multiply, engine=d_i_engine)
+    if terms.lin == None:  # noqa: E711  (dI * fp32(uc + offset), the offset applied in the same pass)
+        nisa.scalar_tensor_tensor(dst=t_g[:msz, :nsz], data=terms.uc, op0=nl.add, operand0=terms.offset,
+                                  op1=nl.multiply, operand1=d_i)
+    else:
+        nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=terms.lin, op=nl.multiply, engine=d_i_engine)
     if mask_g == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)

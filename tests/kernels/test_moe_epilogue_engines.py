@@ -1,9 +1,10 @@
 """Engines of the MoE kernel's pass-A SwiGLU epilogue (docs/moe.md section 10, round 4).
 
-Clamped on trn3, the clamps' tensor_scalar ops run on ScalarE and dh * uc on VectorE (GpSimd keeps dh * a
-and the masks' products); without clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the
-round-2 engines. The engine never changes a bit: the outputs stay equal to mx_exact, with GPT-OSS's
-clamped "gpt_oss" activation (gate clamped above, up on both sides, the +1 offset) included.
+Clamped on trn3, the clamps' tensor_scalar ops run on ScalarE, up's one-instruction mask and dh * uc on VectorE
+(GpSimd keeps dh * a and the masks' products; round 14e for the masks and the folded "gpt_oss" offset); without
+clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the round-2 engines. The engine never changes a
+bit: the outputs stay equal to mx_exact, with GPT-OSS's clamped "gpt_oss" activation (gate clamped above, up on both
+sides, the +1 offset) included.
 """
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def test_clamped_trn3_engines_and_bits(clamp):
     assert clamp_ops and all(e == "scalar" for e, _ in clamp_ops), clamp_ops
     products = {e for instr, e, op in ops if instr == "tensor_tensor" and op == "multiply"}
     assert {"vector", "gpsimd"} <= products, products
+    # round 14e: up's two-limit mask is one instruction on VectorE (|u| <= 0.5 for GPT-OSS's symmetric limits,
+    # clamp(u) == u for the asymmetric ones), no (>=, <=) pair
+    up_mask = [(instr, e) for instr, e, op in ops if op in ("abs", "equal")]
+    assert up_mask and set(up_mask) == {("tensor_scalar" if clamp is GPT_OSS_LIKE else "tensor_tensor", "vector")}, ops
+    assert not [o for o in ops if o[2] == "greater_equal"], ops
+
+
+def test_gpt_oss_offset_folded_into_the_product():
+    """With every checkpoint given (no intermediate computed), the "gpt_oss" +1 is applied inside d_gate's product
+    dh * (uc + 1): one scalar_tensor_tensor (add, multiply) per epilogue tile, no separate offset pass (round 14e)."""
+    T, E, k, H, I = 48, 3, 2, 64, 96
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=7), seed=31,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"), clamp_limits=GPT_OSS_LIKE)
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "folded offset vs mx_exact")
+    in_a = [r for r in res.trace if r.attrs.get("phase") == "A dI+epilogue"]
+    folded = [r for r in in_a if r.instr == "scalar_tensor_tensor" and (r.attrs.get("op0"), r.attrs.get("op1")) ==
+              ("add", "multiply")]
+    tiles = [r for r in in_a if r.instr == "activation"]  # act' (gelu_apprx_sigmoid_dx), once per epilogue tile
+    assert tiles and len(folded) == len(tiles), (len(folded), len(tiles))
+    assert not [r for r in in_a if r.instr == "tensor_scalar" and r.attrs.get("op0") == "add"
+                and r.attrs.get("data_dtype") == "float32" and r.attrs.get("op1") == None]  # noqa: E711
 
 
 def test_unclamped_keeps_clamp_free_engines():

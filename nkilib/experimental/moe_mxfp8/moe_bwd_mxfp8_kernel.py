@@ -535,6 +535,10 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     relieve = on_trn3 and (ctx.clamp.has_gate_clamp or ctx.clamp.has_up_clamp)
     ctx.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
     ctx.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
+    # up's mask (one tensor_scalar since round 14e: |u| <= 7 on GPT-OSS) back on VectorE, which the one-pass masks and
+    # the folded offset left with room while ScalarE bounds pass A again (gpt4 2605.0 -> 2582.0 us; both masks there
+    # 2644.5 us: docs/moe.md section 10, round 14e)
+    ctx.up_mask_engine = nisa.engine.vector if relieve else None
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     ctx.ids2d = token_position_to_id.reshape((N, block_size))

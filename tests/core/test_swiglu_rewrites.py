@@ -1,0 +1,141 @@
+"""The SwiGLU epilogue's exact rewrites (nkilib/core/swiglu.py; docs/moe.md section 10, round 14e).
+
+A two-limit clamp's mask is one instruction instead of (x >= lower) * (x <= upper): a tensor_scalar (|x| <= upper)
+for symmetric limits, else a tensor_tensor (clamp(x) == x); and the
+"gpt_oss" offset is applied inside the product dI * fp32(uc + 1) (one scalar_tensor_tensor) unless the
+intermediate is computed on chip. Both must give the contract's bits (nkilib.core.numerics, the mx_exact
+formulas) for every input, so the inputs here are adversarial: values exactly at the limits, the neighbouring
+bf16 values just inside and outside, +-0, large magnitudes, +-inf and NaN, mixed with random values. The trace
+assertions pin the new instruction counts (they fail on the old four-op masks and the separate offset pass).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nki.isa as nisa
+from nkilib.core import numerics
+from nkilib.core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
+from simkit import BF16, run_tiles
+
+import nki.language as nl
+
+P, F = 128, 64
+#: GPT-OSS-20B's limits (gate above 7, up within +-7) plus a gate lower bound, so that both masks take the
+#: two-limit path (symmetric: |x| <= 7); the same with asymmetric limits (clamp(x) == x); and an asymmetric silu
+#: clamp (the kernels' test clamp)
+GPT_OSS_BOTH = ClampLimits(non_linear_lower=-7.0, non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0,
+                           activation="gpt_oss")
+GPT_OSS_ASYMMETRIC = ClampLimits(non_linear_lower=-6.5, non_linear_upper=7.0, linear_lower=-7.0, linear_upper=0.75,
+                                 activation="gpt_oss")
+SILU_ASYMMETRIC = ClampLimits(non_linear_lower=-3.0, non_linear_upper=0.75, linear_lower=-0.75, linear_upper=1.0)
+
+
+def _neighbours(v):
+    """v and the bf16 values just below and above it (as float32)."""
+    b = np.array([v], np.float32).astype(BF16).view(np.uint16)
+    up, down = (b + 1, b - 1) if v > 0 else (b - 1, b + 1)
+    return [v] + [float(np.asarray(w, np.uint16).view(BF16).astype(np.float32)[0]) for w in (down, up)]
+
+
+def _adversarial(limits, seed):
+    """bf16 [P, F]: every limit and its bf16 neighbours, +-0, large, inf and NaN, the rest random."""
+    special = [0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, np.inf, -np.inf, np.nan]
+    for v in limits:
+        if v != None:  # noqa: E711
+            special += _neighbours(v) + _neighbours(-v)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((P, F)) * 6.0).astype(np.float32)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=flat.size // 2, replace=False)
+    flat[picks] = rng.choice(np.array(special, np.float32), size=picks.size)
+    return x.astype(BF16)
+
+
+def _expected(gate_pre, up, gate_act, d_i, clamp):
+    """(d_gate, d_up, intermediate) by the mx_exact formulas of nkilib.core.numerics."""
+    gc, mask_g = numerics.gate_terms(gate_pre, clamp, "mx_exact")
+    lin, mask_u = numerics.up_terms(up, clamp, "mx_exact")
+    act_dx = numerics.apply_activation(numerics.activation_fns64(clamp)[1], gc, "mx_exact")
+    a = gate_act.astype(np.float32)
+    with np.errstate(all="ignore"):
+        d_up = ((d_i * a) * mask_u).astype(BF16)
+        d_gate = (((d_i * lin) * act_dx) * mask_g).astype(BF16)
+        inter = (a * lin).astype(BF16)
+    return d_gate, d_up, inter
+
+
+def _assert_same_bits(got, want, what):
+    g, w = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+    nan = np.isnan(np.asarray(want, np.float32))
+    assert np.array_equal(np.isnan(np.asarray(got, np.float32)), nan), what
+    assert np.array_equal(g[~nan], w[~nan]), f"{what}: {np.count_nonzero(g[~nan] != w[~nan])} elements differ"
+
+
+@pytest.mark.parametrize("with_intermediate", [False, True], ids=["folded_offset", "intermediate"])
+@pytest.mark.parametrize("clamp", [GPT_OSS_BOTH, GPT_OSS_ASYMMETRIC, SILU_ASYMMETRIC],
+                         ids=["gpt_oss", "gpt_oss_asymmetric", "silu"])
+@pytest.mark.parametrize("clamp_engine", [nisa.engine.unknown, nisa.engine.scalar], ids=["vector", "scalar"])
+@pytest.mark.parametrize("psum_d_i", [False, True], ids=["sbuf_dI", "psum_dI"])
+def test_epilogue_bits_on_adversarial_values(clamp, with_intermediate, clamp_engine, psum_d_i):
+    limits = (clamp.non_linear_lower, clamp.non_linear_upper, clamp.linear_lower, clamp.linear_upper)
+    gate_pre, up = _adversarial(limits, seed=3), _adversarial(limits, seed=4)
+    rng = np.random.default_rng(5)
+    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
+    d_i = rng.standard_normal((P, F)).astype(np.float32)
+    d_i[0, :4] = [0.0, -0.0, 3.0e38, -3.0e38]
+
+    def body(g, u, a, di, d_gate, d_up, inter):
+        terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=clamp_engine)
+        if with_intermediate:
+            nisa.tensor_copy(dst=inter, src=intermediate_tile(terms))
+        else:
+            nisa.memset(dst=inter, value=0.0)
+        swiglu_backward_tile(di, terms, d_gate, d_up)
+
+    outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 3,
+                            psum_inputs=(3,) if psum_d_i else (), trace=True)
+    d_gate, d_up, inter = _expected(gate_pre, up, gate_act, d_i, clamp)
+    _assert_same_bits(outs[0], d_gate, "d_gate")
+    _assert_same_bits(outs[1], d_up, "d_up")
+    if with_intermediate:
+        _assert_same_bits(outs[2], inter, "intermediate")
+
+    ops = [(r.instr, r.attrs.get("op") or r.attrs.get("op0"), r.attrs.get("op1")) for r in trace]
+    # both inputs have two limits: one mask instruction each (|x| <= upper where symmetric, else clamp(x) == x)
+    symmetric = clamp is GPT_OSS_BOTH
+    masks = (ops.count(("tensor_scalar", "abs", "less_equal")), ops.count(("tensor_tensor", "equal", None)))
+    assert masks == ((2, 0) if symmetric else (0, 2)), ops
+    assert not [o for o in ops if o[1] in ("greater_equal", "less_equal")], ops
+    if symmetric:  # the masks run on the clamps' engine
+        assert {r.engine for r in trace if r.attrs.get("op0") == "abs"} == {
+            "scalar" if clamp_engine == nisa.engine.scalar else "vector"}
+    offset_passes = [o for o in ops if o[0] == "tensor_scalar" and o[1] == "add"]
+    folded = [o for o in ops if o == ("scalar_tensor_tensor", "add", "multiply")]
+    if clamp.activation == "gpt_oss" and not with_intermediate:
+        assert (len(offset_passes), len(folded)) == (0, 1), ops
+    elif clamp.activation == "gpt_oss":  # the intermediate materializes fp32(uc + 1) once, for both products
+        assert (len(offset_passes), len(folded)) == (1, 0), ops
+    else:
+        assert (len(offset_passes), len(folded)) == (0, 0), ops
+
+
+def test_one_limit_masks_keep_their_comparison():
+    """GPT-OSS's real gate clamp has an upper limit only: its mask stays one comparison (no clamp needed twice)."""
+    clamp = ClampLimits(non_linear_upper=7.0, linear_lower=-7.0, linear_upper=7.0, activation="gpt_oss")
+    gate_pre, up = _adversarial((7.0, -7.0), seed=8), _adversarial((7.0, -7.0), seed=9)
+    rng = np.random.default_rng(10)
+    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
+    d_i = rng.standard_normal((P, F)).astype(np.float32)
+
+    def body(g, u, a, di, d_gate, d_up):
+        terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar)
+        swiglu_backward_tile(di, terms, d_gate, d_up)
+
+    outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 2, trace=True)
+    d_gate, d_up, _ = _expected(gate_pre, up, gate_act, d_i, clamp)
+    _assert_same_bits(outs[0], d_gate, "d_gate")
+    _assert_same_bits(outs[1], d_up, "d_up")
+    ops = [(r.instr, r.attrs.get("op") or r.attrs.get("op0")) for r in trace]
+    assert ops.count(("tensor_scalar", "less_equal")) == 1 and ops.count(("tensor_scalar", "abs")) == 1, ops
