@@ -14,6 +14,8 @@ and the exchange. The outputs stay mx_exact's bit for bit, LNC1 (no split) and L
 |                        | is neither quantized nor read for them                                      |            |
 | test_i_split_recompute | gate_pre / up not given (recomputed from X over each core's I tiles), X     | LNC2       |
 |                        | gathered (first fence group) and staged (second)                            |            |
+| test_i_split_padded_block_skips_padding_chunks | one-block experts holding padding split too (round 14d): | LNC1, LNC2 |
+|                        | chunks of padding only skipped and zeroed, slot and block checkpoints       |            |
 | test_i_split_applies   | LNC1, resident W_down, BF16, 64 rows per core or one I tile: no split       | host side  |
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
-from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_down_exchange import record_exchange
@@ -43,9 +45,9 @@ def _record(monkeypatch):
         staged.append(self.ctx.split.shard_id)
         return stage(self, i)
 
-    def record_block(self, e, i, descs):
+    def record_block(self, e, i, descs, full=True):
         split.append((e, self.j_lo, self.j_hi))
-        return block(self, e, i, descs)
+        return block(self, e, i, descs, full)
 
     monkeypatch.setattr(S.SingleBlockISplit, "block", record_block)
     monkeypatch.setattr(S.SingleBlockISplit, "stage", record_stage)
@@ -81,8 +83,9 @@ def test_i_split_bit_exact(monkeypatch, lnc):
     if lnc == 1:
         assert split == [] and quantized == [] and loaded == [] and staged == []
         return
-    # each core traces the kernel: the full one-block experts' bodies, core 0 with I tile 0, core 1 with tile 1
-    assert sorted(split) == [(0, 0, 1), (0, 1, 2), (4, 0, 1), (4, 1, 2)], split
+    # each core traces the kernel: the one-block experts' bodies (full and padded: round 14d), core 0 with I tile 0,
+    # core 1 with tile 1
+    assert sorted(split) == [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 2), (4, 0, 1), (4, 1, 2)], split
     # the exchange quantizes expert 2 (two blocks) on each core, not expert 4 (its padded-block branch does not run),
     # and pass A reads only expert 2's scratch (expert 4's panel-layout loads are gone)
     assert [e for e, _, _ in quantized] == [2, 2], quantized
@@ -102,7 +105,50 @@ def test_i_split_recompute(monkeypatch):
     split, _, _, staged = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 I split with recompute vs mx_exact")
-    assert sorted({e for e, _, _ in split}) == [0, 2] and sorted(staged) == [0, 1], (split, staged)
+    assert sorted({e for e, _, _ in split}) == [0, 1, 2] and sorted(staged) == [0, 1], (split, staged)
+
+
+@pytest.mark.parametrize("lnc,layout", [(1, "slot"), (2, "slot"), (2, "block")])
+def test_i_split_padded_block_skips_padding_chunks(monkeypatch, lnc, layout):
+    """Round 14d: a one-block expert holding padding takes the I split too, its 128-row chunks one by one, a chunk of
+    padding only skipped (its scratch rows zeroed, zero_chunk) on both cores. B = 512 (four chunks), experts of 300
+    (chunks 0-2 computed, chunk 2 partly padding; chunk 3 skipped), 512 (full), 130 (chunk 1 holds two pairs; chunks
+    2-3 skipped) and 600 pairs (two blocks: the row split and the exchange), fence groups [0, 1], [2, 3]; all four
+    checkpoints in the slot and the block layout. Bit-exact against mx_exact (LNC2 under the race detector); fails on
+    the old code (padded experts took the row split: no chunk calls for experts 0 and 2) and on a zero_chunk that
+    leaves the skipped rows unwritten (pass C reads them)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 1542, 4, 1024, 544, 512
+    ids = np.repeat(np.array([[0], [1], [2], [3]], np.int32), [300, 512, 130, 600], axis=0)
+    ids = ids[np.random.default_rng(31).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2]
+    if layout == "block":
+        kernel = dict(kernel, checkpoint_layout="block")
+        for n in CHECKPOINTS:
+            kernel[n] = checkpoints_to_blocks(kernel[n], ref["layout"])
+    chunks, zeroed = [], []
+    compute, zero = S.compute_phase1_chunks_mxfp8, S.SingleBlockISplit.zero_chunk
+
+    def record_compute(ctx, e, i, rows, *args, **kwargs):
+        chunks.append((ctx.split.shard_id, e, tuple(r0 for r0, _ in rows)))
+        return compute(ctx, e, i, rows, *args, **kwargs)
+
+    def record_zero(self, i, r0, m):
+        zeroed.append((self.ctx.split.shard_id, r0))
+        return zero(self, i, r0, m)
+
+    monkeypatch.setattr(S, "compute_phase1_chunks_mxfp8", record_compute)
+    monkeypatch.setattr(S.SingleBlockISplit, "zero_chunk", record_zero)
+    out = run(kernel, lnc=lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} {layout}: padded I split vs mx_exact")
+    if lnc == 1:
+        assert chunks == [] and zeroed == []
+        return
+    for core in (0, 1):
+        assert [(e, r) for c, e, r in chunks if c == core] == [
+            (0, (0,)), (0, (128,)), (0, (256,)), (1, (0, 128, 256, 384)), (2, (0,)), (2, (128,))], chunks
+        assert [r0 for c, r0 in zeroed if c == core] == [384, 256, 384], zeroed
 
 
 class _Ctx:

@@ -3,7 +3,8 @@
 Elsewhere pass A splits every block's rows between the two cores (docs/moe.md section 5), so both cores need all of
 W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) each core quantizes
 half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). For an expert of exactly
-one block that holds no padding (the DeepSeek-V3 rank under balanced routing) the cores here split I instead: core c
+one block (the DeepSeek-V3 rank's under balanced routing and most of its experts under Zipf routing) the cores here
+split I instead: core c
 computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the block, I_c its contiguous share of the 512-column I
 tiles, with W_down's I_c columns loaded and quantized on chip (each core half of W_down, read once: no exchange, no
 fence between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up,
@@ -21,8 +22,12 @@ no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
 panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
 one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
 experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
-reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
-(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks).
+reads every row of them back by plain DMA. A one-block expert holding padding (if_full's complement, tested at run time
+on both cores) is split too since round 14d: its dY / X rows are gathered in pass A (a staged copy would leave padding
+rows unwritten), and its chunks after the first go one by one in 0/1-trip loops on the flag of their first position, a
+chunk of padding only storing zero scratch rows instead (the row split computed every row of such a block on one core
+or the other: W_down loaded per block there; round 9b's split of padded blocks without the skip and in the slot layout
+measured +6.6% on a Zipf routing).
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
@@ -36,7 +41,7 @@ import nki.language as nl
 from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul.sources import blocks as _blocks
 from .constants import PARTITIONS
-from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8
+from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
 
 __all__ = ["SingleBlockISplit"]
@@ -78,10 +83,8 @@ class SingleBlockISplit(nl.NKIObject):
         self.ctx.if_flag(self.ctx.row_flags(i, self.ctx.B - 1, 2), 1, body, complement)
 
     def if_row_split(self, e, body):
-        """body() when expert e has blocks and takes the row split (more than one block, or one holding padding)."""
-        loops = self.ctx.loops
-        loops.if_multi(e, body)
-        loops.if_single(e, lambda i: self.if_full(i, body, complement=True))
+        """body() when expert e takes the row split (more than one block)."""
+        self.ctx.loops.if_multi(e, body)
 
     def stage_expert(self, e):
         """stage() of expert e's block when it is a staged expert of one full block."""
@@ -89,23 +92,51 @@ class SingleBlockISplit(nl.NKIObject):
             self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.stage(i)))
 
     def scatter_expert(self, e):
-        """scatter() of expert e's block when it has one full block (after the fence that follows its pass A)."""
-        self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.scatter(i)))
+        """scatter() of expert e's block when it has one block (after the fence that follows its pass A)."""
+        self.ctx.loops.if_single(e, self.scatter)
 
-    def block(self, e, i, descs):
-        """Pass A of expert e's only block i (register, a full block) for this core's I tiles: every row's dI,
-        epilogue and stores.
+    def block(self, e, i, descs, full=True):
+        """Pass A of expert e's only block i (register) for this core's I tiles: every row's dI, epilogue and stores.
+        A block holding padding (full False) computes its 128-row chunks one by one, each after the first (whose
+        first position always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of
+        padding only stores zero scratch rows instead (both cores: the same flags, so identical trip counts).
 
         Args:
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
         """
         ctx = self.ctx
+        # this core's I_c columns of the weights stay resident for the block (ExpertPanels.fits: 56 KiB per partition
+        # of quantized W_down for DeepSeek-V3), so the chunks' 0/1 loops below load no weights
         w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
-        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged,
-                                    d_up_engine=nisa.engine.vector)
+        if full:
+            compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True,
+                                        staged=e in self.staged, d_up_engine=nisa.engine.vector)
+            return
+        # a padded block: never staged (an HBM -> HBM gather skips padding rows, which pass C reads as zeros)
+        flags = ctx.row_flags(i, PARTITIONS, len(self.chunks))
+        for q, chunk in enumerate(self.chunks):
+            def rows(chunk=chunk):
+                compute_phase1_chunks_mxfp8(ctx, e, i, [chunk], *w, False, None, tile_sums=True,
+                                            d_up_engine=nisa.engine.vector)
+            if q == 0:
+                rows()
+                continue
+            ctx.if_flag(flags, q, rows)
+            ctx.if_flag(flags, q, lambda chunk=chunk: self.zero_chunk(i, *chunk), complement=True)
+
+    def zero_chunk(self, i, r0, m):
+        """Rows r0..r0+m of block i hold only padding: zeros for this core's columns of their d_gate_up and hs rows
+        and their routing-weight tile sums, and for their dY / X copies where this core writes them (ctx.unit_rows),
+        as the computed rows of a gathered padding chunk would be."""
+        ctx = self.ctx
+        i_lo, i_hi = self.tiles[0][0], self.tiles[-1][0] + self.tiles[-1][1]
+        zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=r0 in [r for r, _ in ctx.unit_rows])
+        sums = nl.ndarray((m, self.j_hi - self.j_lo), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sums, value=0.0)
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, self.j_lo, self.j_hi - self.j_lo), src=sums)
 
     def stage(self, i):
         """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and

@@ -24,10 +24,12 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
        and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
-       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2
+       the same for the experts with one block, whose pass A runs all of I over every row (round 8c; not under the
+       I split below, which takes every one-block expert). Under LNC2
        a W_down loaded on use (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first
        fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py), except
-       for an expert of one full block, whose I columns the cores split instead (moe_bwd_mxfp8_i_split.py, round 9b).
+       for an expert of one block, whose I columns the cores split instead (moe_bwd_mxfp8_i_split.py, round 9b; one
+       holding padding too since round 14d, its chunks of padding only skipped).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows. With pass A's chunk pipeline
@@ -204,10 +206,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # group runs before the first fence, so it quantizes on chip as before); the same panel bytes (a_groups holds)
     if DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup)) and len(groups) > 1:
         exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
-    # W_down loaded on use under LNC2: an expert of one full block splits I between the cores instead of rows, each
-    # core loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b), so only the other
-    # experts (more blocks, or one holding padding) take the exchange
-    # (the experts after the first group have their dY / X rows and p staged a fence ahead, in the exchange's place)
+    # W_down loaded on use under LNC2: an expert of one block splits I between the cores instead of rows, each core
+    # loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b; a block holding padding
+    # too, its chunks of padding only skipped on both cores: round 14d), so only experts of more blocks take the
+    # exchange (the experts after the first group have their full block's dY / X rows and p staged a fence ahead, in
+    # the exchange's place)
     i_split = (SingleBlockISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
                if SingleBlockISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
 
@@ -252,9 +255,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
 
         single = None
-        if i_split != None:  # noqa: E711  (a full block: W_down[e] from HBM as it is; one with padding: as before)
+        if i_split != None:  # noqa: E711  (one block, full or padded: W_down[e] from HBM as it is)
             descs = [TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)] + a_descs(e)[1:]
-            single = (lambda i, w, skip, full: i_split.block(e, i, descs) if full else rows(i, w, skip, full))
+            single = lambda i, w, skip, full: i_split.block(e, i, descs, full)
         per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip, single=single)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
@@ -285,7 +288,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     one_i_group = a_groups == None  # noqa: E711
     whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
     every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
-    single_block_panels = whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+    # (not under SingleBlockISplit: it takes every one-block expert, and no core holds a chunk's whole 2I)
+    single_block_panels = (whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+                           and i_split == None)  # noqa: E711
     if every_block_panels or single_block_panels:
         nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
         ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
@@ -309,9 +314,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                   single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full)), ring=ring)
 
     def stored_single(full):
-        """Whether pass A stored a one-block expert's panels: not where it split the block along I (a full block
-        under SingleBlockISplit: no core holds a chunk's whole 2I)."""
-        return ctx.d_gu_mx != None and not (i_split != None and full)  # noqa: E711
+        """Whether pass A stored a one-block expert's panels: not where it split the block along I (every one-block
+        expert under SingleBlockISplit: no core holds a chunk's whole 2I)."""
+        return ctx.d_gu_mx != None and i_split == None  # noqa: E711
 
     # pass B(e) in pieces between the chunks of the segment's pipelined pass A(a) (round 8a, moe_bwd_mxfp8_interleave)
     # where both passes' resident weight panels fit INTERLEAVE_PANEL_BUDGET_BYTES together: B's matmuls then queue on
