@@ -135,7 +135,7 @@ class RowChunk(nl.NKIObject):
     tile_sums (the I split of one-block experts, moe_bwd_mxfp8_i_split.py): the rows' routing-weight gradient is
     kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
     in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
-    x_blocks / p_blocks a fence earlier: SingleBlockISplit.stage): they are read from there by plain DMA, not
+    x_blocks / p_blocks a fence earlier: ExpertISplit.stage): they are read from there by plain DMA, not
     gathered. d_up_engine: the epilogue's engine for the product dh * a (None: ctx.d_up_engine, the kernel's choice).
     """
 

@@ -1,15 +1,14 @@
-"""Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py) split along I for experts of one block (LNC2).
+"""Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py) split along I (LNC2, W_down loaded on use).
 
 Elsewhere pass A splits every block's rows between the two cores (docs/moe.md section 5), so both cores need all of
-W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) each core quantizes
-half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). For an expert of exactly
-one block (the DeepSeek-V3 rank's under balanced routing and most of its experts under Zipf routing) the cores here
-split I instead: core c
-computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the block, I_c its contiguous share of the 512-column I
-tiles, with W_down's I_c columns loaded and quantized on chip (each core half of W_down, read once: no exchange, no
-fence between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up,
-gate_act, intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c
-columns for every row: disjoint bytes.
+W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) that took an exchange:
+each core quantized half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). Here the
+cores split I instead, for every expert: core c computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of each of
+the expert's blocks, I_c its contiguous share of the 512-column I tiles, with W_down's I_c columns loaded and quantized
+on chip once per expert and resident across its blocks (each core half of W_down, read once: no exchange, no fence
+between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up, gate_act,
+intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c columns for
+every row: disjoint bytes. Round 9b split experts of one full block; round 14d every expert (docs/moe.md section 10).
 
 The routing-weight gradient <dI, h> folds over all of I in tile order (docs/moe.md section 4: tile 0 overwrites, the
 others add in fp32). Each core keeps its tiles' sums apart (RowChunk tile_sums) in ctx.d_w_tiles [N, B, I/512] fp32;
@@ -18,16 +17,14 @@ and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 
 The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
 (software-DGE descriptors on GpSimd; with checkpoint_layout="block" one plain DMA per chunk instead, round 11b), and
-no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
-panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
-one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
-experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
-reads every row of them back by plain DMA. A one-block expert holding padding (if_full's complement, tested at run time
-on both cores) is split too since round 14d: its dY / X rows are gathered in pass A (a staged copy would leave padding
-rows unwritten), and its chunks after the first go one by one in 0/1-trip loops on the flag of their first position, a
-chunk of padding only storing zero scratch rows instead (the row split computed every row of such a block on one core
-or the other: W_down loaded per block there; round 9b's split of padded blocks without the skip and in the slot layout
-measured +6.6% on a Zipf routing).
+no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up panels from the bf16 rows (round 9b).
+dY / X's block-ordered copies for pass C are written by one core per 128-row chunk (ctx.unit_rows: the rows the row
+split gives it): in pass A for the first fence group's experts and for a block holding padding (gathered on both
+cores), else a segment ahead by stage(), with p's, so that pass A reads every row of a full block back by plain DMA.
+A block holding padding (an expert's last, if_full's complement, tested at run time on both cores) is never staged (an
+HBM -> HBM gather skips padding rows, which pass C reads as zeros); its chunks after the first go one by one in 0/1-trip
+loops on the flag of their first position, a chunk of padding only storing zero scratch rows instead (the row split
+computed every row of such a block: W_down loaded per block there).
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
@@ -44,11 +41,11 @@ from .constants import PARTITIONS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
 
-__all__ = ["SingleBlockISplit"]
+__all__ = ["ExpertISplit"]
 
 
-class SingleBlockISplit(nl.NKIObject):
-    """Pass A of one-block experts with I split between the cores, and its deferred d_topk_weights scatter.
+class ExpertISplit(nl.NKIObject):
+    """Pass A of every expert with I split between the cores, and its deferred d_topk_weights scatter.
 
     Dimensions: as the module docstring; i_tiles are pass A's [(n0, 512)] tiles of I, this core's [j_lo, j_hi).
     """
@@ -82,32 +79,48 @@ class SingleBlockISplit(nl.NKIObject):
         a 0/1-trip run-time loop with the same trip count on both cores."""
         self.ctx.if_flag(self.ctx.row_flags(i, self.ctx.B - 1, 2), 1, body, complement)
 
-    def if_row_split(self, e, body):
-        """body() when expert e takes the row split (more than one block)."""
-        self.ctx.loops.if_multi(e, body)
-
     def stage_expert(self, e):
-        """stage() of expert e's block when it is a staged expert of one full block."""
-        if e in self.staged:
-            self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.stage(i)))
+        """stage() of a staged expert e's full blocks: all but its last, and the last one when it holds no padding."""
+        if e not in self.staged:
+            return
+        b_lo, _, b_hi = self.ctx.loops.bounds(e)
+        last = self.ctx.loops.last_block(e)
+        nl.fori_loop(b_lo, last, self.stage)
+        nl.fori_loop(last, b_hi, lambda i: self.if_full(i, lambda: self.stage(i)))
 
-    def scatter_expert(self, e):
-        """scatter() of expert e's block when it has one block (after the fence that follows its pass A)."""
-        self.ctx.loops.if_single(e, self.scatter)
-
-    def block(self, e, i, descs, full=True):
-        """Pass A of expert e's only block i (register) for this core's I tiles: every row's dI, epilogue and stores.
-        A block holding padding (full False) computes its 128-row chunks one by one, each after the first (whose
-        first position always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of
-        padding only stores zero scratch rows instead (both cores: the same flags, so identical trip counts).
+    def expert(self, e, descs):
+        """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. The blocks
+        before the last are full (every position a routed pair); the last one runs as full or as padded by its final
+        position's flag (if_full, the same on both cores).
 
         Args:
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
         """
         ctx = self.ctx
-        # this core's I_c columns of the weights stay resident for the block (ExpertPanels.fits: 56 KiB per partition
-        # of quantized W_down for DeepSeek-V3), so the chunks' 0/1 loops below load no weights
+        # this core's I_c columns of the weights stay resident across the expert's blocks (ExpertPanels.fits: 56 KiB
+        # per partition of quantized W_down for DeepSeek-V3), loaded once before the loops, so neither the block
+        # loops nor the chunks' 0/1 loops load weights
         w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
+        b_lo, _, b_hi = ctx.loops.bounds(e)
+        last = ctx.loops.last_block(e)
+        nl.fori_loop(b_lo, last, lambda i: self.block(e, i, w, True))
+
+        def last_block(i):
+            self.if_full(i, lambda: self.block(e, i, w, True))
+            self.if_full(i, lambda: self.block(e, i, w, False), complement=True)
+        nl.fori_loop(last, b_hi, last_block)
+
+    def scatter_expert(self, e):
+        """scatter() of every block of expert e (after the fence that follows its pass A)."""
+        b_lo, _, b_hi = self.ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, self.scatter)
+
+    def block(self, e, i, w, full):
+        """Block i (register) of expert e over this core's I tiles, with its weight panels w (ExpertPanels). A block
+        holding padding (full False) computes its 128-row chunks one by one, each after the first (whose first position
+        always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of padding only
+        stores zero scratch rows instead (both cores: the same flags, so identical trip counts)."""
+        ctx = self.ctx
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
