@@ -89,26 +89,36 @@ class ExpertISplit(nl.NKIObject):
         nl.fori_loop(last, b_hi, lambda i: self.if_full(i, lambda: self.stage(i)))
 
     def expert(self, e, descs):
-        """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. The blocks
-        before the last are full (every position a routed pair); the last one runs as full or as padded by its final
-        position's flag (if_full, the same on both cores).
+        """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of
+        more blocks loads its panels once for all of them; the blocks before the last are full (every position a routed
+        pair), the last one (a one-block expert's only one) runs as full or as padded by its final position's flag
+        (the same on both cores).
 
         Args:
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
         """
         ctx = self.ctx
-        # this core's I_c columns of the weights stay resident across the expert's blocks (ExpertPanels.fits: 56 KiB
-        # per partition of quantized W_down for DeepSeek-V3), loaded once before the loops, so neither the block
-        # loops nor the chunks' 0/1 loops load weights
-        w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        last = ctx.loops.last_block(e)
-        nl.fori_loop(b_lo, last, lambda i: self.block(e, i, w, True))
 
-        def last_block(i):
-            self.if_full(i, lambda: self.block(e, i, w, True))
-            self.if_full(i, lambda: self.block(e, i, w, False), complement=True)
-        nl.fori_loop(last, b_hi, last_block)
+        def panels():
+            # this core's I_c columns of the weights stay resident across the expert's blocks (ExpertPanels.fits:
+            # 56 KiB per partition of quantized W_down for DeepSeek-V3), so the chunks' 0/1 loops load no weights
+            return [None if d == None else ExpertPanels(d, self.tiles, ctx.setup) for d in descs]  # noqa: E711
+
+        def last_block(i, w=None):
+            # one flag for both branches; a one-block expert loads its panels inside the flag's loop (round 14d: the
+            # panels issued before the flags and a flag per branch cost the full rank's balanced routing 0.9%)
+            full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), True))
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False), complement=True)
+
+        def blocks():
+            w = panels()  # once for all the expert's blocks
+            b_lo, _, b_hi = ctx.loops.bounds(e)
+            last = ctx.loops.last_block(e)
+            nl.fori_loop(b_lo, last, lambda i: self.block(e, i, w, True))
+            nl.fori_loop(last, b_hi, lambda i: last_block(i, w))
+        ctx.loops.if_single(e, last_block)
+        ctx.loops.if_multi(e, blocks)
 
     def scatter_expert(self, e):
         """scatter() of every block of expert e (after the fence that follows its pass A)."""
