@@ -9,8 +9,8 @@ layout's outputs, LNC1 and LNC2 (the race detector on under LNC2).
 
 | test                                  | what                                                            | fixed      |
 |---------------------------------------|-----------------------------------------------------------------|------------|
-| test_block_layout_i_split             | no resident budget, B = 256, k = 1: one full block (I split     | LNC1, LNC2 |
-|                                       | under LNC2, gathered and staged), one padded block, two blocks, |            |
+| test_block_layout_i_split             | no resident budget, B = 256, k = 1: one full block, one padded  | LNC1, LNC2 |
+|                                       | block, two blocks (all I split under LNC2, gathered / staged),  |            |
 |                                       | none; no indirect DMA reads a checkpoint, the slot layout's do; |            |
 |                                       | the I split reads them after its W_down loads (LNC2)            |            |
 | test_block_layout_pipeline            | resident weights, B = 512, k = 2, clamps: pass A's pipeline     | LNC2       |
@@ -57,8 +57,8 @@ def _checkpoint_reads(trace, names):
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_block_layout_i_split(monkeypatch, lnc):
     """test_moe_i_split's routing (T = 912, experts of 256 / 100 / 300 / 0 / 256 pairs at B = 256, H = 1024, I = 544,
-    fence groups [0, 1], [2, 3], [4]; under LNC2 experts 0 and 4 take the I split, expert 4's dY / X staged a fence
-    ahead) with all four checkpoints in the block layout: == mx_exact and == the slot layout's outputs bit for bit;
+    fence groups [0, 1], [2, 3], [4]; under LNC2 every used expert takes the I split (round 14d; experts 0 and 4 before
+    it), the full blocks of experts 2 and 4 have their dY / X staged a fence ahead) with all four checkpoints in the block layout: == mx_exact and == the slot layout's outputs bit for bit;
     every checkpoint read is a plain DMA (the slot layout's are all indirect); under LNC2 the I split's first
     checkpoint read follows its first W_down load in program order (read at the first epilogue). Fails on the old
     code (no checkpoint_layout argument; a kernel that gathered the block layout by slot would read rows past the

@@ -118,9 +118,10 @@ def test_single_block_experts_panels(monkeypatch, lnc):
     of I for every row of a one-block expert and stores its chunks' panels; pass B loads them for those experts (both
     chunks of each block, padding-only ones too: pass A computed them) and builds the two-block expert's panels from
     its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on this path. Since round
-    9b a full one-block expert splits I under LNC2 (tests/kernels/test_moe_i_split.py), so that split is off here."""
+    9b a full one-block expert splits I under LNC2, since round 14d every expert (tests/kernels/test_moe_i_split.py), so
+    that split is off here."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    monkeypatch.setattr(S.SingleBlockISplit, "applies", staticmethod(lambda ctx, w_down_resident, i_tiles: False))
+    monkeypatch.setattr(S.ExpertISplit, "applies", staticmethod(lambda ctx, w_down_resident, i_tiles: False))
     T, E, H, I, B = 736, 5, 2048, 544, 256
     ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 80], axis=0)
     ids = ids[np.random.default_rng(29).permutation(T)]

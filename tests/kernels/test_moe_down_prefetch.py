@@ -1,17 +1,18 @@
-"""The I split's W_down loaded a pass ahead of A(e) (SingleBlockISplit.prefetch_down; docs/moe.md section 10, round 14b).
+"""The I split's W_down loaded a pass ahead of A(e) (ExpertISplit.prefetch_down; docs/moe.md section 10, round 14b).
 
-Where pass A splits a full one-block expert along I (moe_bwd_mxfp8_i_split.py, W_down loaded on use: forced here by a
-zero resident budget), the kernel loads and quantizes that expert's W_down columns after the B that precedes A(e) in
-program order (before that segment's C), into words and scales allocated outside the run-time loops, and A(e) takes
-them instead of loading its own. The outputs stay mx_exact's bit for bit under LNC2 (the race detector on).
+Where pass A splits experts along I (moe_bwd_mxfp8_i_split.py, W_down loaded on use: forced here by a zero resident
+budget), the kernel loads and quantizes a one-block expert's W_down columns after the B that precedes A(e) in program
+order (before that segment's C), into words and scales allocated outside the run-time loops, under the run-time
+condition of expert()'s full branch, which takes them instead of loading its own. Padded and multi-block experts
+load their own (round 14d's paths). The outputs stay mx_exact's bit for bit under LNC2 (the race detector on).
 
 | test                           | what                                                                     | fixed |
 |--------------------------------|--------------------------------------------------------------------------|-------|
 | test_down_prefetch_order       | fence groups [0, 1], [2, 3], [4]: W_down[4] prefetched after C(0), before | LNC2  |
 |                                | C(1), each prefetch before the segment's staging; A(4) takes the         |       |
-|                                | prefetched panels, A(0) loads its own; bit-exact                         |       |
+|                                | prefetched panels, A(0), A(1) and A(2) load their own; bit-exact         |       |
 | test_down_prefetch_padded_next | the prefetched expert holds padding: its prefetch loop runs no trip and  | LNC2  |
-|                                | A(4) takes the row split; bit-exact                                      |       |
+|                                | A(4) takes the padded I split path with its own panels; bit-exact        |       |
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from test_moe_i_split import CHECKPOINTS, i_split_case
 
 
 def _record(monkeypatch):
-    """Program-order events per core: ("prefetch", e), ("A", e, prefetched?) of the I split, ("C", e) of pass C's
+    """Program-order events per core: ("prefetch", e), ("A", e, full?, prefetched?) per block of the I split (whether
+    the block's W_down panels are the very list prefetch_down returned for e on that core), ("C", e) of pass C's
     single-block path (its first gradient)."""
-    events = {}
-    prefetch, block, single = S.SingleBlockISplit.prefetch_down, S.SingleBlockISplit.block, \
+    events, ahead = {}, {}
+    prefetch, block, single = S.ExpertISplit.prefetch_down, S.ExpertISplit.block, \
         K.compute_phase3_single_block_grads_mxfp8
-    stage = S.SingleBlockISplit.stage_expert
+    stage = S.ExpertISplit.stage_expert
 
     def record_stage(self, e):
         events.setdefault(self.ctx.split.shard_id, []).append(("stage", e))
@@ -40,20 +42,22 @@ def _record(monkeypatch):
 
     def record_prefetch(self, e, desc):
         events.setdefault(self.ctx.split.shard_id, []).append(("prefetch", e))
-        return prefetch(self, e, desc)
+        ahead[self.ctx.split.shard_id, e] = prefetch(self, e, desc)
+        return ahead[self.ctx.split.shard_id, e]
 
-    def record_block(self, e, i, descs, w_down=None):
-        events.setdefault(self.ctx.split.shard_id, []).append(("A", e, w_down is not None))
-        return block(self, e, i, descs, w_down)
+    def record_block(self, e, i, w, full):
+        taken = w[0].panels is ahead.get((self.ctx.split.shard_id, e))
+        events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full, taken))
+        return block(self, e, i, w, full)
 
     def record_single(ctx, e, i, out, *args, **kwargs):
         if out is ctx.d_gate_up_weight:
             events.setdefault(ctx.split.shard_id, []).append(("C", e))
         return single(ctx, e, i, out, *args, **kwargs)
 
-    monkeypatch.setattr(S.SingleBlockISplit, "prefetch_down", record_prefetch)
-    monkeypatch.setattr(S.SingleBlockISplit, "block", record_block)
-    monkeypatch.setattr(S.SingleBlockISplit, "stage_expert", record_stage)
+    monkeypatch.setattr(S.ExpertISplit, "prefetch_down", record_prefetch)
+    monkeypatch.setattr(S.ExpertISplit, "block", record_block)
+    monkeypatch.setattr(S.ExpertISplit, "stage_expert", record_stage)
     monkeypatch.setattr(K, "compute_phase3_single_block_grads_mxfp8", record_single)
     return events
 
@@ -62,15 +66,17 @@ def test_down_prefetch_order(monkeypatch):
     """test_moe_i_split's routing (T = 912, B = 256, H = 1024, I = 544; experts of 256 / 100 / 300 / 0 / 256 pairs,
     fence groups [0, 1], [2, 3], [4]): A(3) is the first expert's next A (prefetched, no blocks: its loop runs no trip),
     A(4) the second's (the next segment's first A); A(2), right after the first fence, loads its own. A(4) takes the
-    prefetched panels, A(0) (before the first fence) its own. Fails on the old code (no prefetch_down)."""
+    prefetched panels, A(0) (before the first fence) its own, A(1) (one padded block) and A(2) (a full block, then a
+    padded one) take round 14d's I split with their own. Fails on the old code (no prefetch_down)."""
     kernel, ref = i_split_case(monkeypatch)
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_down prefetch vs mx_exact")
     for core in (0, 1):
         seq = events[core]
-        assert [ev for ev in seq if ev[0] not in ("C", "stage")] == [("A", 0, False), ("prefetch", 3),
-                                                                     ("prefetch", 4), ("A", 4, True)], seq
+        assert [ev for ev in seq if ev[0] not in ("C", "stage")] == [
+            ("A", 0, True, False), ("A", 1, False, False), ("A", 2, True, False), ("A", 2, False, False),
+            ("prefetch", 3), ("prefetch", 4), ("A", 4, True, True)], seq
         # W_down[4] is loaded in the first segment's second part (A(3), B(1), prefetch, C(1)): after C(0), before C(1)
         assert seq.index(("C", 0)) < seq.index(("prefetch", 4)) < seq.index(("C", 1)), seq
         # the prefetch precedes the segment's staging of the group after next (expert 4's dY / X rows, issued in
@@ -80,7 +86,8 @@ def test_down_prefetch_order(monkeypatch):
 
 def test_down_prefetch_padded_next(monkeypatch):
     """As above with expert 4 of 100 pairs (one padded block): its prefetch loop runs no trip (the I split's full-block
-    flag, tested at run time) and A(4) takes the row split with the W_down exchange; LNC2 bit-exact."""
+    flag, tested at run time) and A(4) takes round 14d's padded I split path (before the merge with round 14d: the
+    row split with the W_down exchange), loading its own panels; LNC2 bit-exact."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 756, 5, 1024, 544, 256
     ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 100], axis=0)
@@ -90,7 +97,9 @@ def test_down_prefetch_padded_next(monkeypatch):
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_down prefetch, padded next expert")
-    # the prefetch is issued, but its loop and A(4)'s I split body run no trip (the simulator runs what trips)
+    # the prefetch is issued, but its loop and A(4)'s full branch run no trip (the simulator runs what trips): the
+    # padded branch runs with W_down loaded there
     for core in (0, 1):
         runs = [ev for ev in events[core] if ev[0] in ("A", "prefetch")]
-        assert runs == [("A", 0, False), ("prefetch", 3), ("prefetch", 4)], events[core]
+        assert runs == [("A", 0, True, False), ("A", 1, False, False), ("A", 2, True, False), ("A", 2, False, False),
+                        ("prefetch", 3), ("prefetch", 4), ("A", 4, False, False)], events[core]

@@ -34,7 +34,7 @@ from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forwa
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
-           "compute_phase1_pipelined_mxfp8"]
+           "compute_phase1_pipelined_mxfp8", "zero_padding_rows"]
 
 
 def _natural_rows(ctx, k_size):
@@ -135,7 +135,7 @@ class RowChunk(nl.NKIObject):
     tile_sums (the I split of one-block experts, moe_bwd_mxfp8_i_split.py): the rows' routing-weight gradient is
     kept per I tile (one fp32 sum per tile, not folded) and stored to ctx.d_w_tiles, whose reader folds every tile
     in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
-    x_blocks / p_blocks a fence earlier: SingleBlockISplit.stage): they are read from there by plain DMA, not
+    x_blocks / p_blocks a fence earlier: ExpertISplit.stage): they are read from there by plain DMA, not
     gathered. d_up_engine: the epilogue's engine for the product dh * a (None: ctx.d_up_engine, the kernel's choice).
     """
 
@@ -301,7 +301,7 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
             body()
             continue
         ctx.if_flag(flags, u, body)
-        ctx.if_flag(flags, u, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
+        ctx.if_flag(flags, u, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, i_lo, i_hi), complement=True)
 
 
 def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False,
@@ -366,7 +366,7 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up,
                                                                        full, [sets[q % 2]]))
-            ctx.if_flag(flags, q, lambda r0=r0, m=m: _zero_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
             if piece != None:  # noqa: E711  (outside the flag: every block's chunk q issues it)
                 piece()
 
@@ -444,13 +444,13 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
     nl.fori_loop(last, b_hi, last_block)
 
 
-def _zero_rows(ctx, i, r0, m, i_lo, i_hi):
+def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
     """Rows r0..r0+m of block i hold only padding: their scratch rows (the columns RowChunk.store would
-    write for I columns [i_lo, i_hi), and dY / X with the first group) become zeros, as a gathered padding
-    row would be."""
+    write for I columns [i_lo, i_hi), and dY / X with the first group, or where `copies` says so: the I split's
+    writer of the chunk's copies) become zeros, as a gathered padding row would be."""
     I, H = ctx.I, ctx.H
     spans = [(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi), (ctx.hs, i_lo, i_hi)]
-    if i_lo == 0:
+    if (i_lo == 0) if copies == None else copies:  # noqa: E711
         spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
     for scratch, f_lo, f_hi in spans:
         for f0, fsz in _blocks(f_lo, f_hi, ctx.zeros.shape[1]):

@@ -41,7 +41,7 @@ class ExpertPanels(nl.NKIObject):
     ring: a LoadRing that the resident panels' loads share for their MXFP8 staging tiles (pass B: pass C's kernel-scope
     ring, round 9a); None: a fresh ring per super-panel.
     panels: the resident super-panels, loaded earlier by the caller (one Panel per super_panels load: the I split's
-    W_down loaded a pass ahead, SingleBlockISplit.prefetch_down); None: loaded here when they fit.
+    W_down loaded a pass ahead, ExpertISplit.prefetch_down); None: loaded here when they fit.
     """
 
     def __init__(self, op, tiles, setup, ring=None, panels=None):

@@ -1,14 +1,14 @@
-"""Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py) split along I for experts of one block (LNC2).
+"""Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py) split along I (LNC2, W_down loaded on use).
 
 Elsewhere pass A splits every block's rows between the two cores (docs/moe.md section 5), so both cores need all of
-W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) each core quantizes
-half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). For an expert of exactly
-one block that holds no padding (the DeepSeek-V3 rank under balanced routing) the cores here split I instead: core c
-computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of the block, I_c its contiguous share of the 512-column I
-tiles, with W_down's I_c columns loaded and quantized on chip (each core half of W_down, read once: no exchange, no
-fence between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up,
-gate_act, intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c
-columns for every row: disjoint bytes.
+W_down[e] quantized along H; where W_down is loaded on use (the DeepSeek-V3 rank's [7168, 2048]) that took an exchange:
+each core quantized half of it and both read all of it back from HBM scratch (moe_bwd_mxfp8_down_exchange.py). Here the
+cores split I instead, for every expert: core c computes dI = dY_b W_down[e][:, I_c] (K=H) for all B rows of each of
+the expert's blocks, I_c its contiguous share of the 512-column I tiles, with W_down's I_c columns loaded and quantized
+on chip once per expert and resident across its blocks (each core half of W_down, read once: no exchange, no fence
+between a quantize and its use). The epilogue of an I tile needs only that tile's columns (gate_pre, up, gate_act,
+intermediate, dI) and the row's p, so each core writes d_gate_up's gate and up columns of I_c and hs's I_c columns for
+every row: disjoint bytes. Round 9b split experts of one full block; round 14d every expert (docs/moe.md section 10).
 
 The routing-weight gradient <dI, h> folds over all of I in tile order (docs/moe.md section 4: tile 0 overwrites, the
 others add in fp32). Each core keeps its tiles' sums apart (RowChunk tile_sums) in ctx.d_w_tiles [N, B, I/512] fp32;
@@ -17,14 +17,16 @@ and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 
 The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
 (software-DGE descriptors on GpSimd; with checkpoint_layout="block" one plain DMA per chunk instead, round 11b), and
-no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up
-panels from the bf16 rows (docs/moe.md section 10, round 9b). dY / X's block-ordered copies for pass C are written by
-one core per 128-row chunk (ctx.unit_rows: the rows the row split gives it): in pass A for the first fence group's
-experts (which gather every row of dY and p on both cores), else a segment ahead by stage(), with p's, so that pass A
-reads every row of them back by plain DMA. A one-block expert holding padding keeps the row split and the exchange
-(if_full, tested at run time on both cores: the split measured +6.6% on a Zipf routing's padded blocks). W_down's I_c
-columns may be loaded and quantized a pass ahead of the block's pass A (prefetch_down, round 14b), so that dI does not
-wait for them at A's start.
+no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up panels from the bf16 rows (round 9b).
+dY / X's block-ordered copies for pass C are written by one core per 128-row chunk (ctx.unit_rows: the rows the row
+split gives it): in pass A for the first fence group's experts and for a block holding padding (gathered on both
+cores), else a segment ahead by stage(), with p's, so that pass A reads every row of a full block back by plain DMA.
+A block holding padding (an expert's last, if_full's complement, tested at run time on both cores) is never staged (an
+HBM -> HBM gather skips padding rows, which pass C reads as zeros); its chunks after the first go one by one in 0/1-trip
+loops on the flag of their first position, a chunk of padding only storing zero scratch rows instead (the row split
+computed every row of such a block: W_down loaded per block there). A one-block expert's full block takes W_down's
+I_c columns loaded and quantized a pass ahead (prefetch_down, round 14b: under exactly that branch's run-time
+condition), so that its dI does not wait for them at A's start; padded and multi-block experts load their own.
 
 Dimensions (per core, one block): dY_b [B, H] (K=H, stationary, chunks of 128 rows), W_down[e][:, I_c] [H, |I_c|]
 (moving), checkpoints [B, |I_c|] bf16; outputs d_gu [B, 2I] columns I_c and I + I_c, hs [B, I] columns I_c,
@@ -41,14 +43,14 @@ from ...core.matmul.constants import SCALE_PACK_SLOTS, STAGING_BUFFERS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from .constants import PARTITIONS
-from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8
+from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
 
-__all__ = ["SingleBlockISplit"]
+__all__ = ["ExpertISplit"]
 
 
-class SingleBlockISplit(nl.NKIObject):
-    """Pass A of one-block experts with I split between the cores, and its deferred d_topk_weights scatter.
+class ExpertISplit(nl.NKIObject):
+    """Pass A of every expert with I split between the cores, and its deferred d_topk_weights scatter.
 
     Dimensions: as the module docstring; i_tiles are pass A's [(n0, 512)] tiles of I, this core's [j_lo, j_hi).
     """
@@ -82,32 +84,28 @@ class SingleBlockISplit(nl.NKIObject):
         a 0/1-trip run-time loop with the same trip count on both cores."""
         self.ctx.if_flag(self.ctx.row_flags(i, self.ctx.B - 1, 2), 1, body, complement)
 
-    def if_row_split(self, e, body):
-        """body() when expert e has blocks and takes the row split (more than one block, or one holding padding)."""
-        loops = self.ctx.loops
-        loops.if_multi(e, body)
-        loops.if_single(e, lambda i: self.if_full(i, body, complement=True))
-
     def stage_expert(self, e):
-        """stage() of expert e's block when it is a staged expert of one full block."""
-        if e in self.staged:
-            self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.stage(i)))
-
-    def scatter_expert(self, e):
-        """scatter() of expert e's block when it has one full block (after the fence that follows its pass A)."""
-        self.ctx.loops.if_single(e, lambda i: self.if_full(i, lambda: self.scatter(i)))
+        """stage() of a staged expert e's full blocks: all but its last, and the last one when it holds no padding."""
+        if e not in self.staged:
+            return
+        b_lo, _, b_hi = self.ctx.loops.bounds(e)
+        last = self.ctx.loops.last_block(e)
+        nl.fori_loop(b_lo, last, self.stage)
+        nl.fori_loop(last, b_hi, lambda i: self.if_full(i, lambda: self.stage(i)))
 
     def prefetch_down(self, e, desc):
         """W_down[e][:, I_c]'s resident panels (what ExpertPanels loads at A(e)'s start) loaded and quantized now, in
-        a 0/1-trip loop of block()'s own run-time conditions (one full block), into words and scales allocated here
-        (outside that loop, so they outlive it) in groups of SCALE_PACK_SLOTS K tiles (16 KiB of words per 1024
-        columns: no one 56 KiB gap asked for, docs/moe.md section 10, round 6a). Issued a pass ahead of A(e), its
-        DMAs and quantizes run while the previous pass's do, instead of at A(e)'s start with dI waiting for them
-        (round 14b). Each K tile is quantize_mx's of the same staged rows: the same words and scales.
+        a 0/1-trip loop of exactly the run-time conditions of expert()'s full branch (one block, if_single, whose last
+        position holds a routed pair: if_full's flag, the one expert() tests once for both branches), into words and
+        scales allocated here (outside that loop, so they outlive it) in groups of SCALE_PACK_SLOTS K tiles (16 KiB of
+        words per 1024 columns: no one 56 KiB gap asked for, docs/moe.md section 10, round 6a). Issued a pass ahead of
+        A(e), its DMAs and quantizes run while the previous pass's do, instead of at A(e)'s start with dI waiting for
+        them (round 14b). Each K tile is quantize_mx's of the same staged rows: the same words and scales.
 
         Returns:
-            the list of super-panels (Panel per ExpertPanels load) that block(w_down=...) takes, filled when the loop
-            body is traced (the simulator runs a 0/1-trip loop's body only when it trips, as block()'s: the same flag).
+            the list of super-panels (Panel per ExpertPanels load) that expert(w_down=...) takes, filled when the loop
+            body is traced (the simulator runs a 0/1-trip loop's body only when it trips, as expert()'s full branch's:
+            the same flag, so the panels exist whenever that branch uses them).
         """
         setup = self.ctx.setup
         loads, _ = ExpertPanels.super_panels(desc, self.tiles, ExpertPanels.load_width(desc, setup))
@@ -132,22 +130,82 @@ class SingleBlockISplit(nl.NKIObject):
         self.ctx.loops.if_single(e, lambda i: self.if_full(i, load))
         return panels
 
-    def block(self, e, i, descs, w_down=None):
-        """Pass A of expert e's only block i (register, a full block) for this core's I tiles: every row's dI,
-        epilogue and stores.
+    def expert(self, e, descs, w_down=None):
+        """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of
+        more blocks loads its panels once for all of them; the blocks before the last are full (every position a routed
+        pair), the last one (a one-block expert's only one) runs as full or as padded by its final position's flag
+        (the same on both cores).
 
         Args:
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
-            w_down: W_down[e]'s super-panels loaded ahead (prefetch_down), or None: loaded here.
+            w_down: W_down[e]'s super-panels loaded a pass ahead (prefetch_down), taken by a one-block expert's full
+                branch only (the prefetch's loop trips exactly when that branch does); None: loaded here.
         """
         ctx = self.ctx
-        w = [None if d == None else ExpertPanels(d, self.tiles, ctx.setup, panels=w_down if k == 0 else None)  # noqa
-             for k, d in enumerate(descs)]
+
+        def panels(ahead=None):
+            # this core's I_c columns of the weights stay resident across the expert's blocks (ExpertPanels.fits:
+            # 56 KiB per partition of quantized W_down for DeepSeek-V3), so the chunks' 0/1 loops load no weights
+            return [None if d == None else ExpertPanels(d, self.tiles, ctx.setup,  # noqa: E711
+                                                        panels=ahead if k == 0 else None) for k, d in enumerate(descs)]
+
+        def last_block(i, w=None):
+            # one flag for both branches; a one-block expert loads its panels inside the flag's loop (round 14d: the
+            # panels issued before the flags and a flag per branch cost the full rank's balanced routing 0.9%), its
+            # full branch's W_down taken from prefetch_down where given (round 14b: loaded under this same flag)
+            full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True))
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False), complement=True)
+
+        def blocks():
+            w = panels()  # once for all the expert's blocks
+            b_lo, _, b_hi = ctx.loops.bounds(e)
+            last = ctx.loops.last_block(e)
+            nl.fori_loop(b_lo, last, lambda i: self.block(e, i, w, True))
+            nl.fori_loop(last, b_hi, lambda i: last_block(i, w))
+        ctx.loops.if_single(e, last_block)
+        ctx.loops.if_multi(e, blocks)
+
+    def scatter_expert(self, e):
+        """scatter() of every block of expert e (after the fence that follows its pass A)."""
+        b_lo, _, b_hi = self.ctx.loops.bounds(e)
+        nl.fori_loop(b_lo, b_hi, self.scatter)
+
+    def block(self, e, i, w, full):
+        """Block i (register) of expert e over this core's I tiles, with its weight panels w (ExpertPanels). A block
+        holding padding (full False) computes its 128-row chunks one by one, each after the first (whose first position
+        always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of padding only
+        stores zero scratch rows instead (both cores: the same flags, so identical trip counts)."""
+        ctx = self.ctx
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
-        compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True, staged=e in self.staged,
-                                    d_up_engine=nisa.engine.vector)
+        if full:
+            compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True,
+                                        staged=e in self.staged, d_up_engine=nisa.engine.vector)
+            return
+        # a padded block: never staged (an HBM -> HBM gather skips padding rows, which pass C reads as zeros)
+        flags = ctx.row_flags(i, PARTITIONS, len(self.chunks))
+        for q, chunk in enumerate(self.chunks):
+            def rows(chunk=chunk):
+                compute_phase1_chunks_mxfp8(ctx, e, i, [chunk], *w, False, None, tile_sums=True,
+                                            d_up_engine=nisa.engine.vector)
+            if q == 0:
+                rows()
+                continue
+            ctx.if_flag(flags, q, rows)
+            ctx.if_flag(flags, q, lambda chunk=chunk: self.zero_chunk(i, *chunk), complement=True)
+
+    def zero_chunk(self, i, r0, m):
+        """Rows r0..r0+m of block i hold only padding: zeros for this core's columns of their d_gate_up and hs rows
+        and their routing-weight tile sums, and for their dY / X copies where this core writes them (ctx.unit_rows),
+        as the computed rows of a gathered padding chunk would be."""
+        ctx = self.ctx
+        i_lo, i_hi = self.tiles[0][0], self.tiles[-1][0] + self.tiles[-1][1]
+        zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=r0 in [r for r, _ in ctx.unit_rows])
+        sums = nl.ndarray((m, self.j_hi - self.j_lo), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sums, value=0.0)
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, self.j_lo, self.j_hi - self.j_lo), src=sums)
 
     def stage(self, i):
         """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and

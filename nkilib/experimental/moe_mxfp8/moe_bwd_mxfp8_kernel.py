@@ -24,10 +24,13 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
        and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
-       the same for the experts with one block, whose pass A runs all of I over every row (round 8c). Under LNC2
-       a W_down loaded on use (DeepSeek-V3's) comes quantized from HBM scratch for the experts after the first
-       fence group: each core quantized half of its K tiles a segment earlier (moe_bwd_mxfp8_down_exchange.py), except
-       for an expert of one full block, whose I columns the cores split instead (moe_bwd_mxfp8_i_split.py, round 9b).
+       the same for the experts with one block, whose pass A runs all of I over every row (round 8c; not under the
+       I split below). Under LNC2 with a W_down loaded on use (DeepSeek-V3's) the cores split I instead of rows for
+       every expert, each loading and quantizing its I columns once per expert (moe_bwd_mxfp8_i_split.py; round 9b
+       for one full block, round 14d for every expert, a block's chunks of padding only skipped); where that split
+       does not apply (B / cores not a multiple of 128, one I tile) W_down comes quantized from HBM scratch for the
+       experts after the first fence group: each core quantized half of its K tiles a segment earlier
+       (moe_bwd_mxfp8_down_exchange.py).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows. With pass A's chunk pipeline
@@ -90,7 +93,7 @@ from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_context import MoeContext
-from .moe_bwd_mxfp8_i_split import SingleBlockISplit
+from .moe_bwd_mxfp8_i_split import ExpertISplit
 from .moe_bwd_mxfp8_interleave import InterleavedDx
 from .moe_bwd_mxfp8_loops import ExpertLoops
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
@@ -200,24 +203,25 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     a_groups = resident_tile_groups(i_tiles, a_ops, setup)
     a_skip = (fits(a_ops, [i_tiles]), fits(a_ops, a_groups))
     a_groups = a_groups if len(a_groups) > 1 else None
-    # W_down loaded on use: each core quantizes half of it for the experts after the first group (A of the first
-    # group runs before the first fence, so it quantizes on chip as before); the same panel bytes (a_groups holds)
-    if DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup)) and len(groups) > 1:
+    # W_down loaded on use under LNC2: every expert splits I between the cores instead of rows, each core loading and
+    # quantizing only its I columns of W_down once per expert (moe_bwd_mxfp8_i_split.py; round 9b for one full block,
+    # round 14d for every expert: a block holding padding skips its chunks of padding only on both cores), no exchange
+    # (the experts after the first group have their full blocks' dY / X rows and p staged a fence ahead instead)
+    i_split = (ExpertISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
+               if ExpertISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
+    # W_down loaded on use elsewhere (LNC2 without whole 128-row chunks per core or with one I tile): each core
+    # quantizes half of it for the experts after the first group (A of the first group runs before the first fence, so
+    # it quantizes on chip as before); the same panel bytes (a_groups holds)
+    if (i_split == None and DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup))  # noqa: E711
+            and len(groups) > 1):
         exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
-    # W_down loaded on use under LNC2: an expert of one full block splits I between the cores instead of rows, each
-    # core loading and quantizing only its I columns of W_down (moe_bwd_mxfp8_i_split.py; round 9b), so only the other
-    # experts (more blocks, or one holding padding) take the exchange
-    # (the experts after the first group have their dY / X rows and p staged a fence ahead, in the exchange's place)
-    i_split = (SingleBlockISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
-               if SingleBlockISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
 
     def quantize_down(e):
-        """A(e)'s inputs made a fence ahead of it: W_down's exchange, the I split's staged rows."""
+        """A(e)'s inputs made a fence ahead of it: W_down's exchange, or the I split's staged rows."""
         if i_split != None:  # noqa: E711
             i_split.stage_expert(e)
         if exchange != None and exchange.exchanged(e):  # noqa: E711
-            if_row_split = ctx.loops.if_used if i_split == None else i_split.if_row_split  # noqa: E711
-            if_row_split(e, lambda: exchange.quantize(e))
+            ctx.loops.if_used(e, lambda: exchange.quantize(e))
 
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
@@ -241,17 +245,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
             ctx.loops.if_used(a, gather)
 
-    def down_desc(e):
-        return TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)
-
-    # the I split's W_down[a] loaded a pass ahead of A(a): after the B that precedes A(a) in program order, before
-    # that segment's staging / exchange quantize and C (round 14b); A(a) of the first group and the second group's
-    # first expert load their own
+    # the I split's W_down[a] loaded a pass ahead of A(a) for a one-block full expert (the branch of ExpertISplit.expert
+    # that takes it): after the B that precedes A(a) in program order, before that segment's staging and C (round
+    # 14b); A(a) of the first group and the second group's first expert load their own
     prefetched = {}
 
     def prefetch_down(a):
-        if i_split != None and a != None:  # noqa: E711
-            prefetched[a] = i_split.prefetch_down(a, down_desc(a))
+        if i_split != None and a != None:  # noqa: E711  (no exchange under the split: a_descs' W_down is HBM's)
+            prefetched[a] = i_split.prefetch_down(a, a_descs(a)[0])
 
     def pass_a(e, between=None):
         if pipelined:
@@ -263,13 +264,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         def rows(i, w, skip, full):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
 
-        single = None
-        if i_split != None:  # noqa: E711  (a full block: W_down[e] from HBM as it is; one with padding: as before)
-            descs = [down_desc(e)] + a_descs(e)[1:]
-            single = (lambda i, w, skip, full: i_split.block(e, i, descs, prefetched.get(e)) if full
-                      else rows(i, w, skip, full))
-        per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip, single=single)
-        prefetched.pop(e, None)  # its panels die after A(e) (the allocator frees a tile its last reference drops)
+        if i_split != None:  # noqa: E711  (W_down[e] from HBM as it is; a one-block full expert's maybe prefetched)
+            i_split.expert(e, a_descs(e), prefetched.get(e))
+            prefetched.pop(e, None)  # its panels die after A(e) (the allocator frees a tile its last reference drops)
+            return
+        per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip)
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
@@ -299,7 +298,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     one_i_group = a_groups == None  # noqa: E711
     whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
     every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
-    single_block_panels = whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+    # (not under ExpertISplit: it takes every expert, and no core holds a chunk's whole 2I)
+    single_block_panels = (whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
+                           and i_split == None)  # noqa: E711
     if every_block_panels or single_block_panels:
         nk, ns = panel_tile_widths(2 * I, PARTITIONS, setup)
         ctx.d_gu_mx = (nl.ndarray((ctx.N, ctx.B, nk * PARTITIONS), dtype=setup.x4_dtype, buffer=nl.shared_hbm,
@@ -323,9 +324,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                   single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full)), ring=ring)
 
     def stored_single(full):
-        """Whether pass A stored a one-block expert's panels: not where it split the block along I (a full block
-        under SingleBlockISplit: no core holds a chunk's whole 2I)."""
-        return ctx.d_gu_mx != None and not (i_split != None and full)  # noqa: E711
+        """Whether pass A stored a one-block expert's panels: not where it split the block along I (every one-block
+        expert under ExpertISplit: no core holds a chunk's whole 2I)."""
+        return ctx.d_gu_mx != None and i_split == None  # noqa: E711
 
     # pass B(e) in pieces between the chunks of the segment's pipelined pass A(a) (round 8a, moe_bwd_mxfp8_interleave)
     # where both passes' resident weight panels fit INTERLEAVE_PANEL_BUDGET_BYTES together: B's matmuls then queue on
@@ -415,7 +416,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
-                if i_split != None:  # noqa: E711  (both cores' I tiles of a full block, written before the fence)
+                if i_split != None:  # noqa: E711  (both cores' I tiles of e's blocks, written before the fence)
                     i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e: pass_b(e))
             # the next A in program order: this segment's next, or the next segment's first
