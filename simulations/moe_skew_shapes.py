@@ -1,4 +1,4 @@
-"""MoE backward: reduced GPT-OSS-20B shapes for skewed routing, and where a run's time goes per pipeline segment.
+"""MoE backward: reduced GPT-OSS-20B and Qwen3-30B-A3B shapes for skewed routing, and where a run's time goes per pipeline segment.
 
 Diagnostic for docs/moe.md section 10, round 9c. Usage (from the repository root, 1-5 minutes per shape):
     PYTHONPATH=$PWD python simulations/moe_skew_shapes.py time gb gzp      # central / pessimistic, per-phase critical path
@@ -15,6 +15,12 @@ token routes to k distinct experts and an expert may hold at most T pairs):
     gwz  T = 12288: the full Zipf's hottest expert (11725 pairs: 23 blocks, windows 8 + 8 + 7) and seven of its others,
          1514 / 3000 / 1337 / 11725 / 1980 / 1025 / 2332 / 1663 pairs = 3, 6, 3, 23, 4, 3, 5, 4 blocks (51 for 48)
     dsz  the DeepSeek-V3 rank's H = 7168, I = 2048, k = 1: round 8b's 4054 / 1288 / 333 / 162 / 154 / 136 pairs
+    qb   Qwen3-30B-A3B's H = 2048, I = 768, k = 1, balanced: 24 x 1024 pairs (2 blocks each, as the full preset's
+         balanced run at T = 16384), T = 24576 (48 blocks); 20 s
+    qz   the same H, I, k = 1: the full Qwen3 Zipf's (T = 16384, seed 0) experts of load rank 0, 8, ..., 120, its hottest
+         (13754 pairs: 27 blocks, windows 16 + 11) included: 24719 pairs in 4, 1, 3, 1, 27, 2, 1, 2, 1, 1, 2, 1, 1, 1, 6,
+         1 blocks (55 for 48.3 blocks' pairs; the full preset 314 for 256), in a seeded order (round 15c); 20 s
+Checkpoints are block-ordered (the study's default) unless LAYOUT=slot (the API default, rounds 9c-12a's numbers).
 The routed pairs of each expert are laid out over the tokens column by column (no token gets one expert twice) and the
 tokens shuffled (seed 0). Wraps moe_backward_cost.make_topk_ids and model_kernel: a diagnostic, not an API.
 """
