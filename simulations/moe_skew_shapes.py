@@ -1,4 +1,4 @@
-"""MoE backward: reduced GPT-OSS-20B shapes for skewed routing, and where a run's time goes per pipeline segment.
+"""MoE backward: reduced GPT-OSS-20B and Qwen3-30B-A3B shapes for skewed routing, and where a run's time goes per pipeline segment.
 
 Diagnostic for docs/moe.md section 10, round 9c. Usage (from the repository root, 1-5 minutes per shape):
     PYTHONPATH=$PWD python simulations/moe_skew_shapes.py time gb gzp      # central / pessimistic, per-phase critical path
@@ -15,10 +15,17 @@ token routes to k distinct experts and an expert may hold at most T pairs):
     gwz  T = 12288: the full Zipf's hottest expert (11725 pairs: 23 blocks, windows 8 + 8 + 7) and seven of its others,
          1514 / 3000 / 1337 / 11725 / 1980 / 1025 / 2332 / 1663 pairs = 3, 6, 3, 23, 4, 3, 5, 4 blocks (51 for 48)
     dsz  the DeepSeek-V3 rank's H = 7168, I = 2048, k = 1: round 8b's 4054 / 1288 / 333 / 162 / 154 / 136 pairs
+    qb   Qwen3-30B-A3B's H = 2048, I = 768, k = 1, balanced: 24 x 1024 pairs (2 blocks each, as the full preset's
+         balanced run at T = 16384), T = 24576 (48 blocks); 20 s
+    qz   the same H, I, k = 1: the full Qwen3 Zipf's (T = 16384, seed 0) experts of load rank 0, 8, ..., 120, its hottest
+         (13754 pairs: 27 blocks, windows 16 + 11) included: 24719 pairs in 4, 1, 3, 1, 27, 2, 1, 2, 1, 1, 2, 1, 1, 1, 6,
+         1 blocks (55 for 48.3 blocks' pairs; the full preset 314 for 256), in a seeded order (round 15c); 20 s
+Checkpoints are block-ordered (the study's default) unless LAYOUT=slot (the API default, rounds 9c-12a's numbers).
 The routed pairs of each expert are laid out over the tokens column by column (no token gets one expert twice) and the
 tokens shuffled (seed 0). Wraps moe_backward_cost.make_topk_ids and model_kernel: a diagnostic, not an API.
 """
 import collections
+import os
 import sys
 import time
 
@@ -28,11 +35,17 @@ import nkilib.examples.moe_backward_cost as M
 from nkilib.examples.moe_backward_cost import MoePreset
 
 GPT_OSS = MoePreset("gptoss8", 2880, 2880, 8, 2, clamped=True)
+#: Qwen3-30B-A3B's Zipf pairs at T = 16384 (seed 0), its experts of load rank 0, 8, ..., 120 (27, 6, 4, 3, 2, 2, 2 and
+#: 9 x 1 blocks) in the order of default_rng(0).permutation(16)
+QWEN_ZIPF_EVERY_8TH = [1598, 331, 1149, 357, 13754, 855, 504, 680, 265, 305, 575, 401, 287, 444, 2978, 236]
 #: name -> (pairs per expert or None for balanced, tokens T, preset)
 SHAPES = {"gb": (None, 8192, GPT_OSS), "gzp": ([1950, 1100, 1400, 700, 900, 6900, 2900, 534], 8192, GPT_OSS),
           "gwb": (None, 12288, GPT_OSS), "gwz": ([1514, 3000, 1337, 11725, 1980, 1025, 2332, 1663], 12288, GPT_OSS),
           # round 8b's skewed DeepSeek-V3 rank shape (k = 1 rows): 8 blocks (parts of 2), 3, and four single blocks
-          "dsz": ([4054, 1288, 333, 162, 154, 136], 6127, MoePreset("ds6", 7168, 2048, 6, 1))}
+          "dsz": ([4054, 1288, 333, 162, 154, 136], 6127, MoePreset("ds6", 7168, 2048, 6, 1)),
+          # Qwen3-30B-A3B's H, I with k = 1 rows (round 15c): the full Zipf's every 8th expert by load, its hottest first
+          "qb": (None, 24576, MoePreset("qwen24", 2048, 768, 24, 1)),
+          "qz": (QWEN_ZIPF_EVERY_8TH, sum(QWEN_ZIPF_EVERY_8TH), MoePreset("qwen16", 2048, 768, 16, 1))}
 
 
 def handmade_topk_ids(counts, T, k, seed=0):
@@ -56,7 +69,8 @@ def run(name):
     if counts:
         M.make_topk_ids = lambda routing, T, k, E, seed=0, zipf_exponent=1.0: handmade_topk_ids(counts, T, k)
     try:
-        res = M.moe_modeled_backward(preset, T, "balanced", block_size=512, dense=False)
+        res = M.moe_modeled_backward(preset, T, "balanced", block_size=512, dense=False,
+                                     checkpoint_layout=os.environ.get("LAYOUT", "block"))
     finally:
         M.make_topk_ids, M.model_kernel = make_ids, model_kernel
     return res, kept["report"].schedule

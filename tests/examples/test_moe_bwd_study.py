@@ -219,3 +219,21 @@ def test_skew_shapes_keep_the_full_zipf_block_histogram():
         assert expert_token_counts(ids, preset.experts).tolist() == counts
         assert [-(-c // 512) for c in counts] == expected
         assert padding_counts(np.array(counts), 512)["used_blocks"] == sum(expected)
+
+
+def test_qwen_skew_shape_is_every_8th_expert_of_the_full_zipf():
+    """simulations/moe_skew_shapes.py's qz (docs/moe.md round 15c): Qwen3-30B-A3B's full Zipf routing at T = 16384
+    (seed 0), its experts of load rank 0, 8, ..., 120 (the hottest, 27 blocks at B = 512, kept) in a seeded order;
+    qb its balanced counterpart of about as many pairs at the full balanced run's 2 blocks per expert."""
+    diag = load_script("moe_skew_shapes")
+    preset = MOE_PRESETS["qwen3-30b-a3b"]
+    full = expert_token_counts(make_topk_ids("zipf", 16384, preset.top_k, preset.experts, seed=0), preset.experts)
+    every_8th = sorted(full.tolist(), reverse=True)[::8]
+    counts, T, qz = diag.SHAPES["qz"]
+    order = np.random.default_rng(0).permutation(len(every_8th))
+    assert counts == [every_8th[i] for i in order] and (qz.hidden, qz.intermediate) == (2048, 768)
+    assert [-(-c // 512) for c in counts] == [4, 1, 3, 1, 27, 2, 1, 2, 1, 1, 2, 1, 1, 1, 6, 1]
+    ids = diag.handmade_topk_ids(counts, T, qz.top_k)
+    assert expert_token_counts(ids, qz.experts).tolist() == counts
+    balanced, T_b, qb = diag.SHAPES["qb"]
+    assert balanced is None and T_b * qb.top_k == 1024 * qb.experts and abs(T_b - T) < 0.01 * T
