@@ -19,7 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
+from .constants import (COLD_STAGING_BUFFERS, MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
+                        PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
