@@ -438,7 +438,8 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
     loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (MatmulPlan cold_staging), so
     more of its DMAs stay in flight while VectorE quantizes the first ones (TP8 modeled 0.660 / 0.740 -> 0.653 / 0.718
     ms). On H = 3072 (six K tiles of W_down, one n block) each core's W_down DMAs write six staging tiles (three on the
-    old code); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    old code); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2. With more m tiles per core than
+    COLD_STAGING_MAX_M_TILES the ring stays at STAGING_BUFFERS."""
     from nkilib.core.matmul.constants import COLD_STAGING_BUFFERS, STAGING_BUFFERS
 
     assert COLD_STAGING_BUFFERS > STAGING_BUFFERS
@@ -456,3 +457,7 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
         outputs.append(res.outputs)
     for a, b in zip(*outputs):
         assert a.tobytes() == b.tobytes()
+    # more m tiles per core than COLD_STAGING_MAX_M_TILES (S = 256 is two): the ring of STAGING_BUFFERS, as before
+    monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)
+    res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
+    assert _staging_tiles_per_core(res.trace, "down_proj_weight") == {0: STAGING_BUFFERS}

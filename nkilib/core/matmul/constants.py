@@ -76,6 +76,9 @@ COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (Matmu
 # load at the plan's cold start, where the first tile waits for every K tile of them; the MLP backward's phase 1,
 # W_down). TP8 MXFP8 modeled, central / pessimistic ms (3: 0.660 / 0.740): 4: 0.669, 5: 0.672, 6: 0.653 / 0.718,
 # 7: 0.657, 8: 0.664, 10: 0.677, 12: 0.680 (central; round 12 of docs/dense-performance.md)
+COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
+# of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
+# kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

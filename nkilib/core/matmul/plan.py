@@ -19,8 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES,
-                        PARTITIONS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, MOVING_PANEL_BUDGET_BYTES, MX_PACK,
+                        PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -140,9 +140,9 @@ class MatmulPlan(nl.NKIObject):
             it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
             TP1; default off).
         cold_staging: with the moving panels kept resident (m-major, each loaded and quantized once, all of them
-            during the plan's first tile), their [K, F] loads share a ring of COLD_STAGING_BUFFERS staging tiles
-            instead of STAGING_BUFFERS (the MLP backward's phase 1, whose first S tile needs all of W_down; default
-            off).
+            during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
+            loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
+            phase 1, whose first S tile needs all of W_down; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -220,7 +220,7 @@ class MatmulPlan(nl.NKIObject):
                                                    hi=m_hi, load_width=load_width, capacity=capacity))
         self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving, lo=n_lo, hi=n_hi)
                        for op in moving]
-        if cold_staging and self.keep_moving:
+        if cold_staging and self.keep_moving and ceil_div(m_hi - m_lo, self.m_tile) <= COLD_STAGING_MAX_M_TILES:
             # loaded once, all at the cold start: the first tile waits for every K tile of them, and a deeper ring
             # keeps more of their DMAs in flight while VectorE quantizes the first ones
             for mv in self.moving:
