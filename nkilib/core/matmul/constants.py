@@ -72,6 +72,13 @@ LEAD_INTERLEAVE_SKEW = 2  # K tiles the second tile of such a span trails the fi
 # ms): skew 0 4.532 / 4.707, 1.622 / 1.775; 1: 4.5321 / 4.7066, 1.6202 / 1.7748; 2: 4.5329 / 4.7072, 1.6195 / 1.7752;
 # 3: 4.5337 / 4.7081, 1.6195 / 1.7759; 2 gains on TP1 and costs H = 7168 nothing
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
+COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (MatmulPlan cold_staging: all of them
+# load at the plan's cold start, where the first tile waits for every K tile of them; the MLP backward's phase 1,
+# W_down). TP8 MXFP8 modeled, central / pessimistic ms (3: 0.660 / 0.740): 4: 0.669, 5: 0.672, 6: 0.653 / 0.718,
+# 7: 0.657, 8: 0.664, 10: 0.677, 12: 0.680 (central; round 12 of docs/dense-performance.md)
+COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
+# of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
+# kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

@@ -19,7 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, MOVING_PANEL_BUDGET_BYTES, MX_PACK,
+                        PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -138,6 +139,10 @@ class MatmulPlan(nl.NKIObject):
             evicts on ScalarE, which no quantize holds back, so the span may take the accumulator of the tile before
             it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
             TP1; default off).
+        cold_staging: with the moving panels kept resident (m-major, each loaded and quantized once, all of them
+            during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
+            loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
+            phase 1, whose first S tile needs all of W_down; default off).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -153,7 +158,7 @@ class MatmulPlan(nl.NKIObject):
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
                  interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=(),
-                 reload=None, interleave_switch=False, interleave_lead=False):
+                 reload=None, interleave_switch=False, interleave_lead=False, cold_staging=False):
         self.setup = setup
         self.reload = reload
         self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
@@ -215,6 +220,11 @@ class MatmulPlan(nl.NKIObject):
                                                    hi=m_hi, load_width=load_width, capacity=capacity))
         self.moving = [PanelSource(op, setup, pad_even=False, keep_all=self.keep_moving, lo=n_lo, hi=n_hi)
                        for op in moving]
+        if cold_staging and self.keep_moving and ceil_div(m_hi - m_lo, self.m_tile) <= COLD_STAGING_MAX_M_TILES:
+            # loaded once, all at the cold start: the first tile waits for every K tile of them, and a deeper ring
+            # keeps more of their DMAs in flight while VectorE quantizes the first ones
+            for mv in self.moving:
+                mv.staging = COLD_STAGING_BUFFERS
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):

@@ -33,6 +33,7 @@ class PanelSource(nl.NKIObject):
                  load_width: int = 0, capacity: int = 1):
         self.op = op
         self.capacity = capacity
+        self.staging = STAGING_BUFFERS  # staging tiles of the ring its [K, F] loads share (MatmulPlan cold_staging)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -58,7 +59,7 @@ class PanelSource(nl.NKIObject):
             # NATURAL_BUFFERS (the next load waits for this one's transposes). Groups of loads
             # (capacity > 1, e.g. K-streamed plans) load as before: each load its own tiles; so do BF16
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
-            self.ring = LoadRing(1 if natural else STAGING_BUFFERS)
+            self.ring = LoadRing(1 if natural else self.staging)
 
     def can_load_ahead(self) -> bool:
         """Whether load_ahead applies: MXFP8 panels of a [K, F] bf16 operand quantized on chip, all of them kept

@@ -162,7 +162,8 @@ def compute_phase1_down_proj_mm_grad_mxfp8(output_grad_td, gate_pre_td, gate_act
         epilogue = SwigluBackwardEpilogue(gate_pre_td, gate_act_td, up_td, d_gate_up_td, scratch_td,
                                           clamp_limits or ClampLimits(), s_base, I, dtype, setup, keep_for_phase2)
         plan = MatmulPlan(stationary, moving, S, I, setup, config, split, epilogue, products=products,
-                          ranges=ranges, groups=False, keep_whole=keep_whole, interleave_switch=keep_whole)
+                          ranges=ranges, groups=False, keep_whole=keep_whole, interleave_switch=keep_whole,
+                          cold_staging=True)
     if stage == "plan":
         return plan
     plan.step(stage)
