@@ -114,3 +114,27 @@ def test_full_blocks_gather_without_zeroing(lnc):
     assert gathers > 0 and in_a.count("memset") < 7 * gathers, (in_a.count("memset"), gathers)
     if lnc == 1:  # one chunk per block (B = 128): 4 full chunks x 2 memsets + the padded chunk's 7 (was 5 x 7)
         assert (gathers, in_a.count("memset")) == (5, 4 * 2 + 7)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_padding_rows_zeroed_on_gpsimd(lnc):
+    """Round 16a (docs/moe.md section 10): before a gather into an expert's part-filled last block, the dY / X row
+    tiles and p are zeroed on GpSimd (which generates the gather's descriptors next), not on VectorE, which bounds
+    pass A under skewed routing. Expert loads of 70 / 50 / 80 pairs at B = 128 leave every expert's block part-filled;
+    LNC1 and LNC2 == mx_exact bit for bit. The K-padding columns of full blocks (H = 64 < 128) stay on VectorE."""
+    T, E, k, H, I = 100, 3, 2, 64, 96
+    ids = np.stack([np.repeat([0, 1, 2], [70, 30, 0]), np.repeat([1, 2], [20, 80])], axis=1).astype(np.int32)
+    ids = ids[np.random.default_rng(41).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=43, clamp_limits=GPT_OSS_LIKE)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1]
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"LNC{lnc} padded blocks vs mx_exact")
+    memsets = [r for r in res.trace if r.instr == "memset" and r.attrs.get("phase") == "A dI+epilogue"]
+    whole = [r for r in memsets if r.writes[0].byte_lo == 0]  # a whole tile: padding rows; else K-padding columns
+    p_zeroing = [r for r in whole if r.writes[0].dtype == "float32" and r.writes[0].shape[1] == 1]
+    # per core and part-filled chunk at least dY's rows and p (the old code: all on VectorE)
+    assert p_zeroing and len(whole) >= 2 * len(p_zeroing), (len(whole), len(p_zeroing))
+    assert {r.engine for r in whole} == {"gpsimd"}, sorted({(r.engine, r.writes[0].shape) for r in whole})
+    assert {r.engine for r in memsets if r.writes[0].byte_lo > 0} <= {"vector"}
