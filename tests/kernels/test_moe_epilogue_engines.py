@@ -14,7 +14,7 @@ import pytest
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
 from nkilib.examples.moe_backward_cost import PHASES
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
-from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
 from simkit import assert_outputs_identical
@@ -116,25 +116,32 @@ def test_full_blocks_gather_without_zeroing(lnc):
         assert (gathers, in_a.count("memset")) == (5, 4 * 2 + 7)
 
 
+
 @pytest.mark.parametrize("lnc", [1, 2])
-def test_padding_rows_zeroed_on_gpsimd(lnc):
-    """Round 16a (docs/moe.md section 10): before a gather into an expert's part-filled last block, the dY / X row
-    tiles and p are zeroed on GpSimd (which generates the gather's descriptors next), not on VectorE, which bounds
-    pass A under skewed routing. Expert loads of 70 / 50 / 80 pairs at B = 128 leave every expert's block part-filled;
-    LNC1 and LNC2 == mx_exact bit for bit. The K-padding columns of full blocks (H = 64 < 128) stay on VectorE."""
+def test_padding_rows_zeroed_on_gpsimd_with_block_checkpoints(lnc):
+    """Round 16a (docs/moe.md section 10): with block-ordered checkpoints (read by plain DMA), the zeroing of an
+    expert's part-filled block's gathered dY / X rows and p runs on GpSimd (which generates the gathers' descriptors
+    next), not on VectorE, which bounds pass A under skewed routing; with checkpoints gathered by slot (GpSimd also
+    makes their descriptors) it keeps the compiler's engine (VectorE in the simulator). Expert loads of 70 / 50 / 80
+    pairs at B = 128 leave every expert's block part-filled; LNC1 and LNC2 == mx_exact bit for bit in both layouts.
+    The K-padding columns (H = 64 < 128) stay on VectorE."""
     T, E, k, H, I = 100, 3, 2, 64, 96
     ids = np.stack([np.repeat([0, 1, 2], [70, 30, 0]), np.repeat([1, 2], [20, 80])], axis=1).astype(np.int32)
     ids = ids[np.random.default_rng(41).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=43, clamp_limits=GPT_OSS_LIKE)
+    names = ("gate_pre", "up")
+    kernel, ref = moe_case(T, E, H, I, ids, seed=43, checkpoints=names, clamp_limits=GPT_OSS_LIKE)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1]
-    with label_phases(kernel_module, PHASES):
-        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"LNC{lnc} padded blocks vs mx_exact")
-    memsets = [r for r in res.trace if r.instr == "memset" and r.attrs.get("phase") == "A dI+epilogue"]
-    whole = [r for r in memsets if r.writes[0].byte_lo == 0]  # a whole tile: padding rows; else K-padding columns
-    p_zeroing = [r for r in whole if r.writes[0].dtype == "float32" and r.writes[0].shape[1] == 1]
-    # per core and part-filled chunk at least dY's rows and p (the old code: all on VectorE)
-    assert p_zeroing and len(whole) >= 2 * len(p_zeroing), (len(whole), len(p_zeroing))
-    assert {r.engine for r in whole} == {"gpsimd"}, sorted({(r.engine, r.writes[0].shape) for r in whole})
-    assert {r.engine for r in memsets if r.writes[0].byte_lo > 0} <= {"vector"}
+    blocked = dict(kernel, checkpoint_layout="block", **{n: checkpoints_to_blocks(kernel[n], ref["layout"])
+                                                         for n in names})
+    for kwargs, engine in ((blocked, "gpsimd"), (kernel, "vector")):
+        with label_phases(kernel_module, PHASES):
+            res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kwargs, lnc=lnc, grid_ndim=1, trace=True)
+        assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                                 f"LNC{lnc} padded blocks, {engine} zeroing, vs mx_exact")
+        memsets = [r for r in res.trace if r.instr == "memset" and r.attrs.get("phase") == "A dI+epilogue"]
+        rows = [r for r in memsets if r.writes[0].byte_lo == 0]  # a whole tile: padding rows; else K-padding columns
+        p_zeroing = [r for r in rows if r.writes[0].dtype == "float32" and r.writes[0].shape[1] == 1]
+        # per core and part-filled chunk at least dY's rows and p (the old code: all on VectorE in both layouts)
+        assert p_zeroing and len(rows) >= 2 * len(p_zeroing), (len(rows), len(p_zeroing))
+        assert {r.engine for r in rows} == {engine}, sorted({(r.engine, r.writes[0].shape) for r in rows})
+        assert {r.engine for r in memsets if r.writes[0].byte_lo > 0} <= {"vector"}

@@ -29,6 +29,10 @@ class MoeContext(nl.NKIObject):
         self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
         self.setup, self.split, self.clamp = setup, split, clamp
         self.checkpoints_blocked = checkpoints_blocked  # the entry point's checkpoint_layout == "block"
+        # pass A's zeroing of a part-filled block's gathered dY / X rows and p: on GpSimd, which generates the gathers'
+        # descriptors next, where VectorE bounds pass A (block-ordered checkpoints: round 16a); with checkpoints gathered
+        # by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's choice stays
+        self.padding_zero_engine = nisa.engine.gpsimd if checkpoints_blocked else nisa.engine.unknown
 
     def f_pad(self, rows):
         """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""

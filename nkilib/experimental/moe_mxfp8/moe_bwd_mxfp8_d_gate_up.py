@@ -35,10 +35,6 @@ from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8", "zero_padding_rows"]
-#: Engine of the zeroing before a gather into a block that may hold padding rows (only an expert's last block, and
-#: only under routings that leave it part-filled). GpSimd: it generates the gather's descriptors next in its program
-#: order anyway, and VectorE bounds pass A (docs/moe.md section 10, round 16a). Zeros are zeros on either engine.
-PADDING_ZERO_ENGINE = nisa.engine.gpsimd
 
 
 def _natural_rows(ctx, k_size):
@@ -112,7 +108,7 @@ class ChunkInputs(nl.NKIObject):
         ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
         for nat, src in ((self.dy_nat, ctx.dy),) + (() if self.x_nat == None else ((self.x_nat, ctx.x),)):  # noqa: E711
             if not full:
-                nisa.memset(dst=nat[:m, :], value=0.0, engine=PADDING_ZERO_ENGINE)
+                nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
             elif nat.shape[1] > H:
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
@@ -121,7 +117,7 @@ class ChunkInputs(nl.NKIObject):
         """p by slot and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
         m = self.m
         if not full:  # padding rows' p = 0 (a full block gathers every row)
-            nisa.memset(dst=self.p, value=0.0, engine=PADDING_ZERO_ENGINE)
+            nisa.memset(dst=self.p, value=0.0, engine=ctx.padding_zero_engine)
         ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
         for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
             if tile != None:  # noqa: E711
@@ -188,7 +184,7 @@ class RowChunk(nl.NKIObject):
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             if not full:  # padding rows' p = 0 (a full block gathers every row)
-                nisa.memset(dst=self.p, value=0.0, engine=PADDING_ZERO_ENGINE)
+                nisa.memset(dst=self.p, value=0.0, engine=ctx.padding_zero_engine)
             ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         self.block, self.full = i, full
@@ -427,7 +423,7 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
             return
         nat = _natural_rows(ctx, ctx.H)
         if not full:
-            nisa.memset(dst=nat[:m, :], value=0.0, engine=PADDING_ZERO_ENGINE)
+            nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
         ctx.gather(nat[:m, :ctx.H], ctx.x, ids, 0, ctx.H)
         nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, ctx.H), src=nat[:m, :ctx.H])
 
