@@ -374,6 +374,21 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
         assert a.tobytes() == b.tobytes()
 
 
+def _traced_bit_exact_on_lnc1_and_lnc2(inp, check_trace):
+    """Run the MXFP8 kernel traced on LNC1 and LNC2, call check_trace(trace, lnc) on each run, and assert both runs'
+    outputs equal mx_exact bit for bit and each other."""
+    reference = mlp_reference(inp, matmul_precision="mxfp8")
+    outputs = []
+    for lnc in (1, 2):
+        res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
+        check_trace(res.trace, lnc)
+        measured = assert_matches_mx_exact(res.outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+        outputs.append(res.outputs)
+    for a, b in zip(*outputs):
+        assert a.tobytes() == b.tobytes()
+
+
 def _tail_order(trace, program):
     """In one program's instruction trace: (index of phase 2's last matmul, the phase after phase 2, the index of
     that phase's first instruction and of its first quantize_mx, the engines of phase 2's last PSUM evictions)."""
@@ -405,23 +420,18 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch)
     S, H, I = 512, 256, 4096
     inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
-    reference = mlp_reference(inp, matmul_precision="mxfp8")
-    outputs = []
-    for lnc in (1, 2):
-        with label_phases(kernel_module, PHASES):
-            res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
+
+    def check_tail(trace, lnc):
         for program in range(lnc):
-            last_matmul, nxt, first, first_quantize, evictions = _tail_order(res.trace, program)
+            last_matmul, nxt, first, first_quantize, evictions = _tail_order(trace, program)
             assert first < last_matmul and first_quantize < last_matmul, (lnc, program, nxt, last_matmul, first,
                                                                           first_quantize)
             # the last n block evicts one tile per m tile of the last group (at least 2), otherwise alternating
             # VectorE / ScalarE
             assert evictions[-2:] == ["scalar", "scalar"], evictions
-        measured = assert_matches_mx_exact(res.outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), measured
-        outputs.append(res.outputs)
-    for a, b in zip(*outputs):
-        assert a.tobytes() == b.tobytes()
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_tail)
 
 
 def _staging_tiles_per_core(trace, source_name):
@@ -446,17 +456,12 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
     S, H, I = 256, 3072, 256
     inp = mlp_inputs(S, H, I, seed=S + H + I + 4)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
-    reference = mlp_reference(inp, matmul_precision="mxfp8")
-    outputs = []
-    for lnc in (1, 2):
-        res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
-        tiles = _staging_tiles_per_core(res.trace, "down_proj_weight")
+
+    def check_ring(trace, lnc):
+        tiles = _staging_tiles_per_core(trace, "down_proj_weight")
         assert tiles == {p: min(COLD_STAGING_BUFFERS, H // 512) for p in range(lnc)}, tiles
-        measured = assert_matches_mx_exact(res.outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), measured
-        outputs.append(res.outputs)
-    for a, b in zip(*outputs):
-        assert a.tobytes() == b.tobytes()
+
+    _traced_bit_exact_on_lnc1_and_lnc2(inp, check_ring)
     # more m tiles per core than COLD_STAGING_MAX_M_TILES (S = 256 is two): the ring of STAGING_BUFFERS, as before
     monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")

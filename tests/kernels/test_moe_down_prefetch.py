@@ -16,15 +16,12 @@ load their own (round 14d's paths). The outputs stay mx_exact's bit for bit unde
 """
 from __future__ import annotations
 
-import numpy as np
-
-from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical
-from test_moe_bwd_kernel import moe_case, run
-from test_moe_i_split import CHECKPOINTS, i_split_case
+from test_moe_bwd_kernel import run
+from test_moe_i_split import i_split_case
 
 
 def _record(monkeypatch):
@@ -88,12 +85,7 @@ def test_down_prefetch_padded_next(monkeypatch):
     """As above with expert 4 of 100 pairs (one padded block): its prefetch loop runs no trip (the I split's full-block
     flag, tested at run time) and A(4) takes round 14d's padded I split path (before the merge with round 14d: the
     row split with the W_down exchange), loading its own panels; LNC2 bit-exact."""
-    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I, B = 756, 5, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 100], axis=0)
-    ids = ids[np.random.default_rng(29).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=B, checkpoints=CHECKPOINTS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    kernel, ref = i_split_case(monkeypatch, last_pairs=100, permutation_seed=29, data_seed=37)
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_down prefetch, padded next expert")

@@ -55,14 +55,15 @@ def _record(monkeypatch):
     return split, quantized, loaded, staged
 
 
-def i_split_case(monkeypatch):
-    """(kernel kwargs, reference kwargs) of test_i_split_bit_exact's routing: no resident budget, T = 912, B = 256,
-    k = 1, H = 1024, I = 544, all four checkpoints; experts of 256 / 100 / 300 / 0 / 256 pairs (blocks 1, 1, 2, 0, 1)."""
+def i_split_case(monkeypatch, last_pairs=256, permutation_seed=23, data_seed=71):
+    """(kernel kwargs, reference kwargs) of test_i_split_bit_exact's routing: no resident budget, B = 256, k = 1,
+    H = 1024, I = 544, all four checkpoints; experts of 256 / 100 / 300 / 0 / last_pairs pairs (blocks 1, 1, 2, 0, 1;
+    last_pairs <= 256, T = 656 + last_pairs: 912 by default, a full last block)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I, B = 912, 5, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
-    ids = ids[np.random.default_rng(23).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
+    T, E, H, I, B = 656 + last_pairs, 5, 1024, 544, 256
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, last_pairs], axis=0)
+    ids = ids[np.random.default_rng(permutation_seed).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=data_seed, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     return kernel, ref
 
