@@ -42,13 +42,6 @@ class MoeContext(nl.NKIObject):
         """Columns of a natural [rows, K] tile: K padded to the MX K alignment (zero beyond K)."""
         return round_up(k_size, MX_K_ALIGN) if self.setup.is_mx else k_size
 
-    def expert_bounds(self, e):
-        """Registers (lo, hi) with expert e's blocks [offsets[e], offsets[e+1])."""
-        lo, hi = nisa.register_alloc(), nisa.register_alloc()
-        nisa.register_load(lo, self.offsets[e:e + 1])
-        nisa.register_load(hi, self.offsets[e + 1:e + 2])
-        return lo, hi
-
     def positions(self, table, i, first, step, count, dst=None):
         """SBUF [count, 1] int32 index tile: table[i, first + step*r] (token ids or slots of block i; first may
         reach into the blocks after i), written into dst when given."""
