@@ -121,6 +121,11 @@ class ProgramContext:
         self.act_reduce_regs = np.zeros(128, np.float32)
         # whether each holds a known value (False after a value-less activation of a shape-only run)
         self.act_reduce_known = np.ones(128, np.bool_)
+        # VectorE accumulator registers (scalar_tensor_tensor reduce_cmd, NKI 0.7), one fp32 per partition
+        # (nki.isa.tensor_scalar_reduce / tensor_scalar_cumulative pages, "internal accumulator registers"),
+        # and whether each holds a known value (see act_reduce_known)
+        self.vec_reduce_regs = np.zeros(128, np.float32)
+        self.vec_reduce_known = np.ones(128, np.bool_)
         # dynamic loops entered so far (control_flow.LoopEntry), compared across LNC programs
         self.dynamic_loops = []
         self.loop_stack = []  # LoopEntry of each running dynamic loop, outermost first

@@ -307,10 +307,79 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     return NkiInstruction(name)
 
 
-def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
+# The 2.33 (NKI 0.7) scalar_tensor_tensor adds a free-axis reduction of its result into VectorE's accumulator
+# registers: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html
+# (signature: reduce_cmd=reset_reduce, reduce_op=..., reduce_res=None). The reduce operators and the [P, 1]
+# reduce_res are those of the same engine's tensor_scalar_reduce
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html:
+# "nl.add, nl.multiply, nl.max or nl.min", the ALU operators nl.maximum / nl.minimum here); the register
+# commands those of tensor_scalar_cumulative
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_cumulative.html:
+# reset_reduce starts from the operator's identity, reduce continues, load_reduce loads a given value).
+_STT_REDUCE_OPS = ("add", "multiply", "maximum", "minimum")
+_STT_REDUCE_CMDS = (C.reduce_cmd.reset_reduce, C.reduce_cmd.reduce)
+_STT_NO_REDUCE_CMDS = (C.reduce_cmd.reset_reduce, C.reduce_cmd.idle)  # without reduce_op: registers untouched
+
+
+def _stt_reduce_args(instr, reduce_op, reduce_res, reduce_cmd, data):
+    """Validate scalar_tensor_tensor's reduce arguments; returns (reduce_op or None, reduce_res view or None)."""
+    if not isinstance(reduce_cmd, C.reduce_cmd):
+        fail(instr, f"reduce_cmd must be an nisa.reduce_cmd member, got {reduce_cmd!r}")
+    if reduce_op is ...:
+        if reduce_res is not None:
+            fail(instr, f"reduce_res needs reduce_op (one of {['nl.' + n for n in _STT_REDUCE_OPS]}), got no reduce_op")
+        if reduce_cmd not in _STT_NO_REDUCE_CMDS:
+            fail(instr, f"reduce_cmd={reduce_cmd.name} needs reduce_op (one of "
+                        f"{['nl.' + n for n in _STT_REDUCE_OPS]}), got no reduce_op")
+        return None, None
+    reduce_op = alu_op(instr, "reduce_op", reduce_op)
+    if reduce_op.name not in _STT_REDUCE_OPS:
+        fail(instr, f"reduce_op must be one of {['nl.' + n for n in _STT_REDUCE_OPS]}, got {reduce_op!r}")
+    if reduce_cmd not in _STT_REDUCE_CMDS:
+        why = ("load_reduce loads a value that scalar_tensor_tensor has no argument for"
+               if reduce_cmd == C.reduce_cmd.load_reduce else
+               f"{reduce_cmd.name} does not accumulate this instruction's results")
+        fail(instr, f"reduce_cmd must be one of {[r.name for r in _STT_REDUCE_CMDS]} with reduce_op, got "
+                    f"{reduce_cmd.name} ({why})")
+    if reduce_res is not None:
+        reduce_res = on_chip(instr, "reduce_res", reduce_res)
+        if reduce_res.shape[0] != data.shape[0] or reduce_res.free_size != 1:
+            fail(instr, f"reduce_res must be a [{data.shape[0]}, 1] tile (data's partitions, one element each), "
+                        f"got shape {reduce_res.shape}")
+        numeric_operand(instr, "reduce_res", reduce_res, write=True)
+    return reduce_op, reduce_res
+
+
+def _stt_accumulate(c, reduce_op, reduce_cmd, lane0, p, values):
+    """Update VectorE's accumulator registers of lanes lane0..lane0+p with the free-axis reduction of
+    `values` ([p, F] float32, before the dst downcast; None in a shape-only run). add / multiply reduce in
+    float64 rounded once to float32, max / min exactly, then combine with the register in one float32 operation
+    (docs/simulator.md#choice-vector-accumulate)."""
+    regs = c.vec_reduce_regs[lane0:lane0 + p]  # views: updates persist in the program context
+    known = c.vec_reduce_known[lane0:lane0 + p]
+    if reduce_cmd == C.reduce_cmd.reset_reduce:
+        regs[...] = np.float32(reduce_op.reduce_identity)
+        known[...] = True
+    if values is None:
+        known[...] = False
+        return
+    with np.errstate(all="ignore"):
+        if reduce_op.name in ("add", "multiply"):
+            total = reduce_op.binary.reduce(values.astype(np.float64), axis=1).astype(np.float32)
+        else:
+            total = reduce_op.binary.reduce(values, axis=1).astype(np.float32)
+        regs[...] = np.asarray(reduce_op.binary(regs, total), np.float32)
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False,
+                         reduce_cmd=C.reduce_cmd.reset_reduce, reduce_op=..., reduce_res=None, name=None):
     """dst = (data <op0> operand0) <op1> operand1 on Vector; operand0 scalar or [P, 1], operand1 a full
     tile; arithmetic operators only, fp32 math; any input dtype (
-    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html)."""
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html).
+
+    With reduce_op (NKI 0.7, the 2.33 page; see _STT_REDUCE_OPS) the fp32 results are also reduced along the
+    free axis into VectorE's accumulator registers (reduce_cmd reset_reduce: from reduce_op's identity; reduce:
+    onto the registers' values), and reduce_res ([P, 1], optional) receives the registers after the update."""
     instr = "scalar_tensor_tensor"
     dst = on_chip(instr, "dst", dst)
     data = on_chip(instr, "data", data)
@@ -335,18 +404,27 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     st1 = _Stage("op1", op1, "operand1", None, t1, _check_bool(instr, "reverse1", reverse1))
     for arg, t in (("dst", dst), ("data", data), ("operand1", t1)):
         numeric_operand(instr, arg, t, write=arg == "dst")
+    reduce_op, reduce_res = _stt_reduce_args(instr, reduce_op, reduce_res, reduce_cmd, data)
     reads = [("data", data)] + ([("operand0", st0.tile)] if st0.tile is not None else []) + [("operand1", t1)]
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    reduce_attrs = {} if reduce_op is None else dict(reduce_op=reduce_op.name, reduce_cmd=reduce_cmd.name)
     c = ctx()
-    c.record(instr=instr, engine="vector", reads=reads, writes=[("dst", dst)], elems=dst.free_size,
-             op0=op0.name, op1=op1.name, data_dtype=str(data.dtype), dst_dtype=str(dst.dtype))
+    c.record(instr=instr, engine="vector", reads=reads, writes=writes, elems=dst.free_size,
+             op0=op0.name, op1=op1.name, data_dtype=str(data.dtype), dst_dtype=str(dst.dtype), **reduce_attrs)
     raw = checked_read(data, instr, "data")
     tiles_raw = _read_stage_tiles(instr, (st0,))
     raw1 = checked_read(t1, instr, "operand1")
-    if valueless(raw, raw1, *tiles_raw.values()):
-        checked_write(dst, instr, "dst", None)
-        return NkiInstruction(name)
-    tiles_raw["operand1"] = raw1
-    checked_write(dst, instr, "dst", _apply_stages((st0, st1), _rows_f32(data, raw), tiles_raw, False))
+    lane0, p = data.partition_start, data.shape[0]
+    out = None
+    if not valueless(raw, raw1, *tiles_raw.values()):
+        tiles_raw["operand1"] = raw1
+        out = _apply_stages((st0, st1), _rows_f32(data, raw), tiles_raw, False)
+    checked_write(dst, instr, "dst", out)
+    if reduce_op is not None:
+        _stt_accumulate(c, reduce_op, reduce_cmd, lane0, p, out)
+    if reduce_res is not None:
+        regs = c.vec_reduce_regs[lane0:lane0 + p].copy() if c.vec_reduce_known[lane0:lane0 + p].all() else None
+        checked_write(reduce_res, instr, "reduce_res", regs)
     return NkiInstruction(name)
 
 
