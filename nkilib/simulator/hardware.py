@@ -18,6 +18,8 @@ Every number carries its source as a tag; the tags are public Neuron documentati
 | [DGE] | DGE reference: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dge.html |
 | [CHIP2] / [CHIP3] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-hardware/trainium2.html, .../trainium3.html |
 | [LNCdoc] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-features/logical-neuroncore-config.html |
+| [STT07] | NKI 0.7 (SDK 2.33) scalar_tensor_tensor, with reduce_res: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html |
+| [TSR07] | NKI 0.7 (SDK 2.33) tensor_scalar_reduce: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html |
 | [SIM] | NKI CPU simulator guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html |
 
 INFERRED marks a number we derived (the reasoning is given); ESTIMATE marks a number the docs do not
@@ -124,6 +126,11 @@ class TargetSpec:
     # Register ops (register_alloc/move: sequencer ALU; register_load/store: one SBUF access). ESTIMATE
     # 8 cycles for ALU ops (range 4-16) and the ~60-cycle access overhead [TRN1] for load/store.
     register_alu_cycles: int = 8
+    # Free-axis reduce of a VectorE instruction with reduce_res (scalar_tensor_tensor, NKI 0.7): the 2.33 pages give
+    # no figure, only "at a small additional performance cost" [TSR07]. ESTIMATE: central MIN_II on top of the
+    # instruction (the [LEGACY] tensor_scalar_reduce formula, max(MIN_II, N) + MIN_II, quantifies that phrase);
+    # pessimistic a separate reduce pass (True: + N + the access overhead, what a tensor_reduce of the result costs).
+    vector_reduce_separate_pass: bool = False
 
 
 # NeuronCore-v3 (Trainium2). SBUF 128 x 224 KiB, PSUM 128 x 16 KiB = 8 banks x 2 KiB [TRN2].
@@ -259,6 +266,7 @@ PESSIMISTIC_OVERRIDES = {
     "swdge_descriptor_cycles": 64,
     "dynamic_loop_iteration_cycles": 128,
     "register_alu_cycles": 16,
+    "vector_reduce_separate_pass": True,
 }
 SCENARIOS = ("central", "pessimistic")
 

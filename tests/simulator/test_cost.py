@@ -370,6 +370,31 @@ def test_documented_formula_of_each_instruction(record, cycles):
     assert instr_cost(record, TRN3).cycles == pytest.approx(cycles)
 
 
+def test_scalar_tensor_tensor_reduce_priced_as_tensor_tensor_plus_the_reduce_band():
+    """The NKI 0.7 reduce variant: tensor_tensor's [LEGACY] formula ("approximately the same latency as a regular
+    tensor_tensor", the 2.33 page) + MIN_II (central) or + a separate reduce pass, N + the access overhead
+    (pessimistic: the docs give no figure)."""
+    from nkilib.simulator.hardware import with_scenario
+
+    def stt(data_buffer, reduce):
+        extra = dict(reduce_op="add", reduce_cmd="reset_reduce") if reduce else {}
+        return rec(0, "scalar_tensor_tensor", "vector",
+                   [chip("data", data_buffer, "float32", (128, 512)), chip("operand1", "sbuf", "bfloat16", (128, 512))],
+                   [chip("dst", "sbuf", "float32", (128, 512))]
+                   + ([chip("reduce_res", "sbuf", "float32", (128, 1))] if reduce else []),
+                   op0="multiply", op1="multiply", **extra)
+
+    pess = with_scenario(TRN3, "pessimistic")
+    # the routing gradient's (dI * 1.0) * h, dI in PSUM: tensor_tensor with one PSUM input is N
+    assert instr_cost(stt("psum", True), TRN3).cycles == 60 + 512 + 64
+    assert instr_cost(stt("psum", True), pess).cycles == 60 + 512 + 512 + 60  # = tensor_tensor + tensor_reduce
+    assert instr_cost(stt("psum", True), TRN3).seconds == pytest.approx((60 + 512 + 64) / 1.2e9)
+    # both inputs in SBUF, not all bf16: tensor_tensor's 2N
+    assert instr_cost(stt("sbuf", True), TRN3).cycles == 60 + 1024 + 64
+    # without reduce_op the [LEGACY] scalar_tensor_tensor formula is unchanged at both ends (2N here)
+    assert instr_cost(stt("psum", False), TRN3).cycles == instr_cost(stt("psum", False), pess).cycles == 60 + 1024
+
+
 def test_scalar_tensor_tensor_fast_case_and_barrier_latency():
     def stt(dtype, op0, n):
         return rec(0, "scalar_tensor_tensor", "vector",

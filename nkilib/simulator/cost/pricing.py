@@ -148,29 +148,53 @@ def _cost_memset(rec, target):
     return _act_like(rec, target, n)
 
 
-def _cost_tensor_tensor(rec, target):
-    n = _elems_per_partition(rec)
-    ins = [o for o in rec.reads if _on_chip(o)][:2]
+def _tensor_tensor_work(n, ins, ops, op, engine):
+    """Cycles (before the access overhead) and shared-bus use of an elementwise pass over two input tiles."""
     psum_in = sum(o.buffer == "psum" for o in ins)
-    op = _op_name(rec, "op")
-    all_bf16 = all(o.dtype == "bfloat16" for o in _onchip_ops(rec))
+    all_bf16 = all(o.dtype == "bfloat16" for o in ops)
     fast_op = any(k in op for k in ("add", "multiply", "subtract"))
     # [LEGACY] N if one input PSUM + one SBUF, or both SBUF, all bf16, add/mul/sub, unit stride; else 2N
     if (psum_in == 1 and len(ins) == 2) or (psum_in == 0 and all_bf16 and fast_op
-                                            and all(_is_contiguous(o) for o in _onchip_ops(rec))):
-        c = _act_like(rec, target, n)
-        c.shared_bus = rec.engine == "vector" and psum_in == 0  # the 2x perf mode [TRN2]
-        return c
-    return _act_like(rec, target, 2 * n)
+                                            and all(_is_contiguous(o) for o in ops)):
+        return n, engine == "vector" and psum_in == 0  # the 2x perf mode [TRN2]
+    return 2 * n, False
+
+
+def _cost_tensor_tensor(rec, target):
+    ins = [o for o in rec.reads if _on_chip(o)][:2]
+    work, shared = _tensor_tensor_work(_elems_per_partition(rec), ins, _onchip_ops(rec), _op_name(rec, "op"),
+                                       rec.engine)
+    c = _act_like(rec, target, work)
+    c.shared_bus = shared
+    return c
 
 
 def _cost_scalar_tensor_tensor(rec, target):
     n = _elems_per_partition(rec)
     data = _find(rec.reads, "data")
     op1 = _find(rec.reads, "operand1")
+    if rec.attrs.get("reduce_op"):
+        return _cost_scalar_tensor_tensor_reduce(rec, target, n, data, op1)
     fast = (data is not None and op1 is not None and data.dtype == "bfloat16" and op1.dtype == "bfloat16"
             and "subtract" in _op_name(rec, "op0") and "multiply" in _op_name(rec, "op1") and n % 2 == 0)
     return _act_like(rec, target, n if fast else 2 * n)  # [LEGACY] N if bf16 sub/mul and N even, else 2N
+
+
+def _cost_scalar_tensor_tensor_reduce(rec, target, n, data, op1):
+    """NKI 0.7's scalar_tensor_tensor with a free-axis reduce (reduce_op): "approximately the same latency as a
+    regular tensor_tensor instruction" [STT07], i.e. tensor_tensor's [LEGACY] formula on data and operand1, plus
+    the reduce's "small additional performance cost" [TSR07]: MIN_II (central) or, with no figure in the docs,
+    a separate reduce pass at the pessimistic end (hardware.vector_reduce_separate_pass)."""
+    ins = [o for o in (data, op1) if o is not None]
+    ops = [o for o in _onchip_ops(rec) if o.arg != "reduce_res"]
+    work, shared = _tensor_tensor_work(n, ins, ops, _op_name(rec, "op1"), rec.engine)
+    if target.vector_reduce_separate_pass:
+        work += n + target.engine_access_overhead_cycles  # a tensor_reduce of the N fp32 results
+    else:
+        work = max(target.min_ii_cycles, work) + target.min_ii_cycles
+    c = _act_like(rec, target, work)
+    c.shared_bus = shared
+    return c
 
 
 def _cost_activation(rec, target):
