@@ -145,3 +145,25 @@ def test_padding_rows_zeroed_on_gpsimd_with_block_checkpoints(lnc):
         assert p_zeroing and len(rows) >= 2 * len(p_zeroing), (len(rows), len(p_zeroing))
         assert {r.engine for r in rows} == {engine}, sorted({(r.engine, r.writes[0].shape) for r in rows})
         assert {r.engine for r in memsets if r.writes[0].byte_lo > 0} <= {"vector"}
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_routing_gradient_is_one_vector_pass_per_tile(lnc):
+    """Round 17a: the routing gradient's product dI * h and its sum over the tile's columns are one
+    scalar_tensor_tensor with reduce_res (NKI 0.7) per epilogue tile, no tensor_reduce left in pass A; I = 640 gives
+    each row a second I tile, whose sum folds onto the first in fp32. The bits stay mx_exact's."""
+    T, E, k, H, I = 40, 3, 2, 64, 640
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=8), seed=37, checkpoints=("gate_pre", "up"))
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"fused routing gradient vs mx_exact, LNC{lnc}")
+    in_a = [r for r in res.trace if r.attrs.get("phase") == "A dI+epilogue"]
+    fused = [r for r in in_a if r.instr == "scalar_tensor_tensor" and r.attrs.get("reduce_op") == "add"]
+    dh = [r for r in in_a if r.instr == "tensor_scalar" and r.reads[0].buffer == "psum"]  # dh = dI * p, once a tile
+    assert fused and len(fused) == len(dh), (len(fused), len(dh))
+    assert all(r.attrs["reduce_cmd"] == "reset_reduce" and [w.arg for w in r.writes] == ["dst", "reduce_res"]
+               and r.reads[0].buffer == "psum" for r in fused)
+    assert not [r for r in in_a if r.instr == "tensor_reduce"]
+    folds = [r for r in in_a if r.instr == "tensor_tensor" and r.attrs.get("op") == "add"]
+    assert len(folds) == len(fused) // 2, (len(folds), len(fused))  # one fold per row chunk's second tile

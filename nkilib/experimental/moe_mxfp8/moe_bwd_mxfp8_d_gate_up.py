@@ -498,12 +498,20 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
     """acc [m, 1] (+)= sum over the tile's columns of dI * f32(h): fp32 products, one fp32 reduce per
-    PHASE1_N_TILE (= ROUTING_GRAD_TILE) columns, fp32 accumulation across tiles (tile 0 overwrites)."""
+    PHASE1_N_TILE (= ROUTING_GRAD_TILE) columns, fp32 accumulation across tiles (tile 0 overwrites).
+
+    The product and its reduce are one VectorE pass: scalar_tensor_tensor's NKI 0.7 reduce_res
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html)
+    writes (dI * 1.0) * f32(h) (the bits of dI * f32(h): a multiply by 1.0 is exact) and, reset_reduce, the
+    registers' 0 + the tile's sum (the bits of tensor_reduce's sum; docs/simulator.md#choice-vector-accumulate).
+    The products stay fp32, so the sum is the same whether the reduce reads them before or after the dst write.
+
+    Dimensions:
+        d_i: fp32 [m, nsz] (PSUM), h: [m, nsz] (SBUF), acc: fp32 [m, 1] (SBUF).
+    """
     prod = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod[:m, :nsz], data1=d_i, data2=h, op=nl.multiply)
-    if j == 0:
-        nisa.tensor_reduce(dst=acc, op=nl.add, data=prod[:m, :nsz], axis=1)
-        return
-    part = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=part, op=nl.add, data=prod[:m, :nsz], axis=1)
-    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+    part = acc if j == 0 else nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=prod[:m, :nsz], data=d_i, op0=nl.multiply, operand0=1.0, op1=nl.multiply,
+                              operand1=h, reduce_op=nl.add, reduce_res=part, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    if j > 0:
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
