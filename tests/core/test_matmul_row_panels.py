@@ -50,21 +50,17 @@ def test_gathered_rows_and_k_window(precision, scheme):
 # MoE kernel's pass A writes d_gate_up (gate columns [0, I), up columns [I, 2I)); I = 1088 is not a multiple of
 # 128, so K tile 2 straddles the gate / up boundary and completes with the last I tile, after K tile 3 (up only).
 SPAN_I, SPAN_W = 1088, 128  # I and the epilogue's tile width (the kernel's 512 scaled down)
-COMPLETION_ORDER = [0, 1, 3, 2, 4]  # K tiles of 512 over 2I = 2176 (the last one 128), in completion order
+BUILD_ORDER = [0, 1, 3, 2, 4]  # K tiles of 512 over 2I = 2176 (the last one 128): the last write's (2, 4) last
 
 
-def _gate_up_spans(I, width):
-    """[(lo, hi)] in the order an epilogue writes them: per I tile its gate columns, then its up columns."""
-    out = []
-    for n0 in range(0, I, width):
-        nsz = min(width, I - n0)
-        out += [(n0, n0 + nsz), (I + n0, I + n0 + nsz)]
-    return out
+def _gate_up_writes(I, width):
+    """[[(lo, hi)] per write]: per I tile of the epilogue its gate columns and its up columns."""
+    return [[(n0, n0 + min(width, I - n0)), (I + n0, I + n0 + min(width, I - n0))] for n0 in range(0, I, width)]
 
 
 def _panel_by_columns_run(rows, b, by_columns):
     """(out, trace) of rows [M, K] (as the stationary panel, K=K, M=M) times b [K, N]: the panel built with
-    RowPanelByColumns over _gate_up_spans (by_columns) or with panel_from_rows."""
+    RowPanelByColumns over _gate_up_writes (by_columns) or with panel_from_rows."""
 
     def kernel(rows, b):
         M, K = rows.shape
@@ -74,8 +70,8 @@ def _panel_by_columns_run(rows, b, by_columns):
         nisa.dma_copy(dst=tile[:M, :], src=rows)
         if by_columns:
             builder = RowPanelByColumns(tile[:M, :], M, K, M, setup)
-            for lo, hi in _gate_up_spans(K // 2, SPAN_W):
-                builder.written(lo, hi)
+            for spans in _gate_up_writes(K // 2, SPAN_W):
+                builder.written(spans)
             builder.build_ready()
             stationary = builder.panel()
         else:
@@ -87,7 +83,7 @@ def _panel_by_columns_run(rows, b, by_columns):
     return np.asarray(res.outputs[0] if isinstance(res.outputs, tuple) else res.outputs), res.trace
 
 
-def test_panel_by_columns_bits_and_completion_order():
+def test_panel_by_columns_bits_and_build_order():
     M, K, N = 64, 2 * SPAN_I, 96
     rows, b = randn(11, (M, K), BF16), randn(12, (K, N), BF16)
     got, trace = _panel_by_columns_run(rows, b, by_columns=True)
@@ -99,7 +95,7 @@ def test_panel_by_columns_bits_and_completion_order():
         return [r.writes[0].byte_lo // (M * 4) for r in records if r.instr == "quantize_mx"
                 and r.writes[0].dtype != "uint8"][:5]
 
-    assert k_tile_order(trace) == COMPLETION_ORDER
+    assert k_tile_order(trace) == BUILD_ORDER
     assert k_tile_order(trace_k_order) == [0, 1, 2, 3, 4]
     assert len([r for r in trace if r.instr == "nc_transpose"]) == 4 * 5  # four per K tile, none repeated
 
@@ -110,9 +106,9 @@ def test_panel_by_columns_refuses_misuse():
         tile = nl.ndarray((PARTITIONS, 1024), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=tile, value=0.0)
         builder = RowPanelByColumns(tile[:64, :], 64, 1024, 64, setup)
-        builder.written(0, 600)
+        builder.written([(0, 600)])
         if twice:
-            builder.written(512, 700)  # columns 512..600 again
+            builder.written([(700, 800), (512, 701)])  # columns 512..600 and 700 again
         builder.build_ready()  # K tile 0 only: K tile 1 still misses columns
         return builder.panel()
 

@@ -240,15 +240,14 @@ class RowChunk(nl.NKIObject):
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
-        if self.d_gu_panel != None:  # noqa: E711  (its K tiles are built at the store, in this order)
-            self.d_gu_panel.written(c0, c0 + nsz)  # d_gate's columns
-            self.d_gu_panel.written(width + c0, width + c0 + nsz)  # d_up's
+        if self.d_gu_panel != None:  # noqa: E711  this tile's d_gate and d_up columns (the panel is built at the store)
+            self.d_gu_panel.written([(c0, c0 + nsz), (width + c0, width + c0 + nsz)])
 
     def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
         if width == I:
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
-            if self.d_gu_panel != None:  # noqa: E711  the K tiles its last I tile completed, then the panel
+            if self.d_gu_panel != None:  # noqa: E711  the K tiles the last I tile completed after the others
                 self.d_gu_panel.build_ready()
                 panel = self.d_gu_panel.panel()
                 words, scales = ctx.d_gu_mx
