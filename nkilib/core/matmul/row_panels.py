@@ -173,7 +173,8 @@ class RowPanelByColumns(nl.NKIObject):
     def panel(self) -> Panel:
         """The whole panel; every K tile must be built (build_ready after the last write)."""
         kernel_assert(all(self.built), f"K tiles not built: {[t for t, b in enumerate(self.built) if not b]}")
-        return Panel(self.data, self.scales, self.f_pad, self.builder._data_tile, self.builder._scale_tile)
+        self.builder.data, self.builder.scales = self.data, self.scales  # in K order, as add_mx leaves them
+        return self.builder.panel()
 
 
 def panel_tile_widths(k_size: int, f_pad: int, setup: MatmulSetup):
