@@ -1,15 +1,19 @@
 """nkilib.core.matmul: K windows of a descriptor (TensorDescriptor.k_base / k_len) and panels whose K rows the
-caller fetches (panel_from_row_loader; here by indirect-DMA gather, as the MoE kernel does). Expected values:
-the NumPy contract matmul nkilib.core.numerics.contract_mm of the selected / gathered rows."""
+caller fetches (panel_from_row_loader; here by indirect-DMA gather, as the MoE kernel does), and the panel of an
+on-chip row tile written span by span (RowPanelByColumns). Expected values: the NumPy contract matmul
+nkilib.core.numerics.contract_mm of the selected / gathered rows."""
 import numpy as np
 import pytest
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, panel_from_row_loader
+from nkilib.core.matmul import (MatmulSetup, RowPanelByColumns, TensorDescriptor, load_panel, panel_from_row_loader,
+                                panel_from_rows)
+from nkilib.core.matmul.constants import PARTITIONS
 from nkilib.core.numerics import contract_mm
-from simkit import BF16, assert_outputs_identical, matmul_panels_to_hbm, randn, simulate
+from nkilib.simulator.launcher import run_kernel
+from simkit import BF16, assert_outputs_identical, in_kernel, matmul_panels_to_hbm, randn, simulate
 
 
 @nki.jit
@@ -40,3 +44,75 @@ def test_gathered_rows_and_k_window(precision, scheme):
     rows = np.where((idx < R)[:, None], a[np.minimum(idx, R - 1)], np.zeros((), BF16)).astype(BF16)
     want = contract_mm(rows.T, b[K:], precision, "float8_e4m3fn", scheme)
     assert_outputs_identical((got,), (want,), f"{precision} {scheme}")
+
+
+# RowPanelByColumns (docs/moe.md section 10, round 17b): the panel of a row tile written I tile by I tile, as the
+# MoE kernel's pass A writes d_gate_up (gate columns [0, I), up columns [I, 2I)); I = 1088 is not a multiple of
+# 128, so K tile 2 straddles the gate / up boundary and completes with the last I tile, after K tile 3 (up only).
+SPAN_I, SPAN_W = 1088, 128  # I and the epilogue's tile width (the kernel's 512 scaled down)
+BUILD_ORDER = [0, 1, 3, 2, 4]  # K tiles of 512 over 2I = 2176 (the last one 128): the last write's (2, 4) last
+
+
+def _gate_up_writes(I, width):
+    """[[(lo, hi)] per write]: per I tile of the epilogue its gate columns and its up columns."""
+    return [[(n0, n0 + min(width, I - n0)), (I + n0, I + n0 + min(width, I - n0))] for n0 in range(0, I, width)]
+
+
+def _panel_by_columns_run(rows, b, by_columns):
+    """(out, trace) of rows [M, K] (as the stationary panel, K=K, M=M) times b [K, N]: the panel built with
+    RowPanelByColumns over _gate_up_writes (by_columns) or with panel_from_rows."""
+
+    def kernel(rows, b):
+        M, K = rows.shape
+        N = b.shape[1]
+        setup = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+        tile = nl.ndarray((PARTITIONS, K), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[:M, :], src=rows)
+        if by_columns:
+            builder = RowPanelByColumns(tile[:M, :], M, K, M, setup)
+            for spans in _gate_up_writes(K // 2, SPAN_W):
+                builder.written(spans)
+            builder.build_ready()
+            stationary = builder.panel()
+        else:
+            stationary = panel_from_rows(tile[:M, :], M, K, M, setup)
+        moving = load_panel(TensorDescriptor(b, k_axis=0), 0, N, N, setup)
+        return matmul_panels_to_hbm(stationary, moving, setup, M, N)  # K=K, M=M, N=N
+
+    res = run_kernel(kernel, args=(rows, b), trace=True)
+    return np.asarray(res.outputs[0] if isinstance(res.outputs, tuple) else res.outputs), res.trace
+
+
+def test_panel_by_columns_bits_and_build_order():
+    M, K, N = 64, 2 * SPAN_I, 96
+    rows, b = randn(11, (M, K), BF16), randn(12, (K, N), BF16)
+    got, trace = _panel_by_columns_run(rows, b, by_columns=True)
+    want, trace_k_order = _panel_by_columns_run(rows, b, by_columns=False)
+    assert_outputs_identical((got,), (want,), "RowPanelByColumns vs panel_from_rows")
+    assert_outputs_identical((got,), (contract_mm(rows, b, "mxfp8", "float8_e4m3fn", "1x32"),), "vs contract_mm")
+
+    def k_tile_order(records):  # the quantize_mx of each K tile, by its words' offset (one [M] x4 row per K tile)
+        return [r.writes[0].byte_lo // (M * 4) for r in records if r.instr == "quantize_mx"
+                and r.writes[0].dtype != "uint8"][:5]
+
+    assert k_tile_order(trace) == BUILD_ORDER
+    assert k_tile_order(trace_k_order) == [0, 1, 2, 3, 4]
+    assert len([r for r in trace if r.instr == "nc_transpose"]) == 4 * 5  # four per K tile, none repeated
+
+
+def test_panel_by_columns_refuses_misuse():
+    def body(twice):
+        setup = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+        tile = nl.ndarray((PARTITIONS, 1024), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=0.0)
+        builder = RowPanelByColumns(tile[:64, :], 64, 1024, 64, setup)
+        builder.written([(0, 600)])
+        if twice:
+            builder.written([(700, 800), (512, 701)])  # columns 512..600 and 700 again
+        builder.build_ready()  # K tile 0 only: K tile 1 still misses columns
+        return builder.panel()
+
+    with pytest.raises(AssertionError, match="written twice"):
+        in_kernel(lambda: body(True))
+    with pytest.raises(AssertionError, match=r"K tiles not built: \[1\]"):
+        in_kernel(lambda: body(False))

@@ -10,7 +10,8 @@ pass B built before (the same panel_from_rows on the same rows), so the outputs 
 |                                       | panels pass A stored (one per computed chunk and core); 2I = 192:  |            |
 |                                       | a K tile of 64 partitions and zero columns up to the K padding     |            |
 | test_panels_of_several_scale_tiles    | 2I = 2112 (five K tiles, the last of 32 partitions: two scale      | LNC2       |
-|                                       | tiles with packing, five without), clamped                         |            |
+|                                       | tiles with packing, five without), clamped; the K tiles the last I |            |
+|                                       | tile completes built last (round 17b: 0, 1, 3, 2, 4)               |            |
 | test_unaligned_rows_keep_pass_b_panels| B = 128 under LNC2 (64 rows per core in pass A): no panels stored, | LNC2       |
 |                                       | pass B transposes and quantizes as before                          |            |
 | test_single_block_experts_panels      | weights loaded on use (the DeepSeek-V3 rank's path, round 8c):     | LNC1, LNC2 |
@@ -95,6 +96,16 @@ def test_panels_of_several_scale_tiles(scale_packing):
     out, trace = _run(kernel, 2)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"2I = 2112, packing {scale_packing} vs mx_exact")
     _check_panels_used(trace, 2)
+    # round 17b: each chunk's K tiles are quantized in K order, those the last I tile completes after the others.
+    # I tiles of 512 over I = 1056: K tile 3 (up columns 480..992) completes with I tile 1, K tile 2 (gate
+    # 1024..1056, up 0..480) and K tile 4 (up 992..1056) with I tile 2, so K tile 3 goes before K tile 2
+    words_bytes = 5 * 128 * 4  # the panel's words allocation per partition: five K tiles of [128] x4 words
+    orders = {}
+    for r in _pass(trace, "A"):
+        w = r.writes[0] if r.instr == "quantize_mx" else None
+        if w != None and w.dtype != "uint8" and w.alloc_bytes_per_partition == words_bytes:  # noqa: E711
+            orders.setdefault((r.program, w.storage_id), []).append(w.byte_lo // (128 * 4))
+    assert orders and all(o == [0, 1, 3, 2, 4] for o in orders.values()), orders
 
 
 def test_unaligned_rows_keep_pass_b_panels():

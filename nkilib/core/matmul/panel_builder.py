@@ -186,13 +186,19 @@ class PanelBuilder(nl.NKIObject):
         return nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
 
     def add_mx(self, t, padded, src):
-        """Quantize stage view `src` [P, F_pad, 4] as K tile t."""
+        """Quantize stage view `src` [P, F_pad, 4] as K tile t (appended: the K tiles come in order)."""
+        words, scale = self.quantize_mx_tile(t, padded, src)
+        self.data.append(words)
+        self.scales.append(scale)
+
+    def quantize_mx_tile(self, t, padded, src):
+        """(words, scale) of K tile t, quantized from stage view `src` [P, F_pad, 4] into its place; the caller
+        collects them (add_mx appends; RowPanelByColumns builds its K tiles out of order)."""
         P = padded // MX_PACK
         words = self.words(t, P, quantized=True)
         scale = self.scale(t)
         nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
-        self.data.append(words)
-        self.scales.append(scale)
+        return words, scale
 
     def add_natural(self, t, tile, chunks, f_size):
         """K tile t (k0, valid, padded) from natural row tiles (see _stage_mx_natural)."""

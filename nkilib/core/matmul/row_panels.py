@@ -1,7 +1,8 @@
 """Panels from rows: MXFP8 / bf16 panels of operands whose rows only the caller can fetch (gathered rows, run-time
 offsets: panel_from_row_loader, into room allocated earlier: PanelSlots) or that are already on chip (panel_from_rows,
 panels_from_row_blocks), and on-chip panels copied to HBM and back as they are (store_panel_tiles, load_panel_tiles);
-row tiles of a K-contiguous operand DMAed ahead of their panel's load (preload_natural_rows).
+row tiles of a K-contiguous operand DMAed ahead of their panel's load (preload_natural_rows); the panel of a row tile
+written a few spans at a time, its K tiles ordered by when they complete (RowPanelByColumns).
 The same K tiles, scale layout and panel builder (panel_builder.py) as panels.py's load_panel, so the bits are the same.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import MX_PACK, PARTITIONS, SCALE_PACK_SLOTS
 from .descriptor import MatmulSetup
-from .panel_builder import Panel, PanelBuilder
+from .panel_builder import Panel, PanelBuilder, _stage_mx_natural
 from .panels import _load_rows_natural, _natural_groups, _rows_in_slot, _slot_geometry, k_tiles
 
 
@@ -114,6 +115,66 @@ def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: Matm
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
     return builder.panel()
+
+
+class RowPanelByColumns(nl.NKIObject):
+    """panel_from_rows's MXFP8 [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] whose
+    columns are written a few spans at a time (an epilogue's output tiles): written(spans) records one write,
+    build_ready() transposes and quantizes every K tile whose columns [k0, k0 + valid) are all written (columns from K
+    to Kp are the caller's zeros, written before), and panel() returns the whole panel. The same K tiles, staging and
+    quantize_mx as panel_from_rows, in one words and one scale allocation (store_panel_tiles), so the bits are the
+    same; only the order of the K tiles changes: in K order, except that the K tiles the last write completed go after
+    all the others. Why: TensorE runs the transposes in program order, each as soon as the columns it reads are
+    written, so a K tile that waits for the last write (in the MoE kernel's d_gate_up, the K tile across the gate / up
+    boundary when I is not a multiple of 512) would hold up the K tiles after it that earlier writes completed.
+
+    Dimensions: rows_tile [f_size <= 128, Kp] bf16; panel K tiles [P, f_pad] x4 words with their scales.
+    """
+
+    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup):
+        kernel_assert(setup.is_mx, f"RowPanelByColumns builds MXFP8 panels; got {setup.precision}")
+        self.tiles = k_tiles(k_size, setup)
+        self.unwritten = [valid for _, valid, _ in self.tiles]  # columns of each K tile still to be written
+        self.completed_by = [None] * len(self.tiles)  # the write (1, 2, ...) that completed each K tile
+        self.built = [False] * len(self.tiles)
+        self.writes, self.spans = 0, []
+        self.builder = PanelBuilder(f_pad, setup, 0, len(self.tiles))
+        self.chunks = [(0, f_size, rows_tile, 0)]
+        self.f_size, self.f_pad, self.setup = f_size, f_pad, setup
+        self.data, self.scales = [None] * len(self.tiles), [None] * len(self.tiles)
+
+    def written(self, spans) -> None:
+        """One write: the columns [lo, hi) of each of `spans` [(lo, hi)] (no column may be written twice)."""
+        self.writes += 1
+        for lo, hi in spans:
+            kernel_assert(all(hi <= a or b <= lo for a, b in self.spans),
+                          f"columns [{lo}, {hi}) written twice: earlier spans {self.spans}")
+            self.spans.append((lo, hi))
+            for t, (k0, valid, _) in enumerate(self.tiles):
+                overlap = max(0, min(hi, k0 + valid) - max(lo, k0))
+                self.unwritten[t] -= overlap
+                if overlap and self.unwritten[t] == 0:
+                    self.completed_by[t] = self.writes
+
+    def build_order(self) -> list:
+        """The complete K tiles not yet built, in K order, those the last write completed after the others."""
+        ready = [t for t in range(len(self.tiles)) if self.completed_by[t] != None and not self.built[t]]  # noqa: E711
+        return ([t for t in ready if self.completed_by[t] != self.writes] +
+                [t for t in ready if self.completed_by[t] == self.writes])
+
+    def build_ready(self) -> None:
+        """Transpose and quantize the complete K tiles not yet built, in build_order()."""
+        for t in self.build_order():
+            k0, _, padded = self.tiles[t]
+            stage = _stage_mx_natural(self.chunks, k0, padded, self.f_size, self.f_pad, self.setup)
+            self.data[t], self.scales[t] = self.builder.quantize_mx_tile(t, padded, stage)
+            self.built[t] = True
+
+    def panel(self) -> Panel:
+        """The whole panel; every K tile must be built (build_ready after the last write)."""
+        kernel_assert(all(self.built), f"K tiles not built: {[t for t, b in enumerate(self.built) if not b]}")
+        self.builder.data, self.builder.scales = self.data, self.scales  # in K order, as add_mx leaves them
+        return self.builder.panel()
 
 
 def panel_tile_widths(k_size: int, f_pad: int, setup: MatmulSetup):

@@ -28,7 +28,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert
-from ...core.matmul import matmul_panels, panel_from_rows, store_panel_tiles
+from ...core.matmul import RowPanelByColumns, matmul_panels, panel_from_rows, store_panel_tiles
 from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
@@ -192,6 +192,11 @@ class RowChunk(nl.NKIObject):
         self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
         if self.d_gu.shape[1] > 2 * width:
             nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
+        self.d_gu_panel = None
+        if width == ctx.I and ctx.d_gu_mx != None:  # noqa: E711  pass B's stationary panel of these rows (K=2I, M=m)
+            kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
+                          f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
+            self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
         # engine of the epilogue's product dh * a: the kernel's choice (MoeContext.d_up_engine) unless the caller's
@@ -235,16 +240,16 @@ class RowChunk(nl.NKIObject):
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
+        if self.d_gu_panel != None:  # noqa: E711  this tile's d_gate and d_up columns (the panel is built at the store)
+            self.d_gu_panel.written([(c0, c0 + nsz), (width + c0, width + c0 + nsz)])
 
     def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
         if width == I:
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
-            if ctx.d_gu_mx != None:  # noqa: E711  pass B's stationary panel of these rows (K=2I, M=m)
-                kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
-                              "pass B's d_gate_up panels need 128-row chunks from a multiple of 128, "
-                              f"got r0={r0}, m={m}")
-                panel = panel_from_rows(self.d_gu[:m, :], m, 2 * I, self.f_pad, ctx.setup)
+            if self.d_gu_panel != None:  # noqa: E711  the K tiles the last I tile completed after the others
+                self.d_gu_panel.build_ready()
+                panel = self.d_gu_panel.panel()
                 words, scales = ctx.d_gu_mx
                 store_panel_tiles(panel, ctx.block_tiles(words, i, r0, len(panel.data)),
                                   ctx.block_tiles(scales, i, r0, panel.scale_tile.shape[1]))
