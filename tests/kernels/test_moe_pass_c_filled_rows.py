@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
@@ -38,7 +38,7 @@ def _record(monkeypatch):
     """[(core, expert, rows)] of every traced call of the single-block gradient (a 0-trip loop never calls its body),
     and [(K, rows)] of every matmul under it (K = 4 x the stationary's partitions, rows: the call's, B when None)."""
     calls, ks = [], []
-    single, matmul = W.compute_phase3_single_block_grads_mxfp8, W.matmul_panels
+    single, matmul = S1.compute_phase3_single_block_grads_mxfp8, S1.matmul_panels
 
     def record_single(ctx, e, i, out, *args, rows=None, **kwargs):
         calls.append((ctx.split.shard_id, e, rows))
@@ -48,13 +48,13 @@ def _record(monkeypatch):
             assert moving.data[0].shape[0] == stationary.data[0].shape[0]
             return matmul(dst, stationary, moving, setup, **kw)
 
-        monkeypatch.setattr(W, "matmul_panels", record_matmul)
+        monkeypatch.setattr(S1, "matmul_panels", record_matmul)
         try:
             return single(ctx, e, i, out, *args, rows=rows, **kwargs)
         finally:
-            monkeypatch.setattr(W, "matmul_panels", matmul)
+            monkeypatch.setattr(S1, "matmul_panels", matmul)
 
-    monkeypatch.setattr(W, "compute_phase3_single_block_grads_mxfp8", record_single)
+    monkeypatch.setattr(S1, "compute_phase3_single_block_grads_mxfp8", record_single)
     return calls, ks
 
 
