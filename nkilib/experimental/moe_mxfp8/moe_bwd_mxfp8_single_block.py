@@ -12,9 +12,18 @@ from ...core.matmul import matmul_panels, panel_columns, panel_from_row_loader
 from ...core.matmul.sources import blocks
 from .constants import MOE_N_TILE, PARTITIONS, PASS_C_ROW_UNIT, SINGLE_BLOCK_LOAD_WIDTH
 from .moe_bwd_mxfp8_pass_c_stores import RowStore
-from .moe_bwd_mxfp8_weight_grads import _single_stage, filled_row_units
+from .moe_bwd_mxfp8_weight_grads import _single_stage
 
-__all__ = ["compute_phase3_single_block_expert_mxfp8", "compute_phase3_single_block_grads_mxfp8"]
+__all__ = ["compute_phase3_single_block_expert_mxfp8", "compute_phase3_single_block_grads_mxfp8", "filled_row_units"]
+
+
+def filled_row_units(ctx) -> int:
+    """Units of PASS_C_ROW_UNIT rows in a block whose padding-only ones pass C may leave out of K (1: none may): with
+    the 1x32 MX scheme a K tile's MX groups are 32 consecutive rows, so a K of the filled units' rows groups them as
+    the block's K does; wrapX's groups stride the whole K tile (rows p + 128 j), BF16 has no groups to keep but its K
+    tiles are 128 rows already."""
+    mx_1x32 = ctx.setup.is_mx and ctx.setup.scheme == "1x32" and ctx.B % PASS_C_ROW_UNIT == 0
+    return ctx.B // PASS_C_ROW_UNIT if mx_1x32 else 1
 
 
 def _row_panels(ctx, src, i, lo, hi, first=-1, rows=None):

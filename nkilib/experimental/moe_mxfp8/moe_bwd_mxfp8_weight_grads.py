@@ -28,12 +28,12 @@ from ...core.matmul.constants import MX_PACK
 from ...core.matmul.sources import blocks
 from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store, store_window
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
-                        PASS_C_RESIDENT_PARTS, PASS_C_ROW_UNIT, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
+                        PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES)
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
-           "compute_phase3_windowed_grads_mxfp8", "filled_row_units", "resident_block_count", "store_zero_expert_grads"]
+           "compute_phase3_windowed_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
 
 
 class BlockRowSource(nl.NKIObject):
@@ -118,15 +118,6 @@ def _stage(ctx, k):
     body is traced once), so consecutive loads take different tiles and a load overlaps the quantize before it
     (docs/moe.md section 10, round 6b). The single-block and streamed paths keep stages[0]."""
     return None if ctx.stages == None else [ctx.stages[k % PASS_C_RESIDENT_STAGES]]  # noqa: E711
-
-
-def filled_row_units(ctx) -> int:
-    """Units of PASS_C_ROW_UNIT rows in a block whose padding-only ones pass C may leave out of K (1: none may): with
-    the 1x32 MX scheme a K tile's MX groups are 32 consecutive rows, so a K of the filled units' rows groups them as
-    the block's K does; wrapX's groups stride the whole K tile (rows p + 128 j), BF16 has no groups to keep but its K
-    tiles are 128 rows already."""
-    mx_1x32 = ctx.setup.is_mx and ctx.setup.scheme == "1x32" and ctx.B % PASS_C_ROW_UNIT == 0
-    return ctx.B // PASS_C_ROW_UNIT if mx_1x32 else 1
 
 
 def _single_stage(ctx, k):
