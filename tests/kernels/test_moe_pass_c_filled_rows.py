@@ -1,5 +1,5 @@
 """Pass C of a single-block expert reads only its block's filled 128-row units (round 17d,
-moe_bwd_mxfp8_weight_grads.compute_phase3_single_block_expert_mxfp8): K = the filled units' rows, one traced variant
+moe_bwd_mxfp8_single_block.compute_phase3_single_block_expert_mxfp8): K = the filled units' rows, one traced variant
 per count chosen at run time (MoeContext.filled_units).
 
 | test                                   | what                                                                  |
