@@ -47,7 +47,7 @@ PHASES = {
     "compute_phase1_block_grads_mxfp8": "A dI+epilogue",
     "compute_phase1_pipelined_mxfp8": "A dI+epilogue",
     "compute_phase2_hidden_states_grad_mxfp8": "B dX",
-    "compute_phase3_single_block_grads_mxfp8": "C dW",
+    "compute_phase3_single_block_expert_mxfp8": "C dW",
     "compute_phase3_multi_block_grads_mxfp8": "C dW",
 }
 #: GPT-OSS's gated function: gate clamped above at 7, linear part to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1).

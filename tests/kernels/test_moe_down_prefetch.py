@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import run
@@ -30,7 +31,7 @@ def _record(monkeypatch):
     single-block path (its first gradient)."""
     events, ahead = {}, {}
     prefetch, block, single = S.ExpertISplit.prefetch_down, S.ExpertISplit.block, \
-        K.compute_phase3_single_block_grads_mxfp8
+        S1.compute_phase3_single_block_grads_mxfp8
     stage = S.ExpertISplit.stage_expert
 
     def record_stage(self, e):
@@ -55,7 +56,7 @@ def _record(monkeypatch):
     monkeypatch.setattr(S.ExpertISplit, "prefetch_down", record_prefetch)
     monkeypatch.setattr(S.ExpertISplit, "block", record_block)
     monkeypatch.setattr(S.ExpertISplit, "stage_expert", record_stage)
-    monkeypatch.setattr(K, "compute_phase3_single_block_grads_mxfp8", record_single)
+    monkeypatch.setattr(S1, "compute_phase3_single_block_grads_mxfp8", record_single)
     return events
 
 

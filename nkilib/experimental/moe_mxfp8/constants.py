@@ -54,6 +54,11 @@ WEIGHT_GRAD_PSUM_TILES = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
 #: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
 SINGLE_BLOCK_LOAD_WIDTH = 1024
+#: Rows per unit of a single-block expert's pass-C K (the 1x32 scheme): its block's routed pairs fill 1..B / unit
+#: leading units and only those are loaded, quantized and multiplied (K = the filled units' rows; one traced variant of
+#: the single-block path per count, chosen at run time). MX_K_ALIGN: quantize_mx takes multiples of 32 partitions
+#: (docs/moe.md section 10, round 17d).
+PASS_C_ROW_UNIT = MX_K_ALIGN
 #: Columns per load of a [K, F] weight operand (W_down in pass A, W_gu in pass B), a multiple of
 #: MOE_N_TILE: 2 KiB bf16 DMA runs (75% of the sustained DMA rate by the cost model's payload rule, against
 #: 60% for a 512-column tile's 1 KiB runs).

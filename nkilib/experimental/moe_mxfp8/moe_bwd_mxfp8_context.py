@@ -58,6 +58,24 @@ class MoeContext(nl.NKIObject):
         nisa.tensor_scalar(dst=flags, data=flags, op0=nl.minimum, operand0=1.0)
         return flags
 
+    def filled_units(self, i, unit, count):
+        """SBUF [1, count] int32: column q is 1 when block i's routed pairs fill exactly q + 1 of its leading
+        `unit`-row units (its positions unit*q .. hold a pair and unit*(q + 1) .. only padding), else 0 (a block's
+        padding is its tail and its first position always holds a pair, so exactly one column is 1). The flags of
+        positions unit*q as row_flags', on one partition, then each minus the next. Integers < 2^24, exact in
+        VectorE's fp32 arithmetic."""
+        flags = nl.ndarray((1, count), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=flags, src=self.ids2d.ap([[count * unit, 1], [unit, count]], offset=0, scalar_offset=i,
+                                                    indirect_dim=0))
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(self.T))
+        nisa.tensor_scalar(dst=flags, data=flags, op0=nl.minimum, operand0=1.0)
+        exact = nl.ndarray((1, count), dtype=nl.int32, buffer=nl.sbuf)
+        if count > 1:
+            nisa.tensor_tensor(dst=exact[:, 0:count - 1], data1=flags[:, 0:count - 1], data2=flags[:, 1:count],
+                               op=nl.subtract)
+        nisa.tensor_copy(dst=exact[:, count - 1:count], src=flags[:, count - 1:count])
+        return exact
+
     @staticmethod
     def if_flag(flags, r, body, complement=False):
         """body() when flags[r] is 1 (complement: when it is 0), a 0/1-trip run-time loop."""

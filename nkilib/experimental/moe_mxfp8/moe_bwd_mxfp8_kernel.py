@@ -96,10 +96,10 @@ from .moe_bwd_mxfp8_context import MoeContext
 from .moe_bwd_mxfp8_i_split import ExpertISplit
 from .moe_bwd_mxfp8_interleave import InterleavedDx
 from .moe_bwd_mxfp8_loops import ExpertLoops
+from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
-                                         compute_phase3_multi_block_grads_mxfp8,
-                                         compute_phase3_single_block_grads_mxfp8)
+                                         compute_phase3_multi_block_grads_mxfp8)
 from .constants import (BLOCK_ALIGN, CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES,
                         MAX_BLOCK_SIZE, MOE_N_TILE, PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
@@ -371,9 +371,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # tiles go round across gradients and experts, so no two consecutive loads share one
 
     def pass_c_single(e, i):
-        for out, lhs, rhs, m_total, n_total in grads:
-            single_loads[0] = compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total,
-                                                                      wg_dtype, first=single_loads[0])
+        single_loads[0] = compute_phase3_single_block_expert_mxfp8(ctx, e, i, grads, wg_dtype, first=single_loads[0])
 
     bias = None if ctx.d_gate_up_bias == None else GateUpBiasGrad(ctx, ctx.d_gate_up_bias)  # noqa: E711
 

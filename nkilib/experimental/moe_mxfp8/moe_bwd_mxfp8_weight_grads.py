@@ -3,7 +3,8 @@ dW_gu[e] = sum_b d_gate_up_bᵀ X_b and dW_down[e] = sum_b dY_bᵀ hs_b, K = the
 (both operands MX-quantized along tokens), from the block-ordered scratch rows pass A wrote.
 
 Three paths, chosen per expert at run time by 0/1-trip loops (ExpertLoops in moe_bwd_mxfp8_loops.py, ResidentBlocks):
-    single block: both operands loaded and quantized once, every output tile one matmul;
+    single block (moe_bwd_mxfp8_single_block.py): both operands loaded and quantized once, every output tile one
+    matmul;
     2..R blocks (MXFP8, ResidentBlocks.R > 1): every block's rows of this core's tiles loaded and quantized
     once into static SBUF slots (one guarded loop per slot), then each group of output tiles accumulates
     over the slots in PSUM (compute_phase3_resident_grads_mxfp8), in the code of the smallest slot tier that
@@ -32,8 +33,7 @@ from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCK
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
-           "compute_phase3_windowed_grads_mxfp8",
-           "compute_phase3_single_block_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
+           "compute_phase3_windowed_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
 
 
 class BlockRowSource(nl.NKIObject):
@@ -120,68 +120,11 @@ def _stage(ctx, k):
     return None if ctx.stages == None else [ctx.stages[k % PASS_C_RESIDENT_STAGES]]  # noqa: E711
 
 
-def _row_panels(ctx, src, i, lo, hi, first=-1):
-    """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
-    once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages: all
-    pieces through ctx.stages' rotation per K tile (one K tile each: stages[0]), or, with first >= 0, piece q
-    through the staging tile of load number first + q (_single_stage)."""
-    pieces = blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)
-    return [(c0, panel_from_row_loader(src.rows(i, c0, csz), ctx.B, csz, csz, ctx.setup,
-                                       stages=ctx.stages if first < 0 else _single_stage(ctx, first + q)))
-            for q, (c0, csz) in enumerate(pieces)]
-
-
 def _single_stage(ctx, k):
     """The k-th load's staging tile of the single-block path, as a one-tile ring (None in BF16): consecutive loads take
     the PASS_C_STAGING_BUFFERS tiles in turn, so a load waits for the quantize PASS_C_STAGING_BUFFERS loads before it
     instead of the one just before (_stage's reason; docs/moe.md section 10, round 7b)."""
     return None if ctx.stages == None else [ctx.stages[k % PASS_C_STAGING_BUFFERS]]  # noqa: E711
-
-
-def _columns(pieces, f0, width):
-    """Columns [f0, f0 + width) of the pieces of _row_panels (a tile never straddles two pieces)."""
-    for c0, panel in pieces:
-        if c0 <= f0 < c0 + panel.f_pad:
-            return panel_columns(panel, f0 - c0, width)
-    return None
-
-
-def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n_total, wg_dtype, first=0):
-    """out[e] = wg(lhs_iᵀ @ rhs_i) for an expert whose only block is i (ExpertLoops.if_single): both
-    operands of this core's tiles are loaded and quantized once (the moving one whole, the stationary one
-    piece by piece in an m-major sweep), then every output tile is one matmul
-    (K = the block), evicted with +0.0 (the reference's sum from +0) and stored -- no re-read of the
-    block per tile group (compute_phase3_expert_weight_grads_mxfp8's price for accumulating in PSUM).
-
-    Dimensions: as compute_phase3_expert_weight_grads_mxfp8.
-    first: number of the first load (_single_stage), the loads of the expert's gradients before this one.
-
-    Returns:
-        first plus this gradient's loads (the next gradient's first).
-    """
-    (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-    if m_lo >= m_hi or n_lo >= n_hi:
-        return first
-    b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi, first=first)
-    loads = first + len(b_pieces)  # loads so far (static: the same numbering in the traced body on hardware)
-    t = 0
-    a_pieces = []
-    for m0, msz in blocks(m_lo, m_hi, PARTITIONS):
-        if _columns(a_pieces, m0, ctx.f_pad(msz)) == None:  # noqa: E711
-            # the next piece of stationary columns; the previous one is dropped (m-major sweep)
-            a_pieces = None
-            a_pieces = _row_panels(ctx, lhs, i, m0, min(m_hi, m0 + SINGLE_BLOCK_LOAD_WIDTH), first=loads)
-            loads += len(a_pieces)
-        a = _columns(a_pieces, m0, ctx.f_pad(msz))
-        row = RowStore(out, e, m0, msz, n_lo, n_hi, wg_dtype)
-        for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE):
-            acc = nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum)
-            # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
-            matmul_panels(acc[:a.f_pad, :nsz], a, _columns(b_pieces, n0, nsz), ctx.setup)
-            row.tile(acc, n0, nsz, t)
-            t += 1
-            acc = None
-    return loads
 
 
 def _n_part(n_lo, n_hi, part):
