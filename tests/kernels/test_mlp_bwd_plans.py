@@ -267,8 +267,8 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     spans, interleaved = [], []
     original_spans = plan_module.tile_spans
 
-    def recording_spans(order, lo, hi, switch_span):
-        out = original_spans(order, lo, hi, switch_span)
+    def recording_spans(order, lo, hi, switch_span, first=False):
+        out = original_spans(order, lo, hi, switch_span, first)
         if switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             spans.append([s for s in out if s[1] > 1])
         return out
@@ -304,7 +304,7 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
 
 def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     """tile_spans: the first switch_span tiles of each n block after the first (capped by the block and by hi) form one
-    span; the plan's first tile and every other tile are spans of 1; switch_span 1 gives all 1."""
+    span; the plan's first tile (unless `first`) and every other tile are spans of 1; switch_span 1 gives all 1."""
     from nkilib.core.matmul.sources import tile_order, tile_spans
 
     m, n = [(0, 128), (128, 128), (256, 128), (384, 128)], [(0, 512), (512, 512), (1024, 512)]
@@ -314,6 +314,9 @@ def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     assert tile_spans(order, 0, 10, 3) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (7, 1), (8, 2)]
     two = tile_order(m[:2], n, False)  # blocks of 2 tiles: a span of 3 is capped at 2
     assert tile_spans(two, 0, 6, 3) == [(0, 1), (1, 1), (2, 2), (4, 2)]
+    # first (MatmulPlan fenced_start): the plan's first tiles form a span too
+    assert tile_spans(order, 0, 12, 3, True) == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 3), (11, 1)]
+    assert tile_spans(order, 0, 12, 1, True) == [(i, 1) for i in range(12)]
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
@@ -466,3 +469,35 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
     monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _staging_tiles_per_core(res.trace, "down_proj_weight") == {0: STAGING_BUFFERS}
+
+
+def test_phase2_fenced_start_quantizes_part_of_its_first_panel_before_the_barrier():
+    """Phase 2 with phase 1's resident d_gate_up panels (TP8) loads its first W_gu panel before the core barrier, a
+    fence that waits for every earlier instruction (MatmulPlan fenced_start): only FENCED_FIRST_K_TILES of its K tiles
+    are quantized before the barrier (all of them on the old code: fails there), the rest after it, where the first
+    tiles multiply K tile by K tile in turn (the first two matmuls of phase 2 write two accumulators; one on the old
+    code). TP8 modeled 0.6529 / 0.7179 -> 0.6462 / 0.7134 ms. 2I = 3072: six K tiles of W_gu per panel. Bit-exact
+    against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul.constants import FENCED_FIRST_K_TILES
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    S, H, I = 512, 4096, 1536  # two m tiles per core; W_gu's panels exceed the panel cache: phase 2 runs n-major
+    assert FENCED_FIRST_K_TILES < 2 * I // 512
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 13)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_fenced_start(trace, lnc):
+        for p in range(lnc):
+            records = [r for r in trace if r.program == p]
+            phase = [r.attrs.get("phase") for r in records]
+            matmuls = [r for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "nc_matmul_mx"]
+            assert matmuls, "phase 2 ran no MX matmul"
+            assert matmuls[0].writes[0].storage_id != matmuls[1].writes[0].storage_id
+            if lnc > 1:
+                barrier = min(i for i, r in enumerate(records) if r.instr == "core_barrier")
+                before = [i for i in range(barrier) if phase[i] == "phase2" and records[i].instr == "quantize_mx"]
+                assert len(before) == FENCED_FIRST_K_TILES, (p, len(before))
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_fenced_start)

@@ -79,6 +79,12 @@ COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (Matmu
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
 # kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused
+FENCED_FIRST_K_TILES = 4  # K tiles of a fenced-start plan's first moving panel quantized before the fence (MatmulPlan
+# fenced_start: the MLP backward's phase 2 after the core barrier); the rest are quantized after it, under the first
+# span's K-interleaved matmuls. TP8 MXFP8 modeled makespan, us (main 639.5; Llama3-8B TP8 746.7), ring 3 / 5: q 2:
+# 640.0 / 635.9, q 3: 636.6 / 632.8, q 4: 636.6 / 632.8 (Llama3 744.9 / 743.8); ring 4: 633.1-634.3 (Llama3 752-759)
+FENCED_STAGING_BUFFERS = 5  # staging ring of such a plan's moving loads (the first panel's DMAs begin before the
+# fence); 6: 633.1 at q 3 but Llama3-8B TP8 775.6
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

@@ -19,8 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, MOVING_PANEL_BUDGET_BYTES, MX_PACK,
-                        PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
+                        MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
                         SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -143,6 +143,14 @@ class MatmulPlan(nl.NKIObject):
             during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
             loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
             phase 1, whose first S tile needs all of W_down; default off).
+        fenced_start: the plan's "first" step runs before a fence (the caller's core barrier, which waits for every
+            earlier instruction): with resident stationary panels and MXFP8 [K, F] moving panels quantized on chip
+            and not kept (n-major), "first" quantizes only the first FENCED_FIRST_K_TILES K tiles (at most all) of the
+            first moving panel (its DMAs all
+            begin there, through a ring of FENCED_STAGING_BUFFERS) and the rest are quantized after the fence, where
+            the first tiles run as an interleave_switch span (K tile by K tile in turn), so TensorE starts after
+            the fence on the quantized K tiles instead of waiting for the whole panel before it (the MLP backward's
+            phase 2 at TP8; default off; ignored otherwise).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -158,7 +166,8 @@ class MatmulPlan(nl.NKIObject):
     def __init__(self, stationary, moving, m_total, n_total, setup, config, split, epilogue, products=((0, 0),),
                  ranges=None, resident=None, groups=True, keep_whole=False, lead_n_major=False,
                  interleave_first_loads=False, stationary_lookahead=False, contiguous_group=False, own_k_ranges=(),
-                 reload=None, interleave_switch=False, interleave_lead=False, cold_staging=False):
+                 reload=None, interleave_switch=False, interleave_lead=False, cold_staging=False,
+                 fenced_start=False):
         self.setup = setup
         self.reload = reload
         self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
@@ -225,6 +234,15 @@ class MatmulPlan(nl.NKIObject):
             # keeps more of their DMAs in flight while VectorE quantizes the first ones
             for mv in self.moving:
                 mv.staging = COLD_STAGING_BUFFERS
+        self.fenced_start = (fenced_start and resident != None and setup.is_mx and  # noqa: E711
+                             not self.keep_moving and all(mv.can_load_ahead() for mv in self.moving))
+        if self.fenced_start:
+            # step "first" runs before a fence (the core barrier waits for every earlier instruction): only the first
+            # FENCED_FIRST_K_TILES K tiles of the first moving panel are quantized there; the first span of tiles
+            # (interleave_switch) multiplies each later K tile as VectorE quantizes it after the fence
+            interleave_switch = True
+            for mv in self.moving:
+                mv.staging = FENCED_STAGING_BUFFERS
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
@@ -490,7 +508,7 @@ class MatmulPlan(nl.NKIObject):
             self.accumulators = [psum_buffers(self.n_tile, self.psum_count) for _ in self.products]
             self.acc_order = list(range(self.psum_count))
             self.epilogue.prepare(self)
-        for i, span in tile_spans(self.order, self.done, hi, self.switch_span):
+        for i, span in tile_spans(self.order, self.done, hi, self.switch_span, self.fenced_start):
             finished = [[] for _ in range(span)]
             if span > 1:
                 self._matmuls_k_interleaved(i, span, finished)
@@ -539,7 +557,11 @@ class MatmulPlan(nl.NKIObject):
             if self.stream == None and self.order:  # noqa: E711
                 self.run(max(self.done, self.last_load() + 1))
         elif stage == "first":
-            if self.stream == None and self.order:  # noqa: E711
+            if self.fenced_start and self.order:
+                (_, _), (n0, nsz) = self.order[0]
+                for _, m in self.products:
+                    self.moving[m].load_ahead(n0, nsz, FENCED_FIRST_K_TILES)
+            elif self.stream == None and self.order:  # noqa: E711
                 self.prefetch(0, 1)
         elif stage == "first_stationary":
             if self.stream == None and self.order:  # noqa: E711

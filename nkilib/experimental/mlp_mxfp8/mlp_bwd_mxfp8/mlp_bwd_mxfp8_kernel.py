@@ -183,7 +183,9 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         d_gate_up_td: [S, 2I] (k_axis=1); gate_up_weight_td: W_gu [2I, H] (k_axis=0) or pre-quantized
         W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
         resident: phase 1's ResidentPanels (d_gate_up rows already quantized on chip) or None (read
-        d_gate_up from HBM; needs a core_barrier after phase 1 under LNC2).
+        d_gate_up from HBM; needs a core_barrier after phase 1 under LNC2). With them the plan is a fenced start
+        (MatmulPlan fenced_start): the "first" step before the core barrier quantizes only part of the first W_gu
+        panel, and the first tiles multiply the rest K tile by K tile after the barrier.
         rows: (lo, hi) S rows of this core (phase 1's row split, so that cores with and without resident
         panels compute disjoint rows), or None (split.ranges).
         plan / stage: "plan" returns the MatmulPlan; "head" / "first" / "all" run that step of it (see
@@ -200,7 +202,7 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         ranges = (rows, (0, H)) if rows != None else None  # noqa: E711
         plan = MatmulPlan([a_op], [gate_up_weight_td], S, H, setup, config, _split(split, run_with_lnc2),
                           StoreEpilogue(out, dtype), ranges=ranges, resident=resident, contiguous_group=True,
-                          own_k_ranges=own_k_ranges)
+                          own_k_ranges=own_k_ranges, fenced_start=resident != None)  # noqa: E711
     return plan if stage == "plan" else plan.step(stage)
 
 
