@@ -19,7 +19,7 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
                         MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
@@ -183,6 +183,7 @@ class MatmulPlan(nl.NKIObject):
         self.accumulators = None
         self.stream = None
         self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
+        self.fence = None  # (tile, callable): a sync point issued inside this plan's run (set_fence)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -367,6 +368,24 @@ class MatmulPlan(nl.NKIObject):
         on ScalarE only: VectorE quantizes those loads meanwhile (PhaseGraph, when can_load_under_tail)."""
         self.tail_load = (step, nxt)
 
+    def can_fence(self) -> bool:
+        """Whether set_fence applies: a plan of tiles (not K-streamed) with more than FENCE_TILE of them."""
+        return self.stream == None and len(self.order) > FENCE_TILE  # noqa: E711
+
+    def set_fence(self, barrier) -> None:
+        """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
+        right before tile FENCE_TILE's epilogue: after that tile's matmuls, so the fence waits for the previous
+        tile's store while TensorE multiplies, and the tiles before it overlap the work the fence waits for
+        (PhaseGraph, when a phase that reads nothing the sync point protects runs before one that does)."""
+        self.fence = (FENCE_TILE, barrier)
+
+    def fire_fence(self) -> None:
+        """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""
+        if self.fence != None:  # noqa: E711
+            barrier = self.fence[1]
+            self.fence = None
+            barrier()
+
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
         loads then read only the moving operand."""
@@ -537,6 +556,8 @@ class MatmulPlan(nl.NKIObject):
                     # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
                     # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
                     self.prefetch(j + 1, j + 2)
+                if self.fence != None and j >= self.fence[0]:  # noqa: E711
+                    self.fire_fence()
                 self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
         self.done = hi
 
@@ -568,6 +589,7 @@ class MatmulPlan(nl.NKIObject):
                 self.prefetch_stationary()
         elif stage == "all":
             self.run()
+            self.fire_fence()
             self.epilogue.finish()
             self.release()
         return self
