@@ -477,10 +477,12 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     and phase 1's last K tile quantized along S (phase 3's operand, read by both cores) is stored after phase 2's first
     W_gu quantizes and before the barrier (exchange_along_s defer_last). On the old code the barrier preceded every
     phase-2 matmul and the last along-S store preceded phase 2's quantizes: fails there. No phase-3 or phase-4
-    instruction before the barrier. TP8 modeled 0.6462 / 0.7134 -> 0.6392 / 0.7259 ms. S = 1024: 512 rows per core,
+    instruction before the barrier. W_gu's later panels load through a ring of STAGING_BUFFERS staging tiles, its first
+    through FENCED_STAGING_BUFFERS (all through the latter on the old code). TP8 modeled 0.6462 / 0.7134 -> 0.6387 /
+    0.7209 ms. S = 1024: 512 rows per core,
     whole K tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1
     equal to LNC2."""
-    from nkilib.core.matmul.constants import FENCE_TILE
+    from nkilib.core.matmul.constants import FENCE_TILE, FENCED_STAGING_BUFFERS, STAGING_BUFFERS
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.simulator.trace import label_phases
 
@@ -495,6 +497,12 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             phase = [r.attrs.get("phase") for r in records]
             matmuls = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "nc_matmul_mx"]
             assert matmuls, "phase 2 ran no MX matmul"
+            # W_gu's first panel through FENCED_STAGING_BUFFERS staging tiles, the later panels through STAGING_BUFFERS
+            w_gu = [r.writes[0].storage_id for r in records if r.engine == "dma" and r.reads and
+                    r.reads[0].name == "gate_up_weights"]
+            assert len(w_gu) == 4 * k_tiles, len(w_gu)
+            assert len(set(w_gu[:k_tiles])) == FENCED_STAGING_BUFFERS, w_gu
+            assert len(set(w_gu[k_tiles:])) == STAGING_BUFFERS, w_gu
             if lnc == 1:
                 assert not any(r.instr == "core_barrier" for r in records)
                 continue

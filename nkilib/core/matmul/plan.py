@@ -242,8 +242,10 @@ class MatmulPlan(nl.NKIObject):
             # FENCED_FIRST_K_TILES K tiles of the first moving panel are quantized there; the first span of tiles
             # (interleave_switch) multiplies each later K tile as VectorE quantizes it after the fence
             interleave_switch = True
+            # the later panels' loads (issued after the kernel's fence inside this plan) back to STAGING_BUFFERS in flight:
+            # the model shares the DMA queues evenly, so five at once all land late
             for mv in self.moving:
-                mv.staging = FENCED_STAGING_BUFFERS
+                mv.staging, mv.later_staging = FENCED_STAGING_BUFFERS, STAGING_BUFFERS
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
