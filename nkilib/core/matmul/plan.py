@@ -19,7 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
+                        FENCED_STAGING_BUFFERS,
                         MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
@@ -242,8 +243,8 @@ class MatmulPlan(nl.NKIObject):
             # FENCED_FIRST_K_TILES K tiles of the first moving panel are quantized there; the first span of tiles
             # (interleave_switch) multiplies each later K tile as VectorE quantizes it after the fence
             interleave_switch = True
-            # the later panels' loads (issued after the kernel's fence inside this plan) back to STAGING_BUFFERS in flight:
-            # the model shares the DMA queues evenly, so five at once all land late
+            # the later panels' loads (issued after the kernel's fence inside this plan) back to STAGING_BUFFERS in
+            # flight: the model shares the DMA queues evenly, so five at once all land late
             for mv in self.moving:
                 mv.staging, mv.later_staging = FENCED_STAGING_BUFFERS, STAGING_BUFFERS
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
