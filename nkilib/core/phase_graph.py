@@ -38,16 +38,23 @@ class Phase(nl.NKIObject):
         reads / writes: names of the buffers the phase reads / writes.
         stationary_reads: the subset of `reads` its stationary operand comes from; the first tile's loads
             do not read it when the plan's stationary panels are already on chip.
+        local_reads: the subset of `reads` of which each core reads only the part it wrote itself (a dependency
+            that orders the phases, but needs no sync point: no other core's write is awaited).
     """
 
-    def __init__(self, name, build, step, reads=(), writes=(), stationary_reads=()):
+    def __init__(self, name, build, step, reads=(), writes=(), stationary_reads=(), local_reads=()):
         self.name = name
         self.build = build
         self.step = step
         self.reads = reads
         self.writes = writes
         self.stationary_reads = stationary_reads
+        self.local_reads = local_reads
         self.plan = None
+
+    def shared_reads(self):
+        """Buffers it reads that other cores may have written a part of (a sync point must precede it)."""
+        return [r for r in self.reads if r not in self.local_reads]
 
     def first_reads(self):
         """Buffers that loading the first tile's panels reads."""
@@ -65,10 +72,11 @@ class PhaseGraph(nl.NKIObject):
         barrier: callable() issuing the kernel's core barrier.
     """
 
-    def __init__(self, num_cores, shared, barrier):
+    def __init__(self, num_cores, shared, barrier, barrier_under_tail=False):
         self.num_cores = num_cores
         self.shared = shared
         self.barrier = barrier
+        self.barrier_under_tail = barrier_under_tail
         self.phases = []
         self.outputs = dict()  # phase name -> value of its "all" step (string keys: NKI dictionaries)
 
@@ -96,7 +104,7 @@ class PhaseGraph(nl.NKIObject):
         the last sync point when the phase reads one of them (a sync point precedes it), else is empty."""
         dirty, out = [], []
         for phase in self.order():
-            protected = dirty if any(r in dirty for r in phase.reads) else []
+            protected = dirty if any(r in dirty for r in phase.shared_reads()) else []
             if protected:
                 dirty = []
             out.append((phase, protected))
@@ -118,8 +126,9 @@ class PhaseGraph(nl.NKIObject):
         cands = []
         for j in range(i + 1, len(steps)):
             ph, prot = steps[j]
-            free = (not prot and not any(w in self.shared for w in ph.writes) and not self._depends(ph, phase)
-                    and not any(self._depends(ph, steps[c][0]) for c in cands))
+            # the sync point before steps[i + 1] protects whichever of the candidates runs first
+            free = ((not prot or j == i + 1) and not any(w in self.shared for w in ph.writes)
+                    and not self._depends(ph, phase) and not any(self._depends(ph, steps[c][0]) for c in cands))
             if not free:
                 break
             cands.append(j)
@@ -132,7 +141,11 @@ class PhaseGraph(nl.NKIObject):
             if (pre and not best_pre) or (pre and size > best_bytes) or (not pre and not best_pre and
                                                                          (best_bytes < 0 or size < best_bytes)):
                 best, best_bytes, best_pre = c, size, pre
-        return steps[:i + 1] + [steps[best]] + [steps[k] for k in range(i + 1, len(steps)) if k != best]
+        if best == i + 1:
+            return steps
+        protected = steps[i + 1][1]
+        rest = [steps[k] if k != i + 1 else (steps[k][0], []) for k in range(i + 1, len(steps)) if k != best]
+        return steps[:i + 1] + [(steps[best][0], protected)] + rest
 
     def run(self) -> dict:
         """Run every phase; returns the outputs of their "all" steps by name."""
@@ -149,10 +162,18 @@ class PhaseGraph(nl.NKIObject):
             if i + 1 < len(steps):
                 steps = self._choose_next(steps, i, plan)
                 nxt, nxt_protected = steps[i + 1]
+                if (nxt_protected and self.barrier_under_tail and self.num_cores > 1 and plan.can_fence() and
+                        not any(w in nxt_protected for w in phase.writes)):
+                    # the sync point early inside this phase (which reads nothing it protects, MatmulPlan.set_fence):
+                    # the fence waits for the previous phase's last work while this one's first tiles run
+                    plan.set_fence(self.barrier)
+                    steps = steps[:i + 1] + [(nxt, [])] + steps[i + 2:]
+                    nxt_protected = []
                 if not nxt_protected and not any(w in nxt.reads for w in phase.writes):
                     nxt_plan = self._plan(nxt)
                     if plan.can_prefetch(nxt_plan):
                         phase.step(plan, "head")
+                        plan.fire_fence()  # before the next plan's first loads when the head ends before it
                         nxt.step(nxt_plan, "first")
                     elif plan.can_load_under_tail(nxt_plan):
                         # a K-streamed plan holds all of SBUF until its last quad: the next plan's first stationary

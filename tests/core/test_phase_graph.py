@@ -14,6 +14,18 @@ class FakePlan:
         self.first = first
         self.streamed_tail = streamed_tail  # a K-streamed plan that takes the next one's first stationary loads
         self.tail_load = None
+        self.fence = None  # set_fence's barrier, issued by the fake's "head" / "all" step (MatmulPlan: inside run)
+
+    def can_fence(self):
+        return True
+
+    def set_fence(self, barrier):
+        self.fence = barrier
+
+    def fire_fence(self):
+        if self.fence is not None:
+            barrier, self.fence = self.fence, None
+            barrier()
 
     def can_prefetch(self, nxt):
         return self.prefetchable and nxt.prefetchable and not self.streamed_tail
@@ -31,11 +43,12 @@ class FakePlan:
         return self.on_chip
 
 
-def _graph(log, num_cores=2, shared=("shared",)):
-    return PhaseGraph(num_cores, shared=shared, barrier=lambda: log.append("barrier"))
+def _graph(log, num_cores=2, shared=("shared",), barrier_under_tail=False):
+    return PhaseGraph(num_cores, shared=shared, barrier=lambda: log.append("barrier"),
+                      barrier_under_tail=barrier_under_tail)
 
 
-def _phase(log, name, reads=(), writes=(), plan=None, stationary_reads=(), built=None):
+def _phase(log, name, reads=(), writes=(), plan=None, stationary_reads=(), built=None, local_reads=()):
     plan = plan or FakePlan()
 
     def build(outputs):
@@ -46,13 +59,16 @@ def _phase(log, name, reads=(), writes=(), plan=None, stationary_reads=(), built
     def step(p, stage):
         assert p is plan
         log.append(f"{name}:{stage}")
+        if stage in ("head", "all"):
+            plan.fire_fence()
         if stage == "all" and plan.tail_load is not None:  # a K-streamed plan's last quad (streamed.run_streamed)
             tail_step, tail_plan = plan.tail_load
             log.append(f"{name}:last quad")
             tail_step(tail_plan, "first_stationary")
         return f"{name}-out"
 
-    return Phase(name, build, step, reads=reads, writes=writes, stationary_reads=stationary_reads)
+    return Phase(name, build, step, reads=reads, writes=writes, stationary_reads=stationary_reads,
+                 local_reads=local_reads)
 
 
 def test_order_follows_dependencies_then_declaration():
@@ -81,6 +97,29 @@ def test_mlp_backward_shape_schedule():
     assert outputs == {"p1": "p1-out", "p2": "p2-out", "p4": "p4-out", "p3": "p3-out"}
     # a later phase is planned after the earlier phases it needs have run (phase 2 takes phase 1's panels)
     assert dict(built)["p2"] == {"p1": "p1-out"}
+
+
+def test_sync_point_inside_a_phase_that_reads_only_its_own_rows():
+    """Phase 2 reads only the d_gate_up rows its own core wrote (local_reads): no sync point before it; with
+    barrier_under_tail the one barrier is issued inside phase 2's run (set_fence, before its last tiles), ahead of
+    the first loads of phase 3 (which phase 2's tail takes, protected: it reads both cores' rows) and of phase 4."""
+    log = []
+    g = _graph(log, shared=("d_gate_up", "intermediate"), barrier_under_tail=True)
+    g.add(_phase(log, "p1", reads=("dY", "X"), writes=("d_gate_up", "intermediate")))
+    g.add(_phase(log, "p2", reads=("d_gate_up", "W_gu"), writes=("dX",), stationary_reads=("d_gate_up",),
+                 local_reads=("d_gate_up",), plan=FakePlan(on_chip=True)))
+    g.add(_phase(log, "p4", reads=("dY", "intermediate"), writes=("dW_down",), plan=FakePlan(first=10)))
+    g.add(_phase(log, "p3", reads=("d_gate_up", "X"), writes=("dW_gu",), plan=FakePlan(first=20)))
+    g.run()
+    # p3 (the larger first load) goes under p2's tail and takes the protection p4 had in declaration order
+    assert log == ["p1:all", "p2:head", "barrier", "p3:first", "p2:all", "p3:head", "p4:first", "p3:all", "p4:all"]
+    # without barrier_under_tail the sync point stays before p3 and nothing loads across it
+    log.clear()
+    g2 = _graph(log, shared=("d_gate_up", "intermediate"))
+    for ph in g.phases:
+        g2.add(ph)
+    g2.run()
+    assert log == ["p1:all", "p2:all", "barrier", "p3:head", "p4:first", "p3:all", "p4:all"]
 
 
 def test_independent_phases_largest_first_load_goes_under_the_previous_tail():

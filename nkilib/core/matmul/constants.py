@@ -83,8 +83,12 @@ FENCED_FIRST_K_TILES = 4  # K tiles of a fenced-start plan's first moving panel 
 # fenced_start: the MLP backward's phase 2 after the core barrier); the rest are quantized after it, under the first
 # span's K-interleaved matmuls. TP8 MXFP8 modeled makespan, us (main 639.5; Llama3-8B TP8 746.7), ring 3 / 5: q 2:
 # 640.0 / 635.9, q 3: 636.6 / 632.8, q 4: 636.6 / 632.8 (Llama3 744.9 / 743.8); ring 4: 633.1-634.3 (Llama3 752-759)
-FENCED_STAGING_BUFFERS = 5  # staging ring of such a plan's moving loads (the first panel's DMAs begin before the
-# fence); 6: 633.1 at q 3 but Llama3-8B TP8 775.6
+FENCED_STAGING_BUFFERS = 5  # staging ring of such a plan's first moving panel (later panels: STAGING_BUFFERS); 6:
+# 633.1 at q 3 but Llama3-8B TP8 775.6
+FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
+# plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
+# phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /
+# 730.3, 6: 625.8 / 726.6, 8: 629.5 / 728.6 (with the staging ring of 3: 628.2 / 741.2, 624.9 / 737.5, 626.1 / 737.5)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

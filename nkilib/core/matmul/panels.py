@@ -59,8 +59,10 @@ class LoadRing(nl.NKIObject):
         if len(self.tiles) < self.size:
             tile = nl.ndarray(shape, dtype=nl.bfloat16, buffer=nl.sbuf)
         else:
-            tile = self.tiles[0]
-            self.tiles = self.tiles[1:]
+            # the least recently used of the newest `size` tiles (a ring that shrank drops its oldest ones)
+            first = len(self.tiles) - self.size
+            tile = self.tiles[first]
+            self.tiles = self.tiles[first + 1:]
         self.tiles = self.tiles + [tile]
         if len(shape) == 2:
             return tile[:, :shape[1]]

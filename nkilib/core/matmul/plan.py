@@ -19,7 +19,8 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
+from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
+                        FENCED_STAGING_BUFFERS,
                         MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
@@ -183,6 +184,7 @@ class MatmulPlan(nl.NKIObject):
         self.accumulators = None
         self.stream = None
         self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
+        self.fence = None  # (tile, callable): a sync point issued inside this plan's run (set_fence)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -241,8 +243,10 @@ class MatmulPlan(nl.NKIObject):
             # FENCED_FIRST_K_TILES K tiles of the first moving panel are quantized there; the first span of tiles
             # (interleave_switch) multiplies each later K tile as VectorE quantizes it after the fence
             interleave_switch = True
+            # the later panels' loads (issued after the kernel's fence inside this plan) back to STAGING_BUFFERS in
+            # flight: the model shares the DMA queues evenly, so five at once all land late
             for mv in self.moving:
-                mv.staging = FENCED_STAGING_BUFFERS
+                mv.staging, mv.later_staging = FENCED_STAGING_BUFFERS, STAGING_BUFFERS
         # K-streamed groups (see _run_streamed) when they hold more stationary panels than m_group
         b_op = moving[0]
         if m_group and len(products) == 1 and (b_op.k_axis == 0 or b_op.prequantized):
@@ -366,6 +370,24 @@ class MatmulPlan(nl.NKIObject):
         phase function) right after loading the last quad of the last n block, and evict that block's accumulators
         on ScalarE only: VectorE quantizes those loads meanwhile (PhaseGraph, when can_load_under_tail)."""
         self.tail_load = (step, nxt)
+
+    def can_fence(self) -> bool:
+        """Whether set_fence applies: a plan of tiles (not K-streamed) with more than FENCE_TILE of them."""
+        return self.stream == None and len(self.order) > FENCE_TILE  # noqa: E711
+
+    def set_fence(self, barrier) -> None:
+        """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
+        right before tile FENCE_TILE's epilogue: after that tile's matmuls, so the fence waits for the previous
+        tile's store while TensorE multiplies, and the tiles before it overlap the work the fence waits for
+        (PhaseGraph, when a phase that reads nothing the sync point protects runs before one that does)."""
+        self.fence = (FENCE_TILE, barrier)
+
+    def fire_fence(self) -> None:
+        """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""
+        if self.fence != None:  # noqa: E711
+            barrier = self.fence[1]
+            self.fence = None
+            barrier()
 
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
@@ -537,6 +559,8 @@ class MatmulPlan(nl.NKIObject):
                     # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels
                     # first instead of after the epilogue's work (TP8 MXFP8 modeled 0.692 -> 0.685 ms)
                     self.prefetch(j + 1, j + 2)
+                if self.fence != None and j >= self.fence[0]:  # noqa: E711
+                    self.fire_fence()
                 self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
         self.done = hi
 
@@ -568,6 +592,7 @@ class MatmulPlan(nl.NKIObject):
                 self.prefetch_stationary()
         elif stage == "all":
             self.run()
+            self.fire_fence()
             self.epilogue.finish()
             self.release()
         return self

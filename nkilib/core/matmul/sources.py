@@ -33,6 +33,7 @@ class PanelSource(nl.NKIObject):
                  load_width: int = 0, capacity: int = 1):
         self.op = op
         self.capacity = capacity
+        self.later_staging = 0  # when set, the ring shrinks to it after the first panel (MatmulPlan fenced_start)
         self.staging = STAGING_BUFFERS  # staging tiles of the ring its [K, F] loads share (MatmulPlan cold_staging)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
@@ -113,6 +114,8 @@ class PanelSource(nl.NKIObject):
         return self._keep(f0, f_size, panel, natural)
 
     def _keep(self, f0: int, f_size: int, panel: Panel, natural: bool) -> Panel:
+        if self.later_staging and self.ring != None and not natural:  # noqa: E711
+            self.ring.size = self.later_staging
         if natural and self.ring != None and self.ring.size < NATURAL_BUFFERS:  # noqa: E711
             self.ring.size += 1
         self.keys.append(f0)

@@ -38,19 +38,25 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.keep_for_phase2 = keep_for_phase2
         self.fused = False
         self.along_s = None  # (words, scales) HBM panel layout of d_gate_up quantized along S (exchange_along_s)
+        self.defer_last_along_s = False  # the last K tile's quantize along S waits for flush_along_s
         self.stage = None  # interleaved staging tile [128, 4, 2I] of the current 512-row K tile
         self.along_s_pending = None  # (K tile, stage, words, scale, next column) of a K tile being quantized
         self.resident = None  # ResidentPanels for phase 2 after finish() (fused only)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
 
-    def exchange_along_s(self, words_hbm, scales_hbm) -> None:
+    def exchange_along_s(self, words_hbm, scales_hbm, defer_last=False) -> None:
         """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
         in the panel layout (words_hbm [S/4, 2I] x4, scales_hbm, TensorDescriptor.panel_layout) instead of
         storing the bf16 rows: phase 3 then reads both cores' halves quantized (half the bytes, no second
         quantize_mx). Only for S-tile-major plans over whole rows whose S range is in whole 512-row K tiles
-        (the caller checks: mx_along_s_applies)."""
+        (the caller checks: mx_along_s_applies).
+
+        defer_last: finish() leaves the last K tile's quantize along S and its store to flush_along_s (the caller
+        issues it before the sync point that precedes phase 3's reads, later in program order than the next phase's
+        first quantizes, which VectorE then runs first)."""
         self.along_s = (words_hbm, scales_hbm)
+        self.defer_last_along_s = defer_last
 
     def prepare(self, plan) -> None:
         (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
@@ -63,10 +69,16 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.checkpoints = [[nl.ndarray((PARTITIONS, plan.n_tile), dtype=nl.bfloat16, buffer=nl.sbuf)
                              for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
-        self.fused = (self.keep_for_phase2 and self.keep and (n_lo, n_hi) == (0, self.I) and
-                      ceil_div(m_hi - m_lo, plan.m_tile) * panel_bytes_per_partition(two_i, plan.m_tile, self.setup)
-                      <= PHASE2_STATIONARY_BUDGET_BYTES)
+        self.fused = self.keeps_for_phase2(plan)
         self.row_width = round_up(two_i, MX_K_ALIGN) if (self.fused and self.setup.is_mx) else two_i
+
+    def keeps_for_phase2(self, plan) -> bool:
+        """Whether this core's d_gate_up rows stay on chip as phase 2's stationary panels (keep_for_phase2, every I
+        column on this core, the moving panels resident, the panels within PHASE2_STATIONARY_BUDGET_BYTES)."""
+        (m_lo, m_hi), (n_lo, n_hi) = plan.ranges
+        return (self.keep_for_phase2 and plan.keep_moving and (n_lo, n_hi) == (0, self.I) and
+                ceil_div(m_hi - m_lo, plan.m_tile) * panel_bytes_per_partition(2 * self.I, plan.m_tile, self.setup)
+                <= PHASE2_STATIONARY_BUDGET_BYTES)
 
     def tile(self, i, m_rel, msz, n0, nsz, accumulators) -> None:
         m0 = self.s_base + m_rel
@@ -145,10 +157,15 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
         return 0
 
-    def finish(self) -> None:
-        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
+    def flush_along_s(self) -> None:
+        """Quantize along S and store what is left of the last K tile (exchange_along_s)."""
         while self.along_s_pending != None:  # noqa: E711
             self._quantize_along_s_chunk(self.along_s_pending[4])
+
+    def finish(self) -> None:
+        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
+        if not self.defer_last_along_s:
+            self.flush_along_s()
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
         self.rows = self.checkpoints = None

@@ -19,9 +19,11 @@ W_down's panels fit no panel cache and split along I each core keeps all of dY r
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
 Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
-(+ the first W_gu panel of phase 2 when its stationary rows are resident; after phase 1's split along I, the DMAs
-of phase 2's first row tiles of the d_gate_up columns this core wrote, MatmulPlan.prefetch_own) -> core_barrier ->
-phase 2 -> phases 3 and 4, derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
+(after its split along I, + the DMAs of phase 2's first row tiles of the d_gate_up columns this core wrote,
+MatmulPlan.prefetch_own) -> core_barrier -> phase 2 -> phases 3 and 4; when phase 2's stationary rows are phase 1's
+resident panels (TP8), phase 2 reads only its own core's rows and the barrier goes inside it instead, before tile
+FENCE_TILE's epilogue (MatmulPlan.set_fence), after phase 1's last K tile along S (deferred behind phase 2's first
+W_gu quantizes); derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
 writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF, and
 of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
 K-streamed phase 2 that takes no early loads, the smaller starts cold (TP1: 4 then 3).
@@ -184,8 +186,9 @@ def compute_phase2_hidden_states_grad_mxfp8(hidden_states_grad_td, gate_up_weigh
         W_guᵀ [H, 2I]; hidden_states_grad_td: [S, H] output in `dtype`.
         resident: phase 1's ResidentPanels (d_gate_up rows already quantized on chip) or None (read
         d_gate_up from HBM; needs a core_barrier after phase 1 under LNC2). With them the plan is a fenced start
-        (MatmulPlan fenced_start): the "first" step before the core barrier quantizes only part of the first W_gu
-        panel, and the first tiles multiply the rest K tile by K tile after the barrier.
+        (MatmulPlan fenced_start: its first tiles multiply the first W_gu panel K tile by K tile as VectorE quantizes
+        it, through a ring of FENCED_STAGING_BUFFERS); the kernel's core barrier then goes inside this plan's run
+        (MatmulPlan.set_fence), not before it.
         rows: (lo, hi) S rows of this core (phase 1's row split, so that cores with and without resident
         panels compute disjoint rows), or None (split.ranges).
         plan / stage: "plan" returns the MatmulPlan; "head" / "first" / "all" run that step of it (see
@@ -279,8 +282,10 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
     The graph derives the order phase 1 -> (core_barrier) -> phase 2 -> phases 3 and 4: phases 2-4
     depend only on phase 1 (phase 2 first by declaration; 3 and 4 in the order PhaseGraph chooses from their
     first loads); d_gate_up and the recomputed
-    intermediate are written by both cores, so the one sync point sits before phase 2, and phase 2's
-    first W_gu panel loads before it when its stationary d_gate_up rows are resident. Phase 1 is planned
+    intermediate are written by both cores, so the one sync point sits before the first phase that reads another
+    core's part: phase 2, or, when its stationary d_gate_up rows are phase 1's resident panels (it then reads only
+    its own core's rows: Phase local_reads), phase 3 or 4, and the barrier is issued inside phase 2 (PhaseGraph
+    barrier_under_tail, MatmulPlan.set_fence) after phase 1's deferred last K tile along S. Phase 1 is planned
     first: whether its epilogue can quantize d_gate_up along S for phase 3 (mx_along_s_applies) decides
     phase 3's operand.
     """
@@ -351,7 +356,7 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         # each core quantizes its own d_gate_up rows along S in phase 1's epilogue and stores the MX words;
         # phase 3 reads both cores' halves as they are (panels.py panel layout)
         words, scales = panel_layout_hbm(S, two_i, setup, "mlp_bwd_d_gate_up_mx")
-        plan1.epilogue.exchange_along_s(words, scales)
+        plan1.epilogue.exchange_along_s(words, scales, defer_last=split.num_cores > 1)
         phase3_args = phase3_args[:2] + (TensorDescriptor(words, k_axis=0, scales=scales, panel_layout=True),) + \
             phase3_args[3:]
         sync_data = words
@@ -363,17 +368,23 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return phase4(None, "plan")
 
     def barrier():
-        if built:  # phase 2 is the only phase after the barrier that reads what phase 1 wrote
+        plan1.epilogue.flush_along_s()  # phase 1's last K tile along S (exchange_along_s defer_last), read after it
+        if built:  # phase 2's prefetch_own (split along I: the barrier precedes phase 2)
             built[0].prefetch_own()
         nisa.core_barrier(data=sync_data, cores=(0, 1))
 
-    graph = PhaseGraph(split.num_cores, shared=("d_gate_up", "intermediate"), barrier=barrier)
+    # with phase 1's rows resident as its stationary panels, each core's phase 2 reads only the d_gate_up rows it wrote
+    # itself: no sync point before it; the one barrier goes inside phase 2 (MatmulPlan.set_fence), before phase 3's
+    # and 4's reads of the other core's rows
+    own_rows2 = ("d_gate_up",) if rows2 != None and plan1.epilogue.keeps_for_phase2(plan1) else ()  # noqa: E711
+    graph = PhaseGraph(split.num_cores, shared=("d_gate_up", "intermediate"), barrier=barrier,
+                       barrier_under_tail=True)
     graph.add(Phase("phase1", build_phase1, phase1,
                     reads=("output_grad", "hidden_states", "down_proj_weight", "gate_up_weights", "gate_pre",
                            "gate_act", "up"),
                     writes=("d_gate_up", "intermediate")))
     graph.add(Phase("phase2", build_phase2, phase2, reads=("d_gate_up", "gate_up_weights"),
-                    writes=("hidden_states_grad",), stationary_reads=("d_gate_up",)))
+                    writes=("hidden_states_grad",), stationary_reads=("d_gate_up",), local_reads=own_rows2))
     graph.add(Phase("phase4", build_phase4, phase4, reads=("output_grad", "intermediate"),
                     writes=("down_proj_weight_grad",)))
     graph.add(Phase("phase3", build_phase3, phase3, reads=("d_gate_up", "hidden_states"),
