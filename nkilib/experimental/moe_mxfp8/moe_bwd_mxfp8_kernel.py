@@ -254,10 +254,19 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if i_split != None and a != None:  # noqa: E711  (no exchange under the split: a_descs' W_down is HBM's)
             prefetched[a] = i_split.prefetch_down(a, a_descs(a)[0])
 
-    def pass_a(e, between=None):
+    def first_a_panels(group):
+        """{a: A(a)'s weight panels} for the first expert a of `group`, the first A after the next fence, loaded now
+        (before that fence) where A runs as the pipeline with resident panels and W_down[a] is the kernel's input (not
+        the exchange's scratch, which the other core writes before the fence); else {} (A loads its own)."""
+        if not pipelined or not group or (exchange != None and exchange.exchanged(group[0])):  # noqa: E711
+            return {}
+        return {group[0]: panels_of(a_descs(group[0]), i_tiles)}
+
+    def pass_a(e, between=None, panels=None):
+        """panels: A(e)'s weight panels loaded earlier (first_a_panels), or None: loaded here (pipelined only)."""
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
-            w = panels_of(a_descs(e), i_tiles)
+            w = panels_of(a_descs(e), i_tiles) if panels == None else panels  # noqa: E711
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
                                            between=between)
             return
@@ -335,19 +344,19 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                   ExpertPanels.bytes_of(a_ops, i_tiles, setup) + ExpertPanels.bytes_of([b_desc(0)], h0_tiles, setup)
                   <= INTERLEAVE_PANEL_BUDGET_BYTES)
 
-    def pass_a_with_b(a, e):
+    def pass_a_with_b(a, e, a_panels=None):
         """A(a) with B(e)'s pieces between its chunks, then e's blocks that A(a) did not reach; A(a) alone when e has
-        no blocks (the segment's order of A(a) and B(e) as without the interleave)."""
+        no blocks (the segment's order of A(a) and B(e) as without the interleave). a_panels: pass_a's panels."""
         def both():
             dx = InterleavedDx(ctx, e, panels_of([b_desc(e)], h_tiles)[0], compute_phase2_hidden_states_grad_mxfp8)
-            ctx.loops.if_used(a, lambda: pass_a(a, between=dx.piece))
+            ctx.loops.if_used(a, lambda: pass_a(a, between=dx.piece, panels=a_panels))
             if ctx.defer_d_w:  # A(e)'s d_topk_weights (as without the interleave: after A(a), before B(e)'s rest)
                 b_lo, _, b_hi = ctx.loops.bounds(e)
                 scatter_deferred_d_w(ctx, b_lo, b_hi)
             dx.finish()
 
         ctx.loops.if_used(e, both)
-        ctx.loops.if_unused(e, lambda: ctx.loops.if_used(a, lambda: pass_a(a)))
+        ctx.loops.if_unused(e, lambda: ctx.loops.if_used(a, lambda: pass_a(a, panels=a_panels)))
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
@@ -396,21 +405,33 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # block (no ring to recycle), so A may run a whole group ahead: one fence per group, not per expert.
     # With the W_down exchange, each core's half of W_down for the group after next is quantized in the segment
     # (for the second group: before the first fence), so a fence lies between its store and every A that reads it.
-    for e in groups[0]:
+    # Round 18a (pipelined pass A, X deferred): the first segment holds no B or C, so its X gathers (HBM -> HBM, on the
+    # DMA queues only) ran between its last A and the fence with every compute engine idle (GPT-OSS 4 x 2048: 56 us per
+    # core); each expert's but the last's now follows its own A and runs under the next A's chunks. And the first A
+    # after each fence loads its resident W_down before it (first_a_panels), issued after the segment's last X
+    # gathers (so that they keep the queues first: before them, the GPT-OSS Zipf shape lost 133 us) and before the
+    # barrier, instead of after it (30 us of loads and 24 us of quantize_mx per core on GPT-OSS). Race-free:
+    # X and W_down are kernel inputs (read only), the gathers' x_blocks rows are still written before the fence that
+    # precedes every pass C reading them, and an exchanged W_down (written by the other core) is never loaded early.
+    for n, e in enumerate(groups[0]):
         ctx.loops.if_used(e, lambda e=e: pass_a(e))
+        if ctx.defer_x and n + 1 < len(groups[0]):
+            x_ahead([e])
     for e in (groups[1] if len(groups) > 1 else []):
         quantize_down(e)
-    x_ahead(groups[0])
+    x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
+    early = first_a_panels(groups[1] if len(groups) > 1 else [])
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
         later = groups[n + 2] if n + 2 < len(groups) else []
         for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
+            a_panels = early.pop(ahead[j], None) if j < len(ahead) else None
             if interleave and j < len(ahead):
-                pass_a_with_b(ahead[j], e)
+                pass_a_with_b(ahead[j], e, a_panels)
             else:
                 if j < len(ahead):
-                    ctx.loops.if_used(ahead[j], lambda a=ahead[j]: pass_a(a))
+                    ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
@@ -425,6 +446,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             pass_c(e)
         x_ahead(ahead)
         if n + 1 < len(groups):
+            early = first_a_panels(later)
             fence()
 
 

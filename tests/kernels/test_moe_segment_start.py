@@ -1,0 +1,123 @@
+"""The first fence segment's end and the next segment's start (docs/moe.md section 10, round 18a): with the chunk pipeline
+and X deferred (gate_pre and up given), each expert's X rows but the first group's last expert's are gathered into
+x_blocks right after its own pass A (under the next A's chunks) instead of all after the group's last A, and the
+first A after each fence has its resident W_down loaded before that fence. The bits do not change: the outputs equal
+mx_exact, LNC1 and LNC2.
+
+| test                                 | what                                                            | fixed      |
+|--------------------------------------|-----------------------------------------------------------------|------------|
+| test_segment_start_bit_exact         | E = 4 (two fence groups), one full block each, all checkpoints, | LNC1, LNC2 |
+|                                      | clamped; and a routing with an empty expert 2 (its W_down       |            |
+|                                      | loaded early, never used)                                       |            |
+| test_x_of_first_expert_before_last_a | on each core, expert 0's x_blocks writes come before expert 1's | LNC1, LNC2 |
+|                                      | first d_gate_up store, expert 1's after its last                |            |
+| test_first_a_weights_before_fence    | the DMAs of W_down read before the first core barrier are those | LNC2       |
+|                                      | of experts 0, 1 and 2 (A(2) is the first A after the fence)     |            |
+| test_every_fence_loads_next_a        | E = 8 (four fence groups of two): the W_down read in each       | LNC2       |
+|                                      | segment is of experts {0, 1, 2}, {3, 4}, {5, 6}, {7}; bit-exact |            |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import CLAMPS, moe_case
+
+CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
+T, E, H, I, B = 1024, 4, 64, 96, 512
+
+
+def _routing(case):
+    """topk_ids [T, 2]: "balanced": tokens 0..511 to experts 0 and 1, the rest to 2 and 3 (one full block each);
+    "empty_2": tokens 0..511 to 0 and 1, the rest to 1 and 3 (expert 2 has no block, expert 1 two)."""
+    ids = np.zeros((T, 2), np.int32)
+    ids[:512] = (0, 1)
+    ids[512:] = (2, 3) if case == "balanced" else (1, 3)
+    return ids
+
+
+def _run(case, lnc):
+    kernel, ref = moe_case(T, E, H, I, _routing(case), seed=181, block_size=B, checkpoints=CHECKPOINTS,
+                           clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"segment start ({case}), LNC{lnc} vs mx_exact")
+    return res.trace
+
+
+def _names(ops):
+    return [getattr(t, "name", "") for t in ops]
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("case", ["balanced", "empty_2"])
+def test_segment_start_bit_exact(case, lnc):
+    _run(case, lnc)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_x_of_first_expert_before_last_a(lnc):
+    """Per core, in program order: the d_gate_up stores of segment 0 (A(0)'s chunks, then A(1)'s) and the x_blocks
+    writes of X's deferred gathers, up to the first core barrier (LNC2). Expert 0's gathers (B / 128 / lnc chunks per core) sit between A(0)'s last store and
+    A(1)'s first, expert 1's after A(1)'s last (before the round: all of them after A(1)'s last store)."""
+    trace = _run("balanced", lnc)
+    per_core = B // 128 // lnc
+    for p in range(lnc):
+        mine = [r for r in trace if r.program == p]
+        events = []
+        for r in mine:
+            if "moe_bwd_d_gate_up" in _names(r.writes):
+                events.append("A")
+            elif "moe_bwd_x_blocks" in _names(r.writes):
+                events.append("X")
+            elif r.instr == "core_barrier":
+                break
+        # segment 0: per_core d_gate_up stores of A(0), then X(0), then A(1)'s, then X(1) (LNC1 has no barrier: A(2)'s
+        # stores follow)
+        assert events[:4 * per_core] == (["A"] * per_core + ["X"] * per_core) * 2, (p, events)
+
+
+def test_first_a_weights_before_fence():
+    """LNC2: the first A after the first fence is A(2) (segment 1 runs A of the second group with B of the first);
+    its resident W_down is read before that fence, with A(0)'s and A(1)'s (before the round: experts 0 and 1 only),
+    and after the fence no W_down is read until segment 2's (there is none: E = 4 has two groups)."""
+    trace = _run("balanced", 2)
+    expert_bytes = H * I * 2  # down_weight [E, H, I] bf16
+    for p in range(2):
+        mine = [r for r in trace if r.program == p]
+        barrier = next(n for n, r in enumerate(mine) if r.instr == "core_barrier")
+        before, after = set(), set()
+        for n, r in enumerate(mine):
+            for t in r.reads:
+                if getattr(t, "name", "") == "down_weight":
+                    (before if n < barrier else after).add(t.byte_lo // expert_bytes)
+        assert before == {0, 1, 2}, (p, before)
+        assert after == {3}, (p, after)
+
+
+def test_every_fence_loads_next_a():
+    """LNC2, E = 8, one full block per expert: four fence groups of two experts. The first A after each fence (A(2),
+    A(4), A(6)) has its W_down read before that fence (before the round: {0, 1}, {2, 3}, {4, 5}, {6, 7} per segment)."""
+    T8, E8 = 2048, 8
+    ids = np.zeros((T8, 2), np.int32)
+    for q in range(4):
+        ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
+    kernel, ref = moe_case(T8, E8, H, I, ids, seed=191, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "segment start, E = 8, LNC2 vs mx_exact")
+    expert_bytes = H * I * 2
+    for p in range(2):
+        segments = [set()]
+        for r in res.trace:
+            if r.program != p:
+                continue
+            if r.instr == "core_barrier":
+                segments.append(set())
+                continue
+            segments[-1].update(t.byte_lo // expert_bytes for t in r.reads if getattr(t, "name", "") == "down_weight")
+        assert segments == [{0, 1, 2}, {3, 4}, {5, 6}, {7}, set()], (p, segments)
