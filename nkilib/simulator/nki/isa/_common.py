@@ -170,3 +170,11 @@ def numeric_operand(instr: str, arg: str, t: NkiTensor, write: bool = False) -> 
     if t.dtype.is_x4 or (write and t.dtype.category == "scale"):
         fail(instr, f"argument '{arg}' ('{t.name}') has packed/scale dtype {t.dtype}; compute engines cannot "
                     "convert to or from it (use tensor_copy/DMA of raw words or quantize_mx)")
+
+
+def registers_or_none(regs: np.ndarray, known: np.ndarray, lane0: int, p: int):
+    """A copy of an engine's accumulator registers `regs` of lanes lane0..lane0+p (what reduce_res receives), or None
+    when one of them holds a reduction of value-less data (`known` False: a shape-only run)."""
+    if not known[lane0:lane0 + p].all():
+        return None
+    return regs[lane0:lane0 + p].copy()

@@ -25,8 +25,8 @@ from ... import dtypes as D
 from ..language.ops import evaluate_activation
 from ...access import checked_read, checked_write, to_float32, valueless
 from . import constants as C
-from ._common import (NkiInstruction, alu_op, ctx, fail, numeric_operand, on_chip, require_nc_version,
-                      same_partitions_and_free, scalar_or_vector)
+from ._common import (NkiInstruction, alu_op, ctx, fail, numeric_operand, on_chip, registers_or_none,
+                      require_nc_version, same_partitions_and_free, scalar_or_vector)
 
 _ACT_REDUCE_CMDS = (C.reduce_cmd.idle, C.reduce_cmd.reset, C.reduce_cmd.reduce, C.reduce_cmd.reset_reduce)
 
@@ -87,7 +87,8 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, reduce
             known[...] = False  # shape-only run: a sum of unknown values
         checked_write(dst, instr, "dst", None)
         if reduce_res is not None:
-            checked_write(reduce_res, instr, "reduce_res", _reduce_registers_or_none(c, lane0, p))
+            checked_write(reduce_res, instr, "reduce_res",
+                          registers_or_none(c.act_reduce_regs, c.act_reduce_known, lane0, p))
         return NkiInstruction(name)
 
     with np.errstate(all="ignore"):
@@ -106,16 +107,9 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, reduce
         with np.errstate(all="ignore"):
             regs[...] = regs + total
     if reduce_res is not None:
-        checked_write(reduce_res, instr, "reduce_res", _reduce_registers_or_none(c, lane0, p))
+        checked_write(reduce_res, instr, "reduce_res",
+                      registers_or_none(c.act_reduce_regs, c.act_reduce_known, lane0, p))
     return NkiInstruction(name)
-
-
-def _reduce_registers_or_none(c, lane0: int, p: int):
-    """The reduce registers of lanes lane0..lane0+p, or None when one holds a sum of a value-less
-    activation (shape-only run)."""
-    if not c.act_reduce_known[lane0:lane0 + p].all():
-        return None
-    return c.act_reduce_regs[lane0:lane0 + p].copy()
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None,

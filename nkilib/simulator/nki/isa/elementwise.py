@@ -22,7 +22,8 @@ from ...access import checked_read, checked_write, to_float32, valueless
 from ...tensor import NkiTensor
 from . import constants as C
 from ._common import (NkiInstruction, alu_op, ctx, fail, gpsimd_no_psum, not_both_psum, numeric_operand, on_chip,
-                      require_nc_version, resolve_engine, same_partitions_and_free, scalar_or_vector)
+                      registers_or_none, require_nc_version, resolve_engine, same_partitions_and_free,
+                      scalar_or_vector)
 
 _INT32 = (D.int32, D.uint32)
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -423,8 +424,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     if reduce_op is not None:
         _stt_accumulate(c, reduce_op, reduce_cmd, lane0, p, out)
     if reduce_res is not None:
-        regs = c.vec_reduce_regs[lane0:lane0 + p].copy() if c.vec_reduce_known[lane0:lane0 + p].all() else None
-        checked_write(reduce_res, instr, "reduce_res", regs)
+        checked_write(reduce_res, instr, "reduce_res",
+                      registers_or_none(c.vec_reduce_regs, c.vec_reduce_known, lane0, p))
     return NkiInstruction(name)
 
 
