@@ -17,7 +17,6 @@ load their own (round 14d's paths). The outputs stay mx_exact's bit for bit unde
 from __future__ import annotations
 
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
-from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical

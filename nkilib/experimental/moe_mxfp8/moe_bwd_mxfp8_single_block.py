@@ -12,7 +12,7 @@ from ...core.matmul import matmul_panels, panel_columns, panel_from_row_loader
 from ...core.matmul.sources import blocks
 from .constants import MOE_N_TILE, PARTITIONS, PASS_C_ROW_UNIT, SINGLE_BLOCK_LOAD_WIDTH
 from .moe_bwd_mxfp8_pass_c_stores import RowStore
-from .moe_bwd_mxfp8_weight_grads import _single_stage
+from .moe_bwd_mxfp8_weight_grads import single_load_stage
 
 __all__ = ["compute_phase3_single_block_expert_mxfp8", "compute_phase3_single_block_grads_mxfp8", "filled_row_units"]
 
@@ -30,12 +30,12 @@ def _row_panels(ctx, src, i, lo, hi, first=-1, rows=None):
     """[(c0, Panel)]: columns [lo, hi) of block i's rows of `src` (a BlockRowSource), loaded and quantized
     once in pieces of up to SINGLE_BLOCK_LOAD_WIDTH columns (long DMA runs), staged through ctx.stages: all
     pieces through ctx.stages' rotation per K tile (one K tile each: stages[0]), or, with first >= 0, piece q
-    through the staging tile of load number first + q (_single_stage). rows: the block's leading rows to read
+    through the staging tile of load number first + q (single_load_stage). rows: the block's leading rows to read
     (K of the panels; default all B)."""
     pieces = blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)
     k_rows = ctx.B if rows == None else rows  # noqa: E711
     return [(c0, panel_from_row_loader(src.rows(i, c0, csz), k_rows, csz, csz, ctx.setup,
-                                       stages=ctx.stages if first < 0 else _single_stage(ctx, first + q)))
+                                       stages=ctx.stages if first < 0 else single_load_stage(ctx, first + q)))
             for q, (c0, csz) in enumerate(pieces)]
 
 
@@ -56,10 +56,10 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
     block per tile group (compute_phase3_expert_weight_grads_mxfp8's price for accumulating in PSUM).
 
     Dimensions: as compute_phase3_expert_weight_grads_mxfp8.
-    first: number of the first load (_single_stage), the loads of the expert's gradients before this one.
+    first: number of the first load (single_load_stage), the loads of the expert's gradients before this one.
     rows: the block's leading rows that hold its routed pairs, a multiple of PASS_C_ROW_UNIT (default B; the rows
     after them are padding, zero in all four operands): K = rows, so padding-only row units are neither loaded,
-    quantized nor multiplied (single_block_row_variants). Bit-exact: the MX groups of 32 rows are the
+    quantized nor multiplied (compute_phase3_single_block_expert_mxfp8). Bit-exact: the MX groups of 32 rows are the
     reference's (rows is a multiple of 32, the 1x32 scheme's groups are consecutive rows), a zero row adds an
     exact zero to the K tile's exact sum, and the eviction's +0.0 takes the one difference, the sign of an
     all-zero sum, to the reference's +0.
@@ -101,7 +101,7 @@ def compute_phase3_single_block_expert_mxfp8(ctx, e, i, grads, wg_dtype, first=0
 
     Dimensions:
         grads: [(out, lhs, rhs, M, N)]: dW_gu (d_gate_up, X) and dW_down (dY, hs) (the kernel's pass C).
-    first: number of the first load (_single_stage); every variant starts from it (one of them runs).
+    first: number of the first load (single_load_stage); every variant starts from it (one of them runs).
 
     Returns:
         first plus the expert's loads (the same count in every variant: the pieces do not depend on rows).

@@ -33,7 +33,8 @@ from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCK
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
-           "compute_phase3_windowed_grads_mxfp8", "resident_block_count", "store_zero_expert_grads"]
+           "compute_phase3_windowed_grads_mxfp8", "resident_block_count", "single_load_stage",
+           "store_zero_expert_grads"]
 
 
 class BlockRowSource(nl.NKIObject):
@@ -120,7 +121,7 @@ def _stage(ctx, k):
     return None if ctx.stages == None else [ctx.stages[k % PASS_C_RESIDENT_STAGES]]  # noqa: E711
 
 
-def _single_stage(ctx, k):
+def single_load_stage(ctx, k):
     """The k-th load's staging tile of the single-block path, as a one-tile ring (None in BF16): consecutive loads take
     the PASS_C_STAGING_BUFFERS tiles in turn, so a load waits for the quantize PASS_C_STAGING_BUFFERS loads before it
     instead of the one just before (_stage's reason; docs/moe.md section 10, round 7b)."""
@@ -351,7 +352,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     def load(src, i, j, c0, slots, k):
         # an expert above R (parts: its stationary operand read once per part; windows) is DMA-bound: its loads go
         # round all the ring's tiles, a load waiting for the quantize PASS_C_STAGING_BUFFERS loads back (round 9c)
-        stages = _stage(ctx, k) if part == None and window == None else _single_stage(ctx, k)  # noqa: E711
+        stages = _stage(ctx, k) if part == None and window == None else single_load_stage(ctx, k)  # noqa: E711
         panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=stages,
                               into=(slots, j))
 
