@@ -48,3 +48,32 @@ def test_rows_not_in_whole_k_tiles_take_the_bf16_path():
     res = run_mlp(inp, lnc=2, trace=True)
     assert _hbm_writes(res, MX_WORDS) == 0 and _hbm_writes(res, BF16_ROWS) > 0
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_along_s_words_stored_per_chunk_as_quantized(lnc):
+    """Phase 1 in two n blocks (phase1_tiles_n=1: 512 columns, I = 1024): each K tile along S is quantized in two
+    chunks of I columns (one per epilogue call of the next S tile), and each chunk's words are stored right after its
+    quantize, at its columns of the panel layout (store_k_tile f0), so the first store precedes the second chunk's
+    quantize. The old code stored the whole 2I-wide K tile once, after its last chunk: fails there. Bit-exact against
+    mx_exact on LNC1 and LNC2 (each column's words and scales do not depend on how the columns are cut)."""
+    S, H, I = 1024, 128, 1024
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 17, kind="pow2")
+    inp = {**inp, **mlp_checkpoints(inp)}
+    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    for p in range(lnc):
+        records = [r for r in res.trace if r.program == p]
+        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
+                  any(o.name == MX_WORDS for o in r.writes)]
+        words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
+        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
+                   r.writes[0].storage_id in words_tiles]
+        k_tiles = S // lnc // 512
+        assert len(stores) == 2 * k_tiles, (p, stores)
+        assert len(along_s) == 2 * k_tiles, (p, along_s)
+        # per K tile: chunk 0, its store, chunk 1, its store
+        for t in range(k_tiles):
+            assert along_s[2 * t] < stores[2 * t] < along_s[2 * t + 1] < stores[2 * t + 1], (p, t, stores, along_s)
+        widths = sorted({o.shape[1] for i in stores for o in records[i].writes if o.name == MX_WORDS})
+        assert widths == [I], widths
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))

@@ -142,16 +142,16 @@ class SwigluBackwardEpilogue(nl.NKIObject):
     def _quantize_along_s_chunk(self, n0) -> None:
         """Quantize the next columns of the pending K tile: one n tile's worth per epilogue call of the next
         S tile (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
-        quantizes and epilogue), and store the K tile after its last chunk."""
+        quantizes and epilogue), and store those columns right after their quantize: the DMA queues then
+        carry the K tile's words as two shorter stores spread over the S tile instead of one 2I-wide store
+        after its last chunk (which shared the queues with phase 2's first W_gu K tiles at phase 1's end and
+        held up the barrier in the pessimistic case). Each column's words and scales are the same either way."""
         t, stage, words, scale, c0 = self.along_s_pending
         two_i = 2 * self.I
         c1 = min(two_i, c0 + ceil_div(two_i, ceil_div(self.n_hi - self.n_lo, self.ncols)))
         nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
-        if c1 < two_i:
-            self.along_s_pending = (t, stage, words, scale, c1)
-            return
-        store_k_tile(words, scale, self.along_s[0], self.along_s[1], t, self.setup)
-        self.along_s_pending = None
+        store_k_tile(words[:, c0:c1], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup, f0=c0)
+        self.along_s_pending = (t, stage, words, scale, c1) if c1 < two_i else None
 
     def held_bytes(self, n_tile) -> int:
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
