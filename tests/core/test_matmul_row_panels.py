@@ -51,8 +51,9 @@ def test_gathered_rows_and_k_window(precision, scheme):
 # loop into tiles allocated before it, and read after the loop (the MoE kernel's W_down of an expert that may be empty).
 @nki.jit
 def _slots_kernel(a, b, flag, precision, scheme, k_axis):
-    """out [M, N] = aᵀ @ b (K=K, M=M, N=N) with b's panel loaded into PanelSlots in a fori_loop of `flag` trips and the
-    matmul after it in another (b [K, N], or [N, K] with k_axis=1: the transposing path); out stays 0 without trips."""
+    """out [M, N] = aᵀ @ b (K=K, M=M, N=N) with b's panel loaded into PanelSlots in a fori_loop of `flag` trips and
+    the matmul after it in another (b [K, N], or [N, K] with k_axis=1: the transposing path); out stays 0 without
+    trips."""
     K, M = a.shape
     N = b.shape[1] if k_axis == 0 else b.shape[0]
     setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, scheme, True)
