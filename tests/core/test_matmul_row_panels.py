@@ -8,8 +8,9 @@ import pytest
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nkilib.core.matmul import (MatmulSetup, RowPanelByColumns, TensorDescriptor, load_panel, panel_from_row_loader,
-                                panel_from_rows)
+from nkilib.core.matmul import (MatmulSetup, PanelPlacement, PanelSlots, RowPanelByColumns, TensorDescriptor,
+                                load_panel, panel_from_row_loader, panel_from_rows)
+from nkilib.core.matmul import matmul_panels
 from nkilib.core.matmul.constants import PARTITIONS
 from nkilib.core.numerics import contract_mm
 from nkilib.simulator.launcher import run_kernel
@@ -44,6 +45,65 @@ def test_gathered_rows_and_k_window(precision, scheme):
     rows = np.where((idx < R)[:, None], a[np.minimum(idx, R - 1)], np.zeros((), BF16)).astype(BF16)
     want = contract_mm(rows.T, b[K:], precision, "float8_e4m3fn", scheme)
     assert_outputs_identical((got,), (want,), f"{precision} {scheme}")
+
+
+# load_panel(..., into=PanelSlots) (docs/moe.md section 10, round 19c): a whole panel loaded inside a run-time 0/1-trip
+# loop into tiles allocated before it, and read after the loop (the MoE kernel's W_down of an expert that may be empty).
+@nki.jit
+def _slots_kernel(a, b, flag, precision, scheme, k_axis):
+    """out [M, N] = aᵀ @ b (K=K, M=M, N=N) with b's panel loaded into PanelSlots in a fori_loop of `flag` trips and
+    the matmul after it in another (b [K, N], or [N, K] with k_axis=1: the transposing path); out stays 0 without
+    trips."""
+    K, M = a.shape
+    N = b.shape[1] if k_axis == 0 else b.shape[0]
+    setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, scheme, True)
+    op = TensorDescriptor(b, k_axis=k_axis)
+    stationary = load_panel(TensorDescriptor(a, k_axis=0), 0, M, M, setup)
+    count = -(-K // (512 if setup.is_mx else PARTITIONS))
+    slots = PanelSlots(count, N, setup, PanelPlacement.per_k_tile())
+    trips = nisa.register_alloc()
+    nisa.register_load(trips, flag[0:1, 0:1])
+    nl.fori_loop(0, trips, lambda _: load_panel(op, 0, N, N, setup, into=slots))
+    moving = slots.panel(K)
+    res = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=res[:M, :], value=0.0)
+
+    def product():
+        acc = nl.ndarray((PARTITIONS, N), dtype=nl.float32, buffer=nl.psum)
+        matmul_panels(acc[:M, :], stationary, moving, setup)  # K=K, M=M, N=N
+        nisa.tensor_copy(dst=res[:M, :], src=acc[:M, :])
+
+    trips2 = nisa.register_alloc()
+    nisa.register_load(trips2, flag[0:1, 0:1])
+    nl.fori_loop(0, trips2, lambda _: product())
+    out = nl.ndarray((M, N), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=res[:M, :])
+    return out
+
+
+@pytest.mark.parametrize("precision, scheme, k_axis", [("mxfp8", "1x32", 0), ("mxfp8", "wrapX", 0),
+                                                       ("mxfp8", "1x32", 1), ("bf16", "1x32", 0)])
+def test_panel_loaded_into_slots_in_a_loop(precision, scheme, k_axis):
+    """One trip: the product equals the contract matmul (the slots hold what load_panel builds; K = 640: two MXFP8 K
+    tiles, the second part-filled; five bf16 ones). No trip: b is never read and out stays 0."""
+    K, M, N = 640, 64, 96
+    a, b = randn(11, (K, M), BF16), randn(12, (K, N), BF16)
+    b_in = b if k_axis == 0 else np.ascontiguousarray(b.T)
+    kwargs = dict(a=a, b=b_in, precision=precision, scheme=scheme, k_axis=k_axis)
+    got = simulate(_slots_kernel, 1, flag=np.ones((1, 1), np.int32), **kwargs)
+    assert_outputs_identical((got,), (contract_mm(a.T, b, precision, "float8_e4m3fn", scheme),),
+                             f"{precision} {scheme} k_axis={k_axis}")
+    res = run_kernel(_slots_kernel.fn,
+                     kwargs=dict(flag=np.zeros((1, 1), np.int32), **kwargs), lnc=1, grid_ndim=1, trace=True)
+    assert not np.any(np.asarray(res.outputs[0]))
+    assert not [r.instr for r in res.trace if any(getattr(t, "name", "") == "b" for t in r.reads)]
+
+
+def test_slots_refuse_another_panel_shape():
+    """A PanelSlots takes only the panel it was made for (K tiles and width)."""
+    setup = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
+    with pytest.raises(Exception, match="cannot take a panel"):
+        in_kernel(lambda: PanelSlots(2, 96, setup).builder(3, 96))
 
 
 # RowPanelByColumns (docs/moe.md section 10, round 17b): the panel of a row tile written I tile by I tile, as the

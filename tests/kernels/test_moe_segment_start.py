@@ -15,6 +15,9 @@ mx_exact, LNC1 and LNC2.
 |                                      | of experts 0, 1 and 2 (A(2) is the first A after the fence)     |            |
 | test_every_fence_loads_next_a        | E = 8 (four fence groups of two): the W_down read in each       | LNC2       |
 |                                      | segment is of experts {0, 1, 2}, {3, 4}, {5, 6}, {7}; bit-exact |            |
+| test_empty_first_a_loads_no_weights  | the empty expert 2 (first A after the fence): no byte of its    | LNC1, LNC2 |
+|                                      | W_down is read (round 19c: the early load sits in its if_used), | (bf16:     |
+|                                      | the other experts' W_down is read as before; MXFP8 and bf16     | LNC2)      |
 """
 from __future__ import annotations
 
@@ -40,13 +43,20 @@ def _routing(case):
     return ids
 
 
-def _run(case, lnc):
+def _run(case, lnc, **options):
     kernel, ref = moe_case(T, E, H, I, _routing(case), seed=181, block_size=B, checkpoints=CHECKPOINTS,
-                           clamp_limits=CLAMPS)
+                           clamp_limits=CLAMPS, **options)
     res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"segment start ({case}), LNC{lnc} vs mx_exact")
     return res.trace
+
+
+def _down_weight_experts(trace, program):
+    """The experts whose W_down bytes `program`'s instructions read (down_weight [E, H, I] bf16)."""
+    expert_bytes = H * I * 2
+    return {t.byte_lo // expert_bytes for r in trace if r.program == program for t in r.reads
+            if getattr(t, "name", "") == "down_weight"}
 
 
 def _names(ops):
@@ -121,3 +131,14 @@ def test_every_fence_loads_next_a():
                 continue
             segments[-1].update(t.byte_lo // expert_bytes for t in r.reads if getattr(t, "name", "") == "down_weight")
         assert segments == [{0, 1, 2}, {3, 4}, {5, 6}, {7}, set()], (p, segments)
+
+
+@pytest.mark.parametrize("lnc, precision", [(1, "mxfp8"), (2, "mxfp8"), (2, "bf16")])
+def test_empty_first_a_loads_no_weights(lnc, precision):
+    """Routing "empty_2": expert 2 has no block and is the first expert of the second fence group, whose W_down round
+    18a loaded before the fence whether or not it was used. Since round 19c the load runs in expert 2's 0/1-trip
+    if_used: its W_down is never read, on any core, while experts 0, 1 and 3 read theirs (bit-exact: _run). bf16
+    (trn2's precision) takes the same path with bf16 K tiles in the slots."""
+    trace = _run("empty_2", lnc, matmul_precision=precision)
+    for p in range(lnc):
+        assert _down_weight_experts(trace, p) == {0, 1, 3}, (p, _down_weight_experts(trace, p))

@@ -127,6 +127,7 @@ class PanelBuilder(nl.NKIObject):
         self._data_tile, self._scale_tile = self.placement.words, self.placement.scales  # into: the caller's
         self._scale_tiles = [None] * count  # per_k_tile: one per scale tile
         self._pieces = [None] * count  # words allocated in pieces of whole K tiles (per_k_tile: 1; pieces: piece_tiles)
+        self._bf16_tiles = [None] * count  # bf16 K tiles allocated early (allocate()), else one per bf16_tile call
         self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
 
     def _tiles_per_words_allocation(self, quantized: bool) -> int:
@@ -174,7 +175,11 @@ class PanelBuilder(nl.NKIObject):
         return self._scale_tile[:, i, :]
 
     def allocate(self) -> None:
-        """Allocate every K tile's words and scales now (PanelSlots: outside the loops that fill them later)."""
+        """Allocate every K tile's words and scales (bf16: every K tile) now (PanelSlots: outside the loops that
+        fill them later)."""
+        if not self.setup.is_mx:
+            self._bf16_tiles = [self.bf16_tile(t) for t in range(self.t_lo, self.t_lo + self.count)]
+            return
         per_k_tile = self.placement.kind == PLACEMENT_PER_K_TILE
         for t in range(self.t_lo, self.t_lo + (self.count if per_k_tile else 1)):
             self.words(t, PARTITIONS)
@@ -182,7 +187,11 @@ class PanelBuilder(nl.NKIObject):
 
     def bf16_tile(self, t):
         """SBUF [128, F_pad] bf16 tile for K tile t: one allocation per K tile (bf16 panels need no
-        staging, and a whole-panel allocation would make its first load wait for all the memory)."""
+        staging, and a whole-panel allocation would make its first load wait for all the memory), or the one
+        allocate() made."""
+        early = self._bf16_tiles[t - self.t_lo]
+        if early != None:  # noqa: E711
+            return early
         return nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
 
     def add_mx(self, t, padded, src):

@@ -278,7 +278,7 @@ class PanelLoad(nl.NKIObject):
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, placement=None, preloaded=None) -> Panel:
+               ring=None, placement=None, preloaded=None, into=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -297,10 +297,19 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     preloaded: [(natural group index, row tile)] of a K-contiguous operand whose rows preload_natural_rows already
     DMAed (MatmulPlan.prefetch_own): those groups are transposed and quantized first, the rest in K order. Every K
     tile is quantized on its own into its own words and scale rows, so the order changes no bit.
+    into: a PanelSlots (row_panels.py) allocated earlier for the whole panel (its placement instead of `placement`):
+    the K tiles are written there, so a load issued inside a run-time loop (an expert's 0/1-trip "if") leaves a
+    panel that is read after it (PanelSlots.panel).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
-    builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
+    if into != None:  # noqa: E711
+        kernel_assert(t_lo == 0 and t_hi == len(tiles) and not op.panel_layout,
+                      f"load_panel into= takes a whole panel of a bf16 or per-K-tile operand, got K tiles [{t_lo}, "
+                      f"{t_hi}) of {len(tiles)}, panel_layout={op.panel_layout}")
+        builder = into.builder(len(tiles), f_pad)
+    else:
+        builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
     kernel_assert(not (builder.placement.kind == PLACEMENT_PER_K_TILE and op.panel_layout),
                   "load_panel: PanelPlacement.per_k_tile() needs a bf16 or per-K-tile operand, got a panel-layout "
                   "operand (its K tiles load in one DMA into one allocation)")

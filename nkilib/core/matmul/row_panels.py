@@ -18,21 +18,42 @@ from .panels import _load_rows_natural, _natural_groups, _rows_in_slot, _slot_ge
 
 
 class PanelSlots(nl.NKIObject):
-    """SBUF room for `count` MXFP8 K tiles of one [count * 512, f_pad] panel, allocated now and filled one K
-    tile at a time later (panel_from_row_loader(..., into=(slots, t))): e.g. one K tile per trip of a run-time
-    loop, each into a static slot, so the tiles outlive the loops that wrote them. Layout of PanelBuilder
-    (placement: a PanelPlacement, default whole(): words [128, count, f_pad], scales shared by K-tile quads with
-    scale packing; per_k_tile(): one allocation per slot's words and per scale tile)."""
+    """SBUF room for `count` K tiles of one [K, f_pad] panel, allocated now and filled later, so the tiles outlive
+    the run-time loops that wrote them: one MXFP8 K tile at a time (panel_from_row_loader(..., into=(slots, t)): e.g.
+    one K tile per trip of a run-time loop, each into a static slot), or a whole panel of an operand in HBM
+    (load_panel(..., into=slots): e.g. inside a 0/1-trip loop, a weight loaded only when it is used). Layout of
+    PanelBuilder (placement: a PanelPlacement, default whole(): words [128, count, f_pad], scales shared by K-tile
+    quads with scale packing; per_k_tile(): one allocation per slot's words and per scale tile; bf16: one tile per
+    K tile)."""
 
     def __init__(self, count: int, f_pad: int, setup: MatmulSetup, placement=None):
-        kernel_assert(setup.is_mx, "PanelSlots holds MXFP8 K tiles; got a bf16 setup")
-        self.f_pad = f_pad
+        self.f_pad, self.count, self.setup = f_pad, count, setup
         self._builder = PanelBuilder(f_pad, setup, 0, count, placement)
         self._builder.allocate()  # the tiles now, outside any loop
 
     def tile(self, t: int, P: int = PARTITIONS) -> Panel:
-        """K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
+        """MXFP8 K tile t ([P, f_pad] words, P = its padded K / 4) as a one-tile Panel."""
+        kernel_assert(self.setup.is_mx, "PanelSlots.tile holds one MXFP8 K tile; got a bf16 setup")
         return Panel([self._builder.words(t, P)], [self._builder.scale(t)], self.f_pad)
+
+    def builder(self, count: int, f_pad: int) -> PanelBuilder:
+        """The builder that places a whole panel of `count` K tiles of width f_pad into these slots (load_panel's
+        into=): its K tiles write the tiles allocated here."""
+        kernel_assert((count, f_pad) == (self.count, self.f_pad),
+                      f"PanelSlots of {self.count} K tiles x {self.f_pad} columns cannot take a panel of {count} x "
+                      f"{f_pad}")
+        return self._builder
+
+    def panel(self, k_size: int) -> Panel:
+        """The whole panel of K = k_size rows the slots hold (every K tile's [P_t, f_pad] words and scales, or
+        bf16 [valid_t, f_pad] tiles), as load_panel returns it: for reads after the loop that filled them."""
+        tiles = k_tiles(k_size, self.setup)
+        kernel_assert(len(tiles) == self.count, f"K={k_size} has {len(tiles)} K tiles, the slots {self.count}")
+        if not self.setup.is_mx:
+            return Panel([self._builder.bf16_tile(t)[:valid, :] for t, (_, valid, _) in enumerate(tiles)],
+                         [None] * self.count, self.f_pad)
+        return Panel([self._builder.words(t, padded // MX_PACK) for t, (_, _, padded) in enumerate(tiles)],
+                     [self._builder.scale(t) for t in range(self.count)], self.f_pad)
 
 
 def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,

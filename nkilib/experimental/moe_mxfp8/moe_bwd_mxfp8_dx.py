@@ -15,7 +15,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert
-from ...core.matmul import (Panel, PanelPlacement, k_tiles, load_panel, load_panel_tiles, matmul_panels,
+from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_panel, load_panel_tiles, matmul_panels,
                             panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths)
 from ...core.matmul.constants import SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
@@ -94,6 +94,35 @@ class ExpertPanels(nl.NKIObject):
     def fits(op, tiles, setup):
         """Whether the panels of `tiles` stay resident (RESIDENT_WEIGHT_BUDGET_BYTES per partition)."""
         return ExpertPanels.bytes_of([op], tiles, setup) <= RESIDENT_WEIGHT_BUDGET_BYTES
+
+    @staticmethod
+    def loaded_if(ops, tiles, setup, run_if):
+        """[ExpertPanels] of every operand in `ops` (None stays None), resident, whose loads run inside run_if(body)
+        (a run-time 0/1-trip loop: the expert's if_used, so an expert without blocks loads nothing): the panels'
+        tiles are allocated here, outside that loop (PanelSlots, one per super-panel), so they stay live past it
+        for the pass that reads them. The same loads and quantizes into the same per-K-tile layout as the
+        resident panels ExpertPanels loads itself, so the bits are the same."""
+        slots = []
+        for op in ops:
+            if op == None:  # noqa: E711
+                slots.append(None)
+                continue
+            kernel_assert(not op.panel_layout and ExpertPanels.fits(op, tiles, setup),
+                          f"loaded_if takes resident bf16 operands, got panel_layout={op.panel_layout}, "
+                          f"{ExpertPanels.bytes_of([op], tiles, setup)} bytes per partition")
+            loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
+            count = len(k_tiles(op.k_size, setup))
+            slots.append([(f0, w, PanelSlots(count, w, setup, PanelPlacement.per_k_tile())) for f0, w in loads])
+
+        def load_all():
+            for op, panels in zip(ops, slots):
+                for f0, w, into in panels if panels != None else []:  # noqa: E711
+                    load_panel(op, f0, w, w, setup, into=into)
+
+        run_if(load_all)
+        return [None if op == None else  # noqa: E711
+                ExpertPanels(op, tiles, setup, panels=[into.panel(op.k_size) for _, _, into in panels])
+                for op, panels in zip(ops, slots)]
 
     def _load(self, f0, w, ring=None):
         """Panel of columns [f0, f0 + w): quantized on chip (split per K tile), or, for a panel-layout operand (words

@@ -257,10 +257,13 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def first_a_panels(group):
         """{a: A(a)'s weight panels} for the first expert a of `group`, the first A after the next fence, loaded now
         (before that fence) where A runs as the pipeline with resident panels and W_down[a] is the kernel's input (not
-        the exchange's scratch, which the other core writes before the fence); else {} (A loads its own)."""
+        the exchange's scratch, which the other core writes before the fence); else {} (A loads its own). The loads
+        run in a's if_used (an expert without blocks loads no weights, as in rounds 1-2), into tiles allocated
+        outside it that live on to A(a)."""
         if not pipelined or not group or (exchange != None and exchange.exchanged(group[0])):  # noqa: E711
             return {}
-        return {group[0]: panels_of(a_descs(group[0]), i_tiles)}
+        a = group[0]
+        return {a: ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body))}
 
     def pass_a(e, between=None, panels=None):
         """panels: A(e)'s weight panels loaded earlier (first_a_panels), or None: loaded here (pipelined only)."""
