@@ -162,7 +162,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     own): H tiles outer as above, each chunk's matmul and its scatter-add in such a loop (the weight tile loads
     before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
     read-modify-write (one descriptor per row); with weights loaded on use in wide super-panels, one per super-panel,
-    issued after every chunk's tiles of that super-panel (the same bytes: each dX element written or added once).
+    issued after the chunk's last tile of it (the same bytes: each dX element written or added once).
     only_chunks (resident weights only): the indices of the 128-row chunks to run, None for all (pass B in pieces
     between pass A's chunks: moe_bwd_mxfp8_interleave.py).
 
@@ -256,23 +256,25 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         else:
             ctx.if_flag(flags, c, work)
 
-    # weights loaded on use: each super-panel's columns of dX go out once every chunk's tiles of that super-panel are
-    # done, not all at the block's end (the block's scatters then no longer burst after its last matmul, where pass
-    # C's first stores queue beside them: docs/moe.md section 10, round 19b). The cuts fall at multiples of the load
-    # width in tiles, the same on both cores (a core past its own columns runs an empty body, like chunk_tile's)
+    # weights loaded on use: a chunk's dX columns of each super-panel go out right after the chunk's last tile of that
+    # super-panel, not all chunks' whole rows after the block's last matmul (where they burst beside pass C's first
+    # loads and stores: docs/moe.md section 10, round 19b). The cuts fall at multiples of the load width in tiles, the
+    # same on both cores (a core past its own columns runs an empty body, like chunk_tile's)
     n_tiles = max(len(tiles), flag_tiles)
     width = 0 if w_gu.resident else ExpertPanels.load_width(w_gu.op, ctx.setup, wide=True)
     per_load = width // MOE_N_TILE if width == WIDE_WEIGHT_LOAD_WIDTH else 0  # tiles per super-panel; 0: no cuts
     done = 0  # columns of this core's dX rows scattered so far
     for j in range(n_tiles):
+        is_cut = per_load and (j + 1) % per_load == 0 and j + 1 < n_tiles
+        cut = min((j + 1) * MOE_N_TILE, h_width)
         for c in range(len(row_chunks)):
             run(c, lambda c=c, j=j: chunk_tile(c, j, chunks[c][2], chunks[c][3], chunks[c][1]) if j < len(tiles)
                 else None)
-        if per_load and (j + 1) % per_load == 0 and j + 1 < n_tiles:
-            cut = min((j + 1) * MOE_N_TILE, h_width)
-            for c in range(len(row_chunks)):
+            if is_cut:
                 run(c, lambda c=c, lo=done, hi=cut: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo, hi)
                     if lo < hi else None)
+            if j == n_tiles - 1:
+                run(c, lambda c=c, lo=done: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo)
+                    if lo < h_width else None)
+        if is_cut:
             done = cut
-    for c in range(len(row_chunks)):
-        run(c, lambda c=c, lo=done: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo) if lo < h_width else None)
