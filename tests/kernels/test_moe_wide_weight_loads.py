@@ -7,6 +7,7 @@ tiles that a block's wide loads share.
 |----------------------------------------|-----------------------------------------------------------------|------------|
 | test_wide_w_gu_loads_bit_exact         | W_gu per block: 2048 + 1152 (LNC1), 1664 / 1536 (LNC2) columns  | LNC1, LNC2 |
 | test_load_width_by_panel_bytes         | width by panel size and residency                               | host side  |
+| test_dx_scattered_per_super_panel      | pass B's dX rows out per W_gu super-panel, k = 1 and k = 2      | LNC1, LNC2 |
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import nki.language as nl
 from nkilib.core.matmul import MatmulSetup, TensorDescriptor
 from nkilib.experimental.moe_mxfp8 import constants as K
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
 from simkit import BF16, assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -67,3 +70,37 @@ def test_load_width_by_panel_bytes():
     assert D.ExpertPanels.load_width(w_gu, SETUP) == K.WEIGHT_LOAD_WIDTH == 1024
     assert D.ExpertPanels.load_width(w_down, SETUP, wide=True) == 1024
     assert D.ExpertPanels.load_width(w_gate, SETUP, wide=True) == 0
+
+
+@pytest.mark.parametrize("lnc,k,H", [(1, 1, 3200), (2, 1, 4608), (1, 2, 3200)])
+def test_dx_scattered_per_super_panel(monkeypatch, lnc, k, H):
+    """No resident budget (W_gu loaded per block in 2048-column super-panels), B = 128: a single-block expert's dX
+    columns go out per super-panel, each after every chunk's tiles of it (LNC1, H = 3200: 2048 + 1152 columns per
+    chunk; LNC2, H = 4608: each core's 2304 as 2048 + 256), by plain scatters for k = 1 and read-modify-writes for
+    k = 2; a two-block expert (resident 512-column groups) keeps one scatter per group; outputs == mx_exact bit for
+    bit. The old code scattered each chunk's whole width (3200 / 2304 columns) once, after its last tile."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    E, I = 3, 544
+    r = np.random.default_rng(8)
+    if k == 1:  # experts of 2 / 1 / 1 blocks
+        T, counts = 300, [150, 100, 50]
+    else:  # token rows (e, e + 1 mod 3): experts of 60 + 30, 30 + 60, 30 + 30 pairs, one block each
+        T, counts = 120, [60, 30, 30]
+    ids = np.repeat(np.arange(E, dtype=np.int32), counts)[r.permutation(T)][:, None]
+    if k == 2:
+        ids = np.concatenate([ids, (ids + 1) % E], axis=1)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=37, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    blocks = np.diff(kernel["expert_block_offsets"]).tolist()
+    assert blocks == ([2, 1, 1] if k == 1 else [1, 1, 1]), blocks
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"dX per super-panel, LNC{lnc}, k = {k}")
+    instr = "dma_copy" if k == 1 else "dma_compute"
+    widths = sorted(int(o.shape[-1]) for rec in res.trace if rec.program == 0 and rec.instr == instr
+                    for o in rec.writes if o.name == "hidden_states_grad")
+    per_core = H // lnc
+    singles = blocks.count(1)  # one 128-row chunk each (B = 128)
+    assert per_core not in widths, widths  # no chunk's whole width in one scatter
+    wide = [w for w in widths if w > K.MOE_N_TILE]
+    assert wide == sorted([2048, per_core - 2048] * singles if per_core - 2048 > K.MOE_N_TILE else [2048] * singles), widths
+    assert widths.count(per_core - 2048) >= singles, widths

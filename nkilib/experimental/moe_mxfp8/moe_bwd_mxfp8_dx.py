@@ -190,8 +190,10 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     block with flag_tiles > 0 (core 0's tile count: both cores run that many tiles' loops, empty past their
     own): H tiles outer as above, each chunk's matmul and its scatter-add in such a loop (the weight tile loads
     before them, with chunk 0's unconditional matmul). Each chunk's H_c columns go out in one
-    read-modify-write (one descriptor per row). only_chunks (resident weights only): the indices of the 128-row
-    chunks to run, None for all (pass B in pieces between pass A's chunks: moe_bwd_mxfp8_interleave.py).
+    read-modify-write (one descriptor per row); with weights loaded on use in wide super-panels, one per super-panel,
+    issued after the chunk's last tile of it (the same bytes: each dX element written or added once).
+    only_chunks (resident weights only): the indices of the 128-row chunks to run, None for all (pass B in pieces
+    between pass A's chunks: moe_bwd_mxfp8_interleave.py).
 
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
@@ -230,9 +232,13 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         # W_gu quantizes behind it (and, through the staging ring, W_gu's loads): docs/moe.md section 10, round 7b
         nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
 
-    def scatter_add(r0, m, part):
+    def scatter_add(r0, m, part, c_lo=0, c_hi=None):
+        """Columns [c_lo, c_hi) of the chunk's part (default: all) into dX[ids, h_lo + c_lo:h_lo + c_hi)."""
+        if c_hi == None:  # noqa: E711
+            c_hi = h_width
+        part = part[:, c_lo:c_hi]
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        rows = ctx.dx.ap([[ctx.H, m], [1, h_width]], offset=h_lo, vector_offset=ids, indirect_dim=0)
+        rows = ctx.dx.ap([[ctx.H, m], [1, c_hi - c_lo]], offset=h_lo + c_lo, vector_offset=ids, indirect_dim=0)
         if ctx.k == 1:
             # one routed pair per token: its dX row is written exactly once (no zeroed dX, no read-modify-write):
             # dx[t] = bf16(fp32(+0 + part)), i.e. part with -0 made +0 (the fp32 add of the RMW on a zero row; on
@@ -279,9 +285,25 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         else:
             ctx.if_flag(flags, c, work)
 
-    for j in range(max(len(tiles), flag_tiles)):
+    # weights loaded on use: a chunk's dX columns of each super-panel go out right after the chunk's last tile of that
+    # super-panel, not all chunks' whole rows after the block's last matmul (where they burst beside pass C's first
+    # loads and stores: docs/moe.md section 10, round 19b). The cuts fall at multiples of the load width in tiles, the
+    # same on both cores (a core past its own columns runs an empty body, like chunk_tile's)
+    n_tiles = max(len(tiles), flag_tiles)
+    width = 0 if w_gu.resident else ExpertPanels.load_width(w_gu.op, ctx.setup, wide=True)
+    per_load = width // MOE_N_TILE if width == WIDE_WEIGHT_LOAD_WIDTH else 0  # tiles per super-panel; 0: no cuts
+    done = 0  # columns of this core's dX rows scattered so far
+    for j in range(n_tiles):
+        is_cut = per_load and (j + 1) % per_load == 0 and j + 1 < n_tiles
+        cut = min((j + 1) * MOE_N_TILE, h_width)
         for c in range(len(row_chunks)):
             run(c, lambda c=c, j=j: chunk_tile(c, j, chunks[c][2], chunks[c][3], chunks[c][1]) if j < len(tiles)
                 else None)
-    for c in range(len(row_chunks)):
-        run(c, lambda c=c: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3]) if tiles else None)
+            if is_cut:
+                run(c, lambda c=c, lo=done, hi=cut: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo, hi)
+                    if lo < hi else None)
+            if j == n_tiles - 1:
+                run(c, lambda c=c, lo=done: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo)
+                    if lo < h_width else None)
+        if is_cut:
+            done = cut
