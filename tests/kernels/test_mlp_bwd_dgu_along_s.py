@@ -51,16 +51,20 @@ def test_rows_not_in_whole_k_tiles_take_the_bf16_path():
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
-def test_along_s_words_stored_per_chunk_as_quantized(lnc):
-    """Phase 1 in two n blocks (phase1_tiles_n=1: 512 columns, I = 1024): each K tile along S is quantized in two
-    chunks of I columns (one per epilogue call of the next S tile), and each chunk's words are stored right after its
-    quantize, at its columns of the panel layout (store_k_tile f0), so the first store precedes the second chunk's
-    quantize. The old code stored the whole 2I-wide K tile once, after its last chunk: fails there. Bit-exact against
-    mx_exact on LNC1 and LNC2 (each column's words and scales do not depend on how the columns are cut)."""
-    S, H, I = 1024, 128, 1024
+def test_along_s_quantize_spread_over_two_s_tiles_and_stored_per_chunk(lnc):
+    """Phase 1 in two n blocks (phase1_tiles_n=1: 512 columns, I = 1024; the K tile's staging tile [128, 4, 2I] bf16
+    is 16 KiB, within ALONG_S_SPREAD_STAGING_BYTES): each finished K tile along S is quantized in four chunks of I / 2
+    columns, one per epilogue call of the next two S tiles (spreads_along_s), and each chunk's words are stored right
+    after its quantize, at its columns of the panel layout (store_k_tile f0). So every K tile but the last (whose
+    chunks finish() or the barrier's flush_along_s issue back to back) has phase-1 matmuls between consecutive chunks.
+    Round 17's code quantized two chunks of I columns within one S tile: fails the count; two chunks per epilogue
+    call fails the matmuls between them. Bit-exact against mx_exact on LNC1 and LNC2 (each column's words and scales
+    do not depend on how the columns are cut or when they are quantized)."""
+    S, H, I = 2048, 128, 1024
     inp = mlp_inputs(S, H, I, seed=S + H + I + 17, kind="pow2")
     inp = {**inp, **mlp_checkpoints(inp)}
     res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
     for p in range(lnc):
         records = [r for r in res.trace if r.program == p]
         stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
@@ -68,12 +72,19 @@ def test_along_s_words_stored_per_chunk_as_quantized(lnc):
         words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
         along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
                    r.writes[0].storage_id in words_tiles]
+        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
         k_tiles = S // lnc // 512
-        assert len(stores) == 2 * k_tiles, (p, stores)
-        assert len(along_s) == 2 * k_tiles, (p, along_s)
-        # per K tile: chunk 0, its store, chunk 1, its store
+        assert len(stores) == chunks * k_tiles, (p, stores)
+        assert len(along_s) == chunks * k_tiles, (p, along_s)
         for t in range(k_tiles):
-            assert along_s[2 * t] < stores[2 * t] < along_s[2 * t + 1] < stores[2 * t + 1], (p, t, stores, along_s)
+            for c in range(chunks):
+                j = chunks * t + c
+                # each chunk's store right after its quantize, before the next chunk
+                assert along_s[j] < stores[j], (p, t, c, stores, along_s)
+                if c + 1 < chunks:
+                    assert stores[j] < along_s[j + 1], (p, t, c, stores, along_s)
+                    if t + 1 < k_tiles:  # one chunk per epilogue call: a tile's matmuls between two chunks
+                        assert any(along_s[j] < m < along_s[j + 1] for m in matmuls), (p, t, c)
         widths = sorted({o.shape[1] for i in stores for o in records[i].writes if o.name == MX_WORDS})
-        assert widths == [I], widths
+        assert widths == [I // 2], widths
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))

@@ -473,20 +473,23 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
 
 def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     """Phase 2 with phase 1's resident d_gate_up panels (TP8) reads only the rows its own core wrote: no sync point
-    before it; the one core barrier goes inside phase 2, before tile FENCE_TILE's epilogue (MatmulPlan.set_fence),
-    and phase 1's last K tile quantized along S (phase 3's operand, read by both cores) is stored after phase 2's first
-    W_gu quantizes and before the barrier (exchange_along_s defer_last). On the old code the barrier preceded every
-    phase-2 matmul and the last along-S store preceded phase 2's quantizes: fails there. No phase-3 or phase-4
-    instruction before the barrier. W_gu's later panels load through a ring of STAGING_BUFFERS staging tiles, its first
-    through FENCED_STAGING_BUFFERS (all through the latter on the old code). TP8 modeled 0.6462 / 0.7134 -> 0.6387 /
-    0.7209 ms. S = 1024: 512 rows per core,
-    whole K tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1
-    equal to LNC2."""
-    from nkilib.core.matmul.constants import FENCE_TILE, FENCED_STAGING_BUFFERS, STAGING_BUFFERS
+    before it; the one core barrier goes inside phase 2 (MatmulPlan.set_fence), and phase 1's last K tile quantized
+    along S (phase 3's operand, read by both cores) is stored after phase 2's first W_gu quantizes and before the
+    barrier (exchange_along_s defer_last). On round 14's code the barrier preceded every phase-2 matmul and the last
+    along-S store preceded phase 2's quantizes: fails there. No phase-3 or phase-4 instruction before the barrier.
+    Here phase 1 spreads its along-S quantize over two S tiles (2I = 3072: a 24 KiB staging tile, two n blocks:
+    SwigluBackwardEpilogue.spreads_along_s, four chunks and stores per K tile), so phase 2's fence goes before the
+    epilogue of the last tile of its first W_gu panel, after the second panel's loads (fence_after_first_panel: tile
+    3, four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier instead of three,
+    fails there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first
+    through FENCED_STAGING_BUFFERS. TP8 modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K
+    tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1 equal to
+    LNC2."""
+    from nkilib.core.matmul.constants import FENCED_STAGING_BUFFERS, LATE_FENCE_STAGING_BUFFERS
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.simulator.trace import label_phases
 
-    S, H, I = 1024, 4096, 1536  # four m tiles per core, four W_gu n blocks: 16 phase-2 tiles > FENCE_TILE
+    S, H, I = 1024, 4096, 1536  # four m tiles per core, four W_gu n blocks: 16 phase-2 tiles
     k_tiles = 2 * I // 512
     inp = mlp_inputs(S, H, I, seed=S + H + I + 15)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
@@ -497,26 +500,34 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             phase = [r.attrs.get("phase") for r in records]
             matmuls = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "nc_matmul_mx"]
             assert matmuls, "phase 2 ran no MX matmul"
-            # W_gu's first panel through FENCED_STAGING_BUFFERS staging tiles, the later panels through STAGING_BUFFERS
+            # W_gu's first panel through FENCED_STAGING_BUFFERS staging tiles, the later panels through
+            # LATE_FENCE_STAGING_BUFFERS
             w_gu = [r.writes[0].storage_id for r in records if r.engine == "dma" and r.reads and
                     r.reads[0].name == "gate_up_weights"]
             assert len(w_gu) == 4 * k_tiles, len(w_gu)
             assert len(set(w_gu[:k_tiles])) == FENCED_STAGING_BUFFERS, w_gu
-            assert len(set(w_gu[k_tiles:])) == STAGING_BUFFERS, w_gu
+            assert len(set(w_gu[k_tiles:])) == LATE_FENCE_STAGING_BUFFERS, w_gu
             if lnc == 1:
                 assert not any(r.instr == "core_barrier" for r in records)
                 continue
             barriers = [i for i, r in enumerate(records) if r.instr == "core_barrier"]
             assert len(barriers) == 1, barriers
             barrier = barriers[0]
-            # tiles 0..FENCE_TILE's matmuls (K tiles each) before the fence
-            assert sum(1 for i in matmuls if i < barrier) >= (FENCE_TILE + 1) * k_tiles, (p, barrier)
+            m_tiles = S // lnc // 128
+            # the second panel's W_gu loads and the first panel's matmuls before the fence, its last epilogue after it
+            w_gu_loads = [i for i, r in enumerate(records) if r.engine == "dma" and r.reads and
+                          r.reads[0].name == "gate_up_weights"]
+            assert max(w_gu_loads[k_tiles:2 * k_tiles]) < barrier < min(w_gu_loads[2 * k_tiles:]), (p, barrier)
+            assert sum(1 for i in matmuls if i < barrier) >= m_tiles * k_tiles, (p, barrier)
+            dx_stores = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "dma_copy" and
+                         any(o.name == "hidden_states_grad" for o in r.writes)]
+            assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 1, (p, dx_stores, barrier)
             assert not any(phase[i] in ("phase3", "phase4") for i in range(barrier)), p
             stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
                       any(o.name == "mlp_bwd_d_gate_up_mx" for o in r.writes)]
             first_w_gu = min(i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "quantize_mx")
-            # each K tile's words stored per quantized chunk: two n blocks of phase 1 (1024 + 512 columns)
-            assert len(stores) == 2 * (S // lnc // 512) and max(stores) < barrier and max(stores) > first_w_gu, \
+            # each K tile's words stored per quantized chunk: two n blocks of phase 1 over two S tiles
+            assert len(stores) == 4 * (S // lnc // 512) and max(stores) < barrier and max(stores) > first_w_gu, \
                 (p, stores, first_w_gu, barrier)
 
     with label_phases(kernel_module, PHASES):

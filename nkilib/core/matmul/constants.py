@@ -89,6 +89,9 @@ FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's e
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /
 # 730.3, 6: 625.8 / 726.6, 8: 629.5 / 728.6 (with the staging ring of 3: 628.2 / 741.2, 624.9 / 737.5, 626.1 / 737.5)
+LATE_FENCE_STAGING_BUFFERS = 4  # MatmulPlan.fence_after_first_panel: the later panels' staging ring of a fenced-start
+# plan whose fence follows its second moving panel's loads (TP8 with phase 1's along-S spread, central / pessimistic
+# ms: ring 3 0.6339 / 0.7215, 4 0.6302 / 0.7139, 5 (fence one tile later) 0.6349 / 0.7203)
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

@@ -20,7 +20,7 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
-                        FENCED_STAGING_BUFFERS,
+                        FENCED_STAGING_BUFFERS, LATE_FENCE_STAGING_BUFFERS,
                         MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
                         PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES,
@@ -185,6 +185,7 @@ class MatmulPlan(nl.NKIObject):
         self.stream = None
         self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
         self.fence = None  # (tile, callable): a sync point issued inside this plan's run (set_fence)
+        self.fence_tile = FENCE_TILE  # where set_fence puts it (fence_after_first_panel moves it)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -372,15 +373,33 @@ class MatmulPlan(nl.NKIObject):
         self.tail_load = (step, nxt)
 
     def can_fence(self) -> bool:
-        """Whether set_fence applies: a plan of tiles (not K-streamed) with more than FENCE_TILE of them."""
-        return self.stream == None and len(self.order) > FENCE_TILE  # noqa: E711
+        """Whether set_fence applies: a plan of tiles (not K-streamed) with more than fence_tile of them."""
+        return self.stream == None and len(self.order) > self.fence_tile  # noqa: E711
 
     def set_fence(self, barrier) -> None:
         """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
-        right before tile FENCE_TILE's epilogue: after that tile's matmuls, so the fence waits for the previous
-        tile's store while TensorE multiplies, and the tiles before it overlap the work the fence waits for
-        (PhaseGraph, when a phase that reads nothing the sync point protects runs before one that does)."""
-        self.fence = (FENCE_TILE, barrier)
+        right before tile fence_tile's epilogue (FENCE_TILE unless fence_after_first_panel): after that tile's
+        matmuls, so the fence waits for the previous tile's store while TensorE multiplies, and the tiles before it
+        overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point protects
+        runs before one that does)."""
+        self.fence = (self.fence_tile, barrier)
+
+    def fence_after_first_panel(self) -> None:
+        """Move set_fence's sync point to the last tile of the first moving panel (n-major plans): run() issues the
+        next tile's loads, the second panel's, before it checks the fence, so the fence follows them and the next
+        phase's first loads, which the fence protects and which start as soon as it passes, do not share the DMA
+        queues with that panel; the later panels' staging ring grows to LATE_FENCE_STAGING_BUFFERS (the MLP
+        backward's phase 2 when phase 1 ends earlier: its along-S spread). TP8 with the spread, central /
+        pessimistic ms: the fence one tile earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 /
+        0.7139, one / two tiles later 0.6330 / 0.7190, 0.6330 / 0.7216. No change with one moving panel."""
+        n_first = self.order[0][1][0] if self.order else 0
+        second = [j for j in range(len(self.order)) if self.order[j][1][0] != n_first]
+        if not second:
+            return
+        self.fence_tile = second[0] - 1
+        if self.fenced_start:
+            for mv in self.moving:
+                mv.later_staging = LATE_FENCE_STAGING_BUFFERS
 
     def fire_fence(self) -> None:
         """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""

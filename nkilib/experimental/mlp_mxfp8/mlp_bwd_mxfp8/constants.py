@@ -14,3 +14,7 @@ MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulator
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
 CHECKPOINT_BUFFERS = 2  # phase 1's ring of checkpoint tile sets (gate_pre, up, gate_act): loads run this many tiles
 # ahead of the epilogue (TP8 MXFP8 modeled 0.715 -> 0.708 ms; 1: 0.731, 3: 0.710, 4: 0.737)
+ALONG_S_SPREAD_S_TILES = 2  # phase 1's quantize along S of a finished K tile spread over this many S tiles' epilogue
+# calls (SwigluBackwardEpilogue.spreads_along_s), where it applies
+ALONG_S_SPREAD_STAGING_BYTES = 24 * 1024  # ... only when a K tile's staging tile [128, 4, 2I] bf16 is at most this
+# per partition: the spread keeps two live (Llama3-8B TP8's 28 KiB find no placement beside phase 1's panels)

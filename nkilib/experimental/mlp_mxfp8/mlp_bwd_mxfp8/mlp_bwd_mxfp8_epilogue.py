@@ -15,7 +15,8 @@ from ....core.kernel_helpers import ceil_div, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import CHECKPOINT_BUFFERS, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES
+from .constants import (ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES, CHECKPOINT_BUFFERS, MX_K_ALIGN,
+                        MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -71,6 +72,21 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         two_i = 2 * self.I
         self.fused = self.keeps_for_phase2(plan)
         self.row_width = round_up(two_i, MX_K_ALIGN) if (self.fused and self.setup.is_mx) else two_i
+        # epilogue calls a finished K tile's quantize along S is spread over (one chunk of 2I / calls columns each)
+        n_blocks = ceil_div(n_hi - n_lo, self.ncols)
+        self.along_s_calls = n_blocks * (ALONG_S_SPREAD_S_TILES if self.spreads_along_s(plan) else 1)
+
+    def spreads_along_s(self, plan) -> bool:
+        """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
+        tiles instead of one: phase 1 has more than one n block and two K tiles' staging tiles (the spread one
+        and the next one's first row blocks) fit ALONG_S_SPREAD_STAGING_BYTES each. VectorE then quantizes a
+        quarter of 2I per epilogue call instead of a half, and TensorE stops waiting for it every fourth S tile
+        (TP8: phase 1 ends 6.5 us earlier), paid out where phase 2's fence follows its second W_gu panel's loads
+        (MatmulPlan.fence_after_first_panel). One n block (H = 2048, I = 768): 0.2571 -> 0.2581 ms, not spread."""
+        (_, _), (n_lo, n_hi) = plan.ranges
+        staging = MX_PACK * 2 * self.I * 2  # bf16 [128, 4, 2I] per partition
+        return (self.along_s != None and ceil_div(n_hi - n_lo, plan.n_tile) > 1 and  # noqa: E711
+                staging <= ALONG_S_SPREAD_STAGING_BYTES)
 
     def keeps_for_phase2(self, plan) -> bool:
         """Whether this core's d_gate_up rows stay on chip as phase 2's stationary panels (keep_for_phase2, every I
@@ -140,15 +156,16 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.stage = None
 
     def _quantize_along_s_chunk(self, n0) -> None:
-        """Quantize the next columns of the pending K tile: one n tile's worth per epilogue call of the next
-        S tile (VectorE runs in program order: one 2I-wide quantize_mx would hold back that tile's
-        quantizes and epilogue), and store those columns right after their quantize: the DMA queues then
-        carry the K tile's words as two shorter stores spread over the S tile instead of one 2I-wide store
-        after its last chunk (which shared the queues with phase 2's first W_gu K tiles at phase 1's end and
-        held up the barrier in the pessimistic case). Each column's words and scales are the same either way."""
+        """Quantize the next columns of the pending K tile: 2I / along_s_calls columns per epilogue call of the
+        next S tile, or of the next ALONG_S_SPREAD_S_TILES S tiles (spreads_along_s) (VectorE runs in program
+        order: one 2I-wide quantize_mx would hold back that tile's quantizes and epilogue), and store those
+        columns right after their quantize: the DMA queues then carry the K tile's words as shorter stores
+        spread over the S tile(s) instead of one 2I-wide store after its last chunk (which shared the queues
+        with phase 2's first W_gu K tiles at phase 1's end and held up the barrier in the pessimistic case).
+        Each column's words and scales are the same either way."""
         t, stage, words, scale, c0 = self.along_s_pending
         two_i = 2 * self.I
-        c1 = min(two_i, c0 + ceil_div(two_i, ceil_div(self.n_hi - self.n_lo, self.ncols)))
+        c1 = min(two_i, c0 + ceil_div(two_i, self.along_s_calls))
         nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
         store_k_tile(words[:, c0:c1], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup, f0=c0)
         self.along_s_pending = (t, stage, words, scale, c1) if c1 < two_i else None

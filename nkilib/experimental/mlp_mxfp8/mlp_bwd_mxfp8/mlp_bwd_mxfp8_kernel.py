@@ -348,6 +348,10 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         plan2 = compute_phase2_hidden_states_grad_mxfp8(*phase2_args, config=config.phase2,
                                                         resident=outputs["phase1"], rows=rows2, stage="plan",
                                                         own_k_ranges=own2, **common)
+        if plan1.epilogue.spreads_along_s(plan1):
+            # phase 1 ends earlier: the fence then goes after phase 2's second W_gu panel is issued, so phase 3's
+            # first loads (issued after it) do not share the DMA queues with that panel
+            plan2.fence_after_first_panel()
         built.append(plan2)
         return plan2
 
