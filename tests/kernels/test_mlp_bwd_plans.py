@@ -302,6 +302,52 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
         assert a.tobytes() == b.tobytes()
 
 
+def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
+    """Phase 4 n-major with dY kept whole (TP1, after the K-streamed phase 2): its cold first tiles and the first tiles
+    of each new intermediate panel multiply that panel K tile by K tile in turn as VectorE quantizes it (MatmulPlan
+    interleave_switch with interleave_first_loads: the first span too, since no operand is PE-transposed and the
+    fourth accumulator can be added at tile 0). Forced on S = 1024, H = 256, I = 1024 with phase 4 in 64-row m tiles
+    and 128-column n tiles (each core: 4 m tiles x 4 n blocks, K = S: two K tiles): phase 4's spans are exactly the
+    first three tiles of every n block, tile 0's included (none on the old code), each span cycles through three
+    accumulators with each one's K tiles in order, and the outputs are bit-exact against mx_exact, LNC1 equal to
+    LNC2 (LNC1: 8 n blocks)."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    spans, interleaved = [], []
+    original_spans = plan_module.tile_spans
+
+    def recording_spans(order, lo, hi, switch_span, first=False):
+        out = original_spans(order, lo, hi, switch_span, first)
+        if first:
+            spans.append(out)
+        return out
+
+    def keep(plan, i, span, calls, before, count):
+        if plan.moving_ops[0].tensor.shape == (S, I):  # phase 4's intermediate
+            interleaved.append((i, span, calls))
+
+    monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
+    _record_k_interleaved(monkeypatch, keep)
+    S, H, I = 1024, 256, 1024
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    config = MlpBwdMatmulConfig(phase4=MatmulConfig(m_tile=64, n_tile=128))
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8", matmul_config=config)
+    blocks = 4  # n blocks per core, 4 m tiles each (n-major)
+    assert spans == [[(4 * b, 3) if j == 0 else (4 * b + 3, 1) for b in range(blocks) for j in range(2)]] * 2, spans
+    assert [(i, span) for i, span, _ in interleaved] == [(4 * b, 3) for b in range(blocks)] * 2, interleaved
+    for _, _, calls in interleaved:
+        accs = [c[0] for c in calls]
+        assert len(set(accs)) == 3 and accs == accs[:3] * 2, calls  # K tile by K tile through the span's tiles
+        assert [c[2] for c in calls] == [False] * 3 + [True] * 3 and all(c[1] == 1 for c in calls), calls
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision="mxfp8"))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8", matmul_config=config)
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()
+
+
 def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     """tile_spans: the first switch_span tiles of each n block after the first (capped by the block and by hi) form one
     span; the plan's first tile (unless `first`) and every other tile are spans of 1; switch_span 1 gives all 1."""

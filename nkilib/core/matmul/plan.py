@@ -132,8 +132,10 @@ class MatmulPlan(nl.NKIObject):
             SWITCH_INTERLEAVE_TILES tiles of each new moving panel K tile by K tile across them
             (_matmuls_k_interleaved), with one PSUM accumulator more than the span: as many as fit beside
             TRANSPOSE_PSUM_BANKS (off below 3), and from the first switch on also in those banks when no PE transposes
-            follow (stationary kept whole, moving [K, F]). The caller's epilogue must take no PSUM (the MLP
-            backward's phase 1 split along I; default off).
+            follow (stationary kept whole, moving [K, F]). With interleave_first_loads and no PE-transposed operand
+            (every one [K, F] or pre-quantized) the plan's cold first tiles form such a span too, the accumulators
+            added there. The caller's epilogue must take no PSUM (the MLP backward's phase 1 split along I, and its
+            phase 4 at TP1; default off).
         interleave_lead: with the moving operand kept whole by _resident_operand (not by the panel cache) and a
             lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead run K tile by
             K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators: the caller's epilogue
@@ -197,6 +199,7 @@ class MatmulPlan(nl.NKIObject):
         self.n_tile = config.n_tile
         self.keep_moving = False
         self.interleave = interleave_first_loads
+        self.first_span = False  # the plan's first tiles form an interleave_switch span too (see interleave_switch)
         self.lookahead = STATIONARY_LOOKAHEAD_TILES if stationary_lookahead and setup.is_mx else 0
         self.stationary, self.moving = [], []
         if m_lo >= m_hi or n_lo >= n_hi:
@@ -283,6 +286,12 @@ class MatmulPlan(nl.NKIObject):
                 later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
             if count > PSUM_BUFFERS:
                 self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
+                # interleave_first_loads with no PE transposes (every operand [K, F] or pre-quantized): the plan's
+                # cold first tiles meet their moving panel as it is quantized, like a switch (the MLP backward's
+                # phase 4 at TP1, after the K-streamed phase 2)
+                cold = (interleave_first_loads and all(op.k_axis == 0 or op.prequantized for op in stationary) and
+                        all(op.k_axis == 0 or op.prequantized for op in moving))
+                self.first_span = self.fenced_start or cold
         kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                       "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                       f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
@@ -530,9 +539,11 @@ class MatmulPlan(nl.NKIObject):
             self.accumulators = [psum_buffers(self.n_tile, self.psum_count) for _ in self.products]
             self.acc_order = list(range(self.psum_count))
             self.epilogue.prepare(self)
-        for i, span in tile_spans(self.order, self.done, hi, self.switch_span, self.fenced_start):
+        for i, span in tile_spans(self.order, self.done, hi, self.switch_span, self.first_span):
             finished = [[] for _ in range(span)]
             if span > 1:
+                if i == 0 and self.interleave:
+                    self._interleave_loads(0)
                 self._matmuls_k_interleaved(i, span, finished)
             else:
                 (m0, msz), (n0, nsz) = self.order[i]
