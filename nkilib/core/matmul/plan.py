@@ -137,8 +137,9 @@ class MatmulPlan(nl.NKIObject):
             added there. The caller's epilogue must take no PSUM (the MLP backward's phase 1 split along I, and its
             phase 4 at TP1; default off).
         interleave_lead: with the moving operand kept whole by _resident_operand (not by the panel cache) and a
-            lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead run K tile by
-            K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators: the caller's epilogue
+            lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead (the first
+            one included: the plan's cold first tiles) run K tile by K tile across them (_matmuls_k_interleaved), with
+            the PSUM_BUFFERS accumulators: the caller's epilogue
             evicts on ScalarE, which no quantize holds back, so the span may take the accumulator of the tile before
             it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
             TP1; default off).
@@ -299,6 +300,7 @@ class MatmulPlan(nl.NKIObject):
             # the lead's tiles meet each moving panel as it is loaded and quantized for the first time: TensorE
             # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
             self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
+            self.first_span = True  # the first panel too: the plan starts cold after the previous phase's tail
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
