@@ -138,11 +138,10 @@ class MatmulPlan(nl.NKIObject):
             phase 4 at TP1; default off).
         interleave_lead: with the moving operand kept whole by _resident_operand (not by the panel cache) and a
             lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead (the first
-            one included: the plan's cold first tiles) run K tile by K tile across them (_matmuls_k_interleaved), with
-            the PSUM_BUFFERS accumulators: the caller's epilogue
-            evicts on ScalarE, which no quantize holds back, so the span may take the accumulator of the tile before
-            it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
-            TP1; default off).
+            included) run K tile by K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators:
+            the caller's epilogue evicts on ScalarE, which no quantize holds back, so the span may take the
+            accumulator of the tile before it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the
+            MLP backward's phase 3 at TP1; default off).
         cold_staging: with the moving panels kept resident (m-major, each loaded and quantized once, all of them
             during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
             loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
@@ -287,12 +286,9 @@ class MatmulPlan(nl.NKIObject):
                 later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
             if count > PSUM_BUFFERS:
                 self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
-                # interleave_first_loads with no PE transposes (every operand [K, F] or pre-quantized): the plan's
-                # cold first tiles meet their moving panel as it is quantized, like a switch (the MLP backward's
-                # phase 4 at TP1, after the K-streamed phase 2)
-                cold = (interleave_first_loads and all(op.k_axis == 0 or op.prequantized for op in stationary) and
-                        all(op.k_axis == 0 or op.prequantized for op in moving))
-                self.first_span = self.fenced_start or cold
+                # cold first tiles meet their moving panel as it is quantized, like a switch (see the docstring)
+                self.first_span = self.fenced_start or (interleave_first_loads and all(
+                    op.k_axis == 0 or op.prequantized for op in list(stationary) + list(moving)))
         kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                       "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                       f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
@@ -300,7 +296,7 @@ class MatmulPlan(nl.NKIObject):
             # the lead's tiles meet each moving panel as it is loaded and quantized for the first time: TensorE
             # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
             self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
-            self.first_span = True  # the first panel too: the plan starts cold after the previous phase's tail
+            self.first_span = True
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
