@@ -426,6 +426,48 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
         assert a.tobytes() == b.tobytes()
 
 
+def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
+    """An interleave_lead plan (phase 3 with X kept whole by the resident rule, TP1) quantizes its moving panels' words
+    into pieces of LEAD_PANEL_PIECE_BYTES (TP1: one K tile of X's 2048-column panel, 8 KiB, against the other plans'
+    MX_PANEL_PIECE_BYTES = 16 KiB), so X's first panel finds gaps beside phase 4's last tiles (TP1 modeled 4.5195 /
+    4.6875 -> 4.5161 / 4.6806 ms). Scaled down on the phase-3 lead shape (S = 2048: four K tiles of 128 columns, 512
+    bytes per partition each): with panels above 1 KiB in pieces and LEAD_PANEL_PIECE_BYTES = 512, phase 3's X panels
+    are built one K tile per words allocation while every other pieces() panel keeps the default piece size (one
+    allocation for its K tiles); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul import panel_builder as builder_module
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule
+    monkeypatch.setattr(builder_module, "MX_PANEL_WHOLE_MAX_BYTES", 1024)
+    monkeypatch.setattr(plan_module, "LEAD_PANEL_PIECE_BYTES", 512)
+    builders = []
+    original = builder_module.PanelBuilder.__init__
+
+    def recording(self, f_pad, setup, t_lo, count, placement=None):
+        original(self, f_pad, setup, t_lo, count, placement)
+        builders.append(self)
+
+    monkeypatch.setattr(builder_module.PanelBuilder, "__init__", recording)
+    S, H, I = 2048, 256, 384
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 6)
+    small = MatmulConfig(m_tile=32, n_tile=128)
+    config = MlpBwdMatmulConfig(phase3=small, phase4=small)
+    outs = {}
+    for lnc in (2, 1):
+        builders.clear()
+        outs[lnc] = run_mlp(inp, lnc=lnc, matmul_precision="mxfp8", matmul_config=config)
+        pieces = [b for b in builders if b.placement.kind == "pieces" and b.count == S // 512]
+        lead = [b for b in pieces if b.placement.piece_bytes == 512]
+        assert len(lead) == lnc * H // 128, [(b.f_pad, b.placement.piece_bytes) for b in pieces]  # X's n blocks
+        assert all(b._tiles_per_words_allocation(True) == 1 for b in lead)
+        others = [b for b in pieces if b.placement.piece_bytes != 512]
+        assert others and all(b._tiles_per_words_allocation(True) == b.count for b in others)
+        measured = assert_matches_mx_exact(outs[lnc], mlp_reference(inp, matmul_precision="mxfp8"))
+        assert all(m == (0, 0.0) for m in measured), measured
+    for a, b in zip(outs[1], outs[2]):
+        assert a.tobytes() == b.tobytes()
+
+
 def _traced_bit_exact_on_lnc1_and_lnc2(inp, check_trace):
     """Run the MXFP8 kernel traced on LNC1 and LNC2, call check_trace(trace, lnc) on each run, and assert both runs'
     outputs equal mx_exact bit for bit and each other."""

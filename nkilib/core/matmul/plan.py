@@ -29,7 +29,7 @@ from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TI
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
-                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES)
+                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES)
 from .panels import k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -297,6 +297,8 @@ class MatmulPlan(nl.NKIObject):
             # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
             self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
             self.first_span = True
+            for mv in self.moving:
+                mv.piece_bytes = LEAD_PANEL_PIECE_BYTES
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
