@@ -302,6 +302,52 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
         assert a.tobytes() == b.tobytes()
 
 
+def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
+    """Phase 4 n-major with dY kept whole (TP1, after the K-streamed phase 2): its cold first tiles and the first tiles
+    of each new intermediate panel multiply that panel K tile by K tile in turn as VectorE quantizes it (MatmulPlan
+    interleave_switch with interleave_first_loads: the first span too, since no operand is PE-transposed and the
+    fourth accumulator can be added at tile 0). Forced on S = 1024, H = 256, I = 1024 with phase 4 in 64-row m tiles
+    and 128-column n tiles (each core: 4 m tiles x 4 n blocks, K = S: two K tiles): phase 4's spans are exactly the
+    first three tiles of every n block, tile 0's included (none on the old code), each span cycles through three
+    accumulators with each one's K tiles in order, and the outputs are bit-exact against mx_exact, LNC1 equal to
+    LNC2 (LNC1: 8 n blocks)."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    spans, interleaved = [], []
+    original_spans = plan_module.tile_spans
+
+    def recording_spans(order, lo, hi, switch_span, first=False):
+        out = original_spans(order, lo, hi, switch_span, first)
+        if first and switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
+            spans.append(out)
+        return out
+
+    def keep(plan, i, span, calls, before, count):
+        if plan.moving_ops[0].tensor.shape == (S, I):  # phase 4's intermediate
+            interleaved.append((i, span, calls))
+
+    monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
+    _record_k_interleaved(monkeypatch, keep)
+    S, H, I = 1024, 256, 1024
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    config = MlpBwdMatmulConfig(phase4=MatmulConfig(m_tile=64, n_tile=128))
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8", matmul_config=config)
+    blocks = 4  # n blocks per core, 4 m tiles each (n-major)
+    assert spans == [[(4 * b, 3) if j == 0 else (4 * b + 3, 1) for b in range(blocks) for j in range(2)]] * 2, spans
+    assert [(i, span) for i, span, _ in interleaved] == [(4 * b, 3) for b in range(blocks)] * 2, interleaved
+    for _, _, calls in interleaved:
+        accs = [c[0] for c in calls]
+        assert len(set(accs)) == 3 and accs == accs[:3] * 2, calls  # K tile by K tile through the span's tiles
+        assert [c[2] for c in calls] == [False] * 3 + [True] * 3 and all(c[1] == 1 for c in calls), calls
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision="mxfp8"))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8", matmul_config=config)
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()
+
+
 def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     """tile_spans: the first switch_span tiles of each n block after the first (capped by the block and by hi) form one
     span; the plan's first tile (unless `first`) and every other tile are spans of 1; switch_span 1 gives all 1."""
@@ -326,8 +372,10 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
     4.712 -> 4.533 / 4.707 ms), with the PSUM_BUFFERS accumulators (the StoreEpilogue evicts on ScalarE, so the span
     takes the accumulator of the tile before it, for its second tile, which trails the first by LEAD_INTERLEAVE_SKEW
     K tiles). Forced on S = 2048, H = 256, I = 384 with 32-row m tiles and 128-column n tiles (phase 3: 2 n blocks,
-    K = S: 4 MXFP8 / 16 BF16 K tiles): each core interleaves exactly the lead's first two tiles of n block 1, the matmuls alternate between the two accumulators (skewed) with each one's K tiles
-    in order, and the outputs are bit-exact against mx_exact and equal to LNC1's. Off where the panel cache keeps X."""
+    K = S: 4 MXFP8 / 16 BF16 K tiles): each core interleaves exactly the plan's cold first two tiles (n block 0, a
+    first span: TP1 modeled 4.5239 / 4.6974 -> 4.5195 / 4.6875 ms) and the lead's first two tiles of n block 1 (one span
+    on the old code), the matmuls alternate between the two accumulators (skewed) with each one's K tiles in order,
+    and the outputs are bit-exact against mx_exact and equal to LNC1's. Off where the panel cache keeps X."""
     from nkilib.core.matmul.constants import LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, PSUM_BUFFERS
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
@@ -356,12 +404,13 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
     for lnc, cores in ((2, 2), (1, 1)):
         interleaved.clear()
         outs[lnc] = run_mlp(inp, lnc=lnc, matmul_precision=precision, matmul_config=config)
-        assert len(interleaved) == cores, interleaved
+        # per core: the plan's cold first tiles (n block 0) and the lead's second n block
+        assert [(i == 0, n0) for i, _, n0, _, _, _ in interleaved] == [(True, 0), (False, 128)] * cores, interleaved
         for i, span, n0, calls, before, head in interleaved:
-            assert span == LEAD_INTERLEAVE_TILES and n0 == 128, (i, span, n0)
-            # the span starts at the lead's second n block: every tile before it is n block 0 (the lead n-major)
-            assert all(n == 0 for _, (n, _) in head[:i]) and i > 1, head
-            assert all(n == 128 for _, (n, _) in head[i:]), head
+            assert span == LEAD_INTERLEAVE_TILES, (i, span, n0)
+            # the second span starts at the lead's second n block: every tile before it is n block 0 (n-major)
+            assert i == 0 or (all(n == 0 for _, (n, _) in head[:i]) and i > 1), head
+            assert all(n == n0 for _, (n, _) in head[i:]), head
             accs = [c[0] for c in calls]
             assert len(set(accs)) == 2 and accs[0] != before and len(calls) == 2 * k_tiles, calls
             # K tile by K tile across the span's tiles, the second (which takes the accumulator of the tile before
@@ -372,6 +421,48 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
             assert [c[2] for c in calls] == [t > 0 for _, t in expected], calls
             assert all(c[1] == 1 for c in calls), calls  # one K tile per matmul_panels call
         measured = assert_matches_mx_exact(outs[lnc], reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+    for a, b in zip(outs[1], outs[2]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
+    """An interleave_lead plan (phase 3 with X kept whole by the resident rule, TP1) quantizes its moving panels' words
+    into pieces of LEAD_PANEL_PIECE_BYTES (TP1: one K tile of X's 2048-column panel, 8 KiB, against the other plans'
+    MX_PANEL_PIECE_BYTES = 16 KiB), so X's first panel finds gaps beside phase 4's last tiles (TP1 modeled 4.5195 /
+    4.6875 -> 4.5161 / 4.6806 ms). Scaled down on the phase-3 lead shape (S = 2048: four K tiles of 128 columns, 512
+    bytes per partition each): with panels above 1 KiB in pieces and LEAD_PANEL_PIECE_BYTES = 512, phase 3's X panels
+    are built one K tile per words allocation while every other pieces() panel keeps the default piece size (one
+    allocation for its K tiles); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul import panel_builder as builder_module
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule
+    monkeypatch.setattr(builder_module, "MX_PANEL_WHOLE_MAX_BYTES", 1024)
+    monkeypatch.setattr(plan_module, "LEAD_PANEL_PIECE_BYTES", 512)
+    builders = []
+    original = builder_module.PanelBuilder.__init__
+
+    def recording(self, f_pad, setup, t_lo, count, placement=None):
+        original(self, f_pad, setup, t_lo, count, placement)
+        builders.append(self)
+
+    monkeypatch.setattr(builder_module.PanelBuilder, "__init__", recording)
+    S, H, I = 2048, 256, 384
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 6)
+    small = MatmulConfig(m_tile=32, n_tile=128)
+    config = MlpBwdMatmulConfig(phase3=small, phase4=small)
+    outs = {}
+    for lnc in (2, 1):
+        builders.clear()
+        outs[lnc] = run_mlp(inp, lnc=lnc, matmul_precision="mxfp8", matmul_config=config)
+        pieces = [b for b in builders if b.placement.kind == "pieces" and b.count == S // 512]
+        lead = [b for b in pieces if b.placement.piece_bytes == 512]
+        assert len(lead) == lnc * H // 128, [(b.f_pad, b.placement.piece_bytes) for b in pieces]  # X's n blocks
+        assert all(b._tiles_per_words_allocation(True) == 1 for b in lead)
+        others = [b for b in pieces if b.placement.piece_bytes != 512]
+        assert others and all(b._tiles_per_words_allocation(True) == b.count for b in others)
+        measured = assert_matches_mx_exact(outs[lnc], mlp_reference(inp, matmul_precision="mxfp8"))
         assert all(m == (0, 0.0) for m in measured), measured
     for a, b in zip(outs[1], outs[2]):
         assert a.tobytes() == b.tobytes()

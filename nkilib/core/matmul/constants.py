@@ -71,6 +71,10 @@ LEAD_INTERLEAVE_SKEW = 2  # K tiles the second tile of such a span trails the fi
 # tile before the span). MXFP8 modeled, TP1 / H = 7168, I = 2048 at S = 4096 (main 4.5372 / 4.7115, 1.6195 / 1.7785
 # ms): skew 0 4.532 / 4.707, 1.622 / 1.775; 1: 4.5321 / 4.7066, 1.6202 / 1.7748; 2: 4.5329 / 4.7072, 1.6195 / 1.7752;
 # 3: 4.5337 / 4.7081, 1.6195 / 1.7759; 2 gains on TP1 and costs H = 7168 nothing
+LEAD_PANEL_PIECE_BYTES = 8 * 1024  # the moving panels' words of an interleave_lead plan in pieces of this size (one
+# K tile of a 2048-column panel): TP1 phase 3's first X panel, quantized after phase 4's tail, then finds gaps beside
+# phase 4's tiles. MXFP8 modeled (16 KiB): TP1 4.5195 / 4.6875 -> 4.5161 / 4.6806 ms, H = 7168, I = 2048 1.6195 / 1.7752
+# -> 1.6195 / 1.7727; 8 KiB for every plan cost Llama3-8B TP8 5 us central (round 16 of docs/dense-performance.md)
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (MatmulPlan cold_staging: all of them
 # load at the plan's cold start, where the first tile waits for every K tile of them; the MLP backward's phase 1,

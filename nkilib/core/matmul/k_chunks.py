@@ -266,6 +266,7 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
     options = dict(options)
     options["ranges"] = plan.ranges
     options["interleave_lead"] = False  # later chunks reload their sums first (not K-interleaved)
+    options["interleave_switch"] = False  # nor at moving panel switches (it does not take reload either)
     windows = [([stationary[0].k_window(k0, min(rows, k - k0))], [moving[0].k_window(k0, min(rows, k - k0))])
                for k0 in range(0, k, rows)]
     probes = [MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, epilogue, **options)

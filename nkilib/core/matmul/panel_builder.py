@@ -84,15 +84,17 @@ class PanelPlacement(nl.NKIObject):
         allocated in pieces of MX_PANEL_PIECE_BYTES (whole K tiles each; the dense plans): a block that large finds
         no gap among the previous phase's live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited
         for phase 2's last stores: modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB:
-        0.685; splitting every panel above 16 KiB, W_down's included: 0.671).
+        0.685; splitting every panel above 16 KiB, W_down's included: 0.671). piece_bytes: another piece size
+        (0: MX_PANEL_PIECE_BYTES; MatmulPlan interleave_lead: LEAD_PANEL_PIECE_BYTES).
     into(words, scales): the caller's allocation (SBUF views words [128, count, F_pad], scales [128, scale tiles,
         F_pad]; PanelGroupBlock.slot), laid out as whole().
     BF16 panels ignore the placement: one tile per K tile (PanelBuilder.bf16_tile).
     """
 
-    def __init__(self, kind: str, words=None, scales=None):
+    def __init__(self, kind: str, words=None, scales=None, piece_bytes=0):
         self.kind = kind
         self.words, self.scales = words, scales
+        self.piece_bytes = piece_bytes
 
     @staticmethod
     def whole():
@@ -103,8 +105,8 @@ class PanelPlacement(nl.NKIObject):
         return PanelPlacement(PLACEMENT_PER_K_TILE)
 
     @staticmethod
-    def pieces():
-        return PanelPlacement(PLACEMENT_PIECES)
+    def pieces(piece_bytes=0):
+        return PanelPlacement(PLACEMENT_PIECES, piece_bytes=piece_bytes)
 
     @staticmethod
     def into(words, scales):
@@ -128,7 +130,7 @@ class PanelBuilder(nl.NKIObject):
         self._scale_tiles = [None] * count  # per_k_tile: one per scale tile
         self._pieces = [None] * count  # words allocated in pieces of whole K tiles (per_k_tile: 1; pieces: piece_tiles)
         self._bf16_tiles = [None] * count  # bf16 K tiles allocated early (allocate()), else one per bf16_tile call
-        self.piece_tiles = max(1, MX_PANEL_PIECE_BYTES // (f_pad * 4))
+        self.piece_tiles = max(1, (self.placement.piece_bytes or MX_PANEL_PIECE_BYTES) // (f_pad * 4))
 
     def _tiles_per_words_allocation(self, quantized: bool) -> int:
         """K tiles whose words share one SBUF allocation: the one place that reads the placement's kind for words."""

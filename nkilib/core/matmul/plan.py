@@ -29,7 +29,7 @@ from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TI
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
-                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES)
+                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES)
 from .panels import k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -132,14 +132,16 @@ class MatmulPlan(nl.NKIObject):
             SWITCH_INTERLEAVE_TILES tiles of each new moving panel K tile by K tile across them
             (_matmuls_k_interleaved), with one PSUM accumulator more than the span: as many as fit beside
             TRANSPOSE_PSUM_BANKS (off below 3), and from the first switch on also in those banks when no PE transposes
-            follow (stationary kept whole, moving [K, F]). The caller's epilogue must take no PSUM (the MLP
-            backward's phase 1 split along I; default off).
+            follow (stationary kept whole, moving [K, F]). With interleave_first_loads and no PE-transposed operand
+            (every one [K, F] or pre-quantized) the plan's cold first tiles form such a span too, the accumulators
+            added there. The caller's epilogue must take no PSUM (the MLP backward's phase 1 split along I, and its
+            phase 4 at TP1; default off).
         interleave_lead: with the moving operand kept whole by _resident_operand (not by the panel cache) and a
-            lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead run K tile by
-            K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators: the caller's epilogue
-            evicts on ScalarE, which no quantize holds back, so the span may take the accumulator of the tile before
-            it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the MLP backward's phase 3 at
-            TP1; default off).
+            lead_n_major lead, the first LEAD_INTERLEAVE_TILES tiles of each new moving panel of the lead (the first
+            included) run K tile by K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators:
+            the caller's epilogue evicts on ScalarE, which no quantize holds back, so the span may take the
+            accumulator of the tile before it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the
+            MLP backward's phase 3 at TP1; default off).
         cold_staging: with the moving panels kept resident (m-major, each loaded and quantized once, all of them
             during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
             loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
@@ -198,6 +200,7 @@ class MatmulPlan(nl.NKIObject):
         self.n_tile = config.n_tile
         self.keep_moving = False
         self.interleave = interleave_first_loads
+        self.first_span = False  # the plan's first tiles form an interleave_switch span too (see interleave_switch)
         self.lookahead = STATIONARY_LOOKAHEAD_TILES if stationary_lookahead and setup.is_mx else 0
         self.stationary, self.moving = [], []
         if m_lo >= m_hi or n_lo >= n_hi:
@@ -284,6 +287,9 @@ class MatmulPlan(nl.NKIObject):
                 later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
             if count > PSUM_BUFFERS:
                 self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
+                # cold first tiles meet their moving panel as it is quantized, like a switch (see the docstring)
+                self.first_span = self.fenced_start or (interleave_first_loads and all(
+                    op.k_axis == 0 or op.prequantized for op in list(stationary) + list(moving)))
         kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                       "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                       f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
@@ -291,6 +297,9 @@ class MatmulPlan(nl.NKIObject):
             # the lead's tiles meet each moving panel as it is loaded and quantized for the first time: TensorE
             # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
             self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
+            self.first_span = True
+            for mv in self.moving:
+                mv.piece_bytes = LEAD_PANEL_PIECE_BYTES
 
     # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
     def _load_bytes(self, source, width) -> int:
@@ -549,9 +558,11 @@ class MatmulPlan(nl.NKIObject):
             self.accumulators = [psum_buffers(self.n_tile, self.psum_count) for _ in self.products]
             self.acc_order = list(range(self.psum_count))
             self.epilogue.prepare(self)
-        for i, span in tile_spans(self.order, self.done, hi, self.switch_span, self.fenced_start):
+        for i, span in tile_spans(self.order, self.done, hi, self.switch_span, self.first_span):
             finished = [[] for _ in range(span)]
             if span > 1:
+                if i == 0 and self.interleave:
+                    self._interleave_loads(0)
                 self._matmuls_k_interleaved(i, span, finished)
             else:
                 (m0, msz), (n0, nsz) = self.order[i]

@@ -35,6 +35,7 @@ class PanelSource(nl.NKIObject):
         self.capacity = capacity
         self.later_staging = 0  # when set, the ring shrinks to it after the first panel (MatmulPlan fenced_start)
         self.staging = STAGING_BUFFERS  # staging tiles of the ring its [K, F] loads share (MatmulPlan cold_staging)
+        self.piece_bytes = 0  # words quantized on chip in pieces of this size (PanelPlacement; 0: the default)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -86,7 +87,7 @@ class PanelSource(nl.NKIObject):
             width = min(self.load_width, self.hi - base) if self.load_width else f_size
             self._start_ring(False)
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
-                                     placement=PanelPlacement.pieces())
+                                     placement=PanelPlacement.pieces(self.piece_bytes))
             self.pending_key = base
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
                       "load is pending")
@@ -105,7 +106,7 @@ class PanelSource(nl.NKIObject):
         natural = self.op.k_axis == 1 and not self.op.prequantized
         self._start_ring(natural)
         f_pad = self._padded(f_size)
-        placement = PanelPlacement.pieces()
+        placement = PanelPlacement.pieces(self.piece_bytes)
         if block != None:  # noqa: E711
             words, scales = block.slot(slot, f_pad)
             placement = PanelPlacement.into(words, scales)

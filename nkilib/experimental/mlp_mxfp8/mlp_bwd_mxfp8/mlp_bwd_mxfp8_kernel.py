@@ -246,7 +246,8 @@ def compute_phase4_down_weight_grad_mxfp8(down_weight_grad_td, output_grad_T_td,
         out = down_weight_grad_td if not h_base else down_weight_grad_td[h_base:, :]
         plan = plan_matmul([a_op], [intermediate_T_td], H - h_base, I, setup, config, _split(split, run_with_lnc2),
                            StoreEpilogue(out, dtype), k_chunks=True, lead_n_major=True,
-                           interleave_first_loads=True, stationary_lookahead=True)
+                           interleave_first_loads=True, stationary_lookahead=True,
+                           interleave_switch=setup.is_mx)
     return plan if stage == "plan" else plan.step(stage)
 
 
