@@ -21,7 +21,8 @@ Two exact rewrites save elementwise passes (docs/moe.md section 10, round 14e): 
 (clamp(x) == x), one tensor_tensor, instead of (x >= lower) and (x <= upper) * that; and the "gpt_oss"
 offset is applied inside the product that uses it (scalar_tensor_tensor: fp32(fp32(uc + 1) * dI), the same
 bits as dI * fp32(uc + 1) since an fp32 multiply commutes) unless the intermediate is computed on chip, which
-materializes fp32(uc + 1) once for both products.
+materializes fp32(uc + 1) once for both products. On request (gate_mask_in_product, round 19a) a one-limit gate
+mask is not materialized: d_gate's last product compares, (g <= limit) * t in one scalar_tensor_tensor.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class SwigluTerms(nl.NKIObject):
         self.act_dx, self.msz, self.nsz, self.ncols = act_dx, msz, nsz, ncols
         self.offset, self.offset_engine = offset, offset_engine
         self.lin = uc if offset == 0.0 else None
+        self.gate_cmp = None  # the gate's one-limit mask left to its product (MaskComparison), else None
 
     def linear_factor(self):
         """fp32(uc + offset) [msz, nsz], materialized once (tensor_scalar on offset_engine)."""
@@ -57,7 +59,7 @@ class SwigluTerms(nl.NKIObject):
         return self.lin
 
 
-def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None):
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None, with_mask=True):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
@@ -78,14 +80,17 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown,
     (cheaper than a tensor_tensor, and it can run on ScalarE): |x| is exact (the sign bit cleared) and
     fp32(-upper) = -fp32(upper), so |x| <= upper exactly when -upper <= x <= upper; +-0 give 1, and NaN gives 0
     (|NaN| is NaN, which compares false).
+    with_mask: False for a one-limit x whose mask its product computes (MaskComparison): no mask pass, mask None.
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
     mask_engine = engine if mask_engine == None else mask_engine  # noqa: E711
     if not has_lower and not has_upper:
         return x, None
     clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    c, m = clamped[:msz, :nsz], mask[:msz, :nsz]
+    c = clamped[:msz, :nsz]
+    if with_mask or (has_lower and has_upper):
+        mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        m = mask[:msz, :nsz]
     if has_lower and has_upper:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
                            operand1=float(upper), engine=engine)
@@ -100,15 +105,49 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown,
             nisa.tensor_tensor(dst=m, data1=c, data2=x, op=nl.equal, engine=nisa.engine.vector)
     elif has_lower:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), engine=engine)
+        if not with_mask:
+            return c, None
         nisa.tensor_scalar(dst=m, data=x, op0=nl.greater_equal, operand0=float(lower), engine=mask_engine)
     else:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.minimum, operand0=float(upper), engine=engine)
+        if not with_mask:
+            return c, None
         nisa.tensor_scalar(dst=m, data=x, op0=nl.less_equal, operand0=float(upper), engine=mask_engine)
     return c, m
 
 
+class MaskComparison(nl.NKIObject):
+    """A one-limit mask left to the product that applies it: 1.0 where (x op limit), x a bf16 or fp32 [msz, nsz]
+    view, op nl.less_equal (an upper limit) or nl.greater_equal (a lower one), limit an fp32 constant."""
+
+    def __init__(self, x, op, limit):
+        self.x, self.op, self.limit = x, op, limit
+
+    def apply(self, dst, product):
+        """dst = product * (x op limit): one scalar_tensor_tensor on VectorE (its only engine),
+        fp32((x op limit) * product), where the comparison gives fp32 1.0 or 0.0 (an arithmetic operator of
+        "Supported Math Operators", https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html;
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
+        the bits of tensor_tensor(product, mask), the comparison being clamp_and_mask's tensor_scalar on the same
+        x and limit (exact in fp32; NaN compares false: 0) and an fp32 multiply commuting; the one rounding is
+        dst's."""
+        nisa.scalar_tensor_tensor(dst=dst, data=self.x, op0=self.op, operand0=self.limit, op1=nl.multiply,
+                                  operand1=product)
+
+
+class MaskedProduct(nl.NKIObject):
+    """A mask product not yet issued: dst = product * (the MaskComparison), by issue()."""
+
+    def __init__(self, comparison, dst, product):
+        self.comparison, self.dst, self.product = comparison, dst, product
+
+    def issue(self):
+        self.comparison.apply(self.dst, self.product)
+
+
 def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
-                         clamp_engine=nisa.engine.unknown, up_mask_engine=None) -> SwigluTerms:
+                         clamp_engine=nisa.engine.unknown, up_mask_engine=None,
+                         gate_mask_in_product=False) -> SwigluTerms:
     """Clamps, masks and gate_act of one tile.
 
     Dimensions:
@@ -120,20 +159,30 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
     up_mask_engine: engine of up's mask when it is a tensor_scalar (one limit, or symmetric limits; None:
     clamp_engine), so a kernel can move that pass alone off ScalarE. The "gpt_oss" offset is not applied here:
     the products add it (SwigluTerms.linear_factor, swiglu_backward_tile).
+    gate_mask_in_product: where the gate has one limit (GPT-OSS: above 7), its mask is not materialized; d_gate's
+    last product compares (MaskComparison.apply): one ScalarE / VectorE mask pass and one GpSimd product become one
+    VectorE scalar_tensor_tensor (docs/moe.md section 10, round 19a).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
+    g_lo, g_hi = clamp.non_linear_lower, clamp.non_linear_upper
+    gate_cmp = None
+    if gate_mask_in_product and (g_lo == None) != (g_hi == None):  # noqa: E711  one limit
+        gate_cmp = (MaskComparison(gate_pre, nl.less_equal, float(g_hi)) if g_hi != None else  # noqa: E711
+                    MaskComparison(gate_pre, nl.greater_equal, float(g_lo)))
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
                                                                          nl.gelu_apprx_sigmoid_dx)
-    gc, mask_g = clamp_and_mask(gate_pre, clamp.non_linear_lower, clamp.non_linear_upper, msz, nsz, ncols,
-                                engine=clamp_engine)
+    gc, mask_g = clamp_and_mask(gate_pre, g_lo, g_hi, msz, nsz, ncols, engine=clamp_engine,
+                                with_mask=gate_cmp == None)  # noqa: E711
     uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine,
                                 mask_engine=up_mask_engine)
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.activation(dst=act[:msz, :nsz], op=act_fn, data=gc)  # gate_act = bf16(act(gc))
         gate_act = act[:msz, :nsz]
-    return SwigluTerms(gc, mask_g, uc, mask_u, gate_act, act_dx, msz, nsz, ncols, offset=UP_OFFSETS[activation],
-                       offset_engine=clamp_engine)
+    terms = SwigluTerms(gc, mask_g, uc, mask_u, gate_act, act_dx, msz, nsz, ncols, offset=UP_OFFSETS[activation],
+                        offset_engine=clamp_engine)
+    terms.gate_cmp = gate_cmp
+    return terms
 
 
 def intermediate_tile(terms: SwigluTerms):
@@ -146,7 +195,7 @@ def intermediate_tile(terms: SwigluTerms):
 
 
 def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector,
-                         d_up_engine=None) -> None:
+                         d_up_engine=None, gate_mask_later=False):
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
@@ -159,6 +208,10 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     on VectorE (its only engine,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
     fp32(fp32(uc + 1) * dI), the bits of the reference's dI * (uc + 1) (an fp32 multiply commutes).
+    With the gate's mask left to its product (terms.gate_cmp: swiglu_forward_terms' gate_mask_in_product), the last
+    product of d_gate is that comparison's scalar_tensor_tensor; gate_mask_later: returned as a MaskedProduct for the
+    caller to issue (before anything reads d_gate_dst) instead of issued here, so that VectorE, which runs in program
+    order, does not wait for GpSimd's product it reads. Returns that MaskedProduct, else None.
     """
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, mask_u, mask_g = terms.act, terms.mask_u, terms.mask_g
@@ -180,12 +233,21 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
                                   op1=nl.multiply, operand1=d_i)
     else:
         nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=terms.lin, op=nl.multiply, engine=d_i_engine)
-    if mask_g == None:  # noqa: E711
+    if mask_g == None and terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
+    elif terms.gate_cmp != None:  # noqa: E711  the one-limit mask compared in its product (MaskComparison)
+        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        masked = MaskedProduct(terms.gate_cmp, d_gate_dst, t_g2[:msz, :nsz])
+        if gate_mask_later:
+            return masked
+        masked.issue()
     else:
         t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
                            engine=nisa.engine.gpsimd)
+    return None

@@ -139,3 +139,42 @@ def test_one_limit_masks_keep_their_comparison():
     _assert_same_bits(outs[1], d_up, "d_up")
     ops = [(r.instr, r.attrs.get("op") or r.attrs.get("op0")) for r in trace]
     assert ops.count(("tensor_scalar", "less_equal")) == 1 and ops.count(("tensor_scalar", "abs")) == 1, ops
+
+
+@pytest.mark.parametrize("gate_limit", ["upper", "lower"])
+@pytest.mark.parametrize("later", [False, True], ids=["issued_now", "issued_later"])
+def test_one_limit_gate_mask_in_its_product(gate_limit, later):
+    """gate_mask_in_product (docs/moe.md section 10, round 19a): a one-limit gate mask is not materialized; d_gate's
+    last product compares (scalar_tensor_tensor: (g op limit) * product). Same bits as the contract's
+    bf16(product * mask) on adversarial values (the limit and its bf16 neighbours, +-0, +-3e38, +-inf, NaN) with dI
+    large enough that the fp32 product overflows where the mask is 0 (inf * 0 = NaN: the mask must multiply the
+    fp32 product, as in the contract, not a rounded one). Issued later (the MaskedProduct the MoE kernel issues a tile
+    on), the bits are the same. Fails with < for <= (the values at the limit) or without the mask."""
+    upper = gate_limit == "upper"
+    clamp = ClampLimits(non_linear_upper=7.0 if upper else None, non_linear_lower=None if upper else -7.0,
+                        linear_lower=-7.0, linear_upper=7.0, activation="gpt_oss")
+    gate_pre, up = _adversarial((7.0, -7.0), seed=11), _adversarial((7.0, -7.0), seed=12)
+    rng = np.random.default_rng(13)
+    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
+    d_i = rng.standard_normal((P, F)).astype(np.float32)
+    d_i[:, :8] = [3.0e38, -3.0e38, 1.0e38, -1.0e38, 0.0, -0.0, np.inf, np.nan]
+
+    def body(g, u, a, di, d_gate, d_up):
+        terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar,
+                                     gate_mask_in_product=True)
+        pending = swiglu_backward_tile(di, terms, d_gate, d_up, gate_mask_later=later)
+        assert (pending != None) == later  # noqa: E711
+        if later:
+            pending.issue()
+
+    outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 2, trace=True)
+    d_gate, d_up, _ = _expected(gate_pre, up, gate_act, d_i, clamp)
+    _assert_same_bits(outs[0], d_gate, "d_gate")
+    _assert_same_bits(outs[1], d_up, "d_up")
+    ops = [(r.instr, r.attrs.get("op") or r.attrs.get("op0"), r.attrs.get("op1")) for r in trace]
+    cmp = "less_equal" if upper else "greater_equal"
+    assert [o for o in ops if o[0] == "tensor_scalar" and o[1] == cmp] == [], ops  # no mask pass
+    assert ops.count(("scalar_tensor_tensor", cmp, "multiply")) == 1, ops
+    assert ops.count(("tensor_scalar", "abs", "less_equal")) == 1, ops  # up's two-limit mask is unchanged
+    products = [o for o in ops if o[0] == "tensor_tensor" and o[1] == "multiply"]
+    assert len(products) == 3, ops  # dI * a, (dI * a) * mask_u, (dI * (uc + 1)) * act'(gc): no gate mask product

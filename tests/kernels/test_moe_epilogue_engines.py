@@ -167,3 +167,32 @@ def test_routing_gradient_is_one_vector_pass_per_tile(lnc):
     assert not [r for r in in_a if r.instr == "tensor_reduce"]
     folds = [r for r in in_a if r.instr == "tensor_tensor" and r.attrs.get("op") == "add"]
     assert len(folds) == len(fused) // 2, (len(folds), len(fused))  # one fold per row chunk's second tile
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_gate_mask_in_its_product_a_tile_late(lnc):
+    """Round 19a: GPT-OSS's one-limit gate mask (gate_pre <= limit) is not a ScalarE pass; d_gate's last product
+    compares, one VectorE scalar_tensor_tensor (less_equal, multiply) per epilogue tile writing the bf16 d_gate
+    columns, and no GpSimd product by a gate mask is left. It is issued a tile late in VectorE's program order (after
+    the next tile's dh * (uc + 1), the chunk's last one at its store): with I = 640 (two I tiles) each chunk's VectorE
+    products run (add, add, less_equal, less_equal), where issuing it at once gives (add, less_equal, add, less_equal).
+    The bits stay mx_exact's at LNC1 and LNC2."""
+    T, E, k, H, I = 40, 3, 2, 64, 640
+    kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=9), seed=41,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"), clamp_limits=GPT_OSS_LIKE)
+    with label_phases(kernel_module, PHASES):
+        res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"gate mask in its product vs mx_exact, LNC{lnc}")
+    in_a = [r for r in res.trace if r.attrs.get("phase") == "A dI+epilogue" and r.program == 0]
+    tiles = [r for r in in_a if r.instr == "activation"]  # act', once per epilogue tile
+    masked = [r for r in in_a if r.instr == "scalar_tensor_tensor" and r.attrs.get("op0") == "less_equal"]
+    assert tiles and len(masked) == len(tiles), (len(masked), len(tiles))
+    assert all(r.attrs["op1"] == "multiply" and r.attrs["dst_dtype"] == "bfloat16" and r.engine == "vector"
+               for r in masked)
+    assert not [r for r in in_a if r.instr == "tensor_scalar" and r.attrs.get("op0") == "less_equal"]
+    products = [r for r in in_a if r.instr == "tensor_tensor" and r.attrs.get("op") == "multiply"]
+    assert len(products) == 3 * len(tiles), (len(products), len(tiles))  # dh * a, its mask product, * act'
+    order = [r.attrs["op0"] for r in in_a if r.instr == "scalar_tensor_tensor" and r.attrs.get("op0") in
+             ("add", "less_equal")]
+    assert order == ["add", "add", "less_equal", "less_equal"] * (len(tiles) // 2), order

@@ -199,6 +199,7 @@ class RowChunk(nl.NKIObject):
             self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
+        self.gate_masked = None  # this chunk's last gate mask product not yet issued (issue_gate_mask)
         # engine of the epilogue's product dh * a: the kernel's choice (MoeContext.d_up_engine) unless the caller's
         self.d_up_engine = ctx.d_up_engine if d_up_engine == None else d_up_engine  # noqa: E711
         self.d_w = nl.ndarray((m, len(_blocks(i_lo, i_hi, PHASE1_N_TILE)) if tile_sums else 1), dtype=nl.float32,
@@ -221,7 +222,8 @@ class RowChunk(nl.NKIObject):
         up = _projection_tile(u_ck, u_psum, m, c0, nsz)
         act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
         terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
-                                     clamp_engine=ctx.clamp_engine, up_mask_engine=ctx.up_mask_engine)
+                                     clamp_engine=ctx.clamp_engine, up_mask_engine=ctx.up_mask_engine,
+                                     gate_mask_in_product=ctx.gate_mask_in_product)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         if self.tile_sums:  # this tile's sum alone (folded with the other core's tiles after the fence)
             c = c0 // PHASE1_N_TILE
@@ -233,18 +235,30 @@ class RowChunk(nl.NKIObject):
         # dh and hs on ScalarE (fp32 multiplies, the same bits on any engine): VectorE bounds the epilogue
         nisa.tensor_scalar(dst=dh[:m, :nsz], data=d_i[:m, :nsz], op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
-        swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
-                             self.d_gu[:m, width + c0:width + c0 + nsz],
-                             d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
-                             d_up_engine=self.d_up_engine)
+        masked = swiglu_backward_tile(dh[:m, :nsz], terms, self.d_gu[:m, c0:c0 + nsz],
+                                      self.d_gu[:m, width + c0:width + c0 + nsz],
+                                      d_i_engine=ctx.d_gate_engine,  # dh is in SBUF: off VectorE unless clamped
+                                      d_up_engine=self.d_up_engine, gate_mask_later=True)
+        # the gate's mask product (a VectorE scalar_tensor_tensor, ctx.gate_mask_in_product) of the previous I tile:
+        # issued here, a tile late, since it waits for GpSimd's product of that tile and VectorE runs in program
+        # order (issued at once, VectorE waits: gpt4 2751.2 us; docs/moe.md section 10, round 19a)
+        self.issue_gate_mask()
+        self.gate_masked = masked
         # hs = bf16(f32(h) * p): dW_down's operand (the routing weight applied on the intermediate)
         nisa.tensor_scalar(dst=self.hs[:m, c0:c0 + nsz], data=h, op0=nl.multiply, operand0=self.p,
                            engine=nisa.engine.scalar)
         if self.d_gu_panel != None:  # noqa: E711  this tile's d_gate and d_up columns (the panel is built at the store)
             self.d_gu_panel.written([(c0, c0 + nsz), (width + c0, width + c0 + nsz)])
 
+    def issue_gate_mask(self):
+        """The last I tile's gate mask product, if one waits (swiglu_backward_tile's MaskedProduct)."""
+        if self.gate_masked != None:  # noqa: E711
+            self.gate_masked.issue()
+            self.gate_masked = None
+
     def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
+        self.issue_gate_mask()  # before the d_gate columns are stored and transposed into pass B's panel
         if width == I:
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
             if self.d_gu_panel != None:  # noqa: E711  the K tiles the last I tile completed after the others

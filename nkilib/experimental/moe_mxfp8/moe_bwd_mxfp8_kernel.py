@@ -228,7 +228,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     pipelined = (a_groups == None and a_skip[0] and ctx.B % (2 * PARTITIONS * split.num_cores) == 0)  # noqa: E711
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
-    ctx.d_up_engine = nisa.engine.vector if pipelined else nisa.engine.gpsimd
+    # With the gate's mask in its product (clamped: a VectorE scalar_tensor_tensor instead of a GpSimd product), dh * a
+    # goes back to GpSimd, so each engine keeps its passes per I tile (round 19a; on VectorE too: gpt4 2681.9 us)
+    ctx.d_up_engine = (nisa.engine.vector if pipelined and not ctx.gate_mask_in_product else nisa.engine.gpsimd)
     # GpSimd bounds the pipeline, so its d_topk_weights scatters (software DGE) wait in HBM scratch (d_w_partial, this
     # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c
     ctx.defer_d_w = pipelined
@@ -563,6 +565,9 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     # the folded offset left with room while ScalarE bounds pass A again (gpt4 2605.0 -> 2582.0 us; both masks there
     # 2644.5 us: docs/moe.md section 10, round 14e)
     ctx.up_mask_engine = nisa.engine.vector if relieve else None
+    # the gate's one-limit mask (GPT-OSS: gate_pre <= 7) compared inside d_gate's last product, one VectorE
+    # scalar_tensor_tensor, instead of a ScalarE mask pass and a GpSimd product (docs/moe.md section 10, round 19a)
+    ctx.gate_mask_in_product = relieve
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     ctx.ids2d = token_position_to_id.reshape((N, block_size))
