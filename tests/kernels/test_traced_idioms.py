@@ -32,6 +32,7 @@ TRACED_MODULES = (
     "core/swiglu.py",
     "core/matmul/constants.py",
     "core/matmul/descriptor.py",
+    "core/matmul/overlap.py",
     "core/matmul/panels.py",
     "core/matmul/plan.py",
     "core/matmul/row_panels.py",

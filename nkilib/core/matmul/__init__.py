@@ -6,9 +6,10 @@ panel_builder.py: Panel, PanelPlacement (where a panel's K tiles go in SBUF) and
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
 plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps);
+overlap.py: what a MatmulPlan holds and first loads, for overlapping it with its neighbours (PhaseGraph);
 core_split.py: CoreSplit (the LNC split, decided once per kernel); epilogue.py: StoreEpilogue (the default epilogue);
 k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neither long-K operand fits SBUF);
-constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets.
+constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets (usable_sbuf_bytes: the target's SBUF).
 """
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
 from .panel_builder import Panel, PanelPlacement  # noqa: F401
@@ -20,5 +21,6 @@ from .row_panels import (PanelSlots, RowPanelByColumns, load_panel_tiles, panel_
 from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F401
 from .core_split import CoreSplit  # noqa: F401
 from .epilogue import StoreEpilogue  # noqa: F401
-from .plan import MatmulPlan, fit_width, psum_buffers, usable_sbuf_bytes  # noqa: F401
+from .constants import usable_sbuf_bytes  # noqa: F401
+from .plan import MatmulPlan, fit_width, psum_buffers  # noqa: F401
 from .k_chunks import KChunkedPlan, plan_matmul  # noqa: F401

@@ -2,6 +2,7 @@
 
 Kernels re-export what they use from here (e.g. the MLP backward's constants.py); nothing else defines them.
 """
+import nki.language as nl
 
 PARTITIONS = 128  # SBUF/PSUM partitions (nl.tile_size.pmax)
 MX_GROUP = 32  # MX block size along K (OCP MX v1.0)
@@ -19,6 +20,16 @@ SCALE_PACK_STRIDE = 4
 FP8_X4_DTYPE_NAMES = ("float8_e4m3fn_x4", "float8_e5m2_x4")  # accepted fp8_x4_dtype values
 QUANT_SCHEMES = ("1x32", "wrapX")
 MATMUL_PRECISIONS = ("mxfp8", "bf16")
+
+
+def usable_sbuf_bytes() -> int:
+    """Usable SBUF bytes per partition of the target: nl.tile_size.sbuf_fmax_bytes. The tile_size page
+    deprecates total_available_sbuf_size (since NKI 0.4.0b4) and names sbuf_fmax_bytes as "the usable
+    per-partition size": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/nki.language.tile_size.html
+    (same text on the v2.33.0 page). A function, not a constant: the size is the target's (trn2: 224 KiB,
+    trn3: 256 KiB), which the simulator sets per run."""
+    return nl.tile_size.sbuf_fmax_bytes
+
 
 PSUM_BUFFERS = 2  # double-buffer PSUM accumulators so eviction overlaps the next tile's matmuls
 PANEL_CACHE_BUDGET_BYTES = 96 * 1024  # SBUF bytes per partition for keeping every moving panel resident

@@ -13,6 +13,9 @@ Operands that do not fit SBUF: moving panels all resident (m-major) > stationary
 (n-major) > the smaller whole operand resident beside the other's streamed panels (RESIDENT_OPERAND_BUDGET_BYTES)
 > K-streamed groups > stationary groups (see MatmulPlan). A long K that leaves only the last two can be cut into
 chunks that each keep an operand resident instead (k_chunks.py plan_matmul, the caller's choice).
+
+What a plan holds at its end and takes for its first loads, which PhaseGraph weighs to overlap it with the plans
+beside it, is computed in overlap.py; the K-streamed run is streamed.py's.
 """
 from __future__ import annotations
 
@@ -20,28 +23,20 @@ import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
-                        FENCED_STAGING_BUFFERS, LATE_FENCE_STAGING_BUFFERS,
-                        MOVING_PANEL_BUDGET_BYTES, MX_PACK, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
-                        PREFETCH_MARGIN_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
-                        RESIDENT_OPERAND_BUDGET_BYTES,
-                        SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
-                        STATIONARY_LOOKAHEAD_TILES, OWN_PREFETCH_GROUPS,
-                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BF16_BYTES,
+                        FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES,
+                        MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
+                        PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES,
+                        STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES,
+                        STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
-                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES)
+                        usable_sbuf_bytes)
+from .overlap import (first_load_bytes, first_stationary_load_bytes, held_bytes_at_tail, last_loading_tile,
+                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
 from .panels import k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
-from .streamed import run_streamed, tail_held_bytes
-
-
-def usable_sbuf_bytes() -> int:
-    """Usable SBUF bytes per partition of the target: nl.tile_size.sbuf_fmax_bytes. The tile_size page
-    deprecates total_available_sbuf_size (since NKI 0.4.0b4) and names sbuf_fmax_bytes as "the usable
-    per-partition size": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/nki.language.tile_size.html
-    (same text on the v2.33.0 page)."""
-    return nl.tile_size.sbuf_fmax_bytes
+from .streamed import run_streamed
 
 
 def fit_width(requested, ops, setup, budget, quantum):
@@ -301,73 +296,27 @@ class MatmulPlan(nl.NKIObject):
             for mv in self.moving:
                 mv.piece_bytes = LEAD_PANEL_PIECE_BYTES
 
-    # ---- SBUF accounting (for overlapping one plan's tail with the next plan's first loads) ----
-    def _load_bytes(self, source, width) -> int:
-        """SBUF bytes per partition of one load of `source` (a PanelSource) `width` columns wide."""
-        if source.load_width:
-            width = source.load_width
-        return panel_bytes_per_partition(source.op.k_size, width, self.setup)
-
+    # ---- overlapping the plans beside it (PhaseGraph's questions, answered in overlap.py) ----
     def held_bytes(self) -> int:
         """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
-        if not self.order:
-            return 0
-        total = 0
-        for st, op in zip(self.stationary, self.stationary_ops):
-            if st.resident:
-                total += panel_bytes_per_partition(op.k_size, st.hi - st.lo, self.setup)
-            elif st.keep_all:
-                total += panel_bytes_per_partition(st.op.k_size, st.hi - st.lo, self.setup)
-            else:
-                total += st.capacity * self._load_bytes(st, self.order[0][0][1])
-        for mv in self.moving:
-            total += panel_bytes_per_partition(mv.op.k_size, self.n_width if mv.keep_all else self.n_tile, self.setup)
-        return total + self.epilogue.held_bytes(self.n_tile)
+        return held_bytes_at_tail(self)
 
     def first_bytes(self) -> int:
         """SBUF bytes per partition that loading the first tile's panels takes (with MXFP8 staging)."""
-        if not self.order:
-            return 0
-        (_, msz), (_, nsz) = self.order[0]
-        total, widest = 0, nsz
-        for mv in self.moving:
-            total += self._load_bytes(mv, nsz)
-        for st in self.stationary:
-            if not st.resident:
-                total += self._load_bytes(st, msz)
-                widest = max(widest, st.load_width or msz)
-        staging = STAGING_BUFFERS * MX_PACK * 2 * widest if self.setup.is_mx else 0
-        return total + staging
-
-    def can_prefetch(self, nxt) -> bool:
-        """Whether `nxt`'s first panels may load while this plan's last tiles run: neither is K-streamed
-        (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
-        if self.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
-            return False
-        budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
-        return self.held_bytes() + nxt.first_bytes() <= budget
-
-    def can_load_under_tail(self, nxt) -> bool:
-        """Whether `nxt`'s first stationary panels may load during this K-streamed plan's last quad (set_tail_load,
-        where can_prefetch refuses: a K-streamed plan budgets all of SBUF): nxt is not K-streamed, its stationary
-        operand is [K, F] quantized on chip (first_stationary_bytes), and that load fits beside what this plan holds
-        once its last quad is loaded (streamed.tail_held_bytes) with PREFETCH_MARGIN_BYTES to spare."""
-        if self.stream == None or nxt.stream != None or not nxt.order:  # noqa: E711
-            return False
-        budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES - tail_held_bytes(self)
-        return nxt.first_stationary_bytes() <= budget
+        return first_load_bytes(self)
 
     def first_stationary_bytes(self) -> int:
-        """SBUF bytes per partition of the first tile's stationary loads with their MXFP8 staging ring, when every
-        stationary operand is a [K, F] bf16 operand quantized on chip (PanelSource.can_load_ahead); else more than
-        SBUF holds (no such load under another plan)."""
-        if not self.order or not all(st.can_load_ahead() for st in self.stationary):
-            return usable_sbuf_bytes() + 1
-        (_, msz), _ = self.order[0]
-        total = 0
-        for st in self.stationary:
-            total += self._load_bytes(st, msz) + STAGING_BUFFERS * MX_PACK * 2 * (st.load_width or msz)
-        return total
+        """SBUF bytes per partition of the first tile's stationary loads (overlap.first_stationary_load_bytes)."""
+        return first_stationary_load_bytes(self)
+
+    def can_prefetch(self, nxt) -> bool:
+        """Whether `nxt`'s first panels may load while this plan's last tiles run (overlap.prefetch_fits)."""
+        return prefetch_fits(self, nxt)
+
+    def can_load_under_tail(self, nxt) -> bool:
+        """Whether `nxt`'s first stationary panels may load during this K-streamed plan's last quad
+        (overlap.tail_load_fits)."""
+        return tail_load_fits(self, nxt)
 
     def prefetch_stationary(self) -> None:
         """Load the first tile's stationary panels now (under the previous K-streamed plan's last quad)."""
@@ -394,21 +343,9 @@ class MatmulPlan(nl.NKIObject):
         self.fence = (self.fence_tile, barrier)
 
     def fence_after_first_panel(self) -> None:
-        """Move set_fence's sync point to the last tile of the first moving panel (n-major plans): run() issues the
-        next tile's loads, the second panel's, before it checks the fence, so the fence follows them and the next
-        phase's first loads, which the fence protects and which start as soon as it passes, do not share the DMA
-        queues with that panel; the later panels' staging ring grows to LATE_FENCE_STAGING_BUFFERS (the MLP
-        backward's phase 2 when phase 1 ends earlier: its along-S spread). TP8 with the spread, central /
-        pessimistic ms: the fence one tile earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 /
-        0.7139, one / two tiles later 0.6330 / 0.7190, 0.6330 / 0.7216. No change with one moving panel."""
-        n_first = self.order[0][1][0] if self.order else 0
-        second = [j for j in range(len(self.order)) if self.order[j][1][0] != n_first]
-        if not second:
-            return
-        self.fence_tile = second[0] - 1
-        if self.fenced_start:
-            for mv in self.moving:
-                mv.later_staging = LATE_FENCE_STAGING_BUFFERS
+        """Move set_fence's sync point to the last tile of the first moving panel, after the second panel's loads
+        (n-major plans; overlap.place_fence_after_first_panel)."""
+        place_fence_after_first_panel(self)
 
     def fire_fence(self) -> None:
         """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""
@@ -423,24 +360,8 @@ class MatmulPlan(nl.NKIObject):
         return len(self.stationary) > 0 and self.stationary[0].resident
 
     def last_load(self) -> int:
-        """Index of the last tile whose panels are not all loaded by earlier tiles (mirrors PanelSource's
-        caching): after it this plan loads nothing, so the next plan's first panels can load then."""
-        if self.stream != None:  # noqa: E711
-            return len(self.order) - 1
-        last = 0
-        sources = ([(s, 0) for s in self.stationary] + [(m, 1) for m in self.moving])
-        loaded = [[] for _ in sources]  # first columns each source holds, as its cache would
-        for i, ((m0, _), (n0, _)) in enumerate(self.order):
-            for (source, axis), keys in zip(sources, loaded):
-                if source.resident:
-                    continue
-                key = source.load_key(n0 if axis else m0)
-                if key not in keys:
-                    if not source.keep_all and len(keys) >= source.capacity:
-                        keys.clear()
-                    keys.append(key)
-                    last = i
-        return last
+        """Index of the last tile that loads a panel: after it this plan loads nothing (overlap.last_loading_tile)."""
+        return last_loading_tile(self)
 
     def _interleave_loads(self, i: int) -> None:
         """interleave_first_loads: when tile i needs a new stationary and a new moving panel of [K, F] operands

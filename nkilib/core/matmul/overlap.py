@@ -1,0 +1,127 @@
+"""How a MatmulPlan overlaps the plans beside it: the answers PhaseGraph asks of it (nkilib/core/phase_graph.py).
+
+The SBUF a plan holds while its last tiles run and the SBUF its first loads take decide whether the next plan's first
+panels may load under this plan's tail (prefetch_fits) or under a K-streamed plan's last quad (tail_load_fits);
+last_loading_tile says where this plan's own loads end, and place_fence_after_first_panel where a sync point inside
+its run leaves the next plan's first loads the DMA queues. MatmulPlan's methods of the same purpose (held_bytes,
+first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel) call
+these; plan.py decides the tiling they read (order, stream, the PanelSources).
+"""
+from __future__ import annotations
+
+from .constants import (LATE_FENCE_STAGING_BUFFERS, MX_PACK, PREFETCH_MARGIN_BYTES, STAGING_BUFFERS,
+                        usable_sbuf_bytes)
+from .panels import panel_bytes_per_partition
+from .streamed import tail_held_bytes
+
+
+def load_bytes(plan, source, width) -> int:
+    """SBUF bytes per partition of one load of `source` (a PanelSource of `plan`) `width` columns wide."""
+    if source.load_width:
+        width = source.load_width
+    return panel_bytes_per_partition(source.op.k_size, width, plan.setup)
+
+
+def held_bytes_at_tail(plan) -> int:
+    """Upper bound of the SBUF bytes per partition `plan` holds while its last tiles run."""
+    if not plan.order:
+        return 0
+    total = 0
+    for st, op in zip(plan.stationary, plan.stationary_ops):
+        if st.resident:
+            total += panel_bytes_per_partition(op.k_size, st.hi - st.lo, plan.setup)
+        elif st.keep_all:
+            total += panel_bytes_per_partition(st.op.k_size, st.hi - st.lo, plan.setup)
+        else:
+            total += st.capacity * load_bytes(plan, st, plan.order[0][0][1])
+    for mv in plan.moving:
+        total += panel_bytes_per_partition(mv.op.k_size, plan.n_width if mv.keep_all else plan.n_tile, plan.setup)
+    return total + plan.epilogue.held_bytes(plan.n_tile)
+
+
+def first_load_bytes(plan) -> int:
+    """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging)."""
+    if not plan.order:
+        return 0
+    (_, msz), (_, nsz) = plan.order[0]
+    total, widest = 0, nsz
+    for mv in plan.moving:
+        total += load_bytes(plan, mv, nsz)
+    for st in plan.stationary:
+        if not st.resident:
+            total += load_bytes(plan, st, msz)
+            widest = max(widest, st.load_width or msz)
+    staging = STAGING_BUFFERS * MX_PACK * 2 * widest if plan.setup.is_mx else 0
+    return total + staging
+
+
+def first_stationary_load_bytes(plan) -> int:
+    """SBUF bytes per partition of `plan`'s first tile's stationary loads with their MXFP8 staging ring, when every
+    stationary operand is a [K, F] bf16 operand quantized on chip (PanelSource.can_load_ahead); else more than
+    SBUF holds (no such load under another plan)."""
+    if not plan.order or not all(st.can_load_ahead() for st in plan.stationary):
+        return usable_sbuf_bytes() + 1
+    (_, msz), _ = plan.order[0]
+    total = 0
+    for st in plan.stationary:
+        total += load_bytes(plan, st, msz) + STAGING_BUFFERS * MX_PACK * 2 * (st.load_width or msz)
+    return total
+
+
+def prefetch_fits(plan, nxt) -> bool:
+    """Whether `nxt`'s first panels may load while `plan`'s last tiles run: neither is K-streamed
+    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
+    if plan.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
+        return False
+    budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
+    return plan.held_bytes() + nxt.first_bytes() <= budget
+
+
+def tail_load_fits(plan, nxt) -> bool:
+    """Whether `nxt`'s first stationary panels may load during K-streamed `plan`'s last quad (set_tail_load, where
+    prefetch_fits refuses: a K-streamed plan budgets all of SBUF): nxt is not K-streamed, its stationary operand is
+    [K, F] quantized on chip (first_stationary_load_bytes), and that load fits beside what `plan` holds once its last
+    quad is loaded (streamed.tail_held_bytes) with PREFETCH_MARGIN_BYTES to spare."""
+    if plan.stream == None or nxt.stream != None or not nxt.order:  # noqa: E711
+        return False
+    budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES - tail_held_bytes(plan)
+    return nxt.first_stationary_bytes() <= budget
+
+
+def last_loading_tile(plan) -> int:
+    """Index of `plan`'s last tile whose panels are not all loaded by earlier tiles (mirrors PanelSource's
+    caching): after it the plan loads nothing, so the next plan's first panels can load then."""
+    if plan.stream != None:  # noqa: E711
+        return len(plan.order) - 1
+    last = 0
+    sources = ([(s, 0) for s in plan.stationary] + [(m, 1) for m in plan.moving])
+    loaded = [[] for _ in sources]  # first columns each source holds, as its cache would
+    for i, ((m0, _), (n0, _)) in enumerate(plan.order):
+        for (source, axis), keys in zip(sources, loaded):
+            if source.resident:
+                continue
+            key = source.load_key(n0 if axis else m0)
+            if key not in keys:
+                if not source.keep_all and len(keys) >= source.capacity:
+                    keys.clear()
+                keys.append(key)
+                last = i
+    return last
+
+
+def place_fence_after_first_panel(plan) -> None:
+    """Move set_fence's sync point to the last tile of `plan`'s first moving panel (n-major plans): run() issues the
+    next tile's loads, the second panel's, before it checks the fence, so the fence follows them and the next
+    phase's first loads, which the fence protects and which start as soon as it passes, do not share the DMA
+    queues with that panel; the later panels' staging ring grows to LATE_FENCE_STAGING_BUFFERS (the MLP
+    backward's phase 2 when phase 1 ends earlier: its along-S spread). TP8 with the spread, central /
+    pessimistic ms: the fence one tile earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 /
+    0.7139, one / two tiles later 0.6330 / 0.7190, 0.6330 / 0.7216. No change with one moving panel."""
+    n_first = plan.order[0][1][0] if plan.order else 0
+    second = [j for j in range(len(plan.order)) if plan.order[j][1][0] != n_first]
+    if not second:
+        return
+    plan.fence_tile = second[0] - 1
+    if plan.fenced_start:
+        for mv in plan.moving:
+            mv.later_staging = LATE_FENCE_STAGING_BUFFERS
