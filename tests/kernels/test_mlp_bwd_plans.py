@@ -367,15 +367,16 @@ def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
 
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
-    """Phase 3 with X kept whole by the resident rule (TP1): the first LEAD_INTERLEAVE_TILES = 2 tiles of the lead's
-    second n block multiply X's new panel K tile by K tile in turn (MatmulPlan interleave_lead; TP1 modeled 4.537 /
-    4.712 -> 4.533 / 4.707 ms), with the PSUM_BUFFERS accumulators (the StoreEpilogue evicts on ScalarE, so the span
-    takes the accumulator of the tile before it, for its second tile, which trails the first by LEAD_INTERLEAVE_SKEW
-    K tiles). Forced on S = 2048, H = 256, I = 384 with 32-row m tiles and 128-column n tiles (phase 3: 2 n blocks,
-    K = S: 4 MXFP8 / 16 BF16 K tiles): each core interleaves exactly the plan's cold first two tiles (n block 0, a
-    first span: TP1 modeled 4.5239 / 4.6974 -> 4.5195 / 4.6875 ms) and the lead's first two tiles of n block 1 (one span
-    on the old code), the matmuls alternate between the two accumulators (skewed) with each one's K tiles in order,
-    and the outputs are bit-exact against mx_exact and equal to LNC1's. Off where the panel cache keeps X."""
+    """Phase 3 with X kept whole by the resident rule (TP1; H = 7168, I = 2048 too): the first LEAD_INTERLEAVE_TILES = 2
+    tiles of the lead's second n block multiply X's new panel K tile by K tile in turn (MatmulPlan interleave_lead; TP1
+    modeled 4.537 / 4.712 -> 4.533 / 4.707 ms), with the PSUM_BUFFERS accumulators (the StoreEpilogue evicts on ScalarE,
+    so the span takes the accumulator of the tile before it, for its second tile, which trails the first by
+    LEAD_INTERLEAVE_SKEW K tiles). Forced on S = 2048, H = 256, I = 384 with 32-row m tiles and 128-column n tiles
+    (phase 3: 2 n blocks, K = S: 4 MXFP8 / 16 BF16 K tiles): each core interleaves exactly the plan's cold first two
+    tiles (n block 0, a first span: TP1 modeled 4.5239 / 4.6974 -> 4.5195 / 4.6875 ms) and the lead's first two tiles of
+    n block 1 (one span on the old code), the matmuls alternate between the two accumulators (skewed) with each one's K
+    tiles in order, and the outputs are bit-exact against mx_exact and equal to LNC1's. Off where the panel cache keeps
+    X."""
     from nkilib.core.matmul.constants import LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, PSUM_BUFFERS
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
@@ -427,13 +428,13 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
 
 
 def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
-    """An interleave_lead plan (phase 3 with X kept whole by the resident rule, TP1) quantizes its moving panels' words
-    into pieces of LEAD_PANEL_PIECE_BYTES (TP1: one K tile of X's 2048-column panel, 8 KiB, against the other plans'
-    MX_PANEL_PIECE_BYTES = 16 KiB), so X's first panel finds gaps beside phase 4's last tiles (TP1 modeled 4.5195 /
-    4.6875 -> 4.5161 / 4.6806 ms). Scaled down on the phase-3 lead shape (S = 2048: four K tiles of 128 columns, 512
-    bytes per partition each): with panels above 1 KiB in pieces and LEAD_PANEL_PIECE_BYTES = 512, phase 3's X panels
-    are built one K tile per words allocation while every other pieces() panel keeps the default piece size (one
-    allocation for its K tiles); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    """An interleave_lead plan (phase 3 with X kept whole by the resident rule: TP1, H = 7168, I = 2048) quantizes its
+    moving panels' words into pieces of LEAD_PANEL_PIECE_BYTES (TP1: one K tile of X's 2048-column panel, 8 KiB, against
+    the other plans' MX_PANEL_PIECE_BYTES = 16 KiB), so X's first panel finds gaps beside phase 4's last tiles (TP1
+    modeled 4.5195 / 4.6875 -> 4.5161 / 4.6806 ms). Scaled down on the phase-3 lead shape (S = 2048: four K tiles of 128
+    columns, 512 bytes per partition each): with panels above 1 KiB in pieces and LEAD_PANEL_PIECE_BYTES = 512, phase
+    3's X panels are built one K tile per words allocation while every other pieces() panel keeps the default piece size
+    (one allocation for its K tiles); the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
     from nkilib.core.matmul import panel_builder as builder_module
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
@@ -567,13 +568,13 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     before it; the one core barrier goes inside phase 2 (MatmulPlan.set_fence), and phase 1's last K tile quantized
     along S (phase 3's operand, read by both cores) is stored after phase 2's first W_gu quantizes and before the
     barrier (exchange_along_s defer_last). On round 14's code the barrier preceded every phase-2 matmul and the last
-    along-S store preceded phase 2's quantizes: fails there. No phase-3 or phase-4 instruction before the barrier.
-    Here phase 1 spreads its along-S quantize over two S tiles (2I = 3072: a 24 KiB staging tile, two n blocks:
+    along-S store preceded phase 2's quantizes: fails there. No phase-3 or phase-4 instruction before the barrier. Here
+    phase 1 spreads its along-S quantize over two S tiles (2I = 3072: a 24 KiB staging tile, two n blocks:
     SwigluBackwardEpilogue.spreads_along_s, four chunks and stores per K tile), so phase 2's fence goes before the
-    epilogue of the last tile of its first W_gu panel, after the second panel's loads (fence_after_first_panel: tile
-    3, four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier instead of three,
-    fails there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first
-    through FENCED_STAGING_BUFFERS. TP8 modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K
+    epilogue of the last tile of its first W_gu panel, after the second panel's loads (fence_after_first_panel: tile 3,
+    four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier instead of three, fails
+    there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first through
+    FENCED_STAGING_BUFFERS. TP8 modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K
     tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1 equal to
     LNC2."""
     from nkilib.core.matmul.constants import FENCED_STAGING_BUFFERS, LATE_FENCE_STAGING_BUFFERS

@@ -136,7 +136,8 @@ class MatmulPlan(nl.NKIObject):
             included) run K tile by K tile across them (_matmuls_k_interleaved), with the PSUM_BUFFERS accumulators:
             the caller's epilogue evicts on ScalarE, which no quantize holds back, so the span may take the
             accumulator of the tile before it. Not with reload (k_chunks.plan_matmul drops it for chunked plans; the
-            MLP backward's phase 3 at TP1; default off).
+            MLP backward's phase 3, which keeps X whole by the resident rule at TP1 and at H = 7168, I = 2048;
+            default off).
         cold_staging: with the moving panels kept resident (m-major, each loaded and quantized once, all of them
             during the plan's first tile) and at most COLD_STAGING_MAX_M_TILES m tiles on this core, their [K, F]
             loads share a ring of COLD_STAGING_BUFFERS staging tiles instead of STAGING_BUFFERS (the MLP backward's
