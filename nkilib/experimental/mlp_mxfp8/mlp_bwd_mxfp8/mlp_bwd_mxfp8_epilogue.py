@@ -78,9 +78,9 @@ class SwigluBackwardEpilogue(nl.NKIObject):
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
-        tiles instead of one: phase 1 has more than one n block and two K tiles' staging tiles (the spread one
-        and the next one's first row blocks) fit ALONG_S_SPREAD_STAGING_BYTES each. VectorE then quantizes a
-        quarter of 2I per epilogue call instead of a half, and TensorE stops waiting for it every fourth S tile
+        tiles instead of one: phase 1 has more than one n block and two K tiles' staging tiles (the spread one and the
+        next one's first row blocks) fit ALONG_S_SPREAD_STAGING_BYTES each. VectorE then quantizes a quarter of 2I per
+        epilogue call instead of a half (two n blocks: TP8), and TensorE stops waiting for it every fourth S tile
         (TP8: phase 1 ends 6.5 us earlier), paid out where phase 2's fence follows its second W_gu panel's loads
         (MatmulPlan.fence_after_first_panel). One n block (H = 2048, I = 768): 0.2571 -> 0.2581 ms, not spread."""
         (_, _), (n_lo, n_hi) = plan.ranges
@@ -144,7 +144,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
 
     def _quantize_along_s(self, m0, rows, two_i) -> None:
         """Row block [m0, m0 + 128) of d_gate_up into its K tile's staging tile; after the K tile's fourth
-        block, quantize it along S (K=S of phase 3) and store it in the panel layout."""
+        block, mark it pending: the next epilogue calls quantize it along S (K=S of phase 3) and store it in the
+        panel layout chunk by chunk (_quantize_along_s_chunk)."""
         block = (m0 % MX_K_TILE) // PARTITIONS
         if block == 0:
             self.stage = nl.ndarray((PARTITIONS, MX_PACK, two_i), dtype=nl.bfloat16, buffer=nl.sbuf)

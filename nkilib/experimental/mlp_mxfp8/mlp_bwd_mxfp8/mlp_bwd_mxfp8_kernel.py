@@ -18,28 +18,30 @@ W_down's panels fit no panel cache and split along I each core keeps all of dY r
 - phase 2: the same S rows as phase 1 (its stationary d_gate_up rows never leave the chip, see below);
 - phase 3: the larger of 2I and H of dW_gu [2I, H] (H for TP8 shapes: X is read once in total);
 - phase 4: the larger of H and I of dW_down [H, I].
-Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1
-(after its split along I, + the DMAs of phase 2's first row tiles of the d_gate_up columns this core wrote,
+Order and the one core_barrier (a fence: it waits for every earlier instruction of the core): phase 1 (after its
+split along I, + the DMAs of phase 2's first row tiles of the d_gate_up columns this core wrote,
 MatmulPlan.prefetch_own) -> core_barrier -> phase 2 -> phases 3 and 4; when phase 2's stationary rows are phase 1's
 resident panels (TP8), phase 2 reads only its own core's rows and the barrier goes inside it instead, before tile
-FENCE_TILE's epilogue (MatmulPlan.set_fence), after phase 1's last K tile along S (deferred behind phase 2's first
-W_gu quantizes); derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each phase reads and
-writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF, and
-of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
+FENCE_TILE's epilogue (MatmulPlan.set_fence; where phase 1 spreads its along-S quantize, before the epilogue of the
+last tile of phase 2's first W_gu panel: MatmulPlan.fence_after_first_panel), after phase 1's last K tile along S
+(deferred behind phase 2's first W_gu quantizes); derived by a PhaseGraph (nkilib/core/phase_graph.py) from what each
+phase reads and writes; each phase's first panels load while the previous one runs its last tiles when both fit SBUF,
+and of phases 3 and 4 the one with the larger first load goes under phase 2's tail (TP8: 3 then 4), or, after a
 K-streamed phase 2 that takes no early loads, the smaller starts cold (TP1: 4 then 3).
 Finite SBUF/PSUM: each plan allocates its PSUM accumulators and eviction tiles once and rotates them; a
 [K, F] panel load stages through a ring of STAGING_BUFFERS tiles that an operand's successive loads share
 (core/matmul/panels.py LoadRing: a load waits for the previous one's quantizes instead of taking DMA
 bandwidth from the loads the next matmuls wait for); K-contiguous operands' row tiles likewise.
 
-On-chip reuse (phase 1's epilogue, mlp_bwd_mxfp8_epilogue.py): with W_down resident, phase 1 runs
-S-tile-major and gathers each finished [128, 2I] d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is transposed and
-quantized along 2I into phase 2's stationary panel. When every core's rows are whole 512-row K tiles
-(mx_along_s_applies), each block is also DMAed SBUF -> SBUF into phase 3's interleaved staging layout
-and, per K tile, quantized along S (spread over the next S tile's epilogues) and stored as MX words +
-scales (panels.store_k_tile); phase 3 reads both cores' halves as they are, and no bf16 d_gate_up goes
-to HBM. Groups are the scheme's groups along S, as before: numerics unchanged. Otherwise the rows are
-stored in bf16 (2I-long runs) for phase 3 (and phase 2 when not resident).
+On-chip reuse (phase 1's epilogue, mlp_bwd_mxfp8_epilogue.py): with W_down resident, phase 1 runs S-tile-major and
+gathers each finished [128, 2I] d_gate_up row block in SBUF. One S tile later (TensorE runs in program order) it is
+transposed and quantized along 2I into phase 2's stationary panel. When every core's rows are whole 512-row K tiles
+(mx_along_s_applies), each block is also DMAed SBUF -> SBUF into phase 3's interleaved staging layout and, per K
+tile, quantized along S (spread over the next S tile's epilogues, or the next two S tiles':
+SwigluBackwardEpilogue.spreads_along_s) and stored as MX words + scales chunk by chunk (panels.store_k_tile); phase 3
+reads both cores' halves as they are, and no bf16 d_gate_up goes to HBM. Groups are the scheme's groups along S, as
+before: numerics unchanged. Otherwise the rows are stored in bf16 (2I-long runs) for phase 3 (and phase 2 when not
+resident).
 
 Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): moving panels all resident
 (m-major) > stationary panels all resident (n-major) > the smaller whole operand resident (up to 144 KiB; TP1:
