@@ -102,5 +102,6 @@ def test_dx_scattered_per_super_panel(monkeypatch, lnc, k, H):
     singles = blocks.count(1)  # one 128-row chunk each (B = 128)
     assert per_core not in widths, widths  # no chunk's whole width in one scatter
     wide = [w for w in widths if w > K.MOE_N_TILE]
-    assert wide == sorted([2048, per_core - 2048] * singles if per_core - 2048 > K.MOE_N_TILE else [2048] * singles), widths
+    expected_wide = [2048, per_core - 2048] if per_core - 2048 > K.MOE_N_TILE else [2048]
+    assert wide == sorted(expected_wide * singles), widths
     assert widths.count(per_core - 2048) >= singles, widths
