@@ -109,7 +109,8 @@ class ExpertPanels(nl.NKIObject):
                 continue
             kernel_assert(not op.panel_layout and ExpertPanels.fits(op, tiles, setup),
                           f"loaded_if takes resident bf16 operands, got panel_layout={op.panel_layout}, "
-                          f"{ExpertPanels.bytes_of([op], tiles, setup)} bytes per partition")
+                          f"{ExpertPanels.bytes_of([op], tiles, setup)} bytes per partition of "
+                          f"RESIDENT_WEIGHT_BUDGET_BYTES = {RESIDENT_WEIGHT_BUDGET_BYTES}")
             loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
             count = len(k_tiles(op.k_size, setup))
             slots.append([(f0, w, PanelSlots(count, w, setup, PanelPlacement.per_k_tile())) for f0, w in loads])
