@@ -239,3 +239,29 @@ def test_streamed_group_moving_quads_share_a_ring_of_four_staging_tiles(monkeypa
     staging = {o.storage_id for r in res.trace if r.instr == "dma_copy" and any(i.name == "b" for i in r.reads)
                for o in r.writes if o.buffer == "sbuf"}
     assert len(staging) == 8, len(staging)
+
+
+def _order(pairs):
+    """A plan's tile order from (m0, n0) pairs, 128-row m tiles and 512-column n tiles."""
+    return [((m0, 128), (n0, 512)) for m0, n0 in pairs]
+
+
+def test_fence_after_first_panel_places_the_fence_on_its_last_tile():
+    from types import SimpleNamespace
+    from nkilib.core.matmul.overlap import place_fence_after_first_panel
+
+    plan = SimpleNamespace(order=_order([(0, 0), (128, 0), (256, 0), (0, 512), (128, 512)]), fence_tile=None,
+                           fenced_start=False, moving=[])
+    place_fence_after_first_panel(plan)
+    assert plan.fence_tile == 2
+
+
+def test_fence_after_first_panel_refuses_a_plan_that_returns_to_its_first_panel():
+    from types import SimpleNamespace
+    from nkilib.core.matmul.overlap import place_fence_after_first_panel
+
+    m_major = SimpleNamespace(order=_order([(0, 0), (0, 512), (128, 0), (128, 512)]), fence_tile=None,
+                              fenced_start=False, moving=[])
+    with pytest.raises(AssertionError, match=r"n-major plan .*tiles \[2\] back on the panel at n0=0 after tile 1"):
+        place_fence_after_first_panel(m_major)
+    assert m_major.fence_tile is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .constants import (LATE_FENCE_STAGING_BUFFERS, MX_PACK, PREFETCH_MARGIN_BYTES, STAGING_BUFFERS,
                         usable_sbuf_bytes)
+from ..kernel_helpers import kernel_assert
 from .panels import panel_bytes_per_partition
 from .streamed import tail_held_bytes
 
@@ -121,6 +122,10 @@ def place_fence_after_first_panel(plan) -> None:
     second = [j for j in range(len(plan.order)) if plan.order[j][1][0] != n_first]
     if not second:
         return
+    back = [j for j in range(second[0], len(plan.order)) if plan.order[j][1][0] == n_first]
+    kernel_assert(not back, f"place_fence_after_first_panel needs an n-major plan (the first moving panel's tiles "
+                            f"first, then never again), got tiles {back[:4]} back on the panel at n0={n_first} "
+                            f"after tile {second[0]} left it")
     plan.fence_tile = second[0] - 1
     if plan.fenced_start:
         for mv in plan.moving:
