@@ -236,18 +236,16 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     if mask_g == None and terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-    elif terms.gate_cmp != None:  # noqa: E711  the one-limit mask compared in its product (MaskComparison)
-        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        masked = MaskedProduct(terms.gate_cmp, d_gate_dst, t_g2[:msz, :nsz])
-        if gate_mask_later:
-            return masked
-        masked.issue()
-    else:
-        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+        return None
+    t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
+    if terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
                            engine=nisa.engine.gpsimd)
+        return None
+    masked = MaskedProduct(terms.gate_cmp, d_gate_dst, t_g2[:msz, :nsz])  # the one-limit mask compared in its product
+    if gate_mask_later:
+        return masked
+    masked.issue()
     return None
