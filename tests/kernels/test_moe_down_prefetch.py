@@ -42,10 +42,10 @@ def _record(monkeypatch):
         ahead[self.ctx.split.shard_id, e] = prefetch(self, e, desc)
         return ahead[self.ctx.split.shard_id, e]
 
-    def record_block(self, e, i, w, full):
+    def record_block(self, e, i, w, full, **kwargs):
         taken = w[0].panels is ahead.get((self.ctx.split.shard_id, e))
         events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full, taken))
-        return block(self, e, i, w, full)
+        return block(self, e, i, w, full, **kwargs)
 
     def record_single(ctx, e, i, out, *args, **kwargs):
         if out is ctx.d_gate_up_weight:

@@ -324,14 +324,14 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
 
 
 def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False,
-                                d_up_engine=None):
+                                d_up_engine=None, before_store=None):
     """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
     on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
     gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged,
-    d_up_engine: RowChunk's.
+    d_up_engine: RowChunk's; before_store: _phase1_rows's.
     """
-    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=tile_sums, staged=staged,
-                 d_up_engine=d_up_engine)
+    _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, before_store=before_store, tile_sums=tile_sums,
+                 staged=staged, d_up_engine=d_up_engine)
 
 
 def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):

@@ -23,7 +23,7 @@ from ...core.matmul.sources import blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
                         WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
-__all__ = ["ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
+__all__ = ["DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
 
 
 class ExpertPanels(nl.NKIObject):
@@ -175,8 +175,47 @@ def resident_tile_groups(tiles, ops, setup, count=0):
     return groups + [[]] * (count - len(groups))
 
 
+def _d_gate_up_rows(ctx, i, r0, m, nat=None):
+    """SBUF [128, Kp] bf16 tile (nat when given) holding rows r0..r0+m of block i of the d_gate_up scratch [N*B, 2I]
+    (zero from 2I to the MX K padding Kp): pass B's K=2I stationary rows, as pass A stored them."""
+    two_i = 2 * ctx.I
+    if nat == None:  # noqa: E711
+        nat = nl.ndarray((PARTITIONS, ctx.k_width(two_i)), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if nat.shape[1] > two_i:
+        nisa.memset(dst=nat[:m, two_i:], value=0.0)
+    nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
+    return nat
+
+
+class DGateUpRowsAhead(nl.NKIObject):
+    """Every 128-row chunk's d_gate_up rows of a one-block expert e, read before B(e) into tiles allocated now (outside
+    the run-time loops that read them, so that they live on to B(e)'s one-block path: compute_phase2_hidden_states_
+    grad_mxfp8(rows_ahead=tiles), under e's if_single, the condition read() tests too). Read at B(e)'s start, these
+    tiles were placed over the tiles the segment's A(a) had just freed, and each read waited for A(a)'s last access of
+    the tile it replaced (its epilogue's stores), leaving the DMA queues idle through A(a)'s epilogue (docs/moe.md
+    section 10, rounds 19b and 20a). The caller issues read() once on every run-time path: before A(a) (placed apart
+    from A(a)'s tiles, read while A(a) computes) or in A(a)'s epilogue. Race-free: A(e) wrote these rows a fence
+    earlier (both cores, each its I columns) and A(a) (a != e) writes only its own blocks' rows.
+
+    Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
+    alignment, zero beyond 2I)."""
+
+    def __init__(self, ctx, e):
+        self.ctx, self.e = ctx, e
+        self.chunks = _blocks(0, ctx.B, PARTITIONS)
+        self.tiles = [nl.ndarray((PARTITIONS, ctx.k_width(2 * ctx.I)), dtype=nl.bfloat16, buffer=nl.sbuf)
+                      for _ in self.chunks]
+
+    def read(self):
+        """The rows' DMAs, in e's if_single loop (the block register of its one block)."""
+        def rows(i):
+            for (r0, m), nat in zip(self.chunks, self.tiles):
+                _d_gate_up_rows(self.ctx, i, r0, m, nat)
+        self.ctx.loops.if_single(self.e, rows)
+
+
 def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None,
-                                            stored_panels=None):
+                                            stored_panels=None, rows_ahead=None):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
@@ -199,6 +238,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
             transposing and quantizing the bf16 rows; None: whenever the kernel made them.
+        rows_ahead: every 128-row chunk's d_gate_up rows of block i, read earlier (DGateUpRowsAhead), for the
+            weights-per-block path from the bf16 rows; None: read here.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
@@ -208,6 +249,10 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         stored_panels = ctx.d_gu_mx != None  # noqa: E711
     kernel_assert(not stored_panels or ctx.d_gu_mx != None,  # noqa: E711
                   f"pass B reads pass A's d_gate_up panels of block {i} but the kernel made none")
+    kernel_assert(rows_ahead == None or (not skip_padding and not stored_panels  # noqa: E711
+                                         and len(rows_ahead) == len(_blocks(0, ctx.B, PARTITIONS))),
+                  f"d_gate_up rows read ahead ({rows_ahead}) serve the weights-per-block path from bf16 rows, got "
+                  f"skip_padding={skip_padding}, stored_panels={stored_panels}")
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
 
@@ -219,10 +264,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
             nk, ns = panel_tile_widths(two_i, PARTITIONS, ctx.setup)
             return load_panel_tiles(ctx.block_tiles(words, i, r0, nk), ctx.block_tiles(scales, i, r0, ns), two_i,
                                     ctx.f_pad(m), ctx.setup)
-        nat = nl.ndarray((PARTITIONS, ctx.k_width(two_i)), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if nat.shape[1] > two_i:
-            nisa.memset(dst=nat[:m, two_i:], value=0.0)
-        nisa.dma_copy(dst=nat[:m, :two_i], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, two_i))
+        nat = _d_gate_up_rows(ctx, i, r0, m) if rows_ahead == None else rows_ahead[r0 // PARTITIONS]  # noqa: E711
         return panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
 
     def chunk_tile(c, j, panel, part, m):

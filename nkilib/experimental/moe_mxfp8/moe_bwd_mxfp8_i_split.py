@@ -130,7 +130,22 @@ class ExpertISplit(nl.NKIObject):
         self.ctx.loops.if_single(e, lambda i: self.if_full(i, load))
         return panels
 
-    def expert(self, e, descs, w_down=None):
+    def with_rows(self, a, read, run_a):
+        """Pass B's rows read ahead (DGateUpRowsAhead.read) issued once on every run-time path of the segment step whose
+        A is A(a) (None: no A): before A(a) where a is one full block (the branch that takes prefetch_down's W_down,
+        under its condition: A(a)'s start loads no weights and its matmuls leave the DMA queues room), else in A(a)'s
+        last epilogue, before its stores (run_a(read): expert(then=read); a padded or multi-block A(a) loads its own
+        W_down at its start, where the rows read before it cost the full rank's Zipf routing 1.2%: docs/moe.md section
+        10, round 20a), or now where a has no blocks or there is no A. The branches' run-time conditions exclude one
+        another and cover every routing, the same on both cores."""
+        if a == None:  # noqa: E711
+            read()
+            return
+        self.ctx.loops.if_single(a, lambda i: self.if_full(i, read))
+        self.ctx.loops.if_unused(a, read)
+        run_a(read)
+
+    def expert(self, e, descs, w_down=None, then=None):
         """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of
         more blocks loads its panels once for all of them; the blocks before the last are full (every position a routed
         pair), the last one (a one-block expert's only one) runs as full or as padded by its final position's flag
@@ -140,6 +155,8 @@ class ExpertISplit(nl.NKIObject):
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
             w_down: W_down[e]'s super-panels loaded a pass ahead (prefetch_down), taken by a one-block expert's full
                 branch only (the prefetch's loop trips exactly when that branch does); None: loaded here.
+            then: issued in the last block's epilogue, before its stores, in every branch but a one-block expert's
+                full one (with_rows); None: nothing.
         """
         ctx = self.ctx
 
@@ -154,8 +171,9 @@ class ExpertISplit(nl.NKIObject):
             # panels issued before the flags and a flag per branch cost the full rank's balanced routing 0.9%), its
             # full branch's W_down taken from prefetch_down where given (round 14b: loaded under this same flag)
             full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True))
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False), complement=True)
+            # `then` in every branch but a one-block expert's full one (with_rows reads before A(e) there)
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True, then=then if w else None))
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False, then=then), complement=True)
 
         def blocks():
             w = panels()  # once for all the expert's blocks
@@ -171,7 +189,7 @@ class ExpertISplit(nl.NKIObject):
         b_lo, _, b_hi = self.ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, self.scatter)
 
-    def block(self, e, i, w, full):
+    def block(self, e, i, w, full, then=None):
         """Block i (register) of expert e over this core's I tiles, with its weight panels w (ExpertPanels). A block
         holding padding (full False) computes its 128-row chunks one by one, each after the first (whose first position
         always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of padding only
@@ -182,7 +200,7 @@ class ExpertISplit(nl.NKIObject):
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
         if full:
             compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True,
-                                        staged=e in self.staged, d_up_engine=nisa.engine.vector)
+                                        staged=e in self.staged, d_up_engine=nisa.engine.vector, before_store=then)
             return
         # a padded block: never staged (an HBM -> HBM gather skips padding rows, which pass C reads as zeros)
         flags = ctx.row_flags(i, PARTITIONS, len(self.chunks))
@@ -195,6 +213,8 @@ class ExpertISplit(nl.NKIObject):
                 continue
             ctx.if_flag(flags, q, rows)
             ctx.if_flag(flags, q, lambda chunk=chunk: self.zero_chunk(i, *chunk), complement=True)
+        if then != None:  # noqa: E711
+            then()
 
     def zero_chunk(self, i, r0, m):
         """Rows r0..r0+m of block i hold only padding: zeros for this core's columns of their d_gate_up and hs rows

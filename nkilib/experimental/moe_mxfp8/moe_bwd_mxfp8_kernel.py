@@ -90,7 +90,8 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
                                       gather_deferred_x, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
-from .moe_bwd_mxfp8_dx import ExpertPanels, compute_phase2_hidden_states_grad_mxfp8, resident_tile_groups
+from .moe_bwd_mxfp8_dx import (DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
+                               resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_context import MoeContext
 from .moe_bwd_mxfp8_i_split import ExpertISplit
@@ -267,8 +268,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         a = group[0]
         return {a: ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body))}
 
-    def pass_a(e, between=None, panels=None):
-        """panels: A(e)'s weight panels loaded earlier (first_a_panels), or None: loaded here (pipelined only)."""
+    def pass_a(e, between=None, panels=None, then=None):
+        """panels: A(e)'s weight panels loaded earlier (first_a_panels; None: loaded here); then: I split's expert()."""
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
             w = panels_of(a_descs(e), i_tiles) if panels == None else panels  # noqa: E711
@@ -279,7 +280,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
 
         if i_split != None:  # noqa: E711  (W_down[e] from HBM as it is; a one-block full expert's maybe prefetched)
-            i_split.expert(e, a_descs(e), prefetched.get(e))
+            i_split.expert(e, a_descs(e), prefetched.get(e), then)
             prefetched.pop(e, None)  # its panels die after A(e) (the allocator frees a tile its last reference drops)
             return
         per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip)
@@ -322,12 +323,12 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                        nl.ndarray((ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panel_scales"))
 
-    def b_block(e, i, w, skip, stored_panels):
+    def b_block(e, i, w, skip, stored_panels, rows=None):
         resident, flag_tiles = skip if skip else (False, 0)
         compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles,
-                                                stored_panels=stored_panels)
+                                                stored_panels=stored_panels, rows_ahead=rows)
 
-    def pass_b(e):
+    def pass_b(e, rows=None):  # rows: a one-block expert's DGateUpRowsAhead.tiles
         # resident W_gu staged through pass C's kernel-scope ring (when there is one: not with the interleave), idle
         # from C(e - 1)'s last load to C(e)'s first: fresh staging tiles were placed over A(a)'s freed tiles and their
         # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
@@ -335,7 +336,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         per_block(e, [b_desc(e)], h_tiles, b_groups,
                   lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
-                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full)), ring=ring)
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring)
 
     def stored_single(full):
         """Whether pass A stored a one-block expert's panels: not where it split the block along I (every one-block
@@ -435,14 +436,20 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             if interleave and j < len(ahead):
                 pass_a_with_b(ahead[j], e, a_panels)
             else:
-                if j < len(ahead):
+                # the I split, W_gu per block: B(e)'s d_gate_up rows read ahead, not over A(a)'s tiles (round 20a)
+                rows = DGateUpRowsAhead(ctx, e) if i_split != None and b_groups != None else None  # noqa: E711
+                if rows != None:  # noqa: E711
+                    i_split.with_rows(ahead[j] if j < len(ahead) else None, rows.read, lambda then, a=ahead[j:j + 1],
+                                      w=a_panels: ctx.loops.if_used(a[0], lambda: pass_a(a[0], panels=w, then=then)))
+                elif j < len(ahead):
                     ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
                 if i_split != None:  # noqa: E711  (both cores' I tiles of e's blocks, written before the fence)
                     i_split.scatter_expert(e)
-                ctx.loops.if_used(e, lambda e=e: pass_b(e))
+                ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r and r.tiles))
+                rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))

@@ -1,0 +1,121 @@
+"""Pass B's d_gate_up rows read before the segment's pass A under the I split (dx.d_gate_up_rows_ahead; docs/moe.md
+section 10, round 20a).
+
+Where pass A splits experts along I (W_down loaded on use: forced here by a zero resident budget) and pass B loads W_gu
+per block, each segment step reads B(e)'s d_gate_up rows of a one-block expert into tiles allocated outside e's
+if_single loop, before A(a) where a is one full block, else in A(a)'s last epilogue (or at once where A(a) has no
+blocks or the step has no A), and B(e)'s one-block path takes them instead of reading its own after A(a); an expert of
+more blocks reads its own (the same rows). The outputs stay mx_exact's bit for bit under LNC2 (the race detector on).
+
+| test                          | what                                                                         | fixed |
+|-------------------------------|------------------------------------------------------------------------------|-------|
+| test_d_gate_up_rows_ahead     | fence groups [0, 1], [2, 3], [4]: B(e)'s rows read once per step, in A(a)'s  | LNC2  |
+|                               | last epilogue (a of two blocks), where a has none, before A(a) (one full     |       |
+|                               | block), with no A; B(0), B(1) (padded), B(4) take them, B(2) reads its own   |       |
+| test_rows_ahead_need_bf16_path| compute_phase2 refuses read-ahead rows with stored panels or the resident    | host  |
+|                               | path (which read other layouts), naming the arguments                        |       |
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import moe_case, run
+from test_moe_i_split import CHECKPOINTS
+
+
+def _record(monkeypatch):
+    """Program-order events per core: ("rows", e) when DGateUpRowsAhead.read is traced for e (the simulator traces a
+    0/1-trip loop's body only when it trips, so a read issued in an A branch that does not run records nothing),
+    ("A", e, full) per block of the I split, ("B", e, taken) per block of pass B (taken: its rows_ahead are the very
+    tiles of e's DGateUpRowsAhead on that core; None: it read its own)."""
+    events, made = {}, {}
+    init, read, block = D.DGateUpRowsAhead.__init__, D.DGateUpRowsAhead.read, S.ExpertISplit.block
+    phase2 = K.compute_phase2_hidden_states_grad_mxfp8
+
+    def record_init(self, ctx, e):
+        init(self, ctx, e)
+        made[ctx.split.shard_id, e] = self
+
+    def record_read(self):
+        core = self.ctx.split.shard_id
+        self.ctx.loops.if_used(self.e, lambda: events.setdefault(core, []).append(("rows", self.e)))
+        return read(self)
+
+    def record_block(self, e, i, w, full, **kwargs):
+        events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full))
+        return block(self, e, i, w, full, **kwargs)
+
+    def record_phase2(ctx, e, i, *args, rows_ahead=None, **kwargs):
+        rows = made.get((ctx.split.shard_id, e))
+        taken = None if rows_ahead is None else rows is not None and rows_ahead is rows.tiles
+        events.setdefault(ctx.split.shard_id, []).append(("B", e, taken))
+        return phase2(ctx, e, i, *args, rows_ahead=rows_ahead, **kwargs)
+
+    monkeypatch.setattr(D.DGateUpRowsAhead, "__init__", record_init)
+    monkeypatch.setattr(D.DGateUpRowsAhead, "read", record_read)
+    monkeypatch.setattr(S.ExpertISplit, "block", record_block)
+    monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_phase2)
+    return events
+
+
+def _dedupe(seq):
+    """seq without immediate repeats (an expert's blocks and the padded path's chunks record one event each)."""
+    out = []
+    for ev in seq:
+        if not out or out[-1] != ev:
+            out.append(ev)
+    return out
+
+
+def _case(monkeypatch):
+    """test_moe_i_split's routing and data (T = 912, B = 256, I = 544, k = 1, all four checkpoints, no resident
+    budget; experts of 256 / 100 / 300 / 0 / 256 pairs) with H = 2048: each core's 1024 columns are two W_gu tiles,
+    so pass B loads W_gu per block for a one-block expert (the kernel's b_groups: the path that takes the rows; with
+    H = 1024 one tile is one group and pass B's single loop runs the per-block path without them)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 912, 5, 2048, 544, 256
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
+    ids = ids[np.random.default_rng(23).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    return kernel, ref
+
+
+def test_d_gate_up_rows_ahead(monkeypatch):
+    """_case's routing (experts of one full block, one padded block, two blocks, none, one full block; fence groups
+    [0, 1], [2, 3], [4]). Each segment step reads B(e)'s rows once, on the path its A takes: rows(0) in A(2)'s last
+    epilogue (two blocks, the second padded: after its chunks), rows(1) where A(3) has no blocks, rows(2) before A(4)
+    (one full block), rows(3) and rows(4) with no A in their steps (rows(3): an expert without blocks, whose read loop
+    runs no trip, so nothing is recorded). B(0), B(1) (padded: pass B reads every chunk) and B(4) take the rows read
+    for them, B(2) runs the multi-block path and reads its own. Fails on the old code (no DGateUpRowsAhead) and on a
+    path that does not read (B(e) then multiplies unread tiles: the outputs)."""
+    kernel, ref = _case(monkeypatch)
+    events = _record(monkeypatch)
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 d_gate_up rows ahead vs mx_exact")
+    for core in (0, 1):
+        seq = _dedupe(events[core])
+        assert seq == [("A", 0, True), ("A", 1, False), ("A", 2, True), ("A", 2, False), ("rows", 0), ("B", 0, True),
+                       ("rows", 1), ("B", 1, True), ("rows", 2), ("A", 4, True), ("B", 2, None), ("rows", 4),
+                       ("B", 4, True)], seq
+
+
+def test_rows_ahead_need_bf16_path():
+    """Rows read ahead serve only the weights-per-block path that builds its panels from bf16 rows: with pass A's
+    stored panels or the resident path (skip_padding) compute_phase2 raises before tracing anything."""
+    class Ctx:
+        I, B = 544, 256
+        d_gu_mx = ("words", "scales")
+
+    class Weights:
+        tiles = [(0, 512)]
+
+    for kwargs in ({"stored_panels": True}, {"skip_padding": True, "stored_panels": False}):
+        with pytest.raises(AssertionError, match="rows read ahead"):
+            D.compute_phase2_hidden_states_grad_mxfp8(Ctx(), 0, 0, Weights(), rows_ahead=[None, None], **kwargs)
