@@ -36,7 +36,7 @@ from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_BUDGET_BYTES
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.examples.moe_backward_cost import PHASES
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
-from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES
+from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
 from simkit import assert_outputs_identical
@@ -270,6 +270,10 @@ def test_resident_loads_rotate_stages(lnc):
     # expert 2 (one block, traced last) takes the single-block path, whose 4 loads (moving and stationary operand of
     # each gradient, one run each) go round all PASS_C_STAGING_BUFFERS tiles (round 7b)
     assert len(set(runs[:-4])) == PASS_C_RESIDENT_STAGES and len(runs) >= 16 + 4, runs
+    # round 20b: the resident loads go round all of the ring's tiles (2 of the 3 before), so expert 0's three slot
+    # loads of its first operand (one K tile and one piece each here) take three different tiles
+    assert PASS_C_RESIDENT_STAGES == PASS_C_STAGING_BUFFERS == 3
+    assert len(set(runs[:3])) == 3, runs
     evictions = {r.engine for r in in_c if r.instr == "tensor_scalar" and r.attrs.get("op0") == "add"
                  and any(o.buffer == "psum" for o in r.reads)}
     assert evictions and "scalar" in evictions
@@ -281,7 +285,8 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     load waits for the quantize that many loads before it; experts of at most R blocks keep PASS_C_RESIDENT_STAGES tiles
     (round 6b). R = 3 with a tier of 2 parts (R_2 = 4) and W = 3 windows: expert 0 (4 blocks) runs per part, expert 1
     (7 blocks) in windows of 3 + 3 + 1, expert 2 (3 blocks) resident, expert 3 single-block; LNC2 == mx_exact. Per core
-    (each has its own ring): 3 staging tiles above R (2 on the old code), 2 at most R."""
+    (each has its own ring): 3 staging tiles above R (2 on the old code); PASS_C_RESIDENT_STAGES at most R (2 before round
+    20b, 3 since: then both paths go round the whole ring)."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2,))
     monkeypatch.setattr(W, "MOE_N_TILE", 64)

@@ -81,10 +81,11 @@ WIDE_WEIGHT_STAGING_BUFFERS = 3
 PASS_C_STAGING_BUFFERS = 3
 #: Staging tiles (of those PASS_C_STAGING_BUFFERS) that the resident path's consecutive loads take in turn, so a
 #: block's load need not wait for the quantize of the load before it (each pass-C operand is one K tile, and a
-#: panel's own ring rotation is per K tile). 3 measured faster but leaves a later 48 KiB weight panel no placement
-#: on GPT-OSS-20B's 4 x 2048 shape (docs/moe.md section 10, round 6b). Experts above R (parts tiers, windows) take all
-#: PASS_C_STAGING_BUFFERS tiles in turn (round 9c).
-PASS_C_RESIDENT_STAGES = 2
+#: panel's own ring rotation is per K tile). Round 6b kept 2 (3 then left a later 48 KiB weight panel no placement on
+#: GPT-OSS-20B's 4 x 2048 shape); since round 20b all 3: the loads that fill an expert's slots at C's start wait for
+#: the quantize three loads back instead of two (docs/moe.md section 10, round 20b). Experts above R (parts tiers,
+#: windows) take all PASS_C_STAGING_BUFFERS tiles in turn too (round 9c).
+PASS_C_RESIDENT_STAGES = 3
 #: Most blocks of one expert whose pass-C operands stay in SBUF (MXFP8): an expert with 2..R blocks reads and
 #: quantizes each of its blocks' rows once per core (moe_bwd_mxfp8_weight_grads.compute_phase3_resident_grads_mxfp8);
 #: a larger one runs windows of R blocks (PASS_C_RESIDENT_WINDOWS) or, beyond them, re-reads its blocks per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for
