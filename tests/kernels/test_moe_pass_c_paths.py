@@ -11,6 +11,8 @@ that every path gives mx_exact's bits.
 |                                       | 2 resident, 0 zeros; LNC1 and LNC2 == mx_exact                    |
 | test_parts_tiers_experts_above_r      | R = 2 with part tiers R_2 = 3, R_3 = 4, W = 3: experts of 3 / 4  |
 |                                       | blocks per part, 5 in windows, 2 resident; == mx_exact            |
+| test_parts_reuse_the_boundary_...     | parts walk the stationary pieces in snake order, a part's first    |
+|                                       | piece kept from the part before (not reloaded); == mx_exact       |
 | test_resident_block_count_parts_...   | R, R_2, R_3 on the presets' shapes, each part within the budget   |
 | test_resident_path_wrapx_b256         | resident path with the wrapX scheme, B = 256, 4 blocks            |
 | test_resident_block_count_presets     | GPT-OSS-20B / DeepSeek-V3 rank shapes keep 4 blocks resident,     |
@@ -87,9 +89,9 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     slots_seen = []
     resident = W.compute_phase3_resident_grads_mxfp8
 
-    def recorded(ctx, e, *args):
+    def recorded(ctx, e, *args, **kw):
         slots_seen.append((e, args[-1]))
-        return resident(ctx, e, *args)
+        return resident(ctx, e, *args, **kw)
 
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
@@ -145,9 +147,9 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     seen = []
     resident = W.compute_phase3_resident_grads_mxfp8
 
-    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None):
+    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
         seen.append((e, slots, part, window != None))  # noqa: E711
-        return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part)
+        return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part, carry)
 
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
@@ -165,6 +167,85 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     assert calls == {"compute_phase3_windowed_grads_mxfp8": per_grad, "compute_phase3_expert_weight_grads_mxfp8": 0}
     assert_outputs_identical(out, moe_backward_reference(**ref), f"parts tiers LNC{lnc} vs mx_exact")
     assert not out[2][4].view(np.uint16).any() and not out[3][4].view(np.uint16).any()
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_parts_reuse_the_boundary_stationary_piece(monkeypatch, lnc):
+    """Round 20c (docs/moe.md section 10): the parts of an expert above R walk the stationary pieces in snake order (odd
+    parts backwards) and part p + 1 multiplies the piece part p ended on from its slots, without loading it again.
+    R = 2 with R_2 = 3 (2 parts) and R_3 = 4 (3 parts), 64-column n tiles and 128-column stationary pieces, so each
+    core's M range has several pieces (dW_gu [2I = 576, H = 320], dW_down [320, 288]): expert 0 (3 blocks) in parts of
+    2, expert 1 (4) in parts of 3, expert 2 (2) resident. Per core, gradient and part, the pieces whose blocks are
+    loaded: part 0 all in order, part 1 backwards without the first, part 2 forwards without the first (the old code:
+    every part all pieces in order). At most one stationary piece's slots beside the part's moving ones at any time (a
+    carry that kept its piece to the part's end overflowed SBUF on the full GPT-OSS-20B preset). LNC1 and LNC2 ==
+    mx_exact bit for bit."""
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
+    monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2, 3))
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 128)
+    monkeypatch.setattr(W, "resident_block_count", lambda ctx, grads, parts=1: {1: 2, 2: 3, 3: 4}[parts])
+    loaded, pieces = {}, {}  # (core, e, M, part) -> stationary piece columns loaded, in order; (core, M) -> its pieces
+    live, peaks = [0], []  # PanelSlots alive now; per part call [the most alive, its moving pieces + 1, running]
+    resident, slots_class = W.compute_phase3_resident_grads_mxfp8, W.PanelSlots
+
+    class CountedSlots(slots_class):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            live[0] += 1
+            if peaks and peaks[-1][-1]:  # inside a part's call
+                peaks[-1][0] = max(peaks[-1][0], live[0])
+
+        def __del__(self):
+            live[0] -= 1
+
+    class CountedRows:
+        def __init__(self, src, key):
+            self.src, self.key = src, key
+
+        def rows(self, i, f0, f_size):
+            seq = loaded.setdefault(self.key, [])
+            if not seq or seq[-1] != f0:
+                seq.append(f0)
+            return self.src.rows(i, f0, f_size)
+
+    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
+        if part != None:  # noqa: E711
+            core = (id(ctx), ctx.split.shard_id)
+            (m_lo, m_hi), _ = ctx.split.ranges(m_total, n_total)
+            pieces[core, m_total] = [p0 for p0, _ in W.blocks(m_lo, m_hi, W.SINGLE_BLOCK_LOAD_WIDTH)]
+            loaded.setdefault((core, e, m_total, part), [])
+            lhs = CountedRows(lhs, (core, e, m_total, part))
+            _, (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
+            peaks.append([live[0], len(W.blocks(*W._n_part(n_lo, n_hi, part), W.SINGLE_BLOCK_LOAD_WIDTH)) + 1, True])
+        try:
+            return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part, carry)
+        finally:
+            if peaks:
+                peaks[-1][-1] = False
+
+    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    monkeypatch.setattr(W, "PanelSlots", CountedSlots)
+    T, E, H, I = 900, 3, 320, 288
+    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [300, 450, 150], axis=0)
+    ids = ids[np.random.default_rng(16).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=63, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 4, 2]
+    out = run(kernel, lnc=lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"parts in snake order LNC{lnc} vs mx_exact")
+    assert len({core for core, _ in pieces}) == lnc and max(len(p) for p in pieces.values()) >= 2, pieces
+    expected = {}
+    for (core, m_total), mine in pieces.items():
+        count = max(len(p) for (c, m), p in pieces.items() if m == m_total)  # core 0's piece count (padding pieces)
+        for e, parts in ((0, 2), (1, 3)):
+            order = list(range(count))
+            for p in range(parts):
+                walk = order if p % 2 == 0 else order[::-1]
+                walk = walk if p == 0 else walk[1:]
+                expected[core, e, m_total, (p, parts)] = [mine[s] for s in walk if s < len(mine)]
+    # one stationary piece in SBUF at a time: the carried piece is freed after its groups, before the next is allocated
+    assert all(peak <= bound for peak, bound, _ in peaks) and any(peak == bound for peak, bound, _ in peaks), peaks
+    assert loaded == expected, (loaded, expected)
 
 
 def test_resident_path_wrapx_b256():
@@ -294,10 +375,10 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     path, tiles = [None], {}
     resident, loader = W.compute_phase3_resident_grads_mxfp8, W.panel_from_row_loader
 
-    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None):
+    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
         path[0] = ("parts" if part != None else "windows" if window != None else "resident", id(ctx))  # noqa: E711
         try:
-            return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part)
+            return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part, carry)
         finally:
             path[0] = None
 

@@ -313,7 +313,7 @@ def _resident_schedule(ctx, m_total, n_total, part=None):
 
 
 def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None,
-                                        part=None):
+                                        part=None, carry=None):
     """out[e] = wg(sum over expert e's blocks b of lhs_bᵀ @ rhs_b) for an expert of 2..R blocks, each block's rows
     read from HBM and quantized once per core (the streamed path re-reads them once per PSUM group).
 
@@ -338,6 +338,10 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     Parts (part = (p, P), a tier above R: ResidentBlocks.tier_parts): only the output tiles of part p of this core's N
     columns (_n_part), so the slots hold that part of the moving operand; the stationary pieces are loaded again per
     part. Each tile still sums all of the expert's blocks in order in PSUM: the same bits as one pass.
+    Carry (parts only: a one-element list the caller keeps across the parts of one gradient): the parts walk the
+    stationary pieces in snake order (odd parts backwards), so part p + 1 starts on the piece part p ended on; that
+    piece's slots stay in SBUF across the boundary (carry[0]) and part p + 1 multiplies them without a load or
+    quantize (the same blocks in the same slots: the same bits; docs/moe.md section 10, round 20c).
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
@@ -365,14 +369,25 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         return
     ctx.resident.for_slots(e, load_moving, R)
     t = 0
-    for (p0, psz), groups in _resident_schedule(ctx, m_total, n_total, part):
-        stationary = PanelSlots(R, ctx.f_pad(psz), setup, PanelPlacement.per_k_tile()) if psz else None
+    schedule = _resident_schedule(ctx, m_total, n_total, part)
+    # odd parts walk the pieces backwards; the decision is static (part index, piece position), so both cores skip
+    # the same loads (a core's padding piece carries None)
+    snake = carry != None and part != None  # noqa: E711
+    if snake and part[0] % 2:
+        schedule = schedule[::-1]
+    for s, ((p0, psz), groups) in enumerate(schedule):
+        if snake and part[0] > 0 and s == 0:
+            # the piece the part before ended on, still in its slots; the carry lets go of it, so it is freed after
+            # its groups as any piece (one stationary piece in SBUF at a time, as without the carry)
+            stationary, carry[0] = carry[0], None
+        else:
+            stationary = PanelSlots(R, ctx.f_pad(psz), setup, PanelPlacement.per_k_tile()) if psz else None
 
-        def load_stationary(i, j, p0=p0, stationary=stationary):
-            if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
-                load(lhs, i, j, p0, stationary, j)
+            def load_stationary(i, j, p0=p0, stationary=stationary):
+                if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
+                    load(lhs, i, j, p0, stationary, j)
 
-        ctx.resident.for_slots(e, load_stationary, R)
+            ctx.resident.for_slots(e, load_stationary, R)
         for m_group in groups:
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_tiles]
                     for _ in m_group]
@@ -385,6 +400,8 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
                     store.tile(acc, n0, nsz, t)
                     t += 1
             accs = row = acc = body = store = None  # drop the group's PSUM before the next group allocates its own
+        if snake and s == len(schedule) - 1:
+            carry[0] = stationary  # kept for the next part's first piece
         stationary = load_stationary = None
 
 
@@ -501,9 +518,11 @@ def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
         for out, lhs, rhs, m_total, n_total in grads:
             if parts == 1:
                 compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots)
+            carry = [None]  # the last stationary piece of one part, the first of the next (snake order)
             for p in range(parts if parts > 1 else 0):
                 compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots,
-                                                    part=(p, parts))
+                                                    part=(p, parts), carry=carry)
+            carry = None
 
     def windowed():
         for (out, lhs, rhs, m_total, n_total), partial in zip(grads, ctx.resident.partials):
