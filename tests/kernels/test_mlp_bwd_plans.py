@@ -576,8 +576,9 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     phase 1 spreads its along-S quantize over two S tiles (2I = 3072: a 24 KiB staging tile, two n blocks:
     SwigluBackwardEpilogue.spreads_along_s, four chunks and stores per K tile), so phase 2's fence goes before the
     epilogue of the last tile of its first W_gu panel, after the second panel's loads (fence_after_first_panel: tile 3,
-    four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier instead of three, fails
-    there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first through
+    four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier, fails there); the
+    store of the tile before the fence (tile 2) follows the fence, which waits for its eviction only (StoreEpilogue
+    defer_next_store, round 20: three stores before the barrier on round 19's code, fails there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first through
     FENCED_STAGING_BUFFERS. TP8 modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K
     tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1 equal to
     LNC2."""
@@ -617,7 +618,14 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             assert sum(1 for i in matmuls if i < barrier) >= m_tiles * k_tiles, (p, barrier)
             dx_stores = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "dma_copy" and
                          any(o.name == "hidden_states_grad" for o in r.writes)]
-            assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 1, (p, dx_stores, barrier)
+            evictions = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "tensor_copy"]
+            # tiles 0 .. m_tiles - 2 evicted before the fence, the last of them stored right after it (StoreEpilogue
+            # defer_next_store: the fence waits for its eviction, not its DMA)
+            assert sum(1 for i in evictions if i < barrier) == m_tiles - 1, (p, evictions, barrier)
+            assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 2, (p, dx_stores, barrier)
+            after = min(i for i in dx_stores if i > barrier)
+            assert records[after].reads[0].storage_id == records[max(i for i in evictions if i < barrier)] \
+                .writes[0].storage_id and after < min(i for i in evictions if i > barrier), (p, after, barrier)
             assert not any(phase[i] in ("phase3", "phase4") for i in range(barrier)), p
             stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
                       any(o.name == "mlp_bwd_d_gate_up_mx" for o in r.writes)]

@@ -345,9 +345,10 @@ class MatmulPlan(nl.NKIObject):
     def set_fence(self, barrier) -> None:
         """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
         right before tile fence_tile's epilogue (FENCE_TILE unless fence_after_first_panel): after that tile's
-        matmuls, so the fence waits for the previous tile's store while TensorE multiplies, and the tiles before it
-        overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point protects
-        runs before one that does)."""
+        matmuls, so the fence waits for the previous tile's eviction while TensorE multiplies (that tile's store goes
+        out after the fence: the epilogue's defer_next_store / store_deferred, which StoreEpilogue has), and the tiles
+        before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
+        protects runs before one that does)."""
         self.fence = (self.fence_tile, barrier)
 
     def fence_after_first_panel(self) -> None:
@@ -361,6 +362,7 @@ class MatmulPlan(nl.NKIObject):
             barrier = self.fence[1]
             self.fence = None
             barrier()
+            self.epilogue.store_deferred()
 
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
@@ -520,6 +522,10 @@ class MatmulPlan(nl.NKIObject):
                     self.prefetch(j + 1, j + 2)
                 if self.fence != None and j >= self.fence[0]:  # noqa: E711
                     self.fire_fence()
+                if self.fence != None and j + 1 == self.fence[0]:  # noqa: E711
+                    # the tile before the fence: its store goes out after the fence (fire_fence), which then waits
+                    # for its eviction only while TensorE runs the fence tile's matmuls
+                    self.epilogue.defer_next_store()
                 self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
         self.done = hi
 
