@@ -267,7 +267,7 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     spans, interleaved = [], []
     original_spans = plan_module.tile_spans
 
-    def recording_spans(order, lo, hi, switch_span, first=False):
+    def recording_spans(order, lo, hi, switch_span, first=0):
         out = original_spans(order, lo, hi, switch_span, first)
         if switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             spans.append([s for s in out if s[1] > 1])
@@ -317,7 +317,7 @@ def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
     spans, interleaved = [], []
     original_spans = plan_module.tile_spans
 
-    def recording_spans(order, lo, hi, switch_span, first=False):
+    def recording_spans(order, lo, hi, switch_span, first=0):
         out = original_spans(order, lo, hi, switch_span, first)
         if first and switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             spans.append(out)
@@ -350,7 +350,8 @@ def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
 
 def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     """tile_spans: the first switch_span tiles of each n block after the first (capped by the block and by hi) form one
-    span; the plan's first tile (unless `first`) and every other tile are spans of 1; switch_span 1 gives all 1."""
+    span; the plan's first tile (unless `first` > 1: its first `first` tiles) and every other tile are spans of 1;
+    switch_span 1 gives all 1."""
     from nkilib.core.matmul.sources import tile_order, tile_spans
 
     m, n = [(0, 128), (128, 128), (256, 128), (384, 128)], [(0, 512), (512, 512), (1024, 512)]
@@ -360,9 +361,12 @@ def test_tile_spans_mark_the_first_tiles_of_each_new_moving_panel():
     assert tile_spans(order, 0, 10, 3) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 3), (7, 1), (8, 2)]
     two = tile_order(m[:2], n, False)  # blocks of 2 tiles: a span of 3 is capped at 2
     assert tile_spans(two, 0, 6, 3) == [(0, 1), (1, 1), (2, 2), (4, 2)]
-    # first (MatmulPlan fenced_start): the plan's first tiles form a span too
-    assert tile_spans(order, 0, 12, 3, True) == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 3), (11, 1)]
-    assert tile_spans(order, 0, 12, 1, True) == [(i, 1) for i in range(12)]
+    # first (MatmulPlan first_span): the plan's first `first` tiles form a span too, of their own length (a fenced
+    # start's takes one tile more than switch_span: no tile precedes it)
+    assert tile_spans(order, 0, 12, 3, 3) == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 3), (11, 1)]
+    assert tile_spans(order, 0, 12, 3, 4) == [(0, 4), (4, 3), (7, 1), (8, 3), (11, 1)]
+    assert tile_spans(order, 0, 12, 3, 5) == [(0, 4), (4, 3), (7, 1), (8, 3), (11, 1)]  # capped by the n block
+    assert tile_spans(order, 0, 12, 1, 1) == [(i, 1) for i in range(12)]
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
@@ -572,8 +576,9 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     phase 1 spreads its along-S quantize over two S tiles (2I = 3072: a 24 KiB staging tile, two n blocks:
     SwigluBackwardEpilogue.spreads_along_s, four chunks and stores per K tile), so phase 2's fence goes before the
     epilogue of the last tile of its first W_gu panel, after the second panel's loads (fence_after_first_panel: tile 3,
-    four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier instead of three, fails
-    there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first through
+    four m tiles per core; FENCE_TILE = 6 on round 17's code: six dX stores before the barrier, fails there); the
+    store of the tile before the fence (tile 2) follows the fence, which waits for its eviction only (StoreEpilogue
+    defer_next_store, round 20: three stores before the barrier on round 19's code, fails there), and W_gu's later panels load through a ring of LATE_FENCE_STAGING_BUFFERS staging tiles, its first through
     FENCED_STAGING_BUFFERS. TP8 modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K
     tiles along S; 2I = 3072: six K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1 equal to
     LNC2."""
@@ -613,7 +618,14 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             assert sum(1 for i in matmuls if i < barrier) >= m_tiles * k_tiles, (p, barrier)
             dx_stores = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "dma_copy" and
                          any(o.name == "hidden_states_grad" for o in r.writes)]
-            assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 1, (p, dx_stores, barrier)
+            evictions = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "tensor_copy"]
+            # tiles 0 .. m_tiles - 2 evicted before the fence, the last of them stored right after it (StoreEpilogue
+            # defer_next_store: the fence waits for its eviction, not its DMA)
+            assert sum(1 for i in evictions if i < barrier) == m_tiles - 1, (p, evictions, barrier)
+            assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 2, (p, dx_stores, barrier)
+            after = min(i for i in dx_stores if i > barrier)
+            assert records[after].reads[0].storage_id == records[max(i for i in evictions if i < barrier)] \
+                .writes[0].storage_id and after < min(i for i in evictions if i > barrier), (p, after, barrier)
             assert not any(phase[i] in ("phase3", "phase4") for i in range(barrier)), p
             stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
                       any(o.name == "mlp_bwd_d_gate_up_mx" for o in r.writes)]
@@ -624,3 +636,40 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
 
     with label_phases(kernel_module, PHASES):
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_fence_inside_phase2)
+
+
+def test_phase2_fenced_start_first_span_takes_every_accumulator(monkeypatch):
+    """Phase 2's fenced start (TP8: phase 1's resident d_gate_up panels, W_gu's K tiles quantized after the fence as
+    TensorE multiplies them) runs its first span over all four PSUM accumulators of 1024 columns instead of three: no
+    tile of the plan precedes the span, so none holds an accumulator the span must leave (the switch spans keep one
+    free for the tile before them). Four tiles x 0.44 us of matmul per K tile then match VectorE's 1.76 us quantize
+    of the next W_gu K tile (three left TensorE waiting 0.44 us per K tile: TP8 modeled 0.6302 / 0.7139 -> 0.6280 /
+    0.7122 ms). S = 1024, H = 4096, I = 1536: four m tiles per core (LNC2) and six W_gu K tiles per panel; on the old
+    code the first span is tiles 0-2 (three accumulators): fails there. Each tile's K tiles accumulate in order, so
+    the outputs are bit-exact against mx_exact and LNC1 equals LNC2."""
+    from nkilib.core.matmul.constants import SWITCH_INTERLEAVE_TILES
+
+    first_spans = []
+
+    def keep(plan, i, span, calls, before, count):
+        if plan.fenced_start and i == 0:
+            first_spans.append((span, len(plan.accumulators[0]), calls))
+
+    _record_k_interleaved(monkeypatch, keep)
+    S, H, I = 1024, 4096, 1536
+    k_tiles = 2 * I // 512
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 17)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8")
+    assert len(first_spans) == 2, [s[:2] for s in first_spans]  # one per core
+    for span, accumulators, calls in first_spans:
+        assert (span, accumulators) == (SWITCH_INTERLEAVE_TILES + 1, SWITCH_INTERLEAVE_TILES + 1), (span, accumulators)
+        accs = [c[0] for c in calls]
+        assert len(set(accs)) == span and accs == accs[:span] * k_tiles, calls  # K tile by K tile, every accumulator
+        assert [c[2] for c in calls] == [t > 0 for t in range(k_tiles) for _ in range(span)], calls
+        assert all(c[1] == 1 for c in calls), calls
+    measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision="mxfp8"))
+    assert all(m == (0, 0.0) for m in measured), measured
+    out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8")
+    for a, b in zip(out1, out2):
+        assert a.tobytes() == b.tobytes()

@@ -10,12 +10,15 @@ from .constants import PARTITIONS, RESULT_BUFFERS, STREAM_N_TILE
 class StoreEpilogue(nl.NKIObject):
     """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
     in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
-    store may trail the next tiles' evictions)."""
+    store may trail the next tiles' evictions). A plan with a sync point inside its run (MatmulPlan.set_fence) holds
+    the store of the tile before the fence until after it (defer_next_store / store_deferred)."""
 
     def __init__(self, out_hbm, out_dtype):
         self.out_hbm = out_hbm
         self.out_dtype = out_dtype
         self.results = None
+        self.defer = False  # the next tile's store waits for store_deferred
+        self.deferred = None  # (m0, msz, n0, nsz, result tile) of that store
 
     def prepare(self, plan) -> None:
         self.results = [nl.ndarray((PARTITIONS, plan.n_tile), dtype=self.out_dtype, buffer=nl.sbuf)
@@ -24,7 +27,23 @@ class StoreEpilogue(nl.NKIObject):
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
         res = self.results[i % RESULT_BUFFERS]
         nisa.tensor_copy(dst=res[:msz, :nsz], src=accumulators[0][:msz, :nsz], engine=nisa.engine.scalar)
+        if self.defer:
+            self.defer, self.deferred = False, (m0, msz, n0, nsz, res)
+            return
         nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def defer_next_store(self) -> None:
+        """Evict the next tile as usual but hold its store until store_deferred: a fence issued in between then waits
+        for the eviction only, not for the store's DMA (TP8's phase 2: the fence cost TensorE 2.1 us, now the
+        barrier's 1.3)."""
+        self.defer = True
+
+    def store_deferred(self) -> None:
+        """Issue the store held by defer_next_store, if any."""
+        if self.deferred != None:  # noqa: E711
+            m0, msz, n0, nsz, res = self.deferred
+            self.deferred = None
+            nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
 
     def store_streamed(self, m0, msz, n0, nsz, acc, engine) -> None:
         """Eviction of a K-streamed group's tile (one SBUF tile each, on `engine`)."""

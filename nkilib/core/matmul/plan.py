@@ -147,7 +147,8 @@ class MatmulPlan(nl.NKIObject):
             and not kept (n-major), "first" quantizes only the first FENCED_FIRST_K_TILES K tiles (at most all) of the
             first moving panel (its DMAs all
             begin there, through a ring of FENCED_STAGING_BUFFERS) and the rest are quantized after the fence, where
-            the first tiles run as an interleave_switch span (K tile by K tile in turn), so TensorE starts after
+            the first tiles run as an interleave_switch span (K tile by K tile in turn, over every PSUM accumulator:
+            no tile of the plan precedes it), so TensorE starts after
             the fence on the quantized K tiles instead of waiting for the whole panel before it (the MLP backward's
             phase 2 at TP8; default off; ignored otherwise).
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
@@ -196,7 +197,7 @@ class MatmulPlan(nl.NKIObject):
         self.n_tile = config.n_tile
         self.keep_moving = False
         self.interleave = interleave_first_loads
-        self.first_span = False  # the plan's first tiles form an interleave_switch span too (see interleave_switch)
+        self.first_span = 0  # tiles of the plan's first interleave_switch span (0: none; see interleave_switch)
         self.lookahead = STATIONARY_LOOKAHEAD_TILES if stationary_lookahead and setup.is_mx else 0
         self.stationary, self.moving = [], []
         if m_lo >= m_hi or n_lo >= n_hi:
@@ -283,9 +284,15 @@ class MatmulPlan(nl.NKIObject):
                 later = min(SWITCH_INTERLEAVE_TILES + 1, total // banks)
             if count > PSUM_BUFFERS:
                 self.psum_count, self.extra_accumulators, self.switch_span = count, later - count, later - 1
-                # cold first tiles meet their moving panel as it is quantized, like a switch (see the docstring)
-                self.first_span = self.fenced_start or (interleave_first_loads and all(
-                    op.k_axis == 0 or op.prequantized for op in list(stationary) + list(moving)))
+                # cold first tiles meet their moving panel as it is quantized, like a switch (see the docstring); a
+                # fenced start's span takes every accumulator: no tile of this plan precedes it, and four tiles'
+                # matmuls per K tile match VectorE's quantize of the next one (TP8 phase 2: 0.6302 -> 0.6280 ms;
+                # interleave_first_loads' cold span keeps switch_span: TP1's phase 4 models the same either way)
+                if self.fenced_start:
+                    self.first_span = later
+                elif interleave_first_loads and all(
+                        op.k_axis == 0 or op.prequantized for op in list(stationary) + list(moving)):
+                    self.first_span = self.switch_span
         kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                       "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                       f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
@@ -293,7 +300,7 @@ class MatmulPlan(nl.NKIObject):
             # the lead's tiles meet each moving panel as it is loaded and quantized for the first time: TensorE
             # multiplies each new K tile into LEAD_INTERLEAVE_TILES tiles instead of waiting for the next one
             self.switch_span, self.span_skew = LEAD_INTERLEAVE_TILES, LEAD_INTERLEAVE_SKEW
-            self.first_span = True
+            self.first_span = LEAD_INTERLEAVE_TILES
             for mv in self.moving:
                 mv.piece_bytes = LEAD_PANEL_PIECE_BYTES
 
@@ -338,9 +345,10 @@ class MatmulPlan(nl.NKIObject):
     def set_fence(self, barrier) -> None:
         """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
         right before tile fence_tile's epilogue (FENCE_TILE unless fence_after_first_panel): after that tile's
-        matmuls, so the fence waits for the previous tile's store while TensorE multiplies, and the tiles before it
-        overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point protects
-        runs before one that does)."""
+        matmuls, so the fence waits for the previous tile's eviction while TensorE multiplies (that tile's store goes
+        out after the fence: the epilogue's defer_next_store / store_deferred, which StoreEpilogue has), and the tiles
+        before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
+        protects runs before one that does)."""
         self.fence = (self.fence_tile, barrier)
 
     def fence_after_first_panel(self) -> None:
@@ -354,6 +362,7 @@ class MatmulPlan(nl.NKIObject):
             barrier = self.fence[1]
             self.fence = None
             barrier()
+            self.epilogue.store_deferred()
 
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
@@ -513,6 +522,10 @@ class MatmulPlan(nl.NKIObject):
                     self.prefetch(j + 1, j + 2)
                 if self.fence != None and j >= self.fence[0]:  # noqa: E711
                     self.fire_fence()
+                if self.fence != None and j + 1 == self.fence[0]:  # noqa: E711
+                    # the tile before the fence: its store goes out after the fence (fire_fence), which then waits
+                    # for its eviction only while TensorE runs the fence tile's matmuls
+                    self.epilogue.defer_next_store()
                 self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
         self.done = hi
 

@@ -188,20 +188,24 @@ def tile_order(m_blocks, n_blocks, m_outer: bool, m_group: int = 0, lead: int = 
     return [(m, n) for g in range(0, len(m_blocks), group) for n in n_blocks for m in m_blocks[g:g + group]]
 
 
-def tile_spans(order, lo: int, hi: int, switch_span: int, first: bool = False):
+def tile_spans(order, lo: int, hi: int, switch_span: int, first: int = 0):
     """[(i, span)] covering tiles [lo, hi) of `order` (tile_order's): span > 1 for the first `switch_span` tiles of an
-    n block whose moving panel is new (not the plan's first tile, whose panels load cold, unless `first`: MatmulPlan
-    fenced_start, whose first panel is partly quantized after the fence); MatmulPlan interleave_switch runs their
-    matmuls K tile by K tile in turn. 1 elsewhere."""
+    n block whose moving panel is new (not the plan's first tile, whose panels load cold), and for the plan's first
+    `first` tiles when first > 1 (MatmulPlan first_span: no tile before them holds an accumulator they must leave);
+    MatmulPlan interleave_switch runs their matmuls K tile by K tile in turn. 1 elsewhere."""
     spans, nxt = [], lo
     for j in range(lo, hi):
         if j < nxt:
             continue
         span, n0 = 1, order[j][1][0]
-        if switch_span > 1 and ((j > 0 and order[j - 1][1][0] != n0) or (j == 0 and first)):
-            for d in range(1, switch_span):
-                if span == d and j + d < hi and order[j + d][1][0] == n0:
-                    span += 1
+        width = 1
+        if j == 0:
+            width = first
+        elif order[j - 1][1][0] != n0:
+            width = switch_span
+        for d in range(1, width):
+            if span == d and j + d < hi and order[j + d][1][0] == n0:
+                span += 1
         spans.append((j, span))
         nxt = j + span
     return spans
