@@ -107,10 +107,10 @@ class ExpertPanels(nl.NKIObject):
             if op == None:  # noqa: E711
                 slots.append(None)
                 continue
-            kernel_assert(not op.panel_layout and ExpertPanels.fits(op, tiles, setup),
-                          f"loaded_if takes resident bf16 operands, got panel_layout={op.panel_layout}, "
-                          f"{ExpertPanels.bytes_of([op], tiles, setup)} bytes per partition of "
-                          f"RESIDENT_WEIGHT_BUDGET_BYTES = {RESIDENT_WEIGHT_BUDGET_BYTES}")
+            # (the operand's layout is load_panel(into=)'s check, in the matmul layer)
+            kernel_assert(ExpertPanels.fits(op, tiles, setup),
+                          f"loaded_if takes resident operands, got {ExpertPanels.bytes_of([op], tiles, setup)} bytes "
+                          f"per partition of RESIDENT_WEIGHT_BUDGET_BYTES = {RESIDENT_WEIGHT_BUDGET_BYTES}")
             loads, _ = ExpertPanels.super_panels(op, tiles, ExpertPanels.load_width(op, setup))
             count = len(k_tiles(op.k_size, setup))
             slots.append([(f0, w, PanelSlots(count, w, setup, PanelPlacement.per_k_tile())) for f0, w in loads])
