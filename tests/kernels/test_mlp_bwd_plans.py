@@ -464,9 +464,9 @@ def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
         pieces = [b for b in builders if b.placement.kind == "pieces" and b.count == S // 512]
         lead = [b for b in pieces if b.placement.piece_bytes == 512]
         assert len(lead) == lnc * H // 128, [(b.f_pad, b.placement.piece_bytes) for b in pieces]  # X's n blocks
-        assert all(b._tiles_per_words_allocation(True) == 1 for b in lead)
+        assert all(b.tiles_per_words_allocation(True) == 1 for b in lead)
         others = [b for b in pieces if b.placement.piece_bytes != 512]
-        assert others and all(b._tiles_per_words_allocation(True) == b.count for b in others)
+        assert others and all(b.tiles_per_words_allocation(True) == b.count for b in others)
         measured = assert_matches_mx_exact(outs[lnc], mlp_reference(inp, matmul_precision="mxfp8"))
         assert all(m == (0, 0.0) for m in measured), measured
     for a, b in zip(outs[1], outs[2]):

@@ -132,7 +132,7 @@ class PanelBuilder(nl.NKIObject):
         self._bf16_tiles = [None] * count  # bf16 K tiles allocated early (allocate()), else one per bf16_tile call
         self.piece_tiles = max(1, (self.placement.piece_bytes or MX_PANEL_PIECE_BYTES) // (f_pad * 4))
 
-    def _tiles_per_words_allocation(self, quantized: bool) -> int:
+    def tiles_per_words_allocation(self, quantized: bool) -> int:
         """K tiles whose words share one SBUF allocation: the one place that reads the placement's kind for words."""
         kind = self.placement.kind
         if kind == PLACEMENT_PER_K_TILE:
@@ -145,7 +145,7 @@ class PanelBuilder(nl.NKIObject):
     def words(self, t, P, quantized=False):
         """SBUF [P, F_pad] x4 words (MXFP8) for K tile t. quantized: the words are quantized on chip (only
         those go in pieces with PanelPlacement.pieces(); loaded words keep the panel's one allocation)."""
-        per = self._tiles_per_words_allocation(quantized)
+        per = self.tiles_per_words_allocation(quantized)
         i = t - self.t_lo
         if per < self.count or self.placement.kind == PLACEMENT_PER_K_TILE:
             g = i // per
