@@ -673,3 +673,34 @@ def test_phase2_fenced_start_first_span_takes_every_accumulator(monkeypatch):
     out1 = run_mlp(inp, lnc=1, matmul_precision="mxfp8")
     for a, b in zip(out1, out2):
         assert a.tobytes() == b.tobytes()
+
+
+def test_fenced_plan_with_an_epilogue_that_cannot_defer_stores_before_the_fence(monkeypatch):
+    """defer_next_store / store_deferred are the optional part of MatmulPlan's epilogue protocol: a fenced plan whose
+    epilogue lacks them (StoreEpilogue's removed here) stores every tile before the fence as before round 20 (m_tiles
+    - 1 dX stores before the barrier instead of m_tiles - 2) and stays bit-exact. On round 20's first code the plan
+    called them unconditionally: AttributeError there. Same shape as
+    test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it."""
+    from nkilib.core.matmul.epilogue import StoreEpilogue
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    monkeypatch.delattr(StoreEpilogue, "defer_next_store")
+    monkeypatch.delattr(StoreEpilogue, "store_deferred")
+    S, H, I = 1024, 4096, 1536
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 15)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_stores_before_fence(trace, lnc):
+        if lnc == 1:
+            return
+        for p in range(lnc):
+            records = [r for r in trace if r.program == p]
+            barriers = [i for i, r in enumerate(records) if r.instr == "core_barrier"]
+            assert len(barriers) == 1, barriers
+            dx_stores = [i for i, r in enumerate(records) if r.attrs.get("phase") == "phase2" and
+                         r.instr == "dma_copy" and any(o.name == "hidden_states_grad" for o in r.writes)]
+            assert sum(1 for i in dx_stores if i < barriers[0]) == S // lnc // 128 - 1, (p, dx_stores, barriers)
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_stores_before_fence)

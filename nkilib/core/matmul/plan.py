@@ -158,7 +158,10 @@ class MatmulPlan(nl.NKIObject):
               tile(i, m0, msz, n0, nsz, accumulators): tile i (rows [m0, m0+msz), columns [n0, n0+nsz))
                   is complete; accumulators[p] is product p's fp32 PSUM tile [128, n_tile], valid [:msz, :nsz];
               finish(): after the last tile;
-              held_bytes(n_tile): SBUF bytes per partition it holds between tiles.
+              held_bytes(n_tile): SBUF bytes per partition it holds between tiles;
+            and, optionally, defer_next_store() / store_deferred() (StoreEpilogue's): with a fence inside the run
+            (set_fence) the tile before the fence holds its store until after it; an epilogue without them runs
+            that tile as any other.
             (A protocol, not a base class: NKI before 0.7 takes classes derived from NKIObject alone, and
             class inheritance arrives with 0.7's Python tracing; see docs/kernel-structure.md.)
     """
@@ -346,8 +349,8 @@ class MatmulPlan(nl.NKIObject):
         """Call `barrier()` (a fence: it waits for every earlier instruction of the core) inside this plan's run,
         right before tile fence_tile's epilogue (FENCE_TILE unless fence_after_first_panel): after that tile's
         matmuls, so the fence waits for the previous tile's eviction while TensorE multiplies (that tile's store goes
-        out after the fence: the epilogue's defer_next_store / store_deferred, which StoreEpilogue has), and the tiles
-        before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
+        out after the fence where the epilogue has defer_next_store / store_deferred, as StoreEpilogue does), and the
+        tiles before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
         protects runs before one that does)."""
         self.fence = (self.fence_tile, barrier)
 
@@ -362,7 +365,8 @@ class MatmulPlan(nl.NKIObject):
             barrier = self.fence[1]
             self.fence = None
             barrier()
-            self.epilogue.store_deferred()
+            if hasattr(self.epilogue, "store_deferred"):  # the optional part of the epilogue protocol
+                self.epilogue.store_deferred()
 
     def stationary_on_chip(self) -> bool:
         """Whether the stationary panels are already on chip (built by an earlier phase): the first tile's
@@ -522,7 +526,8 @@ class MatmulPlan(nl.NKIObject):
                     self.prefetch(j + 1, j + 2)
                 if self.fence != None and j >= self.fence[0]:  # noqa: E711
                     self.fire_fence()
-                if self.fence != None and j + 1 == self.fence[0]:  # noqa: E711
+                defers = hasattr(self.epilogue, "defer_next_store")  # the optional part of the epilogue protocol
+                if self.fence != None and j + 1 == self.fence[0] and defers:  # noqa: E711
                     # the tile before the fence: its store goes out after the fence (fire_fence), which then waits
                     # for its eviction only while TensorE runs the fence tile's matmuls
                     self.epilogue.defer_next_store()
