@@ -251,7 +251,9 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
                   f"pass B reads pass A's d_gate_up panels of block {i} but the kernel made none")
     kernel_assert(rows_ahead == None or (not skip_padding and not stored_panels  # noqa: E711
                                          and len(rows_ahead) == len(_blocks(0, ctx.B, PARTITIONS))),
-                  f"d_gate_up rows read ahead ({rows_ahead}) serve the weights-per-block path from bf16 rows, got "
+                  f"d_gate_up rows read ahead serve the weights-per-block path from bf16 rows, one tile per 128-row "
+                  f"chunk ({len(_blocks(0, ctx.B, PARTITIONS))}), got "
+                  f"{None if rows_ahead == None else len(rows_ahead)} tiles, "  # noqa: E711
                   f"skip_padding={skip_padding}, stored_panels={stored_panels}")
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
