@@ -88,3 +88,56 @@ def test_along_s_quantize_spread_over_two_s_tiles_and_stored_per_chunk(lnc):
         widths = sorted({o.shape[1] for i in stores for o in records[i].writes if o.name == MX_WORDS})
         assert widths == [I // 2], widths
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
+def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
+    """Where phase 1 spreads its along-S quantize (TP8: two n blocks, a 24 KiB staging tile), the last S tile's phase-2
+    stationary panel is transposed in phase 1's finish() as before but quantized when phase 2 first reads it
+    (row_panels.DeferredRowPanel, ResidentPanels.get): its first K tile right away (that write places the panel's
+    words), the other K tiles after phase 2's first W_gu quantize, which VectorE (program order) then no longer runs
+    behind them; phase 2's first matmuls read the first S tiles' panels, not this one (TP8 modeled 0.6272 / 0.7117 ->
+    0.6248 / 0.7026 ms). Every other panel is quantized before the first W_gu quantize, and every phase-1 PE transpose
+    still precedes phase 2's first matmul. On round 21's code all six K tiles of the last panel are quantized before
+    the first W_gu quantize: fails there. S = 1024, H = 4096, I = 1536: four m tiles per core under LNC2, six K tiles
+    (2I = 3072) per panel. Bit-exact against mx_exact on LNC1 and LNC2 (the same quantize_mx of the same staged K
+    tiles, later in program order)."""
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+    from nkilib.simulator.trace import label_phases
+
+    S, H, I = 1024, 4096, 1536
+    k_tiles = 2 * I // 512
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 22)
+    inp = {**inp, **mlp_checkpoints(inp)}
+    reference = mlp_reference(inp)
+    outputs = []
+    for lnc in (1, 2):
+        with label_phases(kernel_module, PHASES):
+            res = run_mlp(inp, lnc=lnc, trace=True)
+        for p in range(lnc):
+            records = [r for r in res.trace if r.program == p]
+            phase = [r.attrs.get("phase") for r in records]
+            matmuls = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "nc_matmul_mx"]
+            operand = {arg: {next(o.storage_id for o in records[i].reads if o.arg == arg) for i in matmuls}
+                       for arg in ("stationary", "moving")}
+            quantizes = [i for i, r in enumerate(records) if r.instr == "quantize_mx"]
+            first_w_gu = min(i for i in quantizes if records[i].writes[0].storage_id in operand["moving"])
+            panels = {}  # words storage -> its quantizes, in program order
+            for i in quantizes:
+                sid = records[i].writes[0].storage_id
+                if sid in operand["stationary"]:
+                    panels.setdefault(sid, []).append(i)
+            m_tiles = S // lnc // 128
+            assert len(panels) == m_tiles and all(len(q) == k_tiles for q in panels.values()), (p, panels)
+            last = max(panels, key=lambda sid: panels[sid][-1])
+            first_read = min(i for i in matmuls if any(o.storage_id == last for o in records[i].reads))
+            early = [i for i in panels[last] if i < first_w_gu]
+            assert len(early) == 1 and max(panels[last]) < first_read, (p, panels[last], first_w_gu, first_read)
+            assert all(max(q) < first_w_gu for sid, q in panels.items() if sid != last), (p, panels, first_w_gu)
+            transposes = [i for i, r in enumerate(records) if phase[i] == "phase0+1" and r.instr == "nc_transpose"]
+            assert max(transposes) < min(matmuls), p
+        measured = assert_matches_mx_exact(res.outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+        outputs.append(res.outputs)
+    for a, b in zip(*outputs):
+        assert a.tobytes() == b.tobytes()

@@ -233,12 +233,54 @@ def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: Matm
     return builder.panel()
 
 
-def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup) -> list:
+class DeferredRowPanel(nl.NKIObject):
+    """panel_from_rows's MXFP8 [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp], built in
+    two steps: the constructor stages every K tile now (PE transposes into PSUM, ScalarE copies into a bf16 staging
+    tile each) and quantizes only the first; panel() quantizes the rest at its first call (VectorE) and returns the
+    Panel. Why: VectorE runs in program order, so a panel first read much later (the MLP backward's last phase-2
+    stationary panel, read by phase 2's last tile of its first n block) would put its quantizes ahead of the next
+    plan's first quantizes, which that plan's first matmuls wait for; TensorE still runs the transposes where
+    panel_from_rows did. The first K tile is quantized now because its words' first write places the panel's words
+    and scales (the cost model's allocator places a tile at its first access): deferring it too put them after the
+    next plan's staging ring, whose first tile then waited on a memory reuse (TP8 modeled 0.6265 / 0.7153 ms against
+    0.6248 / 0.7026). The same transposes, copies and quantize_mx of the same K tiles as panel_from_rows, in K order:
+    the same bits. The other K tiles' staging tiles (bf16 [128, f_pad, 4] each) stay live until panel().
+
+    Dimensions: rows_tile [f_size <= 128, Kp] bf16; panel K tiles [P, f_pad] x4 words with their scales.
+    """
+
+    deferred = True  # ResidentPanels.get calls panel() at the first read
+
+    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup):
+        kernel_assert(setup.is_mx, f"DeferredRowPanel defers MXFP8 quantizes; got {setup.precision}")
+        self.tiles = k_tiles(k_size, setup)
+        self.builder = PanelBuilder(f_pad, setup, 0, len(self.tiles))
+        chunks = [(0, f_size, rows_tile, 0)]
+        self.stages = [_stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup) for k0, _, padded in self.tiles]
+        self.builder.add_mx(0, self.tiles[0][2], self.stages[0])
+        self.stages[0] = None
+        self.built = None
+
+    def panel(self) -> Panel:
+        """The Panel; the first call issues the quantize_mx of K tiles 1.. (in K order)."""
+        if self.built == None:  # noqa: E711
+            for t in range(1, len(self.tiles)):
+                self.builder.add_mx(t, self.tiles[t][2], self.stages[t])
+            self.stages = []
+            self.built = self.builder.panel()
+        return self.built
+
+
+def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup, defer_quantize: bool = False) -> list:
     """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
-    each block's msz rows become the F axis, quantized along K); empties `row_blocks`."""
+    each block's msz rows become the F axis, quantized along K); empties `row_blocks`. defer_quantize (MXFP8): a
+    DeferredRowPanel per block instead (staged now, quantized when ResidentPanels.get first reads it)."""
     out = []
     for m_rel, msz, rows, k_size in row_blocks:
         f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
-        out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
+        if defer_quantize and setup.is_mx:
+            out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup))
+        else:
+            out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
     row_blocks.clear()
     return out

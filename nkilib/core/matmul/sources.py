@@ -163,7 +163,10 @@ class ResidentPanels(nl.NKIObject):
         self.panels = panels
 
     def get(self, f0: int, f_size: int) -> Panel:
-        return self.panels[(f0 - self.lo) // self.m_tile]
+        j = (f0 - self.lo) // self.m_tile
+        if hasattr(self.panels[j], "deferred"):  # a DeferredRowPanel (row_panels.py): quantized at its first read
+            self.panels[j] = self.panels[j].panel()
+        return self.panels[j]
 
     def release(self) -> None:
         self.panels.clear()  # in place: the phase that built them holds the same list

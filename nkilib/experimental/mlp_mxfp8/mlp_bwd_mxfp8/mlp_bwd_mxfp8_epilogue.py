@@ -43,6 +43,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.stage = None  # interleaved staging tile [128, 4, 2I] of the current 512-row K tile
         self.along_s_pending = None  # (K tile, stage, words, scale, next column) of a K tile being quantized
         self.resident = None  # ResidentPanels for phase 2 after finish() (fused only)
+        self.defer_last_panel = False  # the last S tile's panel quantized when phase 2 reads it (prepare, finish)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
 
@@ -75,6 +76,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # epilogue calls a finished K tile's quantize along S is spread over (one chunk of 2I / calls columns each)
         n_blocks = ceil_div(n_hi - n_lo, self.ncols)
         self.along_s_calls = n_blocks * (ALONG_S_SPREAD_S_TILES if self.spreads_along_s(plan) else 1)
+        self.defer_last_panel = self.fused and self.spreads_along_s(plan)  # see finish()
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
@@ -181,7 +183,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self._quantize_along_s_chunk(self.along_s_pending[4])
 
     def finish(self) -> None:
-        self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
+        # where phase 1 spreads its along-S quantize (TP8), the last S tile's panel is transposed now (TensorE runs it
+        # before phase 2's matmuls) and quantized when phase 2 first reads it (the last tile of its first n block), so
+        # phase 2's first W_gu quantizes go ahead of it on VectorE (DeferredRowPanel; TP8 modeled 0.6272 / 0.7117 ->
+        # 0.6248 / 0.7026 ms; Llama3-8B TP8, no spread: 0.7340 / 0.8274 -> 0.7417 / 0.8235, phase 3 then waits on
+        # a DMA)
+        self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel))
         if not self.defer_last_along_s:
             self.flush_along_s()
         if self.fused:
