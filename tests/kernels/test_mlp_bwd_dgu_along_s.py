@@ -96,11 +96,13 @@ def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
     (row_panels.DeferredRowPanel, ResidentPanels.get): its first K tile right away (that write places the panel's
     words), the other K tiles after phase 2's first W_gu quantize, which VectorE (program order) then no longer runs
     behind them; phase 2's first matmuls read the first S tiles' panels, not this one (TP8 modeled 0.6272 / 0.7117 ->
-    0.6248 / 0.7026 ms). Every other panel is quantized before the first W_gu quantize, and every phase-1 PE transpose
-    still precedes phase 2's first matmul. On round 21's code all six K tiles of the last panel are quantized before
-    the first W_gu quantize: fails there. S = 1024, H = 4096, I = 1536: four m tiles per core under LNC2, six K tiles
-    (2I = 3072) per panel. Bit-exact against mx_exact on LNC1 and LNC2 (the same quantize_mx of the same staged K
-    tiles, later in program order)."""
+    0.6248 / 0.7026 ms). The K tiles of d_up's columns [I, 2I) are staged first (VectorE's first product writes them
+    while GpSimd computes d_gate's), so the one quantized right away is d_up's first, K tile I / 512 (0.6243 ms; K
+    tile 0 before: fails there). Every other panel is quantized before the first W_gu quantize, and every phase-1 PE
+    transpose still precedes phase 2's first matmul. On round 21's code all six K tiles of the last panel are
+    quantized before the first W_gu quantize: fails there. S = 1024, H = 4096, I = 1536: four m tiles per core under
+    LNC2, six K tiles (2I = 3072) per panel. Bit-exact against mx_exact on LNC1 and LNC2 (the same quantize_mx of the
+    same staged K tiles, later in program order)."""
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
     from nkilib.simulator.trace import label_phases
@@ -133,6 +135,8 @@ def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
             first_read = min(i for i in matmuls if any(o.storage_id == last for o in records[i].reads))
             early = [i for i in panels[last] if i < first_w_gu]
             assert len(early) == 1 and max(panels[last]) < first_read, (p, panels[last], first_w_gu, first_read)
+            words = records[early[0]].writes[0]  # K tile t of the panel's words [128, K tiles, 128] x4 (4 B each)
+            assert words.byte_lo // (128 * 4) == I // 512, (p, words.byte_lo)
             assert all(max(q) < first_w_gu for sid, q in panels.items() if sid != last), (p, panels, first_w_gu)
             transposes = [i for i, r in enumerate(records) if phase[i] == "phase0+1" and r.instr == "nc_transpose"]
             assert max(transposes) < min(matmuls), p

@@ -236,50 +236,70 @@ def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: Matm
 class DeferredRowPanel(nl.NKIObject):
     """panel_from_rows's MXFP8 [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp], built in
     two steps: the constructor stages every K tile now (PE transposes into PSUM, ScalarE copies into a bf16 staging
-    tile each) and quantizes only the first; panel() quantizes the rest at its first call (VectorE) and returns the
-    Panel. Why: VectorE runs in program order, so a panel first read much later (the MLP backward's last phase-2
-    stationary panel, read by phase 2's last tile of its first n block) would put its quantizes ahead of the next
-    plan's first quantizes, which that plan's first matmuls wait for; TensorE still runs the transposes where
-    panel_from_rows did. The first K tile is quantized now because its words' first write places the panel's words
-    and scales (the cost model's allocator places a tile at its first access): deferring it too put them after the
-    next plan's staging ring, whose first tile then waited on a memory reuse (TP8 modeled 0.6265 / 0.7153 ms against
-    0.6248 / 0.7026). The same transposes, copies and quantize_mx of the same K tiles as panel_from_rows, in K order:
-    the same bits. The other K tiles' staging tiles (bf16 [128, f_pad, 4] each) stay live until panel().
+    tile each) and quantizes only the first it stages; panel() quantizes the rest at its first call (VectorE) and
+    returns the Panel. Why: VectorE runs in program order, so a panel first read much later (the MLP backward's last
+    phase-2 stationary panel, read by phase 2's last tile of its first n block) would put its quantizes ahead of the
+    next plan's first quantizes, which that plan's first matmuls wait for; TensorE still runs the transposes where
+    panel_from_rows did. One K tile is quantized now because its words' first write places the panel's words and
+    scales (the cost model's allocator places a tile at its first access): deferring it too put them after the next
+    plan's staging ring, whose first tile then waited on a memory reuse (TP8 modeled 0.6265 / 0.7153 ms against
+    0.6248 / 0.7026).
+    first_cols (lo, hi): the K tiles inside columns [lo, hi) are staged first (the caller's columns written first,
+    e.g. the MLP backward's d_up half, which VectorE's first product writes while GpSimd still computes d_gate's):
+    TensorE, in program order, then transposes them while the other columns are being written.
+    The same transposes, copies and quantize_mx of the same K tiles as panel_from_rows (each K tile on its own, the
+    Panel in K order): the same bits. The other K tiles' staging tiles (bf16 [128, f_pad, 4] each) stay live until
+    panel().
 
     Dimensions: rows_tile [f_size <= 128, Kp] bf16; panel K tiles [P, f_pad] x4 words with their scales.
     """
 
     deferred = True  # ResidentPanels.get calls panel() at the first read
 
-    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup):
+    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup, first_cols=None):
         kernel_assert(setup.is_mx, f"DeferredRowPanel defers MXFP8 quantizes; got {setup.precision}")
         self.tiles = k_tiles(k_size, setup)
-        self.builder = PanelBuilder(f_pad, setup, 0, len(self.tiles))
+        n = len(self.tiles)
+        self.builder = PanelBuilder(f_pad, setup, 0, n)
+        self.order = list(range(n))  # the K tiles in the order they are staged
+        if first_cols != None:  # noqa: E711
+            lo, hi = first_cols
+            first = [t for t, (k0, valid, _) in enumerate(self.tiles) if lo <= k0 and k0 + valid <= hi]
+            self.order = first + [t for t in range(n) if t not in first]
         chunks = [(0, f_size, rows_tile, 0)]
-        self.stages = [_stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup) for k0, _, padded in self.tiles]
-        self.builder.add_mx(0, self.tiles[0][2], self.stages[0])
-        self.stages[0] = None
+        self.stages = [None] * n
+        for t in self.order:
+            k0, _, padded = self.tiles[t]
+            self.stages[t] = _stage_mx_natural(chunks, k0, padded, f_size, f_pad, setup)
+        self.data, self.scales = [None] * n, [None] * n
+        self._quantize(self.order[0])
         self.built = None
 
+    def _quantize(self, t: int) -> None:
+        self.data[t], self.scales[t] = self.builder.quantize_mx_tile(t, self.tiles[t][2], self.stages[t])
+        self.stages[t] = None
+
     def panel(self) -> Panel:
-        """The Panel; the first call issues the quantize_mx of K tiles 1.. (in K order)."""
+        """The Panel; the first call issues the quantize_mx of the K tiles not quantized yet (in staging order)."""
         if self.built == None:  # noqa: E711
-            for t in range(1, len(self.tiles)):
-                self.builder.add_mx(t, self.tiles[t][2], self.stages[t])
-            self.stages = []
+            for t in self.order[1:]:
+                self._quantize(t)
+            self.builder.data, self.builder.scales = self.data, self.scales  # in K order, as add_mx leaves them
             self.built = self.builder.panel()
         return self.built
 
 
-def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup, defer_quantize: bool = False) -> list:
+def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup, defer_quantize: bool = False,
+                           first_cols=None) -> list:
     """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
     each block's msz rows become the F axis, quantized along K); empties `row_blocks`. defer_quantize (MXFP8): a
-    DeferredRowPanel per block instead (staged now, quantized when ResidentPanels.get first reads it)."""
+    DeferredRowPanel per block instead (staged now, the K tiles of columns first_cols first; quantized when
+    ResidentPanels.get first reads it)."""
     out = []
     for m_rel, msz, rows, k_size in row_blocks:
         f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
         if defer_quantize and setup.is_mx:
-            out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup))
+            out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup, first_cols))
         else:
             out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
     row_blocks.clear()
