@@ -29,6 +29,7 @@ class MoeContext(nl.NKIObject):
         self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
         self.setup, self.split, self.clamp = setup, split, clamp
         self.checkpoints_blocked = checkpoints_blocked  # the entry point's checkpoint_layout == "block"
+        self.chunk_panels = None  # pass B's ChunkPanels where the base kernel makes them (moe_bwd_mxfp8_dx.py)
         # pass A's zeroing of a part-filled block's gathered dY / X rows and p: on GpSimd, which generates the gathers'
         # descriptors next, where VectorE bounds pass A (block-ordered checkpoints: round 16a); with checkpoints gathered
         # by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's choice stays
@@ -116,12 +117,13 @@ class MoeContext(nl.NKIObject):
         view = src2d.ap([[row, m], [1, row]], offset=0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, 0, row), src=view, oob_mode=nisa.oob_mode.skip)
 
-    def block_tiles(self, scratch, i, r0, tiles):
-        """View [128, tiles, F / tiles] of rows r0..r0+128 of block i of a [N, B, F] scratch: one stored panel's
-        allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p)."""
+    def block_tiles(self, scratch, i, r0, tiles, base=0):
+        """View [128, tiles, F / tiles] of rows r0..r0+128 of block base + i of a [N', B, F] scratch: one stored panel's
+        allocation (store_panel_tiles; pass B's d_gate_up panels, partition p of a chunk's panel in row r0 + p).
+        base: a static block offset (a scratch of one [N, B, F] range per core: ChunkPanels)."""
         F = scratch.shape[2]
-        return scratch.ap([[F, PARTITIONS], [F // tiles, tiles], [1, F // tiles]], offset=r0 * F, scalar_offset=i,
-                          indirect_dim=0)
+        return scratch.ap([[F, PARTITIONS], [F // tiles, tiles], [1, F // tiles]],
+                          offset=(base * scratch.shape[1] + r0) * F, scalar_offset=i, indirect_dim=0)
 
     def block_rows(self, scratch, i, r0, count, step, f0, f_size):
         """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""

@@ -6,8 +6,9 @@ stay on chip across the loop; larger ones (DeepSeek-V3's W_down in pass A, W_gu 
 partition quantized) are loaded per block. For an expert with two or more blocks the kernel instead splits
 the weight's tiles into resident groups (resident_tile_groups) and runs the block loop once per group, so
 the weight is loaded and quantized once per expert and only the block's activation rows are read again per
-group (docs/moe.md, section 10, round 3). In an expert's last block, pass B skips the work of 128-row chunks
-that hold only padding (compute_phase2_hidden_states_grad_mxfp8).
+group (docs/moe.md, section 10, round 3); where pass B builds the chunks' d_gate_up panels from those rows, the first
+group stores them and the later ones load them (ChunkPanels, round 22c). In an expert's last block, pass B skips the
+work of 128-row chunks that hold only padding (compute_phase2_hidden_states_grad_mxfp8).
 """
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import nki.language as nl
 
 from ...core.kernel_helpers import ceil_div, kernel_assert
 from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_panel, load_panel_tiles, matmul_panels,
-                            panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths)
+                            panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths,
+                            store_panel_tiles)
 from ...core.matmul.constants import SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
                         WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
-__all__ = ["DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8", "resident_tile_groups"]
+__all__ = ["ChunkPanels", "DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8",
+           "resident_tile_groups"]
 
 
 class ExpertPanels(nl.NKIObject):
@@ -214,6 +217,62 @@ class DGateUpRowsAhead(nl.NKIObject):
         self.ctx.loops.if_single(self.e, rows)
 
 
+class ChunkPanels(nl.NKIObject):
+    """Pass B's K=2I stationary panels of an expert's 128-row chunks, built once per expert where its W_gu runs in
+    resident tile groups (an expert of two or more blocks whose panels pass A did not store: the DeepSeek-V3 rank's, by
+    the I split under LNC2, by W_down's I-tile groups under LNC1): the first group builds each chunk's panel from the bf16 rows (transposes and quantize_mx
+    along 2I) and stores it to this core's range of an HBM scratch (store_panel_tiles), the later groups load it
+    (load_panel_tiles: two DMAs) instead of reading, transposing and quantizing the rows again (docs/moe.md section
+    10, round 22c). Each core writes and reads only its own range (both cores build every chunk's panel: pass B
+    splits H), a group's stores precede the next group's loads of the same rows in program order on that core.
+
+    Dimensions: words [cores x N, B, K tiles x 128] x4, scales [cores x N, B, scale tiles x 128] uint8 (K=2I, the
+    layout of ctx.d_gu_mx per core: partition p of a chunk's panel in row r0 + p); groups: this core's resident
+    tile groups of W_gu's H tiles (resident_tile_groups), the first one stores.
+    """
+
+    def __init__(self, ctx, groups):
+        self.ctx, self.groups = ctx, groups
+        nk, ns = panel_tile_widths(2 * ctx.I, PARTITIONS, ctx.setup)
+        cores = ctx.split.num_cores
+        self.base = ctx.split.shard_id * ctx.N  # this core's blocks in the scratch
+        self.words = nl.ndarray((cores * ctx.N, ctx.B, nk * PARTITIONS), dtype=ctx.setup.x4_dtype,
+                                buffer=nl.shared_hbm, name="moe_bwd_chunk_panels")
+        self.scales = nl.ndarray((cores * ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
+                                 name="moe_bwd_chunk_panel_scales")
+        self.nk, self.ns = nk, ns
+
+    @staticmethod
+    def applies(ctx, groups) -> bool:
+        """Where W_gu runs in more than one resident group (`groups`, None: resident whole) with MXFP8 and 128-row
+        chunks from multiples of 128 (the multi-block experts whose panels pass A did not store: pass B's
+        compute_phase2_hidden_states_grad_mxfp8 takes a stored panel first)."""
+        return groups != None and len(groups) > 1 and ctx.setup.is_mx and ctx.B % PARTITIONS == 0  # noqa: E711
+
+    @staticmethod
+    def of(ctx, groups):
+        """ChunkPanels(ctx, groups) where it applies, else None."""
+        return ChunkPanels(ctx, groups) if ChunkPanels.applies(ctx, groups) else None
+
+    def role(self, tiles):
+        """'store' for the first resident group's tiles, 'load' for a later group's, None for others (a one-block
+        expert's weights-per-block tiles: its panels are built once already)."""
+        if tiles == self.groups[0]:
+            return "store"
+        return "load" if tiles in self.groups[1:] else None
+
+    def store(self, panel, i, r0):
+        store_panel_tiles(panel, self.ctx.block_tiles(self.words, i, r0, self.nk, self.base),
+                          self.ctx.block_tiles(self.scales, i, r0, self.ns, self.base))
+
+    def load(self, i, r0, m):
+        kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
+                      f"stored chunk panels cover 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
+        return load_panel_tiles(self.ctx.block_tiles(self.words, i, r0, self.nk, self.base),
+                                self.ctx.block_tiles(self.scales, i, r0, self.ns, self.base), 2 * self.ctx.I,
+                                self.ctx.f_pad(m), self.ctx.setup)
+
+
 def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None,
                                             stored_panels=None, rows_ahead=None):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
@@ -258,7 +317,12 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
 
+    # an expert's chunk panels built by its first resident W_gu group and loaded by the later ones (ChunkPanels)
+    cached = None if stored_panels or ctx.chunk_panels == None else ctx.chunk_panels.role(tiles)  # noqa: E711
+
     def chunk_panel(r0, m):
+        if cached == "load":
+            return ctx.chunk_panels.load(i, r0, m)
         if stored_panels:  # quantized by pass A (rounds 7a, 8c): words and scales as stored
             kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
                           f"pass A's d_gate_up panels cover 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
@@ -267,7 +331,10 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
             return load_panel_tiles(ctx.block_tiles(words, i, r0, nk), ctx.block_tiles(scales, i, r0, ns), two_i,
                                     ctx.f_pad(m), ctx.setup)
         nat = _d_gate_up_rows(ctx, i, r0, m) if rows_ahead == None else rows_ahead[r0 // PARTITIONS]  # noqa: E711
-        return panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+        panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
+        if cached == "store":
+            ctx.chunk_panels.store(panel, i, r0)
+        return panel
 
     def chunk_tile(c, j, panel, part, m):
         h0, hsz = tiles[j]

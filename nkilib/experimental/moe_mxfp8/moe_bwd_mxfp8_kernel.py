@@ -90,7 +90,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
                                       gather_deferred_x, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
-from .moe_bwd_mxfp8_dx import (DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
+from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_context import MoeContext
@@ -309,8 +309,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # over all of I for every row of the block (no padding skipped), so it makes the panels of every chunk pass B
     # may read, whichever of pass B's paths runs; experts of more blocks run pass A per resident group of I tiles
     # (no chunk's d_gate_up on chip whole) and pass B builds their panels from the bf16 rows (round 8c).
-    ctx.d_gu_mx = None
-    one_i_group = a_groups == None  # noqa: E711
+    ctx.d_gu_mx, one_i_group = None, a_groups == None  # noqa: E711
     whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
     every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
     # (not under ExpertISplit: it takes every expert, and no core holds a chunk's whole 2I)
@@ -322,6 +321,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                   name="moe_bwd_d_gate_up_panels"),
                        nl.ndarray((ctx.N, ctx.B, ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
                                   name="moe_bwd_d_gate_up_panel_scales"))
+    ctx.chunk_panels = ChunkPanels.of(ctx, b_groups)  # a multi-block expert's pass-B panels built once (round 22c)
 
     def b_block(e, i, w, skip, stored_panels, rows=None):
         resident, flag_tiles = skip if skip else (False, 0)
