@@ -533,6 +533,40 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch)
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_tail)
 
 
+def test_next_stationary_under_phase2_tail_stages_through_phase2_ring(monkeypatch):
+    """The first stationary loads issued under the K-streamed phase 2's last quad (set_tail_load) take over phase 2's
+    staging ring (MatmulPlan.adopt_staging): their DMAs write SBUF tiles that phase 2's W_gu quads were staged in,
+    free once the last quad is quantized, instead of fresh tiles placed over tiles that phase 2's last matmuls read
+    (TP1 modeled 4.5161 / 4.6806 -> 4.5096 / 4.6716 ms: phase 4's first dY DMAs start ~7 us earlier). Forced on
+    S = 512, H = 512, I = 4096 (the budgets of the tail test above; H = 512 so that phase 2's n block, and with it
+    its staging tiles, is as wide as the next phase's first panel): in each core's trace every DMA of the next phase
+    issued before phase 2's last matmul writes one of phase 2's W_gu staging tiles (a fresh tile on the old code),
+    and the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    S, H, I = 512, 512, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_staging(trace, lnc):
+        for program in range(lnc):
+            records = [r for r in trace if r.program == program]
+            phase = [r.attrs.get("phase") for r in records]
+            last_matmul, nxt, _, _, _ = _tail_order(trace, program)
+            ring = {r.writes[0].storage_id for i, r in enumerate(records) if phase[i] == "phase2" and
+                    r.engine == "dma" and r.reads and r.reads[0].name == "gate_up_weights"}
+            early = [r.writes[0].storage_id for i, r in enumerate(records[:last_matmul])
+                     if phase[i] == nxt and r.engine == "dma" and r.writes[0].buffer == "sbuf"]
+            assert early and all(t in ring for t in early), (lnc, program, nxt, early, sorted(ring))
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_staging)
+
+
 def _staging_tiles_per_core(trace, source_name):
     """{program: distinct SBUF tiles that DMAs from HBM tensor `source_name` write}."""
     tiles = {}
