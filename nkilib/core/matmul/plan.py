@@ -349,6 +349,11 @@ class MatmulPlan(nl.NKIObject):
             if not source.resident and source.ring == None and source.capacity == 1:  # noqa: E711
                 source.ring = LoadRing(max(source.staging, len(tiles)), tiles)
                 source.words_per_k_tile = True
+                # the deeper ring only for the panel loaded under that plan's tail (tail_load_fits budgeted it; its
+                # tiles are that plan's, so it takes no SBUF of its own): the later panels' loads share the ring at
+                # the source's own depth, on which the rest of this plan was budgeted. Kept at 4 for the whole plan,
+                # K-chunked phase 4 at S = 16384, H = I = 2880 then had no placement for a 20 KiB tile (262.5 KiB)
+                source.later_staging = source.staging
 
     def set_tail_load(self, step, nxt) -> None:
         """K-streamed plans: call `step(nxt, "first_stationary")` (the next plan's first stationary loads, through its
