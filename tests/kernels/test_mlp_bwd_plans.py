@@ -533,6 +533,77 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch)
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_tail)
 
 
+def test_next_stationary_under_phase2_tail_stages_through_phase2_ring(monkeypatch):
+    """The first stationary loads issued under the K-streamed phase 2's last quad (set_tail_load) take over phase 2's
+    staging ring (MatmulPlan.adopt_staging): their DMAs write SBUF tiles that phase 2's W_gu quads were staged in,
+    free once the last quad is quantized, instead of fresh tiles placed over tiles that phase 2's last matmuls read
+    (TP1 modeled 4.5161 / 4.6806 -> 4.5096 / 4.6716 ms: phase 4's first dY DMAs start ~7 us earlier). Forced on
+    S = 512, H = 512, I = 4096 (the budgets of the tail test above; H = 512 so that phase 2's n block, and with it
+    its staging tiles, is as wide as the next phase's first panel): in each core's trace every DMA of the next phase
+    issued before phase 2's last matmul writes one of phase 2's W_gu staging tiles (a fresh tile on the old code),
+    and the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    S, H, I = 512, 512, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_staging(trace, lnc):
+        for program in range(lnc):
+            records = [r for r in trace if r.program == program]
+            phase = [r.attrs.get("phase") for r in records]
+            last_matmul, nxt, _, _, _ = _tail_order(trace, program)
+            ring = {r.writes[0].storage_id for i, r in enumerate(records) if phase[i] == "phase2" and
+                    r.engine == "dma" and r.reads and r.reads[0].name == "gate_up_weights"}
+            early = [r.writes[0].storage_id for i, r in enumerate(records[:last_matmul])
+                     if phase[i] == nxt and r.engine == "dma" and r.writes[0].buffer == "sbuf"]
+            assert early and all(t in ring for t in early), (lnc, program, nxt, early, sorted(ring))
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_staging)
+
+
+def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel(monkeypatch):
+    """The staging ring a plan takes over from the K-streamed phase 2 (MatmulPlan.adopt_staging, STREAM_STAGING_BUFFERS
+    = 4 tiles) is that deep only for the panel loaded under phase 2's tail: the source's later panels share it at
+    STAGING_BUFFERS (PanelSource.later_staging). Kept at 4 for the whole plan, the dense kernel at S = 16384, H = I =
+    2880 had no SBUF placement for a 20 KiB tile (refused); TP1 keeps 4.5097 of round 21's 4.5096 ms central. Forced as
+    in the test above (S = 512, H = 512, I = 4096: the next phase, phase 3, loads one K tile per panel): in each core's
+    trace that source's DMAs issued after phase 2's last matmul (seven) write STAGING_BUFFERS distinct SBUF tiles (four
+    on the old code), and the outputs are bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul.constants import STAGING_BUFFERS, STREAM_STAGING_BUFFERS
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.simulator.trace import label_phases
+
+    assert STREAM_STAGING_BUFFERS > STAGING_BUFFERS
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    S, H, I = 512, 512, 4096
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 6)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_depth(trace, lnc):
+        for program in range(lnc):
+            records = [r for r in trace if r.program == program]
+            phase = [r.attrs.get("phase") for r in records]
+            last_matmul, nxt, _, _, _ = _tail_order(trace, program)
+            early = [r for i, r in enumerate(records[:last_matmul]) if phase[i] == nxt and r.engine == "dma" and
+                     r.writes[0].buffer == "sbuf"]
+            source = early[0].reads[0].name
+            later = [r.writes[0].storage_id for i, r in enumerate(records) if i > last_matmul and phase[i] == nxt and
+                     r.engine == "dma" and r.reads and r.reads[0].name == source and r.writes[0].buffer == "sbuf"]
+            assert len(later) > STREAM_STAGING_BUFFERS, (lnc, program, source, len(later))
+            assert len(set(later)) == STAGING_BUFFERS, (lnc, program, source, len(set(later)))
+
+    with label_phases(kernel_module, PHASES):
+        _traced_bit_exact_on_lnc1_and_lnc2(inp, check_depth)
+
+
 def _staging_tiles_per_core(trace, source_name):
     """{program: distinct SBUF tiles that DMAs from HBM tensor `source_name` write}."""
     tiles = {}

@@ -192,7 +192,7 @@ class KChunkedPlan(nl.NKIObject):
     """A MatmulPlan cut along K (module docstring): `chunks` run one after the other, chunk c's first panels
     loading under chunk c - 1's last tiles when both fit SBUF. Offers MatmulPlan's interface to PhaseGraph
     (step, first_bytes, first_stationary_bytes, held_bytes, can_prefetch, can_load_under_tail, set_tail_load,
-    can_fence, fire_fence, stationary_on_chip, stream, order)."""
+    adopt_staging, can_fence, fire_fence, stationary_on_chip, stream, order)."""
 
     def __init__(self, chunks):
         self.chunks = chunks
@@ -218,6 +218,9 @@ class KChunkedPlan(nl.NKIObject):
 
     def set_tail_load(self, step, nxt) -> None:
         self.chunks[-1].set_tail_load(step, nxt)
+
+    def adopt_staging(self, tiles) -> None:
+        self.chunks[0].adopt_staging(tiles)
 
     def can_fence(self) -> bool:
         return False

@@ -33,7 +33,7 @@ from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TI
                         usable_sbuf_bytes)
 from .overlap import (first_load_bytes, first_stationary_load_bytes, held_bytes_at_tail, last_loading_tile,
                       place_fence_after_first_panel, prefetch_fits, tail_load_fits)
-from .panels import k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
+from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
 from .streamed import run_streamed
@@ -334,6 +334,26 @@ class MatmulPlan(nl.NKIObject):
         (m0, msz), _ = self.order[0]
         for s, _ in self.products:
             self.stationary[s].get(m0, msz)
+
+    def adopt_staging(self, tiles) -> None:
+        """Before the first stationary loads issued under a K-streamed plan's last quad (set_tail_load): the first
+        tile's stationary sources stage through `tiles` (that plan's staging ring, free once its last quad is
+        quantized; LoadRing's `tiles`, the ring at least that deep) and place their quantized words one K tile per
+        allocation (PanelSource.words_per_k_tile). Fresh staging tiles and a whole-panel words block were placed
+        next-fit over the K-streamed plan's dead tiles, whose last readers are its last matmuls: TP1's phase 4 then
+        started its first dY DMAs ~7 us after phase 2's last quantizes, or quantized them only after phase 2's last
+        matmul. Same instructions in the same order (other SBUF addresses, a staging ring of 4 instead of 3): no
+        bit changes."""
+        for s, _ in self.products:
+            source = self.stationary[s]
+            if not source.resident and source.ring == None and source.capacity == 1:  # noqa: E711
+                source.ring = LoadRing(max(source.staging, len(tiles)), tiles)
+                source.words_per_k_tile = True
+                # the deeper ring only for the panel loaded under that plan's tail (tail_load_fits budgeted it; its
+                # tiles are that plan's, so it takes no SBUF of its own): the later panels' loads share the ring at
+                # the source's own depth, on which the rest of this plan was budgeted. Kept at 4 for the whole plan,
+                # K-chunked phase 4 at S = 16384, H = I = 2880 then had no placement for a 20 KiB tile (262.5 KiB)
+                source.later_staging = source.staging
 
     def set_tail_load(self, step, nxt) -> None:
         """K-streamed plans: call `step(nxt, "first_stationary")` (the next plan's first stationary loads, through its

@@ -36,6 +36,7 @@ class PanelSource(nl.NKIObject):
         self.later_staging = 0  # when set, the ring shrinks to it after the first panel (MatmulPlan fenced_start)
         self.staging = STAGING_BUFFERS  # staging tiles of the ring its [K, F] loads share (MatmulPlan cold_staging)
         self.piece_bytes = 0  # words quantized on chip in pieces of this size (PanelPlacement; 0: the default)
+        self.words_per_k_tile = False  # words in one allocation per K tile (PanelPlacement.per_k_tile; adopt_staging)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -106,7 +107,7 @@ class PanelSource(nl.NKIObject):
         natural = self.op.k_axis == 1 and not self.op.prequantized
         self._start_ring(natural)
         f_pad = self._padded(f_size)
-        placement = PanelPlacement.pieces(self.piece_bytes)
+        placement = PanelPlacement.per_k_tile() if self.words_per_k_tile else PanelPlacement.pieces(self.piece_bytes)
         if block != None:  # noqa: E711
             words, scales = block.slot(slot, f_pad)
             placement = PanelPlacement.into(words, scales)

@@ -23,7 +23,8 @@ def run_streamed(plan) -> None:
     accumulators of STREAM_N_TILE), so g stationary panels share each moving pass (the moving operand
     is read m_tiles / g times). The group's evictions alternate VectorE / ScalarE: they gate the next
     n block's matmuls (ScalarE only once plan.tail_load has issued the next plan's first stationary loads, which
-    VectorE quantizes meanwhile). contiguous_group: the group's panels are slots of one PanelGroupBlock.
+    VectorE quantizes meanwhile; those loads take over this plan's staging ring, MatmulPlan.adopt_staging).
+    contiguous_group: the group's panels are slots of one PanelGroupBlock.
     """
     g, m_blocks, n_blocks = plan.stream
     setup, b_op = plan.setup, plan.moving[0].op
@@ -67,9 +68,12 @@ def run_streamed(plan) -> None:
                 last = lo + g >= len(m_blocks) and bi + 1 == len(n_blocks) and t1 == n_k
                 if last and plan.tail_load != None:  # noqa: E711
                     # the plan's last quad is loaded: its staging ring is free, and the next plan's first
-                    # stationary panels load and quantize while the last matmuls and evictions run
-                    ring = None
+                    # stationary panels load and quantize while the last matmuls and evictions run, staged through
+                    # that ring (its tiles free with the last quad's quantizes; fresh ones were placed over tiles
+                    # that phase 2's later matmuls read: TP1 phase 4's first dY DMAs waited ~7 us longer)
                     step, nxt_plan = plan.tail_load
+                    nxt_plan.adopt_staging(ring.tiles)
+                    ring = None
                     step(nxt_plan, "first_stationary")
                     plan.tail_load = step = nxt_plan = None
                     tail = True
