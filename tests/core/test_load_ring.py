@@ -7,7 +7,8 @@ the kernels that use it is covered by tests/kernels.
 
 import nki
 import nki.language as nl
-from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel
+from nkilib.core.matmul import MatmulSetup, TensorDescriptor, load_panel, stage_ahead
+from nkilib.core.matmul.constants import STAGING_BUFFERS
 from nkilib.core.matmul.panels import LoadRing
 from nkilib.core.matmul.sources import PanelSource
 from nkilib.core.numerics import contract_mm
@@ -176,5 +177,64 @@ def test_load_ahead_refuses_a_k_contiguous_source():
         assert not src.can_load_ahead()
         with pytest.raises(AssertionError, match="k_axis=1"):
             src.load_ahead(0, 128, 1)
+
+    in_kernel(body)
+
+
+@nki.jit
+def _staged_ahead_matmul_kernel(a, b, count):
+    """out [M, N] = a [K, M]ᵀ @ b [K, N], a's first `count` K tiles staged by stage_ahead into tiles allocated here,
+    b's panel loaded between them and a's load_panel(staged=...) through a ring that holds those tiles (count 0: a
+    plain load_panel)."""
+    K, M = a.shape
+    N = b.shape[1]
+    desc = TensorDescriptor(a, k_axis=0)
+    stages = [nl.ndarray((128, 4, M), dtype=nl.bfloat16, buffer=nl.sbuf) for _ in range(count)]
+    staged = stage_ahead(desc, 0, M, M, MX, stages) if count else None
+    moving = load_panel(TensorDescriptor(b, k_axis=0), 0, N, N, MX)
+    ring = LoadRing(STAGING_BUFFERS, stages) if count else None
+    stationary = load_panel(desc, 0, M, M, MX, ring=ring, staged=staged)
+    return matmul_panels_to_hbm(stationary, moving, MX, M, N)  # K=K, M=M, N=N
+
+
+def test_stage_ahead_then_load_panel_takes_the_staged_k_tiles():
+    """stage_ahead (docs/moe.md section 10, round 22a): a [K, F] MXFP8 operand of 4 K tiles with its first 1 or 2 K
+    tiles staged before another panel's load multiplies to the contract's bits, as a plain load does; a's DMAs are
+    the same four (none repeated), the staged ones first in program order (before b's), into the caller's tiles, and
+    the load's later K tiles take a new tile before it retakes the staged ones (oldest first): the ring as if the load
+    had staged them itself. Fails if load_panel restages the staged K tiles (six or five DMAs) or drops them (the
+    bits)."""
+    a, b = randn(6, (2048, 64), BF16), randn(7, (2048, 32), BF16)
+    want = contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32")
+    for count in (0, 1, 2):
+        out = simulate(_staged_ahead_matmul_kernel, 1, a=a, b=b, count=count)
+        assert_outputs_identical((out,), (want,), f"{count} K tiles staged ahead")
+        res = run_kernel(_staged_ahead_matmul_kernel.fn, kwargs=dict(a=a, b=b, count=count), trace=True)
+        loads = [(o.name, r.writes[0].storage_id) for r in res.trace if r.instr == "dma_copy"
+                 for o in r.reads if o.name in ("a", "b")]
+        dst = [s for name, s in loads if name == "a"]
+        assert len(dst) == 4, loads
+        first_b = [name for name, _ in loads].index("b")
+        assert [name for name, _ in loads[:count]] == ["a"] * count and first_b == count, loads
+        if count == 1:
+            assert dst[3] == dst[0] and len(set(dst[:3])) == 3, dst
+        if count == 2:
+            assert dst[3] == dst[0] and len(set(dst[:3])) == 3, dst
+
+
+def test_load_panel_refuses_staged_tiles_without_their_ring():
+    """load_panel(staged=...) needs the ring that holds the staged tiles (its later K tiles must not retake them before
+    their quantizes) and K tiles from 0: refused with the values in the message."""
+    import pytest
+
+    def body():
+        a = nl.ndarray((1024, 64), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        desc = TensorDescriptor(a, k_axis=0)
+        stages = [nl.ndarray((128, 4, 64), dtype=nl.bfloat16, buffer=nl.sbuf)]
+        staged = stage_ahead(desc, 0, 64, 64, MX, stages)
+        with pytest.raises(AssertionError, match="ring=None"):
+            load_panel(desc, 0, 64, 64, MX, staged=staged)
+        with pytest.raises(AssertionError, match="t_lo=1"):
+            load_panel(desc, 0, 64, 64, MX, t_lo=1, ring=LoadRing(STAGING_BUFFERS, stages), staged=staged)
 
     in_kernel(body)

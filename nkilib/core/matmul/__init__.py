@@ -14,8 +14,8 @@ constants.py: tile geometry, accepted numeric choices, SBUF/PSUM budgets (usable
 from .descriptor import MatmulSetup, TensorDescriptor  # noqa: F401
 from .panel_builder import Panel, PanelPlacement  # noqa: F401
 from .panels import (PanelLoad, k_tiles, load_panel, matmul_panels,  # noqa: F401
-                     panel_bytes_per_partition, panel_columns, panel_layout_hbm, single_k_tile, stage_row_block,
-                     store_k_tile)
+                     panel_bytes_per_partition, panel_columns, panel_layout_hbm, single_k_tile, stage_ahead,
+                     stage_row_block, store_k_tile)
 from .row_panels import (PanelSlots, RowPanelByColumns, load_panel_tiles, panel_from_row_loader,  # noqa: F401
                          panel_from_rows, panel_tile_widths, panels_from_row_blocks, store_panel_tiles)
 from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F401

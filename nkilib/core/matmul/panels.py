@@ -237,7 +237,8 @@ class PanelLoad(nl.NKIObject):
     once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
     """
 
-    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None):
+    def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
+                 staged=None):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
@@ -248,7 +249,12 @@ class PanelLoad(nl.NKIObject):
         self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
         self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
         self.next = t_lo  # the next K tile to quantize
-        for t in range(t_lo, min(t_hi, t_lo + self.ahead)):
+        given = [] if staged == None else staged  # noqa: E711
+        kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead),
+                      f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once")
+        for t in range(len(given)):
+            self.staged[t] = given[t]
+        for t in range(t_lo + len(given), min(t_hi, t_lo + self.ahead)):
             self._stage(t)
 
     def _stage(self, t) -> None:
@@ -277,8 +283,28 @@ class PanelLoad(nl.NKIObject):
         return self.builder.panel()
 
 
+def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages) -> list:
+    """The DMAs of the first len(stages) K tiles of a later load_panel(op, f0, f_size, f_pad, setup,
+    ring=LoadRing(size, stages), staged=<this list>) of a [K, F] bf16 operand (MXFP8), issued now into `stages`
+    (SBUF [128, 4, >= f_pad] bf16 tiles the caller allocated, so that a load issued in any of several run-time
+    branches fills the same tiles). That ring holds them as taken, oldest first: the load's further K tiles take new
+    tiles up to its size, then these, as if it had staged them itself. The same DMAs into the same staging layout,
+    earlier in program order: no bit changes.
+
+    Dimensions: op [K, F] in HBM -> len(stages) staging views (quantize_mx's sources) of K tiles 0, 1, ...
+    """
+    tiles = k_tiles(op.k_size, setup)
+    kernel_assert(setup.is_mx and op.k_axis == 0 and not op.prequantized and len(stages) <= len(tiles),
+                  f"stage_ahead stages at most the {len(tiles)} K tiles of a [K, F] bf16 operand for MXFP8, got "
+                  f"{len(stages)} tiles, k_axis={op.k_axis}, prequantized={op.prequantized}, is_mx={setup.is_mx}")
+    views = []
+    for (k0, valid, padded), stage in zip(tiles, stages):
+        views.append(_stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage[:, :, :f_pad]))
+    return views
+
+
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, placement=None, preloaded=None, into=None) -> Panel:
+               ring=None, placement=None, preloaded=None, into=None, staged=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -300,9 +326,16 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     into: a PanelSlots (row_panels.py) allocated earlier for the whole panel (its placement instead of `placement`):
     the K tiles are written there, so a load issued inside a run-time loop (an expert's 0/1-trip "if") leaves a
     panel that is read after it (PanelSlots.panel).
+    staged: the first K tiles' staging views from stage_ahead (its DMAs issued earlier into `ring`'s tiles; MXFP8
+    [K, F] bf16 operands from K tile 0); None: every K tile staged here.
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
+    kernel_assert(staged == None or (t_lo == 0 and setup.is_mx and op.k_axis == 0  # noqa: E711
+                                     and not op.prequantized and not op.panel_layout and ring != None),  # noqa: E711
+                  f"load_panel staged= takes stage_ahead's K tiles of a [K, F] bf16 operand (MXFP8) from K tile 0 "
+                  f"with its ring, got t_lo={t_lo}, k_axis={op.k_axis}, prequantized={op.prequantized}, "
+                  f"panel_layout={op.panel_layout}, ring={ring}")
     if into != None:  # noqa: E711
         kernel_assert(t_lo == 0 and t_hi == len(tiles) and not op.panel_layout,
                       f"load_panel into= takes a whole panel of a bf16 or per-K-tile operand, got K tiles [{t_lo}, "
@@ -351,7 +384,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
         return builder.panel()
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
-        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder).finish()
+        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:
