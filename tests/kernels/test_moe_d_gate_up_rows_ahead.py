@@ -12,6 +12,9 @@ more blocks reads its own (the same rows). The outputs stay mx_exact's bit for b
 | test_d_gate_up_rows_ahead     | fence groups [0, 1], [2, 3], [4]: B(e)'s rows read once per step, in A(a)'s  | LNC2  |
 |                               | last epilogue (a of two blocks), where a has none, before A(a) (one full     |       |
 |                               | block), with no A; B(0), B(1) (padded), B(4) take them, B(2) reads its own   |       |
+| test_w_gu_staged_ahead        | super-panels of 1024 columns: B(e)'s first W_gu K tile staged with the rows | LNC2  |
+|                               | or, before A(a) of one full block, in A(a)'s last epilogue; B(e)'s first    |       |
+|                               | wide load takes it (its other K tiles staged as before), == mx_exact         |       |
 | test_rows_ahead_need_bf16_path| compute_phase2 refuses read-ahead rows with stored panels or the resident    | host  |
 |                               | path (which read other layouts), naming the arguments                        |       |
 """
@@ -23,6 +26,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
+from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
@@ -38,14 +42,15 @@ def _record(monkeypatch):
     init, read, block = D.DGateUpRowsAhead.__init__, D.DGateUpRowsAhead.read, S.ExpertISplit.block
     phase2 = K.compute_phase2_hidden_states_grad_mxfp8
 
-    def record_init(self, ctx, e):
-        init(self, ctx, e)
+    def record_init(self, ctx, e, *args):
+        init(self, ctx, e, *args)
         made[ctx.split.shard_id, e] = self
 
-    def record_read(self):
+    def record_read(self, rows=True, w_gu=True):
         core = self.ctx.split.shard_id
-        self.ctx.loops.if_used(self.e, lambda: events.setdefault(core, []).append(("rows", self.e)))
-        return read(self)
+        what = ("rows", self.e) if rows else ("w_gu", self.e)
+        self.ctx.loops.if_used(self.e, lambda: events.setdefault(core, []).append(what))
+        return read(self, rows=rows, w_gu=w_gu)
 
     def record_block(self, e, i, w, full, **kwargs):
         events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full))
@@ -53,7 +58,7 @@ def _record(monkeypatch):
 
     def record_phase2(ctx, e, i, *args, rows_ahead=None, **kwargs):
         rows = made.get((ctx.split.shard_id, e))
-        taken = None if rows_ahead is None else rows is not None and rows_ahead is rows.tiles
+        taken = None if rows_ahead is None else rows is not None and rows_ahead is rows
         events.setdefault(ctx.split.shard_id, []).append(("B", e, taken))
         return phase2(ctx, e, i, *args, rows_ahead=rows_ahead, **kwargs)
 
@@ -94,7 +99,9 @@ def test_d_gate_up_rows_ahead(monkeypatch):
     (one full block), rows(3) and rows(4) with no A in their steps (rows(3): an expert without blocks, whose read loop
     runs no trip, so nothing is recorded). B(0), B(1) (padded: pass B reads every chunk) and B(4) take the rows read
     for them, B(2) runs the multi-block path and reads its own. Fails on the old code (no DGateUpRowsAhead) and on a
-    path that does not read (B(e) then multiplies unread tiles: the outputs)."""
+    path that does not read (B(e) then multiplies unread tiles: the outputs). Round 22a: where the rows go before
+    A(4), W_gu's staged K tiles (none at these widths) go in A(4)'s last epilogue (("w_gu", 2), after ("A", 4, True));
+    elsewhere with the rows."""
     kernel, ref = _case(monkeypatch)
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
@@ -102,8 +109,8 @@ def test_d_gate_up_rows_ahead(monkeypatch):
     for core in (0, 1):
         seq = _dedupe(events[core])
         assert seq == [("A", 0, True), ("A", 1, False), ("A", 2, True), ("A", 2, False), ("rows", 0), ("B", 0, True),
-                       ("rows", 1), ("B", 1, True), ("rows", 2), ("A", 4, True), ("B", 2, None), ("rows", 4),
-                       ("B", 4, True)], seq
+                       ("rows", 1), ("B", 1, True), ("rows", 2), ("A", 4, True), ("w_gu", 2), ("B", 2, None),
+                       ("rows", 4), ("B", 4, True)], seq
 
 
 def test_rows_ahead_need_bf16_path():
@@ -116,6 +123,50 @@ def test_rows_ahead_need_bf16_path():
     class Weights:
         tiles = [(0, 512)]
 
+    class Rows:
+        tiles = [None, None]
+
     for kwargs in ({"stored_panels": True}, {"skip_padding": True, "stored_panels": False}):
         with pytest.raises(AssertionError, match="rows read ahead"):
-            D.compute_phase2_hidden_states_grad_mxfp8(Ctx(), 0, 0, Weights(), rows_ahead=[None, None], **kwargs)
+            D.compute_phase2_hidden_states_grad_mxfp8(Ctx(), 0, 0, Weights(), rows_ahead=Rows(), **kwargs)
+
+
+def test_w_gu_staged_ahead(monkeypatch):
+    """Round 22a (docs/moe.md section 10): with pass B's W_gu loaded in wide super-panels (here 1024 columns, each
+    core's whole 1024 columns of H = 2048: the widths patched down from DeepSeek-V3's 2048 / 1024), each one-block
+    expert's first W_GU_K_TILES_AHEAD K tile(s) of W_gu are staged (stage_ahead) on the paths of
+    test_d_gate_up_rows_ahead, in A(4)'s last epilogue for B(2)'s step (A(4) one full block), and B(0), B(1), B(4)'s
+    first wide load takes exactly those staged views (B(2), of two blocks, loads its own). LNC2 == mx_exact bit for
+    bit under the race detector. Fails on the old code (nothing staged), on a load that restages them or ignores them
+    (the views taken), and on staged tiles filled from the wrong W_gu rows or columns (the outputs)."""
+    kernel, ref = _case(monkeypatch)
+    monkeypatch.setattr(D, "WIDE_WEIGHT_LOAD_WIDTH", 1024)
+    monkeypatch.setattr(D, "WEIGHT_LOAD_WIDTH", 512)
+    staged, taken = {}, {}
+    stage_ahead, load_panel = D.stage_ahead, D.load_panel
+
+    def record_stage(op, f0, f_size, f_pad, setup, stages):
+        views = stage_ahead(op, f0, f_size, f_pad, setup, stages)
+        staged.setdefault((op.k_base, f0), []).append(views)
+        return views
+
+    def record_load(op, f0, *args, staged=None, **kwargs):
+        if staged is not None:
+            taken.setdefault((op.k_base, f0), []).append(staged)
+        return load_panel(op, f0, *args, staged=staged, **kwargs)
+
+    monkeypatch.setattr(D, "stage_ahead", record_stage)
+    monkeypatch.setattr(D, "load_panel", record_load)
+    events = _record(monkeypatch)
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_gu staged ahead vs mx_exact")
+    two_i = 2 * 544
+    for core in (0, 1):
+        seq = _dedupe(events[core])
+        assert seq.index(("w_gu", 2)) == seq.index(("A", 4, True)) + 1, seq
+    # one staging per one-block expert and core (e's W_gu rows from e * 2I, each core's H columns from 0 or 1024),
+    # each taken once by B(e)'s first load, as the same views
+    assert sorted(staged) == sorted(taken) == [(e * two_i, f0) for e in (0, 1, 4) for f0 in (0, 1024)], (staged, taken)
+    for key, views in staged.items():
+        assert len(views) == 1 and len(taken[key]) == 1 and taken[key][0] is views[0], key
+        assert len(views[0]) == W_GU_K_TILES_AHEAD, views

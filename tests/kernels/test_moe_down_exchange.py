@@ -34,10 +34,10 @@ def record_exchange(monkeypatch):
         quantized.append((e, self.t_lo, self.t_hi))
         return quantize(self, e)
 
-    def record_load(self, f0, w, ring=None):
+    def record_load(self, f0, w, ring=None, staged=None):
         if self.op.panel_layout:
             loaded.append(self.op.tensor.name)
-        return load(self, f0, w, ring)
+        return load(self, f0, w, ring, staged)
 
     monkeypatch.setattr(X.DownWeightExchange, "quantize", record_quantize)
     monkeypatch.setattr(D.ExpertPanels, "_load", record_load)

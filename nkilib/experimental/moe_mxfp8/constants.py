@@ -75,6 +75,10 @@ WIDE_WEIGHT_PANEL_BYTES = 72 * 1024
 #: central). Round 6c's shared ring of 3 found no SBUF placement on 8 experts; since round 6's merge (no resident tier
 #: of 4) it places (docs/moe.md section 10, round 7b).
 WIDE_WEIGHT_STAGING_BUFFERS = 3
+#: K tiles of pass B's first wide W_gu super-panel staged before B(e), in A(a)'s last epilogue (DGateUpRowsAhead; of the
+#: WIDE_WEIGHT_STAGING_BUFFERS its ring holds): 16 KiB per partition each. 2 lost on the 8-expert shape (2611.1 against
+#: 2564.6 us; 3 overflow SBUF): docs/moe.md section 10, round 22a.
+W_GU_K_TILES_AHEAD = 1
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead (the single-block
 #: path numbers its loads across gradients and experts for this: docs/moe.md section 10, round 7b).

@@ -199,6 +199,7 @@ class RowChunk(nl.NKIObject):
             self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
+        self.stored_to = 0  # columns (local to [i_lo, i_hi)) whose d_gate_up and hs are stored (store_done)
         self.gate_masked = None  # this chunk's last gate mask product not yet issued (issue_gate_mask)
         # engine of the epilogue's product dh * a: the kernel's choice (MoeContext.d_up_engine) unless the caller's
         self.d_up_engine = ctx.d_up_engine if d_up_engine == None else d_up_engine  # noqa: E711
@@ -256,6 +257,28 @@ class RowChunk(nl.NKIObject):
             self.gate_masked.issue()
             self.gate_masked = None
 
+    def store_done(self, ctx, i, n_hi):
+        """The I split (tile_sums, unclamped): the rows' d_gate, d_up and hs columns of the I tiles done so far (up to
+        n_hi, global) that are not stored yet, stored now instead of all at store(). Each core's epilogue DMAs nothing
+        through its I tiles (its dY rows and checkpoints are read before), so its stores went out together after the
+        last tile and the DMA queues idled meanwhile (docs/moe.md section 10, round 22a). The same bytes, written once
+        (store() writes the rest). Not with the gate mask in its product: that product writes a tile's d_gate columns
+        a tile late (issue_gate_mask)."""
+        if self.tile_sums and not ctx.gate_mask_in_product and self.i_hi - self.i_lo < ctx.I:
+            self.store_columns(ctx, i, self.stored_to, n_hi - self.i_lo)
+
+    def store_columns(self, ctx, i, c_lo, c_hi):
+        """Columns [c_lo, c_hi) (local to [i_lo, i_hi)) of the rows' d_gate and d_up, and of hs unless they are all of
+        them (store() then stores hs whole), to the scratch."""
+        I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
+        n = c_hi - c_lo
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo + c_lo, n), src=self.d_gu[:m, c_lo:c_hi])
+        nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo + c_lo, n),
+                      src=self.d_gu[:m, width + c_lo:width + c_hi])
+        if c_lo > 0 or c_hi < width:
+            nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo + c_lo, n), src=self.hs[:m, c_lo:c_hi])
+            self.stored_to = c_hi
+
     def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
         self.issue_gate_mask()  # before the d_gate columns are stored and transposed into pass B's panel
@@ -268,10 +291,10 @@ class RowChunk(nl.NKIObject):
                 store_panel_tiles(panel, ctx.block_tiles(words, i, r0, len(panel.data)),
                                   ctx.block_tiles(scales, i, r0, panel.scale_tile.shape[1]))
                 panel = None
-        else:
-            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, lo, width), src=self.d_gu[:m, :width])
-            nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, I + lo, width), src=self.d_gu[:m, width:2 * width])
-        nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
+        elif self.stored_to < width:
+            self.store_columns(ctx, i, self.stored_to, width)
+        if self.stored_to < width:
+            nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
         if self.tile_sums:  # this core's tiles' sums: columns [lo / 512, ...) of the rows in ctx.d_w_tiles
             cols = self.d_w.shape[1]
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, lo // PHASE1_N_TILE, cols), src=self.d_w)
@@ -507,6 +530,8 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
                 u_psum = nl.ndarray((PARTITIONS, PHASE1_N_TILE), dtype=nl.float32, buffer=nl.psum)
                 matmul_panels(u_psum[:c.f_pad, :nsz], c.x_panel, wu, ctx.setup)  # K=H, M=m, N=nsz
             c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
+            if jj + 1 < len(w_down.tiles):  # (the last tile's columns go with the rest in store)
+                c.store_done(ctx, i, n0 + nsz)
         wd = wg = wu = None
     if before_store != None:  # noqa: E711
         before_store()

@@ -18,12 +18,12 @@ import nki.language as nl
 from ...core.kernel_helpers import ceil_div, kernel_assert
 from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_panel, load_panel_tiles, matmul_panels,
                             panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths,
-                            store_panel_tiles)
-from ...core.matmul.constants import SCALE_PACK_SLOTS
+                            stage_ahead, store_panel_tiles)
+from ...core.matmul.constants import MX_PACK, SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH,
-                        WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
+from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, W_GU_K_TILES_AHEAD, WEIGHT_LOAD_WIDTH,
+                        WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ChunkPanels", "DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8",
            "resident_tile_groups"]
@@ -60,6 +60,7 @@ class ExpertPanels(nl.NKIObject):
             self.panels = [self._load(f0, w, ring) for f0, w in self.loads] if self.resident else []
         self.current = -1
         self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
+        self.staged = None  # the first super-panel's K tiles staged ahead (start_block)
 
     @staticmethod
     def load_width(op, setup, wide=False):
@@ -128,12 +129,13 @@ class ExpertPanels(nl.NKIObject):
                 ExpertPanels(op, tiles, setup, panels=[into.panel(op.k_size) for _, _, into in panels])
                 for op, panels in zip(ops, slots)]
 
-    def _load(self, f0, w, ring=None):
+    def _load(self, f0, w, ring=None, staged=None):
         """Panel of columns [f0, f0 + w): quantized on chip (split per K tile), or, for a panel-layout operand (words
         and scales quantized earlier: DownWeightExchange), loaded as they are, one DMA pair per scale tile's
         SCALE_PACK_SLOTS K tiles (not one allocation for the panel: round 6a), joined into one Panel."""
         if not self.op.panel_layout:
-            return load_panel(self.op, f0, w, w, self.setup, ring=ring, placement=PanelPlacement.per_k_tile())
+            return load_panel(self.op, f0, w, w, self.setup, ring=ring, placement=PanelPlacement.per_k_tile(),
+                              staged=staged)
         n = len(k_tiles(self.op.k_size, self.setup))
         data, scales = [], []
         for t in range(0, n, SCALE_PACK_SLOTS):
@@ -142,11 +144,15 @@ class ExpertPanels(nl.NKIObject):
             scales = scales + part.scales
         return Panel(data, scales, w)
 
-    def start_block(self):
+    def start_block(self, ahead=None):
+        """Forget the previous block's on-use panels. ahead: (ring, staged) of the block's first super-panel, its first
+        K tiles staged earlier by the caller (stage_ahead into that ring: DGateUpRowsAhead), which its load and the
+        block's later wide loads share; None: a fresh ring."""
         if not self.resident:
             self.panels, self.current = [], -1
             # one staging ring for the block's wide super-panels (created per traced body, like the panels)
-            self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)
+            self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS) if ahead == None else ahead[0]  # noqa: E711
+            self.staged = None if ahead == None else ahead[1]  # noqa: E711
 
     def get(self, j):
         s = self.load_of[j]
@@ -156,7 +162,10 @@ class ExpertPanels(nl.NKIObject):
             # wide panels share the block's ring: the next panel's staging reuses the previous panel's tiles instead of
             # new ones beside them (WIDE_WEIGHT_STAGING_BUFFERS says why its size)
             ring = self.ring if w > WEIGHT_LOAD_WIDTH else None
-            self.panels = [self._load(f0, w, ring)]
+            staged, self.staged = self.staged, None  # (the first load's only)
+            kernel_assert(staged == None or (s == 0 and ring != None),  # noqa: E711
+                          f"K tiles staged ahead serve the first wide super-panel, got load {s} of width {w}")
+            self.panels = [self._load(f0, w, ring, staged)]
         whole = self.panels[s] if self.resident else self.panels[0]
         n0, nsz = self.tiles[j]
         return panel_columns(whole, n0 - self.loads[s][0], nsz)
@@ -193,28 +202,56 @@ def _d_gate_up_rows(ctx, i, r0, m, nat=None):
 class DGateUpRowsAhead(nl.NKIObject):
     """Every 128-row chunk's d_gate_up rows of a one-block expert e, read before B(e) into tiles allocated now (outside
     the run-time loops that read them, so that they live on to B(e)'s one-block path: compute_phase2_hidden_states_
-    grad_mxfp8(rows_ahead=tiles), under e's if_single, the condition read() tests too). Read at B(e)'s start, these
+    grad_mxfp8(rows_ahead=self), under e's if_single, the condition read() tests too). Read at B(e)'s start, these
     tiles were placed over the tiles the segment's A(a) had just freed, and each read waited for A(a)'s last access of
     the tile it replaced (its epilogue's stores), leaving the DMA queues idle through A(a)'s epilogue (docs/moe.md
     section 10, rounds 19b and 20a). The caller issues read() once on every run-time path: before A(a) (placed apart
     from A(a)'s tiles, read while A(a) computes) or in A(a)'s epilogue. Race-free: A(e) wrote these rows a fence
     earlier (both cores, each its I columns) and A(a) (a != e) writes only its own blocks' rows.
 
-    Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
-    alignment, zero beyond 2I)."""
+    With w_gu (W_gu[e]'s descriptor and this core's H tiles, loaded on use in wide super-panels), read() also stages
+    the first W_GU_K_TILES_AHEAD K tiles of B(e)'s first W_gu super-panel (stage_ahead) into staging tiles allocated
+    now: B(e)'s first wide load (w_gu_ahead) takes them and stages only its later K tiles. Staged at B(e)'s start,
+    those DMAs waited for the allocator's reuse of tiles that B's own d_gate_up panel transposes had just read; the
+    caller stages them in A(a)'s last epilogue, where the DMA queues idle, or with the rows (round 22a). Race-free:
+    W_gu is a read-only input, each core stages into its own SBUF.
 
-    def __init__(self, ctx, e):
+    Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
+    alignment, zero beyond 2I); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles [128, 4, width] bf16."""
+
+    def __init__(self, ctx, e, w_gu=None, h_tiles=()):
         self.ctx, self.e = ctx, e
         self.chunks = _blocks(0, ctx.B, PARTITIONS)
         self.tiles = [nl.ndarray((PARTITIONS, ctx.k_width(2 * ctx.I)), dtype=nl.bfloat16, buffer=nl.sbuf)
                       for _ in self.chunks]
+        self.w_gu, self.first_load, self.stages, self.staged = w_gu, None, [], None
+        if w_gu != None and h_tiles and not ExpertPanels.fits(w_gu, h_tiles, ctx.setup):  # noqa: E711
+            width = ExpertPanels.load_width(w_gu, ctx.setup, wide=True)
+            loads, _ = ExpertPanels.super_panels(w_gu, h_tiles, width)
+            if loads[0][1] > WEIGHT_LOAD_WIDTH:  # a wide super-panel: ExpertPanels.get stages it through its ring
+                self.first_load = loads[0]
+                self.stages = [nl.ndarray((PARTITIONS, MX_PACK, loads[0][1]), dtype=nl.bfloat16, buffer=nl.sbuf)
+                               for _ in range(W_GU_K_TILES_AHEAD)]
 
-    def read(self):
-        """The rows' DMAs, in e's if_single loop (the block register of its one block)."""
-        def rows(i):
-            for (r0, m), nat in zip(self.chunks, self.tiles):
+    def read(self, rows=True, w_gu=True):
+        """The rows' DMAs (rows) and W_gu's first K tiles' staging DMAs (w_gu), in e's if_single loop (the block
+        register of its one block). The caller issues each once on every run-time path (ExpertISplit.with_rows)."""
+        def body(i):
+            for (r0, m), nat in zip(self.chunks, self.tiles) if rows else []:
                 _d_gate_up_rows(self.ctx, i, r0, m, nat)
-        self.ctx.loops.if_single(self.e, rows)
+            if self.stages and w_gu:
+                f0, w = self.first_load
+                # the same views on every path (the same tiles): the last traced serves B(e)
+                self.staged = stage_ahead(self.w_gu, f0, w, w, self.ctx.setup, self.stages)
+        self.ctx.loops.if_single(self.e, body)
+
+    def w_gu_ahead(self):
+        """(ring, staged views) for ExpertPanels.start_block: B(e)'s wide staging ring, holding the staged tiles as
+        taken (its next K tiles take new tiles up to WIDE_WEIGHT_STAGING_BUFFERS, then these); None: nothing
+        staged."""
+        if not self.stages:
+            return None
+        return LoadRing(WIDE_WEIGHT_STAGING_BUFFERS, self.stages), self.staged
 
 
 class ChunkPanels(nl.NKIObject):
@@ -297,8 +334,9 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
             transposing and quantizing the bf16 rows; None: whenever the kernel made them.
-        rows_ahead: every 128-row chunk's d_gate_up rows of block i, read earlier (DGateUpRowsAhead), for the
-            weights-per-block path from the bf16 rows; None: read here.
+        rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows, read earlier (its tiles), for
+            the weights-per-block path from the bf16 rows, and W_gu's first K tiles staged earlier (w_gu_ahead, where
+            it staged them); None: read here.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
@@ -309,10 +347,10 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     kernel_assert(not stored_panels or ctx.d_gu_mx != None,  # noqa: E711
                   f"pass B reads pass A's d_gate_up panels of block {i} but the kernel made none")
     kernel_assert(rows_ahead == None or (not skip_padding and not stored_panels  # noqa: E711
-                                         and len(rows_ahead) == len(_blocks(0, ctx.B, PARTITIONS))),
+                                         and len(rows_ahead.tiles) == len(_blocks(0, ctx.B, PARTITIONS))),
                   f"d_gate_up rows read ahead serve the weights-per-block path from bf16 rows, one tile per 128-row "
                   f"chunk ({len(_blocks(0, ctx.B, PARTITIONS))}), got "
-                  f"{None if rows_ahead == None else len(rows_ahead)} tiles, "  # noqa: E711
+                  f"{None if rows_ahead == None else len(rows_ahead.tiles)} tiles, "  # noqa: E711
                   f"skip_padding={skip_padding}, stored_panels={stored_panels}")
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
@@ -330,7 +368,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
             nk, ns = panel_tile_widths(two_i, PARTITIONS, ctx.setup)
             return load_panel_tiles(ctx.block_tiles(words, i, r0, nk), ctx.block_tiles(scales, i, r0, ns), two_i,
                                     ctx.f_pad(m), ctx.setup)
-        nat = _d_gate_up_rows(ctx, i, r0, m) if rows_ahead == None else rows_ahead[r0 // PARTITIONS]  # noqa: E711
+        nat = _d_gate_up_rows(ctx, i, r0, m) if rows_ahead == None else rows_ahead.tiles[r0 // PARTITIONS]  # noqa: E711
         panel = panel_from_rows(nat[:m, :], m, two_i, ctx.f_pad(m), ctx.setup)
         if cached == "store":
             ctx.chunk_panels.store(panel, i, r0)
@@ -384,7 +422,7 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         return
     if not tiles and not flag_tiles:
         return
-    w_gu.start_block()
+    w_gu.start_block(None if rows_ahead == None else rows_ahead.w_gu_ahead())  # noqa: E711
     chunks = []
     for r0, m in row_chunks if tiles else []:
         part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)

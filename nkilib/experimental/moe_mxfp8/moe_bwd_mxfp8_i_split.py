@@ -130,20 +130,23 @@ class ExpertISplit(nl.NKIObject):
         self.ctx.loops.if_single(e, lambda i: self.if_full(i, load))
         return panels
 
-    def with_rows(self, a, read, run_a):
-        """Pass B's rows read ahead (DGateUpRowsAhead.read) issued once on every run-time path of the segment step whose
-        A is A(a) (None: no A): before A(a) where a is one full block (the branch that takes prefetch_down's W_down,
-        under its condition: A(a)'s start loads no weights and its matmuls leave the DMA queues room), else in A(a)'s
-        last epilogue, before its stores (run_a(read): expert(then=read); a padded or multi-block A(a) loads its own
-        W_down at its start, where the rows read before it cost the full rank's Zipf routing 1.2%: docs/moe.md section
-        10, round 20a), or now where a has no blocks or there is no A. The branches' run-time conditions exclude one
-        another and cover every routing, the same on both cores."""
+    def with_rows(self, a, rows, run_a):
+        """Pass B's rows read ahead (DGateUpRowsAhead `rows`) issued once on every run-time path of the segment step
+        whose A is A(a) (None: no A): before A(a) where a is one full block (the branch that takes prefetch_down's
+        W_down, under its condition: A(a)'s start loads no weights and its matmuls leave the DMA queues room), else
+        in A(a)'s last epilogue, before its stores (run_a(then): expert(then=then); a padded or multi-block A(a) loads
+        its own W_down at its start, where the rows read before it cost the full rank's Zipf routing 1.2%: docs/moe.md
+        section 10, round 20a), or now where a has no blocks or there is no A. W_gu's first K tiles staged ahead
+        (rows.read(w_gu=True)) go with the rows except before A(a): there in A(a)'s last epilogue (expert's
+        then(True)), where the DMA queues idle (read with the rows before A(a), they took the queues from A(a)'s
+        dY reads: round 22a). The branches' run-time conditions exclude one another and cover every routing, the same
+        on both cores."""
         if a == None:  # noqa: E711
-            read()
+            rows.read()
             return
-        self.ctx.loops.if_single(a, lambda i: self.if_full(i, read))
-        self.ctx.loops.if_unused(a, read)
-        run_a(read)
+        self.ctx.loops.if_single(a, lambda i: self.if_full(i, lambda: rows.read(w_gu=False)))
+        self.ctx.loops.if_unused(a, rows.read)
+        run_a(lambda rows_read_before: rows.read(rows=not rows_read_before))
 
     def expert(self, e, descs, w_down=None, then=None):
         """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of
@@ -155,8 +158,9 @@ class ExpertISplit(nl.NKIObject):
             descs: [W_down[e] (K=H, bf16 in HBM), W_gate[e] or None, W_up[e] or None] (TensorDescriptors over I).
             w_down: W_down[e]'s super-panels loaded a pass ahead (prefetch_down), taken by a one-block expert's full
                 branch only (the prefetch's loop trips exactly when that branch does); None: loaded here.
-            then: issued in the last block's epilogue, before its stores, in every branch but a one-block expert's
-                full one (with_rows); None: nothing.
+            then: then(one_full_block), issued in the last block's epilogue, before its stores, in every branch:
+                then(True) in a one-block expert's full one (with_rows read the rows before A(e) there), else
+                then(False); None: nothing.
         """
         ctx = self.ctx
 
@@ -171,9 +175,11 @@ class ExpertISplit(nl.NKIObject):
             # panels issued before the flags and a flag per branch cost the full rank's balanced routing 0.9%), its
             # full branch's W_down taken from prefetch_down where given (round 14b: loaded under this same flag)
             full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-            # `then` in every branch but a one-block expert's full one (with_rows reads before A(e) there)
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True, then=then if w else None))
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False, then=then), complement=True)
+            # then(True) in a one-block expert's full branch (with_rows read the rows before A(e) there)
+            before = None if then == None else lambda: then(not w)  # noqa: E711
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True, then=before))
+            after = None if then == None else lambda: then(False)  # noqa: E711
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False, then=after), complement=True)
 
         def blocks():
             w = panels()  # once for all the expert's blocks

@@ -328,7 +328,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles,
                                                 stored_panels=stored_panels, rows_ahead=rows)
 
-    def pass_b(e, rows=None):  # rows: a one-block expert's DGateUpRowsAhead.tiles
+    def pass_b(e, rows=None):  # rows: a one-block expert's DGateUpRowsAhead
         # resident W_gu staged through pass C's kernel-scope ring (when there is one: not with the interleave), idle
         # from C(e - 1)'s last load to C(e)'s first: fresh staging tiles were placed over A(a)'s freed tiles and their
         # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
@@ -436,10 +436,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             if interleave and j < len(ahead):
                 pass_a_with_b(ahead[j], e, a_panels)
             else:
-                # the I split, W_gu per block: B(e)'s d_gate_up rows read ahead, not over A(a)'s tiles (round 20a)
-                rows = DGateUpRowsAhead(ctx, e) if i_split != None and b_groups != None else None  # noqa: E711
+                # the I split, W_gu per block: B(e)'s d_gate_up rows (round 20a) and first W_gu K tile (22a) read ahead
+                rows = DGateUpRowsAhead(ctx, e, b_desc(e), h_tiles) if i_split and b_groups else None
                 if rows != None:  # noqa: E711
-                    i_split.with_rows(ahead[j] if j < len(ahead) else None, rows.read, lambda then, a=ahead[j:j + 1],
+                    i_split.with_rows(ahead[j] if j < len(ahead) else None, rows, lambda then, a=ahead[j:j + 1],
                                       w=a_panels: ctx.loops.if_used(a[0], lambda: pass_a(a[0], panels=w, then=then)))
                 elif j < len(ahead):
                     ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
@@ -448,7 +448,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
                 if i_split != None:  # noqa: E711  (both cores' I tiles of e's blocks, written before the fence)
                     i_split.scatter_expert(e)
-                ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r and r.tiles))
+                ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r))
                 rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
