@@ -179,6 +179,8 @@ class PhaseGraph(nl.NKIObject):
                         # a K-streamed plan holds all of SBUF until its last quad: the next plan's first stationary
                         # panels load from there on, issued inside that plan's step (its phase function)
                         plan.set_tail_load(nxt.step, nxt_plan)
+            if i + 1 == len(steps) and hasattr(plan, "piece_last_tile"):
+                plan.piece_last_tile()  # the kernel's last store: only its last column piece follows the last matmul
             self.outputs[phase.name] = phase.step(plan, "all")
             phase.plan = None
         return self.outputs

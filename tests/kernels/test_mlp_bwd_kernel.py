@@ -83,11 +83,14 @@ def _fp32_errors(out, ideal):
 
 
 def _matmul_counts(result):
-    """Number of matmul instructions per program of a traced run."""
+    """Matmul work per program of a traced run: PSUM bytes written over all matmul instructions (partitions x
+    bytes per partition of each dst window), so a tile run in column pieces (the kernel's last tile,
+    MatmulPlan.piece_last_tile) counts as the whole tile."""
     counts = [0] * result.lnc
     for rec in result.trace:
         if rec.instr in ("nc_matmul_mx", "nc_matmul"):
-            counts[rec.program] += 1
+            dst = rec.writes[0]
+            counts[rec.program] += (dst.partition_hi - dst.partition_lo) * (dst.byte_hi - dst.byte_lo)
     return counts
 
 
@@ -167,7 +170,7 @@ def test_strict_mode_is_on():
 ], ids=["3_blocks_each_phase", "3_m_tiles"])
 def test_lnc2_odd_tile_counts(S, H, I, config):
     """LNC2 with an odd number of tiles (split unevenly, nothing must be halved): the outputs equal
-    LNC1's and mx_exact, both cores issue matmuls, and together exactly as many as LNC1 (no tile is
+    LNC1's and mx_exact, both cores issue matmuls, and together exactly as much matmul work as LNC1 (no tile is
     computed twice or skipped)."""
     inp = mlp_inputs(S, H, I, seed=11)
     r1 = run_mlp(inp, lnc=1, trace=True, matmul_config=config)

@@ -775,3 +775,40 @@ def test_fenced_plan_with_an_epilogue_that_cannot_defer_stores_before_the_fence(
 
     with label_phases(kernel_module, PHASES):
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_stores_before_fence)
+
+
+def test_kernel_last_tile_stored_in_column_pieces_under_its_matmuls():
+    """The kernel's last plan (PhaseGraph.run -> MatmulPlan.piece_last_tile) runs its last tile in column pieces
+    of LAST_TILE_COLUMN_SHARES (last_tile.py), each evicted and stored once its K tiles are summed, so only the last
+    piece's eviction and store follow the kernel's last matmul (TP8 modeled 0.6243 / 0.7026 -> 0.6229 / 0.7011 ms).
+    Per core: the last three stores write one tile's column windows in widths 3:2:1 (one store of the whole tile on
+    the old code), the first two are issued before the last matmul (after it on the old code), no earlier phase
+    is pieced; bit-exact against mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul.last_tile import last_tile_piece_widths
+
+    assert last_tile_piece_widths(1536) == [768, 512, 256]
+    assert last_tile_piece_widths(1440) == [720, 480, 240]
+    S, H, I = 512, 512, 768
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 24)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+    def check_pieces(trace, lnc):
+        for program in range(lnc):
+            records = [r for r in trace if r.program == program]
+            stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and r.writes
+                      and r.writes[0].buffer != "sbuf"]
+            out_name = records[stores[-1]].writes[0].name
+            last = [i for i in stores if records[i].writes[0].name == out_name][-3:]
+            widths = [records[i].writes[0].shape[1] for i in last]
+            rows = {records[i].writes[0].shape[0] for i in last}
+            assert widths == last_tile_piece_widths(sum(widths)), (lnc, program, out_name, widths)
+            assert len(rows) == 1, rows
+            starts = [records[i].writes[0].byte_offset for i in last]
+            assert starts[1] - starts[0] == 2 * widths[0] and starts[2] - starts[1] == 2 * widths[1], starts
+            last_matmul = max(i for i, r in enumerate(records) if r.instr == "nc_matmul_mx")
+            assert last[0] < last_matmul and last[1] < last_matmul < last[2], (last, last_matmul)
+            # one pieced tile per kernel: every other store of an output writes whole tiles
+            other = [records[i].writes[0].shape[1] for i in stores[:-3]]
+            assert sum(w < min(other) for w in widths) >= 1 and len(other) > 0
+
+    _traced_bit_exact_on_lnc1_and_lnc2(inp, check_pieces)

@@ -107,6 +107,9 @@ FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's e
 LATE_FENCE_STAGING_BUFFERS = 4  # MatmulPlan.fence_after_first_panel: the later panels' staging ring of a fenced-start
 # plan whose fence follows its second moving panel's loads (TP8 with phase 1's along-S spread, central / pessimistic
 # ms: ring 3 0.6339 / 0.7215, 4 0.6302 / 0.7139, 5 (fence one tile later) 0.6349 / 0.7203)
+LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile's column pieces (1536 columns:
+# 768, 512, 256); each piece's store (1.3 us DMA latency + its bytes) runs under the next piece's matmuls. TP8 MXFP8
+# modeled central ms (whole tile 0.6243): 3 equal pieces 0.6233, 2 0.6235, 3-2-1 0.6229, 4-2-2-1 0.6230
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per

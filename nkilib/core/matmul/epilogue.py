@@ -4,6 +4,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
+from ..kernel_helpers import kernel_assert
 from .constants import PARTITIONS, RESULT_BUFFERS, STREAM_N_TILE
 
 
@@ -31,6 +32,13 @@ class StoreEpilogue(nl.NKIObject):
             self.defer, self.deferred = False, (m0, msz, n0, nsz, res)
             return
         nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
+
+    def tile_columns(self, i, m0, msz, n0, c0, width, acc) -> None:
+        """Columns [c0, c0 + width) of tile i (MatmulPlan pieced_last_tile): evicted on ScalarE and stored now."""
+        kernel_assert(not self.defer, f"tile {i} is pieced and its store deferred: a fence inside the last tile")
+        res = self.results[i % RESULT_BUFFERS]
+        nisa.tensor_copy(dst=res[:msz, c0:c0 + width], src=acc[:msz, c0:c0 + width], engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=self.out_hbm[m0:m0 + msz, n0 + c0:n0 + c0 + width], src=res[:msz, c0:c0 + width])
 
     def defer_next_store(self) -> None:
         """Evict the next tile as usual but hold its store until store_deferred: a fence issued in between then waits
