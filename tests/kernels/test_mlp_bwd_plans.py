@@ -32,6 +32,21 @@ def tiny_budgets(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def k_streamed_phase2(monkeypatch):
+    """Budgets that make phase 2 K-streamed on small shapes: no panel cache, one load per stationary group, only phase
+    1's dY resident."""
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+
+
+def _mxfp8_inputs(S, H, I, seed):
+    """mlp_inputs(S, H, I) with their MXFP8 checkpoints, seeded."""
+    inp = mlp_inputs(S, H, I, seed=seed)
+    return {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+
+
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("shape", [(512, 256, 384), (260, 128, 224)])
 @pytest.mark.parametrize("lnc", [1, 2])
@@ -196,6 +211,7 @@ def test_phase4_interleaved_first_loads_are_bit_exact(monkeypatch, lnc):
     assert len(calls) == 4 * lnc, calls
 
 
+@pytest.mark.usefixtures("k_streamed_phase2")
 def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch):
     """After phase 1's split along I, each core wrote d_gate's and d_up's columns of its I half in every row, and
     phase 2 (K-streamed, K = 2I) loads the first group's panels' natural row tiles from those columns before
@@ -203,9 +219,6 @@ def test_phase2_own_rows_prefetched_before_the_barrier_are_bit_exact(monkeypatch
     H = 256, I = 4096 (each core's I half is two NATURAL_LOAD_K groups of d_gate and two of d_up; phase 2 streams
     groups of two m tiles): both cores must preload exactly their own groups, the LNC2 run must pass the simulator's
     race check (the early reads are of the core's own writes) and be bit-exact against mx_exact and equal to LNC1's."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
     preloaded = []
     original = plan_module.MatmulPlan.prefetch_own
 
@@ -330,8 +343,7 @@ def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
     monkeypatch.setattr(plan_module, "tile_spans", recording_spans)
     _record_k_interleaved(monkeypatch, keep)
     S, H, I = 1024, 256, 1024
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
-    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    inp = _mxfp8_inputs(S, H, I, seed=S + H + I + 5)
     config = MlpBwdMatmulConfig(phase4=MatmulConfig(m_tile=64, n_tile=128))
     out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8", matmul_config=config)
     blocks = 4  # n blocks per core, 4 m tiles each (n-major)
@@ -501,7 +513,8 @@ def _tail_order(trace, program):
     return last_matmul, phase[first], first, first_quantize, evictions
 
 
-def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch):
+@pytest.mark.usefixtures("k_streamed_phase2")
+def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact():
     """After the K-streamed phase 2 (which holds all of SBUF until its last quad, so can_prefetch refuses), the next
     phase's first stationary panel loads and is quantized under phase 2's last quad (MatmulPlan.can_load_under_tail /
     set_tail_load, PhaseGraph step "first_stationary"; TP1: phase 4's first dY panel), and phase 2's last n block
@@ -513,12 +526,8 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch)
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.simulator.trace import label_phases
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
     S, H, I = 512, 256, 4096
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 3)
-    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    inp = _mxfp8_inputs(S, H, I, seed=S + H + I + 3)
 
     def check_tail(trace, lnc):
         for program in range(lnc):
@@ -533,7 +542,8 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact(monkeypatch)
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_tail)
 
 
-def test_next_stationary_under_phase2_tail_stages_through_phase2_ring(monkeypatch):
+@pytest.mark.usefixtures("k_streamed_phase2")
+def test_next_stationary_under_phase2_tail_stages_through_phase2_ring():
     """The first stationary loads issued under the K-streamed phase 2's last quad (set_tail_load) take over phase 2's
     staging ring (MatmulPlan.adopt_staging): their DMAs write SBUF tiles that phase 2's W_gu quads were staged in,
     free once the last quad is quantized, instead of fresh tiles placed over tiles that phase 2's last matmuls read
@@ -545,12 +555,8 @@ def test_next_stationary_under_phase2_tail_stages_through_phase2_ring(monkeypatc
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.simulator.trace import label_phases
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
     S, H, I = 512, 512, 4096
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 5)
-    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    inp = _mxfp8_inputs(S, H, I, seed=S + H + I + 5)
 
     def check_staging(trace, lnc):
         for program in range(lnc):
@@ -567,7 +573,8 @@ def test_next_stationary_under_phase2_tail_stages_through_phase2_ring(monkeypatc
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_staging)
 
 
-def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel(monkeypatch):
+@pytest.mark.usefixtures("k_streamed_phase2")
+def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel():
     """The staging ring a plan takes over from the K-streamed phase 2 (MatmulPlan.adopt_staging, STREAM_STAGING_BUFFERS
     = 4 tiles) is that deep only for the panel loaded under phase 2's tail: the source's later panels share it at
     STAGING_BUFFERS (PanelSource.later_staging). Kept at 4 for the whole plan, the dense kernel at S = 16384, H = I =
@@ -580,12 +587,8 @@ def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel(monkeypa
     from nkilib.simulator.trace import label_phases
 
     assert STREAM_STAGING_BUFFERS > STAGING_BUFFERS
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
     S, H, I = 512, 512, 4096
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 6)
-    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    inp = _mxfp8_inputs(S, H, I, seed=S + H + I + 6)
 
     def check_depth(trace, lnc):
         for program in range(lnc):
