@@ -38,6 +38,21 @@ def make_routing(name: str, seed: int = 0):
     return gen(np.random.default_rng(seed), t, k, e), e
 
 
+def expert_routing(counts, experts=None, shuffle_seed=None) -> np.ndarray:
+    """topk_ids [T, 1] int32 (k = 1) with counts[i] tokens routed to experts[i], T = sum(counts).
+
+    experts defaults to 0, 1, ...; shuffle_seed (a seed or a Generator) draws the token order as one permutation
+    of the expert-sorted rows; None keeps the rows sorted by expert.
+    """
+    experts = np.arange(len(counts)) if experts is None else np.asarray(experts)
+    if len(experts) != len(counts):
+        raise ValueError(f"experts has {len(experts)} entries, counts {len(counts)}: expected one count per expert")
+    ids = np.repeat(experts.astype(np.int32), counts)[:, None]
+    if shuffle_seed is None:
+        return ids
+    return ids[np.random.default_rng(shuffle_seed).permutation(ids.shape[0])]
+
+
 def moe_inputs(topk_ids: np.ndarray, num_experts: int, H: int = 64, I: int = 32, seed: int = 0) -> dict:
     """Unit-scale bf16 inputs of the MoE backward for a routing (weights scaled like nn.Linear's)."""
     rng = np.random.default_rng(seed)

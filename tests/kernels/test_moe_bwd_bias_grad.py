@@ -21,6 +21,7 @@ import pytest
 
 from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
 from nkilib.experimental.moe_mxfp8.reference import error_report, moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical, simulate
 from test_moe_bwd_kernel import moe_case, run
 
@@ -29,12 +30,6 @@ from test_moe_bwd_kernel import moe_case, run
 # the other outputs); the bounds are ~1.5x.
 BIAS_REL_FRO_BOUND = 0.05
 BIAS_ONE_MINUS_COS_BOUND = 1e-3
-
-
-def _expert_ids(counts, seed):
-    """topk_ids [T, 1]: counts[e] tokens to expert e, shuffled."""
-    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)[:, None]
-    return ids[np.random.default_rng(seed).permutation(ids.shape[0])]
 
 
 def _check(kernel, ref, lnc, what):
@@ -49,7 +44,7 @@ def _check(kernel, ref, lnc, what):
 def test_bias_grad_bit_exact(lnc):
     counts = [200, 0, 90, 0, 1]  # expert 0: two blocks; 2 and 4: one block; 1 and 3: no tokens
     T, E, H, I = sum(counts), len(counts), 64, 160
-    kernel, ref = moe_case(T, E, H, I, _expert_ids(counts, seed=3), seed=5, checkpoints=("gate_pre", "up"))
+    kernel, ref = moe_case(T, E, H, I, expert_routing(counts, shuffle_seed=3), seed=5, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 0, 1, 0, 1]
     out = _check(kernel, ref, lnc, f"LNC{lnc} vs mx_exact")
     bias = out[4]
@@ -73,7 +68,7 @@ def test_bias_grad_groups_and_b256(lnc, monkeypatch):
     monkeypatch.setattr(BG, "WEIGHT_GRAD_PSUM_TILES", 1)
     counts = [600, 0, 40]  # expert 0: three blocks of 256 (two 128-row tiles each), expert 1 empty
     T, E, H, I = sum(counts), len(counts), 64, 544
-    kernel, ref = moe_case(T, E, H, I, _expert_ids(counts, seed=8), seed=9, block_size=256,
+    kernel, ref = moe_case(T, E, H, I, expert_routing(counts, shuffle_seed=8), seed=9, block_size=256,
                            checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 0, 1]
     out = _check(kernel, ref, lnc, f"B=256 LNC{lnc} vs mx_exact")
@@ -84,12 +79,12 @@ def test_bias_grad_trn2_bf16(set_target):
     set_target("trn2")
     counts = [150, 30, 0]
     T, E, H, I = sum(counts), len(counts), 64, 96
-    kernel, ref = moe_case(T, E, H, I, _expert_ids(counts, seed=2), seed=4, checkpoints=("up",),
+    kernel, ref = moe_case(T, E, H, I, expert_routing(counts, shuffle_seed=2), seed=4, checkpoints=("up",),
                            matmul_precision="bf16")
     _check(kernel, ref, 2, "trn2 bf16 vs mx_exact")
 
 
 def test_bias_grad_flag_must_be_bool():
-    kernel, _ = moe_case(8, 2, 64, 64, _expert_ids([5, 3], seed=1), seed=1)
+    kernel, _ = moe_case(8, 2, 64, 64, expert_routing([5, 3], shuffle_seed=1), seed=1)
     with pytest.raises(AssertionError, match="gate_up_bias_grad must be a bool, got 1"):
         simulate(moe_backward_mxfp8_nki, 1, gate_up_bias_grad=1, **kernel)

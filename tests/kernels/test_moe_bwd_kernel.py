@@ -32,6 +32,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
 from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
 from nkilib.experimental.moe_mxfp8.reference import error_report, moe_backward_reference, reference_phase0_recompute
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout
+from moekit import expert_routing
 from simkit import BF16, assert_outputs_identical, simulate
 
 OUTPUTS = ("dx", "d_topk_weights", "d_gate_up_weight", "d_down_weight")
@@ -171,8 +172,7 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
     T, E, k, H, I = 300, 3, 1, 160, 64
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
-    ids = ids[np.random.default_rng(6).permutation(T)]
+    ids = expert_routing([130, 100, 70], shuffle_seed=6)
     kernel, ref = moe_case(T, E, H, I, ids, seed=29, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "small budgets vs mx_exact")
@@ -226,8 +226,7 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     monkeypatch.setattr(K, "compute_phase1_block_grads_mxfp8", record_a)
     monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_b)
     T, E, H, I = (GROUP_SHAPE[n] for n in ("T", "E", "H", "I"))
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [130, 100, 70], axis=0)
-    ids = ids[np.random.default_rng(8).permutation(T)]
+    ids = expert_routing([130, 100, 70], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=checkpoints)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     out = run(kernel, lnc=lnc)
@@ -262,8 +261,7 @@ def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
     monkeypatch.setattr(D, "matmul_panels", record)
     counts = [600, 300, 100]
     T, E, H, I = sum(counts), 3, GROUP_SHAPE["H"], GROUP_SHAPE["I"]
-    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
-    ids = ids[np.random.default_rng(14).permutation(T)]
+    ids = expert_routing(counts, shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=512,
                            checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
@@ -309,8 +307,7 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     monkeypatch.setattr(D, "load_panel_tiles", record_b_loaded)
     counts = [100, 200, 300, 552, 512]
     T, E, H, I = sum(counts), 5, 64, 64
-    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], counts, axis=0)
-    ids = ids[np.random.default_rng(12).permutation(T)]
+    ids = expert_routing(counts, shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, block_size=512, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2, 1]
     out = run(kernel, lnc=2)

@@ -24,6 +24,7 @@ import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -42,8 +43,7 @@ def test_chunk_panels_built_once(monkeypatch, lnc):
     bit-exact check (the simulator fails an unwritten read)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 8192)
     T, E, H, I, B = 1256, 4, 2048, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [3]], np.int32), [600, 256, 300, 100], axis=0)
-    ids = ids[np.random.default_rng(41).permutation(T)]
+    ids = expert_routing([600, 256, 300, 100], shuffle_seed=41)
     kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 1, 2, 1]
     built, stored, loaded = [], [], []

@@ -28,6 +28,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
@@ -85,8 +86,7 @@ def _case(monkeypatch):
     H = 1024 one tile is one group and pass B's single loop runs the per-block path without them)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 912, 5, 2048, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
-    ids = ids[np.random.default_rng(23).permutation(T)]
+    ids = expert_routing([256, 100, 300, 256], experts=[0, 1, 2, 4], shuffle_seed=23)
     kernel, ref = moe_case(T, E, H, I, ids, seed=71, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     return kernel, ref

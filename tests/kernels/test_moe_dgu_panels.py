@@ -29,6 +29,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import CLAMPS, moe_case, routing
 
@@ -134,8 +135,7 @@ def test_single_block_experts_panels(monkeypatch, lnc):
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     monkeypatch.setattr(S.ExpertISplit, "applies", staticmethod(lambda ctx, w_down_resident, i_tiles: False))
     T, E, H, I, B = 736, 5, 2048, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 80], axis=0)
-    ids = ids[np.random.default_rng(29).permutation(T)]
+    ids = expert_routing([256, 100, 300, 80], experts=[0, 1, 2, 4], shuffle_seed=29)
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     out, trace = _run(kernel, lnc)

@@ -20,6 +20,7 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_down_exchange as X
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -52,8 +53,7 @@ def test_exchange_bit_exact(monkeypatch, lnc):
     the prologue and in the first segment) and pass A reads their scratch; under LNC1 nothing is exchanged."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I = 440, 5, 1024, 544
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [100, 60, 200, 80], axis=0)
-    ids = ids[np.random.default_rng(17).permutation(T)]
+    ids = expert_routing([100, 60, 200, 80], experts=[0, 1, 2, 4], shuffle_seed=17)
     kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     quantized, loaded = record_exchange(monkeypatch)

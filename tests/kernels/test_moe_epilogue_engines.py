@@ -17,6 +17,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import CLAMPS, moe_case, routing
 
@@ -98,8 +99,7 @@ def test_full_blocks_gather_without_zeroing(lnc):
     expert 1: two full and a padded one, expert 2: empty. Bit-exact, and pass A issues fewer memsets than
     gathers (the simulator would also refuse a read of a never-written padding row)."""
     B, H, I = 128, 64, 64
-    ids = np.concatenate([np.zeros(2 * B, np.int32), np.ones(2 * B + 44, np.int32)])
-    ids = np.random.default_rng(4).permutation(ids)[:, None]
+    ids = expert_routing([2 * B, 2 * B + 44], shuffle_seed=4)
     kernel, ref = moe_case(ids.shape[0], 3, H, I, ids, seed=41, block_size=B,
                            checkpoints=("gate_pre", "gate_act", "up", "intermediate"), clamp_limits=GPT_OSS_LIKE)
     with label_phases(kernel_module, PHASES):

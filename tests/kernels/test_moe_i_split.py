@@ -28,6 +28,7 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_down_exchange import record_exchange
@@ -61,8 +62,7 @@ def i_split_case(monkeypatch, last_pairs=256, permutation_seed=23, data_seed=71)
     last_pairs <= 256, T = 656 + last_pairs: 912 by default, a full last block)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 656 + last_pairs, 5, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, last_pairs], axis=0)
-    ids = ids[np.random.default_rng(permutation_seed).permutation(T)]
+    ids = expert_routing([256, 100, 300, last_pairs], experts=[0, 1, 2, 4], shuffle_seed=permutation_seed)
     kernel, ref = moe_case(T, E, H, I, ids, seed=data_seed, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     return kernel, ref
@@ -100,8 +100,7 @@ def test_i_split_recompute(monkeypatch):
     and read back); LNC2 bit-exact, with a padded one-block expert between them."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 612, 3, 1024, 544, 256
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [256, 100, 256], axis=0)
-    ids = ids[np.random.default_rng(5).permutation(T)]
+    ids = expert_routing([256, 100, 256], shuffle_seed=5)
     kernel, ref = moe_case(T, E, H, I, ids, seed=13, block_size=B, checkpoints=("gate_act",))
     split, _, _, staged = _record(monkeypatch)
     out = run(kernel, lnc=2)
@@ -121,8 +120,7 @@ def test_i_split_padded_block_skips_padding_chunks(monkeypatch, lnc, layout):
     them)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 1542, 4, 1024, 544, 512
-    ids = np.repeat(np.array([[0], [1], [2], [3]], np.int32), [300, 512, 130, 600], axis=0)
-    ids = ids[np.random.default_rng(31).permutation(T)]
+    ids = expert_routing([300, 512, 130, 600], shuffle_seed=31)
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 1, 2]
     if layout == "block":

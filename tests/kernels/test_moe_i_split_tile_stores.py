@@ -11,11 +11,11 @@ the DMA queues idled meanwhile. The same bytes, each written once: the outputs s
 """
 from __future__ import annotations
 
-import numpy as np
 
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as G
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
@@ -30,8 +30,7 @@ def test_i_tiles_stored_as_done(monkeypatch):
     tile before its epilogue or of the wrong columns (the outputs)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 512, 2, 512, 1056, 256
-    ids = np.repeat(np.array([[0], [1]], np.int32), [256, 256], axis=0)
-    ids = ids[np.random.default_rng(5).permutation(T)]
+    ids = expert_routing([256, 256], shuffle_seed=5)
     kernel, ref = moe_case(T, E, H, I, ids, seed=17, block_size=B, checkpoints=CHECKPOINTS)
     events = {}
     epilogue, store_columns = G.RowChunk.epilogue, G.RowChunk.store_columns

@@ -16,6 +16,7 @@ import pytest
 
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -26,8 +27,7 @@ PAIRS = [512, 1, 31, 33, 129, 511, 384, 600]
 
 def _case(seed=5, **options):
     T, E, H, I = sum(PAIRS), len(PAIRS), 128, 64
-    ids = np.repeat(np.arange(E, dtype=np.int32)[:, None], PAIRS, axis=0)
-    ids = ids[np.random.default_rng(seed).permutation(T)]
+    ids = expert_routing(PAIRS, shuffle_seed=seed)
     kernel, ref = moe_case(T, E, H, I, ids, seed=seed + 30, block_size=512, checkpoints=("gate_pre", "up"),
                            **options)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1] * (E - 1) + [2]

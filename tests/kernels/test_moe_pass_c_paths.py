@@ -41,6 +41,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
@@ -67,8 +68,7 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
                                        "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, k, H, I = 520, 4, 1, 96, 160
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [300, 200, 20], axis=0)
-    ids = ids[np.random.default_rng(8).permutation(T)]
+    ids = expert_routing([300, 200, 20], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1, 0]
     out2 = run(kernel, lnc=2)
@@ -96,8 +96,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
     T, E, k, H, I = 930, 5, 1, 96, 64
-    ids = np.repeat(np.array([[0], [1], [2], [3]], np.int32), [400, 300, 200, 30], axis=0)
-    ids = ids[np.random.default_rng(9).permutation(T)]
+    ids = expert_routing([400, 300, 200, 30], shuffle_seed=9)
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 3, 2, 1, 0]
     out2 = run(kernel, lnc=2)
@@ -119,8 +118,7 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
                                        "add_partial"])
     T, E, k, H, I = 2400, 6, 1, 96, 160
-    ids = np.repeat(np.arange(5, dtype=np.int32)[:, None], [600, 300, 450, 850, 200], axis=0)
-    ids = ids[np.random.default_rng(12).permutation(T)]
+    ids = expert_routing([600, 300, 450, 850, 200], shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 3, 4, 7, 2, 0]
     out = run(kernel, lnc=lnc)
@@ -154,8 +152,7 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, k, H, I = 1420, 5, 1, 96, 160
-    ids = np.repeat(np.arange(4, dtype=np.int32)[:, None], [300, 450, 520, 150], axis=0)
-    ids = ids[np.random.default_rng(14).permutation(T)]
+    ids = expert_routing([300, 450, 520, 150], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=59, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 4, 5, 2, 0]
     out = run(kernel, lnc=lnc)
@@ -227,8 +224,7 @@ def test_parts_reuse_the_boundary_stationary_piece(monkeypatch, lnc):
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     monkeypatch.setattr(W, "PanelSlots", CountedSlots)
     T, E, H, I = 900, 3, 320, 288
-    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [300, 450, 150], axis=0)
-    ids = ids[np.random.default_rng(16).permutation(T)]
+    ids = expert_routing([300, 450, 150], shuffle_seed=16)
     kernel, ref = moe_case(T, E, H, I, ids, seed=63, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 4, 2]
     out = run(kernel, lnc=lnc)
@@ -252,7 +248,7 @@ def test_resident_path_wrapx_b256():
     """The wrapX scheme (groups strided inside the K tile) and B = 256 (64-partition K tiles, scale slots packed
     at offsets 0/4/8/12): an expert of 4 blocks in the resident slots, LNC2 == mx_exact."""
     T, E, k, H, I = 1100, 2, 1, 128, 64
-    ids = np.repeat(np.array([[0], [1]], np.int32), [900, 200], axis=0)
+    ids = expert_routing([900, 200])
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=256, quant_scheme="wrapX",
                            checkpoints=("gate_pre", "up", "gate_act", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 1]
@@ -331,8 +327,7 @@ def test_resident_loads_rotate_stages(lnc):
     (VectorE keeps the quantizes, so the next stationary piece's quantizes do not queue behind them). Experts of 3
     and 2 blocks (resident), B = 128; bit-exact against mx_exact."""
     T, E, k, H, I = 600, 3, 1, 64, 96
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [330, 250, 20], axis=0)
-    ids = ids[np.random.default_rng(12).permutation(T)]
+    ids = expert_routing([330, 250, 20], shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1]
     with label_phases(kernel_module, PHASES):
@@ -390,8 +385,7 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     monkeypatch.setattr(W, "panel_from_row_loader", staged)
     T, E, k, H, I = 1630, 4, 1, 96, 160
-    ids = np.repeat(np.arange(4, dtype=np.int32)[:, None], [450, 850, 300, 30], axis=0)
-    ids = ids[np.random.default_rng(15).permutation(T)]
+    ids = expert_routing([450, 850, 300, 30], shuffle_seed=15)
     kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 7, 3, 1]
     out = run(kernel, lnc=2)
@@ -409,8 +403,7 @@ def _windowed_pass_c(monkeypatch, lnc, H, I, order_seed, seed, label):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     T, E = 1300, 3
-    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [600, 450, 250], axis=0)
-    ids = ids[np.random.default_rng(order_seed).permutation(T)]
+    ids = expert_routing([600, 450, 250], shuffle_seed=order_seed)
     kernel, ref = moe_case(T, E, H, I, ids, seed=seed, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 4, 2]
     with label_phases(kernel_module, PHASES):

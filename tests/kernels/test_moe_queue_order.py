@@ -23,6 +23,7 @@ from nkilib.experimental.moe_mxfp8.constants import PASS_C_STAGING_BUFFERS
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case
 
@@ -60,8 +61,7 @@ def test_single_block_loads_rotate_stages(lnc):
     staging tile) takes another tile than the load before it, across the expert's two gradients too, and all
     PASS_C_STAGING_BUFFERS tiles are used (before: every load on the first tile)."""
     T, E, k, H, I = 230, 4, 1, 1152, 1088
-    ids = np.repeat(np.array([[0], [1], [3]], np.int32), [120, 70, 40], axis=0)
-    ids = ids[np.random.default_rng(14).permutation(T)]
+    ids = expert_routing([120, 70, 40], experts=[0, 1, 3], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 0, 1]
     trace = _traced(kernel, ref, lnc, "single-block pass C")

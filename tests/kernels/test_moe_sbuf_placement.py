@@ -20,6 +20,7 @@ from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout
 from nkilib.simulator.cost import model_kernel
 from nkilib.simulator.hardware import resolve_target
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -32,15 +33,10 @@ COUNTS = (600, 100, 300, 50)  # routed pairs of experts 0..3 (k = 1): 3, 1, 2 an
 SBUF_KIB = 94
 
 
-def _ids():
-    ids = np.repeat(np.arange(len(COUNTS), dtype=np.int32), COUNTS).reshape(-1, 1)
-    return ids[np.random.default_rng(12).permutation(len(ids))]
-
-
 def test_fragmenting_layout_has_a_plan(monkeypatch):
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     H, I, B = SHAPE["H"], SHAPE["I"], SHAPE["B"]
-    ids, E = _ids(), len(COUNTS)
+    ids, E = expert_routing(COUNTS, shuffle_seed=12), len(COUNTS)
     kernel, ref = moe_case(len(ids), E, H, I, ids, seed=41, block_size=B,
                            checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 1, 2, 1]

@@ -21,6 +21,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
+from moekit import expert_routing
 from simkit import BF16, assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -44,8 +45,7 @@ def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
         return load(op, f0, f_size, *rest, **kw)
 
     monkeypatch.setattr(D, "load_panel", record)
-    ids = np.repeat(np.array([[0], [1], [2]], np.int32), [150, 100, 50], axis=0)
-    ids = ids[np.random.default_rng(8).permutation(T)]
+    ids = expert_routing([150, 100, 50], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     assert_outputs_identical(run(kernel, lnc=lnc), moe_backward_reference(**ref), f"wide loads, LNC{lnc}")
@@ -86,7 +86,7 @@ def test_dx_scattered_per_super_panel(monkeypatch, lnc, k, H):
         T, counts = 300, [150, 100, 50]
     else:  # token rows (e, e + 1 mod 3): experts of 60 + 30, 30 + 60, 30 + 30 pairs, one block each
         T, counts = 120, [60, 30, 30]
-    ids = np.repeat(np.arange(E, dtype=np.int32), counts)[r.permutation(T)][:, None]
+    ids = expert_routing(counts, shuffle_seed=r)
     if k == 2:
         ids = np.concatenate([ids, (ids + 1) % E], axis=1)
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))

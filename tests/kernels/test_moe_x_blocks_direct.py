@@ -26,6 +26,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case
 
@@ -54,8 +55,7 @@ def _full_blocks(kernel, B, T):
 def _balanced_case(B, H=128, I=96, seed=53):
     """k = 1, every expert's pairs a multiple of B (all blocks full): expert 0 one block, expert 2 three, expert 1 none."""
     T = 4 * B
-    ids = np.repeat(np.array([[0], [2]], np.int32), [B, 3 * B], axis=0)
-    ids = ids[np.random.default_rng(seed).permutation(T)]
+    ids = expert_routing([B, 3 * B], experts=[0, 2], shuffle_seed=seed)
     kernel, ref = moe_case(T, 3, H, I, ids, seed=59, block_size=B, checkpoints=CHECKPOINTS)
     full, used = _full_blocks(kernel, B, T)
     assert full == used == 4, (full, used)
@@ -117,7 +117,7 @@ def test_recompute_keeps_x_on_chip():
     """up recomputed from X (K = H), B = 512 under LNC2: X is needed on chip, so its rows are gathered into SBUF and
     copied out as before (no deferred loop)."""
     T, E, k, H, I, B = 1024, 2, 1, 128, 96, 512
-    ids = np.repeat(np.array([[0], [1]], np.int32), [512, 512], axis=0)
+    ids = expert_routing([512, 512])
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, block_size=B, checkpoints=("gate_pre",))
     out, trace = _run(kernel, 2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "recompute, LNC2 vs mx_exact")
