@@ -82,13 +82,18 @@ class _Ctx:
     def __init__(self, cores, B, precision="mxfp8"):
         self.split, self.B = CoreSplit(cores, 0), B
         self.setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
+        self.split_panels = None  # the I split's pass A stores no panels of pass B (SplitChunkPanels)
 
 
 def test_chunk_panels_apply():
-    """Only with W_gu in more than one resident group, MXFP8 and 128-row chunks."""
+    """Only with W_gu in more than one resident group, MXFP8 and 128-row chunks, where the I split's pass A stored no
+    panels of pass B (SplitChunkPanels, round 25a)."""
     groups = [[(0, 512)], [(512, 512)]]
     assert D.ChunkPanels.applies(_Ctx(2, 512), groups)
     assert not D.ChunkPanels.applies(_Ctx(2, 512), None)  # W_gu resident whole (GPT-OSS-20B, Qwen3)
     assert not D.ChunkPanels.applies(_Ctx(2, 512), groups[:1])
     assert not D.ChunkPanels.applies(_Ctx(2, 512, precision="bf16"), groups)
+    split = _Ctx(2, 512)
+    split.split_panels = object()
+    assert not D.ChunkPanels.applies(split, groups)
     assert not D.ChunkPanels.applies(_Ctx(2, 192), groups)

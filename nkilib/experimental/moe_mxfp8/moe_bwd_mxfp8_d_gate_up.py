@@ -197,6 +197,8 @@ class RowChunk(nl.NKIObject):
             kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
                           f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
             self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
+        elif tile_sums and ctx.split_panels != None:  # noqa: E711  the I split: this core's K tiles of that panel
+            self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
         self.stored_to = 0  # columns (local to [i_lo, i_hi)) whose d_gate_up and hs are stored (store_done)
@@ -293,6 +295,9 @@ class RowChunk(nl.NKIObject):
                 panel = None
         elif self.stored_to < width:
             self.store_columns(ctx, i, self.stored_to, width)
+        if width < I and self.d_gu_panel != None:  # noqa: E711  the I split's K tiles of pass B's panel
+            self.d_gu_panel.build_ready()
+            ctx.split_panels.store(self.d_gu_panel.panel(), i, r0)
         if self.stored_to < width:
             nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo, width), src=self.hs[:m, :])
         if self.tile_sums:  # this core's tiles' sums: columns [lo / 512, ...) of the rows in ctx.d_w_tiles

@@ -216,6 +216,9 @@ class DGateUpRowsAhead(nl.NKIObject):
     caller stages them in A(a)'s last epilogue, where the DMA queues idle, or with the rows (round 22a). Race-free:
     W_gu is a read-only input, each core stages into its own SBUF.
 
+    With ctx.split_panels (round 25a) the tiles hold each chunk's K=2I panel as the I split's pass A stored it (both
+    cores' K tiles: SplitChunkPanels.allocate / read_into, two DMAs, half the bytes of the rows) instead of its rows.
+
     Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
     alignment, zero beyond 2I); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles [128, 4, width] bf16."""
 
@@ -223,6 +226,7 @@ class DGateUpRowsAhead(nl.NKIObject):
         self.ctx, self.e = ctx, e
         self.chunks = _blocks(0, ctx.B, PARTITIONS)
         self.tiles = [nl.ndarray((PARTITIONS, ctx.k_width(2 * ctx.I)), dtype=nl.bfloat16, buffer=nl.sbuf)
+                      if ctx.split_panels == None else ctx.split_panels.allocate()  # noqa: E711  (K tiles by core)
                       for _ in self.chunks]
         self.w_gu, self.first_load, self.stages, self.staged = w_gu, None, [], None
         if w_gu != None and h_tiles and not ExpertPanels.fits(w_gu, h_tiles, ctx.setup):  # noqa: E711
@@ -238,7 +242,10 @@ class DGateUpRowsAhead(nl.NKIObject):
         register of its one block). The caller issues each once on every run-time path (ExpertISplit.with_rows)."""
         def body(i):
             for (r0, m), nat in zip(self.chunks, self.tiles) if rows else []:
-                _d_gate_up_rows(self.ctx, i, r0, m, nat)
+                if self.ctx.split_panels == None:  # noqa: E711
+                    _d_gate_up_rows(self.ctx, i, r0, m, nat)
+                else:  # both cores' K tiles of the chunk's panel, as pass A stored them (SplitChunkPanels)
+                    self.ctx.split_panels.read_into(nat, i, r0)
             if self.stages and w_gu:
                 f0, w = self.first_load
                 # the same views on every path (the same tiles): the last traced serves B(e)
@@ -284,7 +291,8 @@ class ChunkPanels(nl.NKIObject):
         """Where W_gu runs in more than one resident group (`groups`, None: resident whole) with MXFP8 and 128-row
         chunks from multiples of 128 (the multi-block experts whose panels pass A did not store: pass B's
         compute_phase2_hidden_states_grad_mxfp8 takes a stored panel first)."""
-        return groups != None and len(groups) > 1 and ctx.setup.is_mx and ctx.B % PARTITIONS == 0  # noqa: E711
+        return (groups != None and len(groups) > 1 and ctx.setup.is_mx and ctx.B % PARTITIONS == 0  # noqa: E711
+                and ctx.split_panels == None)  # noqa: E711  (the I split's pass A stored them: SplitChunkPanels)
 
     @staticmethod
     def of(ctx, groups):
@@ -334,9 +342,11 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
             transposing and quantizing the bf16 rows; None: whenever the kernel made them.
-        rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows, read earlier (its tiles), for
-            the weights-per-block path from the bf16 rows, and W_gu's first K tiles staged earlier (w_gu_ahead, where
-            it staged them); None: read here.
+        rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows (with ctx.split_panels: both
+            cores' K tiles of its panel), read earlier (its tiles), for the weights-per-block path, and W_gu's first K
+            tiles staged earlier (w_gu_ahead, where it staged them); None: read here.
+    With ctx.split_panels (the I split's pass A made each core's K tiles of every chunk's panel: round 25a) every
+    chunk's panel is loaded from them, on every path, instead of being built from the bf16 rows.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
@@ -359,6 +369,10 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     cached = None if stored_panels or ctx.chunk_panels == None else ctx.chunk_panels.role(tiles)  # noqa: E711
 
     def chunk_panel(r0, m):
+        if ctx.split_panels != None and not stored_panels:  # noqa: E711  each core's K tiles, made by pass A
+            if rows_ahead != None:  # noqa: E711  (read before the segment's A: DGateUpRowsAhead)
+                return ctx.split_panels.panel(rows_ahead.tiles[r0 // PARTITIONS], ctx.f_pad(m))
+            return ctx.split_panels.load(i, r0, m)
         if cached == "load":
             return ctx.chunk_panels.load(i, r0, m)
         if stored_panels:  # quantized by pass A (rounds 7a, 8c): words and scales as stored

@@ -17,7 +17,9 @@ and scatters d_topk_weights by slot, each core its rows (ctx.unit_rows).
 
 The price: both cores read all B rows of dY and p, and gather the checkpoints' I_c columns of all B rows by slot
 (software-DGE descriptors on GpSimd; with checkpoint_layout="block" one plain DMA per chunk instead, round 11b), and
-no core holds a chunk's whole 2I, so pass B builds its stationary d_gate_up panels from the bf16 rows (round 9b).
+no core holds a chunk's whole 2I, so pass B built its stationary d_gate_up panels from the bf16 rows (round 9b); where
+I is whole 512-column tiles shared evenly, each core's pass A makes its own K tiles of them (SplitChunkPanels, round
+25a) and pass B loads both cores'.
 dY / X's block-ordered copies for pass C are written by one core per 128-row chunk (ctx.unit_rows: the rows the row
 split gives it): in pass A for the first fence group's experts and for a block holding padding (gathered on both
 cores), else a segment ahead by stage(), with p's, so that pass A reads every row of a full block back by plain DMA.
@@ -45,6 +47,7 @@ from ...core.matmul.sources import blocks as _blocks
 from .constants import PARTITIONS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
+from .moe_bwd_mxfp8_split_panels import SplitChunkPanels
 
 __all__ = ["ExpertISplit"]
 
@@ -70,6 +73,7 @@ class ExpertISplit(nl.NKIObject):
                                       name="moe_bwd_routing_weight_blocks")
         ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
                                    name="moe_bwd_routing_grad_tiles")
+        ctx.split_panels = SplitChunkPanels.of(ctx, i_tiles)  # each core's K tiles of pass B's panels (round 25a)
 
     @staticmethod
     def applies(ctx, w_down_resident, i_tiles) -> bool:
@@ -232,6 +236,8 @@ class ExpertISplit(nl.NKIObject):
         sums = nl.ndarray((m, self.j_hi - self.j_lo), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=sums, value=0.0)
         nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, self.j_lo, self.j_hi - self.j_lo), src=sums)
+        if ctx.split_panels != None:  # noqa: E711
+            ctx.split_panels.zero(i, r0)
 
     def stage(self, i):
         """Block i's dY and X rows, this core's chunks (ctx.unit_rows), to dy_blocks / x_blocks (pass C's copies), and

@@ -312,7 +312,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     ctx.d_gu_mx, one_i_group = None, a_groups == None  # noqa: E711
     whole_chunks = setup.is_mx and ctx.B % (PARTITIONS * split.num_cores) == 0
     every_block_panels = whole_chunks and one_i_group and fits([b_desc(0)], [h0_tiles])
-    # (not under ExpertISplit: it takes every expert, and no core holds a chunk's whole 2I)
+    # (not under ExpertISplit: no core holds a chunk's whole 2I; each stores its K tiles there, SplitChunkPanels)
     single_block_panels = (whole_chunks and not a_skip[0] and b_groups != None  # noqa: E711  (else `single` unused)
                            and i_split == None)  # noqa: E711
     if every_block_panels or single_block_panels:

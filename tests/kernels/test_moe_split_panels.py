@@ -1,0 +1,106 @@
+"""Pass B's d_gate_up panels made by the I split's pass A, each core its own K tiles (moe_bwd_mxfp8_split_panels.py;
+docs/moe.md section 10, round 25a).
+
+Under the I split with I a multiple of 512 and the same number of I tiles per core, core c holds the gate columns I_c
+and the up columns I + I_c of every row: whole K tiles of pass B's K = 2I. Pass A transposes and quantizes them into
+its K tiles of each 128-row chunk's panel and stores them (a chunk of padding only: zeros); pass B, on both cores,
+loads both cores' K tiles instead of building the panel from the bf16 rows (no panel_from_rows in pass B). The outputs
+stay mx_exact's bit for bit under LNC2 (the race detector on).
+
+| test                          | what                                                                     | fixed |
+|-------------------------------|--------------------------------------------------------------------------|-------|
+| test_split_panels_bit_exact   | I = 1024 (one I tile per core: global K tiles core 0, 1, 0, 1), H = 2048 | LNC2  |
+|                               | (W_gu per block: rows read ahead), experts of one full block, one padded |       |
+|                               | block, two blocks, none, one full block: == mx_exact; per core every     |       |
+|                               | computed chunk stored once, every padding-only chunk zeroed, pass B      |       |
+|                               | builds no panel from rows and takes every chunk's panel from the K tiles |       |
+| test_split_panels_applies     | I = 544 (a part I tile), I tiles not shared evenly, BF16: not made       | host  |
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import nki.language as nl
+from nkilib.core.matmul import CoreSplit, MatmulSetup
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_split_panels as P
+from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from simkit import assert_outputs_identical
+from test_moe_bwd_kernel import moe_case, run
+from test_moe_i_split import CHECKPOINTS
+
+
+def _record(monkeypatch):
+    """Counts per (core, what): chunk panels pass A stored ("store") or zeroed ("zero"), panels pass B took from the
+    stored K tiles ("panel"); and pass B's panels built from bf16 rows ("rows", any core)."""
+    counts = {}
+    store, zero, panel = P.SplitChunkPanels.store, P.SplitChunkPanels.zero, P.SplitChunkPanels.panel
+    from_rows = D.panel_from_rows
+
+    def bump(ctx, what):
+        key = (ctx.split.shard_id, what)
+        counts[key] = counts.get(key, 0) + 1
+
+    def record_store(self, *args):
+        bump(self.ctx, "store")
+        return store(self, *args)
+
+    def record_zero(self, *args):
+        bump(self.ctx, "zero")
+        return zero(self, *args)
+
+    def record_panel(self, *args):
+        bump(self.ctx, "panel")
+        return panel(self, *args)
+
+    def record_from_rows(*args):
+        counts["rows"] = counts.get("rows", 0) + 1
+        return from_rows(*args)
+
+    monkeypatch.setattr(P.SplitChunkPanels, "store", record_store)
+    monkeypatch.setattr(P.SplitChunkPanels, "zero", record_zero)
+    monkeypatch.setattr(P.SplitChunkPanels, "panel", record_panel)
+    monkeypatch.setattr(D, "panel_from_rows", record_from_rows)
+    return counts
+
+
+def test_split_panels_bit_exact(monkeypatch):
+    """T = 912, B = 256 (two 128-row chunks per block), k = 1, H = 2048, I = 1024, all four checkpoints, no resident
+    budget (the I split; pass B loads W_gu per block for one-block experts and in resident groups for the two-block
+    one); experts of 256 / 100 / 300 / 0 / 256 pairs: blocks 1 (full), 1 (padded: its chunk 1 padding only), 2 (the
+    second holds 44 pairs: its chunk 1 padding only), 0, 1 (full). Per core pass A stores the chunks it computes (2 +
+    1 + 3 + 2 = 8) and zeroes the two padding-only ones, and pass B takes 14 chunk panels from the stored K tiles
+    (experts 0, 1 and 4: 2 chunks each; expert 2: 2 blocks x 2 chunks in each of its two W_gu groups, padding-only
+    chunks loaded too, their matmuls skipped) and builds none from rows. == mx_exact bit for bit. Fails on the old code
+    (no K tiles stored) and on a panel whose K tiles are taken from the wrong core (the outputs)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 912, 5, 2048, 1024, 256
+    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
+    ids = ids[np.random.default_rng(29).permutation(T)]
+    kernel, ref = moe_case(T, E, H, I, ids, seed=83, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
+    counts = _record(monkeypatch)
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 split d_gate_up panels vs mx_exact")
+    for core in (0, 1):
+        assert counts.get((core, "store")) == 8, counts
+        assert counts.get((core, "zero")) == 2, counts
+        assert counts.get((core, "panel")) == 14, counts
+    assert "rows" not in counts, counts
+
+
+def test_split_panels_applies():
+    """Made only with MXFP8, I in whole 512-column tiles and as many I tiles on each core."""
+    class Ctx:
+        B = 256
+
+        def __init__(self, I, setup, cores=2):
+            self.I, self.setup = I, setup
+            self.split = CoreSplit(cores, 0)
+
+    mx, bf16 = (MatmulSetup(p, nl.float8_e4m3fn_x4, "1x32", True) for p in ("mxfp8", "bf16"))
+    tiles = lambda I: [(n0, min(512, I - n0)) for n0 in range(0, I, 512)]  # noqa: E731
+    assert P.SplitChunkPanels.applies(Ctx(2048, mx), tiles(2048))
+    assert not P.SplitChunkPanels.applies(Ctx(544, mx), tiles(544))  # a part I tile
+    assert not P.SplitChunkPanels.applies(Ctx(1536, mx), tiles(1536))  # 2 + 1 I tiles
+    assert not P.SplitChunkPanels.applies(Ctx(2048, bf16), tiles(2048))
