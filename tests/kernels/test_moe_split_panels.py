@@ -25,6 +25,7 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_split_panels as P
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from moekit import expert_routing
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
@@ -75,8 +76,7 @@ def test_split_panels_bit_exact(monkeypatch):
     (no K tiles stored) and on a panel whose K tiles are taken from the wrong core (the outputs)."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I, B = 912, 5, 2048, 1024, 256
-    ids = np.repeat(np.array([[0], [1], [2], [4]], np.int32), [256, 100, 300, 256], axis=0)
-    ids = ids[np.random.default_rng(29).permutation(T)]
+    ids = expert_routing([256, 100, 300, 256], experts=[0, 1, 2, 4], shuffle_seed=29)
     kernel, ref = moe_case(T, E, H, I, ids, seed=83, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     counts = _record(monkeypatch)
