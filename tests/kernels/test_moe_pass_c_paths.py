@@ -25,8 +25,6 @@ that every path gives mx_exact's bits.
 | on_scalar                             | one carry per tile and boundary; LNC1 and LNC2 == mx_exact        |
 | test_windows_take_groups_n_tile_by_...| windows: groups n tile by n tile, moving operand piece by piece:  |
 |                                       | 2R quantizes before the first matmul; LNC1 and LNC2 == mx_exact   |
-| test_resident_slots_load_the_first_...| resident path: per slot, moving piece 0, the first stationary     |
-|                                       | piece, the other moving pieces; LNC1 and LNC2 == mx_exact         |
 """
 from __future__ import annotations
 
@@ -470,52 +468,3 @@ def test_windows_take_groups_n_tile_by_n_tile(monkeypatch, lnc):
     first = [in_c[g] for g in matmuls[:2]]
     assert len({o.name for r in first for o in r.writes}) == 2 and all(
         o.shape[-1] == 64 for r in first for o in r.writes), [(o.name, o.shape) for r in first for o in r.writes]
-
-
-@pytest.mark.parametrize("lnc", [1, 2])
-def test_resident_slots_load_the_first_stationary_piece_with_moving_piece_0(monkeypatch, lnc):
-    """Round 25c (docs/moe.md section 10): the resident path loads, per slot, moving piece 0, then the first stationary
-    piece, then the other moving pieces, so the first group's slot-j matmuls wait for slots 0..j's loads, not for every
-    slot's whole moving operand and then the stationary piece (the old order: all slots' moving pieces, then the
-    stationary piece's slots). n tiles of 64 columns and load pieces of 128 (several moving and stationary pieces per
-    core at H = 320, I = 288): experts of 3 and 2 blocks resident, one single-block; LNC1 and LNC2 ==
-    mx_exact bit for bit. Per core, expert and gradient the loads in program order (one per block and slot loop); on
-    the old code slot 0's moving piece 1 came second."""
-    monkeypatch.setattr(W, "MOE_N_TILE", 64)
-    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 128)
-    loaded, expected = {}, {}  # (core, e, M) -> [("moving" | "stationary", first column)] in trace order
-    resident = W.compute_phase3_resident_grads_mxfp8
-
-    class Recorded:
-        def __init__(self, src, key, role):
-            self.src, self.key, self.role = src, key, role
-
-        def rows(self, i, f0, f_size):
-            loaded.setdefault(self.key, []).append((self.role, f0))
-            return self.src.rows(i, f0, f_size)
-
-    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
-        key = (id(ctx), ctx.split.shard_id, e, m_total)
-        (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
-        moving = [c0 for c0, _ in W.blocks(n_lo, n_hi, W.SINGLE_BLOCK_LOAD_WIDTH)]
-        stationary = [p0 for (p0, psz), _ in W._resident_schedule(ctx, m_total, n_total) if psz]
-        nb = (3, 2)[e]  # the simulator runs each slot loop's body once per trip: once per block
-        expected[key] = ([("moving", moving[0]), ("stationary", stationary[0])] + [("moving", c) for c in moving[1:]]
-                         ) * nb + [("stationary", p) for p in stationary[1:] for _ in range(nb)]
-        return resident(ctx, e, out, Recorded(lhs, key, "stationary"), Recorded(rhs, key, "moving"), m_total, n_total,
-                        wg_dtype, slots, window, part, carry)
-
-    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
-    T, E, H, I = 600, 3, 320, 288
-    ids = np.repeat(np.arange(3, dtype=np.int32)[:, None], [330, 250, 20], axis=0)
-    ids = ids[np.random.default_rng(25).permutation(T)]
-    kernel, ref = moe_case(T, E, H, I, ids, seed=77, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
-    assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1]
-    out = run(kernel, lnc=lnc)
-    assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} resident load order vs mx_exact")
-    # both experts, both gradients, every core; several moving pieces (dW_gu: H = 320 or its half) and stationary ones
-    assert len(loaded) == 2 * 2 * lnc and {k[2] for k in loaded} == {0, 1}, sorted(loaded)
-    pieces = [{role: len({c for r, c in v if r == role}) for role in ("moving", "stationary")} for v in loaded.values()]
-    assert all(p["moving"] >= 2 for p in pieces) and any(p["stationary"] >= 2 for p in pieces), pieces
-    for key in loaded:
-        assert loaded[key] == expected[key], (key, loaded[key], expected[key])

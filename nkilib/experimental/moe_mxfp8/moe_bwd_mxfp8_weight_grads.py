@@ -360,9 +360,14 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=stages,
                               into=(slots, j))
 
+    def load_moving(i, j):  # slot j's loads numbered j * pieces + q: consecutive slots rotate the staging tiles
+        for q, (c0, slots) in enumerate(moving):
+            load(rhs, i, j, c0, slots, j * len(moving) + q)
+
     if window != None:  # noqa: E711
         _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load)
         return
+    ctx.resident.for_slots(e, load_moving, R)
     t = 0
     schedule = _resident_schedule(ctx, m_total, n_total, part)
     # odd parts walk the pieces backwards; the decision is static (part index, piece position), so both cores skip
@@ -370,33 +375,11 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     snake = carry != None and part != None  # noqa: E711
     if snake and part[0] % 2:
         schedule = schedule[::-1]
-    carried = snake and part[0] > 0
-    # an expert of 2..R blocks (no parts): per slot, moving piece 0, the first stationary piece, then the other moving
-    # pieces, so the first group's slot-j matmuls wait for the loads of slots 0..j, not for every slot's moving operand
-    # and then the stationary piece. The parts keep the moving operand first (their stationary loads bound them: slot
-    # by slot cost GPT-OSS's skew shape 43 us; docs/moe.md section 10, round 25c). Decided statically: both cores run
-    # the same loops (a core's padding piece loads nothing)
-    early = part == None  # noqa: E711
-    (p0, psz), _ = schedule[0]
-    first = PanelSlots(R, ctx.f_pad(psz), setup, PanelPlacement.per_k_tile()) if early and psz else None
-
-    def load_first(i, j, p0=p0):  # loads numbered in program order: consecutive ones rotate the staging tiles
-        k = j * (len(moving) + (first != None))  # noqa: E711
-        for q, (c0, slots) in enumerate(moving):
-            load(rhs, i, j, c0, slots, k)
-            k += 1
-            if q == 0 and first != None:  # noqa: E711
-                load(lhs, i, j, p0, first, k)
-                k += 1
-
-    ctx.resident.for_slots(e, load_first, R)
     for s, ((p0, psz), groups) in enumerate(schedule):
-        if carried and s == 0:
+        if snake and part[0] > 0 and s == 0:
             # the piece the part before ended on, still in its slots; the carry lets go of it, so it is freed after
             # its groups as any piece (one stationary piece in SBUF at a time, as without the carry)
             stationary, carry[0] = carry[0], None
-        elif early and s == 0:
-            stationary, first = first, None  # loaded with the moving operand
         else:
             stationary = PanelSlots(R, ctx.f_pad(psz), setup, PanelPlacement.per_k_tile()) if psz else None
 
