@@ -80,7 +80,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import ceil_div, kernel_assert, shard_range
+from ...core.kernel_helpers import ceil_div, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
@@ -94,6 +94,7 @@ from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, comp
                                resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_context import MoeContext
+from .moe_bwd_mxfp8_inputs import check_moe_inputs
 from .moe_bwd_mxfp8_i_split import ExpertISplit
 from .moe_bwd_mxfp8_interleave import InterleavedDx
 from .moe_bwd_mxfp8_loops import ExpertLoops
@@ -101,8 +102,7 @@ from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
-from .constants import (BLOCK_ALIGN, CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES,
-                        MAX_BLOCK_SIZE, MOE_N_TILE, PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN,
+from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
@@ -465,12 +465,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 # ---------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------
-def _check(name, t, shape, dtypes):
-    kernel_assert(t != None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")  # noqa: E711
-    kernel_assert(tuple(t.shape) == tuple(shape), f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    kernel_assert(str(t.dtype) in dtypes, f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
-
-
 @nki.jit
 def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_weight, down_weight,
                            token_position_to_id, token_position_to_slot, expert_block_offsets, gate_pre=None,
@@ -514,50 +508,11 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     setup, wg_dtype, on_trn3 = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme,
                                                       use_scale_packing, weight_grad_dtype, run_with_lnc2,
                                                       clamp_limits)
-    kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
-                  BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
-                  f"block_size must be a multiple of {BLOCK_ALIGN} in [{BLOCK_ALIGN}, {MAX_BLOCK_SIZE}], "
-                  f"got {block_size!r}")
-    kernel_assert(isinstance(gate_up_bias_grad, bool), f"gate_up_bias_grad must be a bool, got {gate_up_bias_grad!r}")
-    # ---- shapes ----
-    kernel_assert(output_grad != None and hasattr(output_grad, "shape") and len(output_grad.shape) == 2,  # noqa: E711
-                  f"output_grad must be a 2-D [T, H] tensor, got {getattr(output_grad, 'shape', output_grad)!r}")
-    T, H = output_grad.shape
-    _check("output_grad", output_grad, (T, H), ("bfloat16",))
-    _check("hidden_states", hidden_states, (T, H), ("bfloat16",))
-    kernel_assert(gate_up_weight != None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,  # noqa: E711
-                  f"gate_up_weight must be a 3-D [E, 2I, H] tensor, got {getattr(gate_up_weight, 'shape', None)!r}")
-    E, two_i = gate_up_weight.shape[0], gate_up_weight.shape[1]
-    kernel_assert(two_i % 2 == 0,
-                  f"gate_up_weight must be [E, 2I, H] with an even 2I, got {list(gate_up_weight.shape)}")
-    I = two_i // 2
-    _check("gate_up_weight", gate_up_weight, (E, 2 * I, H), ("bfloat16",))
-    _check("down_weight", down_weight, (E, H, I), ("bfloat16",))
-    kernel_assert(H % 32 == 0 and I % 32 == 0,
-                  f"H and I must be multiples of 32 (MX groups along H and I); got H={H}, I={I}")
-    kernel_assert(topk_weights != None and hasattr(topk_weights, "shape") and len(topk_weights.shape) == 2  # noqa: E711
-                  and topk_weights.shape[0] == T,
-                  f"topk_weights must be [T, k] with T={T}, got {getattr(topk_weights, 'shape', None)!r}")
-    k = topk_weights.shape[1]
-    _check("topk_weights", topk_weights, (T, k), ("float32",))
-    kernel_assert(k <= E, f"topk_weights has k={k} experts per token but E={E} experts: k must be <= E")
-    kernel_assert(token_position_to_id != None and hasattr(token_position_to_id, "shape")  # noqa: E711
-                  and len(token_position_to_id.shape) == 1 and token_position_to_id.shape[0] % block_size == 0,
-                  f"token_position_to_id must be [N*B] with B=block_size={block_size}, got "
-                  f"{getattr(token_position_to_id, 'shape', None)!r}")
-    N = token_position_to_id.shape[0] // block_size
-    _check("token_position_to_id", token_position_to_id, (N * block_size,), ("int32",))
-    _check("token_position_to_slot", token_position_to_slot, (N * block_size,), ("int32",))
-    _check("expert_block_offsets", expert_block_offsets, (E + 1,), ("int32",))
-    kernel_assert(checkpoint_layout in CHECKPOINT_LAYOUTS,
-                  f"checkpoint_layout must be one of {list(CHECKPOINT_LAYOUTS)}, got {checkpoint_layout!r}")
-    blocked = checkpoint_layout == "block"
-    ckpt_shape = (N * block_size, I) if blocked else (T, k, I)
-    for name, ckpt in (("gate_pre", gate_pre), ("gate_act", gate_act), ("up", up), ("intermediate", intermediate)):
-        if ckpt != None:  # noqa: E711
-            _check(f"{name} (checkpoint_layout={checkpoint_layout!r}: [N*B, I] by block position)" if blocked else
-                   name, ckpt, ckpt_shape, ("bfloat16",))
-
+    T, H, k, E, I, N, blocked = check_moe_inputs(
+        output_grad, hidden_states, topk_weights, gate_up_weight, down_weight, token_position_to_id,
+        token_position_to_slot, expert_block_offsets, dict(gate_pre=gate_pre, gate_act=gate_act, up=up,
+                                                           intermediate=intermediate),
+        block_size, gate_up_bias_grad, checkpoint_layout)
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
                      clamp_limits or ClampLimits(), checkpoints_blocked=blocked)
     # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
