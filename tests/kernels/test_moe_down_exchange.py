@@ -9,6 +9,12 @@ exchange) and LNC2 (under the simulator's race detector).
 |-------------------------------------|-------------------------------------------------------------------|------------|
 | test_exchange_bit_exact             | experts after the first fence group exchanged, none under LNC1    | LNC1, LNC2 |
 | test_exchange_applies_only_on_use   | resident W_down, LNC1, BF16 or H not whole K tiles: no exchange   | host side  |
+| test_resident_exchange_partial_tile | the pipeline (resident W_down): each later group's second expert  | LNC1, LNC2 |
+|                                     | exchanged, H = 832 (K tiles of 512 and 320 rows, one per core)    |            |
+| test_resident_exchange_by_w_down_size | Qwen3's W_down exchanged when resident, GPT-OSS-20B's not       | host side  |
+
+The resident exchange (round 25b): each fence group's second A read W_down from HBM at its start (loaded and quantized
+there); it now reads the scratch, including a partial last K tile (320 rows: 96 partitions stored and loaded).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import expert_routing
 from simkit import assert_outputs_identical
-from test_moe_bwd_kernel import moe_case, run
+from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
 
 def record_exchange(monkeypatch):
@@ -69,8 +75,8 @@ def test_exchange_bit_exact(monkeypatch, lnc):
 
 
 class _Ctx:
-    def __init__(self, H, cores, precision="mxfp8"):
-        self.H, self.split = H, CoreSplit(cores, 0)
+    def __init__(self, H, cores, precision="mxfp8", I=2048):
+        self.H, self.I, self.split = H, I, CoreSplit(cores, 0)
         self.setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
 
 
@@ -82,3 +88,42 @@ def test_exchange_applies_only_on_use():
     assert not X.DownWeightExchange.applies(_Ctx(7168, 1), w_down_resident=False)
     assert not X.DownWeightExchange.applies(_Ctx(7168, 2, "bf16"), w_down_resident=False)
     assert not X.DownWeightExchange.applies(_Ctx(2880, 2), w_down_resident=False)  # GPT-OSS-20B: H % 512 != 0
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_resident_exchange_partial_tile(monkeypatch, lnc):
+    """The chunk pipeline with W_down resident (B = 512, clamped, every checkpoint), E = 4 in fence groups [0, 1],
+    [2, 3] (tokens 0..511 to experts 0 and 1, the rest to 2 and 3: one full block each), H = 832: K tiles of 512 and
+    320 rows.
+    Under LNC2 expert 3 (the second group's second expert) is exchanged: core 0 quantizes K tile 0, core 1 the partial
+    K tile 1, and A(3) loads both from the scratch; expert 2 (the first A after the fence) loads its own before it
+    (round 18a), so only 3's scratch is read. Outputs == mx_exact. Fails on the old code (no exchange for a resident
+    W_down: nothing quantized or loaded) and with the partial tile loaded on 128 partitions (nc_matmul_mx refuses a
+    96-partition stationary against a 128-partition moving K tile)."""
+    T, E, H, I = 1024, 4, 832, 96
+    ids = np.zeros((T, 2), np.int32)
+    ids[:512] = (0, 1)
+    ids[512:] = (2, 3)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=251, block_size=512, clamp_limits=CLAMPS,
+                           checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
+    quantized, loaded = record_exchange(monkeypatch)
+    out = run(kernel, lnc=lnc)
+    assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} resident W_down exchange vs mx_exact")
+    if lnc == 1:
+        assert quantized == [] and loaded == []
+        return
+    assert sorted(quantized) == [(3, 0, 1), (3, 1, 2)], quantized
+    assert set(loaded) == {"moe_bwd_down_mx_3"}, loaded
+
+
+def test_resident_exchange_by_w_down_size():
+    """The resident exchange (round 25b) takes a pipelined pass A's W_down up to RESIDENT_DOWN_EXCHANGE_MAX_BYTES bf16:
+    Qwen3-30B-A3B's [2048, 768] (3 MiB, whose full run gains), not GPT-OSS-20B's [2880, 2880] (15.8 MiB, whose full run
+    loses); not without the pipeline, under LNC1 or in BF16."""
+    assert X.DownWeightExchange.applies_resident(_Ctx(2048, 2, I=768), w_down_resident=True, pipelined=True)
+    assert not X.DownWeightExchange.applies_resident(_Ctx(2880, 2, I=2880), w_down_resident=True, pipelined=True)
+    assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 2, I=768), w_down_resident=True, pipelined=False)
+    assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 1, I=768), w_down_resident=True, pipelined=True)
+    assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 2, "bf16", I=768), w_down_resident=True,
+                                                     pipelined=True)
+    assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 2, I=768), w_down_resident=False, pipelined=True)

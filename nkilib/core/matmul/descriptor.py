@@ -18,10 +18,10 @@ class TensorDescriptor(nl.NKIObject):
         k_axis=1: `tensor` is [F, K] (K contiguous), e.g. output_grad [S, H] as the K=H operand.
         Pre-quantized (`scales` given, k_axis must be 1): `tensor` holds x4 words [F, Kp/4] (uint32) and
         `scales` uint8 [F, Kp/32], Kp = K padded to a multiple of 128 (see reference.prequantize).
-        Panel layout (`panel_layout=True`, `scales` given, k_axis=0, K a multiple of 512): MXFP8 K tiles as
-        quantize_mx leaves them in SBUF, written by the kernel itself (panels.store_k_tile): `tensor` x4
-        words [K/4, F] (K tile t's partition p in row 128t + p), `scales` uint8 [128 * scale tiles, F]
-        (panels.panel_scale_row); loaded with long runs and no quantize_mx.
+        Panel layout (`panel_layout=True`, `scales` given, k_axis=0): MXFP8 K tiles as quantize_mx leaves them
+        in SBUF, written by the kernel itself (panels.store_k_tile): `tensor` x4 words [Kt/4, F] (K tile t's
+        partition p in row 128t + p; Kt = K in whole 512-row tiles, k_len = K where a last tile is partial),
+        `scales` uint8 [128 * scale tiles, F] (panels.panel_scale_row); loaded with long runs and no quantize_mx.
 
     `f_base`/`f_size` select a window of F (e.g. the gate or up half of gate_up_weights); `k_base`/`k_len`
     a window of K (e.g. one expert's rows of stacked expert weights reshaped to [E*K, F], or one K chunk of a

@@ -172,24 +172,28 @@ def panel_scale_row(t: int, setup: MatmulSetup) -> int:
 
 
 def panel_layout_hbm(k_size: int, f_size: int, setup: MatmulSetup, name: str):
-    """(words [K/4, F] x4, scales [128 * scale tiles, F] uint8) in shared HBM: a [K, F] operand in the panel
-    layout (TensorDescriptor.panel_layout; K a multiple of MX_K_TILE), to be written with store_k_tile."""
-    n_k = k_size // MX_K_TILE
+    """(words [Kt/4, F] x4, scales [128 * scale tiles, F] uint8) in shared HBM: a [K, F] operand in the panel
+    layout (TensorDescriptor.panel_layout), to be written with store_k_tile. Kt = K rounded up to whole MX_K_TILE
+    tiles: a last partial K tile (e.g. K = 2880: 320 rows on 96 partitions) keeps a whole tile's rows, so every
+    K tile starts at row 128t; read it with TensorDescriptor(k_len=K)."""
+    n_k = -(-k_size // MX_K_TILE)
     scale_tiles = -(-n_k // SCALE_PACK_SLOTS) if setup.use_scale_packing else n_k
-    words = nl.ndarray((k_size // MX_PACK, f_size), dtype=setup.x4_dtype, buffer=nl.shared_hbm, name=name)
+    words = nl.ndarray((n_k * PARTITIONS, f_size), dtype=setup.x4_dtype, buffer=nl.shared_hbm, name=name)
     scales = nl.ndarray((PARTITIONS * scale_tiles, f_size), dtype=nl.uint8, buffer=nl.shared_hbm,
                         name=name + "_scales")
     return words, scales
 
 
 def store_k_tile(words, scale, words_hbm, scales_hbm, t: int, setup: MatmulSetup, f0: int = 0) -> None:
-    """Store one full MXFP8 K tile (words [128, F] x4, scale [128, F] uint8 as quantize_mx wrote it at
-    partition offset 0: rows 32q + r, q, r < 4) in the panel layout (TensorDescriptor.panel_layout), at
-    columns [f0, f0 + F) of the HBM tensors (default: from column 0, all of their F)."""
-    f1 = f0 + words.shape[1]
-    nisa.dma_copy(dst=words_hbm[PARTITIONS * t:PARTITIONS * (t + 1), f0:f1], src=words)
+    """Store one MXFP8 K tile (words [P, F] x4, P = 128 or a last partial tile's P, a multiple of 32; scale [128, F]
+    uint8 as quantize_mx wrote it at partition offset 0: rows 32q + r, q < P/32, r < 4) in the panel layout
+    (TensorDescriptor.panel_layout), at columns [f0, f0 + F) of the HBM tensors (default: from column 0, all of
+    their F). A partial tile's rows from P on are not written (its matmuls read P partitions)."""
+    P, f1 = words.shape[0], f0 + words.shape[1]
+    kernel_assert(P % 32 == 0 and P <= PARTITIONS, f"store_k_tile takes whole 32-partition quadrants, got P={P}")
+    nisa.dma_copy(dst=words_hbm[PARTITIONS * t:PARTITIONS * t + P, f0:f1], src=words)
     r0 = panel_scale_row(t, setup)
-    for q in range(PARTITIONS // 32):
+    for q in range(P // 32):
         nisa.dma_copy(dst=scales_hbm[r0 + 32 * q:r0 + 32 * q + 4, f0:f1], src=scale[32 * q:32 * q + 4, :])
 
 
@@ -211,8 +215,9 @@ def _load_panel_layout(op, f0, f_size, f_pad, setup, builder, t_lo, t_hi):
     src = op.scales.ap(pattern=[[cols, PARTITIONS], [PARTITIONS * cols, n_scale], [1, f_size]],
                        offset=panel_scale_row(t0, setup) * cols + c0)
     nisa.dma_copy(dst=scales[:, :, :f_size], src=src)
-    for t in range(t_lo, t_hi):
-        builder.data.append(builder.words(t, PARTITIONS))
+    tiles = k_tiles(op.k_size, setup)
+    for t in range(t_lo, t_hi):  # a last partial K tile: its P partitions (the rows past them were not stored)
+        builder.data.append(builder.words(t, tiles[t][2] // MX_PACK))
         builder.scales.append(builder.scale(t))
     return builder.panel()
 

@@ -41,6 +41,11 @@ ROW_SPLIT_UNIT = 32
 #: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above
 #: it the panels are loaded per block inside the loop.
 RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
+#: Largest W_down[e] (bf16 bytes, H * I * 2) whose resident copy goes through DownWeightExchange for each later fence
+#: group's second pass A (round 25b). The exchange adds DMA (half of it loaded and its words stored a fence ahead, then
+#: all words loaded: ~1.3x the bf16 bytes per core) to save A's load -> quantize_mx chain at its start: Qwen3-30B-A3B's
+#: 3 MiB gains (full balanced run 17.513 -> 17.053 ms), GPT-OSS-20B's 15.8 MiB loses (19.564 -> 19.855 ms).
+RESIDENT_DOWN_EXCHANGE_MAX_BYTES = 8 * 1024 * 1024
 #: SBUF bytes per partition that pass A's resident weight panels and pass B's W_gu panels (this core's H tiles) may
 #: take together for pass B to run in pieces between pass A's chunks (round 8a, moe_bwd_mxfp8_interleave.py): both
 #: stay on chip through the segment's A. Qwen3-30B-A3B (12 + 12 KiB) interleaves; GPT-OSS-20B (~65 + ~65 KiB) does

@@ -11,9 +11,16 @@ HBM scratch; after the next core_barrier both cores load every K tile of it with
 (TensorDescriptor(panel_layout=True), ExpertPanels). The words are quantize_mx's for the same K tile either way, so
 the bits do not change (LNC1 keeps quantizing on chip: one core gains nothing). Race-freedom: docs/moe.md section 5.
 
+A resident W_down of the pipelined pass A up to RESIDENT_DOWN_EXCHANGE_MAX_BYTES (Qwen3-30B-A3B's) is exchanged for
+each later fence group's experts after its first (docs/moe.md round 25b): the first A after a fence loads its W_down
+before the fence (round 18a), but the second (A(a1)) loaded and quantized it at its start with TensorE idle, where
+W_down and pass C's slots do not fit together earlier (rounds 19c, 20b). From the scratch A(a1) loads half the bytes
+(x4 words) and quantizes nothing. H need not be whole K tiles there (e.g. H = 2880 ends with a 320-row one, stored
+and loaded on its 96 partitions: panels.store_k_tile).
+
 Dimensions:
-    W_down[e] [H, I] bf16 (rows e*H.. of the stacked [E*H, I]); scratch per exchanged expert: words [H/4, I] x4,
-    scales [128 * ceil(H/512/4), I] uint8 (panels.panel_layout_hbm); H a multiple of 512 (whole MX K tiles).
+    W_down[e] [H, I] bf16 (rows e*H.. of the stacked [E*H, I]); scratch per exchanged expert: words [Ht/4, I] x4,
+    scales [128 * ceil(Ht/512/4), I] uint8 (panels.panel_layout_hbm), Ht = H in whole 512-row K tiles.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul import PanelPlacement, TensorDescriptor, k_tiles, load_panel, panel_layout_hbm, store_k_tile
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import MX_K_TILE, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS
+from .constants import MX_K_TILE, RESIDENT_DOWN_EXCHANGE_MAX_BYTES, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS
 
 __all__ = ["DownWeightExchange"]
 
@@ -38,7 +45,7 @@ class DownWeightExchange(nl.NKIObject):
         self.ctx = ctx
         self.experts = list(experts)
         H, I, split = ctx.H, ctx.I, ctx.split
-        kernel_assert(H % MX_K_TILE == 0, f"DownWeightExchange needs whole MX K tiles along H, got H={H}")
+        kernel_assert(ctx.setup.is_mx, f"DownWeightExchange stores MXFP8 words, got precision {ctx.setup.precision}")
         self.words = [None] * ctx.E
         self.scales = [None] * ctx.E
         for e in self.experts:
@@ -51,6 +58,26 @@ class DownWeightExchange(nl.NKIObject):
         """Used under LNC2 with MXFP8 when W_down is loaded on use (not resident) and H is whole MX K tiles."""
         return (ctx.split.num_cores > 1 and ctx.setup.is_mx and not w_down_resident
                 and ctx.H % MX_K_TILE == 0)
+
+    @staticmethod
+    def of(ctx, groups, w_down_resident, pipelined):
+        """The exchange for the fence groups `groups` (lists of experts) or None: on use (`applies`), every expert
+        after the first group; resident (`applies_resident`), each later group's experts after its first (that one
+        loads its own before the fence: round 18a)."""
+        if len(groups) < 2:
+            return None
+        if DownWeightExchange.applies(ctx, w_down_resident):
+            return DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
+        if DownWeightExchange.applies_resident(ctx, w_down_resident, pipelined):
+            return DownWeightExchange(ctx, [e for g in groups[1:] for e in g[1:]])
+        return None
+
+    @staticmethod
+    def applies_resident(ctx, w_down_resident, pipelined) -> bool:
+        """Under LNC2 with MXFP8, a resident W_down of the pipelined pass A of at most RESIDENT_DOWN_EXCHANGE_MAX_BYTES
+        (bf16): above it the exchange's extra DMA costs more than the quantize chain it saves (round 25b)."""
+        return (ctx.split.num_cores > 1 and ctx.setup.is_mx and w_down_resident and pipelined
+                and ctx.H * ctx.I * 2 <= RESIDENT_DOWN_EXCHANGE_MAX_BYTES)
 
     def exchanged(self, e) -> bool:
         return e in self.experts
@@ -71,4 +98,4 @@ class DownWeightExchange(nl.NKIObject):
 
     def descriptor(self, e):
         """W_down[e] as pass A's K = H operand read from the scratch (all K tiles, both cores' halves)."""
-        return TensorDescriptor(self.words[e], k_axis=0, scales=self.scales[e], panel_layout=True)
+        return TensorDescriptor(self.words[e], k_axis=0, scales=self.scales[e], panel_layout=True, k_len=self.ctx.H)

@@ -30,7 +30,7 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        for one full block, round 14d for every expert, a block's chunks of padding only skipped); where that split
        does not apply (B / cores not a multiple of 128, one I tile) W_down comes quantized from HBM scratch for the
        experts after the first fence group: each core quantized half of its K tiles a segment earlier
-       (moe_bwd_mxfp8_down_exchange.py).
+       (moe_bwd_mxfp8_down_exchange.py), as for a small resident W_down's second A per segment (round 25b).
     B  compute_phase2_hidden_states_grad_mxfp8, per block: part = d_gate_up_b W_gu[e] (K=2I), rounded
        to bf16 and scatter-added into dX (block order = expert order per token, like the reference); the
        stationary panels are pass A's when it stored them, else built from the bf16 rows. With pass A's chunk pipeline
@@ -210,12 +210,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # (the experts after the first group have their full blocks' dY / X rows and p staged a fence ahead instead)
     i_split = (ExpertISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
                if ExpertISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
-    # W_down loaded on use elsewhere (LNC2 without whole 128-row chunks per core or with one I tile): each core
-    # quantizes half of it for the experts after the first group (A of the first group runs before the first fence, so
-    # it quantizes on chip as before); the same panel bytes (a_groups holds)
-    if (i_split == None and DownWeightExchange.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup))  # noqa: E711
-            and len(groups) > 1):
-        exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
 
     def quantize_down(e):
         """A(e)'s inputs made a fence ahead of it: W_down's exchange, or the I split's staged rows."""
@@ -227,6 +221,12 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
     pipelined = (a_groups == None and a_skip[0] and ctx.B % (2 * PARTITIONS * split.num_cores) == 0)  # noqa: E711
+    # W_down loaded on use elsewhere (LNC2 without whole 128-row chunks per core or with one I tile), or resident in the
+    # pipeline up to RESIDENT_DOWN_EXCHANGE_MAX_BYTES for a segment's second A (round 25b: Qwen3-30B-A3B): each core
+    # quantizes half of it a fence ahead (A of the first group runs before the first fence, so it quantizes on chip as
+    # before); the same panel bytes (a_groups holds)
+    exchange = None if i_split != None else DownWeightExchange.of(  # noqa: E711
+        ctx, groups, ExpertPanels.fits(a_ops[0], i_tiles, setup), pipelined)
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
     # With the gate's mask in its product (clamped: a VectorE scalar_tensor_tensor instead of a GpSimd product), dh * a
