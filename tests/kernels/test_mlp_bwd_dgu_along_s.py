@@ -90,6 +90,42 @@ def test_along_s_quantize_spread_over_two_s_tiles_and_stored_per_chunk(lnc):
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_chunks_along_s_quantized_after_their_call_products(lnc):
+    """Spread over two S tiles (as in the test above: two n blocks, four chunks per K tile), a K tile's last chunk along
+    S, and chunk 1 of each core's first K tile, are quantized after their epilogue call's SwiGLU products (the VectorE
+    products that read the tile's PSUM accumulator), the other chunks before theirs: VectorE runs in program order, so
+    the products, which GpSimd's d_gate product and the PE transposes of phase 2's panel wait for, go first (TP8
+    modeled 0.6219 / 0.7005 -> 0.6208 / 0.7014 ms). Round 26's code quantizes every chunk before its call's products:
+    fails; all four after them, or chunk 1 of every K tile, fails too. The K tiles whose chunks finish() or
+    flush_along_s issue (the last one) are not checked. Bit-exact against mx_exact on LNC1 and LNC2 (the same
+    quantize_mx and store of the same staged columns, later in program order)."""
+    S, H, I = 2048, 128, 1024
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 27, kind="pow2")
+    inp = {**inp, **mlp_checkpoints(inp)}
+    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
+    for p in range(lnc):
+        records = [r for r in res.trace if r.program == p]
+        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
+                  any(o.name == MX_WORDS for o in r.writes)]
+        words_tiles = {records[i].reads[0].storage_id for i in stores}
+        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
+                   r.writes[0].storage_id in words_tiles]
+        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+        products = [i for i, r in enumerate(records) if r.instr in ("tensor_tensor", "scalar_tensor_tensor") and
+                    any(o.buffer == "psum" for o in r.reads)]
+        k_tiles = S // lnc // 512
+        assert len(along_s) == chunks * k_tiles, (p, along_s)
+        for t in range(k_tiles - 1):
+            for c in range(chunks):
+                q = along_s[chunks * t + c]
+                call = max(m for m in matmuls if m < q)  # the epilogue call after this tile's matmuls
+                after_products = any(call < k < q for k in products)
+                assert after_products == (c == chunks - 1 or (c == 1 and t == 0)), (p, t, c, q, call)
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
 def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
     """Where phase 1 spreads its along-S quantize (TP8: two n blocks, a 24 KiB staging tile), the last S tile's phase-2
     stationary panel is transposed in phase 1's finish() as before but quantized when phase 2 first reads it

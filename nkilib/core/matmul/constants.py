@@ -99,14 +99,15 @@ FENCED_FIRST_K_TILES = 4  # K tiles of a fenced-start plan's first moving panel 
 # span's K-interleaved matmuls. TP8 MXFP8 modeled makespan, us (main 639.5; Llama3-8B TP8 746.7), ring 3 / 5: q 2:
 # 640.0 / 635.9, q 3: 636.6 / 632.8, q 4: 636.6 / 632.8 (Llama3 744.9 / 743.8); ring 4: 633.1-634.3 (Llama3 752-759)
 FENCED_STAGING_BUFFERS = 5  # staging ring of such a plan's first moving panel (later panels: STAGING_BUFFERS); 6:
-# 633.1 at q 3 but Llama3-8B TP8 775.6
+# 633.1 at q 3 but Llama3-8B TP8 775.6. With the fence after the second panel's loads (fence_after_first_panel) the
+# later panels took a ring of 4 from round 20 to round 26 (TP8 then 0.6302 / 0.7139 ms against 0.6339 / 0.7215 at 3);
+# round 27 went back to 3: 0.6229 / 0.7011 -> 0.6219 / 0.7005 (the second panel's loads begin as the first panel's
+# quantizes free ring tiles, ~30 us before their first matmul; four in flight shared the DMA queues with the first
+# panel's last K tile, 7.5 us for 1 MB, which phase 2's first span waited for: 1.0 us of TensorE idle)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /
 # 730.3, 6: 625.8 / 726.6, 8: 629.5 / 728.6 (with the staging ring of 3: 628.2 / 741.2, 624.9 / 737.5, 626.1 / 737.5)
-LATE_FENCE_STAGING_BUFFERS = 4  # MatmulPlan.fence_after_first_panel: the later panels' staging ring of a fenced-start
-# plan whose fence follows its second moving panel's loads (TP8 with phase 1's along-S spread, central / pessimistic
-# ms: ring 3 0.6339 / 0.7215, 4 0.6302 / 0.7139, 5 (fence one tile later) 0.6349 / 0.7203)
 LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile's column pieces (1536 columns:
 # 768, 512, 256); each piece's store (1.3 us DMA latency + its bytes) runs under the next piece's matmuls. TP8 MXFP8
 # modeled central ms (whole tile 0.6243): 3 equal pieces 0.6233, 2 0.6235, 3-2-1 0.6229, 4-2-2-1 0.6230

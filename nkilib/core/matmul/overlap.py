@@ -9,8 +9,7 @@ these; plan.py decides the tiling they read (order, stream, the PanelSources).
 """
 from __future__ import annotations
 
-from .constants import (LATE_FENCE_STAGING_BUFFERS, MX_PACK, PREFETCH_MARGIN_BYTES, STAGING_BUFFERS,
-                        usable_sbuf_bytes)
+from .constants import MX_PACK, PREFETCH_MARGIN_BYTES, STAGING_BUFFERS, usable_sbuf_bytes
 from ..kernel_helpers import kernel_assert
 from .panels import panel_bytes_per_partition
 from .streamed import tail_held_bytes
@@ -114,10 +113,12 @@ def place_fence_after_first_panel(plan) -> None:
     """Move set_fence's sync point to the last tile of `plan`'s first moving panel (n-major plans): run() issues the
     next tile's loads, the second panel's, before it checks the fence, so the fence follows them and the next
     phase's first loads, which the fence protects and which start as soon as it passes, do not share the DMA
-    queues with that panel; the later panels' staging ring grows to LATE_FENCE_STAGING_BUFFERS (the MLP
-    backward's phase 2 when phase 1 ends earlier: its along-S spread). TP8 with the spread, central /
-    pessimistic ms: the fence one tile earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 /
-    0.7139, one / two tiles later 0.6330 / 0.7190, 0.6330 / 0.7216. No change with one moving panel."""
+    queues with that panel (the MLP backward's phase 2 when phase 1 ends earlier: its along-S spread). The later
+    panels keep the fenced start's STAGING_BUFFERS ring: a ring of 4 there (rounds 20-26) put four of the second
+    panel's loads, begun ~30 us before their first matmul, beside the first panel's last K tile (constants.py
+    FENCED_STAGING_BUFFERS). TP8 with the spread, central / pessimistic ms (round 20, ring 4): the fence one tile
+    earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 / 0.7139, one / two tiles later 0.6330 /
+    0.7190, 0.6330 / 0.7216. No change with one moving panel."""
     n_first = plan.order[0][1][0] if plan.order else 0
     second = [j for j in range(len(plan.order)) if plan.order[j][1][0] != n_first]
     if not second:
@@ -127,6 +128,3 @@ def place_fence_after_first_panel(plan) -> None:
                             f"first, then never again), got tiles {back[:4]} back on the panel at n0={n_first} "
                             f"after tile {second[0]} left it")
     plan.fence_tile = second[0] - 1
-    if plan.fenced_start:
-        for mv in plan.moving:
-            mv.later_staging = LATE_FENCE_STAGING_BUFFERS

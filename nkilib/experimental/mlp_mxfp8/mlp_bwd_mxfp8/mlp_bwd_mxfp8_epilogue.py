@@ -46,6 +46,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.defer_last_panel = False  # the last S tile's panel quantized when phase 2 reads it (prepare, finish)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
+        self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
 
     def exchange_along_s(self, words_hbm, scales_hbm, defer_last=False) -> None:
         """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
@@ -77,6 +78,14 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         n_blocks = ceil_div(n_hi - n_lo, self.ncols)
         self.along_s_calls = n_blocks * (ALONG_S_SPREAD_S_TILES if self.spreads_along_s(plan) else 1)
         self.defer_last_panel = self.fused and self.spreads_along_s(plan)  # see finish()
+        # spread over two S tiles, a K tile's last chunk along S (and chunk 1 of this core's first K tile) is quantized
+        # after its epilogue call's products, not before them: VectorE (program order) then computes them first, and
+        # GpSimd's d_gate product and the PE transposes that wait for it start earlier; the other chunks stay before
+        # the products (_chunk_after_products). TP8 modeled 0.6219 / 0.7005 -> 0.6211 / 0.7005 ms (last chunks), ->
+        # 0.6208 / 0.7014 (and the first K tile's chunk 1); chunk 1 of every K tile 0.6208 / 0.7033, the first n
+        # block's chunks 0.6408 (round 27 of docs/dense-performance.md). Not spread: unchanged (the second n block's
+        # chunk after its products there: S = 16384, H = I = 2880 4.5330 / 5.0876 -> 4.5332 / 5.1347 ms)
+        self.chunks_after_products = self.spreads_along_s(plan)
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
@@ -108,7 +117,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
             self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
-        if self.along_s_pending != None:  # noqa: E711
+        chunk_after = self._chunk_after_products()
+        if self.along_s_pending != None and not chunk_after:  # noqa: E711
             self._quantize_along_s_chunk(n0)
         ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
         gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
@@ -125,6 +135,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
                               m0, msz, n0, nsz, ncols, d_gate, d_up)
+        if chunk_after:
+            self._quantize_along_s_chunk(n0)
         out = self.d_gate_up_td
         if not self.keep:
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
@@ -172,6 +184,18 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
         store_k_tile(words[:, c0:c1], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup, f0=c0)
         self.along_s_pending = (t, stage, words, scale, c1) if c1 < two_i else None
+
+    def _chunk_after_products(self) -> bool:
+        """Whether the pending K tile's next chunk along S goes after this epilogue call's products (where spread,
+        chunks_after_products): its last chunk, and chunk 1 of this core's first K tile. Chunk 1 of the later K tiles
+        stays before them: there the shifted SBUF placements put the next panel's copies behind a row block's staging
+        DMA (TP8 modeled, chunk 1 of K tile 0 / 1 / 2 after the products: 0.6208 / 0.6210 / 0.6212 ms)."""
+        if not self.chunks_after_products or self.along_s_pending == None:  # noqa: E711
+            return False
+        two_i = 2 * self.I
+        width = ceil_div(two_i, self.along_s_calls)
+        t, c0 = self.along_s_pending[0], self.along_s_pending[4]
+        return c0 + width >= two_i or (c0 == width and t == (self.s_base + self.m_lo) // MX_K_TILE)
 
     def held_bytes(self, n_tile) -> int:
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
