@@ -195,7 +195,7 @@ def intermediate_tile(terms: SwigluTerms):
 
 
 def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector,
-                         d_up_engine=None, gate_mask_later=False):
+                         d_up_engine=None, gate_mask_later=False, gate_first=False):
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
@@ -204,6 +204,8 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
     only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
     d_up_engine: engine of the product dI * a alone (None: d_i_engine), so a kernel can balance the two.
+    gate_first: d_gate's products issued before d_up's (the same instructions, so the same bits): VectorE, which runs in
+    program order, then computes dI * uc first and GpSimd's d_gate product that follows it starts one product earlier.
     With an offset not yet materialized (no intermediate_tile), dI * fp32(uc + 1) is one scalar_tensor_tensor
     on VectorE (its only engine,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
@@ -216,14 +218,8 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, mask_u, mask_g = terms.act, terms.mask_u, terms.mask_g
     up_engine = d_i_engine if d_up_engine == None else d_up_engine  # noqa: E711
-    # d_up = bf16((dI * a) * mask_u)
-    if mask_u == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
-    else:
-        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
-        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+    if not gate_first:  # d_up = bf16((dI * a) * mask_u)
+        _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols)
     # d_gate = bf16(((dI * uc) * act'(gc)) * mask_g)
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sd[:msz, :nsz], op=terms.act_dx, data=terms.gc)
@@ -233,19 +229,33 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
                                   op1=nl.multiply, operand1=d_i)
     else:
         nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=terms.lin, op=nl.multiply, engine=d_i_engine)
+    masked = None
     if mask_g == None and terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-        return None
-    t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                       engine=nisa.engine.gpsimd)
-    if terms.gate_cmp == None:  # noqa: E711
-        nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
+    else:
+        t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-        return None
-    masked = MaskedProduct(terms.gate_cmp, d_gate_dst, t_g2[:msz, :nsz])  # the one-limit mask compared in its product
-    if gate_mask_later:
-        return masked
-    masked.issue()
-    return None
+        if terms.gate_cmp == None:  # noqa: E711
+            nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+        else:  # the one-limit mask compared in its product
+            masked = MaskedProduct(terms.gate_cmp, d_gate_dst, t_g2[:msz, :nsz])
+            if not gate_mask_later:
+                masked.issue()
+                masked = None
+    if gate_first:
+        _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols)
+    return masked
+
+
+def _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols):
+    """d_up = bf16((dI * a) * mask_u) into d_up_dst (swiglu_backward_tile)."""
+    if mask_u == None:  # noqa: E711
+        nisa.tensor_tensor(dst=d_up_dst, data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
+    else:
+        t_up = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_up[:msz, :nsz], data1=d_i, data2=a, op=nl.multiply, engine=up_engine)
+        nisa.tensor_tensor(dst=d_up_dst, data1=t_up[:msz, :nsz], data2=mask_u, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)

@@ -178,3 +178,35 @@ def test_one_limit_gate_mask_in_its_product(gate_limit, later):
     assert ops.count(("tensor_scalar", "abs", "less_equal")) == 1, ops  # up's two-limit mask is unchanged
     products = [o for o in ops if o[0] == "tensor_tensor" and o[1] == "multiply"]
     assert len(products) == 3, ops  # dI * a, (dI * a) * mask_u, (dI * (uc + 1)) * act'(gc): no gate mask product
+
+
+@pytest.mark.parametrize("clamp, in_product", [(GPT_OSS_BOTH, False), (GPT_OSS_ASYMMETRIC, False),
+                                               (ClampLimits(non_linear_upper=7.0, linear_lower=-7.0,
+                                                            linear_upper=7.0, activation="gpt_oss"), True)],
+                         ids=["two_limit_masks", "asymmetric_masks", "one_limit_in_product"])
+@pytest.mark.parametrize("gate_first", [False, True], ids=["d_up_first", "d_gate_first"])
+def test_gate_first_same_bits_other_order(clamp, in_product, gate_first):
+    """swiglu_backward_tile(gate_first=True) (the dense kernel's last S tile, docs/dense-performance.md round 28)
+    issues d_gate's PSUM product (dI * fp32(uc + 1), a scalar_tensor_tensor) before d_up's (dI * a) and still issues
+    every product of both, masks included: the same bits as the contract on adversarial values (with the masks, a
+    d_up left out or written unmasked fails). The default order is unchanged (d_up's product first)."""
+    limits = (clamp.non_linear_lower, clamp.non_linear_upper, clamp.linear_lower, clamp.linear_upper)
+    gate_pre, up = _adversarial(limits, seed=21), _adversarial(limits, seed=22)
+    rng = np.random.default_rng(23)
+    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
+    d_i = rng.standard_normal((P, F)).astype(np.float32)
+    d_i[0, :4] = [0.0, -0.0, 3.0e38, -3.0e38]
+
+    def body(g, u, a, di, d_gate, d_up):
+        terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar,
+                                     gate_mask_in_product=in_product)
+        assert swiglu_backward_tile(di, terms, d_gate, d_up, gate_first=gate_first) == None  # noqa: E711
+
+    outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 2, psum_inputs=(3,),
+                            trace=True)
+    d_gate, d_up, _ = _expected(gate_pre, up, gate_act, d_i, clamp)
+    _assert_same_bits(outs[0], d_gate, "d_gate")
+    _assert_same_bits(outs[1], d_up, "d_up")
+    reads_d_i = [r.instr for r in trace if any(o.buffer == "psum" for o in r.reads)]
+    order = ["scalar_tensor_tensor", "tensor_tensor"]
+    assert reads_d_i == (order if gate_first else order[::-1]), reads_d_i

@@ -126,6 +126,38 @@ def test_chunks_along_s_quantized_after_their_call_products(lnc):
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_last_s_tile_gate_products_first_and_its_staging_copy_on_swdge(lnc):
+    """Spread over two S tiles and deferred to the barrier's flush (LNC2; two n blocks as above), each core's last S
+    tile computes d_gate's PSUM product (dI * uc, an fp32 temporary) before d_up's (dI * a, written as bf16) in both
+    its epilogue calls, every other tile d_up's first, and that tile's along-S staging copy (the last row block of the
+    core's last K tile, SBUF -> SBUF) is the one DMA with dge_mode swdge: GpSimd's d_gate product and the last panel's
+    transposes start earlier, and the copy, read only by flush_along_s, waits in GpSimd's queue instead of sharing the
+    DMA queues with phase 2's first W_gu K tiles (TP8 modeled 0.62082 / 0.70143 -> 0.62068 / 0.70053 ms). LNC1 (no
+    deferred flush): d_up first everywhere, no swdge copy. Round 27's code: d_up first everywhere, fails under LNC2.
+    Bit-exact against mx_exact on LNC1 and LNC2 (the same products in another order, the same copy)."""
+    S, H, I = 2048, 128, 1024
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 28, kind="pow2")
+    inp = {**inp, **mlp_checkpoints(inp)}
+    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    calls = S // lnc // 128 * 2  # epilogue calls per core: S tiles x 2 n blocks
+    for p in range(lnc):
+        records = [r for r in res.trace if r.program == p]
+        products = [r for r in records if r.instr in ("tensor_tensor", "scalar_tensor_tensor") and
+                    any(o.buffer == "psum" for o in r.reads)]
+        assert len(products) == 2 * calls, (p, len(products))
+        # per call: d_up's product writes its bf16 rows, d_gate's first one an fp32 temporary
+        first = [products[2 * c].writes[0].dtype for c in range(calls)]
+        gate_first_calls = 2 if lnc == 2 else 0
+        assert first == ["bfloat16"] * (calls - gate_first_calls) + ["float32"] * gate_first_calls, (p, first)
+        swdge = [r for r in records if r.instr == "dma_copy" and r.attrs.get("dge_mode") == "swdge"]
+        assert len(swdge) == (1 if lnc == 2 else 0), (p, len(swdge))
+        for r in swdge:  # the staging copy: SBUF rows [128, 2I] into a staging slot [32, 4, 2I]
+            assert r.reads[0].buffer == "sbuf" and r.writes[0].buffer == "sbuf", r
+            assert r.writes[0].shape == (32, 4, 2 * I), r.writes[0].shape
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
 def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
     """Where phase 1 spreads its along-S quantize (TP8: two n blocks, a 24 KiB staging tile), the last S tile's phase-2
     stationary panel is transposed in phase 1's finish() as before but quantized when phase 2 first reads it

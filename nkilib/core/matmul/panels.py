@@ -146,7 +146,8 @@ def _load_prequantized(op, k0, padded, f0, f_size, f_pad, words, scale, setup):
         nisa.dma_copy(dst=scale[32 * quadrant:32 * quadrant + 4, :f_size], src=src)
 
 
-def stage_row_block(stage, rows_tile, block: int, f_size: int, setup: MatmulSetup) -> None:
+def stage_row_block(stage, rows_tile, block: int, f_size: int, setup: MatmulSetup,
+                    dge_mode=nisa.dge_mode.unknown) -> None:
     """Rows already in SBUF as one [K, F] operand's K rows: the 128-row block `block` (0..3) of a 512-row
     MXFP8 K tile (rows_tile [128, >= f_size] bf16, row r on partition r) into the K tile's interleaved
     staging tile stage [128, 4, >= f_size] by one SBUF -> SBUF DMA: what _stage_mx_rows loads for the
@@ -155,12 +156,14 @@ def stage_row_block(stage, rows_tile, block: int, f_size: int, setup: MatmulSetu
         "1x32":  k = 4p + j: partitions [32*block, 32*block + 32) take rows 4q + j as slot j (dst [32, 4, F]
                  and src [128, F] pair in row-major order, docs/simulator.md#choice-dma-pairing);
         "wrapX": k = p + 128*j: slot `block` takes the block as it is.
+    dge_mode: the DMA's descriptor generation (nki.isa.dge_mode); swdge puts the copy in GpSimd's in-order queue.
     """
     if setup.scheme == "1x32":
         q = PARTITIONS // MX_PACK
-        nisa.dma_copy(dst=stage[q * block:q * (block + 1), :, :f_size], src=rows_tile[:PARTITIONS, :f_size])
+        nisa.dma_copy(dst=stage[q * block:q * (block + 1), :, :f_size], src=rows_tile[:PARTITIONS, :f_size],
+                      dge_mode=dge_mode)
     else:
-        nisa.dma_copy(dst=stage[:PARTITIONS, block, :f_size], src=rows_tile[:PARTITIONS, :f_size])
+        nisa.dma_copy(dst=stage[:PARTITIONS, block, :f_size], src=rows_tile[:PARTITIONS, :f_size], dge_mode=dge_mode)
 
 
 def panel_scale_row(t: int, setup: MatmulSetup) -> int:

@@ -47,6 +47,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
         self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
+        self.last_tile_gate_first = False  # the last S tile's d_gate products first, its last staging copy on swdge
 
     def exchange_along_s(self, words_hbm, scales_hbm, defer_last=False) -> None:
         """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
@@ -86,6 +87,14 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # block's chunks 0.6408 (round 27 of docs/dense-performance.md). Not spread: unchanged (the second n block's
         # chunk after its products there: S = 16384, H = I = 2880 4.5330 / 5.0876 -> 4.5332 / 5.1347 ms)
         self.chunks_after_products = self.spreads_along_s(plan)
+        # spread and deferred (LNC2), the last S tile's d_gate products go before d_up's, so GpSimd's d_gate product
+        # and the last panel's transposes start earlier (phase 1's TensorE ends 0.9 us earlier), and that tile's
+        # along-S staging copy (768 KB SBUF -> SBUF, read only by flush_along_s at the barrier) goes through
+        # GpSimd's software DGE: queued behind the last GpSimd product, it no longer shares the DMA queues with
+        # phase 2's first W_gu K tiles (on the hardware DGE it lands them ~0.6 us late and phase 2's first span
+        # waits). TP8 modeled 0.62082 / 0.70143 -> 0.62068 / 0.70053 ms; d_gate first alone 0.62141 / 0.70053
+        # (round 28 of docs/dense-performance.md)
+        self.last_tile_gate_first = self.chunks_after_products and self.defer_last_along_s
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
@@ -133,8 +142,9 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         else:
             d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
             d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
+        last_tile = self.last_tile_gate_first and m0 + msz >= self.s_base + self.m_hi
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
-                              m0, msz, n0, nsz, ncols, d_gate, d_up)
+                              m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=last_tile)
         if chunk_after:
             self._quantize_along_s_chunk(n0)
         out = self.d_gate_up_td
@@ -143,7 +153,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             nisa.dma_copy(dst=out[m0:m0 + msz, I + n0:I + n0 + nsz], src=d_up)
         elif n0 + nsz == self.n_hi:  # row block complete
             if self.along_s != None:  # noqa: E711
-                self._quantize_along_s(m0, rows, two_i)
+                self._quantize_along_s(m0, rows, two_i, nisa.dge_mode.swdge if last_tile else nisa.dge_mode.unknown)
             # bf16 rows in HBM only for a reader: phase 2 when they are not its resident panels, phase 3
             # when it does not read the MX words
             if self.along_s == None or not self.fused:  # noqa: E711
@@ -156,14 +166,14 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             if self.fused:
                 self.pending.append((m_rel, msz, rows, two_i))
 
-    def _quantize_along_s(self, m0, rows, two_i) -> None:
-        """Row block [m0, m0 + 128) of d_gate_up into its K tile's staging tile; after the K tile's fourth
-        block, mark it pending: the next epilogue calls quantize it along S (K=S of phase 3) and store it in the
-        panel layout chunk by chunk (_quantize_along_s_chunk)."""
+    def _quantize_along_s(self, m0, rows, two_i, dge_mode) -> None:
+        """Row block [m0, m0 + 128) of d_gate_up into its K tile's staging tile (a DMA of `dge_mode`); after the K
+        tile's fourth block, mark it pending: the next epilogue calls quantize it along S (K=S of phase 3) and store it
+        in the panel layout chunk by chunk (_quantize_along_s_chunk)."""
         block = (m0 % MX_K_TILE) // PARTITIONS
         if block == 0:
             self.stage = nl.ndarray((PARTITIONS, MX_PACK, two_i), dtype=nl.bfloat16, buffer=nl.sbuf)
-        stage_row_block(self.stage, rows, block, two_i, self.setup)
+        stage_row_block(self.stage, rows, block, two_i, self.setup, dge_mode=dge_mode)
         if block == MX_PACK - 1:
             words = nl.ndarray((PARTITIONS, two_i), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
             scale = nl.ndarray((PARTITIONS, two_i), dtype=nl.uint8, buffer=nl.sbuf)
@@ -232,7 +242,7 @@ def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
 
 
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
-                          d_gate_dst, d_up_dst):
+                          d_gate_dst, d_up_dst, gate_first=False):
     """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
     derivative, clamp masks, intermediate.
 
@@ -248,4 +258,4 @@ def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, 
     terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
     if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
         nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
-    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst)
+    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst, gate_first=gate_first)
