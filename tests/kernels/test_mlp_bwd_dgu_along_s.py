@@ -21,6 +21,17 @@ def _hbm_writes(res, name):
     return sum(1 for r in res.trace for o in r.writes if o.name == name)
 
 
+def _along_s_instructions(res, p):
+    """Core p's trace records and the indices (program order) of its stores of d_gate_up's words along S, the
+    quantize_mx that wrote the SBUF words those stores read, and its MX matmuls."""
+    records = [r for r in res.trace if r.program == p]
+    stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and any(o.name == MX_WORDS for o in r.writes)]
+    words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
+    along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and r.writes[0].storage_id in words_tiles]
+    matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+    return records, stores, along_s, matmuls
+
+
 @pytest.mark.parametrize("scheme, lnc, packing, checkpoints, fp8", [
     ("1x32", 2, True, True, "float8_e4m3fn_x4"),
     ("wrapX", 2, True, False, "float8_e5m2_x4"),
@@ -66,13 +77,7 @@ def test_along_s_quantize_spread_over_two_s_tiles_and_stored_per_chunk(lnc):
     res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
     chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
     for p in range(lnc):
-        records = [r for r in res.trace if r.program == p]
-        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
-                  any(o.name == MX_WORDS for o in r.writes)]
-        words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
-        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
-                   r.writes[0].storage_id in words_tiles]
-        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+        records, stores, along_s, matmuls = _along_s_instructions(res, p)
         k_tiles = S // lnc // 512
         assert len(stores) == chunks * k_tiles, (p, stores)
         assert len(along_s) == chunks * k_tiles, (p, along_s)
@@ -106,13 +111,7 @@ def test_chunks_along_s_quantized_after_their_call_products(lnc):
     res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
     chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
     for p in range(lnc):
-        records = [r for r in res.trace if r.program == p]
-        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
-                  any(o.name == MX_WORDS for o in r.writes)]
-        words_tiles = {records[i].reads[0].storage_id for i in stores}
-        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
-                   r.writes[0].storage_id in words_tiles]
-        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+        records, _, along_s, matmuls = _along_s_instructions(res, p)
         products = [i for i, r in enumerate(records) if r.instr in ("tensor_tensor", "scalar_tensor_tensor") and
                     any(o.buffer == "psum" for o in r.reads)]
         k_tiles = S // lnc // 512
