@@ -338,6 +338,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     issued after the chunk's last tile of it (the same bytes: each dX element written or added once).
     only_chunks (resident weights only): the indices of the 128-row chunks to run, None for all (pass B in pieces
     between pass A's chunks: moe_bwd_mxfp8_interleave.py).
+    With ctx.split_panels (the I split's pass A made each core's K tiles of every chunk's panel: round 25a) every
+    chunk's panel is loaded from them, on every path, instead of being built from the bf16 rows.
 
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
@@ -345,8 +347,6 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows (with ctx.split_panels: both
             cores' K tiles of its panel), read earlier (its tiles), for the weights-per-block path, and W_gu's first K
             tiles staged earlier (w_gu_ahead, where it staged them); None: read here.
-    With ctx.split_panels (the I split's pass A made each core's K tiles of every chunk's panel: round 25a) every
-    chunk's panel is loaded from them, on every path, instead of being built from the bf16 rows.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
