@@ -193,9 +193,10 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if not self.chunks_after_products or self.along_s_pending == None:  # noqa: E711
             return False
         two_i = 2 * self.I
-        width = ceil_div(two_i, self.along_s_calls)
-        t, c0 = self.along_s_pending[0], self.along_s_pending[4]
-        return c0 + width >= two_i or (c0 == width and t == (self.s_base + self.m_lo) // MX_K_TILE)
+        width = ceil_div(two_i, self.along_s_calls)  # _quantize_along_s_chunk's columns per call
+        t, _, _, _, c0 = self.along_s_pending
+        first_k_tile = (self.s_base + self.m_lo) // MX_K_TILE  # this core's first K tile along S
+        return c0 + width >= two_i or (c0 == width and t == first_k_tile)
 
     def held_bytes(self, n_tile) -> int:
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
