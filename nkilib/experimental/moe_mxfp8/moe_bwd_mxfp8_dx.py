@@ -220,7 +220,9 @@ class DGateUpRowsAhead(nl.NKIObject):
     cores' K tiles: SplitChunkPanels.allocate / read_into, two DMAs, half the bytes of the rows) instead of its rows.
 
     Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
-    alignment, zero beyond 2I); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles [128, 4, width] bf16."""
+    alignment, zero beyond 2I), or with ctx.split_panels B / 128 pairs (words [128, cores x n, 128] x4, scales
+    [128, cores x s, 128] uint8: SplitChunkPanels.allocate); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles
+    [128, 4, width] bf16."""
 
     def __init__(self, ctx, e, w_gu=None, h_tiles=()):
         self.ctx, self.e = ctx, e
