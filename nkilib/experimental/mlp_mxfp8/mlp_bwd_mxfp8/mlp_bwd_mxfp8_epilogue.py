@@ -119,7 +119,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         chunk_after = self._chunk_after_products()
         if self.along_s_pending != None and not chunk_after:  # noqa: E711
-            self._quantize_along_s_chunk(n0)
+            self._quantize_along_s_chunk()
         ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
         gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
         up = _bf16_tile(ring[1], self.up_td, u_psum, m0, msz, n0, nsz)
@@ -136,7 +136,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
                               m0, msz, n0, nsz, ncols, d_gate, d_up)
         if chunk_after:
-            self._quantize_along_s_chunk(n0)
+            self._quantize_along_s_chunk()
         out = self.d_gate_up_td
         if not self.keep:
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
@@ -170,7 +170,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
             self.stage = None
 
-    def _quantize_along_s_chunk(self, n0) -> None:
+    def _quantize_along_s_chunk(self) -> None:
         """Quantize the next columns of the pending K tile: 2I / along_s_calls columns per epilogue call of the
         next S tile, or of the next ALONG_S_SPREAD_S_TILES S tiles (spreads_along_s) (VectorE runs in program
         order: one 2I-wide quantize_mx would hold back that tile's quantizes and epilogue), and store those
@@ -205,7 +205,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
     def flush_along_s(self) -> None:
         """Quantize along S and store what is left of the last K tile (exchange_along_s)."""
         while self.along_s_pending != None:  # noqa: E711
-            self._quantize_along_s_chunk(self.along_s_pending[4])
+            self._quantize_along_s_chunk()
 
     def finish(self) -> None:
         # where phase 1 spreads its along-S quantize (TP8), the last S tile's panel is transposed now (TensorE runs it
