@@ -209,8 +209,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # quantizing only its I columns of W_down once per expert (moe_bwd_mxfp8_i_split.py; round 9b for one full block,
     # round 14d for every expert: a block holding padding skips its chunks of padding only on both cores), no exchange
     # (the experts after the first group have their full blocks' dY / X rows and p staged a fence ahead instead)
+    w_down_resident = ExpertPanels.fits(a_ops[0], i_tiles, setup)
     i_split = (ExpertISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
-               if ExpertISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
+               if ExpertISplit.applies(ctx, w_down_resident, i_tiles) else None)
 
     def quantize_down(e):
         """A(e)'s inputs made a fence ahead of it: W_down's exchange, or the I split's staged rows."""
@@ -226,8 +227,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # pipeline up to RESIDENT_DOWN_EXCHANGE_MAX_BYTES for a segment's second A (round 25b: Qwen3-30B-A3B): each core
     # quantizes half of it a fence ahead (A of the first group runs before the first fence, so it quantizes on chip as
     # before); the same panel bytes (a_groups holds)
-    exchange = None if i_split != None else DownWeightExchange.of(  # noqa: E711
-        ctx, groups, ExpertPanels.fits(a_ops[0], i_tiles, setup), pipelined)
+    exchange = None if i_split != None else DownWeightExchange.of(ctx, groups, w_down_resident, pipelined)  # noqa: E711
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
     # With the gate's mask in its product (clamped: a VectorE scalar_tensor_tensor instead of a GpSimd product), dh * a
