@@ -21,6 +21,25 @@ def _hbm_writes(res, name):
     return sum(1 for r in res.trace for o in r.writes if o.name == name)
 
 
+def _spread_run(S, H, I, seed, lnc):
+    """(inputs, traced run) with every checkpoint and phase 1 in n blocks of 512 columns (phase1_tiles_n=1): with
+    I = 1024 two n blocks, so the along-S quantize is spread over two S tiles, four chunks per K tile."""
+    inp = mlp_inputs(S, H, I, seed=seed, kind="pow2")
+    inp = {**inp, **mlp_checkpoints(inp)}
+    return inp, run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+
+
+def _along_s_instructions(res, p):
+    """Core p's trace records and the indices (program order) of its stores of d_gate_up's words along S, the
+    quantize_mx that wrote the SBUF words those stores read, and its MX matmuls."""
+    records = [r for r in res.trace if r.program == p]
+    stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and any(o.name == MX_WORDS for o in r.writes)]
+    words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
+    along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and r.writes[0].storage_id in words_tiles]
+    matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+    return records, stores, along_s, matmuls
+
+
 @pytest.mark.parametrize("scheme, lnc, packing, checkpoints, fp8", [
     ("1x32", 2, True, True, "float8_e4m3fn_x4"),
     ("wrapX", 2, True, False, "float8_e5m2_x4"),
@@ -61,18 +80,10 @@ def test_along_s_quantize_spread_over_two_s_tiles_and_stored_per_chunk(lnc):
     call fails the matmuls between them. Bit-exact against mx_exact on LNC1 and LNC2 (each column's words and scales
     do not depend on how the columns are cut or when they are quantized)."""
     S, H, I = 2048, 128, 1024
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 17, kind="pow2")
-    inp = {**inp, **mlp_checkpoints(inp)}
-    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    inp, res = _spread_run(S, H, I, S + H + I + 17, lnc)
     chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
     for p in range(lnc):
-        records = [r for r in res.trace if r.program == p]
-        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
-                  any(o.name == MX_WORDS for o in r.writes)]
-        words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
-        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
-                   r.writes[0].storage_id in words_tiles]
-        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+        records, stores, along_s, matmuls = _along_s_instructions(res, p)
         k_tiles = S // lnc // 512
         assert len(stores) == chunks * k_tiles, (p, stores)
         assert len(along_s) == chunks * k_tiles, (p, along_s)
@@ -101,18 +112,10 @@ def test_chunks_along_s_quantized_after_their_call_products(lnc):
     flush_along_s issue (the last one) are not checked. Bit-exact against mx_exact on LNC1 and LNC2 (the same
     quantize_mx and store of the same staged columns, later in program order)."""
     S, H, I = 2048, 128, 1024
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 27, kind="pow2")
-    inp = {**inp, **mlp_checkpoints(inp)}
-    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    inp, res = _spread_run(S, H, I, S + H + I + 27, lnc)
     chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
     for p in range(lnc):
-        records = [r for r in res.trace if r.program == p]
-        stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and
-                  any(o.name == MX_WORDS for o in r.writes)]
-        words_tiles = {records[i].reads[0].storage_id for i in stores}
-        along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
-                   r.writes[0].storage_id in words_tiles]
-        matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
+        records, _, along_s, matmuls = _along_s_instructions(res, p)
         products = [i for i, r in enumerate(records) if r.instr in ("tensor_tensor", "scalar_tensor_tensor") and
                     any(o.buffer == "psum" for o in r.reads)]
         k_tiles = S // lnc // 512

@@ -363,6 +363,15 @@ def test_trn2_bf16(set_target):
     (dict(block_size=100), "block_size must be a multiple of 128 in \\[128, 512\\], got 100"),
     (dict(gate_pre=np.zeros((8, 1, 64), BF16)), r"gate_pre must have shape \[8, 2, 64\], got \[8, 1, 64\]"),
     (dict(matmul_precision="fp16"), "matmul_precision must be one of"),
+    # moe_bwd_mxfp8_inputs.check_moe_inputs' other checks
+    (dict(hidden_states=None), "hidden_states must be an HBM tensor, got None"),
+    (dict(gate_up_weight=np.zeros((128, 64), BF16)),
+     r"gate_up_weight must be a 3-D \[E, 2I, H\] tensor, got \(128, 64\)"),
+    (dict(gate_up_weight=np.zeros((2, 127, 64), BF16)), r"with an even 2I, got \[2, 127, 64\]"),
+    (dict(topk_weights=np.zeros((7, 2), np.float32)), r"topk_weights must be \[T, k\] with T=8, got \(7, 2\)"),
+    (dict(topk_weights=np.zeros((8, 3), np.float32)), "k=3 experts per token but E=2 experts: k must be <= E"),
+    (dict(token_position_to_id=np.zeros(100, np.int32)),
+     r"token_position_to_id must be \[N\*B\] with B=block_size=128, got \(100,\)"),
 ])
 def test_bad_input_names_argument(change, match):
     kernel, _ = moe_case(8, 2, 64, 64, routing("random", 8, 2, 2, seed=1), seed=1)

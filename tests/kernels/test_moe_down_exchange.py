@@ -12,6 +12,8 @@ exchange) and LNC2 (under the simulator's race detector).
 | test_resident_exchange_partial_tile | the pipeline (resident W_down): each later group's second expert  | LNC1, LNC2 |
 |                                     | exchanged, H = 832 (K tiles of 512 and 320 rows, one per core)    |            |
 | test_resident_exchange_by_w_down_size | Qwen3's W_down exchanged when resident, GPT-OSS-20B's not       | host side  |
+| test_exchange_of_picks_experts      | of(): on use every expert after the first group, resident each    | in kernel  |
+|                                     | later group's experts after its first, None otherwise; BF16 fails |            |
 
 The resident exchange (round 25b): each fence group's second A read W_down from HBM at its start (loaded and quantized
 there); it now reads the scratch, including a partial last K tile (320 rows: 96 partitions stored and loaded).
@@ -27,7 +29,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_down_exchange as X
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import expert_routing
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, in_kernel
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
 
@@ -75,8 +77,8 @@ def test_exchange_bit_exact(monkeypatch, lnc):
 
 
 class _Ctx:
-    def __init__(self, H, cores, precision="mxfp8", I=2048):
-        self.H, self.I, self.split = H, I, CoreSplit(cores, 0)
+    def __init__(self, H, cores, precision="mxfp8", I=2048, E=6):
+        self.H, self.I, self.E, self.split = H, I, E, CoreSplit(cores, 0)
         self.setup = MatmulSetup(precision, nl.float8_e4m3fn_x4, "1x32", True)
 
 
@@ -127,3 +129,27 @@ def test_resident_exchange_by_w_down_size():
     assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 2, "bf16", I=768), w_down_resident=True,
                                                      pipelined=True)
     assert not X.DownWeightExchange.applies_resident(_Ctx(2048, 2, I=768), w_down_resident=False, pipelined=True)
+
+
+def test_exchange_of_picks_experts():
+    """DownWeightExchange.of over three fence groups of two experts: loaded on use (H = 1024), every expert after the
+    first group (its A runs before the first fence); resident in the pipeline (Qwen3's [2048, 768]), each later group's
+    experts after its first (that one loads its own W_down before the fence, round 18a); None with one group, a
+    resident W_down over RESIDENT_DOWN_EXCHANGE_MAX_BYTES (GPT-OSS-20B's [2880, 2880]) or LNC1. The constructor
+    refuses BF16 (it stores MXFP8 words)."""
+    groups = [[0, 1], [2, 3], [4, 5]]
+
+    def body():
+        of = X.DownWeightExchange.of
+        picked = [of(_Ctx(1024, 2), groups, w_down_resident=False, pipelined=False),
+                  of(_Ctx(2048, 2, I=768), groups, w_down_resident=True, pipelined=True)]
+        none = [of(_Ctx(1024, 2), groups[:1], w_down_resident=False, pipelined=False),
+                of(_Ctx(2880, 2, I=2880), groups, w_down_resident=True, pipelined=True),
+                of(_Ctx(2048, 1, I=768), groups, w_down_resident=True, pipelined=True)]
+        return [x.experts for x in picked], none
+
+    picked, none = in_kernel(body)
+    assert picked == [[2, 3, 4, 5], [3, 5]], picked
+    assert none == [None, None, None], none
+    with pytest.raises(AssertionError, match="DownWeightExchange stores MXFP8 words, got precision bf16"):
+        X.DownWeightExchange(_Ctx(1024, 2, "bf16"), [2])

@@ -1,8 +1,8 @@
 """Block layout of the MoE expert backward (routing.py): invariants on adversarial routings, the
-capacity bound, and the errors of bad routings."""
+capacity bound, the errors of bad routings, and the tests' routing maker moekit.expert_routing."""
 import numpy as np
 import pytest
-from moekit import ROUTINGS, make_routing
+from moekit import ROUTINGS, expert_routing, make_routing
 
 from nkilib.experimental.moe_mxfp8.routing import (build_block_layout, capacity_blocks, check_block_size,
                                                    validate_block_layout, validate_topk_ids, validate_topk_weights)
@@ -112,3 +112,17 @@ def test_corrupted_layouts_are_rejected(field, fn, match):
         validate_block_layout(_corrupt(lay, field, fn))
     with pytest.raises(ValueError, match="int32 array of shape"):
         validate_block_layout(lay._replace(block_to_expert=lay.block_to_expert.astype(np.int64)))
+
+
+def test_expert_routing_helper():
+    """moekit.expert_routing (the MoE kernel tests' routing maker): counts[i] rows of experts[i], sorted by expert
+    unless shuffle_seed draws one seeded permutation of those rows; a count per expert or ValueError."""
+    ids = expert_routing([2, 0, 3], experts=[4, 1, 0])
+    assert ids.dtype == np.int32 and ids.shape == (5, 1)
+    assert ids[:, 0].tolist() == [4, 4, 0, 0, 0]
+    shuffled = expert_routing([2, 0, 3], experts=[4, 1, 0], shuffle_seed=7)
+    assert shuffled[:, 0].tolist() == ids[np.random.default_rng(7).permutation(5), 0].tolist()
+    assert np.array_equal(shuffled, expert_routing([2, 0, 3], experts=[4, 1, 0], shuffle_seed=7))
+    assert expert_routing([1, 2])[:, 0].tolist() == [0, 1, 1]
+    with pytest.raises(ValueError, match="experts has 2 entries, counts 3: expected one count per expert"):
+        expert_routing([1, 2, 3], experts=[0, 1])

@@ -43,7 +43,7 @@ ROW_SPLIT_UNIT = 32
 RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
 #: Largest W_down[e] (bf16 bytes, H * I * 2) whose resident copy goes through DownWeightExchange for each later fence
 #: group's second pass A (round 25b). The exchange adds DMA (half of it loaded and its words stored a fence ahead, then
-#: all words loaded: ~1.3x the bf16 bytes per core) to save A's load -> quantize_mx chain at its start: Qwen3-30B-A3B's
+#: all words loaded: 1.25x the bf16 bytes per core) to save A's load -> quantize_mx chain at its start: Qwen3-30B-A3B's
 #: 3 MiB gains (full balanced run 17.513 -> 17.053 ms), GPT-OSS-20B's 15.8 MiB loses (19.564 -> 19.855 ms).
 RESIDENT_DOWN_EXCHANGE_MAX_BYTES = 8 * 1024 * 1024
 #: SBUF bytes per partition that pass A's resident weight panels and pass B's W_gu panels (this core's H tiles) may

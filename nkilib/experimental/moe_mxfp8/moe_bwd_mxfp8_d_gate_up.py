@@ -193,11 +193,13 @@ class RowChunk(nl.NKIObject):
         if self.d_gu.shape[1] > 2 * width:
             nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
         self.d_gu_panel = None
-        if width == ctx.I and ctx.d_gu_mx != None:  # noqa: E711  pass B's stationary panel of these rows (K=2I, M=m)
+        whole_panel = width == ctx.I and ctx.d_gu_mx != None  # noqa: E711  pass B's stationary panel (K=2I, M=m)
+        # the I split (SplitChunkPanels): this core's K tiles of that panel, its gate and up columns
+        self.split_panel = tile_sums and ctx.split_panels != None  # noqa: E711
+        if whole_panel:
             kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
                           f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
-            self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
-        elif tile_sums and ctx.split_panels != None:  # noqa: E711  the I split: this core's K tiles of that panel
+        if whole_panel or self.split_panel:
             self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
         self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
@@ -295,7 +297,7 @@ class RowChunk(nl.NKIObject):
                 panel = None
         elif self.stored_to < width:
             self.store_columns(ctx, i, self.stored_to, width)
-        if width < I and self.d_gu_panel != None:  # noqa: E711  the I split's K tiles of pass B's panel
+        if self.split_panel:  # the I split's K tiles of pass B's panel
             self.d_gu_panel.build_ready()
             ctx.split_panels.store(self.d_gu_panel.panel(), i, r0)
         if self.stored_to < width:

@@ -220,7 +220,9 @@ class DGateUpRowsAhead(nl.NKIObject):
     cores' K tiles: SplitChunkPanels.allocate / read_into, two DMAs, half the bytes of the rows) instead of its rows.
 
     Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
-    alignment, zero beyond 2I); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles [128, 4, width] bf16."""
+    alignment, zero beyond 2I), or with ctx.split_panels B / 128 pairs (words [128, cores x n, 128] x4, scales
+    [128, cores x s, 128] uint8: SplitChunkPanels.allocate); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles
+    [128, 4, width] bf16."""
 
     def __init__(self, ctx, e, w_gu=None, h_tiles=()):
         self.ctx, self.e = ctx, e
@@ -338,6 +340,8 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     issued after the chunk's last tile of it (the same bytes: each dX element written or added once).
     only_chunks (resident weights only): the indices of the 128-row chunks to run, None for all (pass B in pieces
     between pass A's chunks: moe_bwd_mxfp8_interleave.py).
+    With ctx.split_panels (the I split's pass A made each core's K tiles of every chunk's panel: round 25a) every
+    chunk's panel is loaded from them, on every path, instead of being built from the bf16 rows.
 
     Args:
         stored_panels: load every chunk's K=2I panel as pass A stored it (ctx.d_gu_mx, rounds 7a and 8c) instead of
@@ -345,8 +349,6 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows (with ctx.split_panels: both
             cores' K tiles of its panel), read earlier (its tiles), for the weights-per-block path, and W_gu's first K
             tiles staged earlier (w_gu_ahead, where it staged them); None: read here.
-    With ctx.split_panels (the I split's pass A made each core's K tiles of every chunk's panel: round 25a) every
-    chunk's panel is loaded from them, on every path, instead of being built from the bf16 rows.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")

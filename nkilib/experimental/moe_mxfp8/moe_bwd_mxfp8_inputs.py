@@ -8,6 +8,8 @@ from __future__ import annotations
 from ...core.kernel_helpers import kernel_assert
 from .constants import BLOCK_ALIGN, CHECKPOINT_LAYOUTS, MAX_BLOCK_SIZE
 
+__all__ = ["check_moe_inputs"]
+
 
 def _check(name, t, shape, dtypes):
     kernel_assert(t != None and hasattr(t, "shape"), f"{name} must be an HBM tensor, got {t!r}")  # noqa: E711
@@ -19,6 +21,10 @@ def check_moe_inputs(output_grad, hidden_states, topk_weights, gate_up_weight, d
                      token_position_to_slot, expert_block_offsets, checkpoints, block_size, gate_up_bias_grad,
                      checkpoint_layout):
     """Checks the entry point's tensors and static options; returns their sizes.
+
+    Args:
+        checkpoints: the optional checkpoints by argument name (gate_pre, gate_act, up, intermediate), each an HBM
+            tensor or None; every other argument is moe_backward_mxfp8_nki's of the same name.
 
     Dimensions:
         as moe_backward_mxfp8_nki's: output_grad / hidden_states [T, H], topk_weights [T, k], gate_up_weight
@@ -39,7 +45,8 @@ def check_moe_inputs(output_grad, hidden_states, topk_weights, gate_up_weight, d
     T, H = output_grad.shape
     _check("output_grad", output_grad, (T, H), ("bfloat16",))
     _check("hidden_states", hidden_states, (T, H), ("bfloat16",))
-    kernel_assert(gate_up_weight != None and hasattr(gate_up_weight, "shape") and len(gate_up_weight.shape) == 3,  # noqa: E711
+    kernel_assert(gate_up_weight != None and hasattr(gate_up_weight, "shape")  # noqa: E711
+                  and len(gate_up_weight.shape) == 3,
                   f"gate_up_weight must be a 3-D [E, 2I, H] tensor, got {getattr(gate_up_weight, 'shape', None)!r}")
     E, two_i = gate_up_weight.shape[0], gate_up_weight.shape[1]
     kernel_assert(two_i % 2 == 0,

@@ -102,8 +102,9 @@ from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
-from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SPLIT_ALIGN,
-                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
+from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
+                        PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+                        WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -208,8 +209,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # quantizing only its I columns of W_down once per expert (moe_bwd_mxfp8_i_split.py; round 9b for one full block,
     # round 14d for every expert: a block holding padding skips its chunks of padding only on both cores), no exchange
     # (the experts after the first group have their full blocks' dY / X rows and p staged a fence ahead instead)
+    w_down_resident = ExpertPanels.fits(a_ops[0], i_tiles, setup)
     i_split = (ExpertISplit(ctx, i_tiles, [e for g in groups[1:] for e in g])
-               if ExpertISplit.applies(ctx, ExpertPanels.fits(a_ops[0], i_tiles, setup), i_tiles) else None)
+               if ExpertISplit.applies(ctx, w_down_resident, i_tiles) else None)
 
     def quantize_down(e):
         """A(e)'s inputs made a fence ahead of it: W_down's exchange, or the I split's staged rows."""
@@ -225,8 +227,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # pipeline up to RESIDENT_DOWN_EXCHANGE_MAX_BYTES for a segment's second A (round 25b: Qwen3-30B-A3B): each core
     # quantizes half of it a fence ahead (A of the first group runs before the first fence, so it quantizes on chip as
     # before); the same panel bytes (a_groups holds)
-    exchange = None if i_split != None else DownWeightExchange.of(  # noqa: E711
-        ctx, groups, ExpertPanels.fits(a_ops[0], i_tiles, setup), pipelined)
+    exchange = None if i_split != None else DownWeightExchange.of(ctx, groups, w_down_resident, pipelined)  # noqa: E711
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
     # With the gate's mask in its product (clamped: a VectorE scalar_tensor_tensor instead of a GpSimd product), dh * a

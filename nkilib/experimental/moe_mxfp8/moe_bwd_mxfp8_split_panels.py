@@ -34,21 +34,29 @@ class SplitChunkPanels(nl.NKIObject):
 
     Race-free (docs/moe.md section 5): core c writes only its range of the scratch, in A(e), before the fence that
     opens B(e)'s segment; both cores read both ranges in that segment (as they read d_gate_up's bf16 rows).
+
+    Dimensions: as the module docstring (nk K tiles and ns scale tiles per core and chunk row).
     """
 
     def __init__(self, ctx, i_tiles):
+        """Allocates the HBM scratch of every block's chunk rows.
+
+        Args:
+            ctx: the kernel's MoeContext (N blocks of B rows, I, the core split, the matmul setup).
+            i_tiles: pass A's I tiles [(i0, width)] of 512 columns (applies() holds), split evenly between the cores.
+        """
         self.ctx = ctx
         cores, n_i = ctx.split.num_cores, len(i_tiles)
         self.ranges = [shard_range(n_i, cores, c) for c in range(cores)]
         self.nk, self.ns = panel_tile_widths(2 * (n_i // cores) * PHASE1_N_TILE, PARTITIONS, ctx.setup)
         # global K tile t of 2I -> (core, local K tile): gate tiles t < n_i, up tiles n_i + u (local: gate tiles of
         # the core's I tiles, then its up tiles, RowChunk's d_gu layout)
-        self.order = []
+        self.k_tile_owners = []
         for t in range(2 * n_i):
             u = t % n_i
             for c, (lo, hi) in enumerate(self.ranges):
                 if lo <= u < hi:
-                    self.order.append((c, u - lo + (hi - lo if t >= n_i else 0)))
+                    self.k_tile_owners.append((c, u - lo + (hi - lo if t >= n_i else 0)))
         # one row per chunk row holding both cores' K tiles, core after core: pass B reads a chunk in two DMAs
         self.words = nl.ndarray((ctx.N, ctx.B, cores * self.nk * PARTITIONS), dtype=ctx.setup.x4_dtype,
                                 buffer=nl.shared_hbm, name="moe_bwd_d_gate_up_split_panels")
@@ -110,9 +118,9 @@ class SplitChunkPanels(nl.NKIObject):
         words c n + t, scales at offset 4 (t % 4) of scale tile c s + t / 4 with packing, as PanelBuilder.scale)."""
         words, scales = room
         packing = self.ctx.setup.use_scale_packing
-        data = [words[:, c * self.nk + t, :f_pad] for c, t in self.order]
+        data = [words[:, c * self.nk + t, :f_pad] for c, t in self.k_tile_owners]
         scale = [scales[SCALE_PACK_STRIDE * (t % SCALE_PACK_SLOTS):, c * self.ns + t // SCALE_PACK_SLOTS, :f_pad]
-                 if packing else scales[:, c * self.nk + t, :f_pad] for c, t in self.order]
+                 if packing else scales[:, c * self.nk + t, :f_pad] for c, t in self.k_tile_owners]
         return Panel(data, scale, f_pad)
 
     def load(self, i, r0, m):

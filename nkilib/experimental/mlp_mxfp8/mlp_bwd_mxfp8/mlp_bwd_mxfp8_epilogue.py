@@ -128,7 +128,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         chunk_after = self._chunk_after_products()
         if self.along_s_pending != None and not chunk_after:  # noqa: E711
-            self._quantize_along_s_chunk(n0)
+            self._quantize_along_s_chunk()
         ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
         gate_pre = _bf16_tile(ring[0], self.gate_pre_td, g_psum, m0, msz, n0, nsz)
         up = _bf16_tile(ring[1], self.up_td, u_psum, m0, msz, n0, nsz)
@@ -146,7 +146,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
                               m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=last_tile)
         if chunk_after:
-            self._quantize_along_s_chunk(n0)
+            self._quantize_along_s_chunk()
         out = self.d_gate_up_td
         if not self.keep:
             nisa.dma_copy(dst=out[m0:m0 + msz, n0:n0 + nsz], src=d_gate)
@@ -180,7 +180,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
             self.stage = None
 
-    def _quantize_along_s_chunk(self, n0) -> None:
+    def _quantize_along_s_chunk(self) -> None:
         """Quantize the next columns of the pending K tile: 2I / along_s_calls columns per epilogue call of the
         next S tile, or of the next ALONG_S_SPREAD_S_TILES S tiles (spreads_along_s) (VectorE runs in program
         order: one 2I-wide quantize_mx would hold back that tile's quantizes and epilogue), and store those
@@ -203,9 +203,10 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if not self.chunks_after_products or self.along_s_pending == None:  # noqa: E711
             return False
         two_i = 2 * self.I
-        width = ceil_div(two_i, self.along_s_calls)
-        t, c0 = self.along_s_pending[0], self.along_s_pending[4]
-        return c0 + width >= two_i or (c0 == width and t == (self.s_base + self.m_lo) // MX_K_TILE)
+        width = ceil_div(two_i, self.along_s_calls)  # _quantize_along_s_chunk's columns per call
+        t, _, _, _, c0 = self.along_s_pending
+        first_k_tile = (self.s_base + self.m_lo) // MX_K_TILE  # this core's first K tile along S
+        return c0 + width >= two_i or (c0 == width and t == first_k_tile)
 
     def held_bytes(self, n_tile) -> int:
         """Not needed: phase 1 is never overlapped with another plan (a sync point follows it)."""
@@ -214,7 +215,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
     def flush_along_s(self) -> None:
         """Quantize along S and store what is left of the last K tile (exchange_along_s)."""
         while self.along_s_pending != None:  # noqa: E711
-            self._quantize_along_s_chunk(self.along_s_pending[4])
+            self._quantize_along_s_chunk()
 
     def finish(self) -> None:
         # where phase 1 spreads its along-S quantize (TP8), the last S tile's panel is transposed now (TensorE runs it
