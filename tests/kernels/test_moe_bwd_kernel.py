@@ -171,7 +171,7 @@ def test_small_budgets_weights_per_block_and_one_tile_groups(monkeypatch):
 
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     monkeypatch.setattr(W, "WEIGHT_GRAD_PSUM_TILES", 1)
-    T, E, k, H, I = 300, 3, 1, 160, 64
+    T, E, H, I = 300, 3, 160, 64
     ids = expert_routing([130, 100, 70], shuffle_seed=6)
     kernel, ref = moe_case(T, E, H, I, ids, seed=29, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]

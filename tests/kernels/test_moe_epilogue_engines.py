@@ -125,7 +125,7 @@ def test_padding_rows_zeroed_on_gpsimd_with_block_checkpoints(lnc):
     makes their descriptors) it keeps the compiler's engine (VectorE in the simulator). Expert loads of 70 / 50 / 80
     pairs at B = 128 leave every expert's block part-filled; LNC1 and LNC2 == mx_exact bit for bit in both layouts.
     The K-padding columns (H = 64 < 128) stay on VectorE."""
-    T, E, k, H, I = 100, 3, 2, 64, 96
+    T, E, H, I = 100, 3, 64, 96
     ids = np.stack([np.repeat([0, 1, 2], [70, 30, 0]), np.repeat([1, 2], [20, 80])], axis=1).astype(np.int32)
     ids = ids[np.random.default_rng(41).permutation(T)]
     names = ("gate_pre", "up")

@@ -67,7 +67,7 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)  # no windows: over R streams
     calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
                                        "compute_phase3_expert_weight_grads_mxfp8"])
-    T, E, k, H, I = 520, 4, 1, 96, 160
+    T, E, H, I = 520, 4, 96, 160
     ids = expert_routing([300, 200, 20], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1, 0]
@@ -95,7 +95,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
 
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
-    T, E, k, H, I = 930, 5, 1, 96, 64
+    T, E, H, I = 930, 5, 96, 64
     ids = expert_routing([400, 300, 200, 30], shuffle_seed=9)
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, checkpoints=("gate_pre", "up"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 3, 2, 1, 0]
@@ -117,7 +117,7 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
                                        "add_partial"])
-    T, E, k, H, I = 2400, 6, 1, 96, 160
+    T, E, H, I = 2400, 6, 96, 160
     ids = expert_routing([600, 300, 450, 850, 200], shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [5, 3, 4, 7, 2, 0]
@@ -151,7 +151,7 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
 
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
-    T, E, k, H, I = 1420, 5, 1, 96, 160
+    T, E, H, I = 1420, 5, 96, 160
     ids = expert_routing([300, 450, 520, 150], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=59, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 4, 5, 2, 0]
@@ -247,7 +247,7 @@ def test_parts_reuse_the_boundary_stationary_piece(monkeypatch, lnc):
 def test_resident_path_wrapx_b256():
     """The wrapX scheme (groups strided inside the K tile) and B = 256 (64-partition K tiles, scale slots packed
     at offsets 0/4/8/12): an expert of 4 blocks in the resident slots, LNC2 == mx_exact."""
-    T, E, k, H, I = 1100, 2, 1, 128, 64
+    T, E, H, I = 1100, 2, 128, 64
     ids = expert_routing([900, 200])
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, block_size=256, quant_scheme="wrapX",
                            checkpoints=("gate_pre", "up", "gate_act", "intermediate"))
@@ -326,7 +326,7 @@ def test_resident_loads_rotate_stages(lnc):
     take PASS_C_RESIDENT_STAGES tiles in turn (no two consecutive loads share one) and its evictions run on ScalarE
     (VectorE keeps the quantizes, so the next stationary piece's quantizes do not queue behind them). Experts of 3
     and 2 blocks (resident), B = 128; bit-exact against mx_exact."""
-    T, E, k, H, I = 600, 3, 1, 64, 96
+    T, E, H, I = 600, 3, 64, 96
     ids = expert_routing([330, 250, 20], shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=37, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 2, 1]
@@ -384,7 +384,7 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
 
     monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
     monkeypatch.setattr(W, "panel_from_row_loader", staged)
-    T, E, k, H, I = 1630, 4, 1, 96, 160
+    T, E, H, I = 1630, 4, 96, 160
     ids = expert_routing([450, 850, 300, 30], shuffle_seed=15)
     kernel, ref = moe_case(T, E, H, I, ids, seed=61, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [4, 7, 3, 1]

@@ -60,7 +60,7 @@ def test_single_block_loads_rotate_stages(lnc):
     three pieces), so a gradient has at least three loads. Every load (one DMA per slot of the MX layout into its
     staging tile) takes another tile than the load before it, across the expert's two gradients too, and all
     PASS_C_STAGING_BUFFERS tiles are used (before: every load on the first tile)."""
-    T, E, k, H, I = 230, 4, 1, 1152, 1088
+    T, E, H, I = 230, 4, 1152, 1088
     ids = expert_routing([120, 70, 40], experts=[0, 1, 3], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 0, 1]

@@ -90,12 +90,10 @@ def test_split_panels_bit_exact(monkeypatch):
 
 
 def test_split_panels_applies():
-    """Made only with MXFP8, I in whole 512-column tiles and as many I tiles on each core."""
+    """Made only with MXFP8, I in whole 512-column tiles, as many I tiles on each core and 128-row chunks."""
     class Ctx:
-        B = 256
-
-        def __init__(self, I, setup, cores=2):
-            self.I, self.setup = I, setup
+        def __init__(self, I, setup, cores=2, B=256):
+            self.I, self.setup, self.B = I, setup, B
             self.split = CoreSplit(cores, 0)
 
     mx, bf16 = (MatmulSetup(p, nl.float8_e4m3fn_x4, "1x32", True) for p in ("mxfp8", "bf16"))
@@ -104,3 +102,4 @@ def test_split_panels_applies():
     assert not P.SplitChunkPanels.applies(Ctx(544, mx), tiles(544))  # a part I tile
     assert not P.SplitChunkPanels.applies(Ctx(1536, mx), tiles(1536))  # 2 + 1 I tiles
     assert not P.SplitChunkPanels.applies(Ctx(2048, bf16), tiles(2048))
+    assert not P.SplitChunkPanels.applies(Ctx(2048, mx, B=64), tiles(2048))  # chunks of fewer than 128 rows

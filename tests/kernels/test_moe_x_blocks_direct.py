@@ -116,7 +116,7 @@ def test_unpipelined_keeps_sbuf_path(monkeypatch, on_use):
 def test_recompute_keeps_x_on_chip():
     """up recomputed from X (K = H), B = 512 under LNC2: X is needed on chip, so its rows are gathered into SBUF and
     copied out as before (no deferred loop)."""
-    T, E, k, H, I, B = 1024, 2, 1, 128, 96, 512
+    T, E, H, I, B = 1024, 2, 128, 96, 512
     ids = expert_routing([512, 512])
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, block_size=B, checkpoints=("gate_pre",))
     out, trace = _run(kernel, 2)

@@ -86,6 +86,8 @@ class SplitChunkPanels(nl.NKIObject):
     def store(self, panel, i, r0):
         """This core's K tiles (panel: RowPanelByColumns's, K = 2 |I_c|) of rows r0..r0+128 of block i."""
         kernel_assert(len(panel.data) == self.nk, f"a core's panel has {self.nk} K tiles, got {len(panel.data)}")
+        kernel_assert(r0 % PARTITIONS == 0,
+                      f"split chunk panels hold 128-row chunks from a multiple of 128, got r0={r0}")
         core = self.ctx.split.shard_id
         store_panel_tiles(panel, self._rows(self.words, i, r0, self.nk, core),
                           self._rows(self.scales, i, r0, self.ns, core))
@@ -93,6 +95,8 @@ class SplitChunkPanels(nl.NKIObject):
     def zero(self, i, r0):
         """Zero words and scales for a chunk of padding only (ExpertISplit.zero_chunk): pass B loads every chunk's
         panel before its flags skip the chunk's matmuls, so the bytes are read but never multiplied."""
+        kernel_assert(r0 % PARTITIONS == 0,
+                      f"split chunk panels hold 128-row chunks from a multiple of 128, got r0={r0}")
         words = nl.ndarray((PARTITIONS, self.nk, PARTITIONS), dtype=self.ctx.setup.x4_dtype, buffer=nl.sbuf)
         scales = nl.ndarray((PARTITIONS, self.ns, PARTITIONS), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.memset(dst=words, value=0.0)
