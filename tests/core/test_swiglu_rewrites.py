@@ -53,6 +53,18 @@ def _adversarial(limits, seed):
     return x.astype(BF16)
 
 
+def _epilogue_inputs(clamp, seed):
+    """(gate_pre, up bf16 adversarial around clamp's limits (seeds seed, seed + 1); gate_act bf16 and d_i float32
+    random (seed + 2), d_i with +-0 and +-3e38 in its first row) [P, F]."""
+    limits = (clamp.non_linear_lower, clamp.non_linear_upper, clamp.linear_lower, clamp.linear_upper)
+    gate_pre, up = _adversarial(limits, seed=seed), _adversarial(limits, seed=seed + 1)
+    rng = np.random.default_rng(seed + 2)
+    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
+    d_i = rng.standard_normal((P, F)).astype(np.float32)
+    d_i[0, :4] = [0.0, -0.0, 3.0e38, -3.0e38]
+    return gate_pre, up, gate_act, d_i
+
+
 def _expected(gate_pre, up, gate_act, d_i, clamp):
     """(d_gate, d_up, intermediate) by the mx_exact formulas of nkilib.core.numerics."""
     gc, mask_g = numerics.gate_terms(gate_pre, clamp, "mx_exact")
@@ -79,12 +91,7 @@ def _assert_same_bits(got, want, what):
 @pytest.mark.parametrize("clamp_engine", [nisa.engine.unknown, nisa.engine.scalar], ids=["vector", "scalar"])
 @pytest.mark.parametrize("psum_d_i", [False, True], ids=["sbuf_dI", "psum_dI"])
 def test_epilogue_bits_on_adversarial_values(clamp, with_intermediate, clamp_engine, psum_d_i):
-    limits = (clamp.non_linear_lower, clamp.non_linear_upper, clamp.linear_lower, clamp.linear_upper)
-    gate_pre, up = _adversarial(limits, seed=3), _adversarial(limits, seed=4)
-    rng = np.random.default_rng(5)
-    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
-    d_i = rng.standard_normal((P, F)).astype(np.float32)
-    d_i[0, :4] = [0.0, -0.0, 3.0e38, -3.0e38]
+    gate_pre, up, gate_act, d_i = _epilogue_inputs(clamp, seed=3)
 
     def body(g, u, a, di, d_gate, d_up, inter):
         terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=clamp_engine)
@@ -190,12 +197,7 @@ def test_gate_first_same_bits_other_order(clamp, in_product, gate_first):
     issues d_gate's PSUM product (dI * fp32(uc + 1), a scalar_tensor_tensor) before d_up's (dI * a) and still issues
     every product of both, masks included: the same bits as the contract on adversarial values (with the masks, a
     d_up left out or written unmasked fails). The default order is unchanged (d_up's product first)."""
-    limits = (clamp.non_linear_lower, clamp.non_linear_upper, clamp.linear_lower, clamp.linear_upper)
-    gate_pre, up = _adversarial(limits, seed=21), _adversarial(limits, seed=22)
-    rng = np.random.default_rng(23)
-    gate_act = (rng.standard_normal((P, F)) * 4.0).astype(BF16)
-    d_i = rng.standard_normal((P, F)).astype(np.float32)
-    d_i[0, :4] = [0.0, -0.0, 3.0e38, -3.0e38]
+    gate_pre, up, gate_act, d_i = _epilogue_inputs(clamp, seed=21)
 
     def body(g, u, a, di, d_gate, d_up):
         terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar,

@@ -542,6 +542,17 @@ def test_next_stationary_loaded_under_phase2_last_quad_is_bit_exact():
         _traced_bit_exact_on_lnc1_and_lnc2(inp, check_tail)
 
 
+def _next_phase_sbuf_loads_under_tail(trace, program):
+    """(records, their phase labels, index of phase 2's last matmul, the phase after phase 2, that phase's DMAs into
+    SBUF issued before phase 2's last matmul) of one program's trace."""
+    records = [r for r in trace if r.program == program]
+    phase = [r.attrs.get("phase") for r in records]
+    last_matmul, nxt, _, _, _ = _tail_order(trace, program)
+    early = [r for i, r in enumerate(records[:last_matmul]) if phase[i] == nxt and r.engine == "dma" and
+             r.writes[0].buffer == "sbuf"]
+    return records, phase, last_matmul, nxt, early
+
+
 @pytest.mark.usefixtures("k_streamed_phase2")
 def test_next_stationary_under_phase2_tail_stages_through_phase2_ring():
     """The first stationary loads issued under the K-streamed phase 2's last quad (set_tail_load) take over phase 2's
@@ -560,13 +571,10 @@ def test_next_stationary_under_phase2_tail_stages_through_phase2_ring():
 
     def check_staging(trace, lnc):
         for program in range(lnc):
-            records = [r for r in trace if r.program == program]
-            phase = [r.attrs.get("phase") for r in records]
-            last_matmul, nxt, _, _, _ = _tail_order(trace, program)
+            records, phase, last_matmul, nxt, early = _next_phase_sbuf_loads_under_tail(trace, program)
             ring = {r.writes[0].storage_id for i, r in enumerate(records) if phase[i] == "phase2" and
                     r.engine == "dma" and r.reads and r.reads[0].name == "gate_up_weights"}
-            early = [r.writes[0].storage_id for i, r in enumerate(records[:last_matmul])
-                     if phase[i] == nxt and r.engine == "dma" and r.writes[0].buffer == "sbuf"]
+            early = [r.writes[0].storage_id for r in early]
             assert early and all(t in ring for t in early), (lnc, program, nxt, early, sorted(ring))
 
     with label_phases(kernel_module, PHASES):
@@ -592,11 +600,7 @@ def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel():
 
     def check_depth(trace, lnc):
         for program in range(lnc):
-            records = [r for r in trace if r.program == program]
-            phase = [r.attrs.get("phase") for r in records]
-            last_matmul, nxt, _, _, _ = _tail_order(trace, program)
-            early = [r for i, r in enumerate(records[:last_matmul]) if phase[i] == nxt and r.engine == "dma" and
-                     r.writes[0].buffer == "sbuf"]
+            records, phase, last_matmul, nxt, early = _next_phase_sbuf_loads_under_tail(trace, program)
             source = early[0].reads[0].name
             later = [r.writes[0].storage_id for i, r in enumerate(records) if i > last_matmul and phase[i] == nxt and
                      r.engine == "dma" and r.reads and r.reads[0].name == source and r.writes[0].buffer == "sbuf"]
