@@ -77,3 +77,44 @@ def test_into_refuses_a_bf16_setup():
 
     with pytest.raises(Exception, match="MXFP8"):
         run_kernel(kernel, args=(randn(0, (K, F), BF16),))
+
+
+def _column_pieces_run(quantize_columns):
+    """(out, trace) of a [K=1024, M=64] stationary panel times a [K, N=128] moving panel whose two K tiles are
+    quantized in `quantize_columns` column pieces (load_panel; K=1024, M=64, N=128)."""
+    import numpy as np
+    from simkit import matmul_panels_to_hbm
+
+    def kernel(a, b):
+        stationary = load_panel(TensorDescriptor(a, k_axis=0), 0, 64, 64, MX)
+        moving = load_panel(TensorDescriptor(b, k_axis=0), 0, 128, 128, MX, quantize_columns=quantize_columns)
+        return matmul_panels_to_hbm(stationary, moving, MX, 64, 128)  # K=1024, M=64, N=128
+
+    b = randn(32, (1024, 128), BF16)
+    b[:, 64:] *= 1024  # the pieces' MX groups take other scales than the first columns'
+    res = run_kernel(kernel, args=(randn(31, (1024, 64), BF16), b), trace=True)
+    return np.asarray(res.outputs[0] if isinstance(res.outputs, tuple) else res.outputs), res.trace
+
+
+def test_quantize_columns_quantizes_each_k_tile_in_column_pieces_with_the_same_bits():
+    """load_panel(quantize_columns=2) (PanelBuilder.quantize_columns; MatmulPlan.piece_first_span): each K tile of
+    the moving panel is quantized in two column pieces, [0, 64) then [64, 128) of its words and scales, and the
+    product is bit-identical to the whole-tile quantize's (MX groups run along K, never across columns); a piece that
+    read or wrote the wrong columns changes the product. The stationary panel stays whole."""
+    from nkilib.core.numerics import contract_mm
+    from simkit import assert_outputs_identical
+
+    got, trace = _column_pieces_run(2)
+    want, trace_whole = _column_pieces_run(1)
+    assert_outputs_identical((got,), (want,), "quantize_columns=2 vs 1")
+    a, b = randn(31, (1024, 64), BF16), randn(32, (1024, 128), BF16)
+    b[:, 64:] *= 1024
+    assert_outputs_identical((got,), (contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32"),), "vs contract_mm")
+
+    def moving_quantizes(records):  # (columns written, first column in its K tile) of the moving panel's quantize_mx
+        q = [r.writes[0] for r in records if r.instr == "quantize_mx"]
+        assert [w.shape[1] for w in q[:2]] == [64, 64]  # the stationary panel's two K tiles, whole
+        return [(w.shape[1], w.byte_lo // 4 % 128) for w in q[2:]]  # words [128, 2, 128] x4: 4 bytes a column
+
+    assert moving_quantizes(trace_whole) == [(128, 0)] * 2
+    assert moving_quantizes(trace) == [(64, 0), (64, 64)] * 2

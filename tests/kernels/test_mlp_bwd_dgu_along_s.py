@@ -14,6 +14,8 @@ import pytest
 import nki.language as nl
 from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
 
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import GATE_FIRST_S_TILES
+
 MX_WORDS, BF16_ROWS = "mlp_bwd_d_gate_up_mx", "mlp_bwd_d_gate_up"
 
 
@@ -138,6 +140,8 @@ def test_last_s_tile_gate_products_first_and_its_staging_copy_on_swdge(lnc):
     transposes start earlier, and the copy, read only by flush_along_s, waits in GpSimd's queue instead of sharing the
     DMA queues with phase 2's first W_gu K tiles (TP8 modeled 0.62082 / 0.70143 -> 0.62068 / 0.70053 ms). LNC1 (no
     deferred flush): d_up first everywhere, no swdge copy. Round 27's code: d_up first everywhere, fails under LNC2.
+    Since round 29 the last GATE_FIRST_S_TILES (2) S tiles issue d_gate's product first (the swdge copy stays the
+    last tile's only); round 28's code (the last tile only) fails under LNC2.
     Bit-exact against mx_exact on LNC1 and LNC2 (the same products in another order, the same copy)."""
     S, H, I = 2048, 128, 1024
     inp = mlp_inputs(S, H, I, seed=S + H + I + 28, kind="pow2")
@@ -151,7 +155,7 @@ def test_last_s_tile_gate_products_first_and_its_staging_copy_on_swdge(lnc):
         assert len(products) == 2 * calls, (p, len(products))
         # per call: d_up's product writes its bf16 rows, d_gate's first one an fp32 temporary
         first = [products[2 * c].writes[0].dtype for c in range(calls)]
-        gate_first_calls = 2 if lnc == 2 else 0
+        gate_first_calls = 2 * GATE_FIRST_S_TILES if lnc == 2 else 0
         assert first == ["bfloat16"] * (calls - gate_first_calls) + ["float32"] * gate_first_calls, (p, first)
         swdge = [r for r in records if r.instr == "dma_copy" and r.attrs.get("dge_mode") == "swdge"]
         assert len(swdge) == (1 if lnc == 2 else 0), (p, len(swdge))
@@ -211,6 +215,53 @@ def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
             assert all(max(q) < first_w_gu for sid, q in panels.items() if sid != last), (p, panels, first_w_gu)
             transposes = [i for i, r in enumerate(records) if phase[i] == "phase0+1" and r.instr == "nc_transpose"]
             assert max(transposes) < min(matmuls), p
+        measured = assert_matches_mx_exact(res.outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), measured
+        outputs.append(res.outputs)
+    for a, b in zip(*outputs):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_phase2_first_span_in_column_pieces():
+    """Where phase 1 spreads its along-S quantize (the fence after phase 2's first W_gu panel), phase 2's first W_gu
+    panel is quantized K tile by K tile in two column pieces of 512 (its n block: 1024 columns) and the fenced start's
+    first span (four m tiles) multiplies each K tile piece by piece, the first piece's matmuls of every tile, then the
+    second's (MatmulPlan.piece_first_span, span_columns.py), and evicts its tiles piece by piece: TensorE starts on a K
+    tile's first half while VectorE quantizes the second (TP8 modeled 0.62068 -> 0.62024 ms central). Every later
+    panel, matmul and eviction stays whole. Round 28's code quantizes, multiplies and evicts whole: fails. S = 1024,
+    H = 4096, I = 1536 (W_gu's 98 KiB panels fit no panel cache: n-major, four n blocks of six K tiles), LNC1 and LNC2;
+    bit-exact against mx_exact (a column's MX groups and fp32 sums do not depend on the columns beside it), LNC1 equal
+    to LNC2."""
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+    from nkilib.simulator.trace import label_phases
+
+    S, H, I = 1024, 4096, 1536
+    k_tiles, n_block, span = 2 * I // 512, 1024, 4
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 29)
+    inp = {**inp, **mlp_checkpoints(inp)}
+    reference = mlp_reference(inp)
+    outputs = []
+    for lnc in (1, 2):
+        with label_phases(kernel_module, PHASES):
+            res = run_mlp(inp, lnc=lnc, trace=True)
+        for p in range(lnc):
+            records = [r for r in res.trace if r.program == p and r.attrs.get("phase") == "phase2"]
+            matmuls = [r for r in records if r.instr == "nc_matmul_mx"]
+            moving = {next(o.storage_id for o in r.reads if o.arg == "moving") for r in matmuls}
+            w_gu = [r.writes[0].shape[1] for r in records if r.instr == "quantize_mx" and
+                    r.writes[0].storage_id in moving]
+            pieces = 2 * k_tiles  # the first panel's quantizes
+            assert w_gu == [n_block // 2] * pieces + [n_block] * (k_tiles * (H // n_block - 1)), (p, w_gu)
+            widths = [r.writes[0].shape[1] for r in matmuls]
+            assert widths == [n_block // 2] * (span * pieces) + [n_block] * (len(widths) - span * pieces), (p, widths)
+            for t in range(k_tiles):  # per K tile: the span's first halves (PSUM columns [0, 512)), then second halves
+                cols = [r.writes[0].byte_lo % (n_block * 4) for r in matmuls[2 * span * t:2 * span * (t + 1)]]
+                assert cols == [0] * span + [n_block // 2 * 4] * span, (p, t, cols)
+            evictions = [r.writes[0].shape[1] for r in records if r.instr == "tensor_copy" and
+                         any(o.buffer == "psum" for o in r.reads)]
+            assert evictions[:2 * span] == [n_block // 2] * (2 * span), (p, evictions[:2 * span])
+            assert set(evictions[2 * span:]) == {n_block}, (p, set(evictions[2 * span:]))
         measured = assert_matches_mx_exact(res.outputs, reference)
         assert all(m == (0, 0.0) for m in measured), measured
         outputs.append(res.outputs)

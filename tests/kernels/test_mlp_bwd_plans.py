@@ -246,6 +246,8 @@ def _record_k_interleaved(monkeypatch, keep):
     """Wraps MatmulPlan._matmuls_k_interleaved: each K-interleaved span's matmul_panels calls, as (accumulator id,
     K tiles in the call, accumulate), are handed to keep(plan, i, span, calls, before, count) after the span ran;
     before = the index of the accumulator taken last before the span, count = the accumulators the plan had then."""
+    from nkilib.core.matmul import span_columns as span_columns_module
+
     original_matmuls = plan_module.MatmulPlan._matmuls_k_interleaved
     original_matmul_panels = plan_module.matmul_panels
 
@@ -257,8 +259,10 @@ def _record_k_interleaved(monkeypatch, keep):
             return original_matmul_panels(dst, stationary, moving, setup, t_lo, t_hi, accumulate)
 
         monkeypatch.setattr(plan_module, "matmul_panels", matmul_panels)
+        monkeypatch.setattr(span_columns_module, "matmul_panels", matmul_panels)  # a span in column pieces
         original_matmuls(plan, i, span, finished)
         monkeypatch.setattr(plan_module, "matmul_panels", original_matmul_panels)
+        monkeypatch.setattr(span_columns_module, "matmul_panels", original_matmul_panels)
         keep(plan, i, span, calls, before, count)
 
     monkeypatch.setattr(plan_module.MatmulPlan, "_matmuls_k_interleaved", recording_matmuls)
@@ -460,8 +464,8 @@ def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
     builders = []
     original = builder_module.PanelBuilder.__init__
 
-    def recording(self, f_pad, setup, t_lo, count, placement=None):
-        original(self, f_pad, setup, t_lo, count, placement)
+    def recording(self, f_pad, setup, t_lo, count, placement=None, quantize_columns=1):
+        original(self, f_pad, setup, t_lo, count, placement, quantize_columns)
         builders.append(self)
 
     monkeypatch.setattr(builder_module.PanelBuilder, "__init__", recording)
@@ -661,7 +665,7 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     of 4 for the later panels from round 20 to 26: fails there; round 27 TP8 0.6229 / 0.7011 -> 0.6219 / 0.7005). TP8
     modeled 0.6367 / 0.7194 -> 0.6302 / 0.7139 ms. S = 1024: 512 rows per core, whole K tiles along S; 2I = 3072: six
     K tiles of W_gu per panel, four n blocks. Bit-exact against mx_exact, LNC1 equal to LNC2."""
-    from nkilib.core.matmul.constants import FENCED_STAGING_BUFFERS, STAGING_BUFFERS
+    from nkilib.core.matmul.constants import FENCED_COLUMN_PIECES, FENCED_STAGING_BUFFERS, STAGING_BUFFERS
     from nkilib.examples.mlp_backward_cost import PHASES
     from nkilib.simulator.trace import label_phases
 
@@ -698,9 +702,12 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             dx_stores = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "dma_copy" and
                          any(o.name == "hidden_states_grad" for o in r.writes)]
             evictions = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "tensor_copy"]
-            # tiles 0 .. m_tiles - 2 evicted before the fence, the last of them stored right after it (StoreEpilogue
+            # tiles 0 .. m_tiles - 2 evicted before the fence (in FENCED_COLUMN_PIECES column pieces each: the first
+            # span, MatmulPlan.piece_first_span), the last of them stored right after it (StoreEpilogue
             # defer_next_store: the fence waits for its eviction, not its DMA)
-            assert sum(1 for i in evictions if i < barrier) == m_tiles - 1, (p, evictions, barrier)
+            early = [i for i in evictions if i < barrier]
+            assert len(early) == FENCED_COLUMN_PIECES * (m_tiles - 1), (p, evictions, barrier)
+            assert len({records[i].writes[0].storage_id for i in early}) == m_tiles - 1, (p, early)
             assert sum(1 for i in dx_stores if i < barrier) == m_tiles - 2, (p, dx_stores, barrier)
             after = min(i for i in dx_stores if i > barrier)
             assert records[after].reads[0].storage_id == records[max(i for i in evictions if i < barrier)] \
@@ -725,13 +732,16 @@ def test_phase2_fenced_start_first_span_takes_every_accumulator(monkeypatch):
     of the next W_gu K tile (three left TensorE waiting 0.44 us per K tile: TP8 modeled 0.6302 / 0.7139 -> 0.6280 /
     0.7122 ms). S = 1024, H = 4096, I = 1536: four m tiles per core (LNC2) and six W_gu K tiles per panel; on the old
     code the first span is tiles 0-2 (three accumulators): fails there. Each tile's K tiles accumulate in order, so
-    the outputs are bit-exact against mx_exact and LNC1 equals LNC2."""
-    from nkilib.core.matmul.constants import SWITCH_INTERLEAVE_TILES
+    the outputs are bit-exact against mx_exact and LNC1 equals LNC2. Since round 29 (MatmulPlan.piece_first_span, phase
+    1 spread here) each K tile's matmuls go in FENCED_COLUMN_PIECES column pieces, every accumulator in turn per
+    piece."""
+    from nkilib.core.matmul.constants import FENCED_COLUMN_PIECES, SWITCH_INTERLEAVE_TILES
 
     first_spans = []
 
     def keep(plan, i, span, calls, before, count):
         if plan.fenced_start and i == 0:
+            assert plan.span_columns == FENCED_COLUMN_PIECES, plan.span_columns
             first_spans.append((span, len(plan.accumulators[0]), calls))
 
     _record_k_interleaved(monkeypatch, keep)
@@ -744,8 +754,9 @@ def test_phase2_fenced_start_first_span_takes_every_accumulator(monkeypatch):
     for span, accumulators, calls in first_spans:
         assert (span, accumulators) == (SWITCH_INTERLEAVE_TILES + 1, SWITCH_INTERLEAVE_TILES + 1), (span, accumulators)
         accs = [c[0] for c in calls]
-        assert len(set(accs)) == span and accs == accs[:span] * k_tiles, calls  # K tile by K tile, every accumulator
-        assert [c[2] for c in calls] == [t > 0 for t in range(k_tiles) for _ in range(span)], calls
+        pieces = FENCED_COLUMN_PIECES  # K tile by K tile, piece by piece, every accumulator
+        assert len(set(accs)) == span and accs == accs[:span] * (k_tiles * pieces), calls
+        assert [c[2] for c in calls] == [t > 0 for t in range(k_tiles) for _ in range(span * pieces)], calls
         assert all(c[1] == 1 for c in calls), calls
     measured = assert_matches_mx_exact(out2, mlp_reference(inp, matmul_precision="mxfp8"))
     assert all(m == (0, 0.0) for m in measured), measured

@@ -104,6 +104,12 @@ FENCED_STAGING_BUFFERS = 5  # staging ring of such a plan's first moving panel (
 # round 27 went back to 3: 0.6229 / 0.7011 -> 0.6219 / 0.7005 (the second panel's loads begin as the first panel's
 # quantizes free ring tiles, ~30 us before their first matmul; four in flight shared the DMA queues with the first
 # panel's last K tile, 7.5 us for 1 MB, which phase 2's first span waited for: 1.0 us of TensorE idle)
+FENCED_COLUMN_PIECES = 2  # a fenced start's first moving panel quantized, its first span multiplied and evicted in
+# this many column pieces (MatmulPlan.piece_first_span, span_columns.py; the MLP backward's phase 2 where phase 1
+# spreads): TensorE waits for half a K tile's quantize before the span instead of a whole one and then trails VectorE
+# by half a K tile. TP8 MXFP8 modeled 0.62068 / 0.70053 ms -> 0.62024 / 0.70095 (0.62059 / 0.70083 with whole-tile
+# evictions; 4 pieces 0.62094 / 0.70179: VectorE pays each quantize's access overhead, and is the pessimistic bound
+# up to the fence; round 29 of docs/dense-performance.md)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /

@@ -26,8 +26,17 @@ class StoreEpilogue(nl.NKIObject):
                         for _ in range(RESULT_BUFFERS)]
 
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        self.tile_by_columns(i, m0, msz, n0, nsz, accumulators, 1)
+
+    def tile_by_columns(self, i, m0, msz, n0, nsz, accumulators, pieces) -> None:
+        """Tile i as tile() stores it, evicted in `pieces` equal column pieces (a span multiplied column piece by
+        column piece, span_columns.py: each piece's eviction waits only for its own columns' last matmul)."""
         res = self.results[i % RESULT_BUFFERS]
-        nisa.tensor_copy(dst=res[:msz, :nsz], src=accumulators[0][:msz, :nsz], engine=nisa.engine.scalar)
+        width = nsz // pieces
+        kernel_assert(width * pieces == nsz, f"{pieces} column pieces do not divide nsz={nsz}")
+        for c0 in range(0, nsz, width):
+            nisa.tensor_copy(dst=res[:msz, c0:c0 + width], src=accumulators[0][:msz, c0:c0 + width],
+                             engine=nisa.engine.scalar)
         if self.defer:
             self.defer, self.deferred = False, (m0, msz, n0, nsz, res)
             return

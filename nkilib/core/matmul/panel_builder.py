@@ -115,10 +115,12 @@ class PanelPlacement(nl.NKIObject):
 
 class PanelBuilder(nl.NKIObject):
     """Allocates and collects the K tiles [t_lo, t_lo + count) of one panel, placed as `placement` says
-    (PanelPlacement, default whole())."""
+    (PanelPlacement, default whole()). quantize_columns > 1: each K tile quantized in that many equal column pieces
+    (quantize_mx_tile), so a matmul over the first columns waits for their piece only."""
 
-    def __init__(self, f_pad, setup, t_lo, count, placement=None):
+    def __init__(self, f_pad, setup, t_lo, count, placement=None, quantize_columns=1):
         self.placement = PanelPlacement.whole() if placement == None else placement  # noqa: E711
+        self.quantize_columns = quantize_columns  # quantize_mx_tile's column pieces per K tile
         kernel_assert(self.placement.kind != PLACEMENT_INTO or setup.is_mx,
                       "PanelPlacement.into holds MXFP8 words and scales, got a BF16 setup")
         self.f_pad = f_pad
@@ -208,7 +210,14 @@ class PanelBuilder(nl.NKIObject):
         P = padded // MX_PACK
         words = self.words(t, P, quantized=True)
         scale = self.scale(t)
-        nisa.quantize_mx(dst=words, src=src, dst_scale=scale)
+        # MX groups run along K (partitions x the 4 slots), never across columns: a column piece's words and scales
+        # are those of the whole K tile's quantize, bit for bit
+        width = self.f_pad // self.quantize_columns
+        kernel_assert(width * self.quantize_columns == self.f_pad,
+                      f"{self.quantize_columns} column pieces do not divide f_pad={self.f_pad}")
+        for c0 in range(0, self.f_pad, width):
+            nisa.quantize_mx(dst=words[:, c0:c0 + width], src=src[:, c0:c0 + width, :],
+                             dst_scale=scale[:, c0:c0 + width])
         return words, scale
 
     def add_natural(self, t, tile, chunks, f_size):

@@ -246,11 +246,11 @@ class PanelLoad(nl.NKIObject):
     """
 
     def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
-                 staged=None):
+                 staged=None, quantize_columns=1):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
-            builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
+            builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement, quantize_columns)
         self.op, self.f0, self.f_size, self.f_pad, self.setup = op, f0, f_size, f_pad, setup
         self.builder, self.t_lo, self.t_hi = builder, t_lo, t_hi
         self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
@@ -312,7 +312,7 @@ def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, placement=None, preloaded=None, into=None, staged=None) -> Panel:
+               ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -336,6 +336,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     panel that is read after it (PanelSlots.panel).
     staged: the first K tiles' staging views from stage_ahead (its DMAs issued earlier into `ring`'s tiles; MXFP8
     [K, F] bf16 operands from K tile 0); None: every K tile staged here.
+    quantize_columns: each K tile quantized on chip in that many equal column pieces (PanelBuilder; default 1).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -350,7 +351,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
                       f"{t_hi}) of {len(tiles)}, panel_layout={op.panel_layout}")
         builder = into.builder(len(tiles), f_pad)
     else:
-        builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement)
+        builder = PanelBuilder(f_pad, setup, t_lo, t_hi - t_lo, placement, quantize_columns)
     kernel_assert(not (builder.placement.kind == PLACEMENT_PER_K_TILE and op.panel_layout),
                   "load_panel: PanelPlacement.per_k_tile() needs a bf16 or per-K-tile operand, got a panel-layout "
                   "operand (its K tiles load in one DMA into one allocation)")

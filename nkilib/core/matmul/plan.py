@@ -37,6 +37,7 @@ from .overlap import (first_load_bytes, first_stationary_load_bytes, held_bytes_
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
+from .span_columns import matmul_k_tile_by_columns, piece_span_columns, span_tile_epilogue
 from .streamed import run_streamed
 
 
@@ -151,7 +152,7 @@ class MatmulPlan(nl.NKIObject):
             the first tiles run as an interleave_switch span (K tile by K tile in turn, over every PSUM accumulator:
             no tile of the plan precedes it), so TensorE starts after
             the fence on the quantized K tiles instead of waiting for the whole panel before it (the MLP backward's
-            phase 2 at TP8; default off; ignored otherwise).
+            phase 2 at TP8; default off; ignored otherwise). piece_first_span: that panel and span in column pieces.
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate
@@ -203,6 +204,7 @@ class MatmulPlan(nl.NKIObject):
         self.keep_moving = False
         self.interleave = interleave_first_loads
         self.first_span = 0  # tiles of the plan's first interleave_switch span (0: none; see interleave_switch)
+        self.span_columns = 1  # column pieces of the first span's K tiles (fenced_start, span_columns.py)
         self.lookahead = STATIONARY_LOOKAHEAD_TILES if stationary_lookahead and setup.is_mx else 0
         self.stationary, self.moving = [], []
         if m_lo >= m_hi or n_lo >= n_hi:
@@ -381,6 +383,11 @@ class MatmulPlan(nl.NKIObject):
         (n-major plans; overlap.place_fence_after_first_panel)."""
         place_fence_after_first_panel(self)
 
+    def piece_first_span(self) -> None:
+        """A fenced start's first moving panel quantized, and its first span multiplied and evicted, in
+        FENCED_COLUMN_PIECES column pieces (span_columns.py); no change without such a span."""
+        piece_span_columns(self)
+
     def fire_fence(self) -> None:
         """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""
         if self.fence != None:  # noqa: E711
@@ -457,6 +464,9 @@ class MatmulPlan(nl.NKIObject):
             psums = [self.accumulators[p][k] for k in taken]
             n_k = len(b.data)
             for step in range(n_k + (span - 1) * self.span_skew):
+                if i == 0 and self.span_columns > 1:  # the fenced start's first span (span_skew 0)
+                    matmul_k_tile_by_columns(psums, a_panels, b, step, nsz, self.span_columns, self.setup)
+                    continue
                 for j in range(span):
                     t = step - j * self.span_skew
                     if 0 <= t < n_k:
@@ -557,7 +567,7 @@ class MatmulPlan(nl.NKIObject):
                     # the tile before the fence: its store goes out after the fence (fire_fence), which then waits
                     # for its eviction only while TensorE runs the fence tile's matmuls
                     self.epilogue.defer_next_store()
-                self.epilogue.tile(j, m0, msz, n0, nsz, finished[j - i])
+                span_tile_epilogue(self, j, finished[j - i], i == 0 and span > 1)
         self.done = hi
 
     def piece_last_tile(self) -> None:

@@ -18,3 +18,8 @@ ALONG_S_SPREAD_S_TILES = 2  # phase 1's quantize along S of a finished K tile sp
 # calls (SwigluBackwardEpilogue.spreads_along_s), where it applies
 ALONG_S_SPREAD_STAGING_BYTES = 24 * 1024  # ... only when a K tile's staging tile [128, 4, 2I] bf16 is at most this
 # per partition: the spread keeps two live (Llama3-8B TP8's 28 KiB find no placement beside phase 1's panels)
+GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize (TP8), its last this many S tiles issue
+# d_gate's PSUM product first (SwigluBackwardEpilogue.last_tile_gate_first; the along-S staging copy on the software DGE
+# stays the last tile's only). TP8 modeled: 1 0.62068 / 0.70053 ms, 2 0.62068 / 0.69975, 3 0.62142 / 0.69944 (with
+# phase 2's first span in column pieces: 1 0.62024 / 0.70095, 2 0.62024 / 0.70017; round 29 of
+# docs/dense-performance.md)

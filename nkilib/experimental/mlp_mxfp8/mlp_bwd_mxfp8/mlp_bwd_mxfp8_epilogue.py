@@ -15,8 +15,8 @@ from ....core.kernel_helpers import ceil_div, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import (ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES, CHECKPOINT_BUFFERS, MX_K_ALIGN,
-                        MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES)
+from .constants import (ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES, CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES,
+                        MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -47,7 +47,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
         self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
-        self.last_tile_gate_first = False  # the last S tile's d_gate products first, its last staging copy on swdge
+        self.last_tile_gate_first = False  # the last GATE_FIRST_S_TILES S tiles' d_gate products first, the last
+        # tile's staging copy on swdge
 
     def exchange_along_s(self, words_hbm, scales_hbm, defer_last=False) -> None:
         """Also quantize each finished 512-row block of d_gate_up along S (phase 3's K) on chip and store it
@@ -93,7 +94,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # GpSimd's software DGE: queued behind the last GpSimd product, it no longer shares the DMA queues with
         # phase 2's first W_gu K tiles (on the hardware DGE it lands them ~0.6 us late and phase 2's first span
         # waits). TP8 modeled 0.62082 / 0.70143 -> 0.62068 / 0.70053 ms; d_gate first alone 0.62141 / 0.70053
-        # (round 28 of docs/dense-performance.md)
+        # (round 28 of docs/dense-performance.md); the products of the last GATE_FIRST_S_TILES (2) S tiles d_gate first:
+        # the pessimistic case's VectorE reaches the last S tile's dY quantize earlier (0.70053 -> 0.69975 ms, round 29)
         self.last_tile_gate_first = self.chunks_after_products and self.defer_last_along_s
 
     def spreads_along_s(self, plan) -> bool:
@@ -143,8 +145,10 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             d_gate = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
             d_up = nl.ndarray((PARTITIONS, ncols), dtype=dtype, buffer=nl.sbuf)[:msz, :nsz]
         last_tile = self.last_tile_gate_first and m0 + msz >= self.s_base + self.m_hi
+        gate_first = (self.last_tile_gate_first and
+                      m0 + msz + (GATE_FIRST_S_TILES - 1) * self.m_tile >= self.s_base + self.m_hi)
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
-                              m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=last_tile)
+                              m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=gate_first)
         if chunk_after:
             self._quantize_along_s_chunk()
         out = self.d_gate_up_td
