@@ -22,8 +22,9 @@ mx_exact, LNC1 and LNC2.
 |                                      | the other experts' W_down is read as before; MXFP8 and bf16     | LNC2)      |
 | test_first_chunk_gathered_before_    | two blocks per expert, the interleave off (GPT-OSS-20B's path): | LNC1, LNC2 |
 |   fence                              | the row positions gathered before the first barrier are A(0)'s  |            |
-|                                      | and A(1)'s chunks and A(2)'s first (round 26b), and A(2)'s      |            |
-|                                      | early W_down is staged in pass C's ring tiles (not fresh ones); |            |
+|                                      | and A(1)'s chunks and A(2)'s first (round 26b), and every       |            |
+|                                      | W_down pass A loads on chip is staged in pass C's ring tiles    |            |
+|                                      | (not fresh ones: A(2)'s early one and those at an A's start);   |            |
 |                                      | bit-exact                                                       |            |
 """
 from __future__ import annotations
@@ -167,9 +168,9 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
     over INTERLEAVE_PANEL_BUDGET_BYTES), H = 256 (two K tiles of W_down). Before the first core barrier each core
     gathers the ids and slots of A(0)'s and A(1)'s chunks (blocks 0-3) and of A(2)'s first chunk (block 4, this
     core's first 128 rows), which A(2)'s pipeline then starts from instead of gathering it after the barrier (fails
-    on main: blocks 0-3 only). A(2)'s W_down, loaded before the fence, is staged in pass C's kernel-scope ring (its
-    staging DMAs write tiles that pass C's operand loads write; fails on main: fresh tiles). LNC1 has no barrier:
-    bit-exact and the staging only."""
+    on main: blocks 0-3 only). Every W_down pass A loads on chip (A(2)'s before the fence, the others at their A's
+    start) is staged in pass C's kernel-scope ring (its staging DMAs write tiles that pass C's operand loads write;
+    fails on main: fresh tiles). LNC1 has no barrier: bit-exact and the staging only."""
     monkeypatch.setattr(kernel_module, "INTERLEAVE_PANEL_BUDGET_BYTES", 0)
     h = 256
     ids = np.tile(np.arange(E, dtype=np.int32), (T, 1))
@@ -182,11 +183,13 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
     for p in range(lnc):
         mine = [r for r in res.trace if r.program == p]
         sbuf = lambda r: {w.storage_id for w in r.writes if w.buffer == "sbuf"}  # noqa: E731
-        w_down_2 = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy" and any(
-            t.name == "down_weight" and t.byte_lo // expert_bytes == 2 for t in r.reads)))
         pass_c = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy"
                                and any(touches(r, n) for n in pass_c_sources)))
-        assert w_down_2 and w_down_2 <= pass_c, (p, sorted(w_down_2 - pass_c))
+        # LNC2: A(3) takes W_down[3] from the exchange (round 25b), which core 0 quantizes on its own path
+        for e in range(E if lnc == 1 else 3):
+            w_down = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy" and any(
+                t.name == "down_weight" and t.byte_lo // expert_bytes == e for t in r.reads)))
+            assert w_down and w_down <= pass_c, (p, e, sorted(w_down - pass_c))
         if lnc == 1:
             continue
         barrier = next(n for n, r in enumerate(mine) if r.instr == "core_barrier")

@@ -278,7 +278,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: here); then: I split's."""
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
-            w, first = (panels_of(a_descs(e), i_tiles), None) if panels == None else panels  # noqa: E711
+            # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
+            ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
+            w, first = (panels_of(a_descs(e), i_tiles, ring), None) if panels == None else panels  # noqa: E711
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
                                            between=between, first=first)
             return
