@@ -275,7 +275,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         return {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
 
     def pass_a(e, between=None, panels=None, then=None):
-        """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: here); then: I split's."""
+        """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: loaded and gathered
+        here); then: I split's expert()."""
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
             # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
