@@ -25,9 +25,10 @@ from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 T, E, H, I, B = 1024, 4, 256, 96, 512  # H: two SPLIT_ALIGN (128) units, pass B columns on both cores
-# pass C's operand rows (block-ordered scratch) and pass A's gathered inputs, by HBM tensor name
+# pass C's operand rows (block-ordered scratch) and pass A's gathered inputs, by HBM tensor name (not W_down: the
+# first A after a fence has it loaded before the fence through pass C's ring too, round 26b)
 PASS_C_SOURCES = ("moe_bwd_d_gate_up", "moe_bwd_x_blocks", "moe_bwd_dy_blocks", "moe_bwd_weighted_inter")
-PASS_A_SOURCES = ("output_grad", "hidden_states", "down_weight")
+PASS_A_SOURCES = ("output_grad", "hidden_states")
 
 
 def _run(kernel, lnc, monkeypatch, trace=False):

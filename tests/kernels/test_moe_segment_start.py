@@ -20,6 +20,12 @@ mx_exact, LNC1 and LNC2.
 | test_empty_first_a_loads_no_weights  | the empty expert 2 (first A after the fence): no byte of its    | LNC1, LNC2 |
 |                                      | W_down is read (round 19c: the early load sits in its if_used), | (bf16:     |
 |                                      | the other experts' W_down is read as before; MXFP8 and bf16     | LNC2)      |
+| test_first_chunk_gathered_before_    | two blocks per expert, the interleave off (GPT-OSS-20B's path): | LNC1, LNC2 |
+|   fence                              | the row positions gathered before the first barrier are A(0)'s  |            |
+|                                      | and A(1)'s chunks and A(2)'s first (round 26b), and every       |            |
+|                                      | W_down pass A loads on chip is staged in pass C's ring tiles    |            |
+|                                      | (not fresh ones: A(2)'s early one and those at an A's start);   |            |
+|                                      | bit-exact                                                       |            |
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, touches
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -154,3 +160,40 @@ def test_empty_first_a_loads_no_weights(lnc, precision):
         # LNC2 MXFP8: expert 3's W_down goes through the exchange (round 25b), H = 64 being core 0's one K tile
         expected = {0, 1} if (lnc, precision, p) == (2, "mxfp8", 1) else {0, 1, 3}
         assert _down_weight_experts(trace, p) == expected, (p, _down_weight_experts(trace, p))
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
+    """Round 26b, E = 4 of two full blocks each (k = 4), the interleave off as for GPT-OSS-20B (both passes' panels
+    over INTERLEAVE_PANEL_BUDGET_BYTES), H = 256 (two K tiles of W_down). Before the first core barrier each core
+    gathers the ids and slots of A(0)'s and A(1)'s chunks (blocks 0-3) and of A(2)'s first chunk (block 4, this
+    core's first 128 rows), which A(2)'s pipeline then starts from instead of gathering it after the barrier (fails
+    on main: blocks 0-3 only). Every W_down pass A loads on chip (A(2)'s before the fence, the others at their A's
+    start) is staged in pass C's kernel-scope ring (its staging DMAs write tiles that pass C's operand loads write;
+    fails on main: fresh tiles). LNC1 has no barrier: bit-exact and the staging only."""
+    monkeypatch.setattr(kernel_module, "INTERLEAVE_PANEL_BUDGET_BYTES", 0)
+    h = 256
+    ids = np.tile(np.arange(E, dtype=np.int32), (T, 1))
+    kernel, ref = moe_case(T, E, h, I, ids, seed=261, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"first chunk gathered before the fence, LNC{lnc} vs mx_exact")
+    pass_c_sources = ("moe_bwd_d_gate_up", "moe_bwd_x_blocks", "moe_bwd_dy_blocks", "moe_bwd_weighted_inter")
+    expert_bytes = h * I * 2  # down_weight [E, H, I] bf16
+    for p in range(lnc):
+        mine = [r for r in res.trace if r.program == p]
+        sbuf = lambda r: {w.storage_id for w in r.writes if w.buffer == "sbuf"}  # noqa: E731
+        pass_c = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy"
+                               and any(touches(r, n) for n in pass_c_sources)))
+        # LNC2: A(3) takes W_down[3] from the exchange (round 25b), which core 0 quantizes on its own path
+        for e in range(E if lnc == 1 else 3):
+            w_down = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy" and any(
+                t.name == "down_weight" and t.byte_lo // expert_bytes == e for t in r.reads)))
+            assert w_down and w_down <= pass_c, (p, e, sorted(w_down - pass_c))
+        if lnc == 1:
+            continue
+        barrier = next(n for n, r in enumerate(mine) if r.instr == "core_barrier")
+        chunks = {(t.byte_lo // 4 // B, t.byte_lo // 4 % B) for r in mine[:barrier] for t in r.reads
+                  if t.name == "token_position_to_slot"}
+        rows = {p * 128, 256 + p * 128}  # core p's 128 rows of each 256-row unit
+        assert chunks == {(b, r) for b in range(4) for r in rows} | {(4, p * 128)}, (p, sorted(chunks))

@@ -34,7 +34,7 @@ from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forwa
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
-           "compute_phase1_pipelined_mxfp8", "zero_padding_rows"]
+           "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "zero_padding_rows"]
 
 
 def _natural_rows(ctx, k_size):
@@ -364,7 +364,20 @@ def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inp
                  staged=staged, d_up_engine=d_up_engine)
 
 
-def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None):
+def gather_first_chunk_ahead(ctx, e):
+    """The ChunkInputs of expert e's first chunk for compute_phase1_pipelined_mxfp8(first=), gathered now, a fence
+    before A(e) (beside first_a_panels' W_down): the gathers read only kernel inputs (routing, dY, p, the given
+    checkpoints), and after the barrier the pipeline's first chunk no longer waits for them (the barrier holds every
+    later instruction of the core, so gathered after it they sat between the barrier and A(e)'s first matmul;
+    docs/moe.md section 10, round 26b). Gathered for an expert of two or more blocks, as the pipeline does (a
+    one-block expert's first chunk is gathered in the pipeline with its padding known)."""
+    first = ChunkInputs(ctx, PARTITIONS, ctx.I)
+    b_lo, _, _ = ctx.loops.bounds(e)
+    ctx.loops.if_multi(e, lambda: first.gather(ctx, b_lo, ctx.unit_rows[0][0], True))
+    return first
+
+
+def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_gate, w_up, between=None, first=None):
     """Pass A of expert e with resident weights (all of I in one group) over its blocks [b_lo, last] (last: the
     register of its last block), this core's 128-row chunks one after the other, each chunk's gathers issued before
     the previous chunk's epilogue (docs/moe.md section 10, round 7c).
@@ -392,15 +405,17 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
             another pass's work in this pass's loop bodies (InterleavedDx.piece, round 8a). A chunk that runs issues
             it after its I tiles, before its stores: on TensorE after its dI matmuls, before its d_gate_up panel's
             transposes (which wait for its whole epilogue).
+        first: gather_first_chunk_ahead(ctx, e), the expert's first chunk gathered earlier; None: gathered here.
     """
     rows = ctx.unit_rows
     kernel_assert(len(rows) % 2 == 0 and all(m == PARTITIONS for _, m in rows),
                   f"the pass A pipeline needs an even number of 128-row chunks per core, got {rows}")
-    sets = [ChunkInputs(ctx, PARTITIONS, ctx.I) for _ in range(2)]
+    sets = [first or ChunkInputs(ctx, PARTITIONS, ctx.I), ChunkInputs(ctx, PARTITIONS, ctx.I)]
     # the expert's first chunk: of a full block when the expert has more than one (a one-block expert's is gathered
     # with its padding known, below); a tile zeroed here would hold VectorE's queue until the previous expert's
     # last use of that SBUF
-    ctx.loops.if_multi(e, lambda: sets[0].gather(ctx, b_lo, rows[0][0], True))
+    if first == None:  # noqa: E711
+        ctx.loops.if_multi(e, lambda: sets[0].gather(ctx, b_lo, rows[0][0], True))
 
     def block(i, full, next_full, flags=None):
         """Block i's chunks; next_full: block i + 1 holds no padding (None: no next block of this expert)."""

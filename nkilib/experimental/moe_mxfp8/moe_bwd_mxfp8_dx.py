@@ -100,12 +100,13 @@ class ExpertPanels(nl.NKIObject):
         return ExpertPanels.bytes_of([op], tiles, setup) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
     @staticmethod
-    def loaded_if(ops, tiles, setup, run_if):
+    def loaded_if(ops, tiles, setup, run_if, ring=None):
         """[ExpertPanels] of every operand in `ops` (None stays None), resident, whose loads run inside run_if(body)
         (a run-time 0/1-trip loop: the expert's if_used, so an expert without blocks loads nothing): the panels'
         tiles are allocated here, outside that loop (PanelSlots, one per super-panel), so they stay live past it
         for the pass that reads them. The same loads and quantizes into the same per-K-tile layout as the
-        resident panels ExpertPanels loads itself, so the bits are the same."""
+        resident panels ExpertPanels loads itself, so the bits are the same. ring: a LoadRing for the staging tiles
+        (pass C's kernel-scope ring, so that they are not placed over the tiles of the pass before: round 26b)."""
         slots = []
         for op in ops:
             if op == None:  # noqa: E711
@@ -122,7 +123,7 @@ class ExpertPanels(nl.NKIObject):
         def load_all():
             for op, panels in zip(ops, slots):
                 for f0, w, into in panels if panels != None else []:  # noqa: E711
-                    load_panel(op, f0, w, w, setup, into=into)
+                    load_panel(op, f0, w, w, setup, ring=ring, into=into)
 
         run_if(load_all)
         return [None if op == None else  # noqa: E711

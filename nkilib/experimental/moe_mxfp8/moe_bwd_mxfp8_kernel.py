@@ -88,7 +88,7 @@ from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
-                                      gather_deferred_x, scatter_deferred_d_w)
+                                      gather_deferred_x, gather_first_chunk_ahead, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
@@ -267,15 +267,23 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if not pipelined or not group or (exchange != None and exchange.exchanged(group[0])):  # noqa: E711
             return {}
         a = group[0]
-        return {a: ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body))}
+        # round 26b, without the interleave (GPT-OSS-20B): W_down staged in pass C's ring and A(a)'s first chunk
+        # gathered here, so that neither waits for the barrier (with it, Qwen3 8 x 1024 lost 1.2%: the gathers
+        # delayed the W_down load A(a)'s first matmul waits for)
+        ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
+        w = ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body), ring)
+        return {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
 
     def pass_a(e, between=None, panels=None, then=None):
-        """panels: A(e)'s weight panels loaded earlier (first_a_panels; None: loaded here); then: I split's expert()."""
+        """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: loaded and gathered
+        here); then: I split's expert()."""
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
-            w = panels_of(a_descs(e), i_tiles) if panels == None else panels  # noqa: E711
+            # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
+            ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
+            w, first = (panels_of(a_descs(e), i_tiles, ring), None) if panels == None else panels  # noqa: E711
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
-                                           between=between)
+                                           between=between, first=first)
             return
         def rows(i, w, skip, full):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
@@ -451,6 +459,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                     i_split.scatter_expert(e)
                 ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r))
                 rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
+            a_panels = None  # and A's early panels and first chunk's inputs after A
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))
