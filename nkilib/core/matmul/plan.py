@@ -95,8 +95,8 @@ class MatmulPlan(nl.NKIObject):
     panel loaded once); else (groups=True, one product) when the smaller whole operand fits
     RESIDENT_OPERAND_BUDGET_BYTES it stays resident the same way (_resident_operand); otherwise
     K-streamed groups (_run_streamed) when the moving operand can be loaded by K tile and that holds more
-    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
-    moving panels swept once per group).
+    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each
+    stationary panel quantized once, the moving panels swept once per group).
 
     Args:
         split: the kernel's CoreSplit; ranges: this core's ((m_lo, m_hi), (n_lo, n_hi)) when the caller
