@@ -1,4 +1,4 @@
-"""MoE test helpers shared by the routing, reference and torch tests (import as `from moekit import ...`).
+"""MoE test helpers shared by the routing, reference, torch and kernel tests (import as `from moekit import ...`).
 
 Adversarial routings: each case is (T, k, E, generator); generators return int32 topk_ids [T, k].
 """
@@ -51,6 +51,24 @@ def expert_routing(counts, experts=None, shuffle_seed=None) -> np.ndarray:
     if shuffle_seed is None:
         return ids
     return ids[np.random.default_rng(shuffle_seed).permutation(ids.shape[0])]
+
+
+def spy(monkeypatch, owner, name, key=lambda *args, **kwargs: args, into=None) -> list:
+    """Record every call of owner.name (a module's function or a class's method) and call through to it.
+
+    Each call appends key(*args, **kwargs) (its arguments as the caller passed them; a method's first is self) to the
+    returned list, `into` when given (several spies filling one list in call order), then returns the original's
+    result for the same arguments. monkeypatch restores owner.name after the test.
+    """
+    calls = [] if into is None else into
+    original = getattr(owner, name)
+
+    def recorder(*args, **kwargs):
+        calls.append(key(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorder)
+    return calls
 
 
 def moe_inputs(topk_ids: np.ndarray, num_experts: int, H: int = 64, I: int = 32, seed: int = 0) -> dict:

@@ -32,7 +32,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
 from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
 from nkilib.experimental.moe_mxfp8.reference import error_report, moe_backward_reference, reference_phase0_recompute
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout
-from moekit import expert_routing
+from moekit import expert_routing, spy
 from simkit import BF16, assert_outputs_identical, simulate
 
 OUTPUTS = ("dx", "d_topk_weights", "d_gate_up_weight", "d_down_weight")
@@ -147,15 +147,8 @@ def test_fence_groups_bit_exact(monkeypatch, group):
     r = np.random.default_rng(5)
     ids = np.stack([r.permutation(np.array([0, 1, 3, 4]))[:k] for _ in range(T)]).astype(np.int32)
     kernel, ref = moe_case(T, E, H, I, ids, seed=13)
-    barriers = []
-    real_barrier = nisa.core_barrier
-
-    def counting_barrier(*args, **kwargs):
-        barriers.append(1)
-        return real_barrier(*args, **kwargs)
-
     monkeypatch.setattr(kernel_module, "EXPERTS_PER_FENCE", group)
-    monkeypatch.setattr(nisa, "core_barrier", counting_barrier)
+    barriers = spy(monkeypatch, nisa, "core_barrier", lambda *args, **kwargs: 1)
     out = run(kernel, lnc=2)
     assert len(barriers) == 2 * -(-E // group), (group, len(barriers))
     assert_outputs_identical(out, moe_backward_reference(**ref), f"{group} experts per fence vs mx_exact")
@@ -212,19 +205,10 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
-    calls = {"A": set(), "B": set()}
-    phase1, phase2 = K.compute_phase1_block_grads_mxfp8, K.compute_phase2_hidden_states_grad_mxfp8
-
-    def record_a(ctx, e, i, w_down, *rest, **kw):
-        calls["A"].add((e, tuple(w_down.tiles)))
-        return phase1(ctx, e, i, w_down, *rest, **kw)
-
-    def record_b(ctx, e, i, w_gu, **kw):
-        calls["B"].add((e, ctx.split.shard_id, tuple(w_gu.tiles)))
-        return phase2(ctx, e, i, w_gu, **kw)
-
-    monkeypatch.setattr(K, "compute_phase1_block_grads_mxfp8", record_a)
-    monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_b)
+    calls = {"A": spy(monkeypatch, K, "compute_phase1_block_grads_mxfp8",
+                      lambda ctx, e, i, w_down, *rest, **kw: (e, tuple(w_down.tiles))),
+             "B": spy(monkeypatch, K, "compute_phase2_hidden_states_grad_mxfp8",
+                      lambda ctx, e, i, w_gu, **kw: (e, ctx.split.shard_id, tuple(w_gu.tiles)))}
     T, E, H, I = (GROUP_SHAPE[n] for n in ("T", "E", "H", "I"))
     ids = expert_routing([130, 100, 70], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=checkpoints)
@@ -251,14 +235,7 @@ def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
-    matmuls = []
-    matmul = D.matmul_panels
-
-    def record(dst, *rest, **kw):
-        matmuls.append(dst.shape)
-        return matmul(dst, *rest, **kw)
-
-    monkeypatch.setattr(D, "matmul_panels", record)
+    matmuls = spy(monkeypatch, D, "matmul_panels", lambda dst, *rest, **kw: dst.shape)
     counts = [600, 300, 100]
     T, E, H, I = sum(counts), 3, GROUP_SHAPE["H"], GROUP_SHAPE["I"]
     ids = expert_routing(counts, shuffle_seed=14)
@@ -285,26 +262,11 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as A
     from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 
-    ran_a, ran_b = [], []
-    rows_a, panel_b = A._phase1_rows, D.panel_from_rows
-
-    def record_a(ctx, e, i, rows, *rest, **kw):
-        ran_a.append((e, ctx.split.shard_id, tuple(rows)))
-        return rows_a(ctx, e, i, rows, *rest, **kw)
-
-    def record_b(rows_tile, m, *rest):
-        ran_b.append(m)
-        return panel_b(rows_tile, m, *rest)
-
-    load_b = D.load_panel_tiles
-
-    def record_b_loaded(words, scales, k_size, f_pad, *rest):  # pass B's panels quantized by pass A (round 7a)
-        ran_b.append(f_pad)
-        return load_b(words, scales, k_size, f_pad, *rest)
-
-    monkeypatch.setattr(A, "_phase1_rows", record_a)
-    monkeypatch.setattr(D, "panel_from_rows", record_b)
-    monkeypatch.setattr(D, "load_panel_tiles", record_b_loaded)
+    ran_a = spy(monkeypatch, A, "_phase1_rows",
+                lambda ctx, e, i, rows, *rest, **kw: (e, ctx.split.shard_id, tuple(rows)))
+    ran_b = spy(monkeypatch, D, "panel_from_rows", lambda rows_tile, m, *rest: m)
+    # pass B's panels quantized by pass A (round 7a)
+    spy(monkeypatch, D, "load_panel_tiles", lambda words, scales, k_size, f_pad, *rest: f_pad, into=ran_b)
     counts = [100, 200, 300, 552, 512]
     T, E, H, I = sum(counts), 5, 64, 64
     ids = expert_routing(counts, shuffle_seed=12)

@@ -24,7 +24,7 @@ import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import expert_routing
+from moekit import expert_routing, spy
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 
@@ -46,24 +46,9 @@ def test_chunk_panels_built_once(monkeypatch, lnc):
     ids = expert_routing([600, 256, 300, 100], shuffle_seed=41)
     kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [3, 1, 2, 1]
-    built, stored, loaded = [], [], []
-    from_rows, store, load = D.panel_from_rows, D.ChunkPanels.store, D.ChunkPanels.load
-
-    def record_from_rows(rows, f_size, k_size, f_pad, setup):
-        built.append(k_size)
-        return from_rows(rows, f_size, k_size, f_pad, setup)
-
-    def record_store(self, panel, i, r0):
-        stored.append((self.ctx.split.shard_id, r0))
-        return store(self, panel, i, r0)
-
-    def record_load(self, i, r0, m):
-        loaded.append((self.ctx.split.shard_id, r0))
-        return load(self, i, r0, m)
-
-    monkeypatch.setattr(D, "panel_from_rows", record_from_rows)
-    monkeypatch.setattr(D.ChunkPanels, "store", record_store)
-    monkeypatch.setattr(D.ChunkPanels, "load", record_load)
+    built = spy(monkeypatch, D, "panel_from_rows", lambda rows, f_size, k_size, f_pad, setup: k_size)
+    stored = spy(monkeypatch, D.ChunkPanels, "store", lambda self, panel, i, r0: (self.ctx.split.shard_id, r0))
+    loaded = spy(monkeypatch, D.ChunkPanels, "load", lambda self, i, r0, m: (self.ctx.split.shard_id, r0))
     out = run(kernel, lnc=lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc}: chunk panels built once vs mx_exact")
     # per core (each traces the kernel): expert 0's chunks 0, 128 of two full blocks and chunk 0 of its last (chunk

@@ -28,7 +28,7 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
-from moekit import expert_routing
+from moekit import expert_routing, spy
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_down_exchange import record_exchange
@@ -39,19 +39,8 @@ CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 def _record(monkeypatch):
     """Lists of (expert, j_lo, j_hi) the I split ran for, (expert, t_lo, t_hi) quantized by the exchange, scratch
     names pass A loaded in the panel layout and the cores that staged a block's rows."""
-    split, staged = [], []
-    expert, stage = S.ExpertISplit.expert, S.ExpertISplit.stage
-
-    def record_stage(self, i):
-        staged.append(self.ctx.split.shard_id)
-        return stage(self, i)
-
-    def record_expert(self, e, descs, *args):
-        split.append((e, self.j_lo, self.j_hi))
-        return expert(self, e, descs, *args)
-
-    monkeypatch.setattr(S.ExpertISplit, "expert", record_expert)
-    monkeypatch.setattr(S.ExpertISplit, "stage", record_stage)
+    split = spy(monkeypatch, S.ExpertISplit, "expert", lambda self, e, descs, *args: (e, self.j_lo, self.j_hi))
+    staged = spy(monkeypatch, S.ExpertISplit, "stage", lambda self, i: self.ctx.split.shard_id)
     quantized, loaded = record_exchange(monkeypatch)
     return split, quantized, loaded, staged
 
@@ -127,19 +116,9 @@ def test_i_split_padded_block_skips_padding_chunks(monkeypatch, lnc, layout):
         kernel = dict(kernel, checkpoint_layout="block")
         for n in CHECKPOINTS:
             kernel[n] = checkpoints_to_blocks(kernel[n], ref["layout"])
-    chunks, zeroed = [], []
-    compute, zero = S.compute_phase1_chunks_mxfp8, S.ExpertISplit.zero_chunk
-
-    def record_compute(ctx, e, i, rows, *args, **kwargs):
-        chunks.append((ctx.split.shard_id, e, tuple(r0 for r0, _ in rows)))
-        return compute(ctx, e, i, rows, *args, **kwargs)
-
-    def record_zero(self, i, r0, m):
-        zeroed.append((self.ctx.split.shard_id, r0))
-        return zero(self, i, r0, m)
-
-    monkeypatch.setattr(S, "compute_phase1_chunks_mxfp8", record_compute)
-    monkeypatch.setattr(S.ExpertISplit, "zero_chunk", record_zero)
+    chunks = spy(monkeypatch, S, "compute_phase1_chunks_mxfp8",
+                 lambda ctx, e, i, rows, *args, **kwargs: (ctx.split.shard_id, e, tuple(r0 for r0, _ in rows)))
+    zeroed = spy(monkeypatch, S.ExpertISplit, "zero_chunk", lambda self, i, r0, m: (self.ctx.split.shard_id, r0))
     out = run(kernel, lnc=lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"LNC{lnc} {layout}: padded I split vs mx_exact")
     if lnc == 1:

@@ -41,7 +41,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from moekit import expert_routing
+from moekit import expert_routing, spy
 from simkit import assert_outputs_identical
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
@@ -86,14 +86,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 3)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_TIERS", (2,))
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)
-    slots_seen = []
-    resident = W.compute_phase3_resident_grads_mxfp8
-
-    def recorded(ctx, e, *args, **kw):
-        slots_seen.append((e, args[-1]))
-        return resident(ctx, e, *args, **kw)
-
-    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    slots_seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8", lambda ctx, e, *args, **kw: (e, args[-1]))
     calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 930, 5, 96, 64
     ids = expert_routing([400, 300, 200, 30], shuffle_seed=9)
@@ -142,14 +135,9 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2, 3))
     monkeypatch.setattr(W, "MOE_N_TILE", 64)
     monkeypatch.setattr(W, "resident_block_count", lambda ctx, grads, parts=1: {1: 2, 2: 3, 3: 4}[parts])
-    seen = []
-    resident = W.compute_phase3_resident_grads_mxfp8
-
-    def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
-        seen.append((e, slots, part, window != None))  # noqa: E711
-        return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part, carry)
-
-    monkeypatch.setattr(W, "compute_phase3_resident_grads_mxfp8", recorded)
+    seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8",
+               lambda ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None:
+               (e, slots, part, window != None))  # noqa: E711
     calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 1420, 5, 96, 160
     ids = expert_routing([300, 450, 520, 150], shuffle_seed=14)

@@ -5,7 +5,7 @@ panels.py: HBM operand -> SBUF panel (on-chip MX quantization along K, PE transp
 panel_builder.py: Panel, PanelPlacement (where a panel's K tiles go in SBUF) and the PanelBuilder that places them;
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
-plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps);
+plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps); sizing.py: fit_width, psum_buffers;
 overlap.py: what a MatmulPlan holds and first loads, for overlapping it with its neighbours (PhaseGraph);
 core_split.py: CoreSplit (the LNC split, decided once per kernel); epilogue.py: StoreEpilogue (the default epilogue);
 k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neither long-K operand fits SBUF);
@@ -22,5 +22,6 @@ from .sources import PanelSource, ResidentPanels, blocks, tile_order  # noqa: F4
 from .core_split import CoreSplit  # noqa: F401
 from .epilogue import StoreEpilogue  # noqa: F401
 from .constants import usable_sbuf_bytes  # noqa: F401
-from .plan import MatmulPlan, fit_width, psum_buffers  # noqa: F401
+from .plan import MatmulPlan  # noqa: F401
+from .sizing import fit_width, psum_buffers  # noqa: F401
 from .k_chunks import KChunkedPlan, plan_matmul  # noqa: F401

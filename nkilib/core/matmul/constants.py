@@ -118,7 +118,8 @@ LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile
 # 768, 512, 256); each piece's store (1.3 us DMA latency + its bytes) runs under the next piece's matmuls. TP8 MXFP8
 # modeled central ms (whole tile 0.6243): 3 equal pieces 0.6233, 2 0.6235, 3-2-1 0.6229, 4-2-2-1 0.6230
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
-PREFETCH_MARGIN_BYTES = 8 * 1024  # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
+# SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
+PREFETCH_MARGIN_BYTES = 8 * 1024
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per
 # K tile (and per scale tile), on-chip-quantized words in pieces of MX_PANEL_PIECE_BYTES, or a caller's allocation
 PLACEMENT_WHOLE, PLACEMENT_PER_K_TILE = "whole", "per_k_tile"

@@ -9,10 +9,11 @@ from .constants import PARTITIONS, RESULT_BUFFERS, STREAM_N_TILE
 
 
 class StoreEpilogue(nl.NKIObject):
-    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock than VectorE in fp32; VectorE carries quantize_mx)
-    in `out_dtype` and store it to out_hbm [M, N], through RESULT_BUFFERS tiles used round-robin (a tile's
-    store may trail the next tiles' evictions). A plan with a sync point inside its run (MatmulPlan.set_fence) holds
-    the store of the tile before the fence until after it (defer_next_store / store_deferred)."""
+    """The default epilogue (see MatmulPlan for the protocol). Evict each tile to SBUF on ScalarE (faster clock
+    than VectorE in fp32; VectorE carries quantize_mx) in `out_dtype` and store it to out_hbm [M, N], through
+    RESULT_BUFFERS tiles used round-robin (a tile's store may trail the next tiles' evictions). A plan with a sync
+    point inside its run (MatmulPlan.set_fence) holds the store of the tile before the fence until after it
+    (defer_next_store / store_deferred)."""
 
     def __init__(self, out_hbm, out_dtype):
         self.out_hbm = out_hbm

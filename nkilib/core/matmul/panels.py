@@ -2,8 +2,9 @@
 MXFP8, or plain bf16) -> accumulating matmuls into a PSUM tile. plan.py tiles whole matmuls with these.
 
 MXFP8 K tiles (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html,
-https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html): a K tile of up to 512 logical rows lives
-on P = T/4 partitions with 4 values per x4 word. The logical index of (partition p, slot j) is
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html): a K tile of
+up to 512 logical rows lives on P = T/4 partitions with 4 values per x4 word. The logical index of
+(partition p, slot j) is
     "1x32":  k = 4p + j        (groups of 8 partitions x 4 slots = 32 consecutive k: OCP-contiguous)
     "wrapX": k = p + P*j       (groups strided by P inside the tile)
 so quantize_mx's hardware group (8 partitions x 4 free) is exactly the scheme's group. K is padded
@@ -20,7 +21,8 @@ Layouts (how a bf16 operand reaches quantize_mx's [P, F, 4] source):
         same for rows already in SBUF (e.g. the MLP backward's d_gate_up rows become phase 2's stationary).
 
 Traced-code idioms (NKI 0.3+ compiler; the kernel must trace on 2.32 as well as 2.33): no `is` / `is not`
-(`==` / `!=` instead, https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/nki-0-3-0-update-guide.html),
+(`==` / `!=` instead,
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/nki-0-3-0-update-guide.html),
 dictionaries only with string keys and classes derived from NKIObject alone
 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/nki-language-guide.html): panels are
 kept in lists indexed by position, never in int-keyed dicts.

@@ -24,11 +24,11 @@ import nki.language as nl
 from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
                         FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES,
-                        MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PARTITIONS,
-                        PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
-                        RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES,
-                        STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES,
-                        STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
+                        MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES,
+                        PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN,
+                        STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
+                        STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE,
+                        STREAM_STATIONARY_BUDGET_BYTES, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
                         usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
@@ -38,16 +38,8 @@ from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition,
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
 from .span_columns import matmul_k_tile_by_columns, piece_span_columns, span_tile_epilogue
+from .sizing import fit_width, psum_buffers
 from .streamed import run_streamed
-
-
-def fit_width(requested, ops, setup, budget, quantum):
-    """Largest width <= requested (a multiple of `quantum`, at least one quantum) whose panels of all
-    `ops` (every K tile) fit `budget` SBUF bytes per partition. Large K (e.g. 2I = 24576) narrows the
-    tiles instead of overflowing SBUF."""
-    per_column = sum(panel_bytes_per_partition(op.k_size, quantum, setup) for op in ops) / quantum
-    fitting = int(budget // per_column) // quantum * quantum
-    return max(quantum, min(requested, fitting))
 
 
 def stationary_load_width(op, m_tile, setup):
@@ -58,11 +50,6 @@ def stationary_load_width(op, m_tile, setup):
         return 0
     wanted = max(1, STATIONARY_LOAD_WIDTH // m_tile) * m_tile
     return fit_width(wanted, [op], setup, STATIONARY_PANEL_BUDGET_BYTES, m_tile)
-
-
-def psum_buffers(n_tile, count=PSUM_BUFFERS):
-    """`count` (default PSUM_BUFFERS) fp32 accumulators [128, n_tile], used round-robin across output tiles."""
-    return [nl.ndarray((PARTITIONS, n_tile), dtype=nl.float32, buffer=nl.psum) for _ in range(count)]
 
 
 def _resident_operand(moving_bytes, stationary_bytes):
@@ -95,8 +82,8 @@ class MatmulPlan(nl.NKIObject):
     panel loaded once); else (groups=True, one product) when the smaller whole operand fits
     RESIDENT_OPERAND_BUDGET_BYTES it stays resident the same way (_resident_operand); otherwise
     K-streamed groups (_run_streamed) when the moving operand can be loaded by K tile and that holds more
-    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each stationary panel quantized once, the
-    moving panels swept once per group).
+    stationary panels, else n-major inside groups of stationary loads (STATIONARY_GROUP_BUDGET_BYTES; each
+    stationary panel quantized once, the moving panels swept once per group).
 
     Args:
         split: the kernel's CoreSplit; ranges: this core's ((m_lo, m_hi), (n_lo, n_hi)) when the caller
@@ -147,12 +134,11 @@ class MatmulPlan(nl.NKIObject):
         fenced_start: the plan's "first" step runs before a fence (the caller's core barrier, which waits for every
             earlier instruction): with resident stationary panels and MXFP8 [K, F] moving panels quantized on chip
             and not kept (n-major), "first" quantizes only the first FENCED_FIRST_K_TILES K tiles (at most all) of the
-            first moving panel (its DMAs all
-            begin there, through a ring of FENCED_STAGING_BUFFERS) and the rest are quantized after the fence, where
-            the first tiles run as an interleave_switch span (K tile by K tile in turn, over every PSUM accumulator:
-            no tile of the plan precedes it), so TensorE starts after
-            the fence on the quantized K tiles instead of waiting for the whole panel before it (the MLP backward's
-            phase 2 at TP8; default off; ignored otherwise). piece_first_span: that panel and span in column pieces.
+            first moving panel (its DMAs all begin there, through a ring of FENCED_STAGING_BUFFERS) and the rest are
+            quantized after the fence, where the first tiles run as an interleave_switch span (K tile by K tile in
+            turn, over every PSUM accumulator: no tile of the plan precedes it), so TensorE starts after the fence on
+            the quantized K tiles instead of waiting for the whole panel before it (the MLP backward's phase 2 at TP8;
+            default off; ignored otherwise). piece_first_span: that panel and span in column pieces.
         epilogue: what happens to each finished output tile (StoreEpilogue writes out[M, N] to HBM). Any
             NKIObject with the methods
               prepare(plan): once, right after the plan allocates its PSUM accumulators (allocate

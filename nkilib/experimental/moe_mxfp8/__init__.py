@@ -1,7 +1,8 @@
 """MXFP8 Mixture-of-Experts SwiGLU expert backward: routing layout, NumPy references, NKI kernel, PyTorch op.
 
-The NKI kernel is moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki (imported on demand: it needs `nki`). ``moe_swiglu_experts_mxfp8`` and
-``MoESwiGLUExperts`` (moe_bwd_mxfp8_torch.py) are imported lazily, so this package imports without torch.
+The NKI kernel is moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki (imported on demand: it needs `nki`).
+``moe_swiglu_experts_mxfp8`` and ``MoESwiGLUExperts`` (moe_bwd_mxfp8_torch.py) are imported lazily, so this package
+imports without torch.
 """
 from .routing import BlockLayout, build_block_layout, capacity_blocks, validate_topk_ids  # noqa: F401
 

@@ -97,8 +97,9 @@ PASS_C_STAGING_BUFFERS = 3
 PASS_C_RESIDENT_STAGES = 3
 #: Most blocks of one expert whose pass-C operands stay in SBUF (MXFP8): an expert with 2..R blocks reads and
 #: quantizes each of its blocks' rows once per core (moe_bwd_mxfp8_weight_grads.compute_phase3_resident_grads_mxfp8);
-#: a larger one runs windows of R blocks (PASS_C_RESIDENT_WINDOWS) or, beyond them, re-reads its blocks per PSUM group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for
-#: Qwen3-30B-A3B, 8 for GPT-OSS-20B, 7 for the DeepSeek-V3 rank (16 instead of 8: docs/moe.md section 10, round 4).
+#: a larger one runs windows of R blocks (PASS_C_RESIDENT_WINDOWS) or, beyond them, re-reads its blocks per PSUM
+#: group. R is also bounded by PASS_C_RESIDENT_BUDGET_BYTES: R = 16 for Qwen3-30B-A3B, 8 for GPT-OSS-20B, 7 for the
+#: DeepSeek-V3 rank (16 instead of 8: docs/moe.md section 10, round 4).
 PASS_C_RESIDENT_BLOCKS = 16
 #: SBUF bytes per partition for those resident K tiles (R blocks of the moving operand's columns plus R blocks of
 #: one SINGLE_BLOCK_LOAD_WIDTH stationary piece). Modeled (docs/moe.md section 10, rounds 3 and 4) without plan

@@ -32,8 +32,9 @@ class MoeContext(nl.NKIObject):
         self.chunk_panels = None  # pass B's ChunkPanels where the base kernel makes them (moe_bwd_mxfp8_dx.py)
         self.split_panels = None  # pass B's panels made by the I split's pass A (moe_bwd_mxfp8_split_panels.py)
         # pass A's zeroing of a part-filled block's gathered dY / X rows and p: on GpSimd, which generates the gathers'
-        # descriptors next, where VectorE bounds pass A (block-ordered checkpoints: round 16a); with checkpoints gathered
-        # by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's choice stays
+        # descriptors next, where VectorE bounds pass A (block-ordered checkpoints: round 16a); with checkpoints
+        # gathered by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's
+        # choice stays
         self.padding_zero_engine = nisa.engine.gpsimd if checkpoints_blocked else nisa.engine.unknown
 
     def f_pad(self, rows):

@@ -270,8 +270,9 @@ class ChunkPanels(nl.NKIObject):
     the I split under LNC2, by W_down's I-tile groups under LNC1): the first group builds each chunk's panel from the
     bf16 rows (transposes and quantize_mx along 2I) and stores it to this core's range of an HBM scratch
     (store_panel_tiles), the later groups load it (load_panel_tiles: two DMAs) instead of reading, transposing and
-    quantizing the rows again (docs/moe.md section 10, round 22c). Each core writes and reads only its own range (both cores build every chunk's panel: pass B
-    splits H), a group's stores precede the next group's loads of the same rows in program order on that core.
+    quantizing the rows again (docs/moe.md section 10, round 22c). Each core writes and reads only its own range
+    (both cores build every chunk's panel: pass B splits H), a group's stores precede the next group's loads of the
+    same rows in program order on that core.
 
     Dimensions: words [cores x N, B, K tiles x 128] x4, scales [cores x N, B, scale tiles x 128] uint8 (K=2I, the
     layout of ctx.d_gu_mx per core: partition p of a chunk's panel in row r0 + p); groups: this core's resident

@@ -51,7 +51,8 @@ padding-only rows (0/1-trip loops on MoeContext.row_flags). docs/moe.md, section
 
 LNC2 (run_with_lnc2 and a kernel[2] launch): both cores run the same loops over the same register
 bounds, so their run-time trip counts are identical for any routing (divergent dynamic control flow
-across cores is undefined behaviour, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html);
+across cores is undefined behaviour,
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html);
 the work is split on free dimensions:
     A  each core takes one half of every block's rows (ROW_SPLIT_UNIT multiples; in an expert's last block
        with resident weights, its 128 rows of every 256-row unit): it writes only its rows of the scratch
@@ -60,16 +61,16 @@ the work is split on free dimensions:
        and one core's scatter-adds to a token row are issued in block order on that core;
     C  each core takes a half of each weight gradient's output tiles (CoreSplit.ranges).
 The passes are software-pipelined over groups g of G = EXPERTS_PER_FENCE consecutive experts: A(first group), fence,
-then per group g the segment [A(next group's j-th), B(g's j-th), C(g's j-th) for j < G], fence (a core_barrier; none after the
-last group). B(e) and C(e) read scratch rows of expert e written by both cores in A(e), which ran in the
+then per group g the segment [A(next group's j-th), B(g's j-th), C(g's j-th) for j < G], fence (a core_barrier;
+none after the last group). B(e) and C(e) read scratch rows of expert e written by both cores in A(e), which ran in the
 previous segment (or before the first fence) and so before the fence that opens e's segment; inside a segment
 A writes only blocks of the next group's experts and slots of their pairs, B(e) only this core's dX columns,
 C(e) only this core's tiles of expert e's gradients, so no byte is written by two cores or read by one while
 the other writes it, for any routing (blocks are owned by one expert). The W_down exchange's scratch of expert e is
-written (each core its K tiles) a segment before A(e), or before the first fence for the second group. The number of accumulator groups in
-pass C (each a loop) is derived from core 0's (larger) share, so both cores enter the same loops. Use B >= 256 with
-LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in pass A
-(docs/moe.md, section 5, says why the rows and not I are split).
+written (each core its K tiles) a segment before A(e), or before the first fence for the second group. The number
+of accumulator groups in pass C (each a loop) is derived from core 0's (larger) share, so both cores enter the same
+loops. Use B >= 256 with LNC2: a core's share of a B = 128 block is 64 rows, half the PE array's stationary width in
+pass A (docs/moe.md, section 5, says why the rows and not I are split).
 
 MXFP8 on trn3 (quantize_mx + nc_matmul_mx), BF16 on trn2 (nc_matmul) with the same API
 (matmul_precision, default by target); the numerics are reference.py's per precision.

@@ -133,7 +133,8 @@ class XlaMoESwiGLUExperts(torch.autograd.Function):
     """Forward in torch ops on XLA tensors; backward ``moe_backward_mxfp8_nki[lnc]`` on XLA tensors.
 
     Inputs: x2 [T, H], topk_ids / topk_weights [T, k], gate_up_weight [E, 2I, H], down_weight [E, H, I],
-    then the clamps (the four limits and the activation), options (fp8, scheme, precision, scale_rule, wg, block_size, lnc) and keep flags as tuples;
+    then the clamps (the four limits and the activation), options (fp8, scheme, precision, scale_rule, wg, block_size,
+    lnc) and keep flags as tuples;
     gate_up_bias [E, 2I] or None (its gradient: the kernel's gate_up_bias_grad output).
     """
 

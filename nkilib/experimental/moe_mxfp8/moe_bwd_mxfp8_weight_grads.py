@@ -163,7 +163,8 @@ def resident_block_count(ctx, grads, parts=1) -> int:
                 return 0
             for p in range(parts):
                 p_lo, p_hi = _n_part(n_lo, n_hi, (p, parts))
-                widths.append([csz for _, csz in blocks(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)] + [SINGLE_BLOCK_LOAD_WIDTH])
+                widths.append(
+                    [csz for _, csz in blocks(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)] + [SINGLE_BLOCK_LOAD_WIDTH])
 
     def fits(r):
         return all(sum(panel_bytes_per_partition(r * MX_K_TILE, w, ctx.setup) for w in ws)
@@ -224,7 +225,8 @@ class ResidentBlocks(nl.NKIObject):
             tier = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=tier, data1=within[t], data2=within[t - 1], op=nl.subtract)
             self.fits.append(tier)
-        # window_used[w] [1, E] = min(max(nb - w R, 0), 1): the expert has a block in window w (slots w R .. w R + R - 1)
+        # window_used[w] [1, E] = min(max(nb - w R, 0), 1): the expert has a block in window w
+        # (slots w R .. w R + R - 1)
         self.window_used = [None]
         for w in range(1, self.W + 1):
             used = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf)
@@ -424,8 +426,8 @@ def _group_matmuls(ctx, stationary, p0, m_group, n_group, accs):
 
 def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype, R, moving, n_tiles, load):
     """Window w of a windowed expert (window = (w, partial); compute_phase3_resident_grads_mxfp8's moving pieces
-    `moving`, n tiles `n_tiles` and `load`), its output tiles taken n tile by n tile: per stationary piece, one group per
-    n tile of the piece's m tiles (at most SINGLE_BLOCK_LOAD_WIDTH / PARTITIONS accumulators). The moving operand is
+    `moving`, n tiles `n_tiles` and `load`), its output tiles taken n tile by n tile: per stationary piece, one group
+    per n tile of the piece's m tiles (at most SINGLE_BLOCK_LOAD_WIDTH / PARTITIONS accumulators). The moving operand is
     loaded piece by piece (all slots of piece 0, then the stationary piece, then the first group; piece q + 1 once the
     first group on piece q has its slot-0 matmuls and partial-sum adds issued), so a window's first group waits for one
     moving piece's loads instead of all of them (docs/moe.md section 10, round 12a). Each tile's sum is the resident
