@@ -25,6 +25,9 @@ that every path gives mx_exact's bits.
 | on_scalar                             | one carry per tile and boundary; LNC1 and LNC2 == mx_exact        |
 | test_windows_take_groups_n_tile_by_...| windows: groups n tile by n tile, moving operand piece by piece:  |
 |                                       | 2R quantizes before the first matmul; LNC1 and LNC2 == mx_exact   |
+| test_windows_after_the_first_load_    | windows w > 0: the next moving piece's slots split over two       |
+| their_loads_between_the_adds          | groups, a stationary piece's slots 1.. after its first group's    |
+|                                       | adds; LNC1 and LNC2 == mx_exact                                   |
 """
 from __future__ import annotations
 
@@ -449,3 +452,44 @@ def test_windows_take_groups_n_tile_by_n_tile(monkeypatch, lnc):
     first = [in_c[g] for g in matmuls[:2]]
     assert len({o.name for r in first for o in r.writes}) == 2 and all(
         o.shape[-1] == 64 for r in first for o in r.writes), [(o.name, o.shape) for r in first for o in r.writes]
+
+
+def _quantizes_between_add_runs(records):
+    """Per run of partial-sum adds (tensor_tensor into PSUM; a run ends at the next matmul): the quantize_mx issued
+    between the run before it (or the start) and it, in program order."""
+    counts, quantizes, in_run = [], 0, False
+    for r in records:
+        if r.instr == "tensor_tensor" and any(o.buffer == "psum" for o in r.writes):
+            if not in_run:
+                counts.append(quantizes)
+                quantizes, in_run = 0, True
+        elif r.instr == "nc_matmul_mx":
+            in_run = False
+        elif r.instr == "quantize_mx":
+            quantizes += 1
+    return counts
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_windows_after_the_first_load_their_loads_between_the_adds(monkeypatch, lnc):
+    """Round 26c (docs/moe.md section 10): in a window w > 0 each group adds the earlier windows' partial sums on VectorE
+    right after its slot-0 matmuls, in program order with the quantizes issued before it, and its slot-1 matmuls wait
+    for those adds. So the next moving piece's slots load half after the first group on a piece and half after the
+    second, and a stationary piece loads slot 0 before its first group and slots 1.. after that group's adds. R = 2, W =
+    3, n tiles of 64 and load pieces of 256 (H = 320: moving pieces of 4 and 1 n tiles; I = 288: core 0's dW_gu rows in
+    stationary pieces of 256); expert 0 (5 blocks: 2 + 2 + 1) and expert 1 (4: 2 + 2) windowed; LNC1 and LNC2 ==
+    mx_exact. Expert 0's dW_gu window 1 comes first with adds: its first group's adds after moving piece 0 (2
+    quantizes) and the stationary piece's slot 0 (1); then 1 (the stationary slot 1) + 1 (moving piece 1's slot 0)
+    before the second group's adds, 1 (piece 1's slot 1) before the third's, none before the fourth's. On the old code
+    4, then 2 (all of piece 1), 0, 0."""
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
+    in_c = _windowed_pass_c(monkeypatch, lnc, 320, 288, order_seed=29, seed=79, label="window loads between adds")
+    counts = _quantizes_between_add_runs(in_c)
+    # window 1's first quantizes: after window 0's last carry store (into the partial-sum scratch), before its first add
+    first_add = next(g for g, r in enumerate(in_c) if r.instr == "tensor_tensor"
+                     and any(o.buffer == "psum" for o in r.writes))
+    last_carry = max(g for g, r in enumerate(in_c[:first_add]) if r.instr == "dma_copy"
+                     and any(o.name.startswith("moe_bwd_weight_grad_partial") for o in r.writes))
+    assert sum(r.instr == "quantize_mx" for r in in_c[last_carry:first_add]) == 3
+    assert counts[1:4] == [2, 1, 0], counts

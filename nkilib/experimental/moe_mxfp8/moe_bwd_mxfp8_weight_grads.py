@@ -430,7 +430,11 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
     per n tile of the piece's m tiles (at most SINGLE_BLOCK_LOAD_WIDTH / PARTITIONS accumulators). The moving operand is
     loaded piece by piece (all slots of piece 0, then the stationary piece, then the first group; piece q + 1 once the
     first group on piece q has its slot-0 matmuls and partial-sum adds issued), so a window's first group waits for one
-    moving piece's loads instead of all of them (docs/moe.md section 10, round 12a). Each tile's sum is the resident
+    moving piece's loads instead of all of them (docs/moe.md section 10, round 12a). In a window w > 0, whose groups add
+    the partial sums on VectorE right after their slot-0 matmuls, no group's adds queue behind more quantizes than they
+    must (round 26c): piece q + 1's first R / 2 slots load after the first group on piece q and the others after the
+    second (where piece q has two n tiles), and each stationary piece loads slot 0 before its first group and slots 1..
+    after that group's adds. Each tile's sum is the resident
     path's: slot 0 overwrites, the earlier windows' fp32 partial sum is added (w > 0), slots 1.. add, in block order.
     The expert's last window stores its tiles one by one; the others carry them (store_window).
 
@@ -441,16 +445,24 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
     _, (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
     tiles0, pieces0 = blocks(n_lo0, n_hi0, MOE_N_TILE), blocks(n_lo0, n_hi0, SINGLE_BLOCK_LOAD_WIDTH)
     groups = n_tiles + [None] * (len(tiles0) - len(n_tiles))
-    load_after = {next(g for g, (n0, _) in enumerate(tiles0) if n0 >= c0): q + 1 for q, (c0, _) in enumerate(pieces0)
-                  if q + 1 < len(pieces0)}
+    # after group g: [(moving piece, first slot, end slot)]. Where w > 0 VectorE runs each group's partial-sum adds in
+    # program order with the quantizes issued before them, and a group's slot-1 matmuls wait for its adds: piece q + 1's
+    # slots split over the two groups on piece q, so neither group's adds wait for all R of its quantizes (round 26c)
+    load_after = {}
+    for q, (c0, _) in enumerate(pieces0[:-1]):
+        first = next(g for g, (n0, _) in enumerate(tiles0) if n0 >= c0)
+        split = w > 0 and tiles0[first + 1][0] < pieces0[q + 1][0]
+        load_after.setdefault(first, []).append((q + 1, 0, R // 2 if split else R))
+        if split:
+            load_after.setdefault(first + 1, []).append((q + 1, R // 2, R))
 
-    def load_moving(q):
+    def load_moving(q, lo=0, hi=None):
         def body(i, j):
             if q < len(moving):
                 c0, slots = moving[q]
                 load(rhs, i, j, c0, slots, q * R + j)
 
-        ctx.resident.for_slots(e, body, R, w)
+        ctx.resident.for_slots(e, body, R if hi == None else hi, w, first=lo)  # noqa: E711
 
     load_moving(0)
     t = 0
@@ -464,7 +476,9 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
             if stationary != None:  # noqa: E711  (a padding piece: the loop runs, empty)
                 load(lhs, i, j, p0, stationary, j)
 
-        ctx.resident.for_slots(e, load_stationary, R, w)
+        # w > 0: slot 0 only before the first group, slots 1.. after its adds (which would otherwise wait on VectorE
+        # for all R of the piece's quantizes, where its slot-0 matmuls need one)
+        ctx.resident.for_slots(e, load_stationary, 1 if w > 0 else R, w)
         for g, n_tile in enumerate(groups):
             n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
@@ -473,8 +487,11 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
             ctx.resident.for_slots(e, body, 1, w)  # slot 0 overwrites
             if w > 0:
                 add_partial(partial, m_group, n_group, accs)
+                if g == 0:
+                    ctx.resident.for_slots(e, load_stationary, R, w, first=1)
             if s == 0 and g in load_after:
-                load_moving(load_after[g])
+                for q, lo, hi in load_after[g]:
+                    load_moving(q, lo, hi)
             ctx.resident.for_slots(e, body, R, w, first=1)
             n_lo, n_hi = (n_tile[0], n_tile[0] + n_tile[1]) if n_group else (0, 0)
             store_window(ctx, e, w, out, partial, m_group, n_group, accs, n_lo, n_hi, wg_dtype, t)
