@@ -28,8 +28,8 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, spy
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_down_exchange import record_exchange
 

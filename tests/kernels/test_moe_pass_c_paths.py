@@ -44,22 +44,9 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, count_calls, spy
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
-
-
-def _count_calls(monkeypatch, names):
-    calls = {n: 0 for n in names}
-    for n in names:
-        fn = getattr(W, n)
-
-        def counted(*a, _fn=fn, _n=n, **k):
-            calls[_n] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(W, n, counted)
-    return calls
 
 
 def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
@@ -68,7 +55,7 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     I = 160 (a partial last tile). Both multi-block paths run, and LNC1 == LNC2 == mx_exact bit for bit."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)  # no windows: over R streams
-    calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
+    calls = count_calls(monkeypatch, W, ["compute_phase3_resident_grads_mxfp8",
                                        "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 520, 4, 96, 160
     ids = expert_routing([300, 200, 20], shuffle_seed=8)
@@ -90,7 +77,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_TIERS", (2,))
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)
     slots_seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8", lambda ctx, e, *args, **kw: (e, args[-1]))
-    calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 930, 5, 96, 64
     ids = expert_routing([400, 300, 200, 30], shuffle_seed=9)
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, checkpoints=("gate_pre", "up"))
@@ -111,7 +98,7 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     last tile). Bit-exact vs mx_exact (acc = fp32(acc + mm(block)) block by block across windows)."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
-    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
+    calls = count_calls(monkeypatch, W, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
                                        "add_partial"])
     T, E, H, I = 2400, 6, 96, 160
     ids = expert_routing([600, 300, 450, 850, 200], shuffle_seed=12)
@@ -141,7 +128,7 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8",
                lambda ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None:
                (e, slots, part, window != None))  # noqa: E711
-    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 1420, 5, 96, 160
     ids = expert_routing([300, 450, 520, 150], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=59, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
