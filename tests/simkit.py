@@ -369,6 +369,13 @@ def touches(record, name: str, side: str = "reads") -> bool:
     return any(getattr(t, "name", "") == name for t in getattr(record, side))
 
 
+def sbuf_tiles_loaded(records, reads) -> set:
+    """The storage ids of the SBUF tiles written by the dma_copy records among `records` for which reads(record)
+    holds (for instance `lambda r: touches(r, "down_weight")`): which tiles a load's staging ring holds."""
+    return {w.storage_id for r in records if r.instr == "dma_copy" and reads(r) for w in r.writes
+            if w.buffer == "sbuf"}
+
+
 def reads_before_writes(trace, read_name: str, write_name: str, program: int = 0) -> list:
     """For each record of `program` that writes `write_name` (in program order), how many of its records read
     `read_name` before it: an ordering fingerprint of two kinds of instruction in one core's program."""
