@@ -3,8 +3,8 @@
 Model shapes (e.g. Qwen3-8B TP1, K = 2I = 24576) take plans that the small default-suite shapes never
 reach: panels not resident, groups of stationary loads, K-streamed groups with several PSUM
 accumulators, phase 1 without the on-chip d_gate_up path. Shrinking the SBUF budgets (module
-constants of the matmul plan layer, nkilib.core.matmul.plan) routes small shapes through those plans; outputs must still equal
-`mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
+constants of the matmul plan layer, nkilib.core.matmul.plan) routes small shapes through those plans; outputs must still
+equal `mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
 """
 import pytest
 
