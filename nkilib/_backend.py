@@ -47,8 +47,8 @@ def select_backend() -> str:
         log.info("nkilib backend: Neuron nki from %s", sys.modules["nki"].__file__)
         return "neuron"
     if mode == "0":
-        raise ImportError(f"NKILIB_SIMULATOR=0 forbids the bundled simulator, but the Neuron nki is unusable: {problem}. "
-                          "Install neuronx-cc from the Neuron SDK or unset NKILIB_SIMULATOR.")
+        raise ImportError(f"NKILIB_SIMULATOR=0 forbids the bundled simulator, but the Neuron nki is unusable: "
+                          f"{problem}. Install neuronx-cc from the Neuron SDK or unset NKILIB_SIMULATOR.")
     for name in simulator.MODULE_NAMES:
         sys.modules.pop(name, None)
     simulator.install()

@@ -53,22 +53,14 @@ def expert_routing(counts, experts=None, shuffle_seed=None) -> np.ndarray:
     return ids[np.random.default_rng(shuffle_seed).permutation(ids.shape[0])]
 
 
-def spy(monkeypatch, owner, name, key=lambda *args, **kwargs: args, into=None) -> list:
-    """Record every call of owner.name (a module's function or a class's method) and call through to it.
+def core_of_self(self, *args, **kwargs) -> int:
+    """The LNC core of a call of a kernel object's method (its self.ctx.split): simkit.spy_per_core's `core`."""
+    return self.ctx.split.shard_id
 
-    Each call appends key(*args, **kwargs) (its arguments as the caller passed them; a method's first is self) to the
-    returned list, `into` when given (several spies filling one list in call order), then returns the original's
-    result for the same arguments. monkeypatch restores owner.name after the test.
-    """
-    calls = [] if into is None else into
-    original = getattr(owner, name)
 
-    def recorder(*args, **kwargs):
-        calls.append(key(*args, **kwargs))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, recorder)
-    return calls
+def core_of_ctx(ctx, *args, **kwargs) -> int:
+    """The LNC core of a call of a kernel function taking the kernel context first: simkit.spy_per_core's `core`."""
+    return ctx.split.shard_id
 
 
 def moe_inputs(topk_ids: np.ndarray, num_experts: int, H: int = 64, I: int = 32, seed: int = 0) -> dict:

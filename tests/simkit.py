@@ -177,6 +177,87 @@ MLP_CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 _MLP_REF_OPTIONS = ("clamp_limits", "quant_scheme", "matmul_precision", "weight_grad_dtype")
 
 
+def _record_calls(monkeypatch, owner, name, before=None, after=None) -> None:
+    """Replace owner.name by a wrapper that calls before(*args, **kwargs), the original with the same arguments, then
+    after(result, *args, **kwargs), and returns the result (before: events in the order the calls begin, an outer
+    call's before the calls it makes); monkeypatch restores owner.name after the test."""
+    original = getattr(owner, name)
+
+    def recorder(*args, **kwargs):
+        if before is not None:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after is not None:
+            after(result, *args, **kwargs)
+        return result
+
+    monkeypatch.setattr(owner, name, recorder)
+
+
+def spy(monkeypatch, owner, name, key=lambda *args, **kwargs: args, into=None) -> list:
+    """Record every call of owner.name (a module's function or a class's method) and call through to it.
+
+    Each call appends key(*args, **kwargs) (its arguments as the caller passed them; a method's first is self) to the
+    returned list, `into` when given (several spies filling one list in call order), then returns the original's
+    result for the same arguments; a key of None records nothing (a filter). monkeypatch restores owner.name after
+    the test.
+    """
+    calls = [] if into is None else into
+
+    def record(*args, **kwargs):
+        event = key(*args, **kwargs)
+        if event is not None:
+            calls.append(event)
+
+    _record_calls(monkeypatch, owner, name, before=record)
+    return calls
+
+
+def count_calls(monkeypatch, owner, names) -> dict:
+    """Count the calls of owner.name for each name in names, calling through (as spy does).
+
+    Returns the dict name -> calls so far, updated as the calls run (compare it whole: `counts == {...}`).
+    """
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        def bump(*args, _name=name, **kwargs):
+            counts[_name] += 1
+
+        _record_calls(monkeypatch, owner, name, before=bump)
+    return counts
+
+
+def spy_per_core(monkeypatch, owner, name, core, key=lambda *args, **kwargs: args, into=None) -> dict:
+    """spy with one list per LNC core: each call appends key(*args, **kwargs) to events[core(*args, **kwargs)].
+
+    The kernel traces once per core, so each list holds that core's calls in its program order. core names the call's
+    core from its arguments (core_of_self, core_of_ctx or a lambda). Returns the dict
+    core -> [key], `into` when given (several spies interleaving their events per core); a key of None records
+    nothing.
+    """
+    events = {} if into is None else into
+
+    def record(*args, **kwargs):
+        event = key(*args, **kwargs)
+        if event is not None:
+            events.setdefault(core(*args, **kwargs), []).append(event)
+
+    _record_calls(monkeypatch, owner, name, before=record)
+    return events
+
+
+def spy_results(monkeypatch, owner, name, key) -> dict:
+    """Record what each call of owner.name returns: results[key(*args, **kwargs)] = its result (the last call's for a
+    key), for a test that checks a later call takes that very object. Calls through like spy."""
+    results = {}
+
+    def record(result, *args, **kwargs):
+        results[key(*args, **kwargs)] = result
+
+    _record_calls(monkeypatch, owner, name, after=record)
+    return results
+
+
 def mlp_inputs(S: int, H: int, I: int, seed: int, kind: str = "normal") -> dict:
     """Seeded bf16 inputs of the MLP backward: dY, X [S, H], W_down [H, I], W_gu [2I, H].
 
@@ -286,6 +367,13 @@ def assert_outputs_identical(a, b, what: str = "") -> None:
 def touches(record, name: str, side: str = "reads") -> bool:
     """Whether a trace record reads (side "reads") or writes ("writes") the tensor named `name`."""
     return any(getattr(t, "name", "") == name for t in getattr(record, side))
+
+
+def sbuf_tiles_loaded(records, reads) -> set:
+    """The storage ids of the SBUF tiles written by the dma_copy records among `records` for which reads(record)
+    holds (for instance `lambda r: touches(r, "down_weight")`): which tiles a load's staging ring holds."""
+    return {w.storage_id for r in records if r.instr == "dma_copy" and reads(r) for w in r.writes
+            if w.buffer == "sbuf"}
 
 
 def reads_before_writes(trace, read_name: str, write_name: str, program: int = 0) -> list:

@@ -296,6 +296,5 @@ def to_weight_grad(v: np.ndarray, mode: str, wg_dtype: np.dtype) -> np.ndarray:
 
 def reference_options(mode, fp8_dtype, quant_scheme, matmul_precision):
     """(mode, fp8 format name, quant scheme, matmul precision), each validated (errors name the option)."""
-    return check_mode(mode), options.fp8_format(fp8_dtype), options.quant_scheme(quant_scheme), options.matmul_precision(
-        matmul_precision
-    )
+    return (check_mode(mode), options.fp8_format(fp8_dtype), options.quant_scheme(quant_scheme),
+            options.matmul_precision(matmul_precision))

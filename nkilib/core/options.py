@@ -139,8 +139,8 @@ def clamp_values(clamp_limits, what: str = "clamp_limits", fail=host_fail) -> tu
     """(non_linear_lower, non_linear_upper, linear_lower, linear_upper) as floats or None (no bound).
 
     clamp_limits: None, a ClampLimits (or any object with those four attributes) or a dict with a
-    subset of those keys (and optionally "activation", checked by clamp_activation). Each bound is a real number (not bool, not NaN) or None, and each lower bound
-    is smaller than its upper bound.
+    subset of those keys (and optionally "activation", checked by clamp_activation). Each bound is a real number (not
+    bool, not NaN) or None, and each lower bound is smaller than its upper bound.
     """
     if clamp_limits == None:  # noqa: E711
         return (None, None, None, None)

@@ -126,11 +126,11 @@ class MaskComparison(nl.NKIObject):
     def apply(self, dst, product):
         """dst = product * (x op limit): one scalar_tensor_tensor on VectorE (its only engine),
         fp32((x op limit) * product), where the comparison gives fp32 1.0 or 0.0 (an arithmetic operator of
-        "Supported Math Operators", https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html;
+        "Supported Math Operators",
+        https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html;
         https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
-        the bits of tensor_tensor(product, mask), the comparison being clamp_and_mask's tensor_scalar on the same
-        x and limit (exact in fp32; NaN compares false: 0) and an fp32 multiply commuting; the one rounding is
-        dst's."""
+        the bits of tensor_tensor(product, mask), the comparison being clamp_and_mask's tensor_scalar on the same x and
+        limit (exact in fp32; NaN compares false: 0) and an fp32 multiply commuting; the one rounding is dst's."""
         nisa.scalar_tensor_tensor(dst=dst, data=self.x, op0=self.op, operand0=self.limit, op1=nl.multiply,
                                   operand1=product)
 

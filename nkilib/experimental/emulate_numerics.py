@@ -89,9 +89,9 @@ from ..core import options
 from ..core.matmul.constants import BF16_K_TILE, MX_GROUP, MX_K_ALIGN, MX_K_TILE
 from ..core.options import check_choice
 from ..mx import SCALE_NAN_BYTE, SCALE_RULES, element_format, group_positions
-from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fast import EMULATE_GEMMS, fast_gemm, resolve_gemm  # noqa: F401
-from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fused import (FUSED_QUANTIZER_MODES, f32_fraction_bits,  # noqa: F401
-                                                                  fused_quantizer_for, set_fused_quantizer)
+from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fast import fast_gemm, resolve_gemm
+from .mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_emulate_fused import (  # noqa: F401
+    FUSED_QUANTIZER_MODES, f32_fraction_bits, fused_quantizer_for, set_fused_quantizer)
 
 __all__ = [
     "FP8_DTYPES",

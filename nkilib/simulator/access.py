@@ -32,9 +32,9 @@ def cast_values(values: np.ndarray, dtype: NkiDType, np_dtype: np.dtype) -> np.n
     release notes).
 
     Floats: round-to-nearest-even via ml_dtypes. Overflow into fp8 follows ml_dtypes (Inf for
-    e5m2/e4m3, NaN for e4m3fn): our choice, undocumented (docs/simulator.md#choice-fp8-overflow). tfloat32: RNE to 10 mantissa bits.
-    Integers: RNE then saturate to the destination range (0.6.0 simulator fix, 2.32 release notes); NaN -> 0.
-    Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
+    e5m2/e4m3, NaN for e4m3fn): our choice, undocumented (docs/simulator.md#choice-fp8-overflow). tfloat32: RNE to 10
+    mantissa bits. Integers: RNE then saturate to the destination range (0.6.0 simulator fix, 2.32 release notes); NaN
+    -> 0. Values already in the storage dtype are written unchanged: same-dtype copies (dma_copy,
     tensor_copy, transpose mode) are bit-exact, NaN payloads included (tensor_copy / dma_copy pages);
     a float round trip through fp32 would canonicalise NaN payloads.
     """
@@ -165,7 +165,8 @@ def checked_write(view: NkiTensor, instr: str, arg: str, values, matmul: bool = 
         if st.written is not None:
             view.byte_mask_view(st.written)[...] = True
     else:
-        view.byte_mask_view(st.materialize_written())[...] = np.asarray(written, np.bool_).reshape(view.shape)[..., None]
+        view.byte_mask_view(st.materialize_written())[...] = \
+            np.asarray(written, np.bool_).reshape(view.shape)[..., None]
     if matmul and st.mm_written is not None:
         view.byte_mask_view(st.mm_written)[...] = True
 

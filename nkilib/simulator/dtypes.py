@@ -1,4 +1,5 @@
-"""NKI dtypes ("Supported Data Types" of https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html).
+"""NKI dtypes ("Supported Data Types" of
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html).
 
 Each `nl.<dtype>` is an `NkiDType`, a `str` subclass equal to its name (`nl.float32 == "float32"`,
 INFERRED from `DType = str` in https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/_modules/nki/language.html;

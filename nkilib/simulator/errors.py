@@ -2,8 +2,8 @@
 
 `NkiValidationError` is the documented exception type of `nki.isa` ("raised when hardware
 constraints are violated",
-https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html). Every stricter check this simulator adds derives
-from it so that `pytest.raises(nisa.NkiValidationError)` catches all of them.
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.isa.html). Every stricter check this simulator adds
+derives from it so that `pytest.raises(nisa.NkiValidationError)` catches all of them.
 """
 
 

@@ -2,25 +2,35 @@
 
 Every number carries its source as a tag; the tags are public Neuron documentation pages:
 
-| tag | page |
-|---|---|
-| [LEGACY] | Beta-1 API pages with "Estimated instruction cost" formulas (the last to publish them), e.g. https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html (same URL per instruction) |
-| [MATMUL] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html |
-| [MATMULMX] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html |
-| [QMX] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html |
-| [DMAT] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_transpose.html |
-| [TRN1] | Trainium/Inferentia2 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium_inferentia2_arch.html |
-| [TRN2] | Trainium2 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html |
-| [TRN3] | Trainium3 architecture guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium3_arch.html |
-| [PERF] | NKI performance guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki_perf_guide.html |
-| [DMA] | DMA overview: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/nki-dma-overview.html |
-| [DMABW] | DMA bandwidth guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html |
-| [DGE] | DGE reference: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dge.html |
-| [CHIP2] / [CHIP3] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-hardware/trainium2.html, .../trainium3.html |
-| [LNCdoc] | https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-features/logical-neuroncore-config.html |
-| [STT07] | NKI 0.7 (SDK 2.33) scalar_tensor_tensor, with reduce_res: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html |
-| [TSR07] | NKI 0.7 (SDK 2.33) tensor_scalar_reduce: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html |
-| [SIM] | NKI CPU simulator guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html |
+- [LEGACY] Beta-1 API pages with "Estimated instruction cost" formulas (the last to publish them; the same URL per
+  instruction), e.g. https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html
+- [MATMUL] https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul.html
+- [MATMULMX] https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_matmul_mx.html
+- [QMX] https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.quantize_mx.html
+- [DMAT] https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_transpose.html
+- [TRN1] Trainium/Inferentia2 architecture guide:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium_inferentia2_arch.html
+- [TRN2] Trainium2 architecture guide:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium2_arch.html
+- [TRN3] Trainium3 architecture guide:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/architecture/trainium3_arch.html
+- [PERF] NKI performance guide:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki_perf_guide.html
+- [DMA] DMA overview:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/nki-dma-overview.html
+- [DMABW] DMA bandwidth guide:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html
+- [DGE] DGE reference: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dge.html
+- [CHIP2] / [CHIP3] Trainium2 / Trainium3 hardware pages:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-hardware/trainium2.html,
+  .../trainium3.html
+- [LNCdoc] Logical NeuronCore configuration (the one URL longer than a line):
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/about-neuron/arch/neuron-features/logical-neuroncore-config.html
+- [STT07] NKI 0.7 (SDK 2.33) scalar_tensor_tensor, with reduce_res:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html
+- [TSR07] NKI 0.7 (SDK 2.33) tensor_scalar_reduce:
+  https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html
+- [SIM] NKI CPU simulator guide: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html
 
 INFERRED marks a number we derived (the reasoning is given); ESTIMATE marks a number the docs do not
 give, with the range we believe and why. The cost model (nkilib/simulator/cost/) reads its engine
@@ -65,7 +75,8 @@ class TargetSpec:
     hbm_bytes_per_s_per_chip: float
     dma_engines_per_core: int
     dma_bytes_per_s_per_engine: float
-    # ---- cost model (nkilib/simulator/cost); every value below carries its source at the TRN2/TRN3 definitions ----
+    # ---- cost model (nkilib/simulator/cost); every value below carries its source where it is set: in
+    # _SHARED_COST_MODEL (both targets) or at the TRN2/TRN3 definitions ----
     dma_theoretical_bytes_per_s_per_engine: float  # peak of one DMA engine (descriptor overhead excluded)
     dma_payload_full_rate_bytes: int  # contiguous bytes per descriptor at which an engine sustains its rate
     dma_partitions_per_engine: int  # a transfer is split over up to 16 engines, ~8 SBUF partitions each
@@ -133,6 +144,35 @@ class TargetSpec:
     vector_reduce_separate_pass: bool = False
 
 
+# The cost model's numbers that the two targets share (the same documented figures for NC-v3 and NC-v4).
+_SHARED_COST_MODEL = dict(
+    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW].
+    dma_payload_full_rate_bytes=4096,
+    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA].
+    dma_partitions_per_engine=8,
+    # 16 DMA queues per engine, FIFO within a queue [DMA]: up to 16 DMAs in flight per core.
+    dma_queues_per_core=16,
+    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW].
+    dma_fixed_latency_s=1.3e-6,
+    # hwdge transpose needs src.shape[0] == 16 [DMAT]: each partition receives 16-element pieces.
+    dma_transpose_block_elems=16,
+    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc].
+    hbm_stacks_per_chip=4,
+    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY].
+    min_ii_cycles=64,
+    matmul_min_cycles=64,
+    matmul_fp32_factor=4,
+    # "LoadStationary up to 4x faster than MM of equal free size" [PERF]: a [K, M]
+    # stationary costs M/4 cycles; INFERRED not hidden behind the previous MultiplyMoving.
+    matmul_stationary_load_speedup=4,
+    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1].
+    engine_access_overhead_cycles=60,
+    # GPSIMD_START ~= 150 cycles [LEGACY].
+    gpsimd_start_cycles=150,
+    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency [DMA].
+    barrier_latency_s=1.3e-6,
+)
+
 # NeuronCore-v3 (Trainium2). SBUF 128 x 224 KiB, PSUM 128 x 16 KiB = 8 banks x 2 KiB [TRN2].
 # Matmul moving free <= 512 on v2/v3 = one fp32 PSUM bank; fp32 dst only [MATMUL].
 # TensorE 2.4 GHz; VectorE 0.96 GHz; ScalarE/GpSimd 1.2 GHz [TRN2].
@@ -159,31 +199,7 @@ TRN2 = TargetSpec(
     # 27.2 GB/s theoretical per engine (NC-v2/v3) [DMA].
     dma_theoretical_bytes_per_s_per_engine=27.2e9,
     # cost model ------------------------------------------------------------------------------
-    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW].
-    dma_payload_full_rate_bytes=4096,
-    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA].
-    dma_partitions_per_engine=8,
-    # 16 DMA queues per engine, FIFO within a queue [DMA]: up to 16 DMAs in flight per core.
-    dma_queues_per_core=16,
-    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW].
-    dma_fixed_latency_s=1.3e-6,
-    # hwdge transpose needs src.shape[0] == 16 [DMAT]: each partition receives 16-element pieces.
-    dma_transpose_block_elems=16,
-    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc].
-    hbm_stacks_per_chip=4,
-    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY].
-    min_ii_cycles=64,
-    matmul_min_cycles=64,
-    matmul_fp32_factor=4,
-    # "LoadStationary up to 4x faster than MM of equal free size" [PERF]: a [K, M]
-    # stationary costs M/4 cycles; INFERRED not hidden behind the previous MultiplyMoving.
-    matmul_stationary_load_speedup=4,
-    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1].
-    engine_access_overhead_cycles=60,
-    # GPSIMD_START ~= 150 cycles [LEGACY].
-    gpsimd_start_cycles=150,
-    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency [DMA].
-    barrier_latency_s=1.3e-6,
+    **_SHARED_COST_MODEL,
     # VectorE perf modes 2x/4x BF16 [TRN2]; ScalarE 2x mode is NC-v4 only [TRN3].
     vector_fast_modes=True,
     scalar_fast_modes=False,
@@ -192,10 +208,10 @@ TRN2 = TargetSpec(
     kernel_launch_overhead_s=KERNEL_LAUNCH_OVERHEAD_S,
 )
 
-# NeuronCore-v4 (Trainium3). SBUF 32 MiB -> 128 x 256 KiB (INFERRED by division: [TRN3] gives 32 MiB per core, no per-partition figure);
-# PSUM same as v3. nc_matmul(_mx) moving free <= 4096 fp32 / 8192 bf16 dst ([MATMUL], [MATMULMX] 2.31+,
-# the larger limit of the newest docs is enforced). TensorE 2.4 GHz, VectorE/ScalarE/GpSimd 1.2 GHz [TRN3].
-# HBM 4.7 TB/s ([TRN3]; [CHIP3] says 4.9 — the lower figure is used); 16 DMA engines at 33 B/ns [DMABW].
+# NeuronCore-v4 (Trainium3). SBUF 32 MiB -> 128 x 256 KiB (INFERRED by division: [TRN3] gives 32 MiB per core, no
+# per-partition figure); PSUM same as v3. nc_matmul(_mx) moving free <= 4096 fp32 / 8192 bf16 dst ([MATMUL],
+# [MATMULMX] 2.31+, the larger limit of the newest docs is enforced). TensorE 2.4 GHz, VectorE/ScalarE/GpSimd 1.2 GHz
+# [TRN3]. HBM 4.7 TB/s ([TRN3]; [CHIP3] says 4.9 — the lower figure is used); 16 DMA engines at 33 B/ns [DMABW].
 TRN3 = TargetSpec(
     name="trn3",
     nc_version=4,
@@ -217,31 +233,7 @@ TRN3 = TargetSpec(
     # 38.4 GB/s theoretical per engine (NC-v4) [DMA].
     dma_theoretical_bytes_per_s_per_engine=38.4e9,
     # cost model ------------------------------------------------------------------------------
-    # DMA payload rule: >= 4 KiB contiguous per descriptor "to sustain peak" [DMABW].
-    dma_payload_full_rate_bytes=4096,
-    # "each transfer is split over up to 16 engines, ~8 SBUF partitions per engine" [DMA].
-    dma_partitions_per_engine=8,
-    # 16 DMA queues per engine, FIFO within a queue [DMA]: up to 16 DMAs in flight per core.
-    dma_queues_per_core=16,
-    # "~1300 ns semaphore-to-start latency per transfer across engines" [DMA], [DMABW].
-    dma_fixed_latency_s=1.3e-6,
-    # hwdge transpose needs src.shape[0] == 16 [DMAT]: each partition receives 16-element pieces.
-    dma_transpose_block_elems=16,
-    # 4 HBM stacks per chip; an LNC2 pair shares one stack [LNCdoc].
-    hbm_stacks_per_chip=4,
-    # MIN_II ~= 64 cycles; MM_INIT_LATENCY = 64; fp32 matmul ~4x slower [LEGACY].
-    min_ii_cycles=64,
-    matmul_min_cycles=64,
-    matmul_fp32_factor=4,
-    # "LoadStationary up to 4x faster than MM of equal free size" [PERF]: a [K, M]
-    # stationary costs M/4 cycles; INFERRED not hidden behind the previous MultiplyMoving.
-    matmul_stationary_load_speedup=4,
-    # "SBUF/PSUM access-initiation overhead ~60 cycles (v2)" [TRN1].
-    engine_access_overhead_cycles=60,
-    # GPSIMD_START ~= 150 cycles [LEGACY].
-    gpsimd_start_cycles=150,
-    # core_barrier: INFERRED one semaphore round trip through shared HBM ~ the DMA start latency [DMA].
-    barrier_latency_s=1.3e-6,
+    **_SHARED_COST_MODEL,
     # VectorE perf modes [TRN2] carried to v4; ScalarE 2x BF16 tensor_copy/tensor_scalar [TRN3].
     vector_fast_modes=True,
     scalar_fast_modes=True,

@@ -58,7 +58,8 @@ def _is_torch(x) -> bool:
     return mod.startswith("torch") and hasattr(x, "detach")
 
 
-_TORCH_VIEW = {"torch.bfloat16": ("int16", ml_dtypes.bfloat16), "torch.float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+_TORCH_VIEW = {"torch.bfloat16": ("int16", ml_dtypes.bfloat16),
+               "torch.float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
                "torch.float8_e5m2": ("uint8", ml_dtypes.float8_e5m2)}
 
 
@@ -113,7 +114,8 @@ def _to_output(value, inputs_by_storage, strict: bool, numerics: bool):
         ok = value.written_elements()
         if not ok.all():
             raise UninitializedReadError(
-                f"kernel output '{value.name}' has {int((~ok).sum())} of {ok.size} elements never written by the kernel")
+                f"kernel output '{value.name}' has {int((~ok).sum())} of {ok.size} elements never written by the "
+                "kernel")
     if not numerics:
         return None
     out = value._np().copy()
@@ -146,8 +148,9 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
             "call sub-kernels as plain functions "
             "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)")
     if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc not in (1, 2):
-        raise NkiValidationError(f"LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} "
-                                 "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)")
+        raise NkiValidationError(
+            f"LNC degree must be 1 or 2 on Trn2/Trn3, got {lnc!r} "
+            "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)")
     settings = current_settings()
     buffer_kind = "shared_hbm" if lnc > 1 else "private_hbm"
     try:
@@ -164,7 +167,8 @@ def run_kernel(fn, args=(), kwargs=None, lnc: int = 1, grid_ndim: int = 1, trace
             value = _torch_to_numpy(value)
         if isinstance(value, ShapeSpec):
             if numerics:
-                raise NkiValidationError(f"kernel argument '{name}': ShapeSpec inputs need numerics=False (shape-only run)")
+                raise NkiValidationError(f"kernel argument '{name}': ShapeSpec inputs need numerics=False "
+                                         "(shape-only run)")
             t = _spec_tensor(value, name, buffer_kind, settings)
             inputs_by_storage[t.storage.id] = t.storage
             return t

@@ -137,7 +137,8 @@ class NkiTensor:
         return self._vector_index is not None
 
     def __bool__(self):
-        raise NkiValidationError(f"the truth value of tensor '{self.name}' is a runtime value; use a compile-time condition")
+        raise NkiValidationError(f"the truth value of tensor '{self.name}' is a runtime value; "
+                                 "use a compile-time condition")
 
     # ---- geometry ----
     def _elem_count_storage(self) -> int:
@@ -212,8 +213,9 @@ class NkiTensor:
                 f"tensor '{self.name}'.reshape_dim: dim {dim} is out of range for shape {self.shape}")
         dim %= self.ndim
         n = self.shape[dim]
+        wanted = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
         sizes = _resolve_sizes(shape, n, f"tensor '{self.name}'.reshape_dim",
-                               f"cannot split dim {dim} of size {n} into {tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)}")
+                               f"cannot split dim {dim} of size {n} into {wanted}")
         if self.on_chip and dim == 0 and len(sizes) != 1:
             raise NkiValidationError(
                 f"tensor '{self.name}'.reshape_dim: the partition dim of an on-chip tensor cannot be split, "
@@ -334,9 +336,11 @@ class NkiTensor:
 
     def select(self, dim, index):
         if not isinstance(index, int):
-            raise NkiValidationError(f"tensor '{self.name}'.select: only static int indices are simulated, got {index!r}")
+            raise NkiValidationError(f"tensor '{self.name}'.select: only static int indices are simulated, "
+                                     f"got {index!r}")
         if self.on_chip and dim == 0:
-            raise NkiValidationError(f"tensor '{self.name}'.select: cannot remove the partition dim of an on-chip tensor")
+            raise NkiValidationError(f"tensor '{self.name}'.select: cannot remove the partition dim of an "
+                                     "on-chip tensor")
         key = [slice(None)] * self.ndim
         key[dim] = index
         return self[tuple(key)]
@@ -451,7 +455,8 @@ class NkiTensor:
             _check_widened(self._storage, new, f"tensor '{self.name}'.ap")
         pairs = [tuple(p) for p in pattern]
         if not pairs or any(len(p) != 2 for p in pairs):
-            raise NkiValidationError(f"tensor '{self.name}'.ap: pattern must be a list of [step, num] pairs, got {pattern!r}")
+            raise NkiValidationError(f"tensor '{self.name}'.ap: pattern must be a list of [step, num] pairs, "
+                                     f"got {pattern!r}")
         steps = [int(p[0]) for p in pairs]
         nums = [int(p[1]) for p in pairs]
         new_isz = new.storage_np(True).itemsize if new != self._storage.dtype else self._storage.np_dtype.itemsize
@@ -482,7 +487,8 @@ class NkiTensor:
                     f"of the storage (in {new} elements), got {steps[0]}; strided partition access is illegal "
                     f"({_APS_URL})")
             if len(nums) < 2:
-                raise NkiValidationError(f"tensor '{self.name}'.ap: on-chip patterns need a partition pair and >= 1 free pair")
+                raise NkiValidationError(f"tensor '{self.name}'.ap: on-chip patterns need a partition pair and "
+                                         ">= 1 free pair")
             free = merged_free_dims(list(zip(nums[1:], steps[1:])))
             if free > MAX_FREE_DIMS:
                 raise NkiValidationError(

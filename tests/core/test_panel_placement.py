@@ -6,12 +6,14 @@ is covered by tests/kernels.
 """
 
 import nki.language as nl
+import numpy as np
 import pytest
 from nkilib.core.matmul import MatmulSetup, PanelPlacement, TensorDescriptor, load_panel
 from nkilib.core.matmul import panel_builder
 from nkilib.core.matmul.panels import PanelGroupBlock
+from nkilib.core.numerics import contract_mm
 from nkilib.simulator.launcher import run_kernel
-from simkit import BF16, randn
+from simkit import BF16, assert_outputs_identical, matmul_panels_to_hbm, randn
 
 MX = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 K, F = 2048, 64  # four MXFP8 K tiles of [128, 64] x4 words: 256 bytes per partition each
@@ -79,20 +81,23 @@ def test_into_refuses_a_bf16_setup():
         run_kernel(kernel, args=(randn(0, (K, F), BF16),))
 
 
-def _column_pieces_run(quantize_columns):
-    """(out, trace) of a [K=1024, M=64] stationary panel times a [K, N=128] moving panel whose two K tiles are
-    quantized in `quantize_columns` column pieces (load_panel; K=1024, M=64, N=128)."""
-    import numpy as np
-    from simkit import matmul_panels_to_hbm
+def _column_pieces_inputs():
+    """(a [K=1024, M=64], b [K, N=128]) bf16, b's columns [64, 128) scaled by 1024 so that the pieces' MX groups take
+    other scales than the first columns'."""
+    b = randn(32, (1024, 128), BF16)
+    b[:, 64:] *= 1024
+    return randn(31, (1024, 64), BF16), b
 
+
+def _column_pieces_run(quantize_columns):
+    """(out [M=64, N=128], trace) of _column_pieces_inputs' stationary panel a times its moving panel b, whose two K
+    tiles are quantized in `quantize_columns` column pieces (load_panel)."""
     def kernel(a, b):
         stationary = load_panel(TensorDescriptor(a, k_axis=0), 0, 64, 64, MX)
         moving = load_panel(TensorDescriptor(b, k_axis=0), 0, 128, 128, MX, quantize_columns=quantize_columns)
         return matmul_panels_to_hbm(stationary, moving, MX, 64, 128)  # K=1024, M=64, N=128
 
-    b = randn(32, (1024, 128), BF16)
-    b[:, 64:] *= 1024  # the pieces' MX groups take other scales than the first columns'
-    res = run_kernel(kernel, args=(randn(31, (1024, 64), BF16), b), trace=True)
+    res = run_kernel(kernel, args=_column_pieces_inputs(), trace=True)
     return np.asarray(res.outputs[0] if isinstance(res.outputs, tuple) else res.outputs), res.trace
 
 
@@ -101,14 +106,10 @@ def test_quantize_columns_quantizes_each_k_tile_in_column_pieces_with_the_same_b
     the moving panel is quantized in two column pieces, [0, 64) then [64, 128) of its words and scales, and the
     product is bit-identical to the whole-tile quantize's (MX groups run along K, never across columns); a piece that
     read or wrote the wrong columns changes the product. The stationary panel stays whole."""
-    from nkilib.core.numerics import contract_mm
-    from simkit import assert_outputs_identical
-
     got, trace = _column_pieces_run(2)
     want, trace_whole = _column_pieces_run(1)
     assert_outputs_identical((got,), (want,), "quantize_columns=2 vs 1")
-    a, b = randn(31, (1024, 64), BF16), randn(32, (1024, 128), BF16)
-    b[:, 64:] *= 1024
+    a, b = _column_pieces_inputs()
     assert_outputs_identical((got,), (contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32"),), "vs contract_mm")
 
     def moving_quantizes(records):  # (columns written, first column in its K tile) of the moving panel's quantize_mx

@@ -98,7 +98,8 @@ def test_quick_study_smoke(tmp_path):
         assert r.executed_matmul_flops == pytest.approx(r.useful_flops * (1 + r.padding["padding_overhead"]))
         c, p = r.scenarios["central"], r.scenarios["pessimistic"]
         assert not r.refused and 0 < c["modeled_time_s"] < p["modeled_time_s"]
-        assert c["mfu"] == pytest.approx(r.useful_flops / (c["modeled_time_s"] * 4 * 2 * 2 * 128 * 128 * 2.4e9), rel=1e-6)
+        assert c["mfu"] == pytest.approx(r.useful_flops / (c["modeled_time_s"] * 4 * 2 * 2 * 128 * 128 * 2.4e9),
+                                         rel=1e-6)
         assert r.dense["central"]["modeled_time_s"] > 0
     assert zipf.expert_load["max_over_mean"] > 1.5 and zipf.padding["used_blocks"] > 8
     with open(tmp_path / "moe_bwd_study.json") as f:

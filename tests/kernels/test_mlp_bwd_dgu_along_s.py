@@ -165,6 +165,30 @@ def test_last_s_tile_gate_products_first_and_its_staging_copy_on_swdge(lnc):
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
 
 
+def _phase_labelled_runs(S, H, I, seed):
+    """[(lnc, RunResult)] of the kernel on LNC1 and LNC2 with every checkpoint given, its trace's records labelled by
+    phase (attrs["phase"]); asserts each run's outputs == mx_exact and LNC1's == LNC2's bit for bit first.
+
+    Dimensions: output_grad / hidden_states [S, H], down_proj_weight [H, I], gate_up_weights [2I, H] (mlp_inputs).
+    """
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+    from nkilib.simulator.trace import label_phases
+
+    inp = mlp_inputs(S, H, I, seed=seed)
+    inp = {**inp, **mlp_checkpoints(inp)}
+    reference = mlp_reference(inp)
+    runs = []
+    for lnc in (1, 2):
+        with label_phases(kernel_module, PHASES):
+            runs.append((lnc, run_mlp(inp, lnc=lnc, trace=True)))
+        measured = assert_matches_mx_exact(runs[-1][1].outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), (lnc, measured)
+    for a, b in zip(runs[0][1].outputs, runs[1][1].outputs):
+        assert a.tobytes() == b.tobytes()
+    return runs
+
+
 def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
     """Where phase 1 spreads its along-S quantize (TP8: two n blocks, a 24 KiB staging tile), the last S tile's phase-2
     stationary panel is transposed in phase 1's finish() as before but quantized when phase 2 first reads it
@@ -178,19 +202,9 @@ def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
     quantized before the first W_gu quantize: fails there. S = 1024, H = 4096, I = 1536: four m tiles per core under
     LNC2, six K tiles (2I = 3072) per panel. Bit-exact against mx_exact on LNC1 and LNC2 (the same quantize_mx of the
     same staged K tiles, later in program order)."""
-    from nkilib.examples.mlp_backward_cost import PHASES
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
-    from nkilib.simulator.trace import label_phases
-
     S, H, I = 1024, 4096, 1536
     k_tiles = 2 * I // 512
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 22)
-    inp = {**inp, **mlp_checkpoints(inp)}
-    reference = mlp_reference(inp)
-    outputs = []
-    for lnc in (1, 2):
-        with label_phases(kernel_module, PHASES):
-            res = run_mlp(inp, lnc=lnc, trace=True)
+    for lnc, res in _phase_labelled_runs(S, H, I, seed=S + H + I + 22):
         for p in range(lnc):
             records = [r for r in res.trace if r.program == p]
             phase = [r.attrs.get("phase") for r in records]
@@ -215,11 +229,6 @@ def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():
             assert all(max(q) < first_w_gu for sid, q in panels.items() if sid != last), (p, panels, first_w_gu)
             transposes = [i for i, r in enumerate(records) if phase[i] == "phase0+1" and r.instr == "nc_transpose"]
             assert max(transposes) < min(matmuls), p
-        measured = assert_matches_mx_exact(res.outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), measured
-        outputs.append(res.outputs)
-    for a, b in zip(*outputs):
-        assert a.tobytes() == b.tobytes()
 
 
 def test_phase2_first_span_in_column_pieces():
@@ -232,19 +241,9 @@ def test_phase2_first_span_in_column_pieces():
     H = 4096, I = 1536 (W_gu's 98 KiB panels fit no panel cache: n-major, four n blocks of six K tiles), LNC1 and LNC2;
     bit-exact against mx_exact (a column's MX groups and fp32 sums do not depend on the columns beside it), LNC1 equal
     to LNC2."""
-    from nkilib.examples.mlp_backward_cost import PHASES
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
-    from nkilib.simulator.trace import label_phases
-
     S, H, I = 1024, 4096, 1536
     k_tiles, n_block, span = 2 * I // 512, 1024, 4
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 29)
-    inp = {**inp, **mlp_checkpoints(inp)}
-    reference = mlp_reference(inp)
-    outputs = []
-    for lnc in (1, 2):
-        with label_phases(kernel_module, PHASES):
-            res = run_mlp(inp, lnc=lnc, trace=True)
+    for lnc, res in _phase_labelled_runs(S, H, I, seed=S + H + I + 29):
         for p in range(lnc):
             records = [r for r in res.trace if r.program == p and r.attrs.get("phase") == "phase2"]
             matmuls = [r for r in records if r.instr == "nc_matmul_mx"]
@@ -262,8 +261,3 @@ def test_phase2_first_span_in_column_pieces():
                          any(o.buffer == "psum" for o in r.reads)]
             assert evictions[:2 * span] == [n_block // 2] * (2 * span), (p, evictions[:2 * span])
             assert set(evictions[2 * span:]) == {n_block}, (p, set(evictions[2 * span:]))
-        measured = assert_matches_mx_exact(res.outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), measured
-        outputs.append(res.outputs)
-    for a, b in zip(*outputs):
-        assert a.tobytes() == b.tobytes()

@@ -7,7 +7,8 @@ Option matrix (pairwise, not the full product):
 
 | test                                  | varied                                   | fixed                           |
 |---------------------------------------|------------------------------------------|---------------------------------|
-| test_matches_references               | shape (small S, remainder, aligned, S over 2-3 K tiles) x LNC | e4m3fn, 1x32, bf16 wg |
+| test_matches_references               | shape (small S, remainder, aligned, S    | e4m3fn, 1x32, bf16 wg           |
+|                                       | over 2-3 K tiles) x LNC                  |                                 |
 | test_clamped_against_oracle           | LNC                                      | all clamps, S=777               |
 | test_scale_rule_golden                | LNC (hand-derived phase-4 values)        | fp32 weight grads               |
 | test_checkpoint_combinations_identical| 16 checkpoint subsets                    | all four clamps, LNC2           |
@@ -15,7 +16,8 @@ Option matrix (pairwise, not the full product):
 | test_lnc2_odd_tile_counts             | odd tile grids, LNC1 vs LNC2             | e4m3fn, 1x32                    |
 | test_fp8_formats                      | e4m3fn / e5m2                            | LNC1 and LNC2                   |
 | test_quant_schemes_wide_range         | 1x32 / wrapX, two shapes (pow2 inputs)   | e4m3fn                          |
-| test_prequantized_operands            | each pre-quantized operand, all, weights None; swizzled layout | e4m3fn+1x32, e5m2+wrapX |
+| test_prequantized_operands            | each pre-quantized operand, all, weights | e4m3fn+1x32, e5m2+wrapX         |
+|                                       | None; swizzled layout                    |                                 |
 | test_clamp_patterns                   | 5 clamp patterns                         | LNC2                            |
 | test_clamp_boundary_values            | 4 patterns, values exactly at the limits | given checkpoints               |
 | test_trn2_* / test_trn3_bf16          | target x matmul_precision                | LNC1 and LNC2                   |

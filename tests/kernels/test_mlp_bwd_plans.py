@@ -3,33 +3,26 @@
 Model shapes (e.g. Qwen3-8B TP1, K = 2I = 24576) take plans that the small default-suite shapes never
 reach: panels not resident, groups of stationary loads, K-streamed groups with several PSUM
 accumulators, phase 1 without the on-chip d_gate_up path. Shrinking the SBUF budgets (module
-constants of the matmul plan layer, nkilib.core.matmul.plan) routes small shapes through those plans; outputs must still equal
-`mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
+constants of the matmul plan layer, nkilib.core.matmul.plan) routes small shapes through those plans; outputs must still
+equal `mx_exact` bit for bit, on LNC1 and LNC2, in both precisions.
 """
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
-from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+from simkit import assert_matches_mx_exact, count_calls, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
 
 
 @pytest.fixture
 def tiny_budgets(monkeypatch):
-    """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles."""
+    """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles; the calls of
+    MatmulPlan._run_streamed so far (count_calls)."""
     monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
     monkeypatch.setattr(plan_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
-    calls = {"streamed": 0}
-    original = plan_module.MatmulPlan._run_streamed
-
-    def counting(self):
-        calls["streamed"] += 1
-        return original(self)
-
-    monkeypatch.setattr(plan_module.MatmulPlan, "_run_streamed", counting)
-    return calls
+    return count_calls(monkeypatch, plan_module.MatmulPlan, ["_run_streamed"])
 
 
 @pytest.fixture
@@ -56,7 +49,7 @@ def test_forced_large_shape_plans_are_bit_exact(tiny_budgets, precision, shape, 
     out = run_mlp(inp, lnc=lnc, matmul_precision=precision)
     measured = assert_matches_mx_exact(out, mlp_reference(inp, matmul_precision=precision))
     assert all(m == (0, 0.0) for m in measured), measured
-    assert tiny_budgets["streamed"] > 0, "the K-streamed plan was not exercised"
+    assert tiny_budgets["_run_streamed"] > 0, "the K-streamed plan was not exercised"
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])

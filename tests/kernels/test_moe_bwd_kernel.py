@@ -32,8 +32,8 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
 from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_kernel import moe_backward_mxfp8_nki
 from nkilib.experimental.moe_mxfp8.reference import error_report, moe_backward_reference, reference_phase0_recompute
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout
-from moekit import expert_routing, spy
-from simkit import BF16, assert_outputs_identical, simulate
+from moekit import expert_routing
+from simkit import BF16, assert_outputs_identical, simulate, spy
 
 OUTPUTS = ("dx", "d_topk_weights", "d_gate_up_weight", "d_down_weight")
 # Kernel (= mx_exact, e4m3fn, no clamps) against the fp32 reference, measured in

@@ -58,11 +58,12 @@ def _checkpoint_reads(trace, names):
 def test_block_layout_i_split(monkeypatch, lnc):
     """test_moe_i_split's routing (T = 912, experts of 256 / 100 / 300 / 0 / 256 pairs at B = 256, H = 1024, I = 544,
     fence groups [0, 1], [2, 3], [4]; under LNC2 every used expert takes the I split (round 14d; experts 0 and 4 before
-    it), the full blocks of experts 2 and 4 have their dY / X staged a fence ahead) with all four checkpoints in the block layout: == mx_exact and == the slot layout's outputs bit for bit;
-    every checkpoint read is a plain DMA (the slot layout's are all indirect); under LNC2 the I split's first
-    checkpoint read follows its first W_down load in program order (read at the first epilogue). Fails on the old
-    code (no checkpoint_layout argument; a kernel that gathered the block layout by slot would read rows past the
-    padding) and without the deferred read (checkpoints first: trace positions 330 against W_down's 354)."""
+    it), the full blocks of experts 2 and 4 have their dY / X staged a fence ahead) with all four checkpoints in the
+    block layout: == mx_exact and == the slot layout's outputs bit for bit; every checkpoint read is a plain DMA (the
+    slot layout's are all indirect); under LNC2 the I split's first checkpoint read follows its first W_down load in
+    program order (read at the first epilogue). Fails on the old code (no checkpoint_layout argument; a kernel that
+    gathered the block layout by slot would read rows past the padding) and without the deferred read (checkpoints
+    first: trace positions 330 against W_down's 354)."""
     kernel, ref = i_split_case(monkeypatch)
     slot_out, slot_trace = _run(kernel, lnc)
     out, trace = _run(_blocked(kernel, ref, CHECKPOINTS), lnc)

@@ -24,8 +24,8 @@ import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, spy
 from test_moe_bwd_kernel import moe_case, run
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")

@@ -28,8 +28,8 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import expert_routing
-from simkit import assert_outputs_identical
+from moekit import core_of_ctx, core_of_self, expert_routing
+from simkit import assert_outputs_identical, spy, spy_per_core
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
 
@@ -39,34 +39,24 @@ def _record(monkeypatch):
     0/1-trip loop's body only when it trips, so a read issued in an A branch that does not run records nothing),
     ("A", e, full) per block of the I split, ("B", e, taken) per block of pass B (taken: its rows_ahead are the very
     tiles of e's DGateUpRowsAhead on that core; None: it read its own)."""
-    events, made = {}, {}
-    init, read, block = D.DGateUpRowsAhead.__init__, D.DGateUpRowsAhead.read, S.ExpertISplit.block
-    phase2 = K.compute_phase2_hidden_states_grad_mxfp8
+    made = spy(monkeypatch, D.DGateUpRowsAhead, "__init__", lambda self, ctx, e, *args: ((ctx.split.shard_id, e), self))
+    events = spy_per_core(monkeypatch, S.ExpertISplit, "block", core_of_self,
+                          lambda self, e, i, w, full, **kwargs: ("A", e, full))
 
-    def record_init(self, ctx, e, *args):
-        init(self, ctx, e, *args)
-        made[ctx.split.shard_id, e] = self
+    def taken(ctx, e, rows_ahead):
+        rows = dict(made).get((ctx.split.shard_id, e))
+        return None if rows_ahead is None else rows is not None and rows_ahead is rows
 
-    def record_read(self, rows=True, w_gu=True):
-        core = self.ctx.split.shard_id
+    spy_per_core(monkeypatch, K, "compute_phase2_hidden_states_grad_mxfp8", core_of_ctx,
+                 lambda ctx, e, i, *args, rows_ahead=None, **kwargs: ("B", e, taken(ctx, e, rows_ahead)), into=events)
+    read = D.DGateUpRowsAhead.read
+
+    def record_read(self, rows=True, w_gu=True):  # recorded in the read's 0/1-trip loop: only where it trips
         what = ("rows", self.e) if rows else ("w_gu", self.e)
-        self.ctx.loops.if_used(self.e, lambda: events.setdefault(core, []).append(what))
+        self.ctx.loops.if_used(self.e, lambda: events.setdefault(core_of_self(self), []).append(what))
         return read(self, rows=rows, w_gu=w_gu)
 
-    def record_block(self, e, i, w, full, **kwargs):
-        events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full))
-        return block(self, e, i, w, full, **kwargs)
-
-    def record_phase2(ctx, e, i, *args, rows_ahead=None, **kwargs):
-        rows = made.get((ctx.split.shard_id, e))
-        taken = None if rows_ahead is None else rows is not None and rows_ahead is rows
-        events.setdefault(ctx.split.shard_id, []).append(("B", e, taken))
-        return phase2(ctx, e, i, *args, rows_ahead=rows_ahead, **kwargs)
-
-    monkeypatch.setattr(D.DGateUpRowsAhead, "__init__", record_init)
     monkeypatch.setattr(D.DGateUpRowsAhead, "read", record_read)
-    monkeypatch.setattr(S.ExpertISplit, "block", record_block)
-    monkeypatch.setattr(K, "compute_phase2_hidden_states_grad_mxfp8", record_phase2)
     return events
 
 

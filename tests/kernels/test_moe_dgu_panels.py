@@ -4,19 +4,19 @@ core its own rows) and stores the panel's words and scales (core/matmul/row_pane
 (load_panel_tiles) instead of transposing and quantizing every row on both cores. The bits are those of the panel
 pass B built before (the same panel_from_rows on the same rows), so the outputs equal mx_exact.
 
-| test                                  | what                                                               | fixed      |
-|---------------------------------------|--------------------------------------------------------------------|------------|
-| test_pass_b_loads_pass_a_panels       | bit-exact; pass B issues no nc_transpose / quantize_mx, loads the  | LNC1, LNC2 |
-|                                       | panels pass A stored (one per computed chunk and core); 2I = 192:  |            |
-|                                       | a K tile of 64 partitions and zero columns up to the K padding     |            |
-| test_panels_of_several_scale_tiles    | 2I = 2112 (five K tiles, the last of 32 partitions: two scale      | LNC2       |
-|                                       | tiles with packing, five without), clamped; the K tiles the last I |            |
-|                                       | tile completes built last (round 17b: 0, 1, 3, 2, 4)               |            |
-| test_unaligned_rows_keep_pass_b_panels| B = 128 under LNC2 (64 rows per core in pass A): no panels stored, | LNC2       |
-|                                       | pass B transposes and quantizes as before                          |            |
-| test_single_block_experts_panels      | weights loaded on use (the DeepSeek-V3 rank's path, round 8c):     | LNC1, LNC2 |
-|                                       | one-block experts (full and padded) take pass A's panels, the      |            |
-|                                       | two-block expert's pass B builds its own; bit-exact                |            |
+| test                               | what                                                               | fixed      |
+|------------------------------------|--------------------------------------------------------------------|------------|
+| test_pass_b_loads_pass_a_panels    | bit-exact; pass B issues no nc_transpose / quantize_mx, loads the  | LNC1, LNC2 |
+|                                    | panels pass A stored (one per computed chunk and core); 2I = 192:  |            |
+|                                    | a K tile of 64 partitions and zero columns up to the K padding     |            |
+| test_panels_of_several_scale_tiles | 2I = 2112 (five K tiles, the last of 32 partitions: two scale      | LNC2       |
+|                                    | tiles with packing, five without), clamped; the K tiles the last I |            |
+|                                    | tile completes built last (round 17b: 0, 1, 3, 2, 4)               |            |
+| test_unaligned_rows_keep_          | B = 128 under LNC2 (64 rows per core in pass A): no panels stored, | LNC2       |
+|   pass_b_panels                    | pass B transposes and quantizes as before                          |            |
+| test_single_block_experts_panels   | weights loaded on use (the DeepSeek-V3 rank's path, round 8c):     | LNC1, LNC2 |
+|                                    | one-block experts (full and padded) take pass A's panels, the      |            |
+|                                    | two-block expert's pass B builds its own; bit-exact                |            |
 """
 from __future__ import annotations
 
@@ -125,13 +125,13 @@ def test_unaligned_rows_keep_pass_b_panels():
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_single_block_experts_panels(monkeypatch, lnc):
     """No resident budget (W_down and W_gu loaded on use, pass A's I tiles in resident groups: the DeepSeek-V3 rank's
-    path), B = 256, k = 1, H = 2048 (LNC2: two H tiles per core), I = 544 (2I = 1088: three K tiles, zero columns up to 1536). Experts of 256 (one
-    full block), 100 (one block, its second chunk padding only), 300 (two blocks), 0 and 80 pairs. Pass A computes all
-    of I for every row of a one-block expert and stores its chunks' panels; pass B loads them for those experts (both
-    chunks of each block, padding-only ones too: pass A computed them) and builds the two-block expert's panels from
-    its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on this path. Since round
-    9b a full one-block expert splits I under LNC2, since round 14d every expert (tests/kernels/test_moe_i_split.py), so
-    that split is off here."""
+    path), B = 256, k = 1, H = 2048 (LNC2: two H tiles per core), I = 544 (2I = 1088: three K tiles, zero columns up to
+    1536). Experts of 256 (one full block), 100 (one block, its second chunk padding only), 300 (two blocks), 0 and 80
+    pairs. Pass A computes all of I for every row of a one-block expert and stores its chunks' panels; pass B loads them
+    for those experts (both chunks of each block, padding-only ones too: pass A computed them) and builds the two-block
+    expert's panels from its bf16 rows (pass A ran that expert per I-tile group). Before round 8c no panel was made on
+    this path. Since round 9b a full one-block expert splits I under LNC2, since round 14d every expert
+    (tests/kernels/test_moe_i_split.py), so that split is off here."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     monkeypatch.setattr(S.ExpertISplit, "applies", staticmethod(lambda ctx, w_down_resident, i_tiles: False))
     T, E, H, I, B = 736, 5, 2048, 544, 256

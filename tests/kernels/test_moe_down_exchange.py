@@ -28,8 +28,8 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_down_exchange as X
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical, in_kernel
+from moekit import expert_routing
+from simkit import assert_outputs_identical, in_kernel, spy
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
 
 
@@ -37,15 +37,8 @@ def record_exchange(monkeypatch):
     """Lists, filled as the kernel traces, of (expert, t_lo, t_hi) the exchange quantized and of the HBM scratch names
     pass A loaded in the panel layout (the exchange's reads)."""
     quantized = spy(monkeypatch, X.DownWeightExchange, "quantize", lambda self, e: (e, self.t_lo, self.t_hi))
-    loaded = []
-    load = D.ExpertPanels._load
-
-    def record_load(self, f0, w, ring=None, staged=None):
-        if self.op.panel_layout:
-            loaded.append(self.op.tensor.name)
-        return load(self, f0, w, ring, staged)
-
-    monkeypatch.setattr(D.ExpertPanels, "_load", record_load)
+    loaded = spy(monkeypatch, D.ExpertPanels, "_load",
+                 lambda self, *args, **kwargs: self.op.tensor.name if self.op.panel_layout else None)
     return quantized, loaded
 
 

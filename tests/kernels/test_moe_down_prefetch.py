@@ -19,7 +19,8 @@ from __future__ import annotations
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from simkit import assert_outputs_identical
+from moekit import core_of_ctx, core_of_self
+from simkit import assert_outputs_identical, spy_per_core, spy_results
 from test_moe_bwd_kernel import run
 from test_moe_i_split import i_split_case
 
@@ -27,35 +28,15 @@ from test_moe_i_split import i_split_case
 def _record(monkeypatch):
     """Program-order events per core: ("prefetch", e), ("A", e, full?, prefetched?) per block of the I split (whether
     the block's W_down panels are the very list prefetch_down returned for e on that core), ("C", e) of pass C's
-    single-block path (its first gradient)."""
-    events, ahead = {}, {}
-    prefetch, block, single = S.ExpertISplit.prefetch_down, S.ExpertISplit.block, \
-        S1.compute_phase3_single_block_grads_mxfp8
-    stage = S.ExpertISplit.stage_expert
-
-    def record_stage(self, e):
-        events.setdefault(self.ctx.split.shard_id, []).append(("stage", e))
-        return stage(self, e)
-
-    def record_prefetch(self, e, desc):
-        events.setdefault(self.ctx.split.shard_id, []).append(("prefetch", e))
-        ahead[self.ctx.split.shard_id, e] = prefetch(self, e, desc)
-        return ahead[self.ctx.split.shard_id, e]
-
-    def record_block(self, e, i, w, full, **kwargs):
-        taken = w[0].panels is ahead.get((self.ctx.split.shard_id, e))
-        events.setdefault(self.ctx.split.shard_id, []).append(("A", e, full, taken))
-        return block(self, e, i, w, full, **kwargs)
-
-    def record_single(ctx, e, i, out, *args, **kwargs):
-        if out is ctx.d_gate_up_weight:
-            events.setdefault(ctx.split.shard_id, []).append(("C", e))
-        return single(ctx, e, i, out, *args, **kwargs)
-
-    monkeypatch.setattr(S.ExpertISplit, "prefetch_down", record_prefetch)
-    monkeypatch.setattr(S.ExpertISplit, "block", record_block)
-    monkeypatch.setattr(S.ExpertISplit, "stage_expert", record_stage)
-    monkeypatch.setattr(S1, "compute_phase3_single_block_grads_mxfp8", record_single)
+    single-block path (its first gradient), ("stage", e) per expert the I split stages."""
+    ahead = spy_results(monkeypatch, S.ExpertISplit, "prefetch_down", lambda self, e, desc: (core_of_self(self), e))
+    events = spy_per_core(monkeypatch, S.ExpertISplit, "prefetch_down", core_of_self,
+                          lambda self, e, desc: ("prefetch", e))
+    spy_per_core(monkeypatch, S.ExpertISplit, "block", core_of_self, lambda self, e, i, w, full, **kwargs: (
+        "A", e, full, w[0].panels is ahead.get((core_of_self(self), e))), into=events)
+    spy_per_core(monkeypatch, S.ExpertISplit, "stage_expert", core_of_self, lambda self, e: ("stage", e), into=events)
+    spy_per_core(monkeypatch, S1, "compute_phase3_single_block_grads_mxfp8", core_of_ctx,
+                 lambda ctx, e, i, out, *args, **kwargs: ("C", e) if out is ctx.d_gate_up_weight else None, into=events)
     return events
 
 

@@ -20,7 +20,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
-from simkit import assert_outputs_identical, touches
+from simkit import assert_outputs_identical, sbuf_tiles_loaded, touches
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -37,10 +37,6 @@ def _run(kernel, lnc, monkeypatch, trace=False):
     return run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=trace)
 
 
-def _sbuf_written(record):
-    return {w.storage_id for w in record.writes if w.buffer == "sbuf"}
-
-
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_w_gu_staged_in_pass_c_ring(lnc, monkeypatch):
     ids = np.tile(np.arange(E, dtype=np.int32), (T, 1))  # k = 4: every expert 1024 pairs, two full blocks
@@ -51,12 +47,9 @@ def test_w_gu_staged_in_pass_c_ring(lnc, monkeypatch):
     for program in range(lnc):
         records = [r for r in res.trace if r.program == program]
         # with every checkpoint given pass A reads no W_gu: each DMA that reads it is pass B's staging load
-        w_gu = set().union(*(_sbuf_written(r) for r in records if r.instr == "dma_copy"
-                             and touches(r, "gate_up_weight")))
-        pass_c = set().union(*(_sbuf_written(r) for r in records if r.instr == "dma_copy"
-                               and any(touches(r, n) for n in PASS_C_SOURCES)))
-        pass_a = set().union(*(_sbuf_written(r) for r in records if r.instr == "dma_copy"
-                               and any(touches(r, n) for n in PASS_A_SOURCES)))
+        w_gu = sbuf_tiles_loaded(records, lambda r: touches(r, "gate_up_weight"))
+        pass_c = sbuf_tiles_loaded(records, lambda r: any(touches(r, n) for n in PASS_C_SOURCES))
+        pass_a = sbuf_tiles_loaded(records, lambda r: any(touches(r, n) for n in PASS_A_SOURCES))
         assert w_gu, f"core {program}: no W_gu staging load in the trace"
         assert w_gu <= pass_c, f"core {program}: W_gu staging tiles {sorted(w_gu - pass_c)} are not pass C's ring"
         assert not w_gu & pass_a, f"core {program}: W_gu staging shares tiles {sorted(w_gu & pass_a)} with pass A"

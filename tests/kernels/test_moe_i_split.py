@@ -14,8 +14,9 @@ race detector).
 |                        | nor read, full blocks of the second group staged                            |            |
 | test_i_split_recompute | gate_pre / up not given (recomputed from X over each core's I tiles), X     | LNC2       |
 |                        | gathered (first fence group) and staged (second)                            |            |
-| test_i_split_padded_block_skips_padding_chunks | padded one-block experts and a two-block one: chunks of padding | LNC1, LNC2 |
-|                        | only skipped and zeroed, slot and block checkpoints (round 14d)             |            |
+| test_i_split_padded_   | padded one-block experts and a two-block one: chunks of padding only        | LNC1, LNC2 |
+|   block_skips_padding_ | skipped and zeroed, slot and block checkpoints (round 14d)                  |            |
+|   chunks               |                                                                             |            |
 | test_i_split_applies   | LNC1, resident W_down, BF16, 64 rows per core or one I tile: no split       | host side  |
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, spy
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_down_exchange import record_exchange
 
@@ -75,7 +76,8 @@ def test_i_split_bit_exact(monkeypatch, lnc):
         return
     # each core traces the kernel: every used expert's pass A (one full block, one padded, two blocks: round 14d), core
     # 0 with I tile 0, core 1 with tile 1
-    assert sorted(split) == [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 2), (2, 0, 1), (2, 1, 2), (4, 0, 1), (4, 1, 2)], split
+    assert sorted(split) == [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 2), (2, 0, 1), (2, 1, 2), (4, 0, 1),
+                             (4, 1, 2)], split
     # no exchange: nothing quantized into its scratch, nothing loaded from it (round 9b kept it for expert 2)
     assert quantized == [] and loaded == [], (quantized, loaded)
     # the full blocks of the exchanged group's experts, once per core (its own chunks): expert 2's first block (its

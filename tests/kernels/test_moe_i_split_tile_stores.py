@@ -11,12 +11,11 @@ the DMA queues idled meanwhile. The same bytes, each written once: the outputs s
 """
 from __future__ import annotations
 
-
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as G
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import expert_routing
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, spy_per_core
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
 
@@ -32,19 +31,10 @@ def test_i_tiles_stored_as_done(monkeypatch):
     T, E, H, I, B = 512, 2, 512, 1056, 256
     ids = expert_routing([256, 256], shuffle_seed=5)
     kernel, ref = moe_case(T, E, H, I, ids, seed=17, block_size=B, checkpoints=CHECKPOINTS)
-    events = {}
-    epilogue, store_columns = G.RowChunk.epilogue, G.RowChunk.store_columns
-
-    def record_epilogue(self, ctx, j, *args):
-        events.setdefault(ctx.split.shard_id, []).append(("tile", self.r0, j))
-        return epilogue(self, ctx, j, *args)
-
-    def record_store(self, ctx, i, c_lo, c_hi):
-        events.setdefault(ctx.split.shard_id, []).append(("store", self.r0, c_lo, c_hi))
-        return store_columns(self, ctx, i, c_lo, c_hi)
-
-    monkeypatch.setattr(G.RowChunk, "epilogue", record_epilogue)
-    monkeypatch.setattr(G.RowChunk, "store_columns", record_store)
+    core = lambda self, ctx, *args: ctx.split.shard_id  # noqa: E731  (RowChunk's methods take the context second)
+    events = spy_per_core(monkeypatch, G.RowChunk, "epilogue", core, lambda self, ctx, j, *args: ("tile", self.r0, j))
+    spy_per_core(monkeypatch, G.RowChunk, "store_columns", core,
+                 lambda self, ctx, i, c_lo, c_hi: ("store", self.r0, c_lo, c_hi), into=events)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 I tiles stored as done vs mx_exact")
     one_block = [("tile", 0, 0), ("store", 0, 0, 512), ("tile", 128, 0), ("store", 128, 0, 512),

@@ -2,7 +2,8 @@
 even number of 128-row chunks per core, an expert's chunks run one after the other and each chunk's gathers are
 issued before the previous chunk's epilogue (two sets of gathered tiles alternate; block i + 1's first chunk is
 gathered during block i's last chunk, the block register plus a static offset). In a last block holding padding a
-chunk runs only when its unit's first position holds a routed pair. The bits do not change: the outputs equal mx_exact, LNC1 and LNC2.
+chunk runs only when its unit's first position holds a routed pair. The bits do not change: the outputs equal mx_exact,
+LNC1 and LNC2.
 
 | test                              | what                                                              | fixed      |
 |-----------------------------------|-------------------------------------------------------------------|------------|

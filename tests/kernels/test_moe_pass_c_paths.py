@@ -44,22 +44,9 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, count_calls, spy
 from test_moe_bwd_kernel import CLAMPS, moe_case, run
-
-
-def _count_calls(monkeypatch, names):
-    calls = {n: 0 for n in names}
-    for n in names:
-        fn = getattr(W, n)
-
-        def counted(*a, _fn=fn, _n=n, **k):
-            calls[_n] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(W, n, counted)
-    return calls
 
 
 def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
@@ -68,8 +55,8 @@ def test_resident_and_streamed_paths_in_one_launch(monkeypatch):
     I = 160 (a partial last tile). Both multi-block paths run, and LNC1 == LNC2 == mx_exact bit for bit."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)  # no windows: over R streams
-    calls = _count_calls(monkeypatch, ["compute_phase3_resident_grads_mxfp8",
-                                       "compute_phase3_expert_weight_grads_mxfp8"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_resident_grads_mxfp8",
+                                         "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 520, 4, 96, 160
     ids = expert_routing([300, 200, 20], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
@@ -90,7 +77,7 @@ def test_resident_tiers_in_one_launch(monkeypatch):
     monkeypatch.setattr(W, "PASS_C_RESIDENT_TIERS", (2,))
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 1)
     slots_seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8", lambda ctx, e, *args, **kw: (e, args[-1]))
-    calls = _count_calls(monkeypatch, ["compute_phase3_expert_weight_grads_mxfp8"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 930, 5, 96, 64
     ids = expert_routing([400, 300, 200, 30], shuffle_seed=9)
     kernel, ref = moe_case(T, E, H, I, ids, seed=41, checkpoints=("gate_pre", "up"))
@@ -111,8 +98,8 @@ def test_windowed_path_experts_above_r(monkeypatch, lnc):
     last tile). Bit-exact vs mx_exact (acc = fp32(acc + mm(block)) block by block across windows)."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_BLOCKS", 2)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
-    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8",
-                                       "add_partial"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_windowed_grads_mxfp8",
+                                         "compute_phase3_expert_weight_grads_mxfp8", "add_partial"])
     T, E, H, I = 2400, 6, 96, 160
     ids = expert_routing([600, 300, 450, 850, 200], shuffle_seed=12)
     kernel, ref = moe_case(T, E, H, I, ids, seed=53, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
@@ -141,7 +128,8 @@ def test_parts_tiers_experts_above_r(monkeypatch, lnc):
     seen = spy(monkeypatch, W, "compute_phase3_resident_grads_mxfp8",
                lambda ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None:
                (e, slots, part, window != None))  # noqa: E711
-    calls = _count_calls(monkeypatch, ["compute_phase3_windowed_grads_mxfp8", "compute_phase3_expert_weight_grads_mxfp8"])
+    calls = count_calls(monkeypatch, W, ["compute_phase3_windowed_grads_mxfp8",
+                                         "compute_phase3_expert_weight_grads_mxfp8"])
     T, E, H, I = 1420, 5, 96, 160
     ids = expert_routing([300, 450, 520, 150], shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=59, checkpoints=("gate_pre", "up"), clamp_limits=CLAMPS)
@@ -296,7 +284,8 @@ def test_resident_block_count_parts_presets(H, I, expected):
                 for p in range(parts):
                     p_lo, p_hi = W._n_part(n_lo, n_hi, (p, parts))
                     assert (p_lo - n_lo) % 512 == 0 and p_hi <= n_hi
-                    widths = [min(SINGLE_BLOCK_LOAD_WIDTH, p_hi - c) for c in range(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)]
+                    widths = [min(SINGLE_BLOCK_LOAD_WIDTH, p_hi - c)
+                              for c in range(p_lo, p_hi, SINGLE_BLOCK_LOAD_WIDTH)]
                     held = sum(panel_bytes_per_partition(512 * r, w, ctx.setup)
                                for w in widths + [SINGLE_BLOCK_LOAD_WIDTH])
                     assert held <= PASS_C_RESIDENT_BUDGET_BYTES, (parts, core, p, held)
@@ -352,8 +341,8 @@ def test_loads_above_r_rotate_all_stages(monkeypatch):
     load waits for the quantize that many loads before it; experts of at most R blocks keep PASS_C_RESIDENT_STAGES tiles
     (round 6b). R = 3 with a tier of 2 parts (R_2 = 4) and W = 3 windows: expert 0 (4 blocks) runs per part, expert 1
     (7 blocks) in windows of 3 + 3 + 1, expert 2 (3 blocks) resident, expert 3 single-block; LNC2 == mx_exact. Per core
-    (each has its own ring): 3 staging tiles above R (2 on the old code); PASS_C_RESIDENT_STAGES at most R (2 before round
-    20b, 3 since: then both paths go round the whole ring)."""
+    (each has its own ring): 3 staging tiles above R (2 on the old code); PASS_C_RESIDENT_STAGES at most R (2 before
+    round 20b, 3 since: then both paths go round the whole ring)."""
     monkeypatch.setattr(W, "PASS_C_RESIDENT_WINDOWS", 3)
     monkeypatch.setattr(W, "PASS_C_RESIDENT_PARTS", (2,))
     monkeypatch.setattr(W, "MOE_N_TILE", 64)
@@ -472,9 +461,9 @@ def _quantizes_between_add_runs(records):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_windows_after_the_first_load_their_loads_between_the_adds(monkeypatch, lnc):
-    """Round 26c (docs/moe.md section 10): in a window w > 0 each group adds the earlier windows' partial sums on VectorE
-    right after its slot-0 matmuls, in program order with the quantizes issued before it, and its slot-1 matmuls wait
-    for those adds. So the next moving piece's slots load half after the first group on a piece and half after the
+    """Round 26c (docs/moe.md section 10): in a window w > 0 each group adds the earlier windows' partial sums on
+    VectorE right after its slot-0 matmuls, in program order with the quantizes issued before it, and its slot-1 matmuls
+    wait for those adds. So the next moving piece's slots load half after the first group on a piece and half after the
     second, and a stationary piece loads slot 0 before its first group and slots 1.. after that group's adds. R = 2, W =
     3, n tiles of 64 and load pieces of 256 (H = 320: moving pieces of 4 and 1 n tiles; I = 288: core 0's dW_gu rows in
     stationary pieces of 256); expert 0 (5 blocks: 2 + 2 + 1) and expert 1 (4: 2 + 2) windowed; LNC1 and LNC2 ==

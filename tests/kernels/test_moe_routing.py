@@ -1,10 +1,8 @@
 """Block layout of the MoE expert backward (routing.py): invariants on adversarial routings, the
-capacity bound, the errors of bad routings, and the tests' helpers moekit.expert_routing and moekit.spy."""
-import types
-
+capacity bound, the errors of bad routings, and the tests' helper moekit.expert_routing."""
 import numpy as np
 import pytest
-from moekit import ROUTINGS, expert_routing, make_routing, spy
+from moekit import ROUTINGS, expert_routing, make_routing
 
 from nkilib.experimental.moe_mxfp8.routing import (build_block_layout, capacity_blocks, check_block_size,
                                                    validate_block_layout, validate_topk_ids, validate_topk_weights)
@@ -128,28 +126,3 @@ def test_expert_routing_helper():
     assert expert_routing([1, 2])[:, 0].tolist() == [0, 1, 1]
     with pytest.raises(ValueError, match="experts has 2 entries, counts 3: expected one count per expert"):
         expert_routing([1, 2, 3], experts=[0, 1])
-
-
-def test_spy_helper(monkeypatch):
-    """moekit.spy (the MoE kernel tests' call recorder): key(*args, **kwargs) per call, in call order, into one list
-    when several spies share it; the original runs with the same arguments (a method bound to its instance) and its
-    result is returned; monkeypatch puts the originals back at the end of the test."""
-
-    class Counter:
-        def __init__(self):
-            self.total = 0
-
-        def add(self, n, scale=1):
-            self.total += n * scale
-            return self.total
-
-    double = lambda n: 2 * n  # noqa: E731
-    owner = types.SimpleNamespace(double=double)  # a module's function
-    added = spy(monkeypatch, Counter, "add", lambda self, n, scale=1: (id(self), n, scale))
-    doubled = spy(monkeypatch, owner, "double", lambda n: ("double", n), into=added)
-    counter = Counter()
-    assert counter.add(3) == 3 and counter.add(2, scale=5) == 13 and counter.total == 13
-    assert owner.double(4) == 8
-    assert doubled is added and added == [(id(counter), 3, 1), (id(counter), 2, 5), ("double", 4)]
-    monkeypatch.undo()
-    assert owner.double is double and Counter().add(1) == 1 and len(added) == 3

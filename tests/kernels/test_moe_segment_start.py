@@ -1,6 +1,6 @@
-"""The first fence segment's end and the next segment's start (docs/moe.md section 10, round 18a): with the chunk pipeline
-and X deferred (gate_pre and up given), each expert's X rows but the first group's last expert's are gathered into
-x_blocks right after its own pass A (under the next A's chunks) instead of all after the group's last A, and the
+"""The first fence segment's end and the next segment's start (docs/moe.md section 10, round 18a): with the chunk
+pipeline and X deferred (gate_pre and up given), each expert's X rows but the first group's last expert's are gathered
+into x_blocks right after its own pass A (under the next A's chunks) instead of all after the group's last A, and the
 first A after each fence has its resident W_down loaded before that fence. The bits do not change: the outputs equal
 mx_exact, LNC1 and LNC2.
 
@@ -35,8 +35,9 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
-from simkit import assert_outputs_identical, touches
+from simkit import assert_outputs_identical, sbuf_tiles_loaded, touches
 from test_moe_bwd_kernel import CLAMPS, moe_case
+from test_moe_gate_up_staging import PASS_C_SOURCES
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
 T, E, H, I, B = 1024, 4, 64, 96, 512
@@ -80,8 +81,9 @@ def test_segment_start_bit_exact(case, lnc):
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_x_of_first_expert_before_last_a(lnc):
     """Per core, in program order: the d_gate_up stores of segment 0 (A(0)'s chunks, then A(1)'s) and the x_blocks
-    writes of X's deferred gathers, up to the first core barrier (LNC2). Expert 0's gathers (B / 128 / lnc chunks per core) sit between A(0)'s last store and
-    A(1)'s first, expert 1's after A(1)'s last (before the round: all of them after A(1)'s last store)."""
+    writes of X's deferred gathers, up to the first core barrier (LNC2). Expert 0's gathers (B / 128 / lnc chunks per
+    core) sit between A(0)'s last store and A(1)'s first, expert 1's after A(1)'s last (before the round: all of them
+    after A(1)'s last store)."""
     trace = _run("balanced", lnc)
     per_core = B // 128 // lnc
     for p in range(lnc):
@@ -178,17 +180,14 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
     res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"first chunk gathered before the fence, LNC{lnc} vs mx_exact")
-    pass_c_sources = ("moe_bwd_d_gate_up", "moe_bwd_x_blocks", "moe_bwd_dy_blocks", "moe_bwd_weighted_inter")
     expert_bytes = h * I * 2  # down_weight [E, H, I] bf16
     for p in range(lnc):
         mine = [r for r in res.trace if r.program == p]
-        sbuf = lambda r: {w.storage_id for w in r.writes if w.buffer == "sbuf"}  # noqa: E731
-        pass_c = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy"
-                               and any(touches(r, n) for n in pass_c_sources)))
+        pass_c = sbuf_tiles_loaded(mine, lambda r: any(touches(r, n) for n in PASS_C_SOURCES))
         # LNC2: A(3) takes W_down[3] from the exchange (round 25b), which core 0 quantizes on its own path
         for e in range(E if lnc == 1 else 3):
-            w_down = set().union(*(sbuf(r) for r in mine if r.instr == "dma_copy" and any(
-                t.name == "down_weight" and t.byte_lo // expert_bytes == e for t in r.reads)))
+            w_down = sbuf_tiles_loaded(mine, lambda r: any(t.name == "down_weight" and t.byte_lo // expert_bytes == e
+                                                           for t in r.reads))
             assert w_down and w_down <= pass_c, (p, e, sorted(w_down - pass_c))
         if lnc == 1:
             continue

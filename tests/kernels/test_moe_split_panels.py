@@ -25,44 +25,21 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_split_panels as P
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import expert_routing
-from simkit import assert_outputs_identical
+from moekit import core_of_self, expert_routing
+from simkit import assert_outputs_identical, spy, spy_per_core
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
 
 
 def _record(monkeypatch):
-    """Counts per (core, what): chunk panels pass A stored ("store") or zeroed ("zero"), panels pass B took from the
-    stored K tiles ("panel"); and pass B's panels built from bf16 rows ("rows", any core)."""
-    counts = {}
-    store, zero, panel = P.SplitChunkPanels.store, P.SplitChunkPanels.zero, P.SplitChunkPanels.panel
-    from_rows = D.panel_from_rows
-
-    def bump(ctx, what):
-        key = (ctx.split.shard_id, what)
-        counts[key] = counts.get(key, 0) + 1
-
-    def record_store(self, *args):
-        bump(self.ctx, "store")
-        return store(self, *args)
-
-    def record_zero(self, *args):
-        bump(self.ctx, "zero")
-        return zero(self, *args)
-
-    def record_panel(self, *args):
-        bump(self.ctx, "panel")
-        return panel(self, *args)
-
-    def record_from_rows(*args):
-        counts["rows"] = counts.get("rows", 0) + 1
-        return from_rows(*args)
-
-    monkeypatch.setattr(P.SplitChunkPanels, "store", record_store)
-    monkeypatch.setattr(P.SplitChunkPanels, "zero", record_zero)
-    monkeypatch.setattr(P.SplitChunkPanels, "panel", record_panel)
-    monkeypatch.setattr(D, "panel_from_rows", record_from_rows)
-    return counts
+    """Calls per core of the chunk panels' methods, in program order: "store" and "zero" per chunk panel pass A stored
+    or zeroed, "panel" per panel pass B took from the stored K tiles; and a list with one entry per panel pass B built
+    from bf16 rows (any core)."""
+    events = {}
+    for what in ("store", "zero", "panel"):
+        spy_per_core(monkeypatch, P.SplitChunkPanels, what, core_of_self, lambda *args, _what=what: _what, into=events)
+    from_rows = spy(monkeypatch, D, "panel_from_rows")
+    return events, from_rows
 
 
 def test_split_panels_bit_exact(monkeypatch):
@@ -79,14 +56,13 @@ def test_split_panels_bit_exact(monkeypatch):
     ids = expert_routing([256, 100, 300, 256], experts=[0, 1, 2, 4], shuffle_seed=29)
     kernel, ref = moe_case(T, E, H, I, ids, seed=83, block_size=B, checkpoints=CHECKPOINTS)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
-    counts = _record(monkeypatch)
+    events, from_rows = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 split d_gate_up panels vs mx_exact")
     for core in (0, 1):
-        assert counts.get((core, "store")) == 8, counts
-        assert counts.get((core, "zero")) == 2, counts
-        assert counts.get((core, "panel")) == 14, counts
-    assert "rows" not in counts, counts
+        counts = {what: events[core].count(what) for what in ("store", "zero", "panel")}
+        assert counts == {"store": 8, "zero": 2, "panel": 14}, (core, counts)
+    assert from_rows == [], len(from_rows)
 
 
 def test_split_panels_applies():

@@ -3,11 +3,11 @@ resident) whose quantized panel of WIDE_WEIGHT_LOAD_WIDTH columns fits WIDE_WEIG
 of that width (4 KiB DMA runs; DeepSeek-V3's W_gu in pass B), staged through one ring of WIDE_WEIGHT_STAGING_BUFFERS
 tiles that a block's wide loads share.
 
-| test                                   | what                                                            | fixed      |
-|----------------------------------------|-----------------------------------------------------------------|------------|
-| test_wide_w_gu_loads_bit_exact         | W_gu per block: 2048 + 1152 (LNC1), 1664 / 1536 (LNC2) columns  | LNC1, LNC2 |
-| test_load_width_by_panel_bytes         | width by panel size and residency                               | host side  |
-| test_dx_scattered_per_super_panel      | pass B's dX rows out per W_gu super-panel, k = 1 and k = 2      | LNC1, LNC2 |
+| test                              | what                                                           | fixed      |
+|-----------------------------------|----------------------------------------------------------------|------------|
+| test_wide_w_gu_loads_bit_exact    | W_gu per block: 2048 + 1152 (LNC1), 1664 / 1536 (LNC2) columns | LNC1, LNC2 |
+| test_load_width_by_panel_bytes    | width by panel size and residency                              | host side  |
+| test_dx_scattered_per_super_panel | pass B's dX rows out per W_gu super-panel, k = 1 and k = 2     | LNC1, LNC2 |
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
     """No resident budget (weights loaded per block), H = 3200, 2I = 1088 (three K tiles through the ring of 2: a
-    2048-column panel takes 26 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1: 2048 + 1152 through
-    one shared ring per block; LNC2: the cores' 1664 / 1536 columns in one load each), an expert of two blocks (one load per 512-column
-    resident group) beside single-block ones; outputs == mx_exact bit for bit."""
+    2048-column panel takes 26 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1:
+    2048 + 1152 through one shared ring per block; LNC2: the cores' 1664 / 1536 columns in one load each), an expert of
+    two blocks (one load per 512-column resident group) beside single-block ones; outputs == mx_exact bit for bit."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I = 300, 3, 3200, 544
     widths = []

@@ -7,15 +7,15 @@ skipped sentinel would leave its scratch row unwritten). Pass A's unpipelined pa
 copy through SBUF: the direct copy there cost the full rank 1.7% (round 8c). The bytes of x_blocks are the same, so
 the outputs equal mx_exact.
 
-| test                                | what                                                               | fixed      |
-|-------------------------------------|--------------------------------------------------------------------|------------|
-| test_pipeline_copies_x_directly     | pipelined pass A, every block full: every X row reaches x_blocks   | LNC1, LNC2 |
-|                                     | HBM -> HBM (last blocks too), none through SBUF; bit-exact         |            |
-| test_padded_blocks_keep_sbuf_path   | pipeline, full and padded blocks: full ones direct, padded ones    | LNC1, LNC2 |
-|                                     | through SBUF; bit-exact                                            |            |
-| test_unpipelined_keeps_sbuf_path    | B = 256 under LNC2, and weights loaded on use: no HBM -> HBM copy  | LNC2       |
-|                                     | but the I split's staged blocks (round 14d: multi-block experts)   |            |
-| test_recompute_keeps_x_on_chip      | up not given (X recomputes it): no HBM -> HBM copy                 | LNC2       |
+| test                              | what                                                              | fixed      |
+|-----------------------------------|-------------------------------------------------------------------|------------|
+| test_pipeline_copies_x_directly   | pipelined pass A, every block full: every X row reaches x_blocks  | LNC1, LNC2 |
+|                                   | HBM -> HBM (last blocks too), none through SBUF; bit-exact        |            |
+| test_padded_blocks_keep_sbuf_path | pipeline, full and padded blocks: full ones direct, padded ones   | LNC1, LNC2 |
+|                                   | through SBUF; bit-exact                                           |            |
+| test_unpipelined_keeps_sbuf_path  | B = 256 under LNC2, and weights loaded on use: no HBM -> HBM copy | LNC2       |
+|                                   | but the I split's staged blocks (round 14d: multi-block experts)  |            |
+| test_recompute_keeps_x_on_chip    | up not given (X recomputes it): no HBM -> HBM copy                | LNC2       |
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def _full_blocks(kernel, B, T):
 
 
 def _balanced_case(B, H=128, I=96, seed=53):
-    """k = 1, every expert's pairs a multiple of B (all blocks full): expert 0 one block, expert 2 three, expert 1 none."""
+    """k = 1, every expert's pairs a multiple of B (all blocks full): expert 0 one block, expert 2 three, expert 1
+    none."""
     T = 4 * B
     ids = expert_routing([B, 3 * B], experts=[0, 2], shuffle_seed=seed)
     kernel, ref = moe_case(T, 3, H, I, ids, seed=59, block_size=B, checkpoints=CHECKPOINTS)

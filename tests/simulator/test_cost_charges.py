@@ -17,14 +17,16 @@ LAT_S = 1.3e-6  # DMA semaphore-to-start latency [DMA]
 def test_nc_matmul_mx_cost_is_max_64_n_plus_stationary_load():
     """K=128 partitions of x4 words (512 contraction), M=128, N=512: max(64, 512) + 128/4 cycles at 2.4 GHz."""
     r = rec(0, "nc_matmul_mx", "tensor",
-            [chip("stationary", "sbuf", "float8_e4m3fn_x4", (128, 128)), chip("moving", "sbuf", "float8_e4m3fn_x4", (128, 512))],
+            [chip("stationary", "sbuf", "float8_e4m3fn_x4", (128, 128)),
+             chip("moving", "sbuf", "float8_e4m3fn_x4", (128, 512))],
             [chip("dst", "psum", "float32", (128, 512))])
     c = instr_cost(r, TRN3)
     assert c.cycles == 512 + 32
     assert c.seconds == pytest.approx(544 / 2.4e9)
     assert c.flops == 2 * 512 * 128 * 512  # K=512 (4 per x4 word), M=128, N=512
     small = rec(0, "nc_matmul_mx", "tensor",
-                [chip("stationary", "sbuf", "float8_e4m3fn_x4", (32, 64)), chip("moving", "sbuf", "float8_e4m3fn_x4", (32, 16))],
+                [chip("stationary", "sbuf", "float8_e4m3fn_x4", (32, 64)),
+                 chip("moving", "sbuf", "float8_e4m3fn_x4", (32, 16))],
                 [chip("dst", "psum", "float32", (64, 16))])
     assert instr_cost(small, TRN3).cycles == 64 + 16  # MM_INIT floor + 64/4
 
@@ -182,11 +184,14 @@ def test_reused_sbuf_waits_for_an_earlier_long_dma_not_only_the_last_access():
     kib140 = 140 * 1024
     a, b = new_id(), new_id()
     big = (128, kib140 // 4)
-    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", big, big[1])], [chip("dst", "sbuf", "float32", big, sid=a, alloc=kib140)]),
-         rec(1, "dma_copy", "dma", [chip("src", "sbuf", "float32", big, sid=a, alloc=kib140)], [hbm("dst", "float32", big, big[1])]),
+    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", big, big[1])],
+             [chip("dst", "sbuf", "float32", big, sid=a, alloc=kib140)]),
+         rec(1, "dma_copy", "dma", [chip("src", "sbuf", "float32", big, sid=a, alloc=kib140)],
+             [hbm("dst", "float32", big, big[1])]),
          rec(2, "tensor_copy", "vector", [chip("src", "sbuf", "float32", (128, 16), sid=a, alloc=kib140)],
              [chip("dst", "sbuf", "float32", (128, 16))]),
-         rec(3, "dma_copy", "dma", [hbm("src", "float32", big, big[1])], [chip("dst", "sbuf", "float32", big, sid=b, alloc=kib140)])]
+         rec(3, "dma_copy", "dma", [hbm("src", "float32", big, big[1])],
+             [chip("dst", "sbuf", "float32", big, sid=b, alloc=kib140)])]
     s = schedule(t, TRN3, 1)
     assert s.end[2] < s.end[1]  # the copy finishes long before the store
     assert s.start[3] >= s.end[1]
@@ -232,8 +237,10 @@ def test_fragmented_sbuf_waits_for_the_covered_tile_or_is_a_plan_error(last_read
     reads = [chip("src", "sbuf", "float32", (128, 16), sid=p, alloc=kp)]
     if last_read_needs_q:
         reads.append(chip("src2", "sbuf", "float32", (128, 16), sid=q, alloc=kq))
-    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])], [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
-         rec(1, "dma_copy", "dma", [hbm("src", "float32", tq, tq[1])], [chip("dst", "sbuf", "float32", tq, sid=q, alloc=kq)]),
+    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])],
+             [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
+         rec(1, "dma_copy", "dma", [hbm("src", "float32", tq, tq[1])],
+             [chip("dst", "sbuf", "float32", tq, sid=q, alloc=kq)]),
          rec(2, "tensor_copy", "vector", reads, [chip("dst", "sbuf", "float32", (128, 16))])]
     s = schedule(t, TRN3, 1)
     report = CostReport.from_schedule(s, TRN3)
@@ -257,7 +264,8 @@ def test_fragmented_sbuf_never_waits_for_a_swdge_dma_queued_behind_the_tile():
     p, q = new_id(), new_id()
     kp, kq = 200 * 1024, 100 * 1024
     tp, tq = (128, kp // 4), (128, kq // 4)
-    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])], [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
+    t = [rec(0, "dma_copy", "dma", [hbm("src", "float32", tp, tp[1])],
+             [chip("dst", "sbuf", "float32", tp, sid=p, alloc=kp)]),
          rec(1, "tensor_copy", "gpsimd", [chip("src", "sbuf", "float32", (128, 16))],
              [chip("dst", "sbuf", "float32", tq, sid=q, alloc=kq)]),
          rec(2, "dma_copy", "dma", [chip("src", "sbuf", "float32", tp, sid=p, alloc=kp)],

@@ -226,7 +226,8 @@ def test_while_loop_runs_until_condition_is_zero(flags):
 
 
 def test_while_loop_rejections(monkeypatch):
-    with pytest.raises(NkiValidationError, match="nl.while_loop: argument 'init' must be a VirtualRegister .*got int 1"):
+    with pytest.raises(NkiValidationError,
+                       match="nl.while_loop: argument 'init' must be a VirtualRegister .*got int 1"):
         in_kernel(lambda: nl.while_loop(1, lambda r: r))
     with pytest.raises(NkiValidationError, match="body_fun must return the next condition as a VirtualRegister, got "
                                                  "int 0 \\(iteration 0 of nl.while_loop #0"):

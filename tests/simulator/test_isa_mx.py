@@ -660,7 +660,8 @@ def test_reject_matmul_scales_in_another_quadrant():
                           moving_scale=ms[0:4, :])
 
     _rejects(kernel, r"nc_matmul_mx: argument 'stationary_scale' starts at partition 32 \(quadrant 1\) but "
-                     r"'stationary' .* starts at partition 0 \(quadrant 0\); expected the scales in the data's quadrant")
+                     r"'stationary' .* starts at partition 0 \(quadrant 0\); "
+                     r"expected the scales in the data's quadrant")
 
 
 def test_reject_matmul_dst_not_psum():

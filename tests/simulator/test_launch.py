@@ -38,7 +38,8 @@ def test_jit_forms_and_simulate():
     def k2(a):
         return copy_kernel(a)
 
-    # mode= is deprecated, accepted and ignored (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)
+    # mode= is deprecated, accepted and ignored
+    # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/migration/index.html)
     @nki.jit(mode="trace")
     def k3(a):
         return copy_kernel(a)

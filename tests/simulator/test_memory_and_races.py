@@ -414,8 +414,8 @@ def test_check_races_false_skips_race_bookkeeping_same_trace():
     racy = _write_write_kernel(False, True)
     spec = ShapeSpec((4, 8), nl.float32)
     with pytest.raises(RaceError, match="'result'"):
-        _run_with_timeout(lambda: run_kernel(_write_write_kernel(False, True, values_differ=True), args=(randn(5, (4, 8)),),
-                                             lnc=2))
+        _run_with_timeout(lambda: run_kernel(_write_write_kernel(False, True, values_differ=True),
+                                             args=(randn(5, (4, 8)),), lnc=2))
     res = _run_with_timeout(lambda: run_kernel(racy, args=(spec,), lnc=2, trace=True, numerics=False,
                                                check_races=False))
     assert [(r.program, r.instr) for r in res.trace] == [(0, "dma_copy"), (0, "dma_copy"), (1, "dma_copy"),

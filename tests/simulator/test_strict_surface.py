@@ -28,7 +28,8 @@ def test_undocumented_names_do_not_leak(module, name):
 
 
 def test_no_submodules_leak_except_documented_ones():
-    modules = {m.__name__: sorted(n for n in dir(m) if not n.startswith("_") and type(getattr(m, n)).__name__ == "module")
+    modules = {m.__name__: sorted(n for n in dir(m)
+                                  if not n.startswith("_") and type(getattr(m, n)).__name__ == "module")
                for m in (nl, nisa)}
     assert modules == {nl.__name__: [], nisa.__name__: ["constants"]}
     from nki.isa.constants import dge_mode, oob_mode  # documented import path still works
@@ -165,8 +166,8 @@ def test_trn2_matmul_output_crossing_a_psum_bank_rejected(set_target):
     set_target("trn2")
     a, b = randn(3, (32, 16)), randn(4, (32, 256))
     with pytest.raises(NkiValidationError,
-                       match=r"nc_matmul: argument 'dst' .* covers bytes \[1536, 2559\] of each PSUM partition, crossing "
-                       r"from bank 0 into bank 1; expected the matmul output to fit one 2048-byte PSUM bank"):
+                       match=r"nc_matmul: argument 'dst' .* covers bytes \[1536, 2559\] of each PSUM partition, "
+                       r"crossing from bank 0 into bank 1; expected the matmul output to fit one 2048-byte PSUM bank"):
         simulate(_matmul_into(384, 256), a=a, b=b)
     expect = (a.astype(np.float64).T @ b.astype(np.float64)).astype(np.float32)
     np.testing.assert_array_equal(simulate(_matmul_into(512, 256), a=a, b=b), expect)  # bank 1 exactly

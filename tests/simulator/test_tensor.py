@@ -211,7 +211,8 @@ def test_broadcast_rules_and_values():
 
 
 # ---------------------------------------------------------------------------------------------
-# .view (bit reinterpretation, https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html)
+# .view (bit reinterpretation,
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.language.NkiTensor.html)
 # ---------------------------------------------------------------------------------------------
 
 def _special_fp32(seed, shape):
@@ -259,7 +260,8 @@ def test_view_divisibility_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# .ap (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html; docs/simulator.md#choice-ap-offset)
+# .ap (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-aps.html;
+# docs/simulator.md#choice-ap-offset)
 # ---------------------------------------------------------------------------------------------
 
 def test_ap_int32_as_bf16():

@@ -19,8 +19,8 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fu
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
 from nkilib.mx import mx_matmul, quantize_mx  # noqa: E402
 from simkit import (  # noqa: E402
-    MLP_CHECKPOINTS, MLP_OPERANDS, assert_bits_equal, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs, mlp_reference,
-    run_mlp, to_numpy, to_torch)
+    MLP_CHECKPOINTS, MLP_OPERANDS, assert_bits_equal, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs,
+    mlp_reference, run_mlp, to_numpy, to_torch)
 
 FP8 = {"float8_e4m3fn": (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0),
        "float8_e5m2": (torch.float8_e5m2, ml_dtypes.float8_e5m2, 57344.0)}

@@ -225,7 +225,8 @@ def test_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
     """Under torch.compile the backward graph holds the kernel op as a single node (recorded with an
     aot_autograd backend; on Neuron this graph goes to backend="neuron")."""
     as_device(stubs.monkeypatch, "neuron")
-    assert neuron_dispatch.register_ops_if_available(N.torchneuron_ops)  # what importing mlp_bwd_mxfp8_torch does on Neuron
+    # what importing mlp_bwd_mxfp8_torch does on Neuron
+    assert neuron_dispatch.register_ops_if_available(N.torchneuron_ops)
     x, wgu, wd = make(1)
     graphs = compiled_graphs(lambda a, b, c: swiglu_mlp_mxfp8(a, b, c, backend="neuron", checkpoint=("gate_pre", "up"),
                                                               clamp_limits=CLAMP), x, wgu, wd)
@@ -420,7 +421,8 @@ def test_moe_cpu_backward_op_refuses_the_neuron_backend():
 
 def test_moe_torchneuron_kernel_is_one_node_of_the_compiled_backward(stubs):
     as_device(stubs.monkeypatch, "neuron")
-    assert neuron_dispatch.register_ops_if_available(MN.torchneuron_ops)  # what importing moe_bwd_mxfp8_torch does on Neuron
+    # what importing moe_bwd_mxfp8_torch does on Neuron
+    assert neuron_dispatch.register_ops_if_available(MN.torchneuron_ops)
     x, ids, w, wgu, wd = make_moe(9)
     graphs = compiled_graphs(lambda a, p, b, c: moe_swiglu_experts_mxfp8(a, ids, p, b, c, backend="neuron",
                                                                          checkpoint=("gate_pre", "up"),

@@ -97,8 +97,8 @@ def _rank(rank, world, family, full_state, ids, grad_logits, payload="mxfp8", ca
     model.load_state_dict(shard_state)  # a rank's own state dict loads back as well
     rows = slice(rank * ids.shape[0] // world, (rank + 1) * ids.shape[0] // world)
     logits, grads = _step(model, ids[rows], grad_logits[rows])
-    return dict(local=report.rank_local_parameters, keys=keys_after_patch, shapes={k: tuple(v.shape) for k, v in shard_state.items()},
-                logits=logits, grads=grads)
+    return dict(local=report.rank_local_parameters, keys=keys_after_patch,
+                shapes={k: tuple(v.shape) for k, v in shard_state.items()}, logits=logits, grads=grads)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])

@@ -53,7 +53,8 @@ def test_gpt_oss_experts_swapped_router_kept():
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     logits_p, grads_p = logits_and_grads(patched, ids)
     logits_i, grads_i = logits_and_grads(ideal, ids)
-    logits_b, grads_b = logits_and_grads(copy.deepcopy(original).to(torch.bfloat16), ids)  # the yardstick: all-bf16 model
+    # the yardstick: all-bf16 model
+    logits_b, grads_b = logits_and_grads(copy.deepcopy(original).to(torch.bfloat16), ids)
     errors = {n: rel(g, grads_i[n]) for n, g in grads_p.items() if g is not None}
     bf16_errors = {n: rel(g, grads_i[n]) for n, g in grads_b.items() if g is not None}
     print({n: f"{e:.2e} (bf16 model {bf16_errors[n]:.2e})" for n, e in errors.items()})

@@ -27,6 +27,11 @@ class StoreEpilogue(nl.NKIObject):
                         for _ in range(RESULT_BUFFERS)]
 
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        """Tile i (rows [m0, m0 + msz), columns [n0, n0 + nsz) of out) evicted from accumulators[0] on ScalarE into
+        result buffer i % RESULT_BUFFERS and stored to out_hbm, or held for store_deferred (defer_next_store).
+
+        Dimensions: accumulators[0] PSUM [128, n_tile] fp32 (its [:msz, :nsz] read); result [128, n_tile].
+        """
         self.tile_by_columns(i, m0, msz, n0, nsz, accumulators, 1)
 
     def tile_by_columns(self, i, m0, msz, n0, nsz, accumulators, pieces) -> None:

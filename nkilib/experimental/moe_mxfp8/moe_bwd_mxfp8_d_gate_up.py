@@ -365,12 +365,25 @@ def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inp
 
 
 def gather_first_chunk_ahead(ctx, e):
-    """The ChunkInputs of expert e's first chunk for compute_phase1_pipelined_mxfp8(first=), gathered now, a fence
-    before A(e) (beside first_a_panels' W_down): the gathers read only kernel inputs (routing, dY, p, the given
-    checkpoints), and after the barrier the pipeline's first chunk no longer waits for them (the barrier holds every
-    later instruction of the core, so gathered after it they sat between the barrier and A(e)'s first matmul;
-    docs/moe.md section 10, round 26b). Gathered for an expert of two or more blocks, as the pipeline does (a
-    one-block expert's first chunk is gathered in the pipeline with its padding known)."""
+    """Gather expert e's first 128-row chunk of pass A now, a fence before A(e), for its pipeline to start from.
+
+    Issued beside first_a_panels' W_down: the gathers read only kernel inputs (routing, dY, p, the given
+    checkpoints), so after the barrier the pipeline's first chunk no longer waits for them (the barrier holds every
+    later instruction of the core: gathered after it, they sat between the barrier and A(e)'s first matmul;
+    docs/moe.md section 10, round 26b). Gathered only for an expert of two or more blocks, as the pipeline does (a
+    one-block expert's first chunk is gathered in the pipeline with its padding known).
+
+    Args:
+        ctx: the MoE kernel context.
+        e: the expert (a static index) whose A runs after the next fence.
+
+    Returns:
+        ChunkInputs for compute_phase1_pipelined_mxfp8(first=): this core's first chunk of e's first block.
+
+    Dimensions:
+        ChunkInputs(m = 128, width = I): ids, slots [128, 1]; dY, X rows [128, Hp]; p [128, 1]; checkpoints
+        [128, I] (Hp: H padded to the MX K alignment).
+    """
     first = ChunkInputs(ctx, PARTITIONS, ctx.I)
     b_lo, _, _ = ctx.loops.bounds(e)
     ctx.loops.if_multi(e, lambda: first.gather(ctx, b_lo, ctx.unit_rows[0][0], True))

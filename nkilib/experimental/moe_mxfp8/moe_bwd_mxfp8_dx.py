@@ -101,12 +101,28 @@ class ExpertPanels(nl.NKIObject):
 
     @staticmethod
     def loaded_if(ops, tiles, setup, run_if, ring=None):
-        """[ExpertPanels] of every operand in `ops` (None stays None), resident, whose loads run inside run_if(body)
-        (a run-time 0/1-trip loop: the expert's if_used, so an expert without blocks loads nothing): the panels'
-        tiles are allocated here, outside that loop (PanelSlots, one per super-panel), so they stay live past it
-        for the pass that reads them. The same loads and quantizes into the same per-K-tile layout as the
-        resident panels ExpertPanels loads itself, so the bits are the same. ring: a LoadRing for the staging tiles
-        (pass C's kernel-scope ring, so that they are not placed over the tiles of the pass before: round 26b)."""
+        """Resident ExpertPanels of every operand in `ops`, loaded inside run_if, their tiles allocated outside it.
+
+        The loads run inside run_if(body) (a run-time 0/1-trip loop: the expert's if_used, so an expert without blocks
+        loads nothing); the panels' tiles are allocated here, outside that loop (PanelSlots, one per super-panel), so
+        they stay live past it for the pass that reads them. The same loads and quantizes into the same per-K-tile
+        layout as the resident panels ExpertPanels loads itself, so the bits are the same.
+
+        Args:
+            ops: static TensorDescriptors of one expert's weights (None: no such operand), each within
+                RESIDENT_WEIGHT_BUDGET_BYTES (fits; asserted).
+            tiles: the F tiles [(f0, width)] the panels serve, as ExpertPanels takes them.
+            setup: the MatmulSetup (MXFP8: loaded and quantized on chip).
+            run_if: run_if(body) traces body under the run-time condition of the expert having blocks.
+            ring: a LoadRing for the staging tiles (pass C's kernel-scope ring, so that they are not placed over
+                the tiles of the pass before: round 26b); None: load_panel's own.
+
+        Returns:
+            [ExpertPanels or None], one per operand of `ops`.
+
+        Dimensions:
+            an operand [K, F] (W_down [H, I] for pass A): PanelSlots per super-panel of F columns, per K tile.
+        """
         slots = []
         for op in ops:
             if op == None:  # noqa: E711

@@ -260,11 +260,12 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             prefetched[a] = i_split.prefetch_down(a, a_descs(a)[0])
 
     def first_a_panels(group):
-        """{a: A(a)'s weight panels} for the first expert a of `group`, the first A after the next fence, loaded now
-        (before that fence) where A runs as the pipeline with resident panels and W_down[a] is the kernel's input (not
-        the exchange's scratch, which the other core writes before the fence); else {} (A loads its own). The loads
-        run in a's if_used (an expert without blocks loads no weights, as in rounds 1-2), into tiles allocated
-        outside it that live on to A(a)."""
+        """{a: (A(a)'s weight panels, its first chunk's ChunkInputs or None)} for the first expert a of `group`, the
+        first A after the next fence, loaded now (before that fence) where A runs as the pipeline with resident panels
+        and W_down[a] is the kernel's input (not the exchange's scratch, which the other core writes before the
+        fence); else {} (A loads its own). The loads run in a's if_used (an expert without blocks loads no weights, as
+        in rounds 1-2), into tiles allocated outside it that live on to A(a); the first chunk is gathered here only
+        without the interleave (gather_first_chunk_ahead, round 26b)."""
         if not pipelined or not group or (exchange != None and exchange.exchanged(group[0])):  # noqa: E711
             return {}
         a = group[0]

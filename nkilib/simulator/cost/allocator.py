@@ -231,7 +231,8 @@ def scheduled_occupancy(sched, target: TargetSpec) -> list:
             if op.buffer not in ("sbuf", "psum") or not op.alloc_bytes_per_partition:
                 continue
             key = (r.program, op.storage_id)
-            lo, hi, buf, nbytes = spans.get(key, (sched.start[i], sched.end[i], op.buffer, op.alloc_bytes_per_partition))
+            lo, hi, buf, nbytes = spans.get(key, (sched.start[i], sched.end[i], op.buffer,
+                                                  op.alloc_bytes_per_partition))
             spans[key] = (min(lo, sched.start[i]), max(hi, sched.end[i]), buf, nbytes)
     bank = target.psum_bank_bytes
     events = {}

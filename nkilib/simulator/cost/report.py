@@ -202,8 +202,8 @@ class CostReport:
             f"target {j['target']} ({j['scenario']} estimate)  lnc {j['lnc']}  instructions {j['instructions']}",
             f"modeled time {j['modeled_time_s'] * 1e6:10.2f} us  (makespan {j['makespan_s'] * 1e6:.2f} us + launch "
             f"{j['launch_overhead_s'] * 1e6:.2f} us)",
-            f"TensorE MFU ({j['precision']}) {j['mfu'] * 100:6.2f} %  (kernel only {j['mfu_kernel_only'] * 100:.2f} %), "
-            f"model FLOPs {j['model_flops']:.4g}",
+            f"TensorE MFU ({j['precision']}) {j['mfu'] * 100:6.2f} %  "
+            f"(kernel only {j['mfu_kernel_only'] * 100:.2f} %), model FLOPs {j['model_flops']:.4g}",
             f"HBM {j['hbm_bytes'] / 1e6:10.3f} MB  utilisation {j['hbm_utilisation'] * 100:6.2f} % of "
             f"{j['hbm_peak_bytes_per_s'] / 1e9:.0f} GB/s; compulsory {j['hbm_compulsory_bytes'] / 1e6:.3f} MB, "
             f"scratch round trips {j['hbm_scratch_bytes'] / 1e6:.3f} MB",
@@ -212,8 +212,10 @@ class CostReport:
         ]
         for p, engs in j["engines"].items():
             for eng, v in engs.items():
-                lines.append(f"{p:>4} {eng:<8} {v['busy_s'] * 1e6:10.2f} {v['utilisation'] * 100:7.1f} {v['instructions']:7d}")
-        lines += ["", f"{'phase':<16} {'span us':>10} {'crit us':>10} {'GFLOP':>10} {'HBM MB':>10} {'TFLOP/s':>8}  critical path by engine"]
+                lines.append(f"{p:>4} {eng:<8} {v['busy_s'] * 1e6:10.2f} {v['utilisation'] * 100:7.1f} "
+                             f"{v['instructions']:7d}")
+        lines += ["", f"{'phase':<16} {'span us':>10} {'crit us':>10} {'GFLOP':>10} {'HBM MB':>10} {'TFLOP/s':>8}  "
+                      "critical path by engine"]
         for name, ph in j["phases"].items():
             crit = ", ".join(f"{e} {v * 1e6:.1f}" for e, v in sorted(ph["critical_path_by_engine_s"].items()))
             lines.append(f"{name:<16} {ph['span_s'] * 1e6:10.2f} {ph['critical_path_s'] * 1e6:10.2f} "
@@ -224,7 +226,8 @@ class CostReport:
             for p, m in enumerate(self.memory_peak):
                 lines.append(f"core {p} peak SBUF {m.get('sbuf', 0) / 1024:.1f} KiB / "
                              f"{self.target.sbuf_bytes_per_partition / 1024:.0f} KiB per partition, PSUM "
-                             f"{m.get('psum', 0) / 1024:.1f} KiB / {self.target.psum_bytes_per_partition / 1024:.0f} KiB")
+                             f"{m.get('psum', 0) / 1024:.1f} KiB / "
+                             f"{self.target.psum_bytes_per_partition / 1024:.0f} KiB")
         for p, m in enumerate(self.scheduled_peak):
             lines.append(f"core {p} occupancy the modeled overlap needs: SBUF {m['sbuf'] / 1024:.1f} KiB, "
                          f"PSUM {m['psum'] / 1024:.1f} KiB per partition")

@@ -272,7 +272,8 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
                     a[0] -= a[2] * dt
         clock = t_next
         for p in programs:
-            done = [i for i, a in active[p].items() if a[1] <= clock + 1e-15 and a[0] <= 1e-6 * max(1.0, costs[i].dma.nbytes) + 1e-9]
+            done = [i for i, a in active[p].items()
+                    if a[1] <= clock + 1e-15 and a[0] <= 1e-6 * max(1.0, costs[i].dma.nbytes) + 1e-9]
             for i in done:
                 del active[p][i]
                 end[i] = clock

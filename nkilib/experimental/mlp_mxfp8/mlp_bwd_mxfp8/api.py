@@ -301,7 +301,8 @@ def resolve_operands(a, scheme, mx):
         "hidden_T": pq("hidden_T", a["hidden_T"], a["hidden_T_scales"], I, S, read=False),  # validated only
     }
     halves = _prequantized_halves(a, pre["gate_up_weight_T"] != None, H, I, scheme)  # noqa: E711
-    given = [k for k in pre if pre[k] != None] + (["gate_proj_weight_T", "up_proj_weight_T"] if halves else [])  # noqa: E711
+    given = [k for k in pre if pre[k] != None] + (  # noqa: E711
+        ["gate_proj_weight_T", "up_proj_weight_T"] if halves else [])
     kernel_assert(mx or not given, f"pre-quantized operands {given} need matmul_precision='mxfp8', got 'bf16'")
     if halves:
         pre["gate_up_weight_T"] = _fuse_halves([pq(n, a[n], a[sn], H, I) for n, sn in halves], H, I)
@@ -312,7 +313,8 @@ def resolve_operands(a, scheme, mx):
     dy_bf16 = dy if pre["output_grad"] == None else None  # noqa: E711
     x_bf16 = x if pre["hidden_states"] == None else None  # noqa: E711
     gu_bf16 = gu if pre["gate_up_weights"] == None else None  # noqa: E711
-    gu_t_bf16 = gu_t if a["gate_up_weight_T_scales"] == None else None  # noqa: E711 (the halves leave it bf16 for recompute)
+    # (the halves leave it bf16 for recompute)
+    gu_t_bf16 = gu_t if a["gate_up_weight_T_scales"] == None else None  # noqa: E711
     down_t_bf16 = down_t if pre["down_weight_T"] == None else None  # noqa: E711
     x_t_bf16 = x_t if pre["hidden_states_T"] == None else None  # noqa: E711
     dy_t_bf16 = dy_t if pre["output_grad_T"] == None else None  # noqa: E711
@@ -356,13 +358,15 @@ def resolve_operands(a, scheme, mx):
     x_k_s = _first(pre["hidden_states_T"], x_bf16, 0)
     if x_k_s == None and x_t_bf16 != None:  # noqa: E711
         x_k_s = _bf16_td("hidden_states_T", x_t_bf16, (H, S), 1)
-    kernel_assert(x_k_s != None, "phase 3 needs X: pass hidden_states [S, H] in bf16, or hidden_states_T [H, S] "  # noqa: E711
-                                     "(bf16, or pre-quantized along S with hidden_states_T_scales)")
+    kernel_assert(x_k_s != None,  # noqa: E711
+                  "phase 3 needs X: pass hidden_states [S, H] in bf16, or hidden_states_T [H, S] "
+                  "(bf16, or pre-quantized along S with hidden_states_T_scales)")
     dy_k_s = _first(pre["output_grad_T"], dy_bf16, 0)
     if dy_k_s == None and dy_t_bf16 != None:  # noqa: E711
         dy_k_s = _bf16_td("output_grad_T", dy_t_bf16, (H, S), 1)
-    kernel_assert(dy_k_s != None, "phase 4 needs dY along S: pass output_grad_T [H, S] (bf16, or pre-quantized "  # noqa: E711
-                                      "with output_grad_T_scales) when output_grad is pre-quantized")
+    kernel_assert(dy_k_s != None,  # noqa: E711
+                  "phase 4 needs dY along S: pass output_grad_T [H, S] (bf16, or pre-quantized "
+                  "with output_grad_T_scales) when output_grad is pre-quantized")
 
     # validated, not read (module docstring): pre-transposed bf16 tensors another operand already serves
     for name, t, shape in (("down_weight_T", down_t_bf16, (I, H)), ("gate_up_weight_T", gu_t_bf16, (H, 2 * I)),

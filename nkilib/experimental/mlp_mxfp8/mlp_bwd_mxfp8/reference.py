@@ -31,8 +31,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ....core.numerics import (MODES, activation_fns64, apply_activation, contract_matmul, gate_terms,  # noqa: F401
-                               reference_options, swiglu_intermediate, to_bf16, to_f32, to_f64, to_weight_grad, up_terms,
-                               weight_grad_np_dtype)
+                               reference_options, swiglu_intermediate, to_bf16, to_f32, to_f64, to_weight_grad,
+                               up_terms, weight_grad_np_dtype)
 from .prequantized import (dequantize_prequantized, prequantize, prequantized_operands,  # noqa: F401  (public here)
                            swizzle_prequantized, unswizzle_prequantized)
 

@@ -86,7 +86,8 @@ def same_partitions_and_free(instr: str, a_name: str, a: NkiTensor, b_name: str,
     """Equal partition counts and elements per partition (the tile-shape rule of the elementwise nki.isa pages,
     e.g. https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)."""
     if a.shape[0] != b.shape[0]:
-        fail(instr, f"'{a_name}' has {a.shape[0]} partitions but '{b_name}' has {b.shape[0]} (shapes {a.shape} vs {b.shape})")
+        fail(instr, f"'{a_name}' has {a.shape[0]} partitions but '{b_name}' has {b.shape[0]} "
+                    f"(shapes {a.shape} vs {b.shape})")
     if a.free_size != b.free_size:
         fail(instr, f"'{a_name}' has {a.free_size} elements per partition but '{b_name}' has {b.free_size} "
                     f"(shapes {a.shape} vs {b.shape})")
@@ -99,7 +100,8 @@ def not_both_psum(instr: str, a_name: str, a: NkiTensor, b_name: str, b: NkiTens
 
 def dtype_in(instr: str, arg: str, t: NkiTensor, allowed) -> None:
     if t.dtype not in allowed:
-        fail(instr, f"argument '{arg}' ('{t.name}') has dtype {t.dtype}; expected one of {sorted(str(a) for a in allowed)}")
+        fail(instr, f"argument '{arg}' ('{t.name}') has dtype {t.dtype}; "
+                    f"expected one of {sorted(str(a) for a in allowed)}")
 
 
 def require_nc_version(instr: str, minimum: int, what: str = "") -> None:

@@ -65,8 +65,9 @@ def dma_copy(dst, src, priority=None, oob_mode=C.oob_mode.error, dge_mode=C.dge_
         fail(instr, f"element counts differ: dst {dst.shape} has {dst.size}, src {src.shape} has {src.size}")
     if dst.dtype != src.dtype:
         if dst.dtype.is_x4 or src.dtype.is_x4:
-            fail(instr, f"dtype conversion {src.dtype} -> {dst.dtype} is not supported for MX x4 dtypes "
-                       "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_copy.html)")
+            fail(instr,
+                 f"dtype conversion {src.dtype} -> {dst.dtype} is not supported for MX x4 dtypes "
+                 "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.dma_copy.html)")
         if dge_mode == C.dge_mode.hwdge:
             fail(instr, f"dge_mode=hwdge requires equal dtypes, got src {src.dtype} and dst {dst.dtype}")
     if dst.is_indirect() or src.is_indirect():

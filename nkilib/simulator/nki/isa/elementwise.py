@@ -2,10 +2,10 @@
 and iota; one nki.isa API page each:
 https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.<name>.html
 
-Numerics ("Supported Math Operators" of https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html):
-arithmetic operators cast every input to float32, compute in float32 and round once to `dst.dtype`
-(RNE; integers saturate). Bitvec operators see raw integer bit patterns: every
-input element is zero-extended to a 32-bit word, the operator works on words, and the low
+Numerics ("Supported Math Operators" of
+https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/nki.api.shared.html): arithmetic operators cast every
+input to float32, compute in float32 and round once to `dst.dtype` (RNE; integers saturate). Bitvec operators see raw
+integer bit patterns: every input element is zero-extended to a 32-bit word, the operator works on words, and the low
 `dst`-width bits are stored without conversion. The GpSimd path of `tensor_tensor` with all
 int32/uint32 tiles uses native 32-bit integer arithmetic (wraps modulo 2^32).
 """
@@ -125,8 +125,9 @@ def _stage(instr, op_arg, op, operand_arg, operand, reverse, data, bitvec, fp32_
     if op.binary is None and op.unary is None:
         fail(instr, f"{op_arg}={op!r} is not an ALU operator (activation functions go to nisa.activation)")
     if op.name == "power":
-        fail(instr, f"{op_arg}=nl.power is not supported here; nl.power runs only in nisa.tensor_tensor on GpSimd "
-                    "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
+        fail(instr,
+             f"{op_arg}=nl.power is not supported here; nl.power runs only in nisa.tensor_tensor on GpSimd "
+             "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
     _gate_op_target(instr, op_arg, op)
     if op.binary is None:
         if not _is_zero_or_none(operand):
@@ -309,7 +310,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 
 
 # The 2.33 (NKI 0.7) scalar_tensor_tensor adds a free-axis reduction of its result into VectorE's accumulator
-# registers: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html
+# registers:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html
 # (signature: reduce_cmd=reset_reduce, reduce_op=..., reduce_res=None). The reduce operators and the [P, 1]
 # reduce_res are those of the same engine's tensor_scalar_reduce
 # (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html:
@@ -399,8 +401,9 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         fail(instr, f"op1={op1!r} must be a binary operator (it combines with the operand1 tile)")
     st0 = _stage(instr, "op0", op0, "operand0", operand0, reverse0, data, False, fp32_tiles=False)
     if op1.name == "power":
-        fail(instr, "op1=nl.power is not supported; nl.power runs only in nisa.tensor_tensor on GpSimd "
-                    "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
+        fail(instr,
+             "op1=nl.power is not supported; nl.power runs only in nisa.tensor_tensor on GpSimd "
+             "(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.tensor_tensor.html)")
     _gate_op_target(instr, "op1", op1)
     st1 = _Stage("op1", op1, "operand1", None, t1, _check_bool(instr, "reverse1", reverse1))
     for arg, t in (("dst", dst), ("data", data), ("operand1", t1)):

@@ -221,9 +221,10 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
         # came from (quantize_mx checks the same for its output).
         data_start, _ = data.partition_info()
         if scale_start // _QUADRANT != data_start // _QUADRANT:
-            fail(instr, f"argument '{arg}_scale' starts at partition {scale_start} (quadrant {scale_start // _QUADRANT}) "
-                        f"but '{arg}' ('{data.name}') starts at partition {data_start} (quadrant "
-                        f"{data_start // _QUADRANT}); expected the scales in the data's quadrant ({_MXFP_GUIDE_URL})")
+            fail(instr, f"argument '{arg}_scale' starts at partition {scale_start} "
+                        f"(quadrant {scale_start // _QUADRANT}) but '{arg}' ('{data.name}') starts at partition "
+                        f"{data_start} (quadrant {data_start // _QUADRANT}); expected the scales in the data's "
+                        f"quadrant ({_MXFP_GUIDE_URL})")
     check_tiling(instr, tile_position, tile_size, k, m, allow_column=False)
     ss_rows = _quadrant_row_views(ss, groups)
     ms_rows = _quadrant_row_views(ms, groups)

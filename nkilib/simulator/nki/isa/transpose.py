@@ -17,7 +17,8 @@ def nc_transpose(dst, data, engine=C.engine.unknown, name=None):
     written like `nc_matmul(is_transpose=True)`). `engine.vector`: SBUF/PSUM in and out, at most
     [32, 32]. `engine.unknown` ("the compiler selects based on the input shape", docs) picks the
     Tensor engine when dst is in PSUM and data in SBUF, else the Vector engine (INFERRED: the only
-    choice the memory rules leave open; https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html).
+    choice the memory rules leave open;
+    https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_transpose.html).
     """
     instr = "nc_transpose"
     dst = on_chip(instr, "dst", dst)

@@ -127,8 +127,10 @@ _OPS = [
     Op("silu", activation=lambda x: x * _sigmoid(x)),
     Op("silu_dx", activation=_silu_dx),
     Op("gelu", activation=lambda x: 0.5 * x * (1.0 + _erf64(x / _SQRT2))),
-    Op("gelu_dx", activation=lambda x: 0.5 * (1.0 + _erf64(x / _SQRT2)) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)),
-    Op("gelu_apprx_tanh", activation=lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))),
+    Op("gelu_dx", activation=lambda x: (0.5 * (1.0 + _erf64(x / _SQRT2))
+                                        + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi))),
+    Op("gelu_apprx_tanh",
+       activation=lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))),
     Op("gelu_apprx_sigmoid", activation=lambda x: x * _sigmoid(1.702 * x)),
     Op("gelu_apprx_sigmoid_dx", activation=lambda x: _sigmoid(1.702 * x) * (1.0 + 1.702 * x * _sigmoid(-1.702 * x))),
     Op("softplus", activation=_softplus),
