@@ -650,12 +650,12 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
 
 
 def test_phase1_cold_start_first_w_down_k_tiles_staged_one_dma_per_slot(monkeypatch):
-    """At phase 1's cold start (TP8) W_down's whole staging ring, dY's first rows and the first checkpoints are in flight
-    together and share the DMA engines; the first COLD_SLOT_DMA_K_TILES K tiles of W_down's first panel are staged by
-    one DMA per slot (MX_PACK DMAs of a quarter of the K tile each), so they take more of the shares and land first
-    (TP8 modeled 0.62024 / 0.70017 -> 0.61912 / 0.69893 ms). On H = 3072 (six K tiles of W_down) each core's W_down
-    DMAs are MX_PACK quarter-tile DMAs per such K tile, then one whole-tile DMA per K tile (one per K tile on the old
-    code); bit-exact against mx_exact, LNC1 equal to LNC2. Without cold staging every K tile is one DMA."""
+    """At phase 1's cold start (TP8) W_down's whole staging ring, dY's first rows and the first checkpoints are in
+    flight together and share the DMA engines; the first COLD_SLOT_DMA_K_TILES K tiles of W_down's first panel are
+    staged by one DMA per slot (MX_PACK DMAs of a quarter of the K tile each), so they take more of the shares and land
+    first (TP8 modeled 0.62024 / 0.70017 -> 0.61912 / 0.69893 ms). On H = 3072 (six K tiles of W_down) each core's
+    W_down DMAs are MX_PACK quarter-tile DMAs per such K tile, then one whole-tile DMA per K tile (one per K tile on the
+    old code); bit-exact against mx_exact, LNC1 equal to LNC2. Without cold staging every K tile is one DMA."""
     from nkilib.core.matmul.constants import COLD_SLOT_DMA_K_TILES, MX_PACK
 
     S, H, I = 256, 3072, 256
