@@ -642,6 +642,42 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
     assert _staging_tiles_per_core(res.trace, "down_proj_weight") == {0: STAGING_BUFFERS}
 
 
+def test_phase1_cold_start_first_w_down_k_tiles_staged_one_dma_per_slot(monkeypatch):
+    """At phase 1's cold start (TP8) W_down's whole staging ring, dY's first rows and the first checkpoints are in
+    flight together and share the DMA engines; the first COLD_SLOT_DMA_K_TILES K tiles of W_down's first panel are
+    staged by one DMA per slot (MX_PACK DMAs of a quarter of the K tile each), so they take more of the shares and land
+    first (TP8 modeled 0.62024 / 0.70017 -> 0.61912 / 0.69893 ms). On H = 3072 (six K tiles of W_down) each core's
+    W_down DMAs are MX_PACK quarter-tile DMAs per such K tile, then one whole-tile DMA per K tile (one per K tile on the
+    old code); bit-exact against mx_exact, LNC1 equal to LNC2. Without cold staging every K tile is one DMA."""
+    from nkilib.core.matmul.constants import COLD_SLOT_DMA_K_TILES, MX_PACK
+
+    S, H, I = 256, 3072, 256
+    k_tiles = H // 512
+    assert 0 < COLD_SLOT_DMA_K_TILES < k_tiles
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 31)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    k_tile_bytes = 512 * I * 2  # bf16 [512, I] rows of W_down (one n block: I = 256)
+    split = [k_tile_bytes // MX_PACK] * (MX_PACK * COLD_SLOT_DMA_K_TILES)
+    whole = [k_tile_bytes] * (k_tiles - COLD_SLOT_DMA_K_TILES)
+
+    def check_dmas(trace, lnc):
+        assert _w_down_dma_bytes_per_core(trace) == {p: split + whole for p in range(lnc)}
+
+    _traced_bit_exact_on_lnc1_and_lnc2(inp, check_dmas)
+    monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged: one DMA per K tile
+    res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
+    assert _w_down_dma_bytes_per_core(res.trace) == {0: [k_tile_bytes] * k_tiles}
+
+
+def _w_down_dma_bytes_per_core(trace):
+    """{program: [bytes of each DMA from W_down, in program order]}."""
+    out = {}
+    for rec in trace:
+        if rec.engine == "dma" and rec.reads and rec.reads[0].name == "down_proj_weight":
+            out.setdefault(rec.program, []).append(rec.reads[0].nbytes)
+    return out
+
+
 def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
     """Phase 2 with phase 1's resident d_gate_up panels (TP8) reads only the rows its own core wrote: no sync point
     before it; the one core barrier goes inside phase 2 (MatmulPlan.set_fence), and phase 1's last K tile quantized

@@ -91,6 +91,15 @@ COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (Matmu
 # load at the plan's cold start, where the first tile waits for every K tile of them; the MLP backward's phase 1,
 # W_down). TP8 MXFP8 modeled, central / pessimistic ms (3: 0.660 / 0.740): 4: 0.669, 5: 0.672, 6: 0.653 / 0.718,
 # 7: 0.657, 8: 0.664, 10: 0.677, 12: 0.680 (central; round 12 of docs/dense-performance.md)
+COLD_SLOT_DMA_K_TILES = 2  # the first K tiles of such a plan's first moving panel, each staged by one DMA per slot
+# (MX_PACK DMAs of [128, F] rows instead of one of [128, 4, F]; panels.py _stage_mx_rows). The cost model gives every
+# DMA in flight a share of the core's 16 DMA engines in proportion to the engines it spans (scheduler.py; a [128, *]
+# DMA spans all 16: equal shares), and at the cold start W_down's
+# whole ring, dY's first rows and the first checkpoints are in flight together, so the first K tile landed with the
+# others at ~19 us; in four DMAs it takes four shares and lands at ~9 us, and dY's second half, which VectorE's first
+# W_down quantize follows, lands ~1.1 us earlier. TP8 MXFP8 modeled (0.62024 / 0.70017 ms): 1: 0.61923 / 0.69927,
+# 2: 0.61912 / 0.69893, 3: 0.61954 / 0.69934, 6: 0.62208 / 0.70190; two DMAs per K tile (pairs of slots) at 2: 0.61971
+# / 0.69957 (docs/dense-performance.md round 31)
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
 # kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused

@@ -91,9 +91,11 @@ def _rows_in_slot(valid: int, j: int, step_p: int, step_j: int, partitions: int)
     return max(0, min(partitions, valid - step_j * j))  # wrapX: k = p + P*j
 
 
-def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
+def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage, per_slot=False):
     """Load a K tile of a [K, F] bf16 operand (k_axis=0) into the interleaved staging tile `stage`
-    [128, 4, >= F_pad] bf16; returns quantize_mx's src view [P, F_pad, 4]."""
+    [128, 4, >= F_pad] bf16; returns quantize_mx's src view [P, F_pad, 4]. per_slot: one DMA per slot
+    ([P, F] rows each) instead of one for the whole tile (the same bytes into the same places; MatmulPlan
+    cold_staging: the cold start's first K tiles, COLD_SLOT_DMA_K_TILES)."""
     P = padded // MX_PACK
     step_p, step_j = _slot_geometry(setup.scheme, P)
     t = op.tensor
@@ -102,7 +104,7 @@ def _stage_mx_rows(op, k0, valid, padded, f0, f_size, f_pad, setup, stage):
     if partial or f_size < f_pad:
         nisa.memset(dst=stage[:P, :, :], value=0.0)
     base = (op.k_base + k0) * row + op.f_base + f0
-    if not partial:
+    if not partial and not per_slot:
         src = t.ap(pattern=[[step_p * row, P], [step_j * row, MX_PACK], [1, f_size]], offset=base)
         nisa.dma_copy(dst=stage[:P, :, :f_size], src=src)
     else:
@@ -245,10 +247,11 @@ class PanelLoad(nl.NKIObject):
     caller's ring (PanelSource: one per operand) is shared by its successive loads, so a load's DMAs wait for the
     quantizes of the previous load's K tiles instead of every load of a phase start sharing the DMA bandwidth at
     once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
+    slot_dma_k_tiles: the first this many K tiles of the load are staged by one DMA per slot (_stage_mx_rows).
     """
 
     def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
-                 staged=None, quantize_columns=1):
+                 staged=None, quantize_columns=1, slot_dma_k_tiles=0):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
@@ -259,6 +262,7 @@ class PanelLoad(nl.NKIObject):
         self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
         self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
         self.next = t_lo  # the next K tile to quantize
+        self.slot_dma_k_tiles = slot_dma_k_tiles
         given = [] if staged == None else staged  # noqa: E711
         kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead),
                       f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once")
@@ -271,7 +275,8 @@ class PanelLoad(nl.NKIObject):
         k0, valid, padded = self.tiles[t]
         stage = self.ring.take((PARTITIONS, MX_PACK, self.f_pad))
         self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, self.f0, self.f_size, self.f_pad,
-                                                    self.setup, stage)
+                                                    self.setup, stage,
+                                                    per_slot=t - self.t_lo < self.slot_dma_k_tiles)
 
     def remaining(self) -> int:
         """K tiles not quantized yet."""
@@ -314,7 +319,8 @@ def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages
 
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
-               ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1) -> Panel:
+               ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1,
+               slot_dma_k_tiles=0) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -339,6 +345,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     staged: the first K tiles' staging views from stage_ahead (its DMAs issued earlier into `ring`'s tiles; MXFP8
     [K, F] bf16 operands from K tile 0); None: every K tile staged here.
     quantize_columns: each K tile quantized on chip in that many equal column pieces (PanelBuilder; default 1).
+    slot_dma_k_tiles: the first this many K tiles of a [K, F] bf16 operand (MXFP8) staged by one DMA per slot
+    (PanelLoad; default 0).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -395,7 +403,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
         return builder.panel()
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
-        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged).finish()
+        return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged,
+                         slot_dma_k_tiles=slot_dma_k_tiles).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES,
-                        FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES,
-                        MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES,
-                        PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN,
-                        STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
-                        STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE,
+from .constants import (COLD_SLOT_DMA_K_TILES, COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE,
+                        FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES,
+                        LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS,
+                        PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES,
+                        STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE,
                         STREAM_STATIONARY_BUDGET_BYTES, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
                         STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
                         usable_sbuf_bytes)
@@ -227,9 +227,11 @@ class MatmulPlan(nl.NKIObject):
                        for op in moving]
         if cold_staging and self.keep_moving and ceil_div(m_hi - m_lo, self.m_tile) <= COLD_STAGING_MAX_M_TILES:
             # loaded once, all at the cold start: the first tile waits for every K tile of them, and a deeper ring
-            # keeps more of their DMAs in flight while VectorE quantizes the first ones
+            # keeps more of their DMAs in flight while VectorE quantizes the first ones; the first panel's first K
+            # tiles in one DMA per slot, so that they take more of the DMA queues' shares and land first
             for mv in self.moving:
                 mv.staging = COLD_STAGING_BUFFERS
+                mv.first_slot_dma_k_tiles = COLD_SLOT_DMA_K_TILES
         self.fenced_start = (fenced_start and resident != None and setup.is_mx and  # noqa: E711
                              not self.keep_moving and all(mv.can_load_ahead() for mv in self.moving))
         if self.fenced_start:
