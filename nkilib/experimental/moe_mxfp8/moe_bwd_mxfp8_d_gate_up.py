@@ -162,8 +162,13 @@ class RowChunk(nl.NKIObject):
             if x_nat != None and inputs.own:  # noqa: E711  (else deferred: gather_deferred_x)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
         else:
-            self.ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-            self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+            # rows read back by plain DMA: no token ids (nothing here reads them), and slots only where a reader
+            # follows (p's and the slot-layout checkpoints' gathers, the fold's scatter); the I split's staged rows
+            # with block-ordered checkpoints have none (its scatter loads its own after the fence). Each [m, 1] int32
+            # load costs the DMA queues one 4-byte descriptor per row: docs/moe.md section 10, round 27a
+            self.ids = None
+            needs_slots = not (tile_sums and ctx.checkpoints_blocked)
+            self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m) if needs_slots else None
             dy_nat = _block_natural(ctx, ctx.dy_blocks, i, r0, m, H)
             if recompute:
                 x_nat = _block_natural(ctx, ctx.x_blocks, i, r0, m, H)

@@ -416,12 +416,15 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         # W_gu quantizes behind it (and, through the staging ring, W_gu's loads): docs/moe.md section 10, round 7b
         nisa.tensor_copy(dst=part[:m, h0 - h_lo:h0 - h_lo + hsz], src=acc[:m, :hsz], engine=nisa.engine.scalar)
 
-    def scatter_add(r0, m, part, c_lo=0, c_hi=None):
-        """Columns [c_lo, c_hi) of the chunk's part (default: all) into dX[ids, h_lo + c_lo:h_lo + c_hi)."""
+    def scatter_add(r0, m, part, c_lo=0, c_hi=None, ids=None, load_ids=True):
+        """Columns [c_lo, c_hi) of the chunk's part (default: all) into dX[ids, h_lo + c_lo:h_lo + c_hi). ids: the
+        chunk's token-id tile, loaded here when load_ids (its first scatter) and taken as loaded otherwise (a later
+        super-panel's scatter of the same chunk); None: a tile of this call's own."""
         if c_hi == None:  # noqa: E711
             c_hi = h_width
         part = part[:, c_lo:c_hi]
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        if load_ids:
+            ids = ctx.positions(ctx.ids2d, i, r0, 1, m, dst=ids)
         rows = ctx.dx.ap([[ctx.H, m], [1, c_hi - c_lo]], offset=h_lo + c_lo, vector_offset=ids, indirect_dim=0)
         if ctx.k == 1:
             # one routed pair per token: its dX row is written exactly once (no zeroed dX, no read-modify-write):
@@ -461,6 +464,9 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
     for r0, m in row_chunks if tiles else []:
         part = nl.ndarray((PARTITIONS, h_width), dtype=nl.bfloat16, buffer=nl.sbuf)
         chunks.append((r0, m, chunk_panel(r0, m), part))
+    # each chunk's token ids, loaded by its first scatter and taken by its later super-panels' (one [m, 1] int32 load,
+    # one 4-byte descriptor per row, per chunk instead of per super-panel: docs/moe.md section 10, round 27a)
+    chunk_ids = [nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf) for _, m, _, _ in chunks]
     flags = ctx.row_flags(i, PARTITIONS, len(row_chunks)) if flag_tiles and len(row_chunks) > 1 else None
 
     def run(c, work):
@@ -484,10 +490,12 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
             run(c, lambda c=c, j=j: chunk_tile(c, j, chunks[c][2], chunks[c][3], chunks[c][1]) if j < len(tiles)
                 else None)
             if is_cut:
-                run(c, lambda c=c, lo=done, hi=cut: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo, hi)
+                run(c, lambda c=c, lo=done, hi=cut: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo, hi,
+                                                                ids=chunk_ids[c], load_ids=lo == 0)
                     if lo < hi else None)
             if j == n_tiles - 1:
-                run(c, lambda c=c, lo=done: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo)
+                run(c, lambda c=c, lo=done: scatter_add(chunks[c][0], chunks[c][1], chunks[c][3], lo,
+                                                        ids=chunk_ids[c], load_ids=lo == 0)
                     if lo < h_width else None)
         if is_cut:
             done = cut
