@@ -24,8 +24,8 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_context as C
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
-from moekit import expert_routing, spy
-from simkit import assert_outputs_identical
+from moekit import expert_routing
+from simkit import assert_outputs_identical, spy
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
 
@@ -49,7 +49,8 @@ def _case(monkeypatch, layout):
 def _spy_positions(monkeypatch):
     """Every MoeContext.positions call as (core, "ids" or "slots", the calling function's name)."""
     def key(ctx, table, *args, **kwargs):
-        return ctx.split.shard_id, "ids" if table is ctx.ids2d else "slots", sys._getframe(2).f_code.co_name
+        caller = sys._getframe(3).f_code.co_name  # frames: key <- simkit.spy's record <- recorder <- the caller
+        return ctx.split.shard_id, "ids" if table is ctx.ids2d else "slots", caller
     return spy(monkeypatch, C.MoeContext, "positions", key)
 
 
