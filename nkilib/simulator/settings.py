@@ -6,9 +6,9 @@
 | NKI_NC_VERSION | (unset) | gen3/gen4, honoured when the override above is unset (nki-library harness) |
 | NKI_PRECISE_FP | 1 | 1: low-precision floats stored with real rounding (ml_dtypes); 0: stored as fp32 ([SIM]) |
 | NKILIB_SIM_STRICT | 1 | 1: raise on reads of never-written elements (ours; the official simulator only NaN-fills) |
-| NKILIB_QMX_SCALE_RULE | neuron | quantize_mx scale rule: "neuron" (SDK 2.31+, alt-emax, default) or "ocp_floor" |
-| | | (SDK <= 2.30); docs/simulator.md#choice-qmx-scale-rule |
+| NKILIB_QMX_SCALE_RULE | neuron | quantize_mx scale rule: "neuron" (SDK 2.31+, default) or "ocp_floor" (<= 2.30) [QMX] |
 
+[QMX]: docs/simulator.md#choice-qmx-scale-rule (alt-emax vs the OCP floor rule).
 [SIM]: the NKI CPU simulator guide,
 https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/guides/nki_simulator.html
 
