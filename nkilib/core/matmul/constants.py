@@ -100,6 +100,12 @@ COLD_SLOT_DMA_K_TILES = 2  # the first K tiles of such a plan's first moving pan
 # W_down quantize follows, lands ~1.1 us earlier. TP8 MXFP8 modeled (0.62024 / 0.70017 ms): 1: 0.61923 / 0.69927,
 # 2: 0.61912 / 0.69893, 3: 0.61954 / 0.69934, 6: 0.62208 / 0.70190; two DMAs per K tile (pairs of slots) at 2: 0.61971
 # / 0.69957 (docs/dense-performance.md round 31)
+COLD_PERMUTE_INTO_NEXT_WORDS = True  # such a plan's moving K tiles (all but each panel's last) quantize their last
+# F_pad // 2 columns from a unit-stride copy that ScalarE makes in the next K tile's words allocation (free until that
+# K tile's own quantize; PanelBuilder.quantize_mx_tile). quantize_mx reads the [P, 4, F] staging tile through a
+# strided [P, F, 4] view, which the cost model prices at half VectorE's rate (central) or a quarter (pessimistic),
+# and at the cold start VectorE's W_down quantizes pace TensorE while ScalarE only evicts dY's transposes. TP8 MXFP8
+# modeled 0.61912 / 0.69893 ms -> see round 33 of docs/dense-performance.md
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
 # kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused

@@ -198,18 +198,38 @@ class PanelBuilder(nl.NKIObject):
             return early
         return nl.ndarray((PARTITIONS, self.f_pad), dtype=nl.bfloat16, buffer=nl.sbuf)
 
-    def add_mx(self, t, padded, src):
-        """Quantize stage view `src` [P, F_pad, 4] as K tile t (appended: the K tiles come in order)."""
-        words, scale = self.quantize_mx_tile(t, padded, src)
+    def add_mx(self, t, padded, src, next_words_as_source=False):
+        """Quantize stage view `src` [P, F_pad, 4] as K tile t (appended: the K tiles come in order);
+        next_words_as_source: see quantize_mx_tile."""
+        words, scale = self.quantize_mx_tile(t, padded, src, next_words_as_source)
         self.data.append(words)
         self.scales.append(scale)
 
-    def quantize_mx_tile(self, t, padded, src):
+    def quantize_mx_tile(self, t, padded, src, next_words_as_source=False):
         """(words, scale) of K tile t, quantized from stage view `src` [P, F_pad, 4] into its place; the caller
-        collects them (add_mx appends; RowPanelByColumns builds its K tiles out of order)."""
+        collects them (add_mx appends; RowPanelByColumns builds its K tiles out of order).
+
+        next_words_as_source: where a later K tile of this builder exists (not the last) and the K tile is quantized
+        whole (quantize_columns 1), ScalarE first copies the last F_pad // 2 columns of `src` (a strided view of the
+        [P, 4, F] staging tile) into the words allocation of K tile t + 1 as a unit-stride bf16 [P, F_pad // 2, 4]
+        (the same bytes per partition as its [P, F_pad] x4 words, written only by its own quantize, after this one's
+        read), and VectorE quantizes those columns from that copy: quantize_mx runs at full rate from a unit-stride
+        source only (pricing.py _cost_quantize_mx; COLD_PERMUTE_INTO_NEXT_WORDS). The copy moves bf16 values
+        unchanged, so the words and scales are the whole tile's, bit for bit.
+        """
         P = padded // MX_PACK
         words = self.words(t, P, quantized=True)
         scale = self.scale(t)
+        if next_words_as_source and self.quantize_columns == 1 and t + 1 < self.t_lo + self.count:
+            copied = self.f_pad // 2
+            c0 = self.f_pad - copied
+            # the next K tile's words as bf16 [P, copied, 4]: 2 bf16 per x4 word, so copied * 4 <= 2 * F_pad values
+            staged = self.words(t + 1, P, quantized=True).view(nl.bfloat16)[:, :copied * MX_PACK]
+            staged = staged.reshape((P, copied, MX_PACK))
+            nisa.tensor_copy(dst=staged, src=src[:, c0:, :], engine=nisa.engine.scalar)
+            nisa.quantize_mx(dst=words[:, :c0], src=src[:, :c0, :], dst_scale=scale[:, :c0])
+            nisa.quantize_mx(dst=words[:, c0:], src=staged, dst_scale=scale[:, c0:self.f_pad])
+            return words, scale
         # MX groups run along K (partitions x the 4 slots), never across columns: a column piece's words and scales
         # are those of the whole K tile's quantize, bit for bit
         width = self.f_pad // self.quantize_columns

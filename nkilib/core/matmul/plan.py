@@ -22,15 +22,15 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert
-from .constants import (COLD_SLOT_DMA_K_TILES, COLD_STAGING_BUFFERS, COLD_STAGING_MAX_M_TILES, FENCE_TILE,
-                        FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES,
-                        LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES, OWN_PREFETCH_GROUPS,
-                        PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES,
-                        RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES,
-                        STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES, STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE,
-                        STREAM_STATIONARY_BUDGET_BYTES, STREAM_STATIONARY_HEADROOM_BF16_BYTES,
-                        STREAM_STATIONARY_HEADROOM_BYTES, SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS,
-                        usable_sbuf_bytes)
+from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COLD_STAGING_BUFFERS,
+                        COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
+                        LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES,
+                        OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES,
+                        RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS,
+                        STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES,
+                        STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
+                        STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
+                        SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (first_load_bytes, first_stationary_load_bytes, held_bytes_at_tail, last_loading_tile,
                       place_fence_after_first_panel, prefetch_fits, tail_load_fits)
@@ -228,10 +228,12 @@ class MatmulPlan(nl.NKIObject):
         if cold_staging and self.keep_moving and ceil_div(m_hi - m_lo, self.m_tile) <= COLD_STAGING_MAX_M_TILES:
             # loaded once, all at the cold start: the first tile waits for every K tile of them, and a deeper ring
             # keeps more of their DMAs in flight while VectorE quantizes the first ones; the first panel's first K
-            # tiles in one DMA per slot, so that they take more of the DMA queues' shares and land first
+            # tiles in one DMA per slot, so that they take more of the DMA queues' shares and land first; half of
+            # each K tile quantized from a unit-stride copy that ScalarE makes
             for mv in self.moving:
                 mv.staging = COLD_STAGING_BUFFERS
                 mv.first_slot_dma_k_tiles = COLD_SLOT_DMA_K_TILES
+                mv.next_words_as_source = COLD_PERMUTE_INTO_NEXT_WORDS
         self.fenced_start = (fenced_start and resident != None and setup.is_mx and  # noqa: E711
                              not self.keep_moving and all(mv.can_load_ahead() for mv in self.moving))
         if self.fenced_start:

@@ -38,6 +38,8 @@ class PanelSource(nl.NKIObject):
         self.piece_bytes = 0  # words quantized on chip in pieces of this size (PanelPlacement; 0: the default)
         self.first_quantize_columns = 1  # the first load's K tiles quantized in this many column pieces (fenced_start)
         self.first_slot_dma_k_tiles = 0  # the first load's first K tiles staged by one DMA per slot (cold_staging)
+        self.next_words_as_source = False  # every load's K tiles quantize half their columns from a unit-stride copy
+        # in the next K tile's words (PanelBuilder.quantize_mx_tile; cold_staging)
         self.words_per_k_tile = False  # words in one allocation per K tile (PanelPlacement.per_k_tile; adopt_staging)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
@@ -92,7 +94,8 @@ class PanelSource(nl.NKIObject):
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
                                      placement=PanelPlacement.pieces(self.piece_bytes),
                                      quantize_columns=self.first_quantize_columns,
-                                     slot_dma_k_tiles=self.first_slot_dma_k_tiles)
+                                     slot_dma_k_tiles=self.first_slot_dma_k_tiles,
+                                     next_words_as_source=self.next_words_as_source)
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
                       "load is pending")
@@ -117,7 +120,8 @@ class PanelSource(nl.NKIObject):
             placement = PanelPlacement.into(words, scales)
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
-                           slot_dma_k_tiles=self.first_slot_dma_k_tiles)
+                           slot_dma_k_tiles=self.first_slot_dma_k_tiles,
+                           next_words_as_source=self.next_words_as_source)
         self.first_quantize_columns, self.first_slot_dma_k_tiles = 1, 0
         return self._keep(f0, f_size, panel, natural)
 
