@@ -14,6 +14,9 @@ stay mx_exact's bit for bit under LNC2 (the race detector on).
 |                               | block, two blocks, none, one full block: == mx_exact; per core every     |       |
 |                               | computed chunk stored once, every padding-only chunk zeroed, pass B      |       |
 |                               | builds no panel from rows and takes every chunk's panel from the K tiles |       |
+| test_split_panels_scale_rows  | the same case traced: every DMA of the panels' scales moves only the     | LNC2  |
+|                               | rows quantize_mx wrote (8 = 2 K tiles x 4 at the start of each quadrant, |       |
+|                               | one DMA per quadrant; round 30a), bytes as counted from the chunk events |       |
 | test_split_panels_applies     | I = 544 (a part I tile), I tiles not shared evenly, BF16: not made       | host  |
 """
 from __future__ import annotations
@@ -23,8 +26,10 @@ import numpy as np
 import nki.language as nl
 from nkilib.core.matmul import CoreSplit, MatmulSetup
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_split_panels as P
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.simulator.launcher import run_kernel
 from moekit import core_of_self, expert_routing
 from simkit import assert_outputs_identical, spy, spy_per_core
 from test_moe_bwd_kernel import moe_case, run
@@ -42,6 +47,17 @@ def _record(monkeypatch):
     return events, from_rows
 
 
+SCALES = "moe_bwd_d_gate_up_split_panel_scales"
+
+
+def _case(monkeypatch):
+    """test_split_panels_bit_exact's case: (kernel kwargs, reference kwargs)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 912, 5, 2048, 1024, 256
+    ids = expert_routing([256, 100, 300, 256], experts=[0, 1, 2, 4], shuffle_seed=29)
+    return moe_case(T, E, H, I, ids, seed=83, block_size=B, checkpoints=CHECKPOINTS)
+
+
 def test_split_panels_bit_exact(monkeypatch):
     """T = 912, B = 256 (two 128-row chunks per block), k = 1, H = 2048, I = 1024, all four checkpoints, no resident
     budget (the I split; pass B loads W_gu per block for one-block experts and in resident groups for the two-block
@@ -51,10 +67,7 @@ def test_split_panels_bit_exact(monkeypatch):
     (experts 0, 1 and 4: 2 chunks each; expert 2: 2 blocks x 2 chunks in each of its two W_gu groups, padding-only
     chunks loaded too, their matmuls skipped) and builds none from rows. == mx_exact bit for bit. Fails on the old code
     (no K tiles stored) and on a panel whose K tiles are taken from the wrong core (the outputs)."""
-    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
-    T, E, H, I, B = 912, 5, 2048, 1024, 256
-    ids = expert_routing([256, 100, 300, 256], experts=[0, 1, 2, 4], shuffle_seed=29)
-    kernel, ref = moe_case(T, E, H, I, ids, seed=83, block_size=B, checkpoints=CHECKPOINTS)
+    kernel, ref = _case(monkeypatch)
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [1, 1, 2, 0, 1]
     events, from_rows = _record(monkeypatch)
     out = run(kernel, lnc=2)
@@ -63,6 +76,33 @@ def test_split_panels_bit_exact(monkeypatch):
         counts = {what: events[core].count(what) for what in ("store", "zero", "panel")}
         assert counts == {"store": 8, "zero": 2, "panel": 14}, (core, counts)
     assert from_rows == [], len(from_rows)
+
+
+def test_split_panels_scale_rows(monkeypatch):
+    """test_split_panels_bit_exact's case traced under LNC2. Each core's panel holds 2 K tiles (I = 1024: one 512-column
+    I tile per core, its gate and up halves) packed into one scale tile, so quantize_mx wrote scale rows 32 q + 0..7 of
+    each quadrant q (4 rows per K tile, packing offsets 0 and 4). Every DMA reading or writing the panels' scales moves
+    exactly such an 8-row quadrant start on its SBUF side, and their bytes add up to 4 quadrants x 8 rows x 128 columns
+    per chunk stored or zeroed (one scale tile) and x 256 per chunk loaded (both cores' tiles): 8 + 2 stored / zeroed
+    and 14 loaded per core. Outputs == mx_exact. Fails on the old code (whole 128-partition scale tiles, 16x the
+    bytes)."""
+    kernel, ref = _case(monkeypatch)
+    events, _ = _record(monkeypatch)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    out = tuple(np.asarray(o) for o in res.outputs)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 split panels' scale rows vs mx_exact")
+    quadrants, rows, columns, cores = 4, 8, 128, 2
+    dmas = [r for r in res.trace if r.engine == "dma"
+            and any(o.name == SCALES for o in (*r.reads, *r.writes))]
+    for r in dmas:
+        (sbuf,) = [o for o in (*r.reads, *r.writes) if o.buffer == "sbuf"]
+        assert sbuf.partition_lo % 32 == 0 and sbuf.partition_hi - sbuf.partition_lo == rows, \
+            (r.instr, sbuf.partition_lo, sbuf.partition_hi)
+    moved = sum(o.nbytes for r in dmas for o in r.writes)
+    chunks_written = sum(events[c].count("store") + events[c].count("zero") for c in (0, 1))
+    chunks_read = sum(events[c].count("panel") for c in (0, 1))
+    assert (chunks_written, chunks_read) == (20, 28), (chunks_written, chunks_read)
+    assert moved == quadrants * rows * columns * (chunks_written + cores * chunks_read), moved
 
 
 def test_split_panels_applies():

@@ -15,7 +15,9 @@ BF16_K_TILE = 128  # logical K per nc_matmul (partition dim)
 M_TILE = 128  # stationary free size limit (gemm_stationary_fmax)
 N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn2)
 SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (quantize_mx page)
-SCALE_PACK_STRIDE = 4
+SCALE_PACK_STRIDE = 4  # scale rows per K tile in each quadrant: its 16 groups of 8 partitions, 4 per quadrant
+SCALE_QUADRANT = 32  # partitions per SBUF quadrant: quantize_mx writes a 128-partition tile's scale rows at the start
+# of each (rows 32q + SCALE_PACK_STRIDE x slot + 0..3), so a scale copy moves only those rows, quadrant by quadrant
 
 FP8_X4_DTYPE_NAMES = ("float8_e4m3fn_x4", "float8_e5m2_x4")  # accepted fp8_x4_dtype values
 QUANT_SCHEMES = ("1x32", "wrapX")

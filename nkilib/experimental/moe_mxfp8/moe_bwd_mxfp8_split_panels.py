@@ -5,8 +5,9 @@ Under the I split core c computes the gate columns I_c and the up columns I + I_
 K tiles of pass B's K = 2I when I is a multiple of 512 and the cores hold whole I tiles. Each K tile of pass B's panel
 is transposed and quantized along K inside its own 512 columns (quantize_mx's groups of 32 never cross a K tile), so
 core c can make its own K tiles of every chunk's panel from the d_gate_up rows it holds on chip (RowPanelByColumns over
-its [128, 2 |I_c|] tile) and store their words and scales; pass B, on both cores, loads the two cores' K tiles (four
-DMAs per chunk) instead of reading the chunk's bf16 rows and transposing and quantizing all 2I columns on each core.
+its [128, 2 |I_c|] tile) and store their words and scales; pass B, on both cores, loads the two cores' K tiles (words
+in one DMA, scales in one per quadrant) instead of reading the chunk's bf16 rows and transposing and quantizing all 2I
+columns on each core.
 Bit-exact: the same transposes and quantize_mx of the same columns; a K tile's scales may sit at another of the four
 packing offsets of its scale tile, which nc_matmul_mx reads from wherever the view points (the scale's quadrant is
 the data's, as quantize_mx wrote it).
@@ -21,8 +22,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, shard_range
-from ...core.matmul import Panel, panel_tile_widths, store_panel_tiles
-from ...core.matmul.constants import MX_K_TILE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE
+from ...core.matmul import Panel, panel_tile_widths
+from ...core.matmul.constants import MX_K_TILE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, SCALE_QUADRANT
 from .constants import PARTITIONS, PHASE1_N_TILE
 
 __all__ = ["SplitChunkPanels"]
@@ -49,6 +50,10 @@ class SplitChunkPanels(nl.NKIObject):
         cores, n_i = ctx.split.num_cores, len(i_tiles)
         self.ranges = [shard_range(n_i, cores, c) for c in range(cores)]
         self.nk, self.ns = panel_tile_widths(2 * (n_i // cores) * PHASE1_N_TILE, PARTITIONS, ctx.setup)
+        # scale rows quantize_mx writes at the start of each quadrant: SCALE_PACK_STRIDE per K tile of a scale tile
+        # (up to SCALE_PACK_SLOTS with packing, one without); the rest of the quadrant is never written nor read
+        slots = min(self.nk, SCALE_PACK_SLOTS) if ctx.setup.use_scale_packing else 1
+        self.scale_rows = SCALE_PACK_STRIDE * slots
         # global K tile t of 2I -> (core, local K tile): gate tiles t < n_i, up tiles n_i + u (local: gate tiles of
         # the core's I tiles, then its up tiles, RowChunk's d_gu layout)
         self.k_tile_owners = []
@@ -57,7 +62,7 @@ class SplitChunkPanels(nl.NKIObject):
             for c, (lo, hi) in enumerate(self.ranges):
                 if lo <= u < hi:
                     self.k_tile_owners.append((c, u - lo + (hi - lo if t >= n_i else 0)))
-        # one row per chunk row holding both cores' K tiles, core after core: pass B reads a chunk in two DMAs
+        # one row per chunk row holding both cores' K tiles, core after core: pass B reads a chunk's words in one DMA
         self.words = nl.ndarray((ctx.N, ctx.B, cores * self.nk * PARTITIONS), dtype=ctx.setup.x4_dtype,
                                 buffer=nl.shared_hbm, name="moe_bwd_d_gate_up_split_panels")
         self.scales = nl.ndarray((ctx.N, ctx.B, cores * self.ns * PARTITIONS), dtype=nl.uint8, buffer=nl.shared_hbm,
@@ -88,9 +93,12 @@ class SplitChunkPanels(nl.NKIObject):
         kernel_assert(len(panel.data) == self.nk, f"a core's panel has {self.nk} K tiles, got {len(panel.data)}")
         kernel_assert(r0 % PARTITIONS == 0,
                       f"split chunk panels hold 128-row chunks from a multiple of 128, got r0={r0}")
+        kernel_assert(panel.words_tile != None and panel.scale_tile != None,  # noqa: E711
+                      "split chunk panels store a panel held in one words and one scale allocation (panel_from_rows), "
+                      f"got words_tile={panel.words_tile!r}, scale_tile={panel.scale_tile!r}")
         core = self.ctx.split.shard_id
-        store_panel_tiles(panel, self._rows(self.words, i, r0, self.nk, core),
-                          self._rows(self.scales, i, r0, self.ns, core))
+        nisa.dma_copy(dst=self._rows(self.words, i, r0, self.nk, core), src=panel.words_tile)
+        self._copy_scales(self._rows(self.scales, i, r0, self.ns, core), panel.scale_tile)
 
     def zero(self, i, r0):
         """Zero words and scales for a chunk of padding only (ExpertISplit.zero_chunk): pass B loads every chunk's
@@ -103,7 +111,7 @@ class SplitChunkPanels(nl.NKIObject):
         nisa.memset(dst=scales, value=0)
         core = self.ctx.split.shard_id
         nisa.dma_copy(dst=self._rows(self.words, i, r0, self.nk, core), src=words)
-        nisa.dma_copy(dst=self._rows(self.scales, i, r0, self.ns, core), src=scales)
+        self._copy_scales(self._rows(self.scales, i, r0, self.ns, core), scales)
 
     def allocate(self):
         """SBUF room for one chunk's panel: words [128, cores x n, 128] x4 and scales [128, cores x s, 128] uint8."""
@@ -112,10 +120,18 @@ class SplitChunkPanels(nl.NKIObject):
                 nl.ndarray((PARTITIONS, cores * self.ns, PARTITIONS), dtype=nl.uint8, buffer=nl.sbuf))
 
     def read_into(self, room, i, r0):
-        """Both cores' K tiles of rows r0..r0+128 of block i into room (allocate()): two DMAs."""
+        """Both cores' K tiles of rows r0..r0+128 of block i into room (allocate()): the words in one DMA, the
+        scale rows quantize_mx wrote in one per quadrant (_copy_scales)."""
         words, scales = room
         nisa.dma_copy(dst=words, src=self._rows(self.words, i, r0, words.shape[1]))
-        nisa.dma_copy(dst=scales, src=self._rows(self.scales, i, r0, scales.shape[1]))
+        self._copy_scales(scales, self._rows(self.scales, i, r0, scales.shape[1]))
+
+    def _copy_scales(self, dst, src):
+        """dst = src for the scale rows quantize_mx writes (scale_rows at the start of each 32-partition quadrant):
+        one DMA per quadrant, as an SBUF access pattern may not stride partitions; the other rows of a scale tile
+        are never written (quantize_mx) nor read (nc_matmul_mx), so moving them is waste (round 30a)."""
+        for q0 in range(0, PARTITIONS, SCALE_QUADRANT):
+            nisa.dma_copy(dst=dst[q0:q0 + self.scale_rows], src=src[q0:q0 + self.scale_rows])
 
     def panel(self, room, f_pad):
         """The chunk's K=2I panel (global K order) from room holding both cores' K tiles (core c's local K tile t:
