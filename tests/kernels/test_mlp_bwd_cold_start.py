@@ -1,10 +1,12 @@
-"""Phase 1's cold start (MatmulPlan cold_staging: the MLP backward's W_down at TP8, all of it quantized before the
-first S tile's matmuls): how VectorE's W_down quantizes read their sources, bit-exact on LNC1 and LNC2.
+"""Phase starts where VectorE's quantizes pace TensorE: phase 1's cold start (MatmulPlan cold_staging: the MLP
+backward's W_down at TP8, all of it quantized before the first S tile's matmuls) and phase 2's fenced start (its first
+W_gu panel, quantized in column pieces under the first span): how those quantizes read their sources, bit-exact on
+LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
 from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
 
-W_DOWN = "down_proj_weight"
+W_DOWN, W_GU = "down_proj_weight", "gate_up_weights"
 
 
 def _unit_stride(op) -> bool:
@@ -17,14 +19,14 @@ def _unit_stride(op) -> bool:
     return True
 
 
-def _w_down_quantize_sources(trace):
+def _quantize_sources(trace, weight=W_DOWN):
     """{program: [(unit stride, source elements per partition, engine that wrote the source)]} of every quantize_mx
-    whose source holds W_down: a staging tile its DMAs wrote, or a copy of one (the copy's engine)."""
+    whose source holds HBM tensor `weight`: a staging tile its DMAs wrote, or a copy of one (the copy's engine)."""
     out = {}
     for p in sorted({r.program for r in trace}):
         records = [r for r in trace if r.program == p]
         staging = {r.writes[0].storage_id for r in records
-                   if r.engine == "dma" and r.reads and r.reads[0].name == W_DOWN}
+                   if r.engine == "dma" and r.reads and r.reads[0].name == weight}
         copies = {r.writes[0].storage_id: r.engine for r in records
                   if r.instr == "tensor_copy" and r.reads[0].storage_id in staging}
         sources = []
@@ -38,6 +40,32 @@ def _w_down_quantize_sources(trace):
                 sources.append((_unit_stride(src), src.nbytes // src.shape[0] // 2, copies[src.storage_id]))
         out[p] = sources
     return out
+
+
+def _copies_land_in_quantized_words(trace, lnc, weight) -> None:
+    """Per core: ScalarE's bf16 copies of `weight`'s staging tiles exist, and each lands in a tile that quantize_mx
+    later writes words into (the next K tile's words allocation)."""
+    for p in range(lnc):
+        staging = {r.writes[0].storage_id for r in trace
+                   if r.program == p and r.engine == "dma" and r.reads and r.reads[0].name == weight}
+        copy_dsts = {r.writes[0].storage_id for r in trace if r.program == p and r.instr == "tensor_copy"
+                     and r.engine == "scalar" and r.writes[0].dtype == "bfloat16" and r.reads[0].storage_id in staging}
+        assert copy_dsts and copy_dsts <= _quantized_words(trace, p), (p, copy_dsts)
+
+
+def _traced_runs_bit_exact(inp):
+    """[(lnc, trace)] of the MXFP8 kernel on LNC1 and LNC2; asserts both runs' outputs equal mx_exact bit for bit and
+    each other."""
+    reference = mlp_reference(inp, matmul_precision="mxfp8")
+    runs = []
+    for lnc in (1, 2):
+        res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
+        measured = assert_matches_mx_exact(res.outputs, reference)
+        assert all(m == (0, 0.0) for m in measured), (lnc, measured)
+        runs.append((lnc, res))
+    for a, b in zip(runs[0][1].outputs, runs[1][1].outputs):
+        assert a.tobytes() == b.tobytes()
+    return [(lnc, res.trace) for lnc, res in runs]
 
 
 def _quantized_words(trace, program):
@@ -62,32 +90,52 @@ def test_cold_start_w_down_quantizes_half_of_each_k_tile_from_a_unit_stride_copy
     assert plan_module.COLD_PERMUTE_INTO_NEXT_WORDS
     inp = mlp_inputs(S, H, I, seed=S + H + I + 33)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
-    reference = mlp_reference(inp, matmul_precision="mxfp8")
     strided_half, copied_half = (False, elems // 2, "dma"), (True, elems // 2, "scalar")
     expected = [strided_half, copied_half] * (k_tiles - 1) + [(False, elems, "dma")]
-    outputs = []
-    for lnc in (1, 2):
-        res = run_mlp(inp, lnc=lnc, trace=True, matmul_precision="mxfp8")
-        sources = _w_down_quantize_sources(res.trace)
+    for lnc, trace in _traced_runs_bit_exact(inp):
+        sources = _quantize_sources(trace)
         assert sources == {p: expected for p in range(lnc)}, sources
-        for p in range(lnc):  # the copies' tiles are words that quantize_mx writes later
-            copy_dsts = {r.writes[0].storage_id for r in res.trace if r.program == p and r.instr == "tensor_copy"
-                         and r.engine == "scalar" and r.writes[0].dtype == "bfloat16"
-                         and r.reads[0].storage_id in {s.writes[0].storage_id for s in res.trace
-                                                       if s.program == p and s.engine == "dma" and s.reads
-                                                       and s.reads[0].name == W_DOWN}}
-            assert copy_dsts and copy_dsts <= _quantized_words(res.trace, p), copy_dsts
-        measured = assert_matches_mx_exact(res.outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), measured
-        outputs.append(res.outputs)
-    for a, b in zip(*outputs):
-        assert a.tobytes() == b.tobytes()
+        _copies_land_in_quantized_words(trace, lnc, W_DOWN)
 
     whole = [(False, elems, "dma")] * k_tiles
     monkeypatch.setattr(plan_module, "COLD_PERMUTE_INTO_NEXT_WORDS", False)
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
-    assert _w_down_quantize_sources(res.trace) == {0: whole}
+    assert _quantize_sources(res.trace) == {0: whole}
     monkeypatch.setattr(plan_module, "COLD_PERMUTE_INTO_NEXT_WORDS", True)
     monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
-    assert _w_down_quantize_sources(res.trace) == {0: whole}
+    assert _quantize_sources(res.trace) == {0: whole}
+
+
+def test_fenced_start_first_w_gu_panel_quantizes_its_second_pieces_from_unit_stride_copies(monkeypatch):
+    """Phase 2's fenced start (where phase 1 spreads its along-S quantize) quantizes its first W_gu panel K tile by K
+    tile in FENCED_COLUMN_PIECES = 2 column pieces, both from the strided view of the staging tile on the old code
+    (phase 2's first span is VectorE-paced: ~12 us of TensorE idle pessimistic at TP8). From K tile
+    FENCED_NEXT_WORDS_FROM_K_TILE = 1 on, all but the panel's last K tile, ScalarE copies the second piece into the next
+    K tile's words as a unit-stride source (K tile 0's copy would wait behind phase 1's last ScalarE evictions): TP8
+    modeled 0.61780 / 0.68619 -> 0.61780 / 0.68107 ms. S = 1024, H = 4096, I = 1536 (the shape of
+    test_phase2_first_span_in_column_pieces): six K tiles per W_gu panel of 1024 columns, four n blocks. Per core: K
+    tile 0's two pieces and K tile 5's strided, K tiles 1-4's first piece strided and second from a ScalarE copy (unit
+    stride) into words that quantize_mx writes later; every later panel's K tiles whole and strided. Fails on the old
+    code (every piece strided) and with FENCED_NEXT_WORDS_FROM_K_TILE = -1. Bit-exact against mx_exact on LNC1 and
+    LNC2, LNC1 equal to LNC2."""
+    from nkilib.core.matmul import span_columns as span_columns_module
+    from nkilib.core.matmul.constants import FENCED_COLUMN_PIECES
+
+    S, H, I = 1024, 4096, 1536
+    k_tiles, n_block = 2 * I // 512, 1024
+    first = span_columns_module.FENCED_NEXT_WORDS_FROM_K_TILE
+    assert FENCED_COLUMN_PIECES == 2 and 0 < first < k_tiles - 1
+    piece = 4 * n_block // 2  # source elements per partition of one column piece: [128, 512, 4]
+    strided, copied = (False, piece, "dma"), (True, piece, "scalar")
+    expected = ([strided, strided] * first + [strided, copied] * (k_tiles - 1 - first) + [strided, strided] +
+                [(False, 2 * piece, "dma")] * (k_tiles * (H // n_block - 1)))
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 35)
+    inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
+    for lnc, trace in _traced_runs_bit_exact(inp):
+        sources = _quantize_sources(trace, W_GU)
+        assert sources == {p: expected for p in range(lnc)}, sources
+        _copies_land_in_quantized_words(trace, lnc, W_GU)
+    monkeypatch.setattr(span_columns_module, "FENCED_NEXT_WORDS_FROM_K_TILE", -1)  # none: every piece strided
+    res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
+    assert _quantize_sources(res.trace, W_GU) == {0: [strided] * (2 * k_tiles) + expected[2 * k_tiles:]}

@@ -127,6 +127,12 @@ FENCED_COLUMN_PIECES = 2  # a fenced start's first moving panel quantized, its f
 # by half a K tile. TP8 MXFP8 modeled 0.62068 / 0.70053 ms -> 0.62024 / 0.70095 (0.62059 / 0.70083 with whole-tile
 # evictions; 4 pieces 0.62094 / 0.70179: VectorE pays each quantize's access overhead, and is the pessimistic bound
 # up to the fence; round 29 of docs/dense-performance.md)
+FENCED_NEXT_WORDS_FROM_K_TILE = 1  # from this K tile of that first panel on (all but its last), ScalarE copies the
+# last FENCED_COLUMN_PIECES // 2 pieces of each K tile into the next K tile's words allocation as a unit-stride source
+# for VectorE's quantize (as COLD_PERMUTE_INTO_NEXT_WORDS; PanelBuilder.quantize_mx_tile). K tile 0 is quantized while
+# ScalarE still evicts phase 1's last dY transposes, so its copy would make VectorE wait (TP8 +0.9 us central). TP8
+# MXFP8 modeled (0.61780 / 0.68619 ms): from 0: 0.61874 / 0.67979, 1: 0.61780 / 0.68107, 2: 0.61780 / 0.68235, 4:
+# 0.61780 / 0.68491; only K tiles 0-3: 0.61874 / 0.68107 (round 35 of docs/dense-performance.md)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /

@@ -209,35 +209,37 @@ class PanelBuilder(nl.NKIObject):
         """(words, scale) of K tile t, quantized from stage view `src` [P, F_pad, 4] into its place; the caller
         collects them (add_mx appends; RowPanelByColumns builds its K tiles out of order).
 
-        next_words_as_source: where a later K tile of this builder exists (not the last) and the K tile is quantized
-        whole (quantize_columns 1), ScalarE first copies the last F_pad // 2 columns of `src` (a strided view of the
-        [P, 4, F] staging tile) into the words allocation of K tile t + 1 as a unit-stride bf16 [P, F_pad // 2, 4]
-        (the same bytes per partition as its [P, F_pad] x4 words, written only by its own quantize, after this one's
-        read), and VectorE quantizes those columns from that copy: quantize_mx runs at full rate from a unit-stride
-        source only (pricing.py _cost_quantize_mx; COLD_PERMUTE_INTO_NEXT_WORDS). The copy moves bf16 values
-        unchanged, so the words and scales are the whole tile's, bit for bit.
+        next_words_as_source: where a later K tile of this builder exists (not the last), ScalarE first copies the
+        last columns of `src` (a strided view of the [P, 4, F] staging tile) into the words allocation of K tile t + 1
+        as a unit-stride bf16 [P, copied, 4] (at most the bytes per partition of its [P, F_pad] x4 words, written only
+        by its own quantize, after this one's read), and VectorE quantizes those columns from that copy: quantize_mx
+        runs at full rate from a unit-stride source only (pricing.py _cost_quantize_mx; COLD_PERMUTE_INTO_NEXT_WORDS,
+        FENCED_NEXT_WORDS_FROM_K_TILE). Copied: the last F_pad // 2 columns of a K tile quantized whole, or the last
+        quantize_columns // 2 column pieces; VectorE quantizes the strided columns first (no wait for the copy). The
+        copy moves bf16 values unchanged, so the words and scales are the whole tile's, bit for bit.
         """
         P = padded // MX_PACK
         words = self.words(t, P, quantized=True)
         scale = self.scale(t)
-        if next_words_as_source and self.quantize_columns == 1 and t + 1 < self.t_lo + self.count:
-            copied = self.f_pad // 2
-            c0 = self.f_pad - copied
-            # the next K tile's words as bf16 [P, copied, 4]: 2 bf16 per x4 word, so copied * 4 <= 2 * F_pad values
-            staged = self.words(t + 1, P, quantized=True).view(nl.bfloat16)[:, :copied * MX_PACK]
-            staged = staged.reshape((P, copied, MX_PACK))
-            nisa.tensor_copy(dst=staged, src=src[:, c0:, :], engine=nisa.engine.scalar)
-            nisa.quantize_mx(dst=words[:, :c0], src=src[:, :c0, :], dst_scale=scale[:, :c0])
-            nisa.quantize_mx(dst=words[:, c0:], src=staged, dst_scale=scale[:, c0:self.f_pad])
-            return words, scale
         # MX groups run along K (partitions x the 4 slots), never across columns: a column piece's words and scales
         # are those of the whole K tile's quantize, bit for bit
         width = self.f_pad // self.quantize_columns
         kernel_assert(width * self.quantize_columns == self.f_pad,
                       f"{self.quantize_columns} column pieces do not divide f_pad={self.f_pad}")
-        for c0 in range(0, self.f_pad, width):
-            nisa.quantize_mx(dst=words[:, c0:c0 + width], src=src[:, c0:c0 + width, :],
-                             dst_scale=scale[:, c0:c0 + width])
+        c0, staged = self.f_pad, None  # columns from c0 on are quantized from `staged`
+        if next_words_as_source and t + 1 < self.t_lo + self.count:
+            copied = self.f_pad // 2 if self.quantize_columns == 1 else self.quantize_columns // 2 * width
+            c0 = self.f_pad - copied
+            # the next K tile's words as bf16 [P, copied, 4]: 2 bf16 per x4 word, so copied * 4 <= 2 * F_pad values
+            staged = self.words(t + 1, P, quantized=True).view(nl.bfloat16)[:, :copied * MX_PACK]
+            staged = staged.reshape((P, copied, MX_PACK))
+            nisa.tensor_copy(dst=staged, src=src[:, c0:, :], engine=nisa.engine.scalar)
+        pieces = [(c, min(c + width, c0)) for c in range(0, c0, width)]
+        if c0 < self.f_pad:
+            pieces = pieces + [(c, min(c + width, self.f_pad)) for c in range(c0, self.f_pad, width)]
+        for lo, hi in pieces:
+            source = src[:, lo:hi, :] if lo < c0 else staged[:, lo - c0:hi - c0, :]
+            nisa.quantize_mx(dst=words[:, lo:hi], src=source, dst_scale=scale[:, lo:hi])
         return words, scale
 
     def add_natural(self, t, tile, chunks, f_size):

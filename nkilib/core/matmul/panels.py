@@ -248,12 +248,13 @@ class PanelLoad(nl.NKIObject):
     quantizes of the previous load's K tiles instead of every load of a phase start sharing the DMA bandwidth at
     once. The instructions do not depend on how the steps are cut: the same DMAs and quantizes in the same order.
     slot_dma_k_tiles: the first this many K tiles of the load are staged by one DMA per slot (_stage_mx_rows).
-    next_words_as_source: each K tile but the last quantizes half of its columns from a unit-stride copy in the next
-    K tile's words (PanelBuilder.quantize_mx_tile; MatmulPlan cold_staging, COLD_PERMUTE_INTO_NEXT_WORDS).
+    next_words_from: the K tiles from this one on (counted from t_lo; -1: none), but the last, quantize half of their
+    columns from a unit-stride copy in the next K tile's words (PanelBuilder.quantize_mx_tile; MatmulPlan cold_staging:
+    0, COLD_PERMUTE_INTO_NEXT_WORDS; a fenced start's first panel: FENCED_NEXT_WORDS_FROM_K_TILE).
     """
 
     def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
-                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_as_source=False):
+                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_from=-1):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
@@ -265,7 +266,7 @@ class PanelLoad(nl.NKIObject):
         self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
         self.next = t_lo  # the next K tile to quantize
         self.slot_dma_k_tiles = slot_dma_k_tiles
-        self.next_words_as_source = next_words_as_source
+        self.next_words_from = next_words_from
         given = [] if staged == None else staged  # noqa: E711
         kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead),
                       f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once")
@@ -290,7 +291,7 @@ class PanelLoad(nl.NKIObject):
         for _ in range(min(count, self.remaining())):
             t = self.next
             src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
-            self.builder.add_mx(t, self.tiles[t][2], src, self.next_words_as_source)
+            self.builder.add_mx(t, self.tiles[t][2], src, 0 <= self.next_words_from <= t - self.t_lo)
             src = None
             if t + self.ahead < self.t_hi:
                 self._stage(t + self.ahead)
@@ -323,7 +324,7 @@ def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
                ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1,
-               slot_dma_k_tiles=0, next_words_as_source=False) -> Panel:
+               slot_dma_k_tiles=0, next_words_from=-1) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -350,8 +351,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     quantize_columns: each K tile quantized on chip in that many equal column pieces (PanelBuilder; default 1).
     slot_dma_k_tiles: the first this many K tiles of a [K, F] bf16 operand (MXFP8) staged by one DMA per slot
     (PanelLoad; default 0).
-    next_words_as_source: a [K, F] bf16 operand's K tiles (MXFP8) but the last quantize half of their columns from
-    a unit-stride copy in the next K tile's words (PanelLoad; default off).
+    next_words_from: a [K, F] bf16 operand's K tiles (MXFP8) from this one on, but the last, quantize half of their
+    columns from a unit-stride copy in the next K tile's words (PanelLoad; default -1: none).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -409,7 +410,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
         return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged,
-                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_as_source=next_words_as_source).finish()
+                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_from=next_words_from).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:

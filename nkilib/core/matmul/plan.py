@@ -233,7 +233,7 @@ class MatmulPlan(nl.NKIObject):
             for mv in self.moving:
                 mv.staging = COLD_STAGING_BUFFERS
                 mv.first_slot_dma_k_tiles = COLD_SLOT_DMA_K_TILES
-                mv.next_words_as_source = COLD_PERMUTE_INTO_NEXT_WORDS
+                mv.next_words_from = 0 if COLD_PERMUTE_INTO_NEXT_WORDS else -1
         self.fenced_start = (fenced_start and resident != None and setup.is_mx and  # noqa: E711
                              not self.keep_moving and all(mv.can_load_ahead() for mv in self.moving))
         if self.fenced_start:

@@ -38,8 +38,9 @@ class PanelSource(nl.NKIObject):
         self.piece_bytes = 0  # words quantized on chip in pieces of this size (PanelPlacement; 0: the default)
         self.first_quantize_columns = 1  # the first load's K tiles quantized in this many column pieces (fenced_start)
         self.first_slot_dma_k_tiles = 0  # the first load's first K tiles staged by one DMA per slot (cold_staging)
-        self.next_words_as_source = False  # every load's K tiles quantize half their columns from a unit-stride copy
-        # in the next K tile's words (PanelBuilder.quantize_mx_tile; cold_staging)
+        self.next_words_from = -1  # every load's K tiles from this one on quantize half their columns from a
+        # unit-stride copy in the next K tile's words (PanelLoad; cold_staging: 0)
+        self.first_next_words_from = -1  # the same for the first load only (fenced_start's pieces, span_columns.py)
         self.words_per_k_tile = False  # words in one allocation per K tile (PanelPlacement.per_k_tile; adopt_staging)
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
@@ -68,6 +69,10 @@ class PanelSource(nl.NKIObject):
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
             self.ring = LoadRing(1 if natural else self.staging)
 
+    def _next_words_from(self) -> int:
+        """PanelLoad's next_words_from for the next load: first_next_words_from while it is the first, if set."""
+        return self.first_next_words_from if self.first_next_words_from >= 0 else self.next_words_from
+
     def can_load_ahead(self) -> bool:
         """Whether load_ahead applies: MXFP8 panels of a [K, F] bf16 operand quantized on chip, all of them kept
         or one at a time."""
@@ -95,8 +100,9 @@ class PanelSource(nl.NKIObject):
                                      placement=PanelPlacement.pieces(self.piece_bytes),
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                                     next_words_as_source=self.next_words_as_source)
+                                     next_words_from=self._next_words_from())
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
+            self.first_next_words_from = -1
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
                       "load is pending")
         self.pending.advance(quantized - self.pending.next)
@@ -121,8 +127,8 @@ class PanelSource(nl.NKIObject):
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                           next_words_as_source=self.next_words_as_source)
-        self.first_quantize_columns, self.first_slot_dma_k_tiles = 1, 0
+                           next_words_from=self._next_words_from())
+        self.first_quantize_columns, self.first_slot_dma_k_tiles, self.first_next_words_from = 1, 0, -1
         return self._keep(f0, f_size, panel, natural)
 
     def _keep(self, f0: int, f_size: int, panel: Panel, natural: bool) -> Panel:

@@ -4,20 +4,22 @@ tile piece by piece, so TensorE starts on a K tile's first columns while VectorE
 span's tiles are evicted piece by piece too (StoreEpilogue.tile_by_columns)."""
 from __future__ import annotations
 
-from .constants import FENCED_COLUMN_PIECES
+from .constants import FENCED_COLUMN_PIECES, FENCED_NEXT_WORDS_FROM_K_TILE
 from .panels import matmul_panels, panel_columns, single_k_tile
 
 
 def piece_span_columns(plan) -> None:
     """MatmulPlan.piece_first_span: with a fenced start's first span (fenced_start, first_span > 1) whose n block
     FENCED_COLUMN_PIECES divides, the first moving panel's K tiles are quantized in that many column pieces and the
-    span runs piece by piece (plan.span_columns). Before the first tile's loads (the caller's phase function plans,
-    this is set, then the plan runs)."""
+    span runs piece by piece (plan.span_columns); from K tile FENCED_NEXT_WORDS_FROM_K_TILE on, the last half of those
+    pieces is quantized from a unit-stride copy (PanelBuilder.quantize_mx_tile next_words_as_source). Before the first
+    tile's loads (the caller's phase function plans, this is set, then the plan runs)."""
     if plan.fenced_start and plan.first_span > 1 and plan.done == 0 and \
             plan.order[0][1][1] % FENCED_COLUMN_PIECES == 0:
         plan.span_columns = FENCED_COLUMN_PIECES
         for source in plan.moving:
             source.first_quantize_columns = FENCED_COLUMN_PIECES
+            source.first_next_words_from = FENCED_NEXT_WORDS_FROM_K_TILE
 
 
 def matmul_k_tile_by_columns(psums, a_panels, b, t: int, nsz: int, pieces: int, setup) -> None:
