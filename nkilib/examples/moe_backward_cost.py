@@ -197,9 +197,11 @@ class MoeModeledResult:
         return asdict(self)
 
 
-def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_layout: str = "slot") -> dict:
+def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_layout: str = "slot",
+                   weights_layout: str = "slot") -> dict:
     """ShapeSpecs for data, real int32 arrays for the block layout (the kernel loads them into registers);
-    checkpoints [T, k, I] (checkpoint_layout "slot") or [N*B, I] ("block": saved by the forward in block order)."""
+    checkpoints [T, k, I] (checkpoint_layout "slot") or [N*B, I] ("block": saved by the forward in block order);
+    with weights_layout "block" also topk_weights_blocks [N*B] float32 (the torch op's backward builds it)."""
     bf16 = nki.language.bfloat16
     inputs = {
         "output_grad": ShapeSpec((T, H), bf16), "hidden_states": ShapeSpec((T, H), bf16),
@@ -208,6 +210,8 @@ def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_la
         "token_position_to_id": layout.token_position_to_id, "token_position_to_slot": layout.token_position_to_slot,
         "expert_block_offsets": layout.expert_block_offsets,
     }
+    if weights_layout == "block":
+        inputs["topk_weights_blocks"] = ShapeSpec((len(layout.token_position_to_slot),), np.float32)
     for name in ("gate_pre", "gate_act", "up", "intermediate"):
         inputs[name] = ShapeSpec((T, k, I) if checkpoint_layout == "slot" else
                                  (len(layout.token_position_to_slot), I), bf16)
@@ -225,7 +229,7 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
                          lnc: int = 2, scenarios=SCENARIOS, seed: int = 0,
                          zipf_exponent: float = DEFAULT_ZIPF_EXPONENT, dense: bool = True,
                          dense_max_tokens: int | None = None, target="trn3",
-                         checkpoint_layout: str = "slot") -> MoeModeledResult:
+                         checkpoint_layout: str = "slot", weights_layout: str = "slot") -> MoeModeledResult:
     """Modeled MXFP8 MoE expert backward (trn3) of one preset, token count and routing.
 
     Args:
@@ -242,6 +246,8 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         target: "trn3" or a TargetSpec (tests shrink SBUF to exercise the capacity refusal).
         checkpoint_layout: the kernel's checkpoint_layout: "slot" ([T, k, I], gathered by slot) or "block"
             ([N*B, I] in block-position order, read by plain DMA: a forward that saves them so; docs/moe.md round 11b).
+        weights_layout: the kernel's weights_layout: "slot" (p gathered, d_topk_weights scattered by slot) or "block"
+            (both by block position, plain DMA: what the torch op's kernel backends pass; docs/moe.md round 30b).
 
     Returns:
         MoeModeledResult. A configuration whose plan or modeled overlap needs more SBUF/PSUM than the
@@ -260,10 +266,11 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
     for B in sizes:
         layout = build_block_layout(topk_ids, E, B)
         kwargs = {"block_size": B, "clamp_limits": GPT_OSS_CLAMP if p.clamped else None,
-                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2, "checkpoint_layout": checkpoint_layout}
+                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2, "checkpoint_layout": checkpoint_layout,
+                  "weights_layout": weights_layout}
         try:
             with label_phases(kernel_module, PHASES):
-                inputs = _kernel_inputs(T, k, E, H, I, layout, checkpoint_layout)
+                inputs = _kernel_inputs(T, k, E, H, I, layout, checkpoint_layout, weights_layout)
                 report = model_kernel(kernel_module.moe_backward_mxfp8_nki, inputs, lnc=lnc, target=target,
                                       kwargs=kwargs, precision="mx", model_flops=flops, scenario=scenarios[0],
                                       check_races=False)
