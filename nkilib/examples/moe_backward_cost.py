@@ -11,7 +11,8 @@ Dimensions:
     P = T*k routed (token, expert) pairs; U = used blocks (sum_e ceil(P_e / B)).
     Kernel inputs: dY, X [T, H]; topk_weights [T, k]; W_gate_up [E, 2I, H]; W_down [E, H, I];
     checkpoints gate_pre / gate_act / up / intermediate (all given, as the dense study): [T, k, I] by slot, or
-    [N*B, I] block-ordered (checkpoint_layout="block": what the torch op saves for the kernel; the study's default).
+    [N*B, I] block-ordered (checkpoint_layout="block": what the torch op saves for the kernel; the study's default);
+    with weights_layout="block" also topk_weights_blocks [N*B] (p by block position; the study's default).
 
 FLOPs (matmul, 2 per multiply-add): useful = 12·P·H·I (dI 2HI, dX 4HI, dW_gate_up 4HI, dW_down 2HI per
 pair: the dense formula 12·S·H·I with S = P). The kernel computes every position of its U blocks, so
@@ -169,6 +170,7 @@ class MoeModeledResult:
     dense_scaled_from_tokens: int | None = None
     refused_block_sizes: dict = field(default_factory=dict)
     checkpoint_layout: str = "slot"
+    weights_layout: str = "slot"
     dense_refused_tokens: dict = field(default_factory=dict)
 
     def time(self, scenario="central"):
@@ -296,7 +298,8 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         useful_flops=flops, executed_matmul_flops=executed, padding=pad,
         expert_load={"max": int(counts.max()), "mean": float(mean), "min": int(counts.min()),
                      "max_over_mean": float(counts.max() / mean), "empty_experts": int((counts == 0).sum())},
-        scenarios=summaries, refused_block_sizes=refused_block_sizes, checkpoint_layout=checkpoint_layout)
+        scenarios=summaries, refused_block_sizes=refused_block_sizes, checkpoint_layout=checkpoint_layout,
+        weights_layout=weights_layout)
     if dense:
         result.dense_tokens = P = T * k
         S = P if dense_max_tokens is None else min(P, max(128, dense_max_tokens // 128 * 128))
