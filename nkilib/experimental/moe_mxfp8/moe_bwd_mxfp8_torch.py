@@ -31,7 +31,9 @@ Backends (``backend=``):
         GEMMs (the dense op's "emulate_fast", mlp_bwd_mxfp8_emulate_fast.py), for studies on GPUs.
     "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, lnc=1 or 2) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
-        bit-identical to "emulate"; scale_rule "neuron" only).
+        bit-identical to "emulate"; scale_rule "neuron" only). The routing weights go in by block position and
+        d_topk_weights comes back so (the kernel's weights_layout="block"), taken back to [T, k] here
+        (moe_bwd_mxfp8_forward.kernel_weights_blocks / weights_grad_from_blocks; the Neuron path the same).
     "neuron": the kernel on a Neuron device (moe_bwd_mxfp8_neuron.py), the stack chosen by the tensors'
         device type like the dense op's: "neuron" -> TorchNeuron (ops registered with
         ``torch_neuronx.nki_op`` + ``register_autograd``), "xla" -> PyTorch/XLA (an autograd.Function
