@@ -3,6 +3,7 @@
     python simulations/moe_bwd_study.py [--presets qwen3-30b-a3b gpt-oss-20b deepseek-v3-ep8]
         [--tokens 4096 16384] [--routings balanced zipf] [--lnc 2] [--block-size B]
         [--band | --central | --pessimistic] [--no-dense] [--dense-max-tokens 32768] [--checkpoint-layout {block,slot}]
+        [--weights-layout {block,slot}]
         [--out simulations/out/moe_bwd] [--plots] [--resume] [--jobs N] [--quick]
 
 For each (preset, T, routing) it builds the routing (exactly balanced, or Zipf-skewed with a seed), runs
@@ -25,7 +26,9 @@ experts receive T·8·32/256 = T routed pairs (balanced expectation), passed as 
 
 Checkpoints: all four given, block-ordered [N*B, I] by default (--checkpoint-layout block): the layout the torch
 op's forward saves for the backends that run the kernel (docs/moe.md section 6); --checkpoint-layout slot models
-the kernel API's default [T, k, I], gathered row by row.
+the kernel API's default [T, k, I], gathered row by row. Routing weights and their gradient block-ordered by default
+(--weights-layout block, what the torch op's kernel backends pass since round 30b); --weights-layout slot models
+the kernel API's default, p gathered and d_topk_weights scattered by slot.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from nkilib.examples.moe_backward_cost import (MOE_PRESETS, SCENARIOS, MoeModeledResult, fmt_ms, fmt_pct,  # noqa: E402
                                                moe_modeled_backward, result_row)
 from nkilib.examples.moe_routing_scenarios import DEFAULT_ZIPF_EXPONENT, ROUTINGS  # noqa: E402
-from nkilib.experimental.moe_mxfp8.constants import CHECKPOINT_LAYOUTS  # noqa: E402
+from nkilib.experimental.moe_mxfp8.constants import CHECKPOINT_LAYOUTS, WEIGHTS_LAYOUTS  # noqa: E402
 
 DEFAULT_PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3-ep8")
 DEFAULT_TOKENS = (4096, 16384)
@@ -174,6 +177,10 @@ def main(argv=None) -> dict:
                     help="the kernel's checkpoint_layout: [N*B, I] block-ordered, as the torch op's forward saves them "
                          "for the backends that run the kernel (default), or [T, k, I] gathered by slot (the kernel "
                          "API's default; docs/moe.md section 6)")
+    ap.add_argument("--weights-layout", default="block", choices=WEIGHTS_LAYOUTS,
+                    help="the kernel's weights_layout: p and d_topk_weights by block position, as the torch op's "
+                         "kernel backends pass them (default), or [T, k] by slot (the kernel API's default; "
+                         "docs/moe.md round 30b)")
     ap.add_argument("--zipf-exponent", type=float, default=DEFAULT_ZIPF_EXPONENT)
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--dense-max-tokens", type=int, default=32768,
@@ -196,7 +203,7 @@ def main(argv=None) -> dict:
     jobs = [(p, t, r) for p in args.presets for t in args.tokens for r in args.routings if key_of(p, t, r) not in results]
     kw = dict(block_size=args.block_size, lnc=args.lnc, scenarios=scenarios, seed=args.seed,
               zipf_exponent=args.zipf_exponent, dense=args.dense, dense_max_tokens=args.dense_max_tokens,
-              checkpoint_layout=args.checkpoint_layout)
+              checkpoint_layout=args.checkpoint_layout, weights_layout=args.weights_layout)
     if args.jobs > 1:  # one fresh process per configuration (each needs up to ~5.5 GB at model shapes)
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed

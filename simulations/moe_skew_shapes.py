@@ -20,7 +20,8 @@ token routes to k distinct experts and an expert may hold at most T pairs):
     qz   the same H, I, k = 1: the full Qwen3 Zipf's (T = 16384, seed 0) experts of load rank 0, 8, ..., 120, its hottest
          (13754 pairs: 27 blocks, windows 16 + 11) included: 24719 pairs in 4, 1, 3, 1, 27, 2, 1, 2, 1, 1, 2, 1, 1, 1, 6,
          1 blocks (55 for 48.3 blocks' pairs; the full preset 314 for 256), in a seeded order (round 15c); 20 s
-Checkpoints are block-ordered (the study's default) unless LAYOUT=slot (the API default, rounds 9c-12a's numbers).
+Checkpoints are block-ordered (the study's default) unless LAYOUT=slot (the API default, rounds 9c-12a's numbers);
+the routing weights too (round 30b) unless WEIGHTS_LAYOUT=slot (the numbers before round 30b).
 The routed pairs of each expert are laid out over the tokens column by column (no token gets one expert twice) and the
 tokens shuffled (seed 0). Wraps moe_backward_cost.make_topk_ids and model_kernel: a diagnostic, not an API.
 """
@@ -70,7 +71,8 @@ def run(name):
         M.make_topk_ids = lambda routing, T, k, E, seed=0, zipf_exponent=1.0: handmade_topk_ids(counts, T, k)
     try:
         res = M.moe_modeled_backward(preset, T, "balanced", block_size=512, dense=False,
-                                     checkpoint_layout=os.environ.get("LAYOUT", "block"))
+                                     checkpoint_layout=os.environ.get("LAYOUT", "block"),
+                                     weights_layout=os.environ.get("WEIGHTS_LAYOUT", "block"))
     finally:
         M.make_topk_ids, M.model_kernel = make_ids, model_kernel
     return res, kept["report"].schedule

@@ -11,7 +11,8 @@ Dimensions:
     P = T*k routed (token, expert) pairs; U = used blocks (sum_e ceil(P_e / B)).
     Kernel inputs: dY, X [T, H]; topk_weights [T, k]; W_gate_up [E, 2I, H]; W_down [E, H, I];
     checkpoints gate_pre / gate_act / up / intermediate (all given, as the dense study): [T, k, I] by slot, or
-    [N*B, I] block-ordered (checkpoint_layout="block": what the torch op saves for the kernel; the study's default).
+    [N*B, I] block-ordered (checkpoint_layout="block": what the torch op saves for the kernel; the study's default);
+    with weights_layout="block" also topk_weights_blocks [N*B] (p by block position; the study's default).
 
 FLOPs (matmul, 2 per multiply-add): useful = 12·P·H·I (dI 2HI, dX 4HI, dW_gate_up 4HI, dW_down 2HI per
 pair: the dense formula 12·S·H·I with S = P). The kernel computes every position of its U blocks, so
@@ -169,6 +170,7 @@ class MoeModeledResult:
     dense_scaled_from_tokens: int | None = None
     refused_block_sizes: dict = field(default_factory=dict)
     checkpoint_layout: str = "slot"
+    weights_layout: str = "slot"
     dense_refused_tokens: dict = field(default_factory=dict)
 
     def time(self, scenario="central"):
@@ -197,9 +199,11 @@ class MoeModeledResult:
         return asdict(self)
 
 
-def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_layout: str = "slot") -> dict:
+def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_layout: str = "slot",
+                   weights_layout: str = "slot") -> dict:
     """ShapeSpecs for data, real int32 arrays for the block layout (the kernel loads them into registers);
-    checkpoints [T, k, I] (checkpoint_layout "slot") or [N*B, I] ("block": saved by the forward in block order)."""
+    checkpoints [T, k, I] (checkpoint_layout "slot") or [N*B, I] ("block": saved by the forward in block order);
+    with weights_layout "block" also topk_weights_blocks [N*B] float32 (the torch op's backward builds it)."""
     bf16 = nki.language.bfloat16
     inputs = {
         "output_grad": ShapeSpec((T, H), bf16), "hidden_states": ShapeSpec((T, H), bf16),
@@ -208,6 +212,8 @@ def _kernel_inputs(T: int, k: int, E: int, H: int, I: int, layout, checkpoint_la
         "token_position_to_id": layout.token_position_to_id, "token_position_to_slot": layout.token_position_to_slot,
         "expert_block_offsets": layout.expert_block_offsets,
     }
+    if weights_layout == "block":
+        inputs["topk_weights_blocks"] = ShapeSpec((len(layout.token_position_to_slot),), np.float32)
     for name in ("gate_pre", "gate_act", "up", "intermediate"):
         inputs[name] = ShapeSpec((T, k, I) if checkpoint_layout == "slot" else
                                  (len(layout.token_position_to_slot), I), bf16)
@@ -225,7 +231,7 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
                          lnc: int = 2, scenarios=SCENARIOS, seed: int = 0,
                          zipf_exponent: float = DEFAULT_ZIPF_EXPONENT, dense: bool = True,
                          dense_max_tokens: int | None = None, target="trn3",
-                         checkpoint_layout: str = "slot") -> MoeModeledResult:
+                         checkpoint_layout: str = "slot", weights_layout: str = "slot") -> MoeModeledResult:
     """Modeled MXFP8 MoE expert backward (trn3) of one preset, token count and routing.
 
     Args:
@@ -242,6 +248,8 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         target: "trn3" or a TargetSpec (tests shrink SBUF to exercise the capacity refusal).
         checkpoint_layout: the kernel's checkpoint_layout: "slot" ([T, k, I], gathered by slot) or "block"
             ([N*B, I] in block-position order, read by plain DMA: a forward that saves them so; docs/moe.md round 11b).
+        weights_layout: the kernel's weights_layout: "slot" (p gathered, d_topk_weights scattered by slot) or "block"
+            (both by block position, plain DMA: what the torch op's kernel backends pass; docs/moe.md round 30b).
 
     Returns:
         MoeModeledResult. A configuration whose plan or modeled overlap needs more SBUF/PSUM than the
@@ -260,10 +268,11 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
     for B in sizes:
         layout = build_block_layout(topk_ids, E, B)
         kwargs = {"block_size": B, "clamp_limits": GPT_OSS_CLAMP if p.clamped else None,
-                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2, "checkpoint_layout": checkpoint_layout}
+                  "matmul_precision": "mxfp8", "run_with_lnc2": lnc == 2, "checkpoint_layout": checkpoint_layout,
+                  "weights_layout": weights_layout}
         try:
             with label_phases(kernel_module, PHASES):
-                inputs = _kernel_inputs(T, k, E, H, I, layout, checkpoint_layout)
+                inputs = _kernel_inputs(T, k, E, H, I, layout, checkpoint_layout, weights_layout)
                 report = model_kernel(kernel_module.moe_backward_mxfp8_nki, inputs, lnc=lnc, target=target,
                                       kwargs=kwargs, precision="mx", model_flops=flops, scenario=scenarios[0],
                                       check_races=False)
@@ -289,7 +298,8 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
         useful_flops=flops, executed_matmul_flops=executed, padding=pad,
         expert_load={"max": int(counts.max()), "mean": float(mean), "min": int(counts.min()),
                      "max_over_mean": float(counts.max() / mean), "empty_experts": int((counts == 0).sum())},
-        scenarios=summaries, refused_block_sizes=refused_block_sizes, checkpoint_layout=checkpoint_layout)
+        scenarios=summaries, refused_block_sizes=refused_block_sizes, checkpoint_layout=checkpoint_layout,
+        weights_layout=weights_layout)
     if dense:
         result.dense_tokens = P = T * k
         S = P if dense_max_tokens is None else min(P, max(128, dense_max_tokens // 128 * 128))

@@ -79,3 +79,63 @@ def test_simulator_forward_saves_block_ordered_checkpoints():
     fake = M.forward_fake(x, ids, w, w_gu, w_down, *opts, "simulator", 1)
     assert [tuple(c.shape) for c in fake[1:]] == [tuple(b.shape) for b in blocked[1:]]
     assert tuple(M.forward_fake(x, ids, w, w_gu, w_down, *opts, "emulate", 1)[1].shape) == (T, k, I)
+
+
+def test_simulator_backward_passes_block_ordered_weights(monkeypatch):
+    """The simulator backend's backward passes the routing weights block-ordered (weights_layout="block",
+    topk_weights_blocks == reference.weights_to_blocks) and takes the kernel's block-ordered d_topk_weights back to
+    [T, k]: the gradients equal emulate's bit for bit (an expert of two blocks, an empty one, a padded one, unused
+    blocks). Fails on the old backend (slot layout: no weights_layout argument)."""
+    import nki
+    import numpy as np
+    from nkilib.experimental.moe_mxfp8 import routing
+    from nkilib.experimental.moe_mxfp8.reference import weights_to_blocks
+    T, E, k, H, I, B = 300, 4, 1, 64, 64, 128
+    x, _, w, w_gu, w_down, dy = make(T=T, E=E, k=k, H=H, I=I, seed=3)
+    ids = torch.tensor([0] * 200 + [2] * 100, dtype=torch.int64)[torch.randperm(T, generator=torch.Generator()
+                                                                                 .manual_seed(2))].reshape(T, k)
+    calls, real = [], nki.simulate
+
+    def recording(fn):
+        launch = real(fn)
+
+        class Grid:
+            def __getitem__(self, lnc):
+                def run(**kw):
+                    calls.append(kw)
+                    return launch[lnc](**kw)
+                return run
+        return Grid()
+
+    monkeypatch.setattr(nki, "simulate", recording)
+    sim = gradients("simulator", x, ids, w, w_gu, w_down, dy, block_size=B)
+    layout = routing.build_block_layout(ids.numpy(), E, B)
+    assert len(calls) == 1 and calls[0]["weights_layout"] == "block"
+    assert layout.capacity > layout.expert_block_offsets[-1]  # unused blocks among the positions
+    assert np.array_equal(calls[0]["topk_weights_blocks"].view(np.uint32),
+                          weights_to_blocks(w.numpy(), layout).view(np.uint32))
+    monkeypatch.setattr(nki, "simulate", real)
+    assert_outputs_identical(sim, gradients("emulate", x, ids, w, w_gu, w_down, dy, block_size=B),
+                             "simulator (block-ordered weights) vs emulate")
+    assert sim[1].any()
+
+
+def test_torch_weights_converters_match_the_reference():
+    """moe_bwd_mxfp8_forward's torch converters (simulator and Neuron backends) == reference.weights_to_blocks /
+    weights_from_blocks: +0 at padding; padding entries of the kernel's output (NaN here) never reach [T, k]."""
+    import numpy as np
+    from nkilib.experimental.moe_mxfp8 import routing
+    from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_forward import kernel_weights_blocks, weights_grad_from_blocks
+    from nkilib.experimental.moe_mxfp8.reference import weights_from_blocks, weights_to_blocks
+    T, E, k, B = 37, 4, 2, 128
+    _, ids, w, *_ = make(T=T, E=E, k=k, H=32, I=32, seed=9)
+    layout = routing.build_block_layout(ids.numpy(), E, B)
+    slots = torch.from_numpy(layout.token_position_to_slot).to(torch.int64)
+    blocks = kernel_weights_blocks(w, slots)
+    assert blocks.dtype == torch.float32
+    assert np.array_equal(blocks.numpy().view(np.uint32), weights_to_blocks(w.numpy(), layout).view(np.uint32))
+    d = torch.randn(len(slots), generator=torch.Generator().manual_seed(4))
+    d[slots >= T * k] = float("nan")
+    back = weights_grad_from_blocks(d, slots, T, k)
+    assert back.shape == (T, k) and not back.isnan().any()
+    assert np.array_equal(back.numpy(), weights_from_blocks(d.numpy(), layout))

@@ -33,7 +33,7 @@ from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # no
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel, moe_swiglu_experts_mxfp8  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_neuron as MN  # noqa: E402
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_torch as M  # noqa: E402
-from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks  # noqa: E402
+from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, weights_to_blocks  # noqa: E402
 from nkilib.experimental.moe_mxfp8.routing import build_block_layout  # noqa: E402
 
 S, H, I = 24, 64, 32
@@ -283,17 +283,22 @@ MOE_KERNEL_KWARGS = {"output_grad", "hidden_states", "topk_weights", "gate_up_we
                      "token_position_to_id", "token_position_to_slot", "expert_block_offsets", "block_size",
                      "run_with_lnc2", "gate_pre", "gate_act", "up", "intermediate", "clamp_limits", "fp8_x4_dtype",
                      "quant_scheme", "weight_grad_dtype", "matmul_precision", "gate_up_bias_grad",
-                     "checkpoint_layout"}
+                     "checkpoint_layout", "weights_layout", "topk_weights_blocks"}
 
 
 class RecordingMoEKernel(RecordingKernel):
-    """Stands in for ``moe_backward_mxfp8_nki``: records (lnc, kw) and returns dX, d_topk_weights (float32),
-    dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns above, and with
-    gate_up_bias_grad=True d_gate_up_bias (float32, expected_moe_bias_grad)."""
+    """Stands in for ``moe_backward_mxfp8_nki``: records (lnc, kw) and returns dX, d_topk_weights (float32; by block
+    position with weights_layout="block": position p holds the pattern's value of its slot, NaN at padding, which
+    the op must drop), dW_gate_up, dW_down (bf16 / the requested weight_grad_dtype) from the expected_* patterns
+    above, and with gate_up_bias_grad=True d_gate_up_bias (float32, expected_moe_bias_grad)."""
 
     def outputs(self, kw, wg):
+        d_w = expected_dw_down(kw["topk_weights"].shape)
+        if kw.get("weights_layout") == "block":
+            slots = kw["token_position_to_slot"].to(torch.int64)
+            d_w = torch.cat([d_w.reshape(-1), torch.tensor([float("nan")])])[slots]
         outs = (expected_dx(kw["output_grad"].shape).to(torch.bfloat16),
-                expected_dw_down(kw["topk_weights"].shape), expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
+                d_w, expected_moe_dw(kw["gate_up_weight"].shape).to(wg),
                 -expected_moe_dw(kw["down_weight"].shape).to(wg))
         return outs + ((expected_moe_bias_grad(kw["gate_up_weight"].shape[:2]),) if kw["gate_up_bias_grad"] else ())
 
@@ -340,6 +345,12 @@ def _check_moe_kernel_call(call, lnc, x, ids, w, wgu, wd, wg, bias_grad=False):
         assert kw[name].shape == (layout.token_position_to_id.shape[0], I), (name, kw[name].shape)
         assert torch.equal(kw[name].view(torch.int16), expected.view(torch.int16)), name
     assert kw["gate_act"] is None and kw["intermediate"] is None
+    # the routing weights by block position (weights_layout="block", round 30b): +0 at padding; the kernel's
+    # block-ordered d_topk_weights goes back to [T, k] (_check_moe_grads, the recorder's NaN padding dropped)
+    assert kw["weights_layout"] == "block"
+    expected_p = torch.from_numpy(weights_to_blocks(w.detach().float().numpy(), layout))
+    assert kw["topk_weights_blocks"].dtype == torch.float32
+    assert torch.equal(kw["topk_weights_blocks"].view(torch.int32), expected_p.view(torch.int32))
     assert kw["clamp_limits"] == CLAMP and kw["weight_grad_dtype"] == getattr(nl, wg)
     assert kw["fp8_x4_dtype"] == nl.float8_e4m3fn_x4 and kw["quant_scheme"] == "1x32"
 

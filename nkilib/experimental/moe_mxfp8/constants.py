@@ -24,6 +24,12 @@ TOPK_ID_DTYPES = ("int32", "int64")
 #: row per routed pair, gathered by slot; "block" [N*B, I], one row per block position (padding rows zero), read by
 #: plain DMA (docs/moe.md section 6).
 CHECKPOINT_LAYOUTS = ("slot", "block")
+#: Layouts of the routing weights and their gradient (weights_layout; the first is the default): "slot": topk_weights
+#: [T, k] gathered by slot and d_topk_weights [T, k] scattered by slot (one software-DGE descriptor per row each, on
+#: GpSimd); "block": p also passed as topk_weights_blocks [N*B] by block position (+0 at padding) and read by plain
+#: DMA, d_topk_weights returned as [N*B] by block position, written by plain DMA (the caller scatters it back to
+#: [T, k]: reference.weights_from_blocks; docs/moe.md section 6, round 30b).
+WEIGHTS_LAYOUTS = ("slot", "block")
 
 # ---- the NKI kernel (moe_bwd_mxfp8_kernel.py) ----
 from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401

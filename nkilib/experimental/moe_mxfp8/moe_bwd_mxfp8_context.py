@@ -20,15 +20,18 @@ class MoeContext(nl.NKIObject):
         dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
         offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
         checkpoints: [T*k, I] bf16 by slot, or [N, B, I] by block position (checkpoints_blocked), or None;
+        weights_blocks: [N, B, 1] float32 by block position (weights_blocked) or None; d_weights: the d_topk_weights
+        output, [T*k, 1] by slot, or [N, B, 1] by block position (weights_blocked);
         scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
         d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
         and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
     """
 
-    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp, checkpoints_blocked=False):
+    def __init__(self, T, k, E, H, I, B, N, setup, split, clamp, checkpoints_blocked=False, weights_blocked=False):
         self.T, self.k, self.E, self.H, self.I, self.B, self.N = T, k, E, H, I, B, N
         self.setup, self.split, self.clamp = setup, split, clamp
         self.checkpoints_blocked = checkpoints_blocked  # the entry point's checkpoint_layout == "block"
+        self.weights_blocked = weights_blocked  # the entry point's weights_layout == "block"
         self.chunk_panels = None  # pass B's ChunkPanels where the base kernel makes them (moe_bwd_mxfp8_dx.py)
         self.split_panels = None  # pass B's panels made by the I split's pass A (moe_bwd_mxfp8_split_panels.py)
         # pass A's zeroing of a part-filled block's gathered dY / X rows and p: on GpSimd, which generates the gathers'
@@ -110,6 +113,35 @@ class MoeContext(nl.NKIObject):
         if not full:
             nisa.memset(dst=dst, value=0.0)
         self.gather(dst, ckpt, slots, f0, width)
+
+    def pair_weights(self, dst, i, first, m, slots, full):
+        """dst [m, 1] float32 <- the routing weights p of positions first..first+m of block i (first may reach into
+        the next block). Block layout ([N, B, 1], padding +0 by the entry point's contract): one plain DMA, no
+        descriptor per row. Slot layout ([T*k, 1]): a gather by slot (software DGE, one descriptor per row on
+        GpSimd), dst zeroed first unless the rows hold no padding."""
+        if self.weights_blocked:
+            nisa.dma_copy(dst=dst, src=self.block_rows(self.weights_blocks, i, first, m, 1, 0, 1))
+            return
+        if not full:  # padding rows' p = 0 (a full block gathers every row)
+            nisa.memset(dst=dst, value=0.0, engine=self.padding_zero_engine)
+        self.gather(dst, self.weights, slots, 0, 1)
+
+    def store_pair_grads(self, src, i, r0, m, slots):
+        """d_topk_weights of positions r0..r0+m of block i <- src [m, 1] float32. Block layout: one plain DMA to the
+        [N, B, 1] output (padding rows get what the kernel computed there; the caller reads routed positions only).
+        Slot layout: a scatter by slot (software DGE; padding sentinels skipped)."""
+        if self.weights_blocked:
+            nisa.dma_copy(dst=self.block_rows(self.d_weights, i, r0, m, 1, 0, 1), src=src)
+            return
+        out = self.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
+        nisa.dma_copy(dst=out, src=src, oob_mode=nisa.oob_mode.skip)
+
+    def zero_pair_grads(self, i, r0, m):
+        """Block-ordered d_topk_weights of positions r0..r0+m of block i <- +0.0 (rows the kernel computes nothing for:
+        a chunk of padding, an unused block), so that every entry of that output is written."""
+        zeros = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        nisa.dma_copy(dst=self.block_rows(self.d_weights, i, r0, m, 1, 0, 1), src=zeros)
 
     def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
         """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing

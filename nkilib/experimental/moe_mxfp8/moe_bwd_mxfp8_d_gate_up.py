@@ -85,7 +85,10 @@ class ChunkInputs(nl.NKIObject):
         (the I split where neither this core's copy nor a recompute needs them)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
-        self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
+        # slots: read only by a gather or scatter by slot (p, d_topk_weights, checkpoints), none when all three are
+        # block-ordered (round 30b; each [m, 1] int32 load is one 4-byte descriptor per row: round 27a)
+        by_slot = not (ctx.checkpoints_blocked and ctx.weights_blocked)
+        self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf) if by_slot else None
         self.dy_nat = _natural_rows(ctx, ctx.H)
         self.x_nat = None if ctx.defer_x or not gather_x else _natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
@@ -105,7 +108,8 @@ class ChunkInputs(nl.NKIObject):
         """The token ids, slots and the dY / X rows (gather's first part)."""
         m, H, first = self.m, ctx.H, ahead * ctx.B + r0
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
-        ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
+        if self.slots != None:  # noqa: E711
+            ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
         for nat, src in ((self.dy_nat, ctx.dy),) + (() if self.x_nat == None else ((self.x_nat, ctx.x),)):  # noqa: E711
             if not full:
                 nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
@@ -114,11 +118,9 @@ class ChunkInputs(nl.NKIObject):
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
 
     def gather_pair_values(self, ctx, i, first, full):
-        """p by slot and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
+        """p and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
         m = self.m
-        if not full:  # padding rows' p = 0 (a full block gathers every row)
-            nisa.memset(dst=self.p, value=0.0, engine=ctx.padding_zero_engine)
-        ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+        ctx.pair_weights(self.p, i, first, m, self.slots, full)
         for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
             if tile != None:  # noqa: E711
                 ctx.checkpoint_rows(tile[:m, :], src, i, first, m, self.slots, 0, tile.shape[1], full)
@@ -164,10 +166,11 @@ class RowChunk(nl.NKIObject):
         else:
             # rows read back by plain DMA: no token ids (nothing here reads them), and slots only where a reader
             # follows (p's and the slot-layout checkpoints' gathers, the fold's scatter); the I split's staged rows
-            # with block-ordered checkpoints have none (its scatter loads its own after the fence). Each [m, 1] int32
-            # load costs the DMA queues one 4-byte descriptor per row: docs/moe.md section 10, round 27a
+            # with block-ordered checkpoints have none (its scatter loads its own after the fence), nor do rows whose
+            # p and d_topk_weights are block-ordered too (round 30b). Each [m, 1] int32 load costs the DMA queues one
+            # 4-byte descriptor per row: docs/moe.md section 10, round 27a
             self.ids = None
-            needs_slots = not (tile_sums and ctx.checkpoints_blocked)
+            needs_slots = not ctx.checkpoints_blocked or not (tile_sums or ctx.weights_blocked)
             self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m) if needs_slots else None
             dy_nat = _block_natural(ctx, ctx.dy_blocks, i, r0, m, H)
             if recompute:
@@ -188,9 +191,7 @@ class RowChunk(nl.NKIObject):
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-            if not full:  # padding rows' p = 0 (a full block gathers every row)
-                nisa.memset(dst=self.p, value=0.0, engine=ctx.padding_zero_engine)
-            ctx.gather(self.p, ctx.weights, self.slots, 0, 1)
+            ctx.pair_weights(self.p, i, r0, m, self.slots, full)
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         self.block, self.full = i, full
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
@@ -314,8 +315,7 @@ class RowChunk(nl.NKIObject):
         if self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
             return
-        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=self.slots, indirect_dim=0)
-        nisa.dma_copy(dst=out, src=self.d_w, oob_mode=nisa.oob_mode.skip)
+        ctx.store_pair_grads(self.d_w, i, r0, m, self.slots)
 
 
 def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_padding=False, full=False):
@@ -476,8 +476,7 @@ def scatter_deferred_d_w(ctx, b_lo, b_hi):
         slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
         d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
-        out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
-        nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+        ctx.store_pair_grads(d_w, i, r0, m, slots)
 
     def block(i):
         flags = ctx.row_flags(i, ctx.row_unit, len(rows))
@@ -529,7 +528,9 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
     """Rows r0..r0+m of block i hold only padding: their scratch rows (the columns RowChunk.store would
     write for I columns [i_lo, i_hi), and dY / X with the first group, or where `copies` says so: the I split's
-    writer of the chunk's copies) become zeros, as a gathered padding row would be."""
+    writer of the chunk's copies) become zeros, as a gathered padding row would be. With block-ordered weights the
+    rows' d_topk_weights too (after the last I group; not the I split's, whose scatter writes every row): every entry
+    of that output is written (ctx.zero_pair_grads)."""
     I, H = ctx.I, ctx.H
     spans = [(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi), (ctx.hs, i_lo, i_hi)]
     if (i_lo == 0) if copies == None else copies:  # noqa: E711
@@ -537,6 +538,8 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
     for scratch, f_lo, f_hi in spans:
         for f0, fsz in _blocks(f_lo, f_hi, ctx.zeros.shape[1]):
             nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
+    if ctx.weights_blocked and copies == None and i_hi == I:  # noqa: E711
+        ctx.zero_pair_grads(i, r0, m)
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,

@@ -4,6 +4,9 @@ in the checkpoint layout the backward's backend consumes (docs/moe.md section 6)
 Dimensions: x2 [T, H], ids / w [T, k], w_gu [E, 2I, H], w_down [E, H, I]; checkpoints gate_pre / gate_act / up /
 intermediate bf16, [T, k, I] by slot (the emulate backends) or [N*B, I] by block position (the backends that run
 the kernel, simulator and neuron: its checkpoint_layout="block", read by plain DMA instead of gathered by slot).
+Those backends' backward also passes the routing weights block-ordered and takes the kernel's block-ordered
+d_topk_weights back to [T, k] (weights_layout="block": kernel_weights_blocks / weights_grad_from_blocks, two torch
+index ops of T*k elements outside the kernel, built from topk_weights and the layout the backward makes anyway).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from ..emulate_numerics import swiglu_activations
 from ..torch_common import CHECKPOINT_NAMES
 from . import routing
 
-__all__ = ["forward_math", "checkpoint_rows", "kernel_checkpoint_layout"]
+__all__ = ["forward_math", "checkpoint_rows", "kernel_checkpoint_layout", "kernel_weights_blocks",
+           "weights_grad_from_blocks"]
 
 
 def checkpoint_rows(t: int, k: int, num_experts: int, block_size=None) -> int:
@@ -31,6 +35,31 @@ def kernel_checkpoint_layout(ckpts, t: int, k: int, n_i: int) -> tuple:
     ((T, k, I), "slot"). One rule for the simulator backend and the Neuron path."""
     blocked = any(c is not None and c.dim() == 2 for c in ckpts)
     return ((-1, n_i), "block") if blocked else ((t, k, n_i), "slot")
+
+
+def kernel_weights_blocks(w, slots):
+    """The kernel's topk_weights_blocks (weights_layout="block"): entry p = w's weight of the pair at block position p,
+    +0.0 at padding positions and in unused blocks (their slot is the sentinel T*k, which indexes an appended zero),
+    as reference.weights_to_blocks.
+
+    Dimensions:
+        w [T, k], slots [N*B] int64 (token_position_to_slot on w's device) -> [N*B] float32.
+    """
+    flat = w.reshape(-1).to(torch.float32)
+    return torch.cat([flat, flat.new_zeros(1)])[slots]
+
+
+def weights_grad_from_blocks(d_blocks, slots, t: int, k: int):
+    """d_topk_weights [T, k] from the kernel's block-ordered output (weights_layout="block"): each slot's value copied
+    from the one position holding it (no sum: a slot is at exactly one position), as reference.weights_from_blocks;
+    the padding entries all land on the sentinel's extra row, which is dropped.
+
+    Dimensions:
+        d_blocks [N*B] float32, slots [N*B] int64 on its device -> [T, k] float32.
+    """
+    out = d_blocks.new_zeros(t * k + 1)
+    out.index_copy_(0, slots, d_blocks.reshape(-1))
+    return out[:t * k].reshape(t, k)
 
 
 def forward_math(x2, ids, w, w_gu, w_down, clamps, gate_up_bias=None, block_size=None):

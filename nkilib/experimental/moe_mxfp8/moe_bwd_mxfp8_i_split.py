@@ -68,9 +68,9 @@ class ExpertISplit(nl.NKIObject):
         kernel_assert(all(m == PARTITIONS for _, m in ctx.unit_rows),
                       f"the I split needs 128-row chunks per core, got {ctx.unit_rows}")
         self.staged = list(staged)  # experts whose dY / X rows are staged a fence ahead of their pass A (stage)
-        if self.staged:
-            ctx.p_blocks = nl.ndarray((ctx.N, ctx.B, 1), dtype=nl.float32, buffer=nl.shared_hbm,
-                                      name="moe_bwd_routing_weight_blocks")
+        if self.staged:  # block-ordered weights (round 30b) are their own staged copy
+            ctx.p_blocks = ctx.weights_blocks if ctx.weights_blocked else nl.ndarray(
+                (ctx.N, ctx.B, 1), dtype=nl.float32, buffer=nl.shared_hbm, name="moe_bwd_routing_weight_blocks")
         ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
                                    name="moe_bwd_routing_grad_tiles")
         ctx.split_panels = SplitChunkPanels.of(ctx, i_tiles)  # each core's K tiles of pass B's panels (round 25a)
@@ -244,7 +244,7 @@ class ExpertISplit(nl.NKIObject):
         their routing weights p by slot to p_blocks, by one HBM -> HBM indirect DMA each, so that pass A reads all rows
         back by plain DMA instead of gathering them on both cores (the checkpoints are not staged: their scratch round
         trip cost more DMA time than their descriptors cost GpSimd, docs/moe.md round 9b; pass A gathers them, or
-        reads them by plain DMA in the block layout, round 11b). Only
+        reads them by plain DMA in the block layout, round 11b; block-ordered weights need no copy, round 30b). Only
         for a full block (a skipped sentinel would leave a scratch row unwritten); must precede a fence before the
         block's pass A, which reads both cores' rows."""
         ctx = self.ctx
@@ -252,21 +252,21 @@ class ExpertISplit(nl.NKIObject):
             ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
             ctx.gather_to_blocks(ctx.dy_blocks, i, r0, m, ctx.dy, ids)
             ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
-            slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-            ctx.gather_to_blocks(ctx.p_blocks, i, r0, m, ctx.weights, slots)
+            if not ctx.weights_blocked:
+                slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+                ctx.gather_to_blocks(ctx.p_blocks, i, r0, m, ctx.weights, slots)
 
     def scatter(self, i):
         """d_topk_weights of block i's slots (this core's chunks): fold of the I tiles' sums both cores wrote (tile 0,
-        then + tile 1, ... in fp32: the reference's order), scattered by slot (padding slots skipped). Must follow the
-        fence after the block's pass A."""
+        then + tile 1, ... in fp32: the reference's order), scattered by slot (padding slots skipped), or stored by
+        block position (weights_layout "block"). Must follow the fence after the block's pass A."""
         ctx = self.ctx
         for r0, m in ctx.unit_rows:
-            slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+            slots = None if ctx.weights_blocked else ctx.positions(ctx.slots2d, i, r0, 1, m)
             sums = nl.ndarray((m, self.n_tiles), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=sums, src=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, 0, self.n_tiles))
             d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=d_w, src=sums[:, 0:1])
             for j in range(1, self.n_tiles):
                 nisa.tensor_tensor(dst=d_w, data1=d_w, data2=sums[:, j:j + 1], op=nl.add)
-            out = ctx.d_weights.ap([[1, m], [1, 1]], offset=0, vector_offset=slots, indirect_dim=0)
-            nisa.dma_copy(dst=out, src=d_w, oob_mode=nisa.oob_mode.skip)
+            ctx.store_pair_grads(d_w, i, r0, m, slots)

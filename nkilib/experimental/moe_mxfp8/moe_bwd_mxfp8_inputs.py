@@ -6,7 +6,7 @@ routing index values themselves are data the kernel trusts (routing.py validates
 from __future__ import annotations
 
 from ...core.kernel_helpers import kernel_assert
-from .constants import BLOCK_ALIGN, CHECKPOINT_LAYOUTS, MAX_BLOCK_SIZE
+from .constants import BLOCK_ALIGN, CHECKPOINT_LAYOUTS, MAX_BLOCK_SIZE, WEIGHTS_LAYOUTS
 
 __all__ = ["check_moe_inputs"]
 
@@ -19,7 +19,7 @@ def _check(name, t, shape, dtypes):
 
 def check_moe_inputs(output_grad, hidden_states, topk_weights, gate_up_weight, down_weight, token_position_to_id,
                      token_position_to_slot, expert_block_offsets, checkpoints, block_size, gate_up_bias_grad,
-                     checkpoint_layout):
+                     checkpoint_layout, topk_weights_blocks=None, weights_layout=WEIGHTS_LAYOUTS[0]):
     """Checks the entry point's tensors and static options; returns their sizes.
 
     Args:
@@ -29,10 +29,12 @@ def check_moe_inputs(output_grad, hidden_states, topk_weights, gate_up_weight, d
     Dimensions:
         as moe_backward_mxfp8_nki's: output_grad / hidden_states [T, H], topk_weights [T, k], gate_up_weight
         [E, 2I, H], down_weight [E, H, I], token_position_to_id / token_position_to_slot [N*B],
-        expert_block_offsets [E+1], checkpoints (name -> tensor or None) [T, k, I] or [N*B, I] (block layout).
+        expert_block_offsets [E+1], checkpoints (name -> tensor or None) [T, k, I] or [N*B, I] (block layout),
+        topk_weights_blocks [N*B] float32 with weights_layout "block", else None.
 
     Returns:
-        (T, H, k, E, I, N, blocked): blocked is checkpoint_layout == "block".
+        (T, H, k, E, I, N, blocked, weights_blocked): blocked is checkpoint_layout == "block", weights_blocked is
+        weights_layout == "block".
     """
     kernel_assert(isinstance(block_size, int) and block_size % BLOCK_ALIGN == 0 and
                   BLOCK_ALIGN <= block_size <= MAX_BLOCK_SIZE,
@@ -78,4 +80,14 @@ def check_moe_inputs(output_grad, hidden_states, topk_weights, gate_up_weight, d
         if ckpt != None:  # noqa: E711
             _check(f"{name} (checkpoint_layout={checkpoint_layout!r}: [N*B, I] by block position)" if blocked else
                    name, ckpt, ckpt_shape, ("bfloat16",))
-    return T, H, k, E, I, N, blocked
+    kernel_assert(weights_layout in WEIGHTS_LAYOUTS,
+                  f"weights_layout must be one of {list(WEIGHTS_LAYOUTS)}, got {weights_layout!r}")
+    weights_blocked = weights_layout == "block"
+    if weights_blocked:
+        _check("topk_weights_blocks (weights_layout='block': [N*B] by block position)", topk_weights_blocks,
+               (N * block_size,), ("float32",))
+    else:
+        kernel_assert(topk_weights_blocks == None,  # noqa: E711
+                      f"topk_weights_blocks is read only with weights_layout='block', got weights_layout="
+                      f"{weights_layout!r} and a tensor of shape {list(getattr(topk_weights_blocks, 'shape', []))}")
+    return T, H, k, E, I, N, blocked, weights_blocked

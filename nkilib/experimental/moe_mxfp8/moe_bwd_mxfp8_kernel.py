@@ -105,7 +105,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
                         PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        WEIGHT_GRAD_PSUM_TILES, ZERO_ROWS_WIDTH)
+                        WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -142,6 +142,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     i_tiles = _blocks(0, I, PHASE1_N_TILE)
     gu_rows, down_rows = ctx.gu_rows, ctx.down_rows
     ctx.loops = ExpertLoops(ctx.offsets, E)
+    if ctx.weights_blocked:  # the blocks no expert owns: +0 d_topk_weights (every entry of that output is written)
+        ctx.loops.unused_blocks(ctx.N, lambda i: [ctx.zero_pair_grads(i, r0, m) for r0, m in ctx.unit_rows if m])
 
     def fits(ops, groups):
         return all(ExpertPanels.fits(op, g, setup) for op in ops for g in groups)
@@ -235,8 +237,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # goes back to GpSimd, so each engine keeps its passes per I tile (round 19a; on VectorE too: gpt4 2681.9 us)
     ctx.d_up_engine = (nisa.engine.vector if pipelined and not ctx.gate_mask_in_product else nisa.engine.gpsimd)
     # GpSimd bounds the pipeline, so its d_topk_weights scatters (software DGE) wait in HBM scratch (d_w_partial, this
-    # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c
-    ctx.defer_d_w = pipelined
+    # core's rows, plain DMA) until B(e)'s segment, where GpSimd idles (pass B and C are TensorE-bound): round 7c.
+    # Block-ordered weights (round 30b) write the output by plain DMA at once: nothing to defer
+    ctx.defer_d_w = pipelined and not ctx.weights_blocked
     # with gate_pre and up given, pass A gathers X only for pass C's x_blocks copy: the pipeline leaves it to a loop
     # at the end of the segment before the expert's (behind B and C, where GpSimd idles; before the fence, since
     # C(e) reads both cores' rows): round 7c
@@ -483,7 +486,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
                            gate_act=None, up=None, intermediate=None, block_size=128, run_with_lnc2=True,
                            fp8_x4_dtype=nl.float8_e4m3fn_x4, use_scale_packing=True, clamp_limits=None,
                            quant_scheme="1x32", weight_grad_dtype=nl.bfloat16, matmul_precision=None,
-                           gate_up_bias_grad=False, checkpoint_layout=CHECKPOINT_LAYOUTS[0]):
+                           gate_up_bias_grad=False, checkpoint_layout=CHECKPOINT_LAYOUTS[0], topk_weights_blocks=None,
+                           weights_layout=WEIGHTS_LAYOUTS[0]):
     """Backward of y[t] = sum_j p[t, j] · W_down[e]·(silu(W_gate[e]·x[t]) ⊙ W_up[e]·x[t]) over the routed experts.
 
     Dimensions:
@@ -506,10 +510,19 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
             of the routing layout, reference.checkpoints_to_blocks), every padding position's row and every row of an
             unused block +0.0; pass A reads them by plain DMA (docs/moe.md sections 6 and 10, round 11b). The kernel
             cannot check the zeros: a padding row that is not zero enters the weight gradients.
+        topk_weights_blocks: with weights_layout="block", p [N*B] float32 in block-position order (row p = the weight
+            of the pair at position p, reference.weights_to_blocks), +0.0 at every padding position and in unused
+            blocks; None otherwise. topk_weights is then read for its shape only.
+        weights_layout: "slot" (default): pass A gathers p from topk_weights by slot and scatters d_topk_weights
+            [T, k] by slot (one software-DGE descriptor per row each). "block": it reads p from topk_weights_blocks
+            and writes d_topk_weights [N*B] by block position, by plain DMA (docs/moe.md sections 6 and 10, round
+            30b); the rows of padding positions and unused blocks are left unwritten (not specified): the caller
+            takes the routed positions' rows back to [T, k] (reference.weights_from_blocks, one copy per pair).
 
     Returns:
-        (dx [T, H] bf16, d_topk_weights [T, k] float32, d_gate_up_weight [E, 2I, H],
-        d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype; with gate_up_bias_grad
+        (dx [T, H] bf16, d_topk_weights [T, k] float32 ([N*B] by block position with weights_layout="block"),
+        d_gate_up_weight [E, 2I, H], d_down_weight [E, H, I]) in shared HBM, weight gradients in weight_grad_dtype;
+        with gate_up_bias_grad
         a fifth output d_gate_up_bias [E, 2I] float32.
 
     The routing index values are data: the kernel trusts the layout (routing.py validates topk_ids on the
@@ -520,13 +533,13 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     setup, wg_dtype, on_trn3 = resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme,
                                                       use_scale_packing, weight_grad_dtype, run_with_lnc2,
                                                       clamp_limits)
-    T, H, k, E, I, N, blocked = check_moe_inputs(
+    T, H, k, E, I, N, blocked, weights_blocked = check_moe_inputs(
         output_grad, hidden_states, topk_weights, gate_up_weight, down_weight, token_position_to_id,
         token_position_to_slot, expert_block_offsets, dict(gate_pre=gate_pre, gate_act=gate_act, up=up,
                                                            intermediate=intermediate),
-        block_size, gate_up_bias_grad, checkpoint_layout)
+        block_size, gate_up_bias_grad, checkpoint_layout, topk_weights_blocks, weights_layout)
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
-                     clamp_limits or ClampLimits(), checkpoints_blocked=blocked)
+                     clamp_limits or ClampLimits(), checkpoints_blocked=blocked, weights_blocked=weights_blocked)
     # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
     # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
     # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
@@ -544,6 +557,8 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.gate_mask_in_product = relieve
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
+    # block-ordered p (weights_layout "block"): the [N, B, 1] view MoeContext.pair_weights reads by plain DMA
+    ctx.weights_blocks = topk_weights_blocks.reshape((N, block_size, 1)) if weights_blocked else None
     ctx.ids2d = token_position_to_id.reshape((N, block_size))
     ctx.slots2d = token_position_to_slot.reshape((N, block_size))
     ctx.offsets = expert_block_offsets
@@ -559,8 +574,11 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ctx.d_w_partial = nl.ndarray((N, block_size, 1), dtype=nl.float32, buffer=nl.shared_hbm,
                                  name="moe_bwd_routing_grad_partial")  # pass A's fold across resident I groups
     dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
-    d_weights = nl.ndarray((T, k), dtype=nl.float32, buffer=nl.shared_hbm, name="topk_weights_grad")
-    ctx.dx, ctx.d_weights = dx, d_weights.reshape((T * k, 1))
+    d_weights = nl.ndarray((N * block_size,) if weights_blocked else (T, k), dtype=nl.float32, buffer=nl.shared_hbm,
+                           name="topk_weights_grad")
+    ctx.dx = dx
+    # MoeContext.store_pair_grads writes either: [N, B, 1] by plain DMA, [T*k, 1] by slot
+    ctx.d_weights = d_weights.reshape((N, block_size, 1) if weights_blocked else (T * k, 1))
     ctx.d_gate_up_weight = nl.ndarray((E, 2 * I, H), dtype=wg_dtype, buffer=nl.shared_hbm, name="gate_up_weight_grad")
     ctx.d_down_weight = nl.ndarray((E, H, I), dtype=wg_dtype, buffer=nl.shared_hbm, name="down_weight_grad")
     ctx.d_gate_up_bias = nl.ndarray((E, 2 * I), dtype=nl.float32, buffer=nl.shared_hbm,

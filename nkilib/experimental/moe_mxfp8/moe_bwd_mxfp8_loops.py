@@ -86,6 +86,11 @@ class ExpertLoops(nl.NKIObject):
         (loop [offsets[e], offsets[e] + single))."""
         nl.fori_loop(self._reg(self.offs, e), self._reg(self.single_end, e), body)
 
+    def unused_blocks(self, num_blocks, body):
+        """body(i) for every block i in [offsets[E], num_blocks): the blocks no expert owns (N, the layout's capacity,
+        is static; the used count is data)."""
+        nl.fori_loop(self._reg(self.offs, self.E), num_blocks, body)
+
     def if_multi(self, e, body):
         """body() once when expert e has two or more blocks."""
         nl.fori_loop(0, self._reg(self.multi, e), lambda _: body())

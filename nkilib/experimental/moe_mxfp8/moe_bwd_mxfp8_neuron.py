@@ -17,9 +17,12 @@ tensors' device.
 
 Kernel arguments passed (all by keyword): output_grad, hidden_states, topk_weights (float32),
 gate_up_weight, down_weight, token_position_to_id, token_position_to_slot, expert_block_offsets,
-block_size, run_with_lnc2 (lnc == 2), gate_pre, gate_act, up, intermediate ([T, k, I] or None),
-clamp_limits, fp8_x4_dtype, quant_scheme, weight_grad_dtype, matmul_precision, gate_up_bias_grad (True when
-the op has a gate_up_bias: the kernel then returns d_gate_up_bias [E, 2I] float32 as a fifth output).
+block_size, run_with_lnc2 (lnc == 2), gate_pre, gate_act, up, intermediate ([N*B, I] saved block-ordered by the
+forward ops here, or [T, k, I], or None) with checkpoint_layout, clamp_limits, fp8_x4_dtype, quant_scheme,
+weight_grad_dtype, matmul_precision, gate_up_bias_grad (True when the op has a gate_up_bias: the kernel then returns
+d_gate_up_bias [E, 2I] float32 as a fifth output), and weights_layout="block" with topk_weights_blocks [N*B] float32
+(the weights by block position, one torch index op on the device): the kernel's d_topk_weights [N*B] is taken back
+to [T, k] by a second one (moe_bwd_mxfp8_forward.weights_grad_from_blocks).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from ..neuron_dispatch import finish_torchneuron_ops, kernel_kwargs, neuron_nki_language, require_torchneuron_nki_op
 from . import routing
-from .moe_bwd_mxfp8_forward import kernel_checkpoint_layout
+from .moe_bwd_mxfp8_forward import kernel_checkpoint_layout, kernel_weights_blocks, weights_grad_from_blocks
 
 #: Names of the torch ops registered through nki_op (namespace distinct from the CPU ops).
 TORCHNEURON_FORWARD_OP = "nkilib_neuron::moe_swiglu_experts_mxfp8"
@@ -62,12 +65,16 @@ def call_kernel(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precisi
     def on_device(a):
         return torch.from_numpy(a).to(dy.device)
 
-    outs = moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki[lnc](
-        output_grad=dy, hidden_states=x, topk_weights=w.to(torch.float32), gate_up_weight=w_gu, down_weight=w_down,
-        token_position_to_id=on_device(layout.token_position_to_id),
-        token_position_to_slot=on_device(layout.token_position_to_slot),
+    slots = on_device(layout.token_position_to_slot)
+    slots64 = slots.to(torch.int64)
+    w32 = w.to(torch.float32)
+    outs = list(moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki[lnc](
+        output_grad=dy, hidden_states=x, topk_weights=w32, gate_up_weight=w_gu, down_weight=w_down,
+        token_position_to_id=on_device(layout.token_position_to_id), token_position_to_slot=slots,
         expert_block_offsets=on_device(layout.expert_block_offsets), block_size=block_size,
-        run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, **kw)
+        run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, weights_layout="block",
+        topk_weights_blocks=kernel_weights_blocks(w32, slots64), **kw))
+    outs[1] = weights_grad_from_blocks(outs[1], slots64, *ids.shape)
     return tuple(outs)
 
 

@@ -31,7 +31,9 @@ Backends (``backend=``):
         GEMMs (the dense op's "emulate_fast", mlp_bwd_mxfp8_emulate_fast.py), for studies on GPUs.
     "simulator": the NKI kernel (moe_bwd_mxfp8_kernel.moe_backward_mxfp8_nki, lnc=1 or 2) on the CPU simulator
         (torch -> numpy -> torch; the routing becomes routing.build_block_layout; slow, for correctness;
-        bit-identical to "emulate"; scale_rule "neuron" only).
+        bit-identical to "emulate"; scale_rule "neuron" only). The routing weights go in by block position and
+        d_topk_weights comes back so (the kernel's weights_layout="block"), taken back to [T, k] here
+        (moe_bwd_mxfp8_forward.kernel_weights_blocks / weights_grad_from_blocks; the Neuron path the same).
     "neuron": the kernel on a Neuron device (moe_bwd_mxfp8_neuron.py), the stack chosen by the tensors'
         device type like the dense op's: "neuron" -> TorchNeuron (ops registered with
         ``torch_neuronx.nki_op`` + ``register_autograd``), "xla" -> PyTorch/XLA (an autograd.Function
@@ -67,7 +69,8 @@ from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, wei
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
 from .moe_bwd_mxfp8_emulate import moe_backward_emulate
-from .moe_bwd_mxfp8_forward import checkpoint_rows, forward_math as _forward_math, kernel_checkpoint_layout
+from .moe_bwd_mxfp8_forward import (checkpoint_rows, forward_math as _forward_math, kernel_checkpoint_layout,
+                                    kernel_weights_blocks, weights_grad_from_blocks)
 from .moe_bwd_mxfp8_neuron import XlaMoESwiGLUExperts, torchneuron_ops
 
 __all__ = ["moe_swiglu_experts_mxfp8", "MoESwiGLUExperts", "BACKENDS", "UNAVAILABLE_BACKENDS", "resolve_backend"]
@@ -198,7 +201,8 @@ def moe_swiglu_experts_mxfp8_backward_op(
 def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme, precision, scale_rule, wg,
                         block_size, lnc, bias_grad=False):
     """moe_backward_mxfp8_nki on the NKI CPU simulator (LNC `lnc`): torch -> numpy, the block layout of the
-    routing, the kernel, numpy -> torch (outputs on dy's device; with bias_grad a fifth, d_gate_up_bias)."""
+    routing, the kernel, numpy -> torch (outputs on dy's device; with bias_grad a fifth, d_gate_up_bias). The routing
+    weights go in block-ordered and d_topk_weights comes back so (weights_layout="block"), taken back to [T, k]."""
     if scale_rule != "neuron":
         raise ValueError(f"scale_rule={scale_rule!r} is only available with backend='emulate'; the kernel (and so the "
                          f"simulator) uses quantize_mx's 'neuron' rule")
@@ -212,13 +216,18 @@ def _simulator_backward(dy, x, ids, w, w_gu, w_down, ckpts, clamps, fp8, scheme,
     kw = kernel_kwargs(nl, [None if c is None else _to_numpy(c.to(torch.bfloat16)).reshape(shape) for c in ckpts],
                        clamps, fp8, scheme, precision, wg)
     kw["checkpoint_layout"] = ckpt_layout
+    slots = torch.from_numpy(layout.token_position_to_slot).to(torch.int64)
+    w32 = w.detach().to("cpu", torch.float32)
     outs = nki.simulate(moe_backward_mxfp8_nki)[lnc](
         output_grad=_to_numpy(dy.to(torch.bfloat16)), hidden_states=_to_numpy(x.to(torch.bfloat16)),
-        topk_weights=_to_numpy(w.to(torch.float32)), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
+        topk_weights=_to_numpy(w32), gate_up_weight=_to_numpy(w_gu.to(torch.bfloat16)),
         down_weight=_to_numpy(w_down.to(torch.bfloat16)), token_position_to_id=layout.token_position_to_id,
         token_position_to_slot=layout.token_position_to_slot, expert_block_offsets=layout.expert_block_offsets,
-        block_size=block_size, run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, **kw)
-    return tuple(_from_numpy(o, dy.device).contiguous() for o in outs)
+        block_size=block_size, run_with_lnc2=lnc == 2, gate_up_bias_grad=bias_grad, weights_layout="block",
+        topk_weights_blocks=_to_numpy(kernel_weights_blocks(w32, slots)), **kw)
+    outs = [_from_numpy(o, "cpu") for o in outs]
+    outs[1] = weights_grad_from_blocks(outs[1], slots, *ids.shape)
+    return tuple(o.to(dy.device).contiguous() for o in outs)
 
 
 def backward_fake(output_grad, hidden_states, topk_ids, topk_weights, gate_up_weight, down_weight, *rest):

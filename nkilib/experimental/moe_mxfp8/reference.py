@@ -36,7 +36,8 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.reference import (  # the dense contract's public
 from .constants import BF16_K_TILE, BIAS_GRAD_K_TILE, MX_K_TILE, ROUTING_GRAD_TILE
 from .routing import BlockLayout, validate_block_layout, validate_topk_weights
 
-__all__ = ["MODES", "CHECKPOINT_NAMES", "checkpoints_to_blocks", "gather_rows", "reference_block_phase1",
+__all__ = ["MODES", "CHECKPOINT_NAMES", "checkpoints_to_blocks", "weights_to_blocks", "weights_from_blocks",
+           "gather_rows", "reference_block_phase1",
            "reference_dx_scatter_add", "reference_weight_grad_fold", "reference_bias_grad_fold",
            "moe_backward_reference", "error_report"]
 
@@ -68,6 +69,32 @@ def checkpoints_to_blocks(checkpoint, layout: BlockLayout):
         return None
     c = np.asarray(checkpoint)
     return gather_rows(c.reshape(layout.num_tokens * layout.top_k, c.shape[-1]), layout.token_position_to_slot)
+
+
+def weights_to_blocks(topk_weights, layout: BlockLayout) -> np.ndarray:
+    """The routing weights in the kernel's block layout (weights_layout="block", its topk_weights_blocks): entry p =
+    topk_weights of the routed pair at block position p, +0.0 at padding positions and in unused blocks.
+
+    Dimensions:
+        topk_weights [T, k] (or [T*k]) -> [N*B] float32.
+    """
+    w = np.asarray(topk_weights, dtype=np.float32).reshape(layout.num_tokens * layout.top_k, 1)
+    return gather_rows(w, layout.token_position_to_slot).reshape(-1)
+
+
+def weights_from_blocks(d_weights_blocks, layout: BlockLayout) -> np.ndarray:
+    """d_topk_weights [T, k] from the kernel's block-ordered output (weights_layout="block"): slot s takes entry p of
+    the position p holding it (every slot is at exactly one position; padding entries are not read).
+
+    Dimensions:
+        d_weights_blocks [N*B] float32 -> [T, k] float32.
+    """
+    d = np.asarray(d_weights_blocks).reshape(-1)
+    slots = np.asarray(layout.token_position_to_slot, dtype=np.int64)
+    routed = slots < layout.num_tokens * layout.top_k
+    out = np.zeros(layout.num_tokens * layout.top_k, dtype=np.float32)
+    out[slots[routed]] = d[routed]
+    return out.reshape(layout.num_tokens, layout.top_k)
 
 
 def _routing_grad(d_i, h, mode: str) -> np.ndarray:
