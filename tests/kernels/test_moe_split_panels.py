@@ -87,7 +87,7 @@ def test_split_panels_scale_rows(monkeypatch):
     each quadrant q (4 rows per K tile, packing offsets 0 and 4). Every DMA reading or writing the panels' scales moves
     exactly such an 8-row quadrant start on its SBUF side, and their bytes add up to 4 quadrants x 8 rows x 128 columns
     per chunk stored or zeroed (one scale tile) and x 256 per chunk loaded (both cores' tiles): 8 + 2 stored / zeroed
-    and 14 loaded per core. Outputs == mx_exact. Fails on the old code (whole 128-partition scale tiles, 16x the
+    and 14 loaded per core. Outputs == mx_exact. Fails on the old code (whole 128-partition scale tiles, 4x the
     bytes)."""
     kernel, ref = _case(monkeypatch)
     events, _ = _record(monkeypatch)

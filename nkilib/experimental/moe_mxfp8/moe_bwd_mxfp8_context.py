@@ -21,7 +21,8 @@ class MoeContext(nl.NKIObject):
         dy, x: [T, H]; weights: [T*k, 1] float32; ids2d, slots2d: [N, B] int32 (block-position order);
         offsets: [E+1] int32; gu_rows: W_gu stacked [E*2I, H]; down_rows: W_down stacked [E*H, I];
         checkpoints: [T*k, I] bf16 by slot, or [N, B, I] by block position (checkpoints_blocked), or None;
-        scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
+        scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM; slot-interleaved where listed in `interleaved`:
+        block_rows);
         d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
         and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
     """
