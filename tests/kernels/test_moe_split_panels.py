@@ -17,6 +17,9 @@ stay mx_exact's bit for bit under LNC2 (the race detector on).
 | test_split_panels_scale_rows  | the same case traced: every DMA of the panels' scales moves only the     | LNC2  |
 |                               | rows quantize_mx wrote (8 = 2 K tiles x 4 at the start of each quadrant, |       |
 |                               | one DMA per quadrant; round 30a), bytes as counted from the chunk events |       |
+| test_pass_c_slot_tiles        | the same case traced: d_gate_up and hs stored slot-interleaved, so every | LNC2  |
+|                               | DMA reading them (pass C's) loads a K tile's 4 slots at once, each       |       |
+|                               | partition's 4 rows one run of 4 x 1024 columns (round 30a); bit-exact    |       |
 | test_split_panels_applies     | I = 544 (a part I tile), I tiles not shared evenly, BF16: not made       | host  |
 """
 from __future__ import annotations
@@ -84,7 +87,7 @@ def test_split_panels_scale_rows(monkeypatch):
     each quadrant q (4 rows per K tile, packing offsets 0 and 4). Every DMA reading or writing the panels' scales moves
     exactly such an 8-row quadrant start on its SBUF side, and their bytes add up to 4 quadrants x 8 rows x 128 columns
     per chunk stored or zeroed (one scale tile) and x 256 per chunk loaded (both cores' tiles): 8 + 2 stored / zeroed
-    and 14 loaded per core. Outputs == mx_exact. Fails on the old code (whole 128-partition scale tiles, 16x the
+    and 14 loaded per core. Outputs == mx_exact. Fails on the old code (whole 128-partition scale tiles, 4x the
     bytes)."""
     kernel, ref = _case(monkeypatch)
     events, _ = _record(monkeypatch)
@@ -103,6 +106,29 @@ def test_split_panels_scale_rows(monkeypatch):
     chunks_read = sum(events[c].count("panel") for c in (0, 1))
     assert (chunks_written, chunks_read) == (20, 28), (chunks_written, chunks_read)
     assert moved == quadrants * rows * columns * (chunks_written + cores * chunks_read), moved
+
+
+def test_pass_c_slot_tiles(monkeypatch):
+    """test_split_panels_bit_exact's case traced under LNC2 (I = 1024: the I split with split panels, 1x32). d_gate_up
+    [N, B, 2I] and hs [N, B, I] are stored slot-interleaved (4 rows' 1024-column pieces contiguous), so every DMA that
+    reads them (pass C's: pass B takes the split panels) moves a whole K tile of 4 slots into a [P, 4, 1024] staging
+    view (a 512-column tile of the multi-block expert's: [P, 4, 512]), its HBM side one contiguous run of 4 x 1024 bf16
+    per partition for a whole piece, where each slot was one DMA of 1024-column runs before. Outputs == mx_exact.
+    Fails on the old code (one [P, 1024] DMA per slot)."""
+    kernel, ref = _case(monkeypatch)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    out = tuple(np.asarray(o) for o in res.outputs)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 slot-interleaved pass C loads vs mx_exact")
+    piece, slots, bf16 = 1024, 4, 2
+    loads = [r for r in res.trace if r.engine == "dma"
+             and any(o.name in ("moe_bwd_d_gate_up", "moe_bwd_weighted_inter") for o in r.reads)]
+    for r in loads:
+        (sbuf,) = r.writes
+        (hbm,) = r.reads
+        assert sbuf.buffer == "sbuf" and sbuf.shape[1] == slots and sbuf.shape[2] <= piece, (sbuf.name, sbuf.shape)
+        assert hbm.strides[-2:] == (piece * bf16, bf16), (hbm.name, hbm.shape, hbm.strides)
+    whole = [r for r in loads if r.writes[0].shape[2] == piece]
+    assert len(whole) >= 2 * 4, len(whole)  # the one-block experts' 1024-column pieces: one run of 4 x 1024 each
 
 
 def test_split_panels_applies():

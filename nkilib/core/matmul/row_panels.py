@@ -57,7 +57,7 @@ class PanelSlots(nl.NKIObject):
 
 
 def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup: MatmulSetup,
-                          zero_fill: bool = False, stages=None, into=None) -> Panel:
+                          zero_fill: bool = False, stages=None, into=None, load_tile=None) -> Panel:
     """The [K, F] panel (K = rows, e.g. tokens) of an operand whose rows only the caller can fetch: rows
     gathered by indirect DMA, or at a run-time register offset (the grouped-expert kernels' blocks).
 
@@ -72,6 +72,9 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
     stage, which bounds how far loads run ahead (default: a fresh staging tile per K tile).
     into: (PanelSlots, t): quantize the operand's single K tile (k_size <= 512, MXFP8) into slot t of
     room allocated earlier, and return that slot's Panel.
+    load_tile: optional load_tile(dst, k0, P) that DMAs a whole K tile's rows k0 + 4p + j (the 1x32 scheme) into
+    dst [P, 4, f_size] at once, for a source that keeps each partition's four rows in one run (MXFP8, 1x32, K tiles
+    without padding; the others, and without it, one load_rows call per slot). The same bytes in the same places.
 
     Dimensions:
         result: K tiles of [P, f_pad] (bit-identical to load_panel of the same rows stored in HBM).
@@ -94,10 +97,13 @@ def panel_from_row_loader(load_rows, k_size: int, f_size: int, f_pad: int, setup
                 stage = stages[t % len(stages)]
             if zero_fill or valid < padded or f_size < f_pad:
                 nisa.memset(dst=stage[:P, :, :], value=0.0)
-            for j in range(MX_PACK):
-                rows = _rows_in_slot(valid, j, step_p, step_j, P)
-                if rows:
-                    load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
+            if load_tile != None and valid == padded and step_p == MX_PACK:  # noqa: E711
+                load_tile(stage[:P, :, :f_size], k0, P)
+            else:
+                for j in range(MX_PACK):
+                    rows = _rows_in_slot(valid, j, step_p, step_j, P)
+                    if rows:
+                        load_rows(stage[:rows, j, :f_size], k0 + step_j * j, step_p, rows)
             if into != None:  # noqa: E711
                 nisa.quantize_mx(dst=builder.words(into[1], P), src=stage[:P, :, :f_pad].permute((0, 2, 1)),
                                  dst_scale=builder.scale(into[1]))

@@ -65,6 +65,11 @@ WEIGHT_GRAD_PSUM_TILES = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
 #: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
 SINGLE_BLOCK_LOAD_WIDTH = 1024
+#: Columns per piece of a slot-interleaved block scratch (pass A's d_gate_up and hs rows under the I split, docs/moe.md
+#: round 30a): each 4 consecutive rows' columns of a piece are one contiguous run, so pass C's load of a K tile's
+#: four slots (rows 4p + j, the 1x32 scheme) of one SINGLE_BLOCK_LOAD_WIDTH piece is one DMA of 8 KiB runs, not four
+#: of 2 KiB.
+SLOT_PIECE_COLUMNS = SINGLE_BLOCK_LOAD_WIDTH
 #: Rows per unit of a single-block expert's pass-C K (the 1x32 scheme): its block's routed pairs fill 1..B / unit
 #: leading units and only those are loaded, quantized and multiplied (K = the filled units' rows; one traced variant of
 #: the single-block path per count, chosen at run time). MX_K_ALIGN: quantize_mx takes multiples of 32 partitions

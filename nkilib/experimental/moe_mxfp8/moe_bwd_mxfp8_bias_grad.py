@@ -76,7 +76,9 @@ class GateUpBiasGrad(nl.NKIObject):
                 g_lo, g_hi = tiles[0][0], tiles[-1][0] + tiles[-1][1]
                 for r0, m in blocks(0, ctx.B, BIAS_GRAD_K_TILE):
                     rows = nl.ndarray((BIAS_GRAD_K_TILE, g_hi - g_lo), dtype=nl.bfloat16, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=rows[:m, :], src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, g_lo, g_hi - g_lo))
+                    for c0, csz in ctx.row_pieces(ctx.d_gu, g_lo, g_hi - g_lo):  # one DMA unless slot-interleaved
+                        nisa.dma_copy(dst=rows[:m, c0 - g_lo:c0 - g_lo + csz],
+                                      src=ctx.block_rows(ctx.d_gu, i, r0, m, 1, c0, csz))
                     for (c0, csz), acc in zip(tiles, accs):
                         # K=m tokens of the block, M=1 (ones column), N=csz columns of d_gate_up (BF16)
                         nisa.nc_matmul(dst=acc[0:1, :csz], stationary=self.ones[:m, :],

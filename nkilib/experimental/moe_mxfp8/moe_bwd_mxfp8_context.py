@@ -7,8 +7,9 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import round_up
-from .constants import MX_K_ALIGN, PARTITIONS
+from ...core.kernel_helpers import kernel_assert, round_up
+from ...core.matmul.constants import MX_PACK
+from .constants import MX_K_ALIGN, PARTITIONS, SLOT_PIECE_COLUMNS
 
 __all__ = ["MoeContext"]
 
@@ -22,7 +23,8 @@ class MoeContext(nl.NKIObject):
         checkpoints: [T*k, I] bf16 by slot, or [N, B, I] by block position (checkpoints_blocked), or None;
         weights_blocks: [N, B, 1] float32 by block position (weights_blocked) or None; d_weights: the d_topk_weights
         output, [T*k, 1] by slot, or [N, B, 1] by block position (weights_blocked);
-        scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM);
+        scratch d_gu [N, B, 2I], hs [N, B, I] bf16 (shared HBM; slot-interleaved where listed in `interleaved`:
+        block_rows);
         d_gu_mx: None or pass B's stationary panels (words [N, B, n*128] x4, scales [N, B, s*128] uint8: n K tiles
         and s scale tiles of K=2I per 128-row chunk, partition p in the chunk's row p; set by the base kernel).
     """
@@ -34,6 +36,7 @@ class MoeContext(nl.NKIObject):
         self.weights_blocked = weights_blocked  # the entry point's weights_layout == "block"
         self.chunk_panels = None  # pass B's ChunkPanels where the base kernel makes them (moe_bwd_mxfp8_dx.py)
         self.split_panels = None  # pass B's panels made by the I split's pass A (moe_bwd_mxfp8_split_panels.py)
+        self.interleaved = []  # block scratches stored slot-interleaved (block_rows; set by the I split: round 30a)
         # pass A's zeroing of a part-filled block's gathered dY / X rows and p: on GpSimd, which generates the gathers'
         # descriptors next, where VectorE bounds pass A (block-ordered checkpoints: round 16a); with checkpoints
         # gathered by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's
@@ -162,4 +165,60 @@ class MoeContext(nl.NKIObject):
     def block_rows(self, scratch, i, r0, count, step, f0, f_size):
         """View of rows r0, r0+step, ... (count) of block i of a [N, B, F] scratch, columns [f0, f0+f_size)."""
         F = scratch.shape[2]
+        if self.is_interleaved(scratch):
+            return self._interleaved_rows(scratch, i, r0, count, step, f0, f_size)
         return scratch.ap([[step * F, count], [1, f_size]], offset=r0 * F + f0, scalar_offset=i, indirect_dim=0)
+
+    def is_interleaved(self, scratch) -> bool:
+        """Whether `scratch` is stored slot-interleaved (self.interleaved)."""
+        return any(scratch is s for s in self.interleaved)
+
+    def slot_tile(self, scratch, i, k0, partitions, f0, f_size):
+        """View [partitions, 4, f_size] of a slot-interleaved scratch: rows k0 + 4p + j of block i (the 1x32 scheme's
+        K tile from row k0, slot j of partition p), columns [f0, f0 + f_size): per partition one contiguous run of
+        4 x f_size where the columns are one piece (else runs of SLOT_PIECE_COLUMNS)."""
+        kernel_assert(k0 % MX_PACK == 0, f"a slot tile starts at a multiple of {MX_PACK} rows, got k0={k0}")
+        F, W = scratch.shape[2], SLOT_PIECE_COLUMNS
+        base, cols = self._piece_columns(f0, f_size)
+        return scratch.ap([[MX_PACK * F, partitions], [W, MX_PACK]] + cols, offset=k0 * F + base, scalar_offset=i,
+                          indirect_dim=0)
+
+    def _piece_columns(self, f0, f_size):
+        """(offset, column pattern) of columns [f0, f0 + f_size) of a slot-interleaved scratch's row 4a: inside one
+        piece, or whole pieces."""
+        W = SLOT_PIECE_COLUMNS
+        piece, c = f0 // W, f0 % W
+        kernel_assert(c + f_size <= W or (c == 0 and f_size % W == 0),
+                      f"slot-interleaved scratch columns [{f0}, {f0 + f_size}) must lie in one {W}-column piece or "
+                      "cover whole pieces")
+        cols = [[1, f_size]] if c + f_size <= W else [[MX_PACK * W, f_size // W], [1, W]]
+        return piece * MX_PACK * W + c, cols
+
+    def _interleaved_rows(self, scratch, i, r0, count, step, f0, f_size):
+        """block_rows of a slot-interleaved scratch: [N, B / 4, F / W, 4, W] in the [N, B, F] allocation (W =
+        SLOT_PIECE_COLUMNS), row r's columns c at (r // 4, c // W, r % 4, c % W): the 4 rows of a partition of the
+        1x32 scheme's K tile are one run per piece. Rows r0, r0 + 4, ... (one slot) or r0.. r0 + count (whole groups
+        of 4 rows)."""
+        F, W = scratch.shape[2], SLOT_PIECE_COLUMNS
+        base, cols = self._piece_columns(f0, f_size)
+        offset = (r0 // MX_PACK) * MX_PACK * F + (r0 % MX_PACK) * W + base
+        if step == MX_PACK:
+            rows = [[MX_PACK * F, count]]
+        else:
+            kernel_assert(step == 1 and r0 % MX_PACK == 0 and count % MX_PACK == 0,
+                          f"slot-interleaved scratch rows are read one slot (step {MX_PACK}) or whole groups of "
+                          f"{MX_PACK} (step 1), got r0={r0}, count={count}, step={step}")
+            rows = [[MX_PACK * F, count // MX_PACK], [W, MX_PACK]]
+        return scratch.ap(rows + cols, offset=offset, scalar_offset=i, indirect_dim=0)
+
+    def row_pieces(self, scratch, f0, f_size):
+        """[(c0, width)]: columns [f0, f0 + f_size) cut where block_rows can view them in one (a slot-interleaved
+        scratch's pieces; one range otherwise)."""
+        if not self.is_interleaved(scratch):
+            return [(f0, f_size)]
+        W, out, c = SLOT_PIECE_COLUMNS, [], f0
+        while c < f0 + f_size:
+            end = min(f0 + f_size, (c // W + 1) * W)
+            out.append((c, end - c))
+            c = end
+        return out

@@ -44,7 +44,7 @@ from ...core.matmul import Panel, PanelPlacement, k_tiles, load_panel
 from ...core.matmul.constants import SCALE_PACK_SLOTS, STAGING_BUFFERS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import PARTITIONS
+from .constants import PARTITIONS, SLOT_PIECE_COLUMNS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
 from .moe_bwd_mxfp8_split_panels import SplitChunkPanels
@@ -74,6 +74,9 @@ class ExpertISplit(nl.NKIObject):
         ctx.d_w_tiles = nl.ndarray((ctx.N, ctx.B, self.n_tiles), dtype=nl.float32, buffer=nl.shared_hbm,
                                    name="moe_bwd_routing_grad_tiles")
         ctx.split_panels = SplitChunkPanels.of(ctx, i_tiles)  # each core's K tiles of pass B's panels (round 25a)
+        if ctx.split_panels != None and ctx.setup.scheme == "1x32" and ctx.I % SLOT_PIECE_COLUMNS == 0:  # noqa: E711
+            # pass B reads no d_gate_up rows, pass C reads d_gate_up and hs one K tile per DMA (round 30a)
+            ctx.interleaved = [ctx.d_gu, ctx.hs]
 
     @staticmethod
     def applies(ctx, w_down_resident, i_tiles) -> bool:

@@ -35,7 +35,8 @@ def _row_panels(ctx, src, i, lo, hi, first=-1, rows=None):
     pieces = blocks(lo, hi, SINGLE_BLOCK_LOAD_WIDTH)
     k_rows = ctx.B if rows == None else rows  # noqa: E711
     return [(c0, panel_from_row_loader(src.rows(i, c0, csz), k_rows, csz, csz, ctx.setup,
-                                       stages=ctx.stages if first < 0 else single_load_stage(ctx, first + q)))
+                                       stages=ctx.stages if first < 0 else single_load_stage(ctx, first + q),
+                                       load_tile=src.tile(i, c0, csz)))
             for q, (c0, csz) in enumerate(pieces)]
 
 

@@ -52,6 +52,18 @@ class BlockRowSource(nl.NKIObject):
 
         return load_rows
 
+    def tile(self, i, f0, f_size):
+        """panel_from_row_loader's load_tile for columns [f0, f0 + f_size) of block i where the scratch is
+        slot-interleaved (MoeContext.slot_tile: one DMA per K tile, a partition's four rows in one run), else None."""
+        ctx, scratch = self.ctx, self.scratch
+        if not ctx.is_interleaved(scratch):
+            return None
+
+        def load_tile(dst, k0, partitions):
+            nisa.dma_copy(dst=dst, src=ctx.slot_tile(scratch, i, k0, partitions, f0, f_size))
+
+        return load_tile
+
 
 def _tile_groups(ctx, m_total, n_total):
     """This core's output tiles of an [M, N] weight gradient in groups of at most WEIGHT_GRAD_PSUM_TILES
@@ -95,8 +107,9 @@ def compute_phase3_expert_weight_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_t
                 return
             m_lo, m_hi = m_blocks[0][0], m_blocks[-1][0] + m_blocks[-1][1]
             wide = panel_from_row_loader(lhs.rows(i, m_lo, m_hi - m_lo), B, m_hi - m_lo, m_hi - m_lo, setup,
-                                         stages=ctx.stages)
-            b = panel_from_row_loader(rhs.rows(i, n0, nsz), B, nsz, nsz, setup, stages=ctx.stages)
+                                         stages=ctx.stages, load_tile=lhs.tile(i, m_lo, m_hi - m_lo))
+            b = panel_from_row_loader(rhs.rows(i, n0, nsz), B, nsz, nsz, setup, stages=ctx.stages,
+                                      load_tile=rhs.tile(i, n0, nsz))
             for (m0, msz), acc in zip(m_blocks, accs):
                 a = panel_columns(wide, m0 - m_lo, ctx.f_pad(msz))
                 # K=the block's B tokens (one MX K tile; BF16: B/128 tiles), M=msz, N=nsz
@@ -360,7 +373,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
         # round all the ring's tiles, a load waiting for the quantize PASS_C_STAGING_BUFFERS loads back (round 9c)
         stages = _stage(ctx, k) if part == None and window == None else single_load_stage(ctx, k)  # noqa: E711
         panel_from_row_loader(src.rows(i, c0, slots.f_pad), B, slots.f_pad, slots.f_pad, setup, stages=stages,
-                              into=(slots, j))
+                              into=(slots, j), load_tile=src.tile(i, c0, slots.f_pad))
 
     def load_moving(i, j):  # slot j's loads numbered j * pieces + q: consecutive slots rotate the staging tiles
         for q, (c0, slots) in enumerate(moving):
