@@ -1,7 +1,8 @@
 """Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py), per block: phase 0 (the recompute of
 gate_pre / up when not given) and phase 1, dI = dY_b W_down[e] (K=H) with the SwiGLU derivative and the
 routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (and the gathered dY / X rows)
-go to block-ordered HBM scratch, d_topk_weights is scattered by slot. Numerics: docs/moe.md, section 4.
+go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_layout "block": stored by position).
+Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
 the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
 chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
@@ -85,10 +86,9 @@ class ChunkInputs(nl.NKIObject):
         (the I split where neither this core's copy nor a recompute needs them)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
-        # slots: read only by a gather or scatter by slot (p, d_topk_weights, checkpoints), none when all three are
-        # block-ordered (round 30b; each [m, 1] int32 load is one 4-byte descriptor per row: round 27a)
-        by_slot = not (ctx.checkpoints_blocked and ctx.weights_blocked)
-        self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf) if by_slot else None
+        # slots: read by the gathers / scatters by slot only, so none when p, d_p and the checkpoints are block-ordered
+        self.slots = (None if ctx.checkpoints_blocked and ctx.weights_blocked else
+                      nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf))
         self.dy_nat = _natural_rows(ctx, ctx.H)
         self.x_nat = None if ctx.defer_x or not gather_x else _natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
@@ -166,9 +166,8 @@ class RowChunk(nl.NKIObject):
         else:
             # rows read back by plain DMA: no token ids (nothing here reads them), and slots only where a reader
             # follows (p's and the slot-layout checkpoints' gathers, the fold's scatter); the I split's staged rows
-            # with block-ordered checkpoints have none (its scatter loads its own after the fence), nor do rows whose
-            # p and d_topk_weights are block-ordered too (round 30b). Each [m, 1] int32 load costs the DMA queues one
-            # 4-byte descriptor per row: docs/moe.md section 10, round 27a
+            # with block-ordered checkpoints have none (its scatter loads its own after the fence), nor rows with
+            # block-ordered p and d_p too. Each [m, 1] int32 load: one 4-byte descriptor per row (round 27a)
             self.ids = None
             needs_slots = not ctx.checkpoints_blocked or not (tile_sums or ctx.weights_blocked)
             self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m) if needs_slots else None
