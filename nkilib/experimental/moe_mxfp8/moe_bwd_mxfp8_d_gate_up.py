@@ -182,6 +182,7 @@ class RowChunk(nl.NKIObject):
         # they queue behind the epilogue's products: ds4 1406.4 -> 1497.0 us; the row split's padded blocks lose
         # too: ds4z 1704.4 -> 1720.5 us, docs/moe.md round 11b)
         defer_checkpoints = ctx.checkpoints_blocked and tile_sums
+        self.p_deferred = False  # p read at the first epilogue (below)
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
         elif staged:
@@ -190,7 +191,10 @@ class RowChunk(nl.NKIObject):
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-            ctx.pair_weights(self.p, i, r0, m, self.slots, full)
+            # block-ordered p waits with them (dsz 4838.5 -> 4802.0 us central, docs/moe.md round 30b)
+            self.p_deferred = defer_checkpoints and ctx.weights_blocked
+            if not self.p_deferred:
+                ctx.pair_weights(self.p, i, r0, m, self.slots, full)
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         self.block, self.full = i, full
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
@@ -225,6 +229,9 @@ class RowChunk(nl.NKIObject):
     def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
         """I tile j ([n0, n0+nsz), global) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
         m, c0, width = self.m, n0 - self.i_lo, self.i_hi - self.i_lo
+        if self.p_deferred:
+            ctx.pair_weights(self.p, self.block, self.r0, m, None, self.full)
+            self.p_deferred = False
         if self.ckpts == None:  # noqa: E711
             self.ckpts = self._checkpoints(ctx, self.block, self.full)
         g_ck, a_ck, u_ck, h_ck = self.ckpts
