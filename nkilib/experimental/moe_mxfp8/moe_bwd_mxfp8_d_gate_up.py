@@ -1,7 +1,8 @@
 """Pass A of the MoE expert backward kernel (moe_bwd_mxfp8_kernel.py), per block: phase 0 (the recompute of
 gate_pre / up when not given) and phase 1, dI = dY_b W_down[e] (K=H) with the SwiGLU derivative and the
 routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (and the gathered dY / X rows)
-go to block-ordered HBM scratch, d_topk_weights is scattered by slot. Numerics: docs/moe.md, section 4.
+go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_layout "block": stored by position).
+Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
 the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
 chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
@@ -85,10 +86,9 @@ class ChunkInputs(nl.NKIObject):
         (the I split where neither this core's copy nor a recompute needs them)."""
         self.m = m
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
-        # slots: read only by a gather or scatter by slot (p, d_topk_weights, checkpoints), none when all three are
-        # block-ordered (round 30b; each [m, 1] int32 load is one 4-byte descriptor per row: round 27a)
-        by_slot = not (ctx.checkpoints_blocked and ctx.weights_blocked)
-        self.slots = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf) if by_slot else None
+        # slots: read by the gathers / scatters by slot only, so none when p, d_p and the checkpoints are block-ordered
+        self.slots = (None if ctx.checkpoints_blocked and ctx.weights_blocked else
+                      nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf))
         self.dy_nat = _natural_rows(ctx, ctx.H)
         self.x_nat = None if ctx.defer_x or not gather_x else _natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
@@ -166,9 +166,8 @@ class RowChunk(nl.NKIObject):
         else:
             # rows read back by plain DMA: no token ids (nothing here reads them), and slots only where a reader
             # follows (p's and the slot-layout checkpoints' gathers, the fold's scatter); the I split's staged rows
-            # with block-ordered checkpoints have none (its scatter loads its own after the fence), nor do rows whose
-            # p and d_topk_weights are block-ordered too (round 30b). Each [m, 1] int32 load costs the DMA queues one
-            # 4-byte descriptor per row: docs/moe.md section 10, round 27a
+            # with block-ordered checkpoints have none (its scatter loads its own after the fence), nor rows with
+            # block-ordered p and d_p too. Each [m, 1] int32 load: one 4-byte descriptor per row (round 27a)
             self.ids = None
             needs_slots = not ctx.checkpoints_blocked or not (tile_sums or ctx.weights_blocked)
             self.slots = ctx.positions(ctx.slots2d, i, r0, 1, m) if needs_slots else None
@@ -183,6 +182,7 @@ class RowChunk(nl.NKIObject):
         # they queue behind the epilogue's products: ds4 1406.4 -> 1497.0 us; the row split's padded blocks lose
         # too: ds4z 1704.4 -> 1720.5 us, docs/moe.md round 11b)
         defer_checkpoints = ctx.checkpoints_blocked and tile_sums
+        self.p_deferred = False  # p read at the first epilogue (below)
         if inputs != None and inputs.p != None:  # noqa: E711  (the pipeline gathered them a chunk ahead)
             self.p, self.ckpts = inputs.p, inputs.ckpts
         elif staged:
@@ -191,7 +191,10 @@ class RowChunk(nl.NKIObject):
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         else:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-            ctx.pair_weights(self.p, i, r0, m, self.slots, full)
+            # block-ordered p waits with them (dsz 4838.5 -> 4802.0 us central, docs/moe.md round 30b)
+            self.p_deferred = defer_checkpoints and ctx.weights_blocked
+            if not self.p_deferred:
+                ctx.pair_weights(self.p, i, r0, m, self.slots, full)
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         self.block, self.full = i, full
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
@@ -226,6 +229,9 @@ class RowChunk(nl.NKIObject):
     def epilogue(self, ctx, j, n0, nsz, d_i, g_psum, u_psum):
         """I tile j ([n0, n0+nsz), global) of the rows: SwiGLU terms, routing-weight gradient, dh, d_gate_up, hs."""
         m, c0, width = self.m, n0 - self.i_lo, self.i_hi - self.i_lo
+        if self.p_deferred:
+            ctx.pair_weights(self.p, self.block, self.r0, m, None, self.full)
+            self.p_deferred = False
         if self.ckpts == None:  # noqa: E711
             self.ckpts = self._checkpoints(ctx, self.block, self.full)
         g_ck, a_ck, u_ck, h_ck = self.ckpts

@@ -20,7 +20,8 @@ Passes (reference.moe_backward_reference's order; docs/moe.md):
        routing-weight gradient <dI, h> (fused, from values on chip), dh = p dI, the dense kernel's SwiGLU
        derivative on dh (nkilib/core/swiglu.py), hs = p h. d_gate_up, hs and the gathered dY / X rows go
        to HBM scratch in block-position order (pass C then reads its K = tokens operands by plain DMA,
-       never gathering a row twice), d_topk_weights is scattered by slot. Where all of I is one resident group,
+       never gathering a row twice), d_topk_weights is scattered by slot (stored by block position with
+       weights_layout="block", which also reads p by plain DMA: round 30b). Where all of I is one resident group,
        pass B's W_gu is resident and B is a multiple of 128 per core, each 128-row chunk's d_gate_up also becomes
        pass B's K=2I stationary panel here (PE transposes and quantize_mx along 2I, once per row), stored as words
        and scales (ctx.d_gu_mx; docs/moe.md section 10, round 7a); where W_down is loaded per block (DeepSeek-V3's),
