@@ -218,24 +218,15 @@ def store_panel_tiles(panel: Panel, words_dst, scales_dst) -> None:
     nisa.dma_copy(dst=scales_dst, src=panel.scale_tile)
 
 
-def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: MatmulSetup, run_if=None) -> Panel:
+def load_panel_tiles(words_src, scales_src, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
     """The Panel that store_panel_tiles stored in HBM (words_src [128, K tiles, f_pad] x4, scales_src [128, scale
-    tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel.
-    run_if: run_if(body) traces the two DMAs under a run-time condition (a 0/1-trip loop), the panel's tiles allocated
-    outside it so that they live past it; None: issued here."""
+    tiles, f_pad] uint8 views): two DMAs, no transposes and no quantize_mx; bit-identical to the stored panel."""
     tiles = k_tiles(k_size, setup)
     builder = PanelBuilder(f_pad, setup, 0, len(tiles))
     builder.words(0, PARTITIONS)  # allocates words [128, K tiles, f_pad]
     builder.scale(0)  # and scales [128, scale tiles, f_pad]
-
-    def copy():
-        nisa.dma_copy(dst=builder._data_tile, src=words_src)
-        nisa.dma_copy(dst=builder._scale_tile, src=scales_src)
-
-    if run_if == None:  # noqa: E711
-        copy()
-    else:
-        run_if(copy)
+    nisa.dma_copy(dst=builder._data_tile, src=words_src)
+    nisa.dma_copy(dst=builder._scale_tile, src=scales_src)
     for t in range(len(tiles)):
         builder.data.append(builder.words(t, tiles[t][2] // MX_PACK))
         builder.scales.append(builder.scale(t))

@@ -26,7 +26,7 @@ from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, W_
                         WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ChunkPanels", "DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8",
-           "first_chunk_panel_ahead", "resident_tile_groups"]
+           "resident_tile_groups"]
 
 
 class ExpertPanels(nl.NKIObject):
@@ -338,37 +338,8 @@ class ChunkPanels(nl.NKIObject):
                                 self.ctx.f_pad(m), self.ctx.setup)
 
 
-def first_chunk_panel_ahead(ctx, e):
-    """Expert e's first block's chunk-0 d_gate_up panel as pass A stored it (ctx.d_gu_mx), loaded now: before the
-    segment's A(a) that precedes B(e), for B(e)'s first matmuls (compute_phase2_hidden_states_grad_mxfp8(first_panel=)).
-
-    Loaded at B(e)'s start, that panel's tile was placed over SBUF that A(a)'s last chunk had just freed, so its load
-    waited for A(a)'s last stores and then shared the DMA queues with B's later panel loads; B's first matmul waited
-    for it (docs/moe.md section 10, round 30c). Issued before A(a), it lands in SBUF free then and loads under A(a).
-    Race-free: pass A stored e's panels in the previous segment (both cores), before the fence that opens this one;
-    nothing writes them in this segment. The loads run in e's if_used (chunk 0 of an expert's first block always holds
-    a routed pair, so pass A stored it); the tiles are allocated outside it and live on to B(e).
-
-    Args:
-        ctx: the MoE kernel context (ctx.d_gu_mx set: pass A stores every chunk's panel).
-        e: the expert (a static index) whose B runs after the segment's next A.
-
-    Returns:
-        Panel: the K = 2I panel of block offsets[e]'s rows [0, 128) (this core's load; both cores read every chunk).
-
-    Dimensions:
-        words [128, K tiles of 2I, 128] x4 and scales [128, scale tiles, 128] uint8 (one 128-row chunk).
-    """
-    kernel_assert(ctx.d_gu_mx != None, f"B({e})'s first panel read ahead needs pass A's stored panels")  # noqa: E711
-    words, scales = ctx.d_gu_mx
-    nk, ns = panel_tile_widths(2 * ctx.I, PARTITIONS, ctx.setup)
-    b_lo, _, _ = ctx.loops.bounds(e)
-    return load_panel_tiles(ctx.block_tiles(words, b_lo, 0, nk), ctx.block_tiles(scales, b_lo, 0, ns), 2 * ctx.I,
-                            ctx.f_pad(PARTITIONS), ctx.setup, run_if=lambda body: ctx.loops.if_used(e, body))
-
-
 def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False, flag_tiles=0, only_chunks=None,
-                                            stored_panels=None, rows_ahead=None, first_panel=None):
+                                            stored_panels=None, rows_ahead=None):
     """dX[ids_b, h_lo:h_hi] += bf16(d_gate_up_b @ W_gu[e]) for block i (expert e), this core's H columns.
 
     Dimensions:
@@ -396,8 +367,6 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
         rows_ahead: DGateUpRowsAhead of block i: every 128-row chunk's d_gate_up rows (with ctx.split_panels: both
             cores' K tiles of its panel), read earlier (its tiles), for the weights-per-block path, and W_gu's first K
             tiles staged earlier (w_gu_ahead, where it staged them); None: read here.
-        first_panel: block i's chunk-0 panel as pass A stored it, loaded earlier (first_chunk_panel_ahead: i is the
-            expert's first block); with stored panels only. None: loaded here.
     """
     kernel_assert(only_chunks == None or skip_padding,  # noqa: E711
                   f"a subset of pass B's chunks ({only_chunks}) needs the resident path")
@@ -413,9 +382,6 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
                   f"chunk ({len(_blocks(0, ctx.B, PARTITIONS))}), got "
                   f"{None if rows_ahead == None else len(rows_ahead.tiles)} tiles, "  # noqa: E711
                   f"skip_padding={skip_padding}, stored_panels={stored_panels}")
-    kernel_assert(first_panel == None or (stored_panels and ctx.split_panels == None),  # noqa: E711
-                  f"a chunk panel read ahead stands for pass A's stored panel, got stored_panels={stored_panels}, "
-                  f"split_panels={ctx.split_panels}")
     h_lo = tiles[0][0] if tiles else 0
     h_width = tiles[-1][0] + tiles[-1][1] - h_lo if tiles else 0
 
@@ -429,8 +395,6 @@ def compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, w_gu, skip_padding=False,
             return ctx.split_panels.load(i, r0, m)
         if cached == "load":
             return ctx.chunk_panels.load(i, r0, m)
-        if first_panel != None and r0 == 0:  # noqa: E711  (loaded before the segment's A: round 30c)
-            return first_panel
         if stored_panels:  # quantized by pass A (rounds 7a, 8c): words and scales as stored
             kernel_assert(r0 % PARTITIONS == 0 and m == PARTITIONS,
                           f"pass A's d_gate_up panels cover 128-row chunks from a multiple of 128, got r0={r0}, m={m}")

@@ -92,7 +92,7 @@ from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_
                                       gather_deferred_x, gather_first_chunk_ahead, scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
-                               first_chunk_panel_ahead, resident_tile_groups)
+                               resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_context import MoeContext
 from .moe_bwd_mxfp8_inputs import check_moe_inputs
@@ -166,22 +166,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         last = ctx.loops.last_block(e)
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
-
-    def first_block_loops(e, block, first_block, panels, skip):
-        """block_loops with the expert's first block run by first_block(i, panels, skip, full) (its own traced body: a
-        loop body is traced once, so the block that takes a tile loaded before the loop is peeled): for an expert of
-        one block that block (the last, maybe holding padding), for one of more its first block (full), then the rest
-        as block_loops runs them."""
-        b_lo, b_first, b_hi = ctx.loops.bounds(e)
-        ctx.loops.if_single(e, lambda i: last_block(i, first_block, panels, skip))
-
-        def multi():
-            last = ctx.loops.last_block(e)
-            nl.fori_loop(b_lo, b_first, lambda i: first_block(i, panels, False, True))
-            nl.fori_loop(b_first, last, lambda i: block(i, panels, False, True))
-            nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
-
-        ctx.loops.if_multi(e, multi)
 
     def per_block(e, descs, tiles, groups, block, skip, single=None, ring=None):
         """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
@@ -350,22 +334,17 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                   name="moe_bwd_d_gate_up_panel_scales"))
     ctx.chunk_panels = ChunkPanels.of(ctx, b_groups)  # a multi-block expert's pass-B panels built once (round 22c)
 
-    def b_block(e, i, w, skip, stored_panels, rows=None, first_panel=None):
+    def b_block(e, i, w, skip, stored_panels, rows=None):
         resident, flag_tiles = skip if skip else (False, 0)
         compute_phase2_hidden_states_grad_mxfp8(ctx, e, i, *w, skip_padding=resident, flag_tiles=flag_tiles,
-                                                stored_panels=stored_panels, rows_ahead=rows, first_panel=first_panel)
+                                                stored_panels=stored_panels, rows_ahead=rows)
 
-    def pass_b(e, rows=None, first=None):  # rows: a one-block expert's DGateUpRowsAhead; first: first_chunk_panel_ahead
+    def pass_b(e, rows=None):  # rows: a one-block expert's DGateUpRowsAhead
         # resident W_gu staged through pass C's kernel-scope ring (when there is one: not with the interleave), idle
         # from C(e - 1)'s last load to C(e)'s first: fresh staging tiles were placed over A(a)'s freed tiles and their
         # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
         # B's first matmul waited for it (round 9a: GPT-OSS 4 x 2048 2962.9 -> 2885.3 us)
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
-        if first != None:  # noqa: E711  (every_block_panels, W_gu resident: one block loop, its first block peeled)
-            first_block_loops(e, lambda i, w, skip, full: b_block(e, i, w, skip, True),
-                              lambda i, w, skip, full: b_block(e, i, w, skip, True, first_panel=first),
-                              panels_of([b_desc(e)], h_tiles, ring), b_skip[0])
-            return
         per_block(e, [b_desc(e)], h_tiles, b_groups,
                   lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
                   single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring)
@@ -460,10 +439,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
     fence()
-    # B(e)'s first chunk panel loaded before the segment's A(a) that precedes it (round 30c: at B's start its tile was
-    # placed over A(a)'s last freed tiles and its load waited for their stores), where pass A stored every chunk's
-    # panel and B runs one block loop with W_gu resident, not inside A (no interleave: GPT-OSS-20B)
-    b_first_ahead = pipelined and not interleave and every_block_panels and b_groups == None  # noqa: E711
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
         later = groups[n + 2] if n + 2 < len(groups) else []
@@ -474,21 +449,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             else:
                 # the I split, W_gu per block: B(e)'s d_gate_up rows (round 20a) and first W_gu K tile (22a) read ahead
                 rows = DGateUpRowsAhead(ctx, e, b_desc(e), h_tiles) if i_split and b_groups else None
-                b_first = None  # B(e)'s first chunk panel, read before A(a) (b_first_ahead)
                 if rows != None:  # noqa: E711
                     i_split.with_rows(ahead[j] if j < len(ahead) else None, rows, lambda then, a=ahead[j:j + 1],
                                       w=a_panels: ctx.loops.if_used(a[0], lambda: pass_a(a[0], panels=w, then=then)))
                 elif j < len(ahead):
-                    b_first = first_chunk_panel_ahead(ctx, e) if b_first_ahead else None
                     ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
                 if i_split != None:  # noqa: E711  (both cores' I tiles of e's blocks, written before the fence)
                     i_split.scatter_expert(e)
-                ctx.loops.if_used(e, lambda e=e, r=rows, f=b_first: pass_b(e, r, f))
-                rows = b_first = None  # their tiles die after B(e) (the allocator frees a tile when its last reference
-                # drops)
+                ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r))
+                rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
             a_panels = None  # and A's early panels and first chunk's inputs after A
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
