@@ -11,6 +11,10 @@ over A(a)'s. The bits do not change: the outputs equal mx_exact, LNC1 and LNC2.
 |                                   | pass A's tiles never; bit-exact vs mx_exact                     |            |
 | test_w_gu_staging_ring_bit_exact  | unequal experts (a padded last block, one block, an empty one), | LNC1, LNC2 |
 |                                   | with and without checkpoints: bit-exact vs mx_exact             |            |
+| test_ring_weight_loads_per_slot   | whole K tiles (2I = H = 512), two fence groups: every W_gu      | LNC1, LNC2 |
+|                                   | staging DMA and every W_down DMA into pass C's ring fills one   |            |
+|                                   | MX slot (four per K tile; round 30c: fails on main, one DMA per |            |
+|                                   | K tile); bit-exact vs mx_exact                                  |            |
 """
 from __future__ import annotations
 
@@ -64,3 +68,28 @@ def test_w_gu_staging_ring_bit_exact(checkpoints, lnc, monkeypatch):
     res = _run(kernel, lnc, monkeypatch)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"W_gu staged in pass C's ring (checkpoints {bool(checkpoints)}), LNC{lnc} vs mx_exact")
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_ring_weight_loads_per_slot(lnc, monkeypatch):
+    # whole K tiles (K = 2I = 512 for W_gu, K = H = 512 for W_down): main stages each by one [128, 4, F] DMA; round 30c
+    # by one [128, F] DMA per MX slot (RING_WEIGHT_DMA_PER_SLOT), the same bytes into the same staging tile
+    h, i = 512, 256
+    ids = np.tile(np.arange(E, dtype=np.int32), (T, 1))  # k = 4: every expert two full blocks, two fence groups
+    kernel, ref = moe_case(T, E, h, i, ids, seed=93, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = _run(kernel, lnc, monkeypatch, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"ring weight loads per MX slot, LNC{lnc} vs mx_exact")
+    for program in range(lnc):
+        records = [r for r in res.trace if r.program == program and r.instr == "dma_copy"]
+        pass_c = sbuf_tiles_loaded(records, lambda r: any(touches(r, n) for n in PASS_C_SOURCES))
+
+        def ring_loads(name):
+            return [r for r in records if touches(r, name) and any(w.storage_id in pass_c for w in r.writes)]
+
+        w_gu, w_down = ring_loads("gate_up_weight"), ring_loads("down_weight")
+        assert w_gu and w_down, f"core {program}: {len(w_gu)} W_gu and {len(w_down)} W_down loads into pass C's ring"
+        for name, loads in (("W_gu", w_gu), ("W_down", w_down)):
+            shapes = sorted({tuple(w.shape) for r in loads for w in r.writes})
+            assert all(len(s) == 2 and s[0] <= 128 for s in shapes), \
+                f"core {program}: {name} ring loads write {shapes}, not one MX slot ([<= 128, F]) each"

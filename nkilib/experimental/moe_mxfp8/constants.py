@@ -99,6 +99,13 @@ W_GU_K_TILES_AHEAD = 1
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead (the single-block
 #: path numbers its loads across gradients and experts for this: docs/moe.md section 10, round 7b).
 PASS_C_STAGING_BUFFERS = 3
+#: Whether the resident weight panels staged through pass C's ring (pass B's W_gu, round 9a; pass A's W_down at the
+#: segment's A and before each fence, round 26b) load every K tile by one DMA per MX slot (four [128, width] DMAs)
+#: instead of one: the cost model shares the DMA engines per transfer in flight, and at B's start and at the fence
+#: these ring loads (three in flight) shared them with B's 16 chunk-panel loads and the next group's X gathers, so
+#: each took 20-23 us for 2-4 us of bytes and paced the load -> quantize_mx chain (GPT-OSS-20B gpt6 3755.5 / 4244.5
+#: -> 3740.4 / 4182.8 us; docs/moe.md section 10, round 30c). The same bytes into the same staging tile.
+RING_WEIGHT_DMA_PER_SLOT = True
 #: Staging tiles (of those PASS_C_STAGING_BUFFERS) that the resident path's consecutive loads take in turn, so a
 #: block's load need not wait for the quantize of the load before it (each pass-C operand is one K tile, and a
 #: panel's own ring rotation is per K tile). Round 6b kept 2 (3 then left a later 48 KiB weight panel no placement on

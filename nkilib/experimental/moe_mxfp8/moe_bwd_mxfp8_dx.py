@@ -22,11 +22,22 @@ from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_pan
 from ...core.matmul.constants import MX_PACK, SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, W_GU_K_TILES_AHEAD, WEIGHT_LOAD_WIDTH,
-                        WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_PANEL_BYTES, WIDE_WEIGHT_STAGING_BUFFERS)
+from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, RING_WEIGHT_DMA_PER_SLOT,
+                        W_GU_K_TILES_AHEAD, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_PANEL_BYTES,
+                        WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ChunkPanels", "DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8",
            "resident_tile_groups"]
+
+
+def _ring_slot_dmas(op, ring, setup) -> int:
+    """K tiles of `op` that load_panel stages by one DMA per MX slot (slot_dma_k_tiles): all of them when they pass
+    through a caller's ring (pass C's: pass B's W_gu, pass A's W_down) and RING_WEIGHT_DMA_PER_SLOT, else none.
+    Why: at B's start and at the fence those few ring loads shared the DMA engines with many larger transfers and
+    paced the load -> quantize_mx chain (docs/moe.md section 10, round 30c)."""
+    if ring == None or not RING_WEIGHT_DMA_PER_SLOT or not setup.is_mx:  # noqa: E711
+        return 0
+    return len(k_tiles(op.k_size, setup))
 
 
 class ExpertPanels(nl.NKIObject):
@@ -42,7 +53,8 @@ class ExpertPanels(nl.NKIObject):
     columns, not one 56 KiB tile for DeepSeek-V3's 14 K tiles of W_down), so a panel never needs one wide gap
     among the kernel's many small, differently-lived tiles (docs/moe.md section 10, round 6a).
     ring: a LoadRing that the resident panels' loads share for their MXFP8 staging tiles (pass B: pass C's kernel-scope
-    ring, round 9a); None: a fresh ring per super-panel.
+    ring, round 9a); None: a fresh ring per super-panel. A given ring's K tiles are staged by one DMA per MX slot
+    (_ring_slot_dmas: RING_WEIGHT_DMA_PER_SLOT, round 30c).
     panels: the resident super-panels, loaded earlier by the caller (one Panel per super_panels load: the I split's
     W_down loaded a pass ahead, ExpertISplit.prefetch_down); None: loaded here when they fit.
     """
@@ -57,7 +69,7 @@ class ExpertPanels(nl.NKIObject):
                           f"{len(panels)} preloaded panels for {len(self.loads)} super-panel loads")
             self.panels = panels
         else:
-            self.panels = [self._load(f0, w, ring) for f0, w in self.loads] if self.resident else []
+            self.panels = [self._load(f0, w, ring, resident_ring=True) for f0, w in self.loads] if self.resident else []
         self.current = -1
         self.ring = LoadRing(WIDE_WEIGHT_STAGING_BUFFERS)  # renewed by start_block (its tiles: on first use)
         self.staged = None  # the first super-panel's K tiles staged ahead (start_block)
@@ -115,7 +127,8 @@ class ExpertPanels(nl.NKIObject):
             setup: the MatmulSetup (MXFP8: loaded and quantized on chip).
             run_if: run_if(body) traces body under the run-time condition of the expert having blocks.
             ring: a LoadRing for the staging tiles (pass C's kernel-scope ring, so that they are not placed over
-                the tiles of the pass before: round 26b); None: load_panel's own.
+                the tiles of the pass before: round 26b; each K tile by one DMA per MX slot: _ring_slot_dmas);
+                None: load_panel's own.
 
         Returns:
             [ExpertPanels or None], one per operand of `ops`.
@@ -139,20 +152,24 @@ class ExpertPanels(nl.NKIObject):
         def load_all():
             for op, panels in zip(ops, slots):
                 for f0, w, into in panels if panels != None else []:  # noqa: E711
-                    load_panel(op, f0, w, w, setup, ring=ring, into=into)
+                    load_panel(op, f0, w, w, setup, ring=ring, into=into,
+                               slot_dma_k_tiles=_ring_slot_dmas(op, ring, setup))
 
         run_if(load_all)
         return [None if op == None else  # noqa: E711
                 ExpertPanels(op, tiles, setup, panels=[into.panel(op.k_size) for _, _, into in panels])
                 for op, panels in zip(ops, slots)]
 
-    def _load(self, f0, w, ring=None, staged=None):
+    def _load(self, f0, w, ring=None, staged=None, resident_ring=False):
         """Panel of columns [f0, f0 + w): quantized on chip (split per K tile), or, for a panel-layout operand (words
         and scales quantized earlier: DownWeightExchange), loaded as they are, one DMA pair per scale tile's
-        SCALE_PACK_SLOTS K tiles (not one allocation for the panel: round 6a), joined into one Panel."""
+        SCALE_PACK_SLOTS K tiles (not one allocation for the panel: round 6a), joined into one Panel. resident_ring: a
+        resident panel's load (through `ring` when given: its K tiles by one DMA per MX slot, _ring_slot_dmas); the
+        on-use wide loads' block ring keeps one DMA per K tile."""
         if not self.op.panel_layout:
             return load_panel(self.op, f0, w, w, self.setup, ring=ring, placement=PanelPlacement.per_k_tile(),
-                              staged=staged)
+                              staged=staged,
+                              slot_dma_k_tiles=_ring_slot_dmas(self.op, ring, self.setup) if resident_ring else 0)
         n = len(k_tiles(self.op.k_size, self.setup))
         data, scales = [], []
         for t in range(0, n, SCALE_PACK_SLOTS):
