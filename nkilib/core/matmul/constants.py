@@ -107,7 +107,8 @@ COLD_PERMUTE_INTO_NEXT_WORDS = True  # such a plan's moving K tiles (all but eac
 # K tile's own quantize; PanelBuilder.quantize_mx_tile). quantize_mx reads the [P, 4, F] staging tile through a
 # strided [P, F, 4] view, which the cost model prices at half VectorE's rate (central) or a quarter (pessimistic),
 # and at the cold start VectorE's W_down quantizes pace TensorE while ScalarE only evicts dY's transposes. TP8 MXFP8
-# modeled 0.61912 / 0.69893 ms -> see round 33 of docs/dense-performance.md
+# modeled 0.61912 / 0.69893 -> 0.61780 / 0.68619 ms, Llama3-8B TP8 0.73143 / 0.82468 -> 0.73083 / 0.80970 (round 33 of
+# docs/dense-performance.md; the last K tile from a copy too: round 35)
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
 # kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused
