@@ -1,8 +1,8 @@
 """Where the plans' stores go: phase 2's core barrier inside it (MatmulPlan.set_fence) with the stores before the fence
 deferred, and the kernel's last tile stored in column pieces under its matmuls.
 
-Traced kernel runs on small shapes, the trace labelled by phase; outputs must equal `mx_exact` bit for bit, LNC1 equal
-to LNC2.
+Traced kernel runs on small shapes (labelled by phase where a check reads phases); outputs must equal `mx_exact` bit
+for bit, LNC1 equal to LNC2.
 """
 from simkit import assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_inputs_with_checkpoints
 
