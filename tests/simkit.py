@@ -258,6 +258,23 @@ def spy_results(monkeypatch, owner, name, key) -> dict:
     return results
 
 
+def spy_returns(monkeypatch, owner, name, key=lambda result, *args, **kwargs: result, into=None) -> list:
+    """Record what each call of owner.name returns: after each call, appends key(result, *args, **kwargs) (its result,
+    then its arguments as the caller passed them) to the returned list, `into` when given; a key of None records
+    nothing (a filter). For a test that checks what a rule decided, or an object's state after a method ran. Calls
+    through like spy.
+    """
+    calls = [] if into is None else into
+
+    def record(result, *args, **kwargs):
+        event = key(result, *args, **kwargs)
+        if event is not None:
+            calls.append(event)
+
+    _record_calls(monkeypatch, owner, name, after=record)
+    return calls
+
+
 def mlp_inputs(S: int, H: int, I: int, seed: int, kind: str = "normal") -> dict:
     """Seeded bf16 inputs of the MLP backward: dY, X [S, H], W_down [H, I], W_gu [2I, H].
 
@@ -320,6 +337,54 @@ def mlp_checkpoints(inputs: dict, **options) -> dict:
     if "fp8_x4_dtype" in options:
         kw["fp8_dtype"] = str(options["fp8_x4_dtype"])
     return reference_phase0_recompute(inputs["hidden_states"], inputs["gate_up_weights"], **kw)._asdict()
+
+
+def mlp_inputs_with_checkpoints(S: int, H: int, I: int, seed: int, kind: str = "normal", **options) -> dict:
+    """mlp_inputs(S, H, I, seed, kind) with their four checkpoints added (mlp_checkpoints(inputs, **options): the
+    options that change them, e.g. matmul_precision, clamp_limits, quant_scheme), so phase 1 does not recompute them.
+    """
+    inputs = mlp_inputs(S, H, I, seed=seed, kind=kind)
+    return {**inputs, **mlp_checkpoints(inputs, **options)}
+
+
+def assert_mlp_bit_exact(out, inputs: dict, **options) -> None:
+    """The kernel's outputs `out` (run on `inputs` with the kernel options) equal mx_exact bit for bit."""
+    measured = assert_matches_mx_exact(out, mlp_reference(inputs, **options))
+    assert all(m == (0, 0.0) for m in measured), measured
+
+
+def assert_mlp_bit_exact_on_lnc1_and_lnc2(inputs: dict, out2, **options) -> None:
+    """LNC2's outputs `out2` (run on `inputs` with the kernel options) equal mx_exact bit for bit, and LNC1's run of the
+    same inputs and options gives the same bits. LNC1 runs last, so a spy's records made before this call are LNC2's.
+    """
+    assert_mlp_bit_exact(out2, inputs, **options)
+    assert_outputs_identical(run_mlp(inputs, lnc=1, **options), out2, "LNC1 vs LNC2")
+
+
+def assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inputs: dict, check_trace=None, phases: bool = False,
+                                                 **options) -> list:
+    """Run the kernel traced on LNC1, then on LNC2, call check_trace(trace, lnc) on each run's trace (when given), and
+    assert both runs' outputs equal mx_exact bit for bit and each other.
+
+    phases: the trace records are labelled by phase (attrs["phase"]: "phase0+1", "phase2", ... as the cost study
+    names them, nkilib.examples.mlp_backward_cost.PHASES). Returns [(lnc, RunResult)] of the two runs.
+    """
+    import contextlib
+
+    from nkilib.examples.mlp_backward_cost import PHASES
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+    from nkilib.simulator.trace import label_phases
+
+    runs = []
+    for lnc in (1, 2):
+        with label_phases(kernel_module, PHASES) if phases else contextlib.nullcontext():
+            res = run_mlp(inputs, lnc=lnc, trace=True, **options)
+        if check_trace is not None:
+            check_trace(res.trace, lnc)
+        assert_mlp_bit_exact(res.outputs, inputs, **options)
+        runs.append((lnc, res))
+    assert_outputs_identical(runs[0][1].outputs, runs[1][1].outputs, "LNC1 vs LNC2")
+    return runs
 
 
 def mlp_torch_oracle(inputs: dict, clamp_limits=None):

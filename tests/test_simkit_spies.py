@@ -1,7 +1,8 @@
-"""The kernel tests' call recorders simkit.spy, spy_per_core, spy_results and count_calls (record, call through)."""
+"""The kernel tests' call recorders simkit.spy, spy_per_core, spy_results, spy_returns and count_calls (record, call
+through)."""
 import types
 
-from simkit import count_calls, spy, spy_per_core, spy_results
+from simkit import count_calls, spy, spy_per_core, spy_results, spy_returns
 
 
 class Counter:
@@ -71,3 +72,18 @@ def test_count_calls(monkeypatch):
     assert counts == {"double": 2, "triple": 1}, counts
     monkeypatch.undo()
     assert owner.double is double
+
+
+def test_spy_returns(monkeypatch):
+    """spy_returns: key(result, *args, **kwargs) after each call, in call order (the state a method left behind is
+    seen), into one list with a spy's events when `into` is given; a key of None records nothing; the original's
+    result is returned."""
+    added = spy_returns(monkeypatch, Counter, "add", lambda total, self, n, scale=1: (total, self.total, n, scale)
+                        if n else None)
+    before = spy(monkeypatch, Counter, "add", lambda self, n, scale=1: ("before", self.total), into=added)
+    counter = Counter()
+    assert counter.add(3) == 3 and counter.add(0) == 3 and counter.add(2, scale=5) == 13
+    # the spy installed last wraps the first: its event comes first, spy_returns' after the call
+    assert before is added and added == [("before", 0), (3, 3, 3, 1), ("before", 3), ("before", 3), (13, 13, 2, 5)]
+    monkeypatch.undo()
+    assert Counter().add(1) == 1 and len(added) == 5

@@ -6,6 +6,8 @@
         gradients' dtype name.
     to_numpy / from_numpy: torch <-> numpy (bf16 through ml_dtypes) for the simulator backends.
     MainGradSink: fp32 gradient accumulation into ``param.main_grad`` (Megatron / NxD convention).
+    RecipeLayer: the recipe and option keywords of the ops' nn.Modules (SwiGLUMLP, MoESwiGLUExperts), held and
+        resolved one way.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import torch
 from torch import Tensor
 
 from ..core import options
+from ..core.matmul.constants import MX_GROUP
 from ..mx import SCALE_RULES
+from ..recipe_call import effective_options, explicit_options
 
 __all__ = ["CHECKPOINT_NAMES", "resolve_checkpoint_policy", "check_numeric_options", "weight_grad_name", "to_numpy",
-           "from_numpy", "MainGradSink"]
+           "from_numpy", "MainGradSink", "RecipeLayer"]
 
 #: Forward activations the backward kernel accepts as checkpoints (kernel argument names).
 CHECKPOINT_NAMES = ("gate_pre", "gate_act", "up", "intermediate")
@@ -123,3 +127,41 @@ class MainGradSink(torch.autograd.Function):
             param.grad_added_to_main_grad = True
             return torch.zeros_like(param)
         return None
+
+
+class RecipeLayer:
+    """Mixin of the ops' nn.Modules (the dense SwiGLUMLP, MoESwiGLUExperts): a recipe and the option keywords given
+    explicitly, resolved against the module's op the one way (nkilib/recipe_call.py: a given option overrides the
+    recipe's value; one left UNSET takes the recipe's, or without a recipe the op's default).
+
+    A subclass names its functional op (wrapped by accepts_recipe) in `recipe_op` (a staticmethod) and itself in
+    `layer_name` (error messages), calls _check_sizes and _set_recipe_options in __init__, and passes
+    **self.op_options() to the op in forward.
+    """
+
+    recipe_op = None
+    layer_name = "RecipeLayer"
+
+    def _check_sizes(self, **sizes) -> None:
+        """Each of `sizes` (name=value) a positive int multiple of MX_GROUP, else ValueError naming it."""
+        for name, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
+                raise ValueError(f"{self.layer_name}: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
+
+    def _set_recipe_options(self, recipe, **option_keywords) -> dict:
+        """Hold `recipe` (a Recipe, a preset name or None) and the option keywords not UNSET (self.options), resolve
+        them now, so a bad recipe, option or checkpoint policy raises at construction, and return
+        effective_options()."""
+        self.recipe = recipe
+        self.options = explicit_options(**option_keywords)
+        effective = self.effective_options()
+        resolve_checkpoint_policy(effective["checkpoint"])
+        return effective
+
+    def effective_options(self) -> dict:
+        """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
+        return effective_options(self.recipe_op, self.recipe, self.options)
+
+    def op_options(self) -> dict:
+        """The keywords forward passes to the op: recipe= and the explicit options."""
+        return dict(recipe=self.recipe, **self.options)

@@ -40,7 +40,6 @@ tokens' share and needs the data-parallel all-reduce, which the rank-local exper
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import torch
@@ -52,7 +51,7 @@ from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..experimental.torch_common import MainGradSink, resolve_checkpoint_policy
 from ..recipe import Recipe, as_recipe
 from ..recipe_call import resolve_options
-from .swiglu import SILU_CLASSES, autocast_input
+from .swiglu import SILU_CLASSES, RecipeModule, outside_autocast
 
 __all__ = ["HFMoEExperts", "HFGptOssExperts", "moe_kwargs", "moe_op_available", "MOE_EXPERTS_CLASSES",
            "GPT_OSS_EXPERTS_CLASSES"]
@@ -112,7 +111,7 @@ def _main_grad_operand(param: nn.Parameter) -> Tensor:
     return _Fp32MainGradCopy.apply(param)
 
 
-class _ExpertShard(nn.Module):
+class _ExpertShard(RecipeModule, nn.Module):
     """Base of the swapped experts modules: this rank's slice of the model's expert Parameters under ep_group.
 
     Attributes set by ``_take_experts``: ep_group (None: all experts here), num_experts (E, global),
@@ -209,22 +208,23 @@ class HFMoEExperts(_ExpertShard):
         check_hf_experts(experts, where)
         self._take_experts(experts, ("gate_up_proj", "down_proj"), ep_group, where, ep_payload, ep_capacity)
         self.act_fn = nn.SiLU()  # documents the math; the op applies it
-        self.recipe = as_recipe(recipe)
-        moe_kwargs(self.recipe)  # refuse an unsupported recipe now, not at the first forward
+        self.set_recipe(recipe)  # refuse an unsupported recipe now, not at the first forward
+
+    def _check_recipe(self, recipe: Recipe) -> None:
+        moe_kwargs(recipe)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        x_op, autocasting = autocast_input(hidden_states)
         weights = (self.gate_up_proj, self.down_proj)
         if self.recipe.accumulate_main_grad:
             weights = tuple(_main_grad_operand(w) for w in weights)
-        with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        with outside_autocast(hidden_states) as x_op:
             y = self._run_op(x_op, top_k_index, top_k_weights, *weights, **moe_kwargs(self.recipe))
         return y.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         _, two_i, h = self.gate_up_proj.shape
         return (f"num_experts={self.num_experts}, hidden_size={h}, intermediate_size={two_i // 2}, "
-                f"recipe={self.recipe.describe()}{self._ep_repr()}")
+                f"{self._recipe_repr()}{self._ep_repr()}")
 
 
 class HFGptOssExperts(_ExpertShard):
@@ -288,11 +288,19 @@ class HFGptOssExperts(_ExpertShard):
         self.hidden_size, self.intermediate_size = h, two_i // 2
         self.alpha, self.limit = alpha, limit
         self.where = where
-        self.recipe = as_recipe(recipe)
-        self._op_kwargs()  # refuse an unsupported recipe now, not at the first forward
+        self.set_recipe(recipe)  # refuse an unsupported recipe now, not at the first forward
 
-    def _op_kwargs(self) -> dict:
-        kwargs = dict(moe_kwargs(self.recipe), clamp_limits=self.clamp_limits)
+    def _check_recipe(self, recipe: Recipe) -> None:
+        self._op_kwargs(recipe)
+
+    def _op_kwargs(self, recipe: Recipe | None = None) -> dict:
+        """The op's keywords for `recipe` (None: the one held): moe_kwargs with the module's clamp_limits.
+
+        Raises:
+            ValueError: a recipe field the op has no counterpart for, or a checkpoint policy that drops gate_pre or
+                up (both hold the gate_up bias).
+        """
+        kwargs = dict(moe_kwargs(self.recipe if recipe is None else recipe), clamp_limits=self.clamp_limits)
         keep = resolve_checkpoint_policy(kwargs["checkpoint"])
         if not (keep[0] and keep[2]):
             raise ValueError(f"{self.where}: GPT-OSS experts need a recipe whose checkpoint keeps gate_pre and up "
@@ -309,8 +317,7 @@ class HFGptOssExperts(_ExpertShard):
 
     def forward(self, hidden_states: Tensor, router_indices: Tensor, routing_weights: Tensor) -> Tensor:
         gate_up, down, gate_up_bias = self._op_weights()
-        x_op, autocasting = autocast_input(hidden_states)
-        with torch.autocast(hidden_states.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        with outside_autocast(hidden_states) as x_op:
             y = self._run_op(x_op, router_indices, routing_weights, gate_up, down, gate_up_bias=gate_up_bias,
                              down_bias=self.down_proj_bias, **self._op_kwargs())
         return y.to(hidden_states.dtype)
@@ -318,4 +325,4 @@ class HFGptOssExperts(_ExpertShard):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}, "
-                f"recipe={self.recipe.describe()}{self._ep_repr()}")
+                f"{self._recipe_repr()}{self._ep_repr()}")

@@ -34,8 +34,7 @@ from typing import Callable
 from torch import nn
 
 from ..recipe import Recipe, as_recipe
-from .moe import GPT_OSS_EXPERTS_CLASSES, MOE_EXPERTS_CLASSES, HFGptOssExperts, HFMoEExperts, moe_kwargs, \
-    moe_op_available
+from .moe import GPT_OSS_EXPERTS_CLASSES, MOE_EXPERTS_CLASSES, HFGptOssExperts, HFMoEExperts, moe_op_available
 from .swiglu import HFSwiGLUMLP
 
 __all__ = ["PatchReport", "patch_model", "register_swap", "swappable_classes", "DENSE_SWIGLU_CLASSES",
@@ -117,16 +116,7 @@ def _reconfigure(module: nn.Module, recipe: Recipe, name: str, ep_group=None, ep
             if value != getattr(module, option):
                 raise ValueError(f"patch_model: {name} runs with {option}={getattr(module, option)!r}; re-patching "
                                  f"cannot change it to {value!r}")
-    if isinstance(module, HFMoEExperts):
-        moe_kwargs(recipe)  # refuses a recipe the MoE op cannot run (names the field)
-    if isinstance(module, HFGptOssExperts):
-        old, module.recipe = module.recipe, recipe
-        try:
-            module._op_kwargs()  # refuses a recipe these experts cannot run (names the field)
-        except ValueError:
-            module.recipe = old
-            raise
-    module.recipe = recipe
+    module.set_recipe(recipe)  # refuses a recipe the module's op cannot run (names the field)
     return module
 
 

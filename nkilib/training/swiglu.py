@@ -42,7 +42,7 @@ from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import swiglu_mlp_mxfp8
 from ..recipe import Recipe, as_recipe
 
-__all__ = ["HFSwiGLUMLP", "fused_gate_up", "rows_are_adjacent"]
+__all__ = ["HFSwiGLUMLP", "RecipeModule", "fused_gate_up", "rows_are_adjacent", "outside_autocast"]
 
 SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU; transformers.activations.SiLUActivation
 
@@ -166,7 +166,41 @@ def autocast_input(x: Tensor) -> tuple:
     return x.to(torch.bfloat16), True
 
 
-class HFSwiGLUMLP(nn.Module):
+@contextlib.contextmanager
+def outside_autocast(x: Tensor):
+    """Yields x as the op takes it (autocast_input); inside the block autocast is disabled on x's device where it
+    was enabled, so the op's fp32 steps stay fp32 (module docstring)."""
+    x_op, autocasting = autocast_input(x)
+    with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        yield x_op
+
+
+class RecipeModule:
+    """Mixin of the training layer's modules (HFSwiGLUMLP, TensorParallelSwiGLUMLP, HFMoEExperts, HFGptOssExperts):
+    the Recipe they run (self.recipe), checked against the module's op when it is set (at construction and when
+    patch_model re-patches), and shown in the module's repr.
+
+    A subclass whose op cannot run every recipe overrides _check_recipe.
+    """
+
+    def set_recipe(self, recipe) -> None:
+        """Run `recipe` (a Recipe, a preset name or None: the default preset) from now on.
+
+        Raises:
+            ValueError: a recipe this module's op cannot run (naming the field); the recipe held before stays.
+        """
+        recipe = as_recipe(recipe)
+        self._check_recipe(recipe)
+        self.recipe = recipe
+
+    def _check_recipe(self, recipe: Recipe) -> None:
+        """Raise ValueError (naming the field) when this module's op cannot run `recipe`; the base runs every one."""
+
+    def _recipe_repr(self) -> str:
+        return f"recipe={self.recipe.describe()}"
+
+
+class HFSwiGLUMLP(RecipeModule, nn.Module):
     """Drop-in replacement of a Hugging Face SwiGLU MLP (LlamaMLP, Qwen2MLP, Qwen3MLP, MistralMLP, ...).
 
     Dimensions:
@@ -184,7 +218,7 @@ class HFSwiGLUMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act_fn = nn.SiLU()  # documents the math; the op applies it
         check_hf_swiglu(self, type(self).__name__)
-        self.recipe: Recipe = as_recipe(recipe)
+        self.set_recipe(recipe)
         self._main_grad_buffers = {}  # fp32 [2I, H] main_grad staging (fused_gate_up), allocated on first use
         if pack:
             self.pack_gate_up_()
@@ -210,13 +244,12 @@ class HFSwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         kwargs = self.recipe.to_kwargs()
-        x_op, autocasting = autocast_input(x)
-        with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        with outside_autocast(x) as x_op:
             w_gu = fused_gate_up(self.gate_proj.weight, self.up_proj.weight, self.recipe.accumulate_main_grad,
                                  self._main_grad_buffers)
             return swiglu_mlp_mxfp8(x_op, w_gu, self.down_proj.weight, **kwargs)
 
     def extra_repr(self) -> str:
         n_i, h = self.gate_proj.weight.shape
-        return f"hidden_size={h}, intermediate_size={n_i}, recipe={self.recipe.describe()}"
+        return f"hidden_size={h}, intermediate_size={n_i}, {self._recipe_repr()}"
 

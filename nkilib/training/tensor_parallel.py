@@ -36,16 +36,13 @@ On Neuron the same code runs on the XLA / TorchNeuron process group; that path i
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import swiglu_mlp_mxfp8
-from ..recipe import as_recipe
-from .swiglu import autocast_input
+from .swiglu import RecipeModule, outside_autocast
 
 __all__ = ["TensorParallelSwiGLUMLP", "shard_gate_up_stride2", "shard_down_rows"]
 
@@ -161,7 +158,7 @@ class _Weight(nn.Module):
         self.weight = weight
 
 
-class TensorParallelSwiGLUMLP(nn.Module):
+class TensorParallelSwiGLUMLP(RecipeModule, nn.Module):
     """SwiGLU MLP sharded over a process group (module docstring), MXFP8 backward per rank.
 
     Dimensions:
@@ -201,7 +198,7 @@ class TensorParallelSwiGLUMLP(nn.Module):
         self.gate_up_proj = _Weight(as_param(gate_up_weight))
         self.down_proj = _Weight(as_param(down_weight))
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
-        self.recipe = as_recipe(recipe)
+        self.set_recipe(recipe)
 
     @classmethod
     def from_full(cls, gate_up_weight: Tensor, down_weight: Tensor, *, group=None,
@@ -217,8 +214,7 @@ class TensorParallelSwiGLUMLP(nn.Module):
         return self.down_proj.weight.shape[1]
 
     def forward(self, x: Tensor) -> Tensor:
-        x_op, autocasting = autocast_input(x)
-        with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        with outside_autocast(x) as x_op:
             if self.sequence_parallel:
                 x_full = _GatherSequence.apply(x_op, self.group, self.sequence_dim)
             else:
@@ -233,4 +229,4 @@ class TensorParallelSwiGLUMLP(nn.Module):
         return (f"hidden_size={self.down_proj.weight.shape[0]}, "
                 f"local_intermediate_size={self.local_intermediate_size}, "
                 f"tp={self.world}, rank={self.rank}, sequence_parallel={self.sequence_parallel}, "
-                f"recipe={self.recipe.describe()}")
+                f"{self._recipe_repr()}")

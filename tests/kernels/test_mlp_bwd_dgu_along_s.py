@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 import nki.language as nl
-from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
+                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp)
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import GATE_FIRST_S_TILES
 
@@ -26,8 +27,7 @@ def _hbm_writes(res, name):
 def _spread_run(S, H, I, seed, lnc):
     """(inputs, traced run) with every checkpoint and phase 1 in n blocks of 512 columns (phase1_tiles_n=1): with
     I = 1024 two n blocks, so the along-S quantize is spread over two S tiles, four chunks per K tile."""
-    inp = mlp_inputs(S, H, I, seed=seed, kind="pow2")
-    inp = {**inp, **mlp_checkpoints(inp)}
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=seed, kind="pow2")
     return inp, run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
 
 
@@ -144,8 +144,7 @@ def test_last_s_tile_gate_products_first_and_its_staging_copy_on_swdge(lnc):
     last tile's only); round 28's code (the last tile only) fails under LNC2.
     Bit-exact against mx_exact on LNC1 and LNC2 (the same products in another order, the same copy)."""
     S, H, I = 2048, 128, 1024
-    inp = mlp_inputs(S, H, I, seed=S + H + I + 28, kind="pow2")
-    inp = {**inp, **mlp_checkpoints(inp)}
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 28, kind="pow2")
     res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
     calls = S // lnc // 128 * 2  # epilogue calls per core: S tiles x 2 n blocks
     for p in range(lnc):
@@ -171,22 +170,7 @@ def _phase_labelled_runs(S, H, I, seed):
 
     Dimensions: output_grad / hidden_states [S, H], down_proj_weight [H, I], gate_up_weights [2I, H] (mlp_inputs).
     """
-    from nkilib.examples.mlp_backward_cost import PHASES
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
-    from nkilib.simulator.trace import label_phases
-
-    inp = mlp_inputs(S, H, I, seed=seed)
-    inp = {**inp, **mlp_checkpoints(inp)}
-    reference = mlp_reference(inp)
-    runs = []
-    for lnc in (1, 2):
-        with label_phases(kernel_module, PHASES):
-            runs.append((lnc, run_mlp(inp, lnc=lnc, trace=True)))
-        measured = assert_matches_mx_exact(runs[-1][1].outputs, reference)
-        assert all(m == (0, 0.0) for m in measured), (lnc, measured)
-    for a, b in zip(runs[0][1].outputs, runs[1][1].outputs):
-        assert a.tobytes() == b.tobytes()
-    return runs
+    return assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(mlp_inputs_with_checkpoints(S, H, I, seed=seed), phases=True)
 
 
 def test_last_phase2_panel_quantized_after_phase2_first_w_gu_quantize():

@@ -8,7 +8,6 @@ no bf16 rounding can hide a wrong fp32 sum), LNC1 = LNC2.
 import types
 
 import nki.language as nl
-import numpy as np
 import pytest
 
 from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
@@ -16,7 +15,7 @@ from nkilib.core.matmul import k_chunks as k_chunks_module
 from nkilib.core.matmul import plan as plan_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
-from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+from simkit import assert_mlp_bit_exact, assert_outputs_identical, mlp_inputs_with_checkpoints, run_mlp, spy_returns
 
 SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
@@ -82,28 +81,19 @@ def shrunk_budgets(monkeypatch):
     monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
     monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 1)
     monkeypatch.setattr(k_chunks_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
-    taken = []
-    original = kernel_module.plan_matmul
-
-    def recording(stationary, moving, *args, **kwargs):
-        plan = original(stationary, moving, *args, **kwargs)
-        if isinstance(plan, KChunkedPlan):
-            taken.append(([c.stationary_ops[0].k_base for c in plan.chunks], stationary[0].panel_layout))
-        return plan
-
-    monkeypatch.setattr(kernel_module, "plan_matmul", recording)
-    return taken
+    # each K-chunked plan's chunk starts and whether its stationary operand is read in the panel layout
+    return spy_returns(monkeypatch, kernel_module, "plan_matmul", lambda plan, stationary, moving, *args, **kwargs: (
+        [c.stationary_ops[0].k_base for c in plan.chunks], stationary[0].panel_layout)
+        if isinstance(plan, KChunkedPlan) else None)
 
 
 @pytest.mark.parametrize("S, H, I, lnc", [(4096, 256, 384, 1), (4096, 256, 512, 2), (6144, 192, 320, 1)])
 def test_k_chunked_weight_grads_are_bit_exact(shrunk_budgets, S, H, I, lnc):
     """Both weight-gradient phases cut along S; fp32 weight gradients equal mx_exact exactly. (6144, 192, 320):
     three chunks (the middle one reloads and spills) and tiles narrower than 128 columns / an m tile of 64."""
-    inp = mlp_inputs(S, H, I, seed=S + H + I)
-    inp = {**inp, **mlp_checkpoints(inp)}
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I)
     out = run_mlp(inp, lnc=lnc, weight_grad_dtype="float32")
-    measured = assert_matches_mx_exact(out, mlp_reference(inp, weight_grad_dtype="float32"))
-    assert all(m == (0, 0.0) for m in measured), measured
+    assert_mlp_bit_exact(out, inp, weight_grad_dtype="float32")
     starts = [0, 2048] if S == 4096 else [0, 2048, 4096]
     assert [t[0] for t in shrunk_budgets] == [starts] * (2 * lnc), shrunk_budgets  # phases 4 and 3, every core
     assert any(layout for _, layout in shrunk_budgets), "phase 3 did not read d_gate_up in the panel layout"
@@ -112,11 +102,8 @@ def test_k_chunked_weight_grads_are_bit_exact(shrunk_budgets, S, H, I, lnc):
 def test_k_chunked_lnc1_equals_lnc2(shrunk_budgets):
     """The same chunks on one core and split over two give the same bits (bf16 weight gradients, the default)."""
     S, H, I = 4096, 256, 384
-    inp = mlp_inputs(S, H, I, seed=7)
-    inp = {**inp, **mlp_checkpoints(inp)}
-    out1, out2 = run_mlp(inp, lnc=1), run_mlp(inp, lnc=2)
-    for a, b in zip(out1, out2):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=7)
+    assert_outputs_identical(run_mlp(inp, lnc=1), run_mlp(inp, lnc=2), "LNC1 vs LNC2")
 
 
 def test_k_chunks_of_one_length_unless_they_spill_more_than_the_rereads():

@@ -12,7 +12,7 @@ from nkilib.core.options import OptionError
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import MatmulConfig, MlpBwdMatmulConfig
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.reference import prequantized_operands
 from simkit import (BF16, assert_matches_mx_exact, assert_outputs_identical, bits, mlp_checkpoints, mlp_inputs,
-                    mlp_reference, run_mlp)
+                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp)
 
 BF16_MAX = float(ml_dtypes.finfo(BF16).max)  # (2 - 2**-7) * 2**127
 
@@ -93,8 +93,7 @@ def test_matmul_config_beyond_psum(config, recompute, match):
 def test_matmul_config_at_psum_capacity_runs(config):
     """The widest configs the validator accepts (with checkpoints: phase 1 holds one accumulator) run
     and give the default config's outputs."""
-    inp = mlp_inputs(32, 64, 96, seed=33)
-    inp = {**inp, **mlp_checkpoints(inp)}
+    inp = mlp_inputs_with_checkpoints(32, 64, 96, seed=33)
     assert_outputs_identical(run_mlp(inp), run_mlp(inp, lnc=2, matmul_config=config), str(config))
 
 

@@ -29,7 +29,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import core_of_ctx, core_of_self, expert_routing
-from simkit import assert_outputs_identical, spy, spy_per_core
+from simkit import assert_outputs_identical, spy, spy_per_core, spy_returns
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
 
@@ -132,21 +132,10 @@ def test_w_gu_staged_ahead(monkeypatch):
     kernel, ref = _case(monkeypatch)
     monkeypatch.setattr(D, "WIDE_WEIGHT_LOAD_WIDTH", 1024)
     monkeypatch.setattr(D, "WEIGHT_LOAD_WIDTH", 512)
-    staged, taken = {}, {}
-    stage_ahead, load_panel = D.stage_ahead, D.load_panel
-
-    def record_stage(op, f0, f_size, f_pad, setup, stages):
-        views = stage_ahead(op, f0, f_size, f_pad, setup, stages)
-        staged.setdefault((op.k_base, f0), []).append(views)
-        return views
-
-    def record_load(op, f0, *args, staged=None, **kwargs):
-        if staged is not None:
-            taken.setdefault((op.k_base, f0), []).append(staged)
-        return load_panel(op, f0, *args, staged=staged, **kwargs)
-
-    monkeypatch.setattr(D, "stage_ahead", record_stage)
-    monkeypatch.setattr(D, "load_panel", record_load)
+    # [((W_gu's first row, first column), the staged views)] of each staging, and of each load that takes views
+    staged = spy_returns(monkeypatch, D, "stage_ahead", lambda views, op, f0, *args, **kwargs: ((op.k_base, f0), views))
+    taken = spy(monkeypatch, D, "load_panel", lambda op, f0, *args, staged=None, **kwargs:
+                None if staged is None else ((op.k_base, f0), staged))
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_gu staged ahead vs mx_exact")
@@ -156,7 +145,8 @@ def test_w_gu_staged_ahead(monkeypatch):
         assert seq.index(("w_gu", 2)) == seq.index(("A", 4, True)) + 1, seq
     # one staging per one-block expert and core (e's W_gu rows from e * 2I, each core's H columns from 0 or 1024),
     # each taken once by B(e)'s first load, as the same views
-    assert sorted(staged) == sorted(taken) == [(e * two_i, f0) for e in (0, 1, 4) for f0 in (0, 1024)], (staged, taken)
-    for key, views in staged.items():
-        assert len(views) == 1 and len(taken[key]) == 1 and taken[key][0] is views[0], key
-        assert len(views[0]) == W_GU_K_TILES_AHEAD, views
+    expected = [(e * two_i, f0) for e in (0, 1, 4) for f0 in (0, 1024)]
+    assert sorted(k for k, _ in staged) == sorted(k for k, _ in taken) == expected, (staged, taken)
+    taken_views = dict(taken)
+    for key, views in staged:
+        assert taken_views[key] is views and len(views) == W_GU_K_TILES_AHEAD, (key, views)

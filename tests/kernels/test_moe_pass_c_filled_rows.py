@@ -17,7 +17,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_single_block as S1
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import expert_routing
-from simkit import assert_outputs_identical
+from simkit import assert_outputs_identical, spy, spy_returns
 from test_moe_bwd_kernel import moe_case, run
 
 # pairs per expert: the full first expert's loads leave real data in every staging tile, so a later variant that read
@@ -37,24 +37,24 @@ def _case(seed=5, **options):
 def _record(monkeypatch):
     """[(core, expert, rows)] of every traced call of the single-block gradient (a 0-trip loop never calls its body),
     and [(K, rows)] of every matmul under it (K = 4 x the stationary's partitions, rows: the call's, B when None)."""
-    calls, ks = [], []
-    single, matmul = S1.compute_phase3_single_block_grads_mxfp8, S1.matmul_panels
+    running = []  # the rows of the single-block call in progress (empty outside one)
 
-    def record_single(ctx, e, i, out, *args, rows=None, **kwargs):
-        calls.append((ctx.split.shard_id, e, rows))
+    def single_starts(ctx, e, i, out, *args, rows=None, **kwargs):
+        running.append(rows)
+        return ctx.split.shard_id, e, rows
 
-        def record_matmul(dst, stationary, moving, setup, **kw):
-            ks.append((4 * stationary.data[0].shape[0], 512 if rows == None else rows))  # noqa: E711
-            assert moving.data[0].shape[0] == stationary.data[0].shape[0]
-            return matmul(dst, stationary, moving, setup, **kw)
+    def single_ends(result, *args, **kwargs):
+        running.pop()  # records nothing
 
-        monkeypatch.setattr(S1, "matmul_panels", record_matmul)
-        try:
-            return single(ctx, e, i, out, *args, rows=rows, **kwargs)
-        finally:
-            monkeypatch.setattr(S1, "matmul_panels", matmul)
+    def matmul_under_single(dst, stationary, moving, setup, **kw):
+        if not running:
+            return None
+        assert moving.data[0].shape[0] == stationary.data[0].shape[0]
+        return 4 * stationary.data[0].shape[0], 512 if running[-1] == None else running[-1]  # noqa: E711
 
-    monkeypatch.setattr(S1, "compute_phase3_single_block_grads_mxfp8", record_single)
+    calls = spy(monkeypatch, S1, "compute_phase3_single_block_grads_mxfp8", single_starts)
+    spy_returns(monkeypatch, S1, "compute_phase3_single_block_grads_mxfp8", single_ends)
+    ks = spy(monkeypatch, S1, "matmul_panels", matmul_under_single)
     return calls, ks
 
 

@@ -22,7 +22,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from moekit import expert_routing
-from simkit import BF16, assert_outputs_identical
+from simkit import BF16, assert_outputs_identical, spy
 from test_moe_bwd_kernel import moe_case, run
 
 SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
@@ -36,15 +36,8 @@ def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
     two blocks (one load per 512-column resident group) beside single-block ones; outputs == mx_exact bit for bit."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I = 300, 3, 3200, 544
-    widths = []
-    load = D.load_panel
-
-    def record(op, f0, f_size, *rest, **kw):
-        if op.k_size == 2 * I:  # W_gu (K = 2I); W_down has K = H
-            widths.append((f_size, kw.get("ring")))
-        return load(op, f0, f_size, *rest, **kw)
-
-    monkeypatch.setattr(D, "load_panel", record)
+    widths = spy(monkeypatch, D, "load_panel",  # W_gu's (K = 2I); W_down has K = H
+                 lambda op, f0, f_size, *rest, **kw: (f_size, kw.get("ring")) if op.k_size == 2 * I else None)
     ids = expert_routing([150, 100, 50], shuffle_seed=8)
     kernel, ref = moe_case(T, E, H, I, ids, seed=31, checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]

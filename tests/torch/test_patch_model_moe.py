@@ -76,3 +76,14 @@ def test_moe_recipe_fields_without_counterpart_are_refused():
     model = _model("mixtral")
     with pytest.raises(ValueError, match="Recipe.forward_numerics='kernel' is not available for MoE experts"):
         patch_model(model, get_recipe("mxfp8_e4m3_emulate", forward_numerics="kernel"))
+
+
+def test_moe_repatch_with_a_recipe_it_cannot_run_keeps_the_old_one():
+    """Re-patching (RecipeModule.set_recipe) with a recipe the MoE op cannot run is refused naming the field, and the
+    swapped experts keep the recipe they ran."""
+    model = _model("mixtral")
+    patch_model(model, "mxfp8_e4m3_emulate")
+    experts = [m for m in model.modules() if isinstance(m, HFMoEExperts)]
+    with pytest.raises(ValueError, match="Recipe.forward_numerics='kernel' is not available for MoE experts"):
+        patch_model(model, get_recipe("mxfp8_e4m3_emulate", forward_numerics="kernel"))
+    assert experts and all(e.recipe == get_recipe("mxfp8_e4m3_emulate") for e in experts), experts

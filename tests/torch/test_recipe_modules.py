@@ -155,3 +155,16 @@ def test_moe_op_and_module_under_autocast(param_dtype):
         inside = _module_grads(m, x32, ids, w, dy=dy.float())
     assert inside[0].dtype == torch.float32 and _same(inside, outside)
     assert m.gate_up_weight.grad.dtype == param_dtype  # parameter-dtype gradients (fp32 accumulators for fp32)
+
+
+@pytest.mark.parametrize("module, make", [("SwiGLUMLP", lambda **sizes: SwiGLUMLP(**sizes)),
+                                          ("MoESwiGLUExperts", lambda **sizes: MoESwiGLUExperts(2, **sizes))])
+@pytest.mark.parametrize("name, value", [("hidden_size", 48), ("intermediate_size", 0), ("hidden_size", True),
+                                         ("intermediate_size", 64.0)])
+def test_modules_refuse_sizes_that_are_not_positive_multiples_of_32(module, make, name, value):
+    """Both op modules check H and I the one way (RecipeLayer._check_sizes), naming themselves, the size and its
+    value; a valid pair builds."""
+    sizes = {"hidden_size": 64, "intermediate_size": 96, name: value}
+    with pytest.raises(ValueError, match=rf"^{module}: {name} must be a positive multiple of 32, got {value!r}$"):
+        make(**sizes)
+    assert make(hidden_size=64, intermediate_size=96).intermediate_size == 96

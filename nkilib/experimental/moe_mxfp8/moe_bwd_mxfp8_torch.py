@@ -59,12 +59,12 @@ import torch
 from torch import Tensor, nn
 
 from ...core import options
-from ...recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
+from ...recipe_call import UNSET, accepts_recipe
 from ..mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_GROUP
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_torch import EMULATE_BACKENDS
 from ..neuron_dispatch import (NEURON_DEVICE_STACKS, check_lnc, kernel_kwargs, launch_stack_and_lnc,
                                register_ops_if_available)
-from ..torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
+from ..torch_common import CHECKPOINT_NAMES, RecipeLayer, check_numeric_options, resolve_checkpoint_policy
 from ..torch_common import from_numpy as _from_numpy, to_numpy as _to_numpy, weight_grad_name as _weight_grad_name
 from . import routing
 from .constants import DEFAULT_BLOCK_SIZE
@@ -482,7 +482,7 @@ def _add_down_bias(y, topk_ids, topk_weights, down_bias, gate_up_shape):
     return (y.to(torch.float32) + (p * b).sum(dim=-2).reshape(y.shape)).to(y.dtype)
 
 
-class MoESwiGLUExperts(nn.Module):
+class MoESwiGLUExperts(RecipeLayer, nn.Module):
     """E SwiGLU experts applied to routed tokens, with the MXFP8 MoE backward (``moe_swiglu_experts_mxfp8``).
 
     Parameters (per expert the nn.Linear layout, initialised like nn.Linear):
@@ -512,6 +512,9 @@ class MoESwiGLUExperts(nn.Module):
     forward(x [..., H], topk_ids [..., k], topk_weights [..., k]) -> y [..., H].
     """
 
+    recipe_op = staticmethod(moe_swiglu_experts_mxfp8)
+    layer_name = "MoESwiGLUExperts"
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, recipe=None,
                  checkpoint=UNSET, backend=UNSET, clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET,
                  weight_grad_dtype=UNSET, matmul_precision=UNSET, scale_rule=UNSET, block_size=UNSET, lnc=UNSET,
@@ -520,17 +523,12 @@ class MoESwiGLUExperts(nn.Module):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
             raise ValueError(f"MoESwiGLUExperts: num_experts must be a positive integer, got {num_experts!r}")
-        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
-                raise ValueError(f"MoESwiGLUExperts: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
+        self._check_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.recipe = recipe
-        self.options = explicit_options(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
-                                        fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
-                                        weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
-                                        scale_rule=scale_rule, block_size=block_size, lnc=lnc)
-        o = self.effective_options()  # the recipe and its overrides resolved now: errors at construction
-        resolve_checkpoint_policy(o["checkpoint"])
+        o = self._set_recipe_options(recipe, checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
+                                     fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                     weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                     scale_rule=scale_rule, block_size=block_size, lnc=lnc)
         resolve_backend(o["backend"])
         routing.check_block_size(o["block_size"])
         check_lnc(o["lnc"], "MoESwiGLUExperts")
@@ -572,13 +570,9 @@ class MoESwiGLUExperts(nn.Module):
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return moe_swiglu_experts_mxfp8(x, topk_ids, topk_weights, self.gate_up_weight, self.down_weight,
-                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias, recipe=self.recipe,
+                                        gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                                         ep_group=self.ep_group, ep_payload=self.ep_payload,
-                                        ep_capacity=self.ep_capacity, **self.options)
-
-    def effective_options(self) -> dict:
-        """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
-        return effective_options(moe_swiglu_experts_mxfp8, self.recipe, self.options)
+                                        ep_capacity=self.ep_capacity, **self.op_options())
 
     def extra_repr(self) -> str:
         o = self.effective_options()

@@ -83,14 +83,14 @@ import torch
 from torch import Tensor, nn
 
 from ....core import options
-from ....recipe_call import UNSET, accepts_recipe, effective_options, explicit_options
+from ....recipe_call import UNSET, accepts_recipe
 from . import mlp_bwd_mxfp8_emulate as emu
 from .constants import MX_GROUP
 from ...neuron_dispatch import check_lnc, launch_stack_and_lnc, register_ops_if_available
 from .mlp_bwd_mxfp8_neuron import NEURON_DEVICE_STACKS, XlaSwiGLUMLP, kernel_kwargs, torchneuron_ops
 from ...torch_common import CHECKPOINT_NAMES, check_numeric_options, resolve_checkpoint_policy
 from ...torch_common import MainGradSink as _MainGradSink, from_numpy as _from_numpy, to_numpy as _to_numpy
-from ...torch_common import weight_grad_name as _weight_grad_name
+from ...torch_common import RecipeLayer, weight_grad_name as _weight_grad_name
 
 __all__ = ["swiglu_mlp_mxfp8", "SwiGLUMLP", "CHECKPOINT_NAMES", "BACKENDS", "EMULATE_BACKENDS", "FORWARD_NUMERICS",
            "resolve_checkpoint_policy", "resolve_backend"]
@@ -458,7 +458,7 @@ def swiglu_mlp_mxfp8(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, *, 
     return y2.reshape(x.shape)
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(RecipeLayer, nn.Module):
     """SwiGLU MLP block with the MXFP8 NKI backward (``swiglu_mlp_mxfp8``).
 
     Parameters (nn.Linear layout, initialised like nn.Linear without bias):
@@ -476,23 +476,21 @@ class SwiGLUMLP(nn.Module):
         device, dtype: of the parameters (dtype bfloat16 or float32; default torch's default dtype).
     """
 
+    recipe_op = staticmethod(swiglu_mlp_mxfp8)
+    layer_name = "SwiGLUMLP"
+
     def __init__(self, hidden_size: int, intermediate_size: int, *, recipe=None, checkpoint=UNSET, backend=UNSET,
                  clamp_limits=UNSET, fp8_dtype=UNSET, quant_scheme=UNSET, weight_grad_dtype=UNSET,
                  matmul_precision=UNSET, scale_rule=UNSET, forward_numerics=UNSET, lnc=UNSET,
                  accumulate_main_grad=UNSET, device=None, dtype=None):
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % MX_GROUP:
-                raise ValueError(f"SwiGLUMLP: {name} must be a positive multiple of {MX_GROUP}, got {v!r}")
+        self._check_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.recipe = recipe
-        self.options = explicit_options(checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
-                                        fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
-                                        weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
-                                        scale_rule=scale_rule, forward_numerics=forward_numerics, lnc=lnc,
-                                        accumulate_main_grad=accumulate_main_grad)
-        o = self.effective_options()  # the recipe and its overrides resolved now: errors at construction
-        resolve_checkpoint_policy(o["checkpoint"])
+        o = self._set_recipe_options(recipe, checkpoint=checkpoint, backend=backend, clamp_limits=clamp_limits,
+                                     fp8_dtype=fp8_dtype, quant_scheme=quant_scheme,
+                                     weight_grad_dtype=weight_grad_dtype, matmul_precision=matmul_precision,
+                                     scale_rule=scale_rule, forward_numerics=forward_numerics, lnc=lnc,
+                                     accumulate_main_grad=accumulate_main_grad)
         if o["backend"] not in BACKENDS:
             raise ValueError(f"SwiGLUMLP: backend must be one of {BACKENDS}, got {o['backend']!r}")
         factory = dict(device=device, dtype=dtype)
@@ -506,11 +504,7 @@ class SwiGLUMLP(nn.Module):
             nn.init.kaiming_uniform_(w, a=5 ** 0.5)
 
     def forward(self, x: Tensor) -> Tensor:
-        return swiglu_mlp_mxfp8(x, self.gate_up_weight, self.down_weight, recipe=self.recipe, **self.options)
-
-    def effective_options(self) -> dict:
-        """Every option of the op as forward uses it (the recipe, then the explicit options, then defaults)."""
-        return effective_options(swiglu_mlp_mxfp8, self.recipe, self.options)
+        return swiglu_mlp_mxfp8(x, self.gate_up_weight, self.down_weight, **self.op_options())
 
     def extra_repr(self) -> str:
         o = self.effective_options()
