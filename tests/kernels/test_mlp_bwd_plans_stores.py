@@ -56,7 +56,9 @@ def test_phase2_reads_its_own_rows_so_the_barrier_goes_inside_it():
             assert sum(1 for i in matmuls if i < barrier) >= m_tiles * k_tiles, (p, barrier)
             dx_stores = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "dma_copy" and
                          any(o.name == "hidden_states_grad" for o in r.writes)]
-            evictions = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "tensor_copy"]
+            # PSUM evictions only: round 35's next-words copies are SBUF -> SBUF tensor_copies of W_gu's columns
+            evictions = [i for i, r in enumerate(records) if phase[i] == "phase2" and r.instr == "tensor_copy"
+                         and any(o.buffer == "psum" for o in r.reads)]
             # tiles 0 .. m_tiles - 2 evicted before the fence (in FENCED_COLUMN_PIECES column pieces each: the first
             # span, MatmulPlan.piece_first_span), the last of them stored right after it (StoreEpilogue
             # defer_next_store: the fence waits for its eviction, not its DMA)
