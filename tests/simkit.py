@@ -429,6 +429,16 @@ def assert_outputs_identical(a, b, what: str = "") -> None:
         assert_bits_equal(x, y, f"{what} output {i}")
 
 
+def unit_stride(op) -> bool:
+    """Whether a traced on-chip operand's free dims are one unit-stride run (row-major, no gaps)."""
+    expect = op.storage_itemsize
+    for n, s in reversed(list(zip(op.shape[1:], op.strides[1:]))):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
 def touches(record, name: str, side: str = "reads") -> bool:
     """Whether a trace record reads (side "reads") or writes ("writes") the tensor named `name`."""
     return any(getattr(t, "name", "") == name for t in getattr(record, side))

@@ -4,19 +4,9 @@ W_gu panel, quantized in column pieces under the first span): how those quantize
 LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
-from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp
+from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp, unit_stride
 
 W_DOWN, W_GU = "down_proj_weight", "gate_up_weights"
-
-
-def _unit_stride(op) -> bool:
-    """Whether an on-chip operand's free dims are one unit-stride run (row-major, no gaps)."""
-    expect = op.storage_itemsize
-    for n, s in reversed(list(zip(op.shape[1:], op.strides[1:]))):
-        if n != 1 and s != expect:
-            return False
-        expect *= n
-    return True
 
 
 def _quantize_sources(trace, weight=W_DOWN):
@@ -35,9 +25,9 @@ def _quantize_sources(trace, weight=W_DOWN):
                 continue
             src = next(o for o in r.reads if o.arg == "src")
             if src.storage_id in staging:
-                sources.append((_unit_stride(src), src.nbytes // src.shape[0] // 2, "dma"))
+                sources.append((unit_stride(src), src.nbytes // src.shape[0] // 2, "dma"))
             elif src.storage_id in copies:
-                sources.append((_unit_stride(src), src.nbytes // src.shape[0] // 2, copies[src.storage_id]))
+                sources.append((unit_stride(src), src.nbytes // src.shape[0] // 2, copies[src.storage_id]))
         out[p] = sources
     return out
 

@@ -13,8 +13,9 @@ import pytest
 
 import nki.language as nl
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
-                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp)
+                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp, unit_stride)
 
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_epilogue as epilogue_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import GATE_FIRST_S_TILES
 
 MX_WORDS, BF16_ROWS = "mlp_bwd_d_gate_up_mx", "mlp_bwd_d_gate_up"
@@ -33,11 +34,13 @@ def _spread_run(S, H, I, seed, lnc):
 
 def _along_s_instructions(res, p):
     """Core p's trace records and the indices (program order) of its stores of d_gate_up's words along S, the
-    quantize_mx that wrote the SBUF words those stores read, and its MX matmuls."""
+    quantize_mx that wrote the first words of each store's chunk (since round 36 a chunk may be quantized in two
+    column ranges), and its MX matmuls."""
     records = [r for r in res.trace if r.program == p]
     stores = [i for i, r in enumerate(records) if r.instr == "dma_copy" and any(o.name == MX_WORDS for o in r.writes)]
-    words_tiles = {records[i].reads[0].storage_id for i in stores}  # the SBUF words the stores read
-    along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and r.writes[0].storage_id in words_tiles]
+    firsts = {(records[i].reads[0].storage_id, records[i].reads[0].byte_lo) for i in stores}  # each chunk's first word
+    along_s = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
+               (r.writes[0].storage_id, r.writes[0].byte_lo) in firsts]
     matmuls = [i for i, r in enumerate(records) if r.instr == "nc_matmul_mx"]
     return records, stores, along_s, matmuls
 
@@ -129,6 +132,73 @@ def test_chunks_along_s_quantized_after_their_call_products(lnc):
                 after_products = any(call < k < q for k in products)
                 assert after_products == (c == chunks - 1 or (c == 1 and t == 0)), (p, t, c, q, call)
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
+def _along_s_chunk_sources(res, p):
+    """Per chunk along S of core p (its stores of d_gate_up's words, program order): the quantize_mx that write the
+    chunk's words, as (unit-stride source, source elements per partition, where the source is): "staging" (the K
+    tile's [P, 4, 2I] staging tile) or ("scalar", c) (a bf16 copy of that staging tile by ScalarE, placed at words
+    column c of the same words tile; x4 words are 4 bytes)."""
+    records = [r for r in res.trace if r.program == p]
+    stores = [r.reads[0] for r in records if r.instr == "dma_copy" and any(o.name == MX_WORDS for o in r.writes)]
+    words_tiles = {o.storage_id for o in stores}
+    copies, quantizes = {}, []
+    for r in records:
+        if r.instr == "tensor_copy" and r.writes[0].storage_id in words_tiles:
+            w = r.writes[0]
+            copies[(w.storage_id, w.byte_lo)] = (r.engine, w.dtype, r.reads[0].storage_id)
+        elif r.instr == "quantize_mx" and r.writes[0].storage_id in words_tiles:
+            quantizes.append((r.writes[0], next(o for o in r.reads if o.arg == "src")))
+    chunks = []
+    for store in stores:
+        parts = [(dst, src) for dst, src in quantizes
+                 if dst.storage_id == store.storage_id and store.byte_lo <= dst.byte_lo < store.byte_hi]
+        staging = parts[0][1].storage_id
+        sources = []
+        for dst, src in parts:
+            elems = src.nbytes // src.shape[0] // 2  # bf16
+            if src.storage_id == staging:
+                sources.append((unit_stride(src), elems, "staging"))
+            else:
+                engine, dtype, copied_from = copies[(src.storage_id, src.byte_lo)]
+                assert src.storage_id == store.storage_id and dtype == "bfloat16" and copied_from == staging
+                sources.append((unit_stride(src), elems, (engine, src.byte_lo // 4)))
+        chunks.append(sources)
+    return chunks
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_along_s_chunks_quantize_their_last_half_from_a_unit_stride_copy(lnc, monkeypatch):
+    """Phase 1's quantize along S reads the K tile's [P, 4, 2I] staging tile through a strided [P, cols, 4] view (half
+    VectorE's quantize rate in the cost model, a quarter pessimistic), and at TP8's S tile switches those chunks pace
+    TensorE. With ALONG_S_HALF_FROM_COPY, ScalarE copies each chunk's last half into words the chunk does not write, as
+    a unit-stride bf16 [P, half, 4] tile, and VectorE quantizes that half from it: chunks 0-2 into the next chunk's
+    words (written later by that chunk's own quantize), chunk 3 (spread over two S tiles: its first chunk was stored
+    an S tile earlier) into chunk 0's. The chunks finish() / flush_along_s issue (each core's last K tile) stay whole
+    and strided (at the barrier the copies waited behind phase 2's start: TP8 +6.9 us central). TP8 modeled 0.61780 /
+    0.68107 -> 0.61670 / 0.67465 ms. Spread as in the tests above (S = 2048, I = 1024, four chunks of 512 columns per
+    K tile). The old code (every chunk one strided quantize) fails; so does the constant off. Bit-exact against
+    mx_exact on LNC1 and LNC2, LNC1 equal to LNC2 (MX groups run along S, never across columns)."""
+    S, H, I = 2048, 128, 1024
+    width, chunks = I // 2, 4  # columns per chunk; 2 n blocks x ALONG_S_SPREAD_S_TILES
+    assert epilogue_module.ALONG_S_HALF_FROM_COPY
+    whole = [(False, 4 * width, "staging")]
+    halves = [[(False, 2 * width, "staging"), (True, 2 * width, ("scalar", (c + 1) % chunks * width))]
+              for c in range(chunks)]
+    k_tiles = S // lnc // 512
+    expected = halves * (k_tiles - 1) + [whole] * chunks
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 36, kind="pow2")
+    runs = {}
+    for n in sorted({1, lnc}):
+        runs[n] = run_mlp(inp, lnc=n, trace=True, phase1_tiles_n=1)
+        assert_matches_mx_exact(runs[n].outputs, mlp_reference(inp))
+    for a, b in zip(runs[1].outputs, runs[lnc].outputs):
+        assert a.tobytes() == b.tobytes()
+    for p in range(lnc):
+        assert _along_s_chunk_sources(runs[lnc], p) == expected, p
+    monkeypatch.setattr(epilogue_module, "ALONG_S_HALF_FROM_COPY", False)
+    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+    assert all(_along_s_chunk_sources(res, p) == [whole] * (chunks * k_tiles) for p in range(lnc))
 
 
 @pytest.mark.parametrize("lnc", [1, 2])

@@ -16,6 +16,13 @@ CHECKPOINT_BUFFERS = 2  # phase 1's ring of checkpoint tile sets (gate_pre, up, 
 # ahead of the epilogue (TP8 MXFP8 modeled 0.715 -> 0.708 ms; 1: 0.731, 3: 0.710, 4: 0.737)
 ALONG_S_SPREAD_S_TILES = 2  # phase 1's quantize along S of a finished K tile spread over this many S tiles' epilogue
 # calls (SwigluBackwardEpilogue.spreads_along_s), where it applies
+ALONG_S_HALF_FROM_COPY = True  # phase 1's quantize along S reads its [P, 4, 2I] staging tile through a strided
+# [P, cols, 4] view (the 4 packed values from 4 row blocks), which the cost model prices at half VectorE's rate
+# (central) or a quarter (pessimistic), and at TP8's S tile switches VectorE's along-S chunks pace TensorE: each
+# chunk's last half is quantized from a unit-stride copy ScalarE makes in words the chunk does not write
+# (SwigluBackwardEpilogue._along_s_copy_home). TP8 MXFP8 modeled 0.61780 / 0.68107 -> 0.61670 / 0.67465 ms, Llama3-8B
+# TP8 0.73083 / 0.80970 -> 0.72899 / 0.80611, S = 16384, H = I = 2880 4.53305 / 5.08757 -> 4.49649 / 5.00564 (round 36
+# of docs/dense-performance.md)
 ALONG_S_SPREAD_STAGING_BYTES = 24 * 1024  # ... only when a K tile's staging tile [128, 4, 2I] bf16 is at most this
 # per partition: the spread keeps two live (Llama3-8B TP8's 28 KiB find no placement beside phase 1's panels)
 GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize (TP8), its last this many S tiles issue

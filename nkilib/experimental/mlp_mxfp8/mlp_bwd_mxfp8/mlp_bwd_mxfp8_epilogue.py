@@ -15,8 +15,9 @@ from ....core.kernel_helpers import ceil_div, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import (ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES, CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES,
-                        MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS, PHASE2_STATIONARY_BUDGET_BYTES)
+from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
+                        CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
+                        PHASE2_STATIONARY_BUDGET_BYTES)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -47,6 +48,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
         self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
+        self.spread_along_s = False  # spreads_along_s(plan), set by prepare
         self.last_tile_gate_first = False  # the last GATE_FIRST_S_TILES S tiles' d_gate products first, the last
         # tile's staging copy on swdge
 
@@ -87,7 +89,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # 0.6208 / 0.7014 (and the first K tile's chunk 1); chunk 1 of every K tile 0.6208 / 0.7033, the first n
         # block's chunks 0.6408 (round 27 of docs/dense-performance.md). Not spread: unchanged (the second n block's
         # chunk after its products there: S = 16384, H = I = 2880 4.5330 / 5.0876 -> 4.5332 / 5.1347 ms)
-        self.chunks_after_products = self.spreads_along_s(plan)
+        self.spread_along_s = self.spreads_along_s(plan)
+        self.chunks_after_products = self.spread_along_s
         # spread and deferred (LNC2), the last S tile's d_gate products go before d_up's, so GpSimd's d_gate product
         # and the last panel's transposes start earlier (phase 1's TensorE ends 0.9 us earlier), and that tile's
         # along-S staging copy (768 KB SBUF -> SBUF, read only by flush_along_s at the barrier) goes through
@@ -184,20 +187,57 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
             self.stage = None
 
-    def _quantize_along_s_chunk(self) -> None:
+    def _quantize_along_s_chunk(self, from_copy=True) -> None:
         """Quantize the next columns of the pending K tile: 2I / along_s_calls columns per epilogue call of the
         next S tile, or of the next ALONG_S_SPREAD_S_TILES S tiles (spreads_along_s) (VectorE runs in program
         order: one 2I-wide quantize_mx would hold back that tile's quantizes and epilogue), and store those
         columns right after their quantize: the DMA queues then carry the K tile's words as shorter stores
         spread over the S tile(s) instead of one 2I-wide store after its last chunk (which shared the queues
         with phase 2's first W_gu K tiles at phase 1's end and held up the barrier in the pessimistic case).
-        Each column's words and scales are the same either way."""
+        Each column's words and scales are the same either way.
+
+        from_copy: the chunk's last half is quantized from a unit-stride copy that ScalarE makes where
+        _along_s_copy_home finds room (ALONG_S_HALF_FROM_COPY). flush_along_s passes False: its chunks run at phase 1's
+        end or at the barrier, where ScalarE's copies would wait behind phase 2's start (TP8 modeled 0.61670 / 0.67465
+        -> 0.62364 / 0.68000 ms with them; round 36 of docs/dense-performance.md)."""
         t, stage, words, scale, c0 = self.along_s_pending
         two_i = 2 * self.I
         c1 = min(two_i, c0 + ceil_div(two_i, self.along_s_calls))
-        nisa.quantize_mx(dst=words[:, c0:c1], src=stage[:, :, c0:c1].permute((0, 2, 1)), dst_scale=scale[:, c0:c1])
+        src = stage[:, :, c0:c1].permute((0, 2, 1))  # strided: the 4 packed values from the 4 row blocks
+        h0, staged = c1, None  # columns from h0 on are quantized from the unit-stride copy `staged`
+        home = self._along_s_copy_home(c0, c1) if from_copy else None
+        if home != None:  # noqa: E711
+            h0 = c1 - (c1 - c0) // 2
+            # words columns [home, home + 2 (c1 - h0)) as bf16 [P, c1 - h0, 4]: 2 bf16 per x4 word
+            staged = words.view(nl.bfloat16)[:, 2 * home:2 * home + (c1 - h0) * MX_PACK]
+            staged = staged.reshape((PARTITIONS, c1 - h0, MX_PACK))
+            nisa.tensor_copy(dst=staged, src=src[:, h0 - c0:, :], engine=nisa.engine.scalar)
+        # MX groups run along S (partitions x the 4 slots), never across columns: two column ranges quantized apart give
+        # the whole chunk's words and scales bit for bit
+        nisa.quantize_mx(dst=words[:, c0:h0], src=src[:, :h0 - c0, :], dst_scale=scale[:, c0:h0])
+        if staged != None:  # noqa: E711
+            nisa.quantize_mx(dst=words[:, h0:c1], src=staged, dst_scale=scale[:, h0:c1])
         store_k_tile(words[:, c0:c1], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup, f0=c0)
         self.along_s_pending = (t, stage, words, scale, c1) if c1 < two_i else None
+
+    def _along_s_copy_home(self, c0, c1):
+        """The first words column of the SBUF room where ScalarE copies the last half of along-S chunk [c0, c1) as a
+        unit-stride bf16 [P, half, 4] (ALONG_S_HALF_FROM_COPY), or None: the next chunk's words (written only by that
+        chunk's own quantize, later on VectorE), or for the K tile's last chunk its first chunk's words (stored one S
+        tile earlier; the copy waits for that store). None with one chunk per K tile (no other words to borrow), for
+        the last chunk where the chunks are not spread (the first chunk's store is then one epilogue call old and
+        ScalarE, in order, would wait for it: Llama3-8B TP8 modeled 0.72899 -> 0.73916 ms central), or where the
+        borrowed columns would not hold the copy (2 x half words columns)."""
+        two_i = 2 * self.I
+        width = ceil_div(two_i, self.along_s_calls)
+        need = 2 * ((c1 - c0) // 2)
+        if not ALONG_S_HALF_FROM_COPY or self.along_s_calls < 2 or need == 0:
+            return None
+        if c1 >= two_i and not self.spread_along_s:
+            return None
+        home = c1 if c1 < two_i else 0
+        room = min(two_i, home + width) - home
+        return home if need <= room and (home >= c1 or home + need <= c0) else None
 
     def _chunk_after_products(self) -> bool:
         """Whether the pending K tile's next chunk along S goes after this epilogue call's products (where spread,
@@ -219,7 +259,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
     def flush_along_s(self) -> None:
         """Quantize along S and store what is left of the last K tile (exchange_along_s)."""
         while self.along_s_pending != None:  # noqa: E711
-            self._quantize_along_s_chunk()
+            self._quantize_along_s_chunk(from_copy=False)
 
     def finish(self) -> None:
         # where phase 1 spreads its along-S quantize (TP8), the last S tile's panel is transposed now (TensorE runs it
