@@ -1,7 +1,7 @@
 """The pass A pipeline's dY rows staged a fence ahead (docs/moe.md section 10, round 31a): with the chunk pipeline and X
-deferred (gate_pre and up given), the dY rows of the group after next are copied by token id into dy_blocks after the
-segment's first pass C, and that group's A (after the next fence) reads them by plain DMA instead of gathering them
-beside its epilogue's GpSimd products. The bits do not change: the outputs equal mx_exact, LNC1 and LNC2.
+deferred (gate_pre and up given) and the unclamped SwiGLU's d_gate products on GpSimd, the dY rows of the group after
+next are copied by token id into dy_blocks after the segment's first pass C, and that group's A (after the next fence)
+reads them by plain DMA instead of gathering them beside its epilogue's GpSimd products. The bits do not change: the outputs equal mx_exact, LNC1 and LNC2.
 
 | test                          | what                                                                  | fixed      |
 |-------------------------------|-----------------------------------------------------------------------|------------|
@@ -14,6 +14,8 @@ beside its epilogue's GpSimd products. The bits do not change: the outputs equal
 |                               | writes dy_blocks (HBM -> HBM), none of them SBUF                      |            |
 | test_staging_off_is_main      | STAGE_DY_A_FENCE_AHEAD = False: main's segments (each group's dY      | LNC2       |
 |                               | gathered in its own A's segment), bit-exact                           |            |
+| test_clamped_epilogue_not_    | GPT-OSS-20B's clamped epilogue (d_gate products on VectorE): main's   | LNC2       |
+|   staged                      | segments, bit-exact                                                   |            |
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def _routing(case):
     return ids
 
 
-def _run(case, lnc):
+def _run(case, lnc, clamp_limits=None):
     kernel, ref = moe_case(T, E, H, I, _routing(case), seed=311, block_size=B, checkpoints=CHECKPOINTS,
-                           clamp_limits=CLAMPS)
+                           clamp_limits=clamp_limits)
     res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"dY staging ({case}), LNC{lnc} vs mx_exact")
@@ -104,5 +106,12 @@ def test_staging_off_is_main(monkeypatch):
     """STAGE_DY_A_FENCE_AHEAD = False gives main's order: each group's dY gathered in its own A's segment."""
     monkeypatch.setattr(kernel_module, "STAGE_DY_A_FENCE_AHEAD", False)
     trace = _run("full", 2)
+    for p in range(2):
+        assert _groups_per_segment(_dy_gathers(trace, p)) == [{0}, {1}, {2}, {3}, set()], p
+
+
+def test_clamped_epilogue_not_staged():
+    """GPT-OSS-20B's clamped epilogue (its d_gate products on VectorE, not GpSimd) keeps main's gathers, bit-exact."""
+    trace = _run("full", 2, clamp_limits=CLAMPS)
     for p in range(2):
         assert _groups_per_segment(_dy_gathers(trace, p)) == [{0}, {1}, {2}, {3}, set()], p

@@ -258,8 +258,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def dy_ahead(experts):
         """dy_blocks rows of `experts` (the group after next; this core's chunks, padding-only ones too) copied by token
         id where the pipeline would gather them beside its GpSimd products; their A (after the next fence) reads
-        them by plain DMA (ctx.staged_dy). Round 31a."""
-        for a in experts if ctx.defer_x and i_split == None and STAGE_DY_A_FENCE_AHEAD else []:  # noqa: E711
+        them by plain DMA (ctx.staged_dy). Only where GpSimd runs the epilogue's d_gate products (the unclamped SwiGLU,
+        Qwen3-30B-A3B): the clamped one moved them to VectorE, and there the copies only took pass C's DMA queues
+        (GPT-OSS-20B gwz +1.0% / +1.2%). Round 31a."""
+        stage = ctx.defer_x and i_split == None and ctx.d_gate_engine == nisa.engine.gpsimd  # noqa: E711
+        for a in experts if stage and STAGE_DY_A_FENCE_AHEAD else []:
             ctx.staged_dy.add(a)
 
             def gather(a=a):
