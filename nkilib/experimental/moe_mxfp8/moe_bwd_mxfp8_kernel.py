@@ -488,7 +488,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             if j < len(later):
                 quantize_down(later[j])
             pass_c(e)
-            if j == 0:
+            if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
                 dy_ahead(later)
         x_ahead(ahead)
         if n + 1 < len(groups):
