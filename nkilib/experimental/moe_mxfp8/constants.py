@@ -148,3 +148,7 @@ ZERO_ROWS_WIDTH = 2048
 #: Experts per software-pipeline segment under LNC2: A of the next group, B and C of this one, then one
 #: core_barrier (docs/moe.md section 5; section 10, round 5 measures 1, 2 and 4).
 EXPERTS_PER_FENCE = 2
+#: The pass A pipeline's dY rows of the group after next copied by token id into dy_blocks after the segment's first
+#: pass C (HBM -> HBM, where GpSimd has room), so that their A reads them by plain DMA instead of gathering them beside
+#: the epilogue's GpSimd products: the same descriptors, moved a fence ahead (docs/moe.md section 10, round 31a).
+STAGE_DY_A_FENCE_AHEAD = True

@@ -42,6 +42,7 @@ class MoeContext(nl.NKIObject):
         # gathered by slot GpSimd also generates their descriptors and bounds pass A instead, so the compiler's
         # choice stays
         self.padding_zero_engine = nisa.engine.gpsimd if checkpoints_blocked else nisa.engine.unknown
+        self.staged_dy = set()  # experts whose pass A reads dY staged in dy_blocks (the kernel's dy_ahead)
 
     def f_pad(self, rows):
         """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""

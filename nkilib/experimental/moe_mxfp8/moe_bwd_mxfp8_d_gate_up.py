@@ -5,7 +5,8 @@ go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_la
 Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
 the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
-chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF.
+chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF. The pipeline's dY rows of the experts after the second
+fence group are copied so to dy_blocks a fence ahead (gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -35,7 +36,8 @@ from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forwa
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
-           "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "zero_padding_rows"]
+           "compute_phase1_pipelined_mxfp8", "gather_deferred_rows", "gather_first_chunk_ahead",
+           "zero_padding_rows"]
 
 
 def _natural_rows(ctx, k_size):
@@ -80,11 +82,14 @@ class ChunkInputs(nl.NKIObject):
     a chunk ahead of the chunk being computed (the tiles are reused across its run-time loop's iterations).
     """
 
-    def __init__(self, ctx, m, width, values=True, own=True, gather_x=True):
+    def __init__(self, ctx, m, width, values=True, own=True, gather_x=True, dy_staged=False):
         """values=False: ids, slots and rows only (RowChunk gathers p and the checkpoints itself, after the panels).
         own=False: another core writes these rows' block-ordered dY / X copies (the I split). gather_x=False: no X rows
-        (the I split where neither this core's copy nor a recompute needs them)."""
+        (the I split where neither this core's copy nor a recompute needs them). dy_staged: the rows' dY was copied to
+        dy_blocks a fence earlier (gather_deferred_rows, ctx.staged_dy): read from there by plain DMA, not gathered,
+        and not stored again."""
         self.m = m
+        self.dy_staged = dy_staged
         self.ids = nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf)
         # slots: read by the gathers / scatters by slot only, so none when p, d_p and the checkpoints are block-ordered
         self.slots = (None if ctx.checkpoints_blocked and ctx.weights_blocked else
@@ -110,7 +115,13 @@ class ChunkInputs(nl.NKIObject):
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         if self.slots != None:  # noqa: E711
             ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
-        for nat, src in ((self.dy_nat, ctx.dy),) + (() if self.x_nat == None else ((self.x_nat, ctx.x),)):  # noqa: E711
+        if self.dy_staged:  # copied by token id a fence earlier, padding rows zero (gather_deferred_rows)
+            if self.dy_nat.shape[1] > H:
+                nisa.memset(dst=self.dy_nat[:m, H:], value=0.0)
+            nisa.dma_copy(dst=self.dy_nat[:m, :H], src=ctx.block_rows(ctx.dy_blocks, i, first, m, 1, 0, H))
+        gathered = (() if self.dy_staged else ((self.dy_nat, ctx.dy),)) + \
+            (() if self.x_nat == None else ((self.x_nat, ctx.x),))  # noqa: E711
+        for nat, src in gathered:
             if not full:
                 nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
             elif nat.shape[1] > H:
@@ -159,7 +170,7 @@ class RowChunk(nl.NKIObject):
             dy_nat, x_nat = inputs.dy_nat, inputs.x_nat
             # block-ordered copies for pass C (its K = tokens operands then load by plain DMA, no second gather);
             # padding rows are the zeroed rows of the gathered tiles
-            if inputs.own:
+            if inputs.own and not inputs.dy_staged:
                 nisa.dma_copy(dst=ctx.block_rows(ctx.dy_blocks, i, r0, m, 1, 0, H), src=dy_nat[:m, :H])
             if x_nat != None and inputs.own:  # noqa: E711  (else deferred: gather_deferred_x)
                 nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, H), src=x_nat[:m, :H])
@@ -395,7 +406,7 @@ def gather_first_chunk_ahead(ctx, e):
         ChunkInputs(m = 128, width = I): ids, slots [128, 1]; dY, X rows [128, Hp]; p [128, 1]; checkpoints
         [128, I] (Hp: H padded to the MX K alignment).
     """
-    first = ChunkInputs(ctx, PARTITIONS, ctx.I)
+    first = ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=e in ctx.staged_dy)
     b_lo, _, _ = ctx.loops.bounds(e)
     ctx.loops.if_multi(e, lambda: first.gather(ctx, b_lo, ctx.unit_rows[0][0], True))
     return first
@@ -434,7 +445,9 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     rows = ctx.unit_rows
     kernel_assert(len(rows) % 2 == 0 and all(m == PARTITIONS for _, m in rows),
                   f"the pass A pipeline needs an even number of 128-row chunks per core, got {rows}")
-    sets = [first or ChunkInputs(ctx, PARTITIONS, ctx.I), ChunkInputs(ctx, PARTITIONS, ctx.I)]
+    staged = e in ctx.staged_dy
+    sets = [first or ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged),
+            ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged)]
     # the expert's first chunk: of a full block when the expert has more than one (a one-block expert's is gathered
     # with its padding known, below); a tile zeroed here would hold VectorE's queue until the previous expert's
     # last use of that SBUF
@@ -501,23 +514,32 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
     Padding rows are zero; a unit starting with padding is left to the pipeline's zero rows (_zero_rows).
 
     Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
-    rows = ctx.unit_rows
+    gather_deferred_rows(ctx, ctx.x, ctx.x_blocks, b_lo, last, b_hi)
+
+
+def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
+    """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
+    core's chunks (ctx.unit_rows): a full chunk HBM -> HBM, one with padding through SBUF with its padding rows zero.
+    every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
+    zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
+
+    Dimensions: src [T, H] -> dst [N, B, H] bf16, one [128, H] tile per chunk."""
+    rows, H = ctx.unit_rows, src.shape[1]
 
     def chunk(i, r0, m, full):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
         if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
-            ctx.gather_to_blocks(ctx.x_blocks, i, r0, m, ctx.x, ids)
+            ctx.gather_to_blocks(dst, i, r0, m, src, ids)
             return
-        nat = _natural_rows(ctx, ctx.H)
-        if not full:
-            nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
-        ctx.gather(nat[:m, :ctx.H], ctx.x, ids, 0, ctx.H)
-        nisa.dma_copy(dst=ctx.block_rows(ctx.x_blocks, i, r0, m, 1, 0, ctx.H), src=nat[:m, :ctx.H])
+        nat = _natural_rows(ctx, H)
+        nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
+        ctx.gather(nat[:m, :H], src, ids, 0, H)
+        nisa.dma_copy(dst=ctx.block_rows(dst, i, r0, m, 1, 0, H), src=nat[:m, :H])
 
     def block(i, full):
-        flags = None if full else ctx.row_flags(i, ctx.row_unit, len(rows))
+        flags = None if full or every_chunk else ctx.row_flags(i, ctx.row_unit, len(rows))
         for q, (r0, m) in enumerate(rows):
-            if full or q == 0:
+            if full or q == 0 or every_chunk:
                 chunk(i, r0, m, full)
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))

@@ -90,7 +90,8 @@ from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
-                                      gather_deferred_x, gather_first_chunk_ahead, scatter_deferred_d_w)
+                                      gather_deferred_rows, gather_deferred_x, gather_first_chunk_ahead,
+                                      scatter_deferred_d_w)
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
@@ -106,7 +107,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
                         PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
+                        STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -252,6 +253,21 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             def gather(a=a):
                 lo, _, hi = ctx.loops.bounds(a)
                 gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
+            ctx.loops.if_used(a, gather)
+
+    def dy_ahead(experts):
+        """dy_blocks rows of `experts` (the group after next; this core's chunks, padding-only ones too) copied by token
+        id where the pipeline would gather them beside its GpSimd products; their A (after the next fence) reads
+        them by plain DMA (ctx.staged_dy). Only where GpSimd runs the epilogue's d_gate products (the unclamped SwiGLU,
+        Qwen3-30B-A3B): the clamped one moved them to VectorE, and there the copies only took pass C's DMA queues
+        (GPT-OSS-20B gwz +1.0% / +1.2%). Round 31a."""
+        stage = ctx.defer_x and i_split == None and ctx.d_gate_engine == nisa.engine.gpsimd  # noqa: E711
+        for a in experts if stage and STAGE_DY_A_FENCE_AHEAD else []:
+            ctx.staged_dy.add(a)
+
+            def gather(a=a):
+                lo, _, hi = ctx.loops.bounds(a)
+                gather_deferred_rows(ctx, ctx.dy, ctx.dy_blocks, lo, ctx.loops.last_block(a), hi, every_chunk=True)
             ctx.loops.if_used(a, gather)
 
     # the I split's W_down[a] loaded a pass ahead of A(a) for a one-block full expert (the branch of ExpertISplit.expert
@@ -472,6 +488,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             if j < len(later):
                 quantize_down(later[j])
             pass_c(e)
+            if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
+                dy_ahead(later)
         x_ahead(ahead)
         if n + 1 < len(groups):
             early = first_a_panels(later)
