@@ -148,3 +148,8 @@ ZERO_ROWS_WIDTH = 2048
 #: Experts per software-pipeline segment under LNC2: A of the next group, B and C of this one, then one
 #: core_barrier (docs/moe.md section 5; section 10, round 5 measures 1, 2 and 4).
 EXPERTS_PER_FENCE = 2
+#: Columns of I per DMA of the pass A pipeline's block-ordered checkpoint rows (a multiple of PHASE1_N_TILE; 0: one
+#: DMA for all of I). The pipeline loads a chunk's checkpoints a chunk ahead into the tiles the chunk before it read:
+#: one DMA over all of I waits for that chunk's last I tile, a DMA per column piece only for the tile that reads its
+#: columns, so the first pieces arrive while the previous epilogue still runs (docs/moe.md section 10, round 31b).
+PIPELINE_CHECKPOINT_COLUMNS = 1024
