@@ -12,6 +12,8 @@ LNC1 and LNC2.
 |                                   | gathers run one chunk ahead of its d_gate_up stores; its          |            |
 |                                   | d_topk_weights scatters come after the fence (in B's segment);    |            |
 |                                   | X is gathered after the first group's pass A, before the fence    |            |
+| test_pipeline_checkpoints_by_     | round 31b: block-ordered checkpoints loaded a chunk ahead by      | LNC1, LNC2 |
+| column_pieces                     | column pieces of I (patched 512 of I = 1024); == mx_exact         |            |
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import numpy as np
 import pytest
 
 from nkilib.examples.moe_backward_cost import PHASES
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_context as C
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as A
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
-from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
+from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from simkit import assert_outputs_identical, reads_before_writes
+from simkit import assert_outputs_identical, reads_before_writes, spy
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -68,3 +72,26 @@ def test_pipeline_bit_exact_and_order(lnc):
     x_reads = where(lambda r: any(getattr(t, "name", "") == "hidden_states" for t in r.reads))
     assert x_reads and min(x_reads) > stores[chunks - 1], (min(x_reads), stores[:chunks])
     assert lnc == 1 or min(x_reads) < fences[0], (min(x_reads), fences[:1])
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_pipeline_checkpoints_by_column_pieces(monkeypatch, lnc):
+    """Round 31b: the pipeline loads a chunk's block-ordered checkpoints a chunk ahead into the tiles the chunk before
+    last read, one DMA per PIPELINE_CHECKPOINT_COLUMNS-wide piece of I (patched to 512 here, I = 1024), so each piece
+    waits only for the tile that read its columns. _routing's experts, block-layout checkpoints: == mx_exact bit for
+    bit (the same bytes land in the same places); every pipelined checkpoint load (gather_pair_values) moves at most
+    512 columns, and some do. Fails on the old code: one DMA of all 1024 columns per checkpoint and chunk."""
+    monkeypatch.setattr(A, "PIPELINE_CHECKPOINT_COLUMNS", 512)
+    T, E, H, I, B = 1024, 4, 64, 1024, 512
+    kernel, ref = moe_case(T, E, H, I, _routing(T), seed=47, block_size=B, checkpoints=CHECKPOINTS)
+    kernel = dict(kernel, checkpoint_layout="block", **{n: checkpoints_to_blocks(kernel[n], ref["layout"])
+                                                           for n in CHECKPOINTS})
+    calls = spy(monkeypatch, C.MoeContext, "checkpoint_rows",
+                lambda ctx, dst, ckpt, i, first, m, slots, f0, width, full: (f0, width))
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"checkpoint column pieces, LNC{lnc} vs mx_exact")
+    widths = [w for _, w in calls]
+    assert 512 in widths and max(widths) <= I, widths
+    pieces = [(f0, w) for f0, w in calls if w < I]
+    assert {f0 for f0, _ in pieces} == {0, 512} and {w for _, w in pieces} == {512}, pieces

@@ -152,3 +152,8 @@ EXPERTS_PER_FENCE = 2
 #: pass C (HBM -> HBM, where GpSimd has room), so that their A reads them by plain DMA instead of gathering them beside
 #: the epilogue's GpSimd products: the same descriptors, moved a fence ahead (docs/moe.md section 10, round 31a).
 STAGE_DY_A_FENCE_AHEAD = True
+#: Columns of I per DMA of the pass A pipeline's block-ordered checkpoint rows (a multiple of PHASE1_N_TILE; 0: one
+#: DMA for all of I). The pipeline loads a chunk's checkpoints a chunk ahead into the tiles the chunk before it read:
+#: one DMA over all of I waits for that chunk's last I tile, a DMA per column piece only for the tile that reads its
+#: columns, so the first pieces arrive while the previous epilogue still runs (docs/moe.md section 10, round 31b).
+PIPELINE_CHECKPOINT_COLUMNS = 1024

@@ -33,7 +33,7 @@ from ...core.kernel_helpers import kernel_assert
 from ...core.matmul import RowPanelByColumns, matmul_panels, panel_from_rows, store_panel_tiles
 from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP
+from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP, PIPELINE_CHECKPOINT_COLUMNS
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8", "gather_deferred_rows", "gather_first_chunk_ahead",
@@ -104,10 +104,11 @@ class ChunkInputs(nl.NKIObject):
             self.ckpts = [None if c == None else nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16,  # noqa: E711
                                                             buffer=nl.sbuf) for c in given]
 
-    def gather(self, ctx, i, r0, full, ahead=0):
-        """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i)."""
+    def gather(self, ctx, i, r0, full, ahead=0, pieces=False):
+        """Fill the tiles with rows r0..r0+m of block i + ahead (ahead: a static block offset on the register i).
+        pieces: the checkpoints by column pieces (gather_pair_values), for tiles that an earlier chunk read."""
         self.gather_rows(ctx, i, r0, full, ahead)
-        self.gather_pair_values(ctx, i, ahead * ctx.B + r0, full)
+        self.gather_pair_values(ctx, i, ahead * ctx.B + r0, full, pieces)
 
     def gather_rows(self, ctx, i, r0, full, ahead=0):
         """The token ids, slots and the dY / X rows (gather's first part)."""
@@ -128,13 +129,26 @@ class ChunkInputs(nl.NKIObject):
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
 
-    def gather_pair_values(self, ctx, i, first, full):
-        """p and the given checkpoints' rows at positions first..first+m of block i (gather's second part)."""
+    def gather_pair_values(self, ctx, i, first, full, pieces=False):
+        """p and the given checkpoints' rows at positions first..first+m of block i (gather's second part); pieces:
+        block-ordered checkpoints by PIPELINE_CHECKPOINT_COLUMNS-wide DMAs (each waits only for the previous reader of
+        its own columns), else one DMA each."""
         m = self.m
         ctx.pair_weights(self.p, i, first, m, self.slots, full)
-        for tile, src in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)):
-            if tile != None:  # noqa: E711
-                ctx.checkpoint_rows(tile[:m, :], src, i, first, m, self.slots, 0, tile.shape[1], full)
+        given = [(t, c) for t, c in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
+                 if t != None]  # noqa: E711
+        if not given:
+            return
+        for f0, fsz in self._pieces(ctx, given[0][0].shape[1], pieces):  # piece-major: the first I tile's columns first
+            for tile, src in given:
+                ctx.checkpoint_rows(tile[:m, f0:f0 + fsz], src, i, first, m, self.slots, f0, fsz, full)
+
+    @staticmethod
+    def _pieces(ctx, width, pieces):
+        """The column pieces [(f0, size)] of a checkpoint's rows loaded by one DMA each (gather_pair_values)."""
+        if not pieces or not ctx.checkpoints_blocked or PIPELINE_CHECKPOINT_COLUMNS == 0:
+            return [(0, width)]
+        return _blocks(0, width, PIPELINE_CHECKPOINT_COLUMNS)
 
 
 class RowChunk(nl.NKIObject):
@@ -457,10 +471,11 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     def block(i, full, next_full, flags=None):
         """Block i's chunks; next_full: block i + 1 holds no padding (None: no next block of this expert)."""
         for q, (r0, m) in enumerate(rows):
+            # the set chunk q - 1 read: its checkpoints by column pieces (PIPELINE_CHECKPOINT_COLUMNS)
             if q + 1 < len(rows):
-                sets[(q + 1) % 2].gather(ctx, i, rows[q + 1][0], full)
+                sets[(q + 1) % 2].gather(ctx, i, rows[q + 1][0], full, pieces=True)
             elif next_full != None:  # noqa: E711  block i + 1's first chunk (i + 1 <= last: the same expert)
-                sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1)
+                sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1, pieces=True)
             piece = None if between == None else (lambda q=q: between(q))  # noqa: E711
             if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
                 _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece)
