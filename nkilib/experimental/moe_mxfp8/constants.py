@@ -140,8 +140,14 @@ PASS_C_RESIDENT_WINDOWS = 4
 #: () = no such tiers.
 PASS_C_RESIDENT_PARTS = (2, 3)
 #: Columns of a weight-gradient row stored by one DMA in pass C's single-block and resident paths (a multiple of
-#: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile).
+#: MOE_N_TILE): 4 KiB bf16 runs, the DMA payload that sustains the full rate (the streamed path stores per tile). A
+#: row's last piece narrower than this joins the piece before it when it has at least
+#: WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS (pass_c_stores.store_pieces).
 WEIGHT_GRAD_STORE_WIDTH = 2048
+#: Columns from which a row's short last store piece joins the one before (one DMA): the DeepSeek-V3 rank's 1536 of its
+#: 3584 columns of H per core (7 KiB runs instead of 4 KiB + 3 KiB: ds16 -0.47% / -0.87%); GPT-OSS-20B's 832 of 2880
+#: stay apart (joined, gpt4 lost 4.9% / 4.6%: the resident path's placements; docs/moe.md section 10, round 31c).
+WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS = WEIGHT_GRAD_STORE_WIDTH // 2
 #: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
 #: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
 ZERO_ROWS_WIDTH = 2048

@@ -6,9 +6,10 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from .constants import MOE_N_TILE, PARTITIONS, WEIGHT_GRAD_STORE_WIDTH
+from ...core.kernel_helpers import kernel_assert
+from .constants import MOE_N_TILE, PARTITIONS, WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS, WEIGHT_GRAD_STORE_WIDTH
 
-__all__ = ["RowStore", "add_partial", "evict_and_store", "store_window"]
+__all__ = ["RowStore", "add_partial", "evict_and_store", "store_pieces", "store_window"]
 
 
 def evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t):
@@ -21,22 +22,48 @@ def evict_and_store(out, e, acc, m0, msz, n0, nsz, wg_dtype, t):
     nisa.dma_copy(dst=out[e, m0:m0 + msz, n0:n0 + nsz], src=res[:msz, :nsz])
 
 
+def store_pieces(n_lo, n_hi):
+    """[(p0, p_end)]: the column pieces of a weight-gradient row [n_lo, n_hi) that RowStore stores by one DMA each:
+    WEIGHT_GRAD_STORE_WIDTH columns from n_lo; a last piece narrower than that but of at least
+    WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS joins the piece before it (the DeepSeek-V3 rank's 3584-column core half of H goes
+    out as one piece of 7 KiB runs, not 4 KiB + 3 KiB, where the cost model's per-descriptor overhead takes 4.5% of a
+    3 KiB run's rate); a shorter one stays its own piece (GPT-OSS-20B's 832 of 2880; docs/moe.md section 10, round
+    31c)."""
+    pieces = []
+    for p0 in range(n_lo, n_hi, WEIGHT_GRAD_STORE_WIDTH):
+        p_end = min(n_hi, p0 + WEIGHT_GRAD_STORE_WIDTH)
+        if pieces and WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS <= p_end - p0 < WEIGHT_GRAD_STORE_WIDTH:
+            pieces[-1] = (pieces[-1][0], p_end)
+        else:
+            pieces.append((p0, p_end))
+    return pieces
+
+
 class RowStore(nl.NKIObject):
     """Rows [m0, m0+msz) of out[e], columns [n_lo, n_hi), from [128, MOE_N_TILE] fp32 accumulators fed in column
-    order: each is evicted (evict_and_store's +0.0 on ScalarE / VectorE in turn) into an SBUF piece of up to
-    WEIGHT_GRAD_STORE_WIDTH columns, which goes out in one DMA when its last tile is in: 4 KiB bf16 runs per row
-    instead of one tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
+    order: each is evicted (evict_and_store's +0.0 on ScalarE / VectorE in turn) into an SBUF piece (store_pieces:
+    WEIGHT_GRAD_STORE_WIDTH columns, a narrower last one of at least WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS joined to the
+    piece before), which goes out in one DMA when its last tile is in: 4 KiB bf16 runs per row or longer instead of one
+    tile's 1 KiB (DMA payload rule, >= 4 KiB per descriptor to sustain the rate:
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/deep-dives/nki-dma-bandwidth-guide.html)."""
 
     def __init__(self, out, e, m0, msz, n_lo, n_hi, wg_dtype, engines=(nisa.engine.scalar, nisa.engine.vector)):
         self.out, self.e, self.m0, self.msz, self.n_hi, self.wg_dtype = out, e, m0, msz, n_hi, wg_dtype
         self.engines = engines
+        self.pieces = store_pieces(n_lo, n_hi)
         self.piece, self.p0, self.p_end = None, n_lo, n_lo
 
     def tile(self, acc, n0, nsz, t):
         if n0 >= self.p_end:  # first tile of the next piece (pieces start at n_lo: a tile never straddles two)
-            self.p0, self.p_end = n0, min(self.n_hi, n0 + WEIGHT_GRAD_STORE_WIDTH)
-            self.piece = nl.ndarray((PARTITIONS, WEIGHT_GRAD_STORE_WIDTH), dtype=self.wg_dtype, buffer=nl.sbuf)
+            for p0, p_end in self.pieces:
+                if p0 == n0:
+                    self.p0, self.p_end = p0, p_end
+            kernel_assert(self.p0 == n0, f"tile at column {n0} does not start a store piece of {self.pieces}")
+            # a piece tile of at least WEIGHT_GRAD_STORE_WIDTH columns, a narrower piece's too: the allocator's
+            # placements stay as they were (tiles of the piece's own width cost GPT-OSS-20B's gpt4 5%: docs/moe.md,
+            # round 31c)
+            width = max(WEIGHT_GRAD_STORE_WIDTH, self.p_end - self.p0)
+            self.piece = nl.ndarray((PARTITIONS, width), dtype=self.wg_dtype, buffer=nl.sbuf)
         msz, off = self.msz, n0 - self.p0
         engine = self.engines[t % len(self.engines)]
         nisa.tensor_scalar(dst=self.piece[:msz, off:off + nsz], data=acc[:msz, :nsz], op0=nl.add, operand0=0.0,
