@@ -1,6 +1,6 @@
 """Pass C's block-ordered X copy written HBM -> HBM (docs/moe.md section 10, round 8c): with gate_pre and up given, pass
 A needs no X on chip (no recompute), and its chunk pipeline gathers X for x_blocks in a loop of its own
-(gather_deferred_x); there a full block's X rows go from hidden_states to x_blocks by one indirect DMA per chunk (the
+(moe_bwd_mxfp8_deferred.gather_deferred_x); there a full block's X rows go from hidden_states to x_blocks by one indirect DMA per chunk (the
 gather by token id straight into the scratch) instead of a gather into SBUF and a copy out, which moved the same bytes
 twice through the DMA queues. A block holding padding keeps the SBUF path (its padding rows must be zeros, and a
 skipped sentinel would leave its scratch row unwritten). Pass A's unpipelined path (the DeepSeek-V3 rank's) keeps the

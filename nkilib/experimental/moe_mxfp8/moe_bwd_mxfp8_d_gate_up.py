@@ -4,9 +4,9 @@ routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (an
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_layout "block": stored by position).
 Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
-the end of the segment before the expert's (gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
+the end of the segment before the expert's (moe_bwd_mxfp8_deferred.gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
 chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF. The pipeline's dY rows of the experts after the second
-fence group are copied so to dy_blocks a fence ahead (gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
+fence group are copied so to dy_blocks a fence ahead (moe_bwd_mxfp8_deferred.gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -36,18 +36,17 @@ from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forwa
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP, PIPELINE_CHECKPOINT_COLUMNS
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
-           "compute_phase1_pipelined_mxfp8", "gather_deferred_rows", "gather_first_chunk_ahead",
-           "zero_padding_rows"]
+           "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "natural_rows", "zero_padding_rows"]
 
 
-def _natural_rows(ctx, k_size):
+def natural_rows(ctx, k_size):
     """SBUF [128, Kp] bf16 tile for rows of K = k_size (Kp: K padded to the MX K alignment)."""
     return nl.ndarray((PARTITIONS, ctx.k_width(k_size)), dtype=nl.bfloat16, buffer=nl.sbuf)
 
 
 def _block_natural(ctx, scratch, i, r0, m, k_size):
     """SBUF [128, Kp] bf16 tile: rows r0..r0+m of block i of a block-ordered [N, B, K] scratch (already gathered)."""
-    nat = _natural_rows(ctx, k_size)
+    nat = natural_rows(ctx, k_size)
     if nat.shape[1] > k_size:
         nisa.memset(dst=nat[:m, k_size:], value=0.0)
     nisa.dma_copy(dst=nat[:m, :k_size], src=ctx.block_rows(scratch, i, r0, m, 1, 0, k_size))
@@ -94,8 +93,8 @@ class ChunkInputs(nl.NKIObject):
         # slots: read by the gathers / scatters by slot only, so none when p, d_p and the checkpoints are block-ordered
         self.slots = (None if ctx.checkpoints_blocked and ctx.weights_blocked else
                       nl.ndarray((m, 1), dtype=nl.int32, buffer=nl.sbuf))
-        self.dy_nat = _natural_rows(ctx, ctx.H)
-        self.x_nat = None if ctx.defer_x or not gather_x else _natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
+        self.dy_nat = natural_rows(ctx, ctx.H)
+        self.x_nat = None if ctx.defer_x or not gather_x else natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
         self.p, self.ckpts = None, None
         if values:
@@ -498,74 +497,6 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     ctx.if_flag(full, 1, lambda: last_two(True))
     ctx.if_flag(full, 1, lambda: last_two(False), complement=True)
     sets = None
-
-
-def scatter_deferred_d_w(ctx, b_lo, b_hi):
-    """d_topk_weights of blocks [b_lo, b_hi) (registers) from ctx.d_w_partial, where the pipeline left them: this
-    core's chunks (ctx.unit_rows), scattered by slot (padding slots skipped); a chunk whose unit starts with padding
-    was not computed (its rows were never written) and is skipped by the same flag as in the pipeline."""
-    rows = ctx.unit_rows
-
-    def chunk(i, r0, m):
-        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
-        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
-        ctx.store_pair_grads(d_w, i, r0, m, slots)
-
-    def block(i):
-        flags = ctx.row_flags(i, ctx.row_unit, len(rows))
-        for q, (r0, m) in enumerate(rows):
-            if q == 0:  # a block's first position holds a routed pair
-                chunk(i, r0, m)
-                continue
-            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m))
-
-    nl.fori_loop(b_lo, b_hi, block)
-
-
-def gather_deferred_x(ctx, b_lo, last, b_hi):
-    """x_blocks rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) for this core's chunks, gathered
-    by token id, where the pipeline does not gather X (ctx.defer_x: gate_pre and up given, so X serves only pass C).
-    Padding rows are zero; a unit starting with padding is left to the pipeline's zero rows (_zero_rows).
-
-    Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
-    gather_deferred_rows(ctx, ctx.x, ctx.x_blocks, b_lo, last, b_hi)
-
-
-def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
-    """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
-    core's chunks (ctx.unit_rows): a full chunk HBM -> HBM, one with padding through SBUF with its padding rows zero.
-    every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
-    zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
-
-    Dimensions: src [T, H] -> dst [N, B, H] bf16, one [128, H] tile per chunk."""
-    rows, H = ctx.unit_rows, src.shape[1]
-
-    def chunk(i, r0, m, full):
-        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
-            ctx.gather_to_blocks(dst, i, r0, m, src, ids)
-            return
-        nat = _natural_rows(ctx, H)
-        nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
-        ctx.gather(nat[:m, :H], src, ids, 0, H)
-        nisa.dma_copy(dst=ctx.block_rows(dst, i, r0, m, 1, 0, H), src=nat[:m, :H])
-
-    def block(i, full):
-        flags = None if full or every_chunk else ctx.row_flags(i, ctx.row_unit, len(rows))
-        for q, (r0, m) in enumerate(rows):
-            if full or q == 0 or every_chunk:
-                chunk(i, r0, m, full)
-                continue
-            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
-
-    def last_block(i):  # full when its final position holds a routed pair: then HBM -> HBM like the blocks before
-        flag = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-        ctx.if_flag(flag, 1, lambda: block(i, True))
-        ctx.if_flag(flag, 1, lambda: block(i, False), complement=True)
-
-    nl.fori_loop(b_lo, last, lambda i: block(i, True))
-    nl.fori_loop(last, b_hi, last_block)
 
 
 def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):

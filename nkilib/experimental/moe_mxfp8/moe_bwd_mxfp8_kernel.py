@@ -90,8 +90,8 @@ from ...core.matmul import CoreSplit, TensorDescriptor, panel_tile_widths
 from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
-                                      gather_deferred_rows, gather_deferred_x, gather_first_chunk_ahead,
-                                      scatter_deferred_d_w)
+                                      gather_first_chunk_ahead)
+from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_deferred_x, scatter_deferred_d_w
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)

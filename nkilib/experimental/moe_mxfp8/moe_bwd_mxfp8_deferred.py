@@ -1,0 +1,82 @@
+"""Pass A's deferred transfers (moe_bwd_mxfp8_kernel.py): work the pass A pipeline
+(moe_bwd_mxfp8_d_gate_up.compute_phase1_pipelined_mxfp8) leaves to another point of the segment schedule, where the
+engines it needs have room: the routing-weight gradients scattered by slot after the fence (scatter_deferred_d_w), X's
+block-ordered copy for pass C gathered at the segment's end (gather_deferred_x; round 8c), and dY's block-ordered copy
+made a fence ahead (gather_deferred_rows with ctx.staged_dy; round 31a). docs/moe.md, sections 5 and 10.
+"""
+from __future__ import annotations
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .moe_bwd_mxfp8_d_gate_up import natural_rows
+
+__all__ = ["gather_deferred_rows", "gather_deferred_x", "scatter_deferred_d_w"]
+
+
+def scatter_deferred_d_w(ctx, b_lo, b_hi):
+    """d_topk_weights of blocks [b_lo, b_hi) (registers) from ctx.d_w_partial, where the pipeline left them: this
+    core's chunks (ctx.unit_rows), scattered by slot (padding slots skipped); a chunk whose unit starts with padding
+    was not computed (its rows were never written) and is skipped by the same flag as in the pipeline."""
+    rows = ctx.unit_rows
+
+    def chunk(i, r0, m):
+        slots = ctx.positions(ctx.slots2d, i, r0, 1, m)
+        d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=d_w, src=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1))
+        ctx.store_pair_grads(d_w, i, r0, m, slots)
+
+    def block(i):
+        flags = ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if q == 0:  # a block's first position holds a routed pair
+                chunk(i, r0, m)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m))
+
+    nl.fori_loop(b_lo, b_hi, block)
+
+
+def gather_deferred_x(ctx, b_lo, last, b_hi):
+    """x_blocks rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) for this core's chunks, gathered
+    by token id, where the pipeline does not gather X (ctx.defer_x: gate_pre and up given, so X serves only pass C).
+    Padding rows are zero; a unit starting with padding is left to the pipeline's zero rows (_zero_rows).
+
+    Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
+    gather_deferred_rows(ctx, ctx.x, ctx.x_blocks, b_lo, last, b_hi)
+
+
+def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
+    """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
+    core's chunks (ctx.unit_rows): a full chunk HBM -> HBM, one with padding through SBUF with its padding rows zero.
+    every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
+    zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
+
+    Dimensions: src [T, H] -> dst [N, B, H] bf16, one [128, H] tile per chunk."""
+    rows, H = ctx.unit_rows, src.shape[1]
+
+    def chunk(i, r0, m, full):
+        ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
+        if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
+            ctx.gather_to_blocks(dst, i, r0, m, src, ids)
+            return
+        nat = natural_rows(ctx, H)
+        nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
+        ctx.gather(nat[:m, :H], src, ids, 0, H)
+        nisa.dma_copy(dst=ctx.block_rows(dst, i, r0, m, 1, 0, H), src=nat[:m, :H])
+
+    def block(i, full):
+        flags = None if full or every_chunk else ctx.row_flags(i, ctx.row_unit, len(rows))
+        for q, (r0, m) in enumerate(rows):
+            if full or q == 0 or every_chunk:
+                chunk(i, r0, m, full)
+                continue
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))
+
+    def last_block(i):  # full when its final position holds a routed pair: then HBM -> HBM like the blocks before
+        flag = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
+        ctx.if_flag(flag, 1, lambda: block(i, True))
+        ctx.if_flag(flag, 1, lambda: block(i, False), complement=True)
+
+    nl.fori_loop(b_lo, last, lambda i: block(i, True))
+    nl.fori_loop(last, b_hi, last_block)
