@@ -195,7 +195,8 @@ def intermediate_tile(terms: SwigluTerms):
 
 
 def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector,
-                         d_up_engine=None, gate_mask_later=False, gate_first=False):
+                         d_up_engine=None, gate_mask_later=False, gate_first=False,
+                         d_gate_engine=nisa.engine.gpsimd):
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
@@ -204,6 +205,9 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     d_i_engine: engine of the two products that read d_i: VectorE by default (it reads PSUM; GpSimd cannot), so
     only an SBUF d_i such as the MoE kernel's dh may take GpSimd to unload VectorE (the same fp32 multiply).
     d_up_engine: engine of the product dI * a alone (None: d_i_engine), so a kernel can balance the two.
+    d_gate_engine: engine of d_gate's SBUF product (dI * uc) * act'(gc): GpSimd by default (it unloads VectorE), or
+    VectorE where GpSimd's SBUF access would hold the bus VectorE's perf modes share with it (an fp32 product runs
+    outside VectorE's perf modes); the same fp32 multiply on either engine, so the same bits.
     gate_first: d_gate's products issued before d_up's (the same instructions, so the same bits): VectorE, which runs in
     program order, then computes dI * uc first and GpSimd's d_gate product that follows it starts one product earlier.
     With an offset not yet materialized (no intermediate_tile), dI * fp32(uc + 1) is one scalar_tensor_tensor
@@ -232,11 +236,11 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     masked = None
     if mask_g == None and terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+                           engine=d_gate_engine)
     else:
         t_g2 = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=t_g2[:msz, :nsz], data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+                           engine=d_gate_engine)
         if terms.gate_cmp == None:  # noqa: E711
             nisa.tensor_tensor(dst=d_gate_dst, data1=t_g2[:msz, :nsz], data2=mask_g, op=nl.multiply,
                                engine=nisa.engine.gpsimd)

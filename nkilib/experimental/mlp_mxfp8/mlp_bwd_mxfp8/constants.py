@@ -25,6 +25,13 @@ ALONG_S_HALF_FROM_COPY = True  # phase 1's quantize along S reads its [P, 4, 2I]
 # of docs/dense-performance.md)
 ALONG_S_SPREAD_STAGING_BYTES = 24 * 1024  # ... only when a K tile's staging tile [128, 4, 2I] bf16 is at most this
 # per partition: the spread keeps two live (Llama3-8B TP8's 28 KiB find no placement beside phase 1's panels)
+SWITCH_D_GATE_ON_VECTOR = True  # where phase 1 is split along S (each core all of I), the d_gate product of each S tile's
+# last n block (the S tile switch), but the core's last S tile's, runs on VectorE instead of GpSimd: GpSimd's SBUF
+# access holds the bus VectorE's perf modes share with it, and the next S tile's dY quantize (a perf mode) waited for
+# it; an fp32 product on VectorE runs outside the perf modes. The last S tile's stays on GpSimd (VectorE then paces
+# phase 2's first panel transposes: central +0.8 us). Split along I (TP1) off: its epilogue is VectorE-bound (4.50781
+# / 4.67654 -> 4.51483 / 4.68489 ms). TP8 modeled 0.61670 / 0.67465 -> 0.61649 / 0.66834 ms, Llama3-8B TP8 0.72899 /
+# 0.80611 -> 0.72838 / 0.80368 (round 37 of docs/dense-performance.md)
 GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize (TP8), its last this many S tiles issue
 # d_gate's PSUM product first (SwigluBackwardEpilogue.last_tile_gate_first; the along-S staging copy on the software DGE
 # stays the last tile's only). TP8 modeled: 1 0.62068 / 0.70053 ms, 2 0.62068 / 0.69975, 3 0.62142 / 0.69944 (with

@@ -17,7 +17,7 @@ from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_f
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
                         CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
-                        PHASE2_STATIONARY_BUDGET_BYTES)
+                        PHASE2_STATIONARY_BUDGET_BYTES, SWITCH_D_GATE_ON_VECTOR)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -101,6 +101,14 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # the pessimistic case's VectorE reaches the last S tile's dY quantize earlier (0.70053 -> 0.69975 ms, round 29)
         self.last_tile_gate_first = self.chunks_after_products and self.defer_last_along_s
 
+    def _d_gate_engine(self, m0: int, msz: int, n0: int, nsz: int):
+        """Engine of tile (m0, n0)'s d_gate product: VectorE at an S tile switch (the S tile's last n block, all of I
+        on this core, not the core's last S tile; SWITCH_D_GATE_ON_VECTOR), so the next S tile's dY quantize does not
+        wait for the SBUF bus GpSimd's product would hold; GpSimd otherwise."""
+        switch = (SWITCH_D_GATE_ON_VECTOR and (self.n_lo, self.n_hi) == (0, self.I) and n0 + nsz == self.n_hi and
+                  m0 + msz < self.s_base + self.m_hi)
+        return nisa.engine.vector if switch else nisa.engine.gpsimd
+
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
         tiles instead of one: phase 1 has more than one n block and two K tiles' staging tiles (the spread one and the
@@ -151,7 +159,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         gate_first = (self.last_tile_gate_first and
                       m0 + msz + (GATE_FIRST_S_TILES - 1) * self.m_tile >= self.s_base + self.m_hi)
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
-                              m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=gate_first)
+                              m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=gate_first,
+                              d_gate_engine=self._d_gate_engine(m0, msz, n0, nsz))
         if chunk_after:
             self._quantize_along_s_chunk()
         out = self.d_gate_up_td
@@ -287,7 +296,7 @@ def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
 
 
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
-                          d_gate_dst, d_up_dst, gate_first=False):
+                          d_gate_dst, d_up_dst, gate_first=False, d_gate_engine=nisa.engine.gpsimd):
     """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
     derivative, clamp masks, intermediate.
 
@@ -303,4 +312,4 @@ def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, 
     terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
     if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
         nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
-    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst, gate_first=gate_first)
+    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst, gate_first=gate_first, d_gate_engine=d_gate_engine)
