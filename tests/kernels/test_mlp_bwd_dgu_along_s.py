@@ -134,12 +134,12 @@ def test_chunks_along_s_quantized_after_their_call_products(lnc):
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
 
 
-def _along_s_chunk_sources(res, p):
+def _along_s_chunk_sources(trace, p):
     """Per chunk along S of core p (its stores of d_gate_up's words, program order): the quantize_mx that write the
     chunk's words, as (unit-stride source, source elements per partition, where the source is): "staging" (the K
     tile's [P, 4, 2I] staging tile) or ("scalar", c) (a bf16 copy of that staging tile by ScalarE, placed at words
     column c of the same words tile; x4 words are 4 bytes)."""
-    records = [r for r in res.trace if r.program == p]
+    records = [r for r in trace if r.program == p]
     stores = [r.reads[0] for r in records if r.instr == "dma_copy" and any(o.name == MX_WORDS for o in r.writes)]
     words_tiles = {o.storage_id for o in stores}
     copies, quantizes = {}, []
@@ -167,8 +167,7 @@ def _along_s_chunk_sources(res, p):
     return chunks
 
 
-@pytest.mark.parametrize("lnc", [1, 2])
-def test_along_s_chunks_quantize_their_last_half_from_a_unit_stride_copy(lnc, monkeypatch):
+def test_along_s_chunks_quantize_their_last_half_from_a_unit_stride_copy(monkeypatch):
     """Phase 1's quantize along S reads the K tile's [P, 4, 2I] staging tile through a strided [P, cols, 4] view (half
     VectorE's quantize rate in the cost model, a quarter pessimistic), and at TP8's S tile switches those chunks pace
     TensorE. With ALONG_S_HALF_FROM_COPY, ScalarE copies each chunk's last half into words the chunk does not write, as
@@ -185,20 +184,21 @@ def test_along_s_chunks_quantize_their_last_half_from_a_unit_stride_copy(lnc, mo
     whole = [(False, 4 * width, "staging")]
     halves = [[(False, 2 * width, "staging"), (True, 2 * width, ("scalar", (c + 1) % chunks * width))]
               for c in range(chunks)]
-    k_tiles = S // lnc // 512
-    expected = halves * (k_tiles - 1) + [whole] * chunks
+
+    def k_tiles(lnc):
+        return S // lnc // 512
+
+    def check(trace, lnc):
+        expected = halves * (k_tiles(lnc) - 1) + [whole] * chunks
+        for p in range(lnc):
+            assert _along_s_chunk_sources(trace, p) == expected, (lnc, p)
+
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 36, kind="pow2")
-    runs = {}
-    for n in sorted({1, lnc}):
-        runs[n] = run_mlp(inp, lnc=n, trace=True, phase1_tiles_n=1)
-        assert_matches_mx_exact(runs[n].outputs, mlp_reference(inp))
-    for a, b in zip(runs[1].outputs, runs[lnc].outputs):
-        assert a.tobytes() == b.tobytes()
-    for p in range(lnc):
-        assert _along_s_chunk_sources(runs[lnc], p) == expected, p
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check, phase1_tiles_n=1)
     monkeypatch.setattr(epilogue_module, "ALONG_S_HALF_FROM_COPY", False)
-    res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
-    assert all(_along_s_chunk_sources(res, p) == [whole] * (chunks * k_tiles) for p in range(lnc))
+    for lnc in (1, 2):
+        res = run_mlp(inp, lnc=lnc, trace=True, phase1_tiles_n=1)
+        assert all(_along_s_chunk_sources(res.trace, p) == [whole] * (chunks * k_tiles(lnc)) for p in range(lnc))
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
