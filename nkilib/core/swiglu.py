@@ -23,13 +23,15 @@ offset is applied inside the product that uses it (scalar_tensor_tensor: fp32(fp
 bits as dI * fp32(uc + 1) since an fp32 multiply commutes) unless the intermediate is computed on chip, which
 materializes fp32(uc + 1) once for both products. On request (gate_mask_in_product, round 19a) a one-limit gate
 mask is not materialized: d_gate's last product compares, (g <= limit) * t in one scalar_tensor_tensor.
+On request (narrow, round 32a) the clamps and masks of bf16 inputs are written as bf16 where that is exact (every
+limit a bf16 value; masks are 0 / 1), so their tensor_scalar passes qualify for the engines' 2-byte modes.
 """
 from __future__ import annotations
 
 import nki.isa as nisa
 import nki.language as nl
 
-from .matmul.constants import PARTITIONS
+from .matmul.constants import BF16_SIGNIFICANT_STEPS, PARTITIONS
 from .kernel_helpers import kernel_fail
 from .options import UP_OFFSETS, clamp_activation
 
@@ -59,7 +61,23 @@ class SwigluTerms(nl.NKIObject):
         return self.lin
 
 
-def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None, with_mask=True):
+def exact_in_bf16(value) -> bool:
+    """Whether the float `value` is a normal bf16 number or zero (8 significant bits, exponent -126..127): then
+    fp32(value) = bf16(value) = value. Plain Python (traced at specialization)."""
+    if value == 0:
+        return True
+    m, e = abs(float(value)), 0
+    if m != m or m == float("inf"):
+        return False
+    while m >= 2.0:
+        m, e = m / 2.0, e + 1
+    while m < 1.0:
+        m, e = m * 2.0, e - 1
+    return -126 <= e <= 127 and m * BF16_SIGNIFICANT_STEPS == int(m * BF16_SIGNIFICANT_STEPS)
+
+
+def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown, mask_engine=None, with_mask=True,
+                   narrow=False):
     """(clamped [msz, nsz] fp32 view, mask view or None): clamp(x, lower, upper) and 1.0 where inside.
 
     x: bf16 or fp32 [msz, nsz] view; without limits it is returned as is (and no mask). The on-chip
@@ -81,15 +99,21 @@ def clamp_and_mask(x, lower, upper, msz, nsz, ncols, engine=nisa.engine.unknown,
     fp32(-upper) = -fp32(upper), so |x| <= upper exactly when -upper <= x <= upper; +-0 give 1, and NaN gives 0
     (|NaN| is NaN, which compares false).
     with_mask: False for a one-limit x whose mask its product computes (MaskComparison): no mask pass, mask None.
+    narrow: with a bf16 x, the mask is written as bf16 (1.0 and 0.0 are bf16 values) and, where every given limit
+    is a bf16 value (exact_in_bf16), the clamped values too: clamp(x) is x or a limit, so bf16 holds it exactly and
+    every reader (which computes in fp32) sees the same value; the passes then run in the engines' 2-byte modes
+    (ScalarE's 2x on trn3: docs/moe.md section 10, round 32a). Otherwise fp32 as before.
     """
     has_lower, has_upper = lower != None, upper != None  # noqa: E711
     mask_engine = engine if mask_engine == None else mask_engine  # noqa: E711
     if not has_lower and not has_upper:
         return x, None
-    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+    narrow = narrow and x.dtype == nl.bfloat16
+    exact = narrow and all(exact_in_bf16(v) for v in (lower, upper) if v != None)  # noqa: E711
+    clamped = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16 if exact else nl.float32, buffer=nl.sbuf)
     c = clamped[:msz, :nsz]
     if with_mask or (has_lower and has_upper):
-        mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
+        mask = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16 if narrow else nl.float32, buffer=nl.sbuf)
         m = mask[:msz, :nsz]
     if has_lower and has_upper:
         nisa.tensor_scalar(dst=c, data=x, op0=nl.maximum, operand0=float(lower), op1=nl.minimum,
@@ -147,7 +171,7 @@ class MaskedProduct(nl.NKIObject):
 
 def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
                          clamp_engine=nisa.engine.unknown, up_mask_engine=None,
-                         gate_mask_in_product=False) -> SwigluTerms:
+                         gate_mask_in_product=False, narrow=False) -> SwigluTerms:
     """Clamps, masks and gate_act of one tile.
 
     Dimensions:
@@ -162,6 +186,7 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
     gate_mask_in_product: where the gate has one limit (GPT-OSS: above 7), its mask is not materialized; d_gate's
     last product compares (MaskComparison.apply): one ScalarE / VectorE mask pass and one GpSimd product become one
     VectorE scalar_tensor_tensor (docs/moe.md section 10, round 19a).
+    narrow: clamp_and_mask's (bf16 clamps and masks where exact; round 32a).
     """
     activation = clamp_activation(clamp, fail=kernel_fail)
     g_lo, g_hi = clamp.non_linear_lower, clamp.non_linear_upper
@@ -172,9 +197,9 @@ def swiglu_forward_terms(gate_pre, up, gate_act, clamp, msz, nsz, ncols,
     act_fn, act_dx = (nl.silu, nl.silu_dx) if activation == "silu" else (nl.gelu_apprx_sigmoid,
                                                                          nl.gelu_apprx_sigmoid_dx)
     gc, mask_g = clamp_and_mask(gate_pre, g_lo, g_hi, msz, nsz, ncols, engine=clamp_engine,
-                                with_mask=gate_cmp == None)  # noqa: E711
+                                with_mask=gate_cmp == None, narrow=narrow)  # noqa: E711
     uc, mask_u = clamp_and_mask(up, clamp.linear_lower, clamp.linear_upper, msz, nsz, ncols, engine=clamp_engine,
-                                mask_engine=up_mask_engine)
+                                mask_engine=up_mask_engine, narrow=narrow)
     if gate_act == None:  # noqa: E711
         act = nl.ndarray((PARTITIONS, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.activation(dst=act[:msz, :nsz], op=act_fn, data=gc)  # gate_act = bf16(act(gc))

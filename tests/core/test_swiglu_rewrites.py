@@ -15,7 +15,7 @@ import pytest
 
 import nki.isa as nisa
 from nkilib.core import numerics
-from nkilib.core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
+from nkilib.core.swiglu import exact_in_bf16, intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import ClampLimits
 from simkit import BF16, run_tiles
 
@@ -212,3 +212,58 @@ def test_gate_first_same_bits_other_order(clamp, in_product, gate_first):
     reads_d_i = [r.instr for r in trace if any(o.buffer == "psum" for o in r.reads)]
     order = ["scalar_tensor_tensor", "tensor_tensor"]
     assert reads_d_i == (order if gate_first else order[::-1]), reads_d_i
+
+
+#: limits that bf16 cannot hold (fp32(0.3) and fp32(7.1) need more than 8 significant bits): the clamped values stay
+#: fp32 with narrow=True, only the masks go to bf16
+INEXACT_LIMITS = ClampLimits(non_linear_upper=7.1, linear_lower=-0.3, linear_upper=0.3, activation="gpt_oss")
+
+
+@pytest.mark.parametrize("with_intermediate", [False, True], ids=["folded_offset", "intermediate"])
+@pytest.mark.parametrize("clamp", [GPT_OSS_BOTH, GPT_OSS_ASYMMETRIC, SILU_ASYMMETRIC, INEXACT_LIMITS],
+                         ids=["gpt_oss", "gpt_oss_asymmetric", "silu", "inexact_limits"])
+def test_narrow_clamps_and_masks_keep_the_bits(clamp, with_intermediate):
+    """narrow=True (docs/moe.md section 10, round 32a): the clamps of the bf16 gate_pre / up are written as bf16 where
+    every limit is a bf16 value (clamp(x) is x or a limit: no rounding), the masks always (1.0 / 0.0), so ScalarE's
+    tensor_scalar passes run in its 2x mode. Every reader computes in fp32 from the same values: the contract's bits
+    on adversarial values (the limits and their bf16 neighbours, +-0, +-3e38, +-inf, NaN), and the clamped dtype
+    falls back to fp32 for limits bf16 cannot hold (a bf16 clamp there would round the limit: 0.3 -> 0.30078)."""
+    gate_pre, up, gate_act, d_i = _epilogue_inputs(clamp, seed=17)
+
+    def body(g, u, a, di, d_gate, d_up, inter):
+        terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar, narrow=True)
+        if with_intermediate:
+            nisa.tensor_copy(dst=inter, src=intermediate_tile(terms))
+        else:
+            nisa.memset(dst=inter, value=0.0)
+        swiglu_backward_tile(di, terms, d_gate, d_up)
+
+    outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 3, psum_inputs=(3,),
+                            trace=True)
+    d_gate, d_up, inter = _expected(gate_pre, up, gate_act, d_i, clamp)
+    _assert_same_bits(outs[0], d_gate, "d_gate")
+    _assert_same_bits(outs[1], d_up, "d_up")
+    if with_intermediate:
+        _assert_same_bits(outs[2], inter, "intermediate")
+    clamps = [r for r in trace if r.instr == "tensor_scalar" and r.attrs["op0"] in ("maximum", "minimum")]
+    masks = [r for r in trace if (r.instr, r.attrs.get("op0") or r.attrs.get("op")) in
+             (("tensor_scalar", "abs"), ("tensor_scalar", "less_equal"), ("tensor_scalar", "greater_equal"),
+              ("tensor_tensor", "equal"))]
+    assert len(clamps) == 2 and len(masks) == 2, [(r.instr, r.attrs) for r in trace]
+    exact = clamp is not INEXACT_LIMITS
+    assert {r.attrs["dst_dtype"] for r in clamps} == {"bfloat16" if exact else "float32"}, clamps
+    assert {r.attrs["dst_dtype"] for r in masks} == {"bfloat16"}, masks
+
+
+def test_exact_in_bf16_matches_numpy():
+    """exact_in_bf16 (plain Python, traced) against NumPy's bf16 round trip on limits of every kind: small integers,
+    halves, values of 8 and 9 significant bits, tiny and huge normals, subnormals (refused: kept fp32), +-inf."""
+    rng = np.random.default_rng(4)
+    values = [0.0, -0.0, 7.0, -7.0, 6.5, 0.75, 1.0, 0.3, 7.1, 255.0, 257.0, 2.0 ** -126, 2.0 ** -127, 3.0e38,
+              float(np.finfo(np.float32).max), np.inf, -np.inf]
+    values += [float(v) for v in (rng.standard_normal(200) * 10.0).astype(BF16).astype(np.float32)]
+    values += [float(v) for v in rng.standard_normal(50) * 10.0]
+    for v in values:
+        want = bool(np.isfinite(v)) and (v == 0 or abs(v) >= 2.0 ** -126) and float(
+            np.array([v], np.float64).astype(BF16).astype(np.float64)[0]) == v
+        assert exact_in_bf16(v) == want, v

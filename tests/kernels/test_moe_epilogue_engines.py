@@ -1,7 +1,8 @@
 """Engines of the MoE kernel's pass-A SwiGLU epilogue (docs/moe.md section 10, round 4).
 
 Clamped on trn3, the clamps' tensor_scalar ops run on ScalarE, up's one-instruction mask and dh * uc on VectorE
-(GpSimd keeps dh * a and the masks' products; round 14e for the masks and the folded "gpt_oss" offset); without
+(GpSimd keeps dh * a and the masks' products; round 14e for the masks and the folded "gpt_oss" offset; round 32a: the
+clamps and masks in bf16 where exact, and up's symmetric mask on ScalarE with the clamps); without
 clamps, or on trn2 (whose ScalarE takes no min/max or comparison), the round-2 engines. The engine never changes a
 bit: the outputs stay equal to mx_exact, with GPT-OSS's clamped "gpt_oss" activation (gate clamped above, up on both
 sides, the +1 offset) included.
@@ -26,13 +27,15 @@ GPT_OSS_LIKE = ClampLimits(non_linear_upper=0.5, linear_lower=-0.5, linear_upper
 
 
 def _traced(kernel_kwargs, lnc=2):
-    """(outputs, [(instr, engine, op0)] of the pass-A epilogue's elementwise records) of one simulator run."""
+    """(outputs, [(instr, engine, op0)] of the pass-A epilogue's elementwise records, pass A's records) of one
+    simulator run."""
     with label_phases(kernel_module, PHASES):
         res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel_kwargs, lnc=lnc, grid_ndim=1,
                          trace=True)
     ops = [(r.instr, r.engine, r.attrs.get("op0") or r.attrs.get("op")) for r in res.trace
            if r.instr in ("tensor_scalar", "tensor_tensor") and r.attrs.get("phase") == "A dI+epilogue"]
-    return tuple(np.asarray(o) for o in res.outputs), ops
+    in_a = [r for r in res.trace if r.attrs.get("phase") == "A dI+epilogue"]
+    return tuple(np.asarray(o) for o in res.outputs), ops, in_a
 
 
 @pytest.mark.parametrize("clamp", [GPT_OSS_LIKE, CLAMPS], ids=["gpt_oss", "silu_clamped"])
@@ -40,18 +43,25 @@ def test_clamped_trn3_engines_and_bits(clamp):
     T, E, k, H, I = 48, 3, 2, 64, 96
     kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=5), seed=23,
                            checkpoints=("gate_pre", "up"), clamp_limits=clamp)
-    out, ops = _traced(kernel)
+    out, ops, in_a = _traced(kernel)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"{clamp.activation} clamps vs mx_exact")
     clamp_ops = [(e, op) for instr, e, op in ops if instr == "tensor_scalar" and op in
                  ("minimum", "maximum", "less_equal", "greater_equal")]
     assert clamp_ops and all(e == "scalar" for e, _ in clamp_ops), clamp_ops
     products = {e for instr, e, op in ops if instr == "tensor_tensor" and op == "multiply"}
     assert {"vector", "gpsimd"} <= products, products
-    # round 14e: up's two-limit mask is one instruction on VectorE (|u| <= 0.5 for GPT-OSS's symmetric limits,
-    # clamp(u) == u for the asymmetric ones), no (>=, <=) pair
+    # round 14e: up's two-limit mask is one instruction (|u| <= 0.5 for GPT-OSS's symmetric limits, clamp(u) == u
+    # for the asymmetric ones), no (>=, <=) pair; round 32a: the symmetric one on ScalarE with the clamps (bf16, its
+    # 2x mode), the asymmetric one's tensor_tensor on VectorE (its only engine besides GpSimd)
     up_mask = [(instr, e) for instr, e, op in ops if op in ("abs", "equal")]
-    assert up_mask and set(up_mask) == {("tensor_scalar" if clamp is GPT_OSS_LIKE else "tensor_tensor", "vector")}, ops
+    assert up_mask and set(up_mask) == {("tensor_scalar", "scalar") if clamp is GPT_OSS_LIKE else
+                                        ("tensor_tensor", "vector")}, ops
     assert not [o for o in ops if o[2] == "greater_equal"], ops
+    # round 32a: every limit here is a bf16 value, so the clamps and masks of the bf16 gate_pre / up are bf16
+    narrow = [r for r in in_a if (r.instr, r.attrs.get("op0") or r.attrs.get("op")) in
+              (("tensor_scalar", "minimum"), ("tensor_scalar", "maximum"), ("tensor_scalar", "less_equal"),
+               ("tensor_scalar", "abs"), ("tensor_tensor", "equal"))]
+    assert narrow and {r.attrs["dst_dtype"] for r in narrow} == {"bfloat16"}, [(r.instr, r.attrs) for r in narrow]
 
 
 def test_gpt_oss_offset_folded_into_the_product():
@@ -76,7 +86,7 @@ def test_gpt_oss_offset_folded_into_the_product():
 def test_unclamped_keeps_clamp_free_engines():
     T, E, k, H, I = 40, 3, 2, 64, 64
     kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=6), seed=29, checkpoints=("gate_pre", "up"))
-    out, ops = _traced(kernel)
+    out, ops, _ = _traced(kernel)
     assert_outputs_identical(out, moe_backward_reference(**ref), "no clamps vs mx_exact")
     assert not [o for o in ops if o[0] == "tensor_scalar" and o[2] in ("minimum", "less_equal")]
 
@@ -87,7 +97,7 @@ def test_trn2_clamps_stay_off_scalar(set_target):
     T, E, k, H, I = 40, 3, 2, 64, 96
     kernel, ref = moe_case(T, E, H, I, routing("random", T, E, k, seed=9), seed=19, block_size=256,
                            checkpoints=("gate_pre", "up"), clamp_limits=GPT_OSS_LIKE, matmul_precision="bf16")
-    out, ops = _traced(kernel)
+    out, ops, _ = _traced(kernel)
     assert_outputs_identical(out, moe_backward_reference(**ref), "trn2 bf16 clamped vs mx_exact")
     assert all(e != "scalar" for instr, e, op in ops if instr == "tensor_scalar" and op in ("minimum", "maximum"))
 

@@ -12,6 +12,9 @@ MX_PACK = 4  # fp8 values per x4 word
 MX_K_TILE = 512  # logical K per nc_matmul_mx: 128 partitions x 4 packed values (nc_matmul_mx page)
 MX_K_ALIGN = 128  # quantize_mx needs a multiple of 32 partitions -> K padded to 4 * 32
 BF16_K_TILE = 128  # logical K per nc_matmul (partition dim)
+# bf16 keeps 7 fraction bits: a normal value's significand in [1, 2) is a multiple of 1/128 (swiglu.exact_in_bf16,
+# which decides whether a clamp's limits let it write bf16 without rounding)
+BF16_SIGNIFICANT_STEPS = 2 ** 7
 M_TILE = 128  # stationary free size limit (gemm_stationary_fmax)
 N_TILE = 512  # moving free size per matmul: one fp32 PSUM bank (portable to trn2)
 SCALE_PACK_SLOTS = 4  # K tiles sharing one scale tile at partition offsets 0/4/8/12 (quantize_mx page)

@@ -264,7 +264,7 @@ class RowChunk(nl.NKIObject):
         act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
         terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
                                      clamp_engine=ctx.clamp_engine, up_mask_engine=ctx.up_mask_engine,
-                                     gate_mask_in_product=ctx.gate_mask_in_product)
+                                     gate_mask_in_product=ctx.gate_mask_in_product, narrow=ctx.narrow_clamps)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         if self.tile_sums:  # this tile's sum alone (folded with the other core's tiles after the fence)
             c = c0 // PHASE1_N_TILE

@@ -567,13 +567,16 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     relieve = on_trn3 and (ctx.clamp.has_gate_clamp or ctx.clamp.has_up_clamp)
     ctx.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
     ctx.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
-    # up's mask (one tensor_scalar since round 14e: |u| <= 7 on GPT-OSS) back on VectorE, which the one-pass masks and
-    # the folded offset left with room while ScalarE bounds pass A again (gpt4 2605.0 -> 2582.0 us; both masks there
-    # 2644.5 us: docs/moe.md section 10, round 14e)
-    ctx.up_mask_engine = nisa.engine.vector if relieve else None
     # the gate's one-limit mask (GPT-OSS: gate_pre <= 7) compared inside d_gate's last product, one VectorE
     # scalar_tensor_tensor, instead of a ScalarE mask pass and a GpSimd product (docs/moe.md section 10, round 19a)
     ctx.gate_mask_in_product = relieve
+    # the clamps and masks of the bf16 gate_pre / up written as bf16 (exact: GPT-OSS's limits are bf16 values, masks
+    # 0 / 1), so ScalarE's tensor_scalar passes run in its 2x mode, and up's mask (one tensor_scalar since round 14e:
+    # |u| <= 7 on GPT-OSS) with the clamps on ScalarE: VectorE, which paced pass A, loses a pass per I tile (gpt6
+    # 3591.0 / 3944.7 -> 3492.2 / 3854.6 us; up's bf16 mask left on VectorE, its 4x mode: 3492.8 / 3923.5 us, that
+    # mode shares the SBUF bus with GpSimd; docs/moe.md section 10, rounds 14e and 32a)
+    ctx.narrow_clamps = relieve
+    ctx.up_mask_engine = None
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     # block-ordered p (weights_layout "block"): the [N, B, 1] view MoeContext.pair_weights reads by plain DMA
