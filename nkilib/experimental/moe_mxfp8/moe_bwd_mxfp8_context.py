@@ -44,6 +44,62 @@ class MoeContext(nl.NKIObject):
         self.padding_zero_engine = nisa.engine.gpsimd if checkpoints_blocked else nisa.engine.unknown
         self.staged_dy = set()  # experts whose pass A reads dY staged in dy_blocks (the kernel's dy_ahead)
 
+    def choose_epilogue_engines(self, on_trn3):
+        """Set pass A's SwiGLU epilogue engines and the bf16 narrowing of its clamps (the entry point calls it once).
+
+        Args:
+            on_trn3: the target is trn3 (ScalarE's min / max / comparisons and its 2x mode exist there only).
+        """
+        # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
+        # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
+        # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
+        # descriptors, keeps only dh * a and the masks' products. Otherwise round 2's choice: both dh products on
+        # GpSimd. Every op is an exact fp32 compare / clamp or a single fp32 multiply: the bits do not depend on it.
+        relieve = on_trn3 and (self.clamp.has_gate_clamp or self.clamp.has_up_clamp)
+        self.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
+        self.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
+        # the gate's one-limit mask (GPT-OSS: gate_pre <= 7) compared inside d_gate's last product, one VectorE
+        # scalar_tensor_tensor, instead of a ScalarE mask pass and a GpSimd product (docs/moe.md section 10, round 19a)
+        self.gate_mask_in_product = relieve
+        # the clamps and masks of the bf16 gate_pre / up written as bf16 (exact: GPT-OSS's limits are bf16 values,
+        # masks 0 / 1), so ScalarE's tensor_scalar passes run in its 2x mode, and up's mask (one tensor_scalar since
+        # round 14e: |u| <= 7 on GPT-OSS) with the clamps on ScalarE: VectorE, which paced pass A, loses a pass per I
+        # tile (gpt6 3591.0 / 3944.7 -> 3492.2 / 3854.6 us; up's bf16 mask left on VectorE, its 4x mode: 3492.8 /
+        # 3923.5 us, that mode shares the SBUF bus with GpSimd; docs/moe.md section 10, rounds 14e and 32a)
+        self.narrow_clamps = relieve
+        self.up_mask_engine = None
+
+    def allocate_hbm(self, wg_dtype, gate_up_bias_grad):
+        """Allocate the passes' shared-HBM scratch and the kernel's outputs on the context.
+
+        Dimensions:
+            scratch d_gu [N, B, 2I], hs [N, B, I], dy_blocks / x_blocks [N, B, H] bf16, d_w_partial [N, B, 1] fp32;
+            outputs dx [T, H] bf16, d_weights [T, k] (or [N*B] with weights_blocked) fp32, d_gate_up_weight
+            [E, 2I, H] and d_down_weight [E, H, I] in wg_dtype, d_gate_up_bias [E, 2I] fp32 or None.
+
+        Returns:
+            (dx, d_weights) as the entry point returns them (self.d_weights is the [N, B, 1] or [T*k, 1] view).
+        """
+        T, k, E, H, I, B, N = self.T, self.k, self.E, self.H, self.I, self.B, self.N
+        hbm = nl.shared_hbm
+        self.d_gu = nl.ndarray((N, B, 2 * I), dtype=nl.bfloat16, buffer=hbm, name="moe_bwd_d_gate_up")
+        self.hs = nl.ndarray((N, B, I), dtype=nl.bfloat16, buffer=hbm, name="moe_bwd_weighted_inter")
+        self.dy_blocks = nl.ndarray((N, B, H), dtype=nl.bfloat16, buffer=hbm, name="moe_bwd_dy_blocks")
+        self.x_blocks = nl.ndarray((N, B, H), dtype=nl.bfloat16, buffer=hbm, name="moe_bwd_x_blocks")
+        self.d_w_partial = nl.ndarray((N, B, 1), dtype=nl.float32, buffer=hbm,
+                                      name="moe_bwd_routing_grad_partial")  # pass A's fold across resident I groups
+        dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=hbm, name="hidden_states_grad")
+        d_weights = nl.ndarray((N * B,) if self.weights_blocked else (T, k), dtype=nl.float32, buffer=hbm,
+                               name="topk_weights_grad")
+        self.dx = dx
+        # MoeContext.store_pair_grads writes either: [N, B, 1] by plain DMA, [T*k, 1] by slot
+        self.d_weights = d_weights.reshape((N, B, 1) if self.weights_blocked else (T * k, 1))
+        self.d_gate_up_weight = nl.ndarray((E, 2 * I, H), dtype=wg_dtype, buffer=hbm, name="gate_up_weight_grad")
+        self.d_down_weight = nl.ndarray((E, H, I), dtype=wg_dtype, buffer=hbm, name="down_weight_grad")
+        self.d_gate_up_bias = nl.ndarray((E, 2 * I), dtype=nl.float32, buffer=hbm,
+                                         name="gate_up_bias_grad") if gate_up_bias_grad else None
+        return dx, d_weights
+
     def f_pad(self, rows):
         """Stationary width of `rows` rows (nc_matmul_mx needs an even M)."""
         return rows + (rows % 2 if self.setup.is_mx else 0)

@@ -559,24 +559,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
         block_size, gate_up_bias_grad, checkpoint_layout, topk_weights_blocks, weights_layout)
     ctx = MoeContext(T, k, E, H, I, block_size, N, setup, CoreSplit(*get_program_sharding_info(run_with_lnc2)),
                      clamp_limits or ClampLimits(), checkpoints_blocked=blocked, weights_blocked=weights_blocked)
-    # Engines of pass A's SwiGLU epilogue (docs/moe.md section 10, round 4). Clamped on trn3: the clamps'
-    # tensor_scalar ops on ScalarE (min/max/comparisons there are trn3 only, nki.isa.tensor_scalar page) and the
-    # product dh * uc back on VectorE, so that GpSimd, which also generates the gathers' software-DGE
-    # descriptors, keeps only dh * a and the masks' products. Otherwise round 2's choice: both dh products on
-    # GpSimd. Every op is an exact fp32 compare / clamp or a single fp32 multiply: the bits do not depend on it.
-    relieve = on_trn3 and (ctx.clamp.has_gate_clamp or ctx.clamp.has_up_clamp)
-    ctx.clamp_engine = nisa.engine.scalar if relieve else nisa.engine.unknown
-    ctx.d_gate_engine = nisa.engine.vector if relieve else nisa.engine.gpsimd
-    # the gate's one-limit mask (GPT-OSS: gate_pre <= 7) compared inside d_gate's last product, one VectorE
-    # scalar_tensor_tensor, instead of a ScalarE mask pass and a GpSimd product (docs/moe.md section 10, round 19a)
-    ctx.gate_mask_in_product = relieve
-    # the clamps and masks of the bf16 gate_pre / up written as bf16 (exact: GPT-OSS's limits are bf16 values, masks
-    # 0 / 1), so ScalarE's tensor_scalar passes run in its 2x mode, and up's mask (one tensor_scalar since round 14e:
-    # |u| <= 7 on GPT-OSS) with the clamps on ScalarE: VectorE, which paced pass A, loses a pass per I tile (gpt6
-    # 3591.0 / 3944.7 -> 3492.2 / 3854.6 us; up's bf16 mask left on VectorE, its 4x mode: 3492.8 / 3923.5 us, that
-    # mode shares the SBUF bus with GpSimd; docs/moe.md section 10, rounds 14e and 32a)
-    ctx.narrow_clamps = relieve
-    ctx.up_mask_engine = None
+    ctx.choose_epilogue_engines(on_trn3)
     ctx.dy, ctx.x = output_grad, hidden_states
     ctx.weights = topk_weights.reshape((T * k, 1))
     # block-ordered p (weights_layout "block"): the [N, B, 1] view MoeContext.pair_weights reads by plain DMA
@@ -589,22 +572,7 @@ def moe_backward_mxfp8_nki(output_grad, hidden_states, topk_weights, gate_up_wei
     ckpt_view = (N, block_size, I) if blocked else (T * k, I)  # MoeContext.checkpoint_rows reads either
     ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate = (
         None if c == None else c.reshape(ckpt_view) for c in (gate_pre, gate_act, up, intermediate))  # noqa: E711
-    ctx.d_gu = nl.ndarray((N, block_size, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_d_gate_up")
-    ctx.hs = nl.ndarray((N, block_size, I), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_weighted_inter")
-    ctx.dy_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_dy_blocks")
-    ctx.x_blocks = nl.ndarray((N, block_size, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="moe_bwd_x_blocks")
-    ctx.d_w_partial = nl.ndarray((N, block_size, 1), dtype=nl.float32, buffer=nl.shared_hbm,
-                                 name="moe_bwd_routing_grad_partial")  # pass A's fold across resident I groups
-    dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="hidden_states_grad")
-    d_weights = nl.ndarray((N * block_size,) if weights_blocked else (T, k), dtype=nl.float32, buffer=nl.shared_hbm,
-                           name="topk_weights_grad")
-    ctx.dx = dx
-    # MoeContext.store_pair_grads writes either: [N, B, 1] by plain DMA, [T*k, 1] by slot
-    ctx.d_weights = d_weights.reshape((N, block_size, 1) if weights_blocked else (T * k, 1))
-    ctx.d_gate_up_weight = nl.ndarray((E, 2 * I, H), dtype=wg_dtype, buffer=nl.shared_hbm, name="gate_up_weight_grad")
-    ctx.d_down_weight = nl.ndarray((E, H, I), dtype=wg_dtype, buffer=nl.shared_hbm, name="down_weight_grad")
-    ctx.d_gate_up_bias = nl.ndarray((E, 2 * I), dtype=nl.float32, buffer=nl.shared_hbm,
-                                    name="gate_up_bias_grad") if gate_up_bias_grad else None
+    dx, d_weights = ctx.allocate_hbm(wg_dtype, gate_up_bias_grad)
     moe_backward_mxfp8_base_nki(ctx, wg_dtype)
     if gate_up_bias_grad:
         return dx, d_weights, ctx.d_gate_up_weight, ctx.d_down_weight, ctx.d_gate_up_bias
