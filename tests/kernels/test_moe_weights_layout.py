@@ -16,6 +16,8 @@ strict outputs check that every entry of the block-ordered output is written.
 |                                        | blocks; no indirect DMA on p or d_p, the slot layout's are     |            |
 | test_weights_block_i_split             | the I split (staged full blocks), block-ordered checkpoints;   | LNC1, LNC2 |
 |                                        | p read at the first epilogue, after W_down's loads (LNC2)      |            |
+| test_weights_block_i_split_d_w_runs    | the I split's d_p fold: 4 positions per partition (16-byte     | LNC2       |
+|                                        | runs), == mx_exact == the slot layout                          |            |
 | test_weights_block_resident_groups     | resident groups (d_p's fold across I groups) and weights per   | LNC2       |
 |                                        | block, padding chunks skipped                                  |            |
 | test_weights_block_lnc1_equals_lnc2    | B = 128, T = 70, I = 544, slot-layout checkpoints, clamps      | LNC1, LNC2 |
@@ -114,6 +116,24 @@ def test_weights_block_i_split(monkeypatch, lnc):
             return min(n for n, r in enumerate(seq) if r.instr.startswith("dma")
                        and any(getattr(o, "name", "") in names for o in r.reads))
         assert first_read(("topk_weights_blocks",)) > first_read(("down_weight",))
+
+
+def test_weights_block_i_split_d_w_runs(monkeypatch):
+    """test_weights_block_i_split's case under LNC2 (B = 256: each core folds one 128-row chunk per block, I tiles of
+    512 and 32 columns, one per core): with weights_layout="block" the I split's fold reads each chunk's I-tile sums
+    into [32, 4, 2] (positions r0 + 4p .. r0 + 4p + 3 on partition p: one 32-byte run each) and stores d_topk_weights
+    from [32, 4, 1] (one 16-byte run per partition), a quarter of the descriptors of a position per partition
+    (docs/moe.md section 10, round 32c); the outputs == mx_exact == the slot layout's (_check). Fails on the old code
+    ([128, 2] reads and [128, 1] stores)."""
+    kernel, ref = i_split_case(monkeypatch)
+    plain = _check(kernel, ref, 2, CHECKPOINTS, "I split")
+    stores = [tuple(o.shape) for r in plain if r.program == 0 for o in r.writes if o.name == "topk_weights_grad"]
+    reads = [tuple(r.writes[0].shape) for r in _run(_blocked(kernel, ref, CHECKPOINTS), 2)[1]
+             if r.program == 0 and r.instr.startswith("dma")
+             and any(getattr(o, "name", "") == "moe_bwd_routing_grad_tiles" for o in r.reads)]
+    folds = [s for s in stores if s != (128, 1)]  # (128, 1): a padding-only chunk's zeros (zero_pair_grads)
+    assert folds and set(folds) == {(32, 4, 1)}, stores
+    assert reads and set(reads) == {(32, 4, 2)}, reads
 
 
 def test_weights_block_resident_groups(monkeypatch):

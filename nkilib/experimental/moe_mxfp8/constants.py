@@ -32,7 +32,7 @@ CHECKPOINT_LAYOUTS = ("slot", "block")
 WEIGHTS_LAYOUTS = ("slot", "block")
 
 # ---- the NKI kernel (moe_bwd_mxfp8_kernel.py) ----
-from ...core.matmul.constants import PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401
+from ...core.matmul.constants import MX_PACK, PARTITIONS, SPLIT_ALIGN  # noqa: E402,F401
 
 #: Columns of I per phase-1 output tile: one fp32 PSUM bank, and the routing-gradient partial sums'
 #: tile (each phase-1 tile is exactly one ROUTING_GRAD_TILE, so the fold order is the reference's).
@@ -65,6 +65,11 @@ WEIGHT_GRAD_PSUM_TILES = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
 #: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
 SINGLE_BLOCK_LOAD_WIDTH = 1024
+#: Block positions per partition where the I split folds and stores d_topk_weights by block position (weights_layout
+#: "block"): partition p takes positions 4p .. 4p + 3 of a chunk (the 1x32 scheme's rows of a partition), so the I
+#: tiles' sums load and the gradient stores as one run per partition (64 and 16 bytes for the DeepSeek-V3 rank's 4 I
+#: tiles) instead of a descriptor per position (docs/moe.md section 10, round 32c).
+D_W_POSITIONS_PER_PARTITION = MX_PACK
 #: Columns per piece of a slot-interleaved block scratch (pass A's d_gate_up and hs rows under the I split, docs/moe.md
 #: round 30a): each 4 consecutive rows' columns of a piece are one contiguous run, so pass C's load of a K tile's
 #: four slots (rows 4p + j, the 1x32 scheme) of one SINGLE_BLOCK_LOAD_WIDTH piece is one DMA of 8 KiB runs, not four

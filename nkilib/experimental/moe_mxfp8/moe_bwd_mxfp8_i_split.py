@@ -44,7 +44,7 @@ from ...core.matmul import Panel, PanelPlacement, k_tiles, load_panel
 from ...core.matmul.constants import SCALE_PACK_SLOTS, STAGING_BUFFERS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import PARTITIONS, SLOT_PIECE_COLUMNS
+from .constants import PARTITIONS, D_W_POSITIONS_PER_PARTITION, SLOT_PIECE_COLUMNS
 from .moe_bwd_mxfp8_d_gate_up import compute_phase1_chunks_mxfp8, zero_padding_rows
 from .moe_bwd_mxfp8_dx import ExpertPanels
 from .moe_bwd_mxfp8_split_panels import SplitChunkPanels
@@ -262,14 +262,26 @@ class ExpertISplit(nl.NKIObject):
     def scatter(self, i):
         """d_topk_weights of block i's slots (this core's chunks): fold of the I tiles' sums both cores wrote (tile 0,
         then + tile 1, ... in fp32: the reference's order), scattered by slot (padding slots skipped), or stored by
-        block position (weights_layout "block"). Must follow the fence after the block's pass A."""
+        block position (weights_layout "block"). Must follow the fence after the block's pass A.
+
+        With weights_layout "block" partition p folds the chunk's positions r0 + 4p .. r0 + 4p + 3
+        (D_W_POSITIONS_PER_PARTITION): the sums load as one 4 x n_tiles x 4-byte run per partition and d_topk_weights
+        stores as one 16-byte run, a quarter of the descriptors of a position per partition (docs/moe.md section 10,
+        round 32c); the same fp32 adds per position in the same order."""
         ctx = self.ctx
         for r0, m in ctx.unit_rows:
+            per = D_W_POSITIONS_PER_PARTITION if ctx.weights_blocked and m % D_W_POSITIONS_PER_PARTITION == 0 else 1
+            rows, n = m // per, self.n_tiles
             slots = None if ctx.weights_blocked else ctx.positions(ctx.slots2d, i, r0, 1, m)
-            sums = nl.ndarray((m, self.n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=sums, src=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, 0, self.n_tiles))
-            d_w = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=d_w, src=sums[:, 0:1])
-            for j in range(1, self.n_tiles):
-                nisa.tensor_tensor(dst=d_w, data1=d_w, data2=sums[:, j:j + 1], op=nl.add)
-            ctx.store_pair_grads(d_w, i, r0, m, slots)
+            sums = nl.ndarray((rows, per, n), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=sums, src=ctx.d_w_tiles.ap([[per * n, rows], [n, per], [1, n]], offset=r0 * n,
+                                                         scalar_offset=i, indirect_dim=0))
+            d_w = nl.ndarray((rows, per, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=d_w, src=sums[:, :, 0:1])
+            for j in range(1, n):
+                nisa.tensor_tensor(dst=d_w, data1=d_w, data2=sums[:, :, j:j + 1], op=nl.add)
+            if per == 1:
+                ctx.store_pair_grads(d_w[:, 0, :], i, r0, m, slots)
+            else:
+                nisa.dma_copy(dst=ctx.d_weights.ap([[per, rows], [1, per], [1, 1]], offset=r0, scalar_offset=i,
+                                                   indirect_dim=0), src=d_w)
