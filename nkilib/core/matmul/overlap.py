@@ -3,9 +3,11 @@
 The SBUF a plan holds while its last tiles run and the SBUF its first loads take decide whether the next plan's first
 panels may load under this plan's tail (prefetch_fits) or under a K-streamed plan's last quad (tail_load_fits);
 last_loading_tile says where this plan's own loads end, and place_fence_after_first_panel where a sync point inside
-its run leaves the next plan's first loads the DMA queues. MatmulPlan's methods of the same purpose (held_bytes,
-first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel) call
-these; plan.py decides the tiling they read (order, stream, the PanelSources).
+its run leaves the next plan's first loads the DMA queues; begin_spread_first_load / advance_spread_load spread the
+next plan's first panel's quantizes over this plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
+first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel,
+spread_first_load, carry_first_load) call these; plan.py decides the tiling they read (order, stream, the
+PanelSources).
 """
 from __future__ import annotations
 
@@ -154,8 +156,9 @@ def begin_spread_first_load(plan) -> bool:
 
 
 def advance_spread_load(plan, j: int) -> None:
-    """After tile j's epilogue of `plan`, whose run carries the next plan's spread first load (MatmulPlan.carry_first_load,
-    from tile lo on): one more K tile of each of its begun moving loads after every SPREAD_TILES_PER_K_TILE tiles."""
+    """After tile j's epilogue of `plan`, whose run carries the next plan's spread first load
+    (MatmulPlan.carry_first_load, from tile lo on): one more K tile of each of its begun moving loads after every
+    SPREAD_TILES_PER_K_TILE tiles."""
     nxt, lo = plan.carried
     if (j - lo) % SPREAD_TILES_PER_K_TILE != SPREAD_TILES_PER_K_TILE - 1:
         return

@@ -381,14 +381,15 @@ class MatmulPlan(nl.NKIObject):
         piece_span_columns(self)
 
     def spread_first_load(self) -> None:
-        """Step "first" (a prefetch under the previous plan's tail) quantizes only the first SPREAD_FIRST_K_TILES K tiles
-        of the first moving panel, and the previous plan's run the others, half from unit-stride copies
-        (overlap.begin_spread_first_load; the MLP backward's phase 3 under phase 2; no change where it does not apply)."""
+        """Step "first" (a prefetch under the previous plan's tail) quantizes only the first SPREAD_FIRST_K_TILES K
+        tiles of the first moving panel, and the previous plan's run the others, half from unit-stride copies
+        (overlap.begin_spread_first_load; the MLP backward's phase 3 under phase 2; no change where it does not
+        apply)."""
         self.spread_first = True
 
     def carry_first_load(self, nxt) -> None:
-        """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread first
-        load, one every SPREAD_TILES_PER_K_TILE tiles (overlap.advance_spread_load)."""
+        """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
+        first load, one every SPREAD_TILES_PER_K_TILE tiles (overlap.advance_spread_load)."""
         if any(mv.pending != None for mv in nxt.moving):  # noqa: E711
             self.carried = (nxt, self.done)
 
