@@ -1,12 +1,13 @@
 """Phase starts where VectorE's quantizes pace TensorE: phase 1's cold start (MatmulPlan cold_staging: the MLP
-backward's W_down at TP8, all of it quantized before the first S tile's matmuls) and phase 2's fenced start (its first
-W_gu panel, quantized in column pieces under the first span): how those quantizes read their sources, bit-exact on
-LNC1 and LNC2.
+backward's W_down at TP8, all of it quantized before the first S tile's matmuls), phase 2's fenced start (its first
+W_gu panel, quantized in column pieces under the first span) and phase 3's first X panel (quantized over phase 2's
+tail, MatmulPlan.spread_first_load): how those quantizes read their sources, bit-exact on LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
-from simkit import assert_matches_mx_exact, mlp_checkpoints, mlp_inputs, mlp_reference, run_mlp, unit_stride
+from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
+                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp, unit_stride)
 
-W_DOWN, W_GU = "down_proj_weight", "gate_up_weights"
+W_DOWN, W_GU, X = "down_proj_weight", "gate_up_weights", "hidden_states"
 
 
 def _quantize_sources(trace, weight=W_DOWN):
@@ -129,3 +130,52 @@ def test_fenced_start_first_w_gu_panel_quantizes_its_second_pieces_from_unit_str
     monkeypatch.setattr(span_columns_module, "FENCED_NEXT_WORDS_FROM_K_TILE", -1)  # none: every piece strided
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _quantize_sources(res.trace, W_GU) == {0: [strided] * (2 * k_tiles) + expected[2 * k_tiles:]}
+
+
+def _evictions_between_x_quantizes(trace, p) -> int:
+    """ScalarE instructions reading PSUM (phase 2's evictions) between core p's first and last quantize_mx of X in
+    program order."""
+    records = [r for r in trace if r.program == p]
+    staging = {r.writes[0].storage_id for r in records if r.engine == "dma" and r.reads and r.reads[0].name == X}
+    copies = {r.writes[0].storage_id for r in records if r.instr == "tensor_copy" and r.reads[0].storage_id in staging}
+    at = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and
+          next(o for o in r.reads if o.arg == "src").storage_id in staging | copies]
+    return sum(1 for r in records[at[0]:at[-1]] if r.engine == "scalar" and any(o.buffer == "psum" for o in r.reads))
+
+
+def test_phase3_first_x_panel_quantized_over_phase2_tail_half_from_unit_stride_copies(monkeypatch):
+    """Phase 3's first X panel loads under phase 2's tail (PhaseGraph prefetch). The old code quantized all its K tiles
+    there at once, whole from the strided [P, F, 4] view of their staging tiles (TP8: 6.96 us of TensorE idle at phase
+    3's start, pessimistic). With MatmulPlan.spread_first_load (the kernel's phase 3) the prefetch quantizes
+    SPREAD_FIRST_K_TILES = 2 K tiles, phase 2's remaining tiles one more every SPREAD_TILES_PER_K_TILE = 2 (so ScalarE's
+    copies follow their staging DMAs in program order, between phase 2's evictions), and from K tile
+    SPREAD_NEXT_WORDS_FROM_K_TILE = 1 on, all but the last, half of each K tile from a unit-stride ScalarE copy in the
+    next K tile's words (TP8 modeled 0.61649 / 0.66834 -> 0.61649 / 0.66239 ms). S = 2048, H = 2048, I = 256: four K
+    tiles along S of one X panel per core (phase 3 splits H: F = H / cores), two n blocks of phase 2. Per core: K tiles
+    0 and 3 whole and strided, K tiles 1-2 half strided and half from a ScalarE copy (unit stride) into words
+    quantize_mx writes later; phase 2's PSUM evictions between the first and the last of them. Fails on the old code
+    (four whole strided quantizes, back to back) and with spread_first_load a no-op. Bit-exact against mx_exact on LNC1
+    and LNC2, LNC1 equal to LNC2."""
+    from nkilib.core.matmul import constants as constants_module
+
+    S, H, I = 2048, 2048, 256
+    k_tiles = S // 512
+    assert (constants_module.SPREAD_FIRST_K_TILES, constants_module.SPREAD_TILES_PER_K_TILE,
+            constants_module.SPREAD_NEXT_WORDS_FROM_K_TILE) == (2, 2, 1)
+
+    def expected(lnc):
+        elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
+        whole, halves = (False, elems, "dma"), [(False, elems // 2, "dma"), (True, elems // 2, "scalar")]
+        return [whole] + halves * (k_tiles - 2) + [whole]
+
+    def check(trace, lnc):
+        assert _quantize_sources(trace, X) == {p: expected(lnc) for p in range(lnc)}
+        _copies_land_in_quantized_words(trace, lnc, X)
+        assert all(_evictions_between_x_quantizes(trace, p) > 0 for p in range(lnc))
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 38, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
+    monkeypatch.setattr(plan_module.MatmulPlan, "spread_first_load", lambda self: None)
+    res = run_mlp(inp, lnc=1, trace=True)
+    assert _quantize_sources(res.trace, X) == {0: [(False, 4 * H, "dma")] * k_tiles}
+    assert _evictions_between_x_quantizes(res.trace, 0) == 0

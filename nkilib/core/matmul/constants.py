@@ -137,6 +137,18 @@ FENCED_NEXT_WORDS_FROM_K_TILE = 1  # from this K tile of that first panel on (al
 # ScalarE still evicts phase 1's last dY transposes, so its copy would make VectorE wait (TP8 +0.9 us central). TP8
 # MXFP8 modeled (0.61780 / 0.68619 ms): from 0: 0.61874 / 0.67979, 1: 0.61780 / 0.68107, 2: 0.61780 / 0.68235, 4:
 # 0.61780 / 0.68491; only K tiles 0-3: 0.61874 / 0.68107 (round 35 of docs/dense-performance.md)
+SPREAD_FIRST_K_TILES = 2  # a plan whose first moving panel is spread under the previous plan's tail
+# (MatmulPlan.spread_first_load, overlap.py; the MLP backward's phase 3 under phase 2): K tiles of that panel quantized
+# where PhaseGraph prefetches it (their staging DMAs, issued after the fence, landed long before: ScalarE's copies
+# there wait for nothing) ...
+SPREAD_TILES_PER_K_TILE = 2  # ... then one more K tile after every this many of the previous plan's remaining tiles'
+# epilogues, so each K tile's ScalarE copy is issued in that plan's program after its staging DMA (begun when the ring
+# freed its tile, STAGING_BUFFERS K tiles earlier) has landed, between the evictions the previous plan waits for ...
+SPREAD_NEXT_WORDS_FROM_K_TILE = 1  # ... and from this K tile on (all but the panel's last) half of each K tile
+# quantized from a unit-stride copy ScalarE makes in the next K tile's words (PanelBuilder.quantize_mx_tile), half of
+# VectorE's strided-source price (docs/cost-model.md). Issued all at the prefetch point (round 37) the copies put
+# phase 2's evictions behind the staging DMAs they wait for. TP8 MXFP8 modeled 0.61649 / 0.66834 -> 0.61649 / 0.66239
+# ms, Llama3-8B TP8 0.72838 / 0.80368 -> 0.72541 / 0.78709 (round 38 of docs/dense-performance.md)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /

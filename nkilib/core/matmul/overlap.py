@@ -3,13 +3,16 @@
 The SBUF a plan holds while its last tiles run and the SBUF its first loads take decide whether the next plan's first
 panels may load under this plan's tail (prefetch_fits) or under a K-streamed plan's last quad (tail_load_fits);
 last_loading_tile says where this plan's own loads end, and place_fence_after_first_panel where a sync point inside
-its run leaves the next plan's first loads the DMA queues. MatmulPlan's methods of the same purpose (held_bytes,
-first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel) call
-these; plan.py decides the tiling they read (order, stream, the PanelSources).
+its run leaves the next plan's first loads the DMA queues; begin_spread_first_load / advance_spread_load spread the
+next plan's first panel's quantizes over this plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
+first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel,
+spread_first_load, carry_first_load) call these; plan.py decides the tiling they read (order, stream, the
+PanelSources).
 """
 from __future__ import annotations
 
-from .constants import MX_PACK, PREFETCH_MARGIN_BYTES, STAGING_BUFFERS, usable_sbuf_bytes
+from .constants import (MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
+                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
 from .panels import panel_bytes_per_partition
 from .streamed import tail_held_bytes
@@ -128,3 +131,37 @@ def place_fence_after_first_panel(plan) -> None:
                             f"first, then never again), got tiles {back[:4]} back on the panel at n0={n_first} "
                             f"after tile {second[0]} left it")
     plan.fence_tile = second[0] - 1
+
+
+def begin_spread_first_load(plan) -> bool:
+    """Step "first" of a plan with spread_first (MatmulPlan.spread_first_load), when its first tile's moving panels are
+    MXFP8 [K, F] bf16 panels quantized on chip (PanelSource.can_load_ahead): load the first tile's stationary panels,
+    begin each moving panel's load (PanelSource.load_ahead: its first STAGING_BUFFERS staging DMAs) and quantize its
+    first SPREAD_FIRST_K_TILES K tiles now, from K tile SPREAD_NEXT_WORDS_FROM_K_TILE on (all but the last) half from a
+    unit-stride ScalarE copy; the previous plan's run quantizes the rest (advance_spread_load), the first get the
+    remainder. The same DMAs and quantizes of the same K tiles as prefetch's, later in program order: no bit changes.
+    Returns whether it applied (else the caller prefetches as usual)."""
+    if not plan.spread_first or plan.stream != None or plan.reload != None or not plan.order:  # noqa: E711
+        return False
+    (m0, msz), (n0, nsz) = plan.order[0]
+    if not all(plan.moving[m].can_load_ahead() for _, m in plan.products):
+        return False
+    for s, m in plan.products:
+        plan.stationary[s].get(m0, msz)
+        mv = plan.moving[m]
+        if mv.pending == None and not mv.holds(n0):  # noqa: E711  (products sharing a moving operand: once)
+            mv.first_next_words_from = SPREAD_NEXT_WORDS_FROM_K_TILE
+        mv.load_ahead(n0, nsz, SPREAD_FIRST_K_TILES)
+    return True
+
+
+def advance_spread_load(plan, j: int) -> None:
+    """After tile j's epilogue of `plan`, whose run carries the next plan's spread first load
+    (MatmulPlan.carry_first_load, from tile lo on): one more K tile of each of its begun moving loads after every
+    SPREAD_TILES_PER_K_TILE tiles."""
+    nxt, lo = plan.carried
+    if (j - lo) % SPREAD_TILES_PER_K_TILE != SPREAD_TILES_PER_K_TILE - 1:
+        return
+    for mv in nxt.moving:
+        if mv.pending != None:  # noqa: E711
+            mv.pending.advance(1)

@@ -32,8 +32,9 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
                         SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
-from .overlap import (first_load_bytes, first_stationary_load_bytes, held_bytes_at_tail, last_loading_tile,
-                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
+from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
+                      held_bytes_at_tail, last_loading_tile, place_fence_after_first_panel, prefetch_fits,
+                      tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -177,6 +178,7 @@ class MatmulPlan(nl.NKIObject):
         self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
         self.fence = None  # (tile, callable): a sync point issued inside this plan's run (set_fence)
         self.fence_tile = FENCE_TILE  # where set_fence puts it (fence_after_first_panel moves it)
+        self.spread_first, self.carried = False, None  # spread_first_load; (next plan, tile): carry_first_load
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -378,6 +380,21 @@ class MatmulPlan(nl.NKIObject):
         FENCED_COLUMN_PIECES column pieces (span_columns.py); no change without such a span."""
         piece_span_columns(self)
 
+    def spread_first_load(self) -> None:
+        """Step "first" (a prefetch under the previous plan's tail) quantizes only the first SPREAD_FIRST_K_TILES K
+        tiles of the first moving panel, and the previous plan's run the others, half from unit-stride copies
+        (overlap.begin_spread_first_load; the MLP backward's phase 3 under phase 2; no change where it does not
+        apply)."""
+        self.spread_first = True
+
+    def carry_first_load(self, nxt) -> None:
+        """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
+        first load, one every SPREAD_TILES_PER_K_TILE tiles (overlap.advance_spread_load)."""
+        if not hasattr(nxt, "spread_first") or not nxt.spread_first:  # e.g. a K-chunked plan (k_chunks.py)
+            return
+        if any(mv.pending != None for mv in nxt.moving):  # noqa: E711
+            self.carried = (nxt, self.done)
+
     def fire_fence(self) -> None:
         """Issue a pending set_fence barrier now (before the next plan's first loads, which it protects)."""
         if self.fence != None:  # noqa: E711
@@ -558,6 +575,8 @@ class MatmulPlan(nl.NKIObject):
                     # for its eviction only while TensorE runs the fence tile's matmuls
                     self.epilogue.defer_next_store()
                 span_tile_epilogue(self, j, finished[j - i], i == 0 and span > 1)
+                if self.carried != None:  # noqa: E711
+                    advance_spread_load(self, j)
         self.done = hi
 
     def piece_last_tile(self) -> None:
@@ -587,7 +606,7 @@ class MatmulPlan(nl.NKIObject):
                 (_, _), (n0, nsz) = self.order[0]
                 for _, m in self.products:
                     self.moving[m].load_ahead(n0, nsz, FENCED_FIRST_K_TILES)
-            elif self.stream == None and self.order:  # noqa: E711
+            elif self.stream == None and self.order and not begin_spread_first_load(self):  # noqa: E711
                 self.prefetch(0, 1)
         elif stage == "first_stationary":
             if self.stream == None and self.order:  # noqa: E711
