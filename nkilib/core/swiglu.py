@@ -238,9 +238,9 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     gate_psum_first (exclusive with gate_first): only d_gate's PSUM product (dI * uc) goes before d_up's products, and
     its activation derivative act'(gc) and the rest after them: VectorE's order is gate_first's (the same engines, the
     same bits), but the tiles are first written in the order dI * uc, d_up_dst, act'(gc) instead of act'(gc), dI * uc,
-    d_up_dst: the caller's d_up_dst (a fresh SBUF tile in the dense kernel) is placed between the two fp32 temporaries
-    as without either flag, not after both (an allocator placing in order of first access then keeps its later
-    placements where they were; docs/dense-performance.md round 39).
+    the destinations: a destination tile written first here (the dense kernel's d_gate_up row tile) is placed between
+    the two fp32 temporaries, where without either flag it comes before both, not after both (an allocator placing in
+    order of first access then keeps its later placements where they were; docs/dense-performance.md round 39).
     With an offset not yet materialized (no intermediate_tile), dI * fp32(uc + 1) is one scalar_tensor_tensor
     on VectorE (its only engine,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
