@@ -32,7 +32,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .matmul.constants import BF16_SIGNIFICANT_STEPS, PARTITIONS
-from .kernel_helpers import kernel_fail
+from .kernel_helpers import kernel_assert, kernel_fail
 from .options import UP_OFFSETS, clamp_activation
 
 
@@ -221,7 +221,7 @@ def intermediate_tile(terms: SwigluTerms):
 
 def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engine=nisa.engine.vector,
                          d_up_engine=None, gate_mask_later=False, gate_first=False,
-                         d_gate_engine=nisa.engine.gpsimd):
+                         d_gate_engine=nisa.engine.gpsimd, gate_psum_first=False):
     """d_up = bf16((dI * a) * maskU), d_gate = bf16(((dI * uc) * act'(gc)) * maskG) into the bf16 SBUF
     views d_gate_dst / d_up_dst (the caller stores them).
 
@@ -235,6 +235,12 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     outside VectorE's perf modes); the same fp32 multiply on either engine, so the same bits.
     gate_first: d_gate's products issued before d_up's (the same instructions, so the same bits): VectorE, which runs in
     program order, then computes dI * uc first and GpSimd's d_gate product that follows it starts one product earlier.
+    gate_psum_first (exclusive with gate_first): only d_gate's PSUM product (dI * uc) goes before d_up's products, and
+    its activation derivative act'(gc) and the rest after them: VectorE's order is gate_first's (the same engines, the
+    same bits), but the tiles are first written in the order dI * uc, d_up_dst, act'(gc) instead of act'(gc), dI * uc,
+    the destinations: a destination tile written first here (the dense kernel's d_gate_up row tile) is placed between
+    the two fp32 temporaries, where without either flag it comes before both, not after both (an allocator placing in
+    order of first access then keeps its later placements where they were; docs/dense-performance.md round 39).
     With an offset not yet materialized (no intermediate_tile), dI * fp32(uc + 1) is one scalar_tensor_tensor
     on VectorE (its only engine,
     https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.scalar_tensor_tensor.html):
@@ -247,17 +253,16 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     msz, nsz, ncols = terms.msz, terms.nsz, terms.ncols
     a, mask_u, mask_g = terms.act, terms.mask_u, terms.mask_g
     up_engine = d_i_engine if d_up_engine == None else d_up_engine  # noqa: E711
+    kernel_assert(not (gate_first and gate_psum_first), "swiglu_backward_tile: gate_first and gate_psum_first are "
+                  f"exclusive, got gate_first={gate_first}, gate_psum_first={gate_psum_first}")
+    t_g = _gate_psum_product(d_i, terms, d_i_engine) if gate_psum_first else None
     if not gate_first:  # d_up = bf16((dI * a) * mask_u)
         _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols)
     # d_gate = bf16(((dI * uc) * act'(gc)) * mask_g)
     sd = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sd[:msz, :nsz], op=terms.act_dx, data=terms.gc)
-    t_g = nl.ndarray((PARTITIONS, ncols), dtype=nl.float32, buffer=nl.sbuf)
-    if terms.lin == None:  # noqa: E711  (dI * fp32(uc + offset), the offset applied in the same pass)
-        nisa.scalar_tensor_tensor(dst=t_g[:msz, :nsz], data=terms.uc, op0=nl.add, operand0=terms.offset,
-                                  op1=nl.multiply, operand1=d_i)
-    else:
-        nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=terms.lin, op=nl.multiply, engine=d_i_engine)
+    if t_g == None:  # noqa: E711
+        t_g = _gate_psum_product(d_i, terms, d_i_engine)
     masked = None
     if mask_g == None and terms.gate_cmp == None:  # noqa: E711
         nisa.tensor_tensor(dst=d_gate_dst, data1=t_g[:msz, :nsz], data2=sd[:msz, :nsz], op=nl.multiply,
@@ -277,6 +282,19 @@ def swiglu_backward_tile(d_i, terms: SwigluTerms, d_gate_dst, d_up_dst, d_i_engi
     if gate_first:
         _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols)
     return masked
+
+
+def _gate_psum_product(d_i, terms: SwigluTerms, d_i_engine):
+    """d_gate's product that reads PSUM, dI * uc (dI * fp32(uc + offset) without a linear factor), into a fresh fp32
+    [P, ncols] SBUF tile; returns it (swiglu_backward_tile)."""
+    msz, nsz = terms.msz, terms.nsz
+    t_g = nl.ndarray((PARTITIONS, terms.ncols), dtype=nl.float32, buffer=nl.sbuf)
+    if terms.lin == None:  # noqa: E711  (dI * fp32(uc + offset), the offset applied in the same pass)
+        nisa.scalar_tensor_tensor(dst=t_g[:msz, :nsz], data=terms.uc, op0=nl.add, operand0=terms.offset,
+                                  op1=nl.multiply, operand1=d_i)
+    else:
+        nisa.tensor_tensor(dst=t_g[:msz, :nsz], data1=d_i, data2=terms.lin, op=nl.multiply, engine=d_i_engine)
+    return t_g
 
 
 def _d_up_product(d_i, a, mask_u, d_up_dst, up_engine, msz, nsz, ncols):

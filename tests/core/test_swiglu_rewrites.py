@@ -191,18 +191,23 @@ def test_one_limit_gate_mask_in_its_product(gate_limit, later):
                                                (ClampLimits(non_linear_upper=7.0, linear_lower=-7.0,
                                                             linear_upper=7.0, activation="gpt_oss"), True)],
                          ids=["two_limit_masks", "asymmetric_masks", "one_limit_in_product"])
-@pytest.mark.parametrize("gate_first", [False, True], ids=["d_up_first", "d_gate_first"])
-def test_gate_first_same_bits_other_order(clamp, in_product, gate_first):
+@pytest.mark.parametrize("order", ["d_up_first", "d_gate_first", "gate_psum_first"])
+def test_gate_first_same_bits_other_order(clamp, in_product, order):
     """swiglu_backward_tile(gate_first=True) (the dense kernel's last S tile, docs/dense-performance.md round 28)
     issues d_gate's PSUM product (dI * fp32(uc + 1), a scalar_tensor_tensor) before d_up's (dI * a) and still issues
     every product of both, masks included: the same bits as the contract on adversarial values (with the masks, a
-    d_up left out or written unmasked fails). The default order is unchanged (d_up's product first)."""
+    d_up left out or written unmasked fails). The default order is unchanged (d_up's product first).
+    gate_psum_first=True (the dense kernel's plain S tile switches, round 39) issues the same PSUM products in
+    gate_first's order but d_gate's activation derivative (ScalarE's fp32 act'(gc)) after both of them, where
+    gate_first issues it before both and the default between them; the same bits. Round 38's code has no
+    gate_psum_first (TypeError)."""
     gate_pre, up, gate_act, d_i = _epilogue_inputs(clamp, seed=21)
+    flags = dict(gate_first=order == "d_gate_first", gate_psum_first=order == "gate_psum_first")
 
     def body(g, u, a, di, d_gate, d_up):
         terms = swiglu_forward_terms(g, u, a, clamp, P, F, F, clamp_engine=nisa.engine.scalar,
                                      gate_mask_in_product=in_product)
-        assert swiglu_backward_tile(di, terms, d_gate, d_up, gate_first=gate_first) == None  # noqa: E711
+        assert swiglu_backward_tile(di, terms, d_gate, d_up, **flags) == None  # noqa: E711
 
     outs, trace = run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 2, psum_inputs=(3,),
                             trace=True)
@@ -210,8 +215,27 @@ def test_gate_first_same_bits_other_order(clamp, in_product, gate_first):
     _assert_same_bits(outs[0], d_gate, "d_gate")
     _assert_same_bits(outs[1], d_up, "d_up")
     reads_d_i = [r.instr for r in trace if any(o.buffer == "psum" for o in r.reads)]
-    order = ["scalar_tensor_tensor", "tensor_tensor"]
-    assert reads_d_i == (order if gate_first else order[::-1]), reads_d_i
+    gate_psum = ["scalar_tensor_tensor", "tensor_tensor"]
+    assert reads_d_i == (gate_psum[::-1] if order == "d_up_first" else gate_psum), reads_d_i
+    # where act'(gc) (the activation writing an fp32 tile after the forward terms) stands among the PSUM products
+    steps = [("psum" if any(o.buffer == "psum" for o in r.reads) else "act'")
+             for r in trace if any(o.buffer == "psum" for o in r.reads) or
+             (r.instr == "activation" and r.writes[0].dtype == "float32" and r.attrs.get("op") != "copy")]
+    expected = {"d_up_first": ["psum", "act'", "psum"], "d_gate_first": ["act'", "psum", "psum"],
+                "gate_psum_first": ["psum", "psum", "act'"]}[order]
+    assert steps[-3:] == expected, steps
+
+
+def test_gate_first_and_gate_psum_first_are_exclusive():
+    """Both orders at once are refused with the flags' values (kernel_assert)."""
+    gate_pre, up, gate_act, d_i = _epilogue_inputs(GPT_OSS_BOTH, seed=22)
+
+    def body(g, u, a, di, d_gate, d_up):
+        terms = swiglu_forward_terms(g, u, a, GPT_OSS_BOTH, P, F, F, clamp_engine=nisa.engine.scalar)
+        swiglu_backward_tile(di, terms, d_gate, d_up, gate_first=True, gate_psum_first=True)
+
+    with pytest.raises(Exception, match="gate_first=True, gate_psum_first=True"):
+        run_tiles(body, (gate_pre, up, gate_act, d_i), [((P, F), nl.bfloat16)] * 2, psum_inputs=(3,))
 
 
 #: limits that bf16 cannot hold (fp32(0.3) and fp32(7.1) need more than 8 significant bits): the clamped values stay

@@ -48,3 +48,51 @@ def test_d_gate_product_at_s_tile_switches_runs_on_vector_engine(monkeypatch):
         for p in range(lnc):
             assert _d_gate_product_engines(res.trace, p) == ["gpsimd"] * (s_tiles(lnc) * n_blocks), (lnc, p)
         assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
+def _call_orders(trace, p):
+    """Per epilogue call of core p (program order), where d_gate's activation derivative act'(gc) stands among the two
+    products that read PSUM: "PAP" (d_up's product first, the default), "APP" (gate_first) or "PPA"
+    (gate_psum_first). act'(gc) is the fp32 activation that a product of a PSUM product's result reads."""
+    records = [r for r in trace if r.program == p]
+
+    def product(r):  # the epilogue's products of dI (evictions and transposes read PSUM through other instructions)
+        return r.instr in ("tensor_tensor", "scalar_tensor_tensor") and any(o.buffer == "psum" for o in r.reads)
+
+    from_psum = {o.storage_id for r in records if product(r) for o in r.writes}
+    derivative_reads = {o.storage_id for r in records if r.instr == "tensor_tensor" and
+                        any(o.storage_id in from_psum for o in r.reads) for o in r.reads}
+    steps = "".join("P" if product(r) else "A" for r in records if product(r) or
+                    (r.instr == "activation" and any(o.dtype == "float32" and o.storage_id in derivative_reads
+                                                     for o in r.writes)))
+    return [steps[i:i + 3] for i in range(0, len(steps), 3)]
+
+
+def test_plain_switch_gate_psum_product_first(monkeypatch):
+    """Phase 1 spread and deferred along S (LNC2; I = 1024 in two n blocks of 512, phase1_tiles_n=1; S = 2048: eight
+    S tiles per core, K tiles of four): the first n block of each S tile with no along-S chunk to quantize (S tiles
+    0-3; S tiles 4-5 quantize K tile 0's chunks) but the last GATE_FIRST_S_TILES (2, gate_first) issues d_gate's PSUM
+    product before d_up's and act'(gc) after both (gate_psum_first, PLAIN_SWITCH_GATE_PSUM_FIRST); every other call
+    d_up's first. LNC1 (no deferred flush): d_up first everywhere. With the constant off, round 38's orders (which the
+    old code gives: it fails). Bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2."""
+    S, H, I = 2048, 128, 1024
+    assert epilogue_module.PLAIN_SWITCH_GATE_PSUM_FIRST and epilogue_module.GATE_FIRST_S_TILES == 2
+
+    def expected(lnc, psum_first):
+        tiles = S // lnc // 128
+        if lnc == 1:
+            return ["PAP"] * (tiles * 2)
+        return [("APP" if s >= tiles - 2 else "PPA" if psum_first and b == 0 and s < 4 else "PAP")
+                for s in range(tiles) for b in range(2)]
+
+    def check(trace, lnc):
+        for p in range(lnc):
+            assert _call_orders(trace, p) == expected(lnc, True), (lnc, p, _call_orders(trace, p))
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 39, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check, phase1_tiles_n=1)
+    monkeypatch.setattr(epilogue_module, "PLAIN_SWITCH_GATE_PSUM_FIRST", False)
+    res = run_mlp(inp, lnc=2, trace=True, phase1_tiles_n=1)
+    for p in range(2):
+        assert _call_orders(res.trace, p) == expected(2, False), (p, _call_orders(res.trace, p))
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))

@@ -37,3 +37,11 @@ GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize 
 # stays the last tile's only). TP8 modeled: 1 0.62068 / 0.70053 ms, 2 0.62068 / 0.69975, 3 0.62142 / 0.69944 (with
 # phase 2's first span in column pieces: 1 0.62024 / 0.70095, 2 0.62024 / 0.70017; round 29 of
 # docs/dense-performance.md)
+PLAIN_SWITCH_GATE_PSUM_FIRST = True  # where the last GATE_FIRST_S_TILES go gate-first (TP8), the first n block of every
+# other S tile with no along-S chunk to quantize (a plain S tile switch) issues d_gate's PSUM product (dI * uc) before
+# d_up's (swiglu_backward_tile gate_psum_first): GpSimd's d_gate product, whose SBUF access holds the bus the next S
+# tile's dY quantize waits for, starts one VectorE product earlier (TensorE idled 0.78 us pessimistic at each such
+# switch). Not gate_first there: its order of first accesses (both fp32 temporaries, then the row tile) moved phase 1's
+# SBUF placements, and phase 2's first W_gu and phase 3's first X staging tiles then waited on memory reuse (TP8
+# 0.61649 / 0.66239 -> 0.62540 / 0.66396 ms); gate_psum_first keeps the row tile between the two temporaries: 0.61649 /
+# 0.65689 (round 39 of docs/dense-performance.md)

@@ -17,7 +17,7 @@ from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_f
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
                         CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
-                        PHASE2_STATIONARY_BUDGET_BYTES, SWITCH_D_GATE_ON_VECTOR)
+                        PHASE2_STATIONARY_BUDGET_BYTES, PLAIN_SWITCH_GATE_PSUM_FIRST, SWITCH_D_GATE_ON_VECTOR)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -140,6 +140,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             # otherwise wait for the previous tile's epilogue before these transposes
             self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
         chunk_after = self._chunk_after_products()
+        plain_switch = self.along_s_pending == None and n0 == self.n_lo  # noqa: E711  (before this call's chunk)
         if self.along_s_pending != None and not chunk_after:  # noqa: E711
             self._quantize_along_s_chunk()
         ring = self.checkpoints[i % CHECKPOINT_BUFFERS]
@@ -158,9 +159,13 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         last_tile = self.last_tile_gate_first and m0 + msz >= self.s_base + self.m_hi
         gate_first = (self.last_tile_gate_first and
                       m0 + msz + (GATE_FIRST_S_TILES - 1) * self.m_tile >= self.s_base + self.m_hi)
+        # where the last tiles go gate-first (TP8), every other S tile's first n block with no along-S chunk to quantize
+        # (a plain S tile switch) issues d_gate's PSUM product first (PLAIN_SWITCH_GATE_PSUM_FIRST)
+        gate_psum_first = (PLAIN_SWITCH_GATE_PSUM_FIRST and self.last_tile_gate_first and plain_switch and
+                           not gate_first)
         _swiglu_backward_tile(d_i[:msz, :nsz], gate_pre, up, self.gate_act_td, ring[-1], self.scratch_td, self.clamp,
                               m0, msz, n0, nsz, ncols, d_gate, d_up, gate_first=gate_first,
-                              d_gate_engine=self._d_gate_engine(m0, msz, n0, nsz))
+                              d_gate_engine=self._d_gate_engine(m0, msz, n0, nsz), gate_psum_first=gate_psum_first)
         if chunk_after:
             self._quantize_along_s_chunk()
         out = self.d_gate_up_td
@@ -296,7 +301,8 @@ def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
 
 
 def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, clamp, m0, msz, n0, nsz, ncols,
-                          d_gate_dst, d_up_dst, gate_first=False, d_gate_engine=nisa.engine.gpsimd):
+                          d_gate_dst, d_up_dst, gate_first=False, d_gate_engine=nisa.engine.gpsimd,
+                          gate_psum_first=False):
     """Epilogue of one [msz, nsz] tile in fp32 (nkilib/core/swiglu.py, shared with the MoE kernel): SwiGLU
     derivative, clamp masks, intermediate.
 
@@ -312,4 +318,5 @@ def _swiglu_backward_tile(d_i, gate_pre, up, gate_act_td, act_tile, scratch_td, 
     terms = swiglu_forward_terms(gate_pre, up, act, clamp, msz, nsz, ncols)
     if scratch_td != None:  # noqa: E711  intermediate = bf16(gate_act * uc) for phase 4
         nisa.dma_copy(dst=scratch_td[m0:m0 + msz, n0:n0 + nsz], src=intermediate_tile(terms))
-    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst, gate_first=gate_first, d_gate_engine=d_gate_engine)
+    swiglu_backward_tile(d_i, terms, d_gate_dst, d_up_dst, gate_first=gate_first, d_gate_engine=d_gate_engine,
+                         gate_psum_first=gate_psum_first)
