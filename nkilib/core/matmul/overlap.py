@@ -122,15 +122,24 @@ def place_fence_after_first_panel(plan) -> None:
     FENCED_STAGING_BUFFERS). TP8 with the spread, central / pessimistic ms (round 20, ring 4): the fence one tile
     earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 / 0.7139, one / two tiles later 0.6330 /
     0.7190, 0.6330 / 0.7216. No change with one moving panel."""
+    second, back = first_panel_return(plan)
+    if second == None:  # noqa: E711
+        return
+    kernel_assert(not back, f"place_fence_after_first_panel needs an n-major plan (the first moving panel's tiles "
+                            f"first, then never again; MatmulPlan.first_panel_once), got tiles {back[:4]} back on "
+                            f"the panel at n0={plan.order[0][1][0]} after tile {second} left it")
+    plan.fence_tile = second - 1
+
+
+def first_panel_return(plan):
+    """(second, back): the first tile of `plan`'s order on another moving panel than tile 0's (None: one panel
+    only), and the later tiles back on tile 0's panel (none in an n-major plan; a grouped n-major plan, m_group, sweeps
+    the moving panels once per group of m blocks and comes back to it at each later group)."""
     n_first = plan.order[0][1][0] if plan.order else 0
     second = [j for j in range(len(plan.order)) if plan.order[j][1][0] != n_first]
     if not second:
-        return
-    back = [j for j in range(second[0], len(plan.order)) if plan.order[j][1][0] == n_first]
-    kernel_assert(not back, f"place_fence_after_first_panel needs an n-major plan (the first moving panel's tiles "
-                            f"first, then never again), got tiles {back[:4]} back on the panel at n0={n_first} "
-                            f"after tile {second[0]} left it")
-    plan.fence_tile = second[0] - 1
+        return None, []
+    return second[0], [j for j in range(second[0], len(plan.order)) if plan.order[j][1][0] == n_first]
 
 
 def begin_spread_first_load(plan) -> bool:
