@@ -1,7 +1,9 @@
 """Phase 2 at long S (round 40 of docs/dense-performance.md): where phase 1 spreads its along-S quantize, the fence
 moves after phase 2's first W_gu panel only in an n-major order (MatmulPlan.first_panel_once). An order that comes
 back to the first panel (m-major with every W_gu panel kept, or grouped n-major: Qwen3-8B TP8 at S = 8192) keeps
-set_fence's FENCE_TILE; the kernel asserted at trace time there before."""
+set_fence's FENCE_TILE; the kernel asserted at trace time there before. And a plan's first loads fit under the
+previous plan's tail only with each [K, F] source's own staging ring counted (overlap.first_load_bytes own_rings):
+at S = 6144 phase 4's first loads under phase 2 ran past SBUF (CapacityError) before."""
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
@@ -16,11 +18,11 @@ def _returns_to_first_panel(order) -> bool:
     return left is not None and n0[0] in n0[left:]
 
 
-@pytest.mark.parametrize("S", [8192, 16384])
+@pytest.mark.parametrize("S", [6144, 8192, 16384])
 def test_long_s_tp8_shapes_trace_and_plan(S):
-    """Qwen3-8B TP8 (H = 4096, I = 1536) at S = 8192 and 16384: the shape-only run (as the cost model runs it) traces
-    without an error and without plan errors (main before round 40: AssertionError from
-    place_fence_after_first_panel), and takes a modeled time."""
+    """Qwen3-8B TP8 (H = 4096, I = 1536) at S = 6144, 8192 and 16384: the shape-only run (as the cost model runs it)
+    traces without an error and without plan errors, and takes a modeled time (main before round 40: CapacityError in
+    SBUF at 6144, AssertionError from place_fence_after_first_panel at 8192 and 16384)."""
     from nkilib.examples.mlp_backward_cost import model_mlp_backward, summarize
 
     report = summarize(model_mlp_backward(S, 4096, 1536, "trn3", "mxfp8", 2, False, ("central",))["central"])

@@ -42,20 +42,35 @@ def held_bytes_at_tail(plan) -> int:
     return total + plan.epilogue.held_bytes(plan.n_tile)
 
 
-def first_load_bytes(plan) -> int:
-    """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging)."""
+def staging_ring_bytes(source, width) -> int:
+    """SBUF bytes per partition of `source`'s own ring of bf16 [K, F] staging tiles (PanelSource.staging of them,
+    `width` columns or its load_width) when its loads are quantized on chip from [K, F] (can_load_ahead); else 0."""
+    if not source.can_load_ahead():
+        return 0
+    return source.staging * MX_PACK * 2 * (source.load_width or width)
+
+
+def first_load_bytes(plan, own_rings: bool = False) -> int:
+    """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging): one ring of
+    STAGING_BUFFERS tiles as wide as the widest load, or with own_rings, where more, each [K, F] source's own ring
+    (PanelSource keeps one per source: the MLP backward's phase 4 loads dY^T and the intermediate through two;
+    counting one let its first loads under phase 2's tail at S = 6144, H = 4096, I = 1536 run 12 KiB past SBUF).
+    prefetch_fits takes own_rings; PhaseGraph's choice of the next phase compares the one-ring figures (own rings
+    there put phase 4 before phase 3 at S = 8192, H = 4096, I = 1536: 1.40518 -> 1.42396 ms, round 40)."""
     if not plan.order:
         return 0
     (_, msz), (_, nsz) = plan.order[0]
-    total, widest = 0, nsz
+    total, widest, rings = 0, nsz, 0
     for mv in plan.moving:
         total += load_bytes(plan, mv, nsz)
+        rings += staging_ring_bytes(mv, nsz)
     for st in plan.stationary:
         if not st.resident:
             total += load_bytes(plan, st, msz)
             widest = max(widest, st.load_width or msz)
+            rings += staging_ring_bytes(st, msz)
     staging = STAGING_BUFFERS * MX_PACK * 2 * widest if plan.setup.is_mx else 0
-    return total + staging
+    return total + (max(staging, rings) if own_rings else staging)
 
 
 def first_stationary_load_bytes(plan) -> int:
@@ -73,11 +88,12 @@ def first_stationary_load_bytes(plan) -> int:
 
 def prefetch_fits(plan, nxt) -> bool:
     """Whether `nxt`'s first panels may load while `plan`'s last tiles run: neither is K-streamed
-    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
+    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare (nxt's loads with each
+    [K, F] source's own staging ring, first_load_bytes own_rings)."""
     if plan.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
         return False
     budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
-    return plan.held_bytes() + nxt.first_bytes() <= budget
+    return plan.held_bytes() + nxt.first_bytes(own_rings=True) <= budget
 
 
 def tail_load_fits(plan, nxt) -> bool:

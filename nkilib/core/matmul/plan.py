@@ -308,9 +308,9 @@ class MatmulPlan(nl.NKIObject):
         """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
         return held_bytes_at_tail(self)
 
-    def first_bytes(self) -> int:
-        """SBUF bytes per partition that loading the first tile's panels takes (with MXFP8 staging)."""
-        return first_load_bytes(self)
+    def first_bytes(self, own_rings: bool = False) -> int:
+        """SBUF bytes per partition that loading the first tile's panels takes (overlap.first_load_bytes)."""
+        return first_load_bytes(self, own_rings)
 
     def first_stationary_bytes(self) -> int:
         """SBUF bytes per partition of the first tile's stationary loads (overlap.first_stationary_load_bytes)."""
