@@ -265,3 +265,34 @@ def test_fence_after_first_panel_refuses_a_plan_that_returns_to_its_first_panel(
     with pytest.raises(AssertionError, match=r"n-major plan .*tiles \[2\] back on the panel at n0=0 after tile 1"):
         place_fence_after_first_panel(m_major)
     assert m_major.fence_tile is None
+
+
+def test_first_panel_once_tells_n_major_orders_from_those_that_return():
+    """MatmulPlan.first_panel_once, the kernel's condition for fence_after_first_panel (round 40): an n-major order
+    and one of a single moving panel take it; an m-major order (tile 2 back on n0 = 0) and a grouped n-major one (the
+    second group of m blocks sweeps the panels again) do not."""
+    from types import SimpleNamespace
+
+    def once(pairs):
+        return MatmulPlan.first_panel_once(SimpleNamespace(order=_order(pairs)))
+
+    assert once([(0, 0), (128, 0), (0, 512), (128, 512)])
+    assert once([(0, 0), (128, 0), (256, 0)])
+    assert not once([(0, 0), (0, 512), (128, 0), (128, 512)])
+    assert not once([(0, 0), (128, 0), (0, 512), (128, 512), (256, 0), (384, 0), (256, 512), (384, 512)])
+
+
+@pytest.mark.parametrize("pairs, pieces", [([(0, 0), (128, 0), (0, 512)], 2), ([(0, 0), (0, 512), (128, 0)], 1)])
+def test_piece_first_span_only_where_run_takes_a_first_span(pairs, pieces):
+    """span_columns.piece_span_columns (MatmulPlan.piece_first_span) pieces a fenced start's first span only when
+    run() takes one (tile_spans: the plan's first tiles on the first moving panel, here two): with the second tile on
+    another panel (an m-major order) the first span is tile 0 alone and neither the plan nor its moving panel's first
+    load changes (the old code set both to FENCED_COLUMN_PIECES = 2 columns pieces all the same)."""
+    from types import SimpleNamespace
+    from nkilib.core.matmul.span_columns import piece_span_columns
+
+    source = SimpleNamespace(first_quantize_columns=1, first_next_words_from=-1)
+    plan = SimpleNamespace(order=_order(pairs), fenced_start=True, first_span=5, switch_span=4, done=0,
+                           span_columns=1, moving=[source])
+    piece_span_columns(plan)
+    assert (plan.span_columns, source.first_quantize_columns) == (pieces, pieces)

@@ -201,8 +201,8 @@ class KChunkedPlan(nl.NKIObject):
         self.order = chunks[-1].order
         self.ranges = chunks[0].ranges
 
-    def first_bytes(self) -> int:
-        return self.chunks[0].first_bytes()
+    def first_bytes(self, own_rings: bool = False) -> int:
+        return self.chunks[0].first_bytes(own_rings)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()

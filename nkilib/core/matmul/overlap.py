@@ -42,20 +42,35 @@ def held_bytes_at_tail(plan) -> int:
     return total + plan.epilogue.held_bytes(plan.n_tile)
 
 
-def first_load_bytes(plan) -> int:
-    """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging)."""
+def staging_ring_bytes(source, width) -> int:
+    """SBUF bytes per partition of `source`'s own ring of bf16 [K, F] staging tiles (PanelSource.staging of them,
+    `width` columns or its load_width) when its loads are quantized on chip from [K, F] (can_load_ahead); else 0."""
+    if not source.can_load_ahead():
+        return 0
+    return source.staging * MX_PACK * 2 * (source.load_width or width)
+
+
+def first_load_bytes(plan, own_rings: bool = False) -> int:
+    """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging): one ring of
+    STAGING_BUFFERS tiles as wide as the widest load, or with own_rings, where more, each [K, F] source's own ring
+    (PanelSource keeps one per source: the MLP backward's phase 4 loads dY^T and the intermediate through two;
+    counting one let its first loads under phase 2's tail at S = 6144, H = 4096, I = 1536 run 12 KiB past SBUF).
+    prefetch_fits takes own_rings; PhaseGraph's choice of the next phase compares the one-ring figures (own rings
+    there put phase 4 before phase 3 at S = 8192, H = 4096, I = 1536: 1.40518 -> 1.42396 ms, round 40)."""
     if not plan.order:
         return 0
     (_, msz), (_, nsz) = plan.order[0]
-    total, widest = 0, nsz
+    total, widest, rings = 0, nsz, 0
     for mv in plan.moving:
         total += load_bytes(plan, mv, nsz)
+        rings += staging_ring_bytes(mv, nsz)
     for st in plan.stationary:
         if not st.resident:
             total += load_bytes(plan, st, msz)
             widest = max(widest, st.load_width or msz)
+            rings += staging_ring_bytes(st, msz)
     staging = STAGING_BUFFERS * MX_PACK * 2 * widest if plan.setup.is_mx else 0
-    return total + staging
+    return total + (max(staging, rings) if own_rings else staging)
 
 
 def first_stationary_load_bytes(plan) -> int:
@@ -73,11 +88,12 @@ def first_stationary_load_bytes(plan) -> int:
 
 def prefetch_fits(plan, nxt) -> bool:
     """Whether `nxt`'s first panels may load while `plan`'s last tiles run: neither is K-streamed
-    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare."""
+    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare (nxt's loads with each
+    [K, F] source's own staging ring, first_load_bytes own_rings)."""
     if plan.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
         return False
     budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
-    return plan.held_bytes() + nxt.first_bytes() <= budget
+    return plan.held_bytes() + nxt.first_bytes(own_rings=True) <= budget
 
 
 def tail_load_fits(plan, nxt) -> bool:
@@ -122,15 +138,24 @@ def place_fence_after_first_panel(plan) -> None:
     FENCED_STAGING_BUFFERS). TP8 with the spread, central / pessimistic ms (round 20, ring 4): the fence one tile
     earlier (before the second panel's loads) 0.6600 / 0.7345, here 0.6302 / 0.7139, one / two tiles later 0.6330 /
     0.7190, 0.6330 / 0.7216. No change with one moving panel."""
+    second, back = first_panel_return(plan)
+    if second == None:  # noqa: E711
+        return
+    kernel_assert(not back, f"place_fence_after_first_panel needs an n-major plan (the first moving panel's tiles "
+                            f"first, then never again; MatmulPlan.first_panel_once), got tiles {back[:4]} back on "
+                            f"the panel at n0={plan.order[0][1][0]} after tile {second} left it")
+    plan.fence_tile = second - 1
+
+
+def first_panel_return(plan):
+    """(second, back): the first tile of `plan`'s order on another moving panel than tile 0's (None: one panel
+    only), and the later tiles back on tile 0's panel (none in an n-major plan; a grouped n-major plan, m_group, sweeps
+    the moving panels once per group of m blocks and comes back to it at each later group)."""
     n_first = plan.order[0][1][0] if plan.order else 0
     second = [j for j in range(len(plan.order)) if plan.order[j][1][0] != n_first]
     if not second:
-        return
-    back = [j for j in range(second[0], len(plan.order)) if plan.order[j][1][0] == n_first]
-    kernel_assert(not back, f"place_fence_after_first_panel needs an n-major plan (the first moving panel's tiles "
-                            f"first, then never again), got tiles {back[:4]} back on the panel at n0={n_first} "
-                            f"after tile {second[0]} left it")
-    plan.fence_tile = second[0] - 1
+        return None, []
+    return second[0], [j for j in range(second[0], len(plan.order)) if plan.order[j][1][0] == n_first]
 
 
 def begin_spread_first_load(plan) -> bool:

@@ -33,8 +33,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
-                      held_bytes_at_tail, last_loading_tile, place_fence_after_first_panel, prefetch_fits,
-                      tail_load_fits)
+                      first_panel_return, held_bytes_at_tail, last_loading_tile, place_fence_after_first_panel,
+                      prefetch_fits, tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -308,9 +308,9 @@ class MatmulPlan(nl.NKIObject):
         """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
         return held_bytes_at_tail(self)
 
-    def first_bytes(self) -> int:
-        """SBUF bytes per partition that loading the first tile's panels takes (with MXFP8 staging)."""
-        return first_load_bytes(self)
+    def first_bytes(self, own_rings: bool = False) -> int:
+        """SBUF bytes per partition that loading the first tile's panels takes (overlap.first_load_bytes)."""
+        return first_load_bytes(self, own_rings)
 
     def first_stationary_bytes(self) -> int:
         """SBUF bytes per partition of the first tile's stationary loads (overlap.first_stationary_load_bytes)."""
@@ -369,6 +369,11 @@ class MatmulPlan(nl.NKIObject):
         tiles before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
         protects runs before one that does)."""
         self.fence = (self.fence_tile, barrier)
+
+    def first_panel_once(self) -> bool:
+        """Whether the first moving panel's tiles come first and never again (n-major; not a grouped order that
+        sweeps the moving panels once per m group): fence_after_first_panel's condition (overlap.first_panel_return)."""
+        return not first_panel_return(self)[1]
 
     def fence_after_first_panel(self) -> None:
         """Move set_fence's sync point to the last tile of the first moving panel, after the second panel's loads

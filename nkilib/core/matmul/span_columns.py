@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .constants import FENCED_COLUMN_PIECES, FENCED_NEXT_WORDS_FROM_K_TILE
 from .panels import matmul_panels, panel_columns, single_k_tile
+from .sources import tile_spans
 
 
 def piece_span_columns(plan) -> None:
@@ -13,9 +14,12 @@ def piece_span_columns(plan) -> None:
     FENCED_COLUMN_PIECES divides, the first moving panel's K tiles are quantized in that many column pieces and the
     span runs piece by piece (plan.span_columns); from K tile FENCED_NEXT_WORDS_FROM_K_TILE on, the last half of those
     pieces is quantized from a unit-stride copy (PanelBuilder.quantize_mx_tile next_words_as_source). Before the first
-    tile's loads (the caller's phase function plans, this is set, then the plan runs)."""
+    tile's loads (the caller's phase function plans, this is set, then the plan runs). The span is the one run()
+    takes (tile_spans): in an order whose second tile is on another moving panel (a grouped n-major plan of one m
+    block per group) it is a single tile, and nothing changes."""
     if plan.fenced_start and plan.first_span > 1 and plan.done == 0 and \
-            plan.order[0][1][1] % FENCED_COLUMN_PIECES == 0:
+            plan.order[0][1][1] % FENCED_COLUMN_PIECES == 0 and \
+            tile_spans(plan.order, 0, len(plan.order), plan.switch_span, plan.first_span)[0][1] > 1:
         plan.span_columns = FENCED_COLUMN_PIECES
         for source in plan.moving:
             source.first_quantize_columns = FENCED_COLUMN_PIECES

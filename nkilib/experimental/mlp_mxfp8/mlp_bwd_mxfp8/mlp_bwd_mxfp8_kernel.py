@@ -353,8 +353,10 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
                                                         own_k_ranges=own2, **common)
         if plan1.epilogue.spreads_along_s(plan1):
             # phase 1 ends earlier: the fence then goes after phase 2's second W_gu panel is issued, so phase 3's
-            # first loads (issued after it) do not share the DMA queues with that panel
-            plan2.fence_after_first_panel()
+            # first loads (issued after it) do not share the DMA queues with that panel. Only in an n-major order:
+            # a grouped one (long S, m_group) comes back to the first panel, and keeps set_fence's FENCE_TILE
+            if plan2.first_panel_once():
+                plan2.fence_after_first_panel()
             # and its first span in column pieces (TP8 0.62068 / 0.70053 -> 0.62024 / 0.70017 ms with phase 1's
             # last two S tiles gate-first; Llama3-8B TP8, no spread: 0.73232 / 0.82569 -> 0.73158 / 0.82604, left out)
             plan2.piece_first_span()
