@@ -175,8 +175,7 @@ class PhaseGraph(nl.NKIObject):
                         phase.step(plan, "head")
                         plan.fire_fence()  # before the next plan's first loads when the head ends before it
                         nxt.step(nxt_plan, "first")
-                        if hasattr(plan, "carry_first_load"):  # the optional part: a spread first load (MatmulPlan)
-                            plan.carry_first_load(nxt_plan)
+                        plan.carry_first_load(nxt_plan)  # the rest of a spread first load (MatmulPlan)
                     elif plan.can_load_under_tail(nxt_plan):
                         # a K-streamed plan holds all of SBUF until its last quad: the next plan's first stationary
                         # panels load from there on, issued inside that plan's step (its phase function)

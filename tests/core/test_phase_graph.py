@@ -36,6 +36,9 @@ class FakePlan:
     def set_tail_load(self, step, nxt):
         self.tail_load = (step, nxt)
 
+    def carry_first_load(self, nxt):  # MatmulPlan's spread first load: nothing to carry here
+        pass
+
     def first_bytes(self):
         return self.first
 

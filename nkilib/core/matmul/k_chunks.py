@@ -192,17 +192,26 @@ class KChunkedPlan(nl.NKIObject):
     """A MatmulPlan cut along K (module docstring): `chunks` run one after the other, chunk c's first panels
     loading under chunk c - 1's last tiles when both fit SBUF. Offers MatmulPlan's interface to PhaseGraph
     (step, first_bytes, first_stationary_bytes, held_bytes, can_prefetch, can_load_under_tail, set_tail_load,
-    adopt_staging, can_fence, fire_fence, stationary_on_chip, stream, order)."""
+    adopt_staging, can_fence, fire_fence, stationary_on_chip, stream, order, spread_first_load, carry_first_load)."""
 
     def __init__(self, chunks):
         self.chunks = chunks
         self.done = 0  # chunks run to the end
         self.stream = None
+        self.spread_first = False  # its first loads are taken whole (spread_first_load does not apply)
         self.order = chunks[-1].order
         self.ranges = chunks[0].ranges
 
     def first_bytes(self, own_rings: bool = False) -> int:
         return self.chunks[0].first_bytes(own_rings)
+
+    def spread_first_load(self) -> None:
+        """No change: a K-chunked plan's first chunk loads its first panels as before (MatmulPlan.spread_first_load
+        spreads a single plan's)."""
+
+    def carry_first_load(self, nxt) -> None:
+        """No change: this plan's chunks do not carry the next plan's spread first load
+        (MatmulPlan.carry_first_load)."""
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()

@@ -395,7 +395,7 @@ class MatmulPlan(nl.NKIObject):
     def carry_first_load(self, nxt) -> None:
         """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
         first load, one every SPREAD_TILES_PER_K_TILE tiles (overlap.advance_spread_load)."""
-        if not hasattr(nxt, "spread_first") or not nxt.spread_first:  # e.g. a K-chunked plan (k_chunks.py)
+        if not nxt.spread_first:  # e.g. a K-chunked plan (k_chunks.py: never spread)
             return
         if any(mv.pending != None for mv in nxt.moving):  # noqa: E711
             self.carried = (nxt, self.done)

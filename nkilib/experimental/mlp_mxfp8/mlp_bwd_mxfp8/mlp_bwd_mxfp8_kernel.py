@@ -375,10 +375,9 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
 
     def build_phase3(outputs):
         plan3 = phase3(None, "plan")
-        if hasattr(plan3, "spread_first_load"):  # a MatmulPlan (K-chunked plans take their loads as before)
-            # loaded under phase 2's tail: its first X panel's quantizes spread over phase 2's last tiles, half of each
-            # K tile from a unit-stride ScalarE copy (constants.py SPREAD_FIRST_K_TILES)
-            plan3.spread_first_load()
+        # loaded under phase 2's tail: its first X panel's quantizes spread over phase 2's last tiles, half of each K
+        # tile from a unit-stride ScalarE copy (constants.py SPREAD_FIRST_K_TILES; a K-chunked plan is unchanged)
+        plan3.spread_first_load()
         return plan3
 
     def build_phase4(outputs):
