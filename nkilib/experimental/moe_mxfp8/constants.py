@@ -156,13 +156,6 @@ WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS = WEIGHT_GRAD_STORE_WIDTH // 2
 #: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
 #: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
 ZERO_ROWS_WIDTH = 2048
-#: Whether pass B's resident W_gu of the experts after the first fence group is quantized once (each core its H
-#: columns) a pipeline segment ahead and stored in MXFP8 to an HBM scratch, which B(e) then loads without quantize_mx:
-#: B's first matmuls waited for the bf16 load -> quantize_mx chain at every B's start (GPT-OSS-20B 6 x 2048: TensorE
-#: idle B -> B 140.5 us per core; docs/moe.md section 10, round 34a; moe_bwd_mxfp8_gate_up_scratch.py).
-GATE_UP_SCRATCH = True
-#: Word / scale tiles that the quantize of GATE_UP_SCRATCH takes in turn (one column piece of a K tile each).
-GATE_UP_SCRATCH_SLOTS = 1
 #: Experts per software-pipeline segment under LNC2: A of the next group, B and C of this one, then one
 #: core_barrier (docs/moe.md section 5; section 10, round 5 measures 1, 2 and 4).
 EXPERTS_PER_FENCE = 2

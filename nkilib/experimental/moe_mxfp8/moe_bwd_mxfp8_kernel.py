@@ -93,7 +93,6 @@ from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_
                                       gather_first_chunk_ahead)
 from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_deferred_x, scatter_deferred_d_w
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
-from .moe_bwd_mxfp8_gate_up_scratch import GateUpWeightScratch
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
@@ -322,12 +321,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     c0_lo, c0_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, 0)
     h0_tiles = _blocks(min(c0_lo * SPLIT_ALIGN, H), min(c0_hi * SPLIT_ALIGN, H), MOE_N_TILE)
 
-    gu_scratch = None  # W_gu quantized a segment ahead through HBM (moe_bwd_mxfp8_gate_up_scratch.py), set below
-
     def b_desc(e):
-        """W_gu[e] [2I, H] (K = 2I): the kernel's input, or for the scratch's experts its MXFP8 panel layout."""
-        if gu_scratch != None and gu_scratch.holds(e):  # noqa: E711
-            return gu_scratch.descriptor(e)
         return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)
 
     b_groups0 = resident_tile_groups(h0_tiles, [b_desc(0)], setup)
@@ -386,22 +380,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     interleave = (pipelined and b_skip[0] == (True, 0) and
                   ExpertPanels.bytes_of(a_ops, i_tiles, setup) + ExpertPanels.bytes_of([b_desc(0)], h0_tiles, setup)
                   <= INTERLEAVE_PANEL_BUDGET_BYTES)
-
-    # W_gu of the experts after the first group quantized a segment ahead of their B (round 34a): B's resident path
-    # only (its one group of this core's H tiles), without the interleave or the I split
-    gu_scratch = GateUpWeightScratch.of(ctx, groups, h_lo, h_hi, b_skip[0] == (True, 0) and b_groups == None,  # noqa: E711
-                                        interleave, i_split)
-
-    def quantize_gate_up(a, reserved=None):
-        """B(a)'s W_gu quantized into the scratch (this core's columns), a segment ahead of B(a)."""
-        if a != None and gu_scratch != None and gu_scratch.holds(a):  # noqa: E711
-            ctx.loops.if_used(a, lambda: gu_scratch.quantize(a, reserved))
-
-    def reserve_gate_up(a):
-        """reserve()'s SBUF for B(a)'s W_gu quantize, or None (a not in the scratch)."""
-        if a != None and gu_scratch != None and gu_scratch.holds(a):  # noqa: E711
-            return gu_scratch.reserve()
-        return None
 
     def pass_a_with_b(a, e, a_panels=None):
         """A(a) with B(e)'s pieces between its chunks, then e's blocks that A(a) did not reach; A(a) alone when e has
@@ -485,7 +463,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
         later = groups[n + 2] if n + 2 < len(groups) else []
         for j, e in enumerate(group):  # A of the next group's j-th expert, then B and C of this group's
-            reserved, done = None, False
             a_panels = early.pop(ahead[j], None) if j < len(ahead) else None
             if interleave and j < len(ahead):
                 pass_a_with_b(ahead[j], e, a_panels)
@@ -497,13 +474,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                       w=a_panels: ctx.loops.if_used(a[0], lambda: pass_a(a[0], panels=w, then=then)))
                 elif j < len(ahead):
                     ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
-                # the next group's j-th W_gu quantized a segment ahead of its B (round 34a): its SBUF taken now and
-                # kept past B(e) (neither placed over the other's tiles); on VectorE before B(e) when B(e) reads
-                # the scratch (B then has no VectorE work), else after B(e)'s own quantize_mx
-                reserved = reserve_gate_up(ahead[j] if j < len(ahead) else None)
-                if gu_scratch != None and gu_scratch.holds(e):  # noqa: E711
-                    quantize_gate_up(ahead[j] if j < len(ahead) else None, reserved)
-                    done = True
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
@@ -517,9 +487,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                                                    else None))
             if j < len(later):
                 quantize_down(later[j])
-            if not done:
-                quantize_gate_up(ahead[j] if j < len(ahead) else None, reserved)
-            reserved = None
             pass_c(e)
             if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
                 dy_ahead(later)
