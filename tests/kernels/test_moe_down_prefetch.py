@@ -9,7 +9,7 @@ load their own (round 14d's paths). The outputs stay mx_exact's bit for bit unde
 | test                           | what                                                                     | fixed |
 |--------------------------------|--------------------------------------------------------------------------|-------|
 | test_down_prefetch_order       | fence groups [0, 1], [2, 3], [4]: W_down[4] prefetched after C(0), before | LNC2  |
-|                                | C(1), each prefetch before the segment's staging; A(4) takes the         |       |
+|                                | C(1), after the segment's staging (in A(2): round 34b); A(4) takes the   |       |
 |                                | prefetched panels, A(0), A(1) and A(2) load their own; bit-exact         |       |
 | test_down_prefetch_padded_next | the prefetched expert holds padding: its prefetch loop runs no trip and  | LNC2  |
 |                                | A(4) takes the padded I split path with its own panels; bit-exact        |       |
@@ -57,9 +57,10 @@ def test_down_prefetch_order(monkeypatch):
             ("prefetch", 3), ("prefetch", 4), ("A", 4, True, True)], seq
         # W_down[4] is loaded in the first segment's second part (A(3), B(1), prefetch, C(1)): after C(0), before C(1)
         assert seq.index(("C", 0)) < seq.index(("prefetch", 4)) < seq.index(("C", 1)), seq
-        # the prefetch precedes the segment's staging of the group after next (expert 4's dY / X rows, issued in
-        # segment 0 after B(0)): B(0), prefetch(3), stage(4), C(0)
-        assert seq.index(("prefetch", 3)) < seq.index(("stage", 4)) < seq.index(("C", 0)), seq
+        # the segment's staging of the group after next (expert 4's dY / X rows) goes inside A(2), before its blocks'
+        # loops (round 34b; it followed B(0) and the prefetch before): stage(4), A(2), B(0), prefetch(3), C(0)
+        assert seq.index(("stage", 4)) < seq.index(("A", 2, True, False)) < seq.index(("prefetch", 3)) < \
+            seq.index(("C", 0)), seq
 
 
 def test_down_prefetch_padded_next(monkeypatch):

@@ -389,14 +389,14 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
 
 
 def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False,
-                                d_up_engine=None, before_store=None):
+                                d_up_engine=None, before_store=None, at_first_tile=None):
     """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
     on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
     gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged,
-    d_up_engine: RowChunk's; before_store: _phase1_rows's.
+    d_up_engine: RowChunk's; before_store, at_first_tile: _phase1_rows's.
     """
     _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, before_store=before_store, tile_sums=tile_sums,
-                 staged=staged, d_up_engine=d_up_engine)
+                 staged=staged, d_up_engine=d_up_engine, at_first_tile=at_first_tile)
 
 
 def gather_first_chunk_ahead(ctx, e):
@@ -518,11 +518,13 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
-                 staged=False, d_up_engine=None):
+                 staged=False, d_up_engine=None, at_first_tile=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
+    at_first_tile: None, or a function issued after the chunks' reads, before the first I tile's matmuls (the I
+    split's staging of a later expert's rows: docs/moe.md section 10, round 34b).
     tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
@@ -532,6 +534,8 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
     inputs = inputs or [None] * len(rows)
     chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged, d_up_engine)
               for (r0, m), inp in zip(rows, inputs)]
+    if at_first_tile != None:  # noqa: E711
+        at_first_tile()
     for jj, (n0, nsz) in enumerate(w_down.tiles):
         j = n0 // PHASE1_N_TILE  # the tile's index in I (the routing-gradient fold: tile 0 overwrites)
         wd = w_down.get(jj)

@@ -155,7 +155,7 @@ class ExpertISplit(nl.NKIObject):
         self.ctx.loops.if_unused(a, rows.read)
         run_a(lambda rows_read_before: rows.read(rows=not rows_read_before))
 
-    def expert(self, e, descs, w_down=None, then=None):
+    def expert(self, e, descs, w_down=None, then=None, at_first_tile=None):
         """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of
         more blocks loads its panels once for all of them; the blocks before the last are full (every position a routed
         pair), the last one (a one-block expert's only one) runs as full or as padded by its final position's flag
@@ -168,6 +168,10 @@ class ExpertISplit(nl.NKIObject):
             then: then(one_full_block), issued in the last block's epilogue, before its stores, in every branch:
                 then(True) in a one-block expert's full one (with_rows read the rows before A(e) there), else
                 then(False); None: nothing.
+            at_first_tile: issued once on every run-time path of A(e): in a one-block expert's block after its
+                chunks' reads, before its first I tile's matmuls (the first chunk's, for a padded block), in a
+                multi-block expert's before its blocks' loops; None: nothing. The kernel's staging of a later
+                expert's rows goes there (docs/moe.md section 10, round 34b).
         """
         ctx = self.ctx
 
@@ -177,24 +181,27 @@ class ExpertISplit(nl.NKIObject):
             return [None if d == None else ExpertPanels(d, self.tiles, ctx.setup,  # noqa: E711
                                                         panels=ahead if k == 0 else None) for k, d in enumerate(descs)]
 
-        def last_block(i, w=None):
+        def last_block(i, w=None, first=None):
             # one flag for both branches; a one-block expert loads its panels inside the flag's loop (round 14d: the
             # panels issued before the flags and a flag per branch cost the full rank's balanced routing 0.9%), its
             # full branch's W_down taken from prefetch_down where given (round 14b: loaded under this same flag)
             full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
             # then(True) in a one-block expert's full branch (with_rows read the rows before A(e) there)
             before = None if then == None else lambda: then(not w)  # noqa: E711
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True, then=before))
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(w_down), True, then=before, first=first))
             after = None if then == None else lambda: then(False)  # noqa: E711
-            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False, then=after), complement=True)
+            ctx.if_flag(full, 1, lambda: self.block(e, i, w or panels(), False, then=after, first=first),
+                        complement=True)
 
         def blocks():
             w = panels()  # once for all the expert's blocks
+            if at_first_tile != None:  # noqa: E711  (once, outside the blocks' loops)
+                at_first_tile()
             b_lo, _, b_hi = ctx.loops.bounds(e)
             last = ctx.loops.last_block(e)
             nl.fori_loop(b_lo, last, lambda i: self.block(e, i, w, True))
             nl.fori_loop(last, b_hi, lambda i: last_block(i, w))
-        ctx.loops.if_single(e, last_block)
+        ctx.loops.if_single(e, lambda i: last_block(i, first=at_first_tile))
         ctx.loops.if_multi(e, blocks)
 
     def scatter_expert(self, e):
@@ -202,25 +209,27 @@ class ExpertISplit(nl.NKIObject):
         b_lo, _, b_hi = self.ctx.loops.bounds(e)
         nl.fori_loop(b_lo, b_hi, self.scatter)
 
-    def block(self, e, i, w, full, then=None):
+    def block(self, e, i, w, full, then=None, first=None):
         """Block i (register) of expert e over this core's I tiles, with its weight panels w (ExpertPanels). A block
         holding padding (full False) computes its 128-row chunks one by one, each after the first (whose first position
         always holds a routed pair) in a 0/1-trip loop on the flag of its first position; a chunk of padding only
-        stores zero scratch rows instead (both cores: the same flags, so identical trip counts)."""
+        stores zero scratch rows instead (both cores: the same flags, so identical trip counts). first: expert()'s
+        at_first_tile, issued before the first I tile's matmuls (of the first chunk, for a padded block)."""
         ctx = self.ctx
         # each chunk gathers its rows as it is made (RowChunk), so one chunk's [128, H] rows are live at a time
         # the product dh * a on VectorE here: GpSimd generates every row's gather descriptors on both cores (round
         # 9b: ds4 1416.5 / 1981.8 -> 1407.9 / 1967.5 us)
         if full:
             compute_phase1_chunks_mxfp8(ctx, e, i, self.chunks, *w, True, None, tile_sums=True,
-                                        staged=e in self.staged, d_up_engine=nisa.engine.vector, before_store=then)
+                                        staged=e in self.staged, d_up_engine=nisa.engine.vector, before_store=then,
+                                        at_first_tile=first)
             return
         # a padded block: never staged (an HBM -> HBM gather skips padding rows, which pass C reads as zeros)
         flags = ctx.row_flags(i, PARTITIONS, len(self.chunks))
         for q, chunk in enumerate(self.chunks):
-            def rows(chunk=chunk):
+            def rows(chunk=chunk, q=q):
                 compute_phase1_chunks_mxfp8(ctx, e, i, [chunk], *w, False, None, tile_sums=True,
-                                            d_up_engine=nisa.engine.vector)
+                                            d_up_engine=nisa.engine.vector, at_first_tile=first if q == 0 else None)
             if q == 0:
                 rows()
                 continue

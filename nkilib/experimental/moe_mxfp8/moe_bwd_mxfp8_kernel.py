@@ -82,7 +82,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import ceil_div, shard_range
+from ...core.kernel_helpers import ceil_div, kernel_assert, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
@@ -296,9 +296,11 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         w = ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body), ring)
         return {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
 
-    def pass_a(e, between=None, panels=None, then=None):
+    def pass_a(e, between=None, panels=None, then=None, at_first_tile=None):
         """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: loaded and gathered
-        here); then: I split's expert()."""
+        here); then, at_first_tile: I split's expert()."""
+        kernel_assert(at_first_tile == None or i_split != None,  # noqa: E711
+                      f"pass A of expert {e} takes work at its first I tile only under the I split")
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
             # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
@@ -311,7 +313,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
 
         if i_split != None:  # noqa: E711  (W_down[e] from HBM as it is; a one-block full expert's maybe prefetched)
-            i_split.expert(e, a_descs(e), prefetched.get(e), then)
+            i_split.expert(e, a_descs(e), prefetched.get(e), then, at_first_tile)
             prefetched.pop(e, None)  # its panels die after A(e) (the allocator frees a tile its last reference drops)
             return
         per_block(e, a_descs(e), i_tiles, a_groups, rows, a_skip)
@@ -469,11 +471,24 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             else:
                 # the I split, W_gu per block: B(e)'s d_gate_up rows (round 20a) and first W_gu K tile (22a) read ahead
                 rows = DGateUpRowsAhead(ctx, e, b_desc(e), h_tiles) if i_split and b_groups else None
+                # the I split: the staging of later[j]'s rows (HBM -> HBM, no SBUF) issued in A(ahead[j]) after its
+                # chunks' reads, before its first I tile's matmuls, where the queues have room; after B(e) it took
+                # them from C(e)'s loads (round 34b: ds16 -3.1% / -1.0%; before A(a) in program order only
+                # -0.4% / +0.8%, at its last I tile -0.2% / +1.7%)
+                stage = None
+                if i_split != None and j < len(later):  # noqa: E711
+                    stage = lambda x=later[j]: i_split.stage_expert(x)  # noqa: E731
+                if stage != None and j < len(ahead):  # noqa: E711  (an unused A(ahead[j]) runs none of its paths)
+                    ctx.loops.if_unused(ahead[j], stage)
+                elif stage != None:  # noqa: E711
+                    stage()
                 if rows != None:  # noqa: E711
                     i_split.with_rows(ahead[j] if j < len(ahead) else None, rows, lambda then, a=ahead[j:j + 1],
-                                      w=a_panels: ctx.loops.if_used(a[0], lambda: pass_a(a[0], panels=w, then=then)))
+                                      w=a_panels, s=stage: ctx.loops.if_used(
+                                          a[0], lambda: pass_a(a[0], panels=w, then=then, at_first_tile=s)))
                 elif j < len(ahead):
-                    ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels: pass_a(a, panels=w))
+                    ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels, s=stage: pass_a(a, panels=w,
+                                                                                           at_first_tile=s))
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
@@ -485,7 +500,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))
-            if j < len(later):
+            if j < len(later) and i_split == None:  # noqa: E711  (the I split staged later[j] in A(ahead[j]))
                 quantize_down(later[j])
             pass_c(e)
             if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
