@@ -387,7 +387,9 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return phase4(None, "plan")
 
     def barrier():
-        plan1.epilogue.flush_along_s()  # phase 1's last K tile along S (exchange_along_s defer_last), read after it
+        # phase 1's last K tile along S (exchange_along_s defer_last), read after it; a no-op where phase 2's fence
+        # work (set_fence_work) issued it already
+        plan1.epilogue.flush_along_s()
         if built:  # phase 2's prefetch_own (split along I: the barrier precedes phase 2)
             built[0].prefetch_own()
         nisa.core_barrier(data=sync_data, cores=(0, 1))
