@@ -3,17 +3,17 @@
 The SBUF a plan holds while its last tiles run and the SBUF its first loads take decide whether the next plan's first
 panels may load under this plan's tail (prefetch_fits) or under a K-streamed plan's last quad (tail_load_fits);
 last_loading_tile says where this plan's own loads end, place_fence_after_first_panel where a sync point inside
-its run leaves the next plan's first loads the DMA queues and issue_fence_work where the work that sync point waits for
-goes; begin_spread_first_load / advance_spread_load spread the
-next plan's first panel's quantizes over this plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
+its run leaves the next plan's first loads the DMA queues and issue_fence_work where the work that sync point waits
+for goes; begin_spread_first_load / advance_spread_load spread the next plan's first panel's quantizes over this
+plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
 first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel,
 spread_first_load, carry_first_load) call these; plan.py decides the tiling they read (order, stream, the
 PanelSources).
 """
 from __future__ import annotations
 
-from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
-                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
+from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES,
+                        SPREAD_NEXT_WORDS_FROM_K_TILE, SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
 from .panels import panel_bytes_per_partition
 from .streamed import tail_held_bytes

@@ -34,8 +34,7 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
                       first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
-                      place_fence_after_first_panel,
-                      prefetch_fits, tail_load_fits)
+                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
