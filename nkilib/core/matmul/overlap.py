@@ -5,10 +5,9 @@ panels may load under this plan's tail (prefetch_fits) or under a K-streamed pla
 last_loading_tile says where this plan's own loads end, place_fence_after_first_panel where a sync point inside
 its run leaves the next plan's first loads the DMA queues and issue_fence_work where the work that sync point waits
 for goes; begin_spread_first_load / advance_spread_load spread the next plan's first panel's quantizes over this
-plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
-first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel,
-spread_first_load, carry_first_load) call these; plan.py decides the tiling they read (order, stream, the
-PanelSources).
+plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes, first_bytes, first_stationary_bytes,
+can_prefetch, can_load_under_tail, last_load, fence_after_first_panel, spread_first_load, carry_first_load; run() for
+set_fence_work's work) call these; plan.py decides the tiling they read (order, stream, the PanelSources).
 """
 from __future__ import annotations
 
