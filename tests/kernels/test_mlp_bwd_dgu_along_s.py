@@ -319,3 +319,36 @@ def test_phase2_first_span_in_column_pieces():
                          any(o.buffer == "psum" for o in r.reads)]
             assert evictions[:2 * span] == [n_block // 2] * (2 * span), (p, evictions[:2 * span])
             assert set(evictions[2 * span:]) == {n_block}, (p, set(evictions[2 * span:]))
+
+
+def test_deferred_along_s_k_tile_quantized_at_the_fence_between_the_second_w_gu_panel_k_tiles():
+    """Under LNC2 phase 1 defers its last K tile's quantize along S and its stores to the core barrier inside phase 2
+    (flush_along_s; the fence after phase 2's first W_gu panel, which reads nothing the barrier protects). The old code
+    issued it in the barrier itself, after the second W_gu panel's loads: VectorE (program order) quantized all of that
+    panel's K tiles first, and the barrier waited for the last chunk's store (TP8 pessimistic: TensorE idle 3.97 us at
+    the fence). With MatmulPlan.set_fence_work (the kernel's phase 2) it goes at the fence tile after the second panel's
+    first FENCE_WORK_AFTER_K_TILES quantizes (their SBUF placements first, as before) and before its other K tiles (TP8
+    modeled 0.61649 / 0.65689 -> 0.61649 / 0.65422 ms). S = 1024, H = 4096, I = 1536: one K tile along S per core (all
+    its chunks deferred), W_gu in n-major panels of six K tiles. Per core: FENCE_WORK_AFTER_K_TILES of the second
+    panel's quantizes before the first chunk's, the rest after the last chunk's, all of them and the chunks' stores
+    before the core barrier. Fails on the old code (all six before the first chunk). Bit-exact against mx_exact on
+    LNC1 and LNC2, LNC1 equal to LNC2 (the same instructions in another program order); the race checker silent."""
+    from nkilib.core.matmul.constants import FENCE_WORK_AFTER_K_TILES
+
+    S, H, I = 1024, 4096, 1536
+    k_tiles = 2 * I // 512
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 42, kind="pow2")
+    (_, res), = [(lnc, res) for lnc, res in assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp) if lnc == 2]
+    for p in range(2):
+        records, stores, along_s, _ = _along_s_instructions(res, p)
+        barrier = next(i for i, r in enumerate(records) if r.instr == "core_barrier")
+        # the second W_gu panel: the moving words of phase 2's first matmul after the barrier (the fence follows the
+        # first panel's last tile's matmuls)
+        after = next(r for r in records[barrier:] if r.instr == "nc_matmul_mx")
+        second = next(o.storage_id for o in after.reads if o.arg == "moving")
+        panel = [i for i, r in enumerate(records) if r.instr == "quantize_mx" and r.writes[0].storage_id == second]
+        assert len(panel) == k_tiles and len(along_s) == 4 and max(stores) < barrier, (p, panel, along_s, stores)
+        ahead = [i for i in panel if i < along_s[0]]
+        assert len(ahead) == FENCE_WORK_AFTER_K_TILES, (p, panel, along_s)
+        assert all(along_s[-1] < i < barrier for i in panel[len(ahead):]), (p, panel, along_s, barrier)

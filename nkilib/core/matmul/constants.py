@@ -153,6 +153,15 @@ FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's e
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /
 # 730.3, 6: 625.8 / 726.6, 8: 629.5 / 728.6 (with the staging ring of 3: 628.2 / 741.2, 624.9 / 737.5, 626.1 / 737.5)
+FENCE_WORK_AFTER_K_TILES = 1  # MatmulPlan.set_fence_work: at the fence tile, work the fence waits for (the MLP
+# backward's phase 1's last K tile along S, quantized and stored at the barrier: flush_along_s) goes after this many K
+# tiles of the next tile's new moving panel are quantized and before its other K tiles, instead of after all of them:
+# VectorE (program order) then quantizes and stores it while the first panel's last tiles multiply, and the fence waits
+# for TensorE instead of that store (TP8 pessimistic: 3.97 us of TensorE idle at the fence, 1.30 after). The first K
+# tile goes first so the new panel's staging ring and words take their SBUF placements before the work's words do, as
+# they did (allocator.py places at first access, next-fit). TP8 MXFP8 modeled (0.61649 / 0.65689 ms): 0 0.62541 /
+# 0.66658 (placements moved: phase 3's second stationary panel waits for phase 2's last matmul), 1-5 0.61649 /
+# 0.65422, 6 (all: the old order) 0.61649 / 0.65689 (round 42 of docs/dense-performance.md)
 LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile's column pieces (1536 columns:
 # 768, 512, 256); each piece's store (1.3 us DMA latency + its bytes) runs under the next piece's matmuls. TP8 MXFP8
 # modeled central ms (whole tile 0.6243): 3 equal pieces 0.6233, 2 0.6235, 3-2-1 0.6229, 4-2-2-1 0.6230

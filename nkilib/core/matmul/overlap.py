@@ -2,17 +2,17 @@
 
 The SBUF a plan holds while its last tiles run and the SBUF its first loads take decide whether the next plan's first
 panels may load under this plan's tail (prefetch_fits) or under a K-streamed plan's last quad (tail_load_fits);
-last_loading_tile says where this plan's own loads end, and place_fence_after_first_panel where a sync point inside
-its run leaves the next plan's first loads the DMA queues; begin_spread_first_load / advance_spread_load spread the
-next plan's first panel's quantizes over this plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes,
-first_bytes, first_stationary_bytes, can_prefetch, can_load_under_tail, last_load, fence_after_first_panel,
-spread_first_load, carry_first_load) call these; plan.py decides the tiling they read (order, stream, the
-PanelSources).
+last_loading_tile says where this plan's own loads end, place_fence_after_first_panel where a sync point inside
+its run leaves the next plan's first loads the DMA queues and issue_fence_work where the work that sync point waits
+for goes; begin_spread_first_load / advance_spread_load spread the next plan's first panel's quantizes over this
+plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes, first_bytes, first_stationary_bytes,
+can_prefetch, can_load_under_tail, last_load, fence_after_first_panel, spread_first_load, carry_first_load; run() for
+set_fence_work's work) call these; plan.py decides the tiling they read (order, stream, the PanelSources).
 """
 from __future__ import annotations
 
-from .constants import (MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
-                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
+from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES,
+                        SPREAD_NEXT_WORDS_FROM_K_TILE, SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
 from .panels import panel_bytes_per_partition
 from .streamed import tail_held_bytes
@@ -145,6 +145,23 @@ def place_fence_after_first_panel(plan) -> None:
                             f"first, then never again; MatmulPlan.first_panel_once), got tiles {back[:4]} back on "
                             f"the panel at n0={plan.order[0][1][0]} after tile {second} left it")
     plan.fence_tile = second - 1
+
+
+def issue_fence_work(plan, j: int) -> None:
+    """At tile j, the fence tile of `plan` (set_fence), before the next tile's loads: begin the next tile's new moving
+    panels (PanelSource.load_ahead: their staging DMAs and first FENCE_WORK_AFTER_K_TILES quantizes), then issue the
+    work set_fence_work gave, which the fence waits for; the next tile's loads (MatmulPlan.prefetch) issue the rest.
+    The same instructions as before in another program order (the work reads and writes nothing the loads touch)."""
+    if plan.fence_work == None or plan.fence == None or j != plan.fence[0]:  # noqa: E711
+        return
+    if j + 1 < len(plan.order):
+        (_, _), (n0, nsz) = plan.order[j + 1]
+        for _, m in plan.products:
+            source = plan.moving[m]
+            if source.can_load_ahead() and not source.holds(n0):
+                source.load_ahead(n0, nsz, FENCE_WORK_AFTER_K_TILES)
+    work, plan.fence_work = plan.fence_work, None
+    work()
 
 
 def first_panel_return(plan):

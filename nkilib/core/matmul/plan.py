@@ -33,8 +33,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
-                      first_panel_return, held_bytes_at_tail, last_loading_tile, place_fence_after_first_panel,
-                      prefetch_fits, tail_load_fits)
+                      first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
+                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -178,6 +178,7 @@ class MatmulPlan(nl.NKIObject):
         self.tail_load = None  # K-streamed plans: (step, next plan) issuing its first stationary loads (set_tail_load)
         self.fence = None  # (tile, callable): a sync point issued inside this plan's run (set_fence)
         self.fence_tile = FENCE_TILE  # where set_fence puts it (fence_after_first_panel moves it)
+        self.fence_work = None  # callable the fence waits for, issued at the fence tile (set_fence_work)
         self.spread_first, self.carried = False, None  # spread_first_load; (next plan, tile): carry_first_load
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
@@ -369,6 +370,12 @@ class MatmulPlan(nl.NKIObject):
         tiles before it overlap the work the fence waits for (PhaseGraph, when a phase that reads nothing the sync point
         protects runs before one that does)."""
         self.fence = (self.fence_tile, barrier)
+
+    def set_fence_work(self, work) -> None:
+        """Call `work()` (instructions the set_fence sync point waits for) at the fence tile before the next tile's
+        loads, after their first FENCE_WORK_AFTER_K_TILES quantizes (overlap.issue_fence_work); no change without
+        a fence inside the run."""
+        self.fence_work = work
 
     def first_panel_once(self) -> bool:
         """Whether the first moving panel's tiles come first and never again (n-major; not a grouped order that
@@ -567,6 +574,7 @@ class MatmulPlan(nl.NKIObject):
                 (m0, msz), (n0, nsz) = self.order[j]
                 if self.lookahead and j + self.lookahead < len(self.order):
                     self._load_stationary_ahead(j + self.lookahead)
+                issue_fence_work(self, j)
                 if j + 1 < len(self.order):
                     # the next tile's loads before this tile's epilogue: the in-order engines (VectorE's
                     # quantize_mx, the PE transposes of K-contiguous operands) prepare the next matmuls' panels

@@ -357,6 +357,9 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
             # a grouped one (long S, m_group) comes back to the first panel, and keeps set_fence's FENCE_TILE
             if plan2.first_panel_once():
                 plan2.fence_after_first_panel()
+                # phase 1's last K tile along S (quantized and stored for phase 3, which the fence protects) goes
+                # ahead of the second panel's quantizes on VectorE: the fence then waits for TensorE, not its store
+                plan2.set_fence_work(plan1.epilogue.flush_along_s)
             # and its first span in column pieces (TP8 0.62068 / 0.70053 -> 0.62024 / 0.70017 ms with phase 1's
             # last two S tiles gate-first; Llama3-8B TP8, no spread: 0.73232 / 0.82569 -> 0.73158 / 0.82604, left out)
             plan2.piece_first_span()
@@ -384,7 +387,9 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         return phase4(None, "plan")
 
     def barrier():
-        plan1.epilogue.flush_along_s()  # phase 1's last K tile along S (exchange_along_s defer_last), read after it
+        # phase 1's last K tile along S (exchange_along_s defer_last), read after it; a no-op where phase 2's fence
+        # work (set_fence_work) issued it already
+        plan1.epilogue.flush_along_s()
         if built:  # phase 2's prefetch_own (split along I: the barrier precedes phase 2)
             built[0].prefetch_own()
         nisa.core_barrier(data=sync_data, cores=(0, 1))
