@@ -14,10 +14,12 @@ import nki.language as nl
 from ....core.kernel_helpers import ceil_div, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
+from ....core.matmul.panels import PanelGroupBlock
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
                         CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
-                        PHASE2_STATIONARY_BUDGET_BYTES, PLAIN_SWITCH_GATE_PSUM_FIRST, SWITCH_D_GATE_ON_VECTOR)
+                        PHASE2_STATIONARY_BUDGET_BYTES, PHASE2_STATIONARY_SEPARATE_PANELS, PLAIN_SWITCH_GATE_PSUM_FIRST,
+                        SWITCH_D_GATE_ON_VECTOR)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -77,6 +79,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
                              for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
         self.fused = self.keeps_for_phase2(plan)
+        # more kept S tiles than PHASE2_STATIONARY_SEPARATE_PANELS: phase 2's stationary panels in one SBUF block (a
+        # slot per S tile) instead of one allocation each, which next-fit strews over SBUF
+        self.block = None
+        kept = ceil_div(m_hi - m_lo, plan.m_tile)
+        if self.fused and self.setup.is_mx and kept > PHASE2_STATIONARY_SEPARATE_PANELS:
+            self.block = PanelGroupBlock(kept, two_i, plan.m_tile + plan.m_tile % 2, self.setup)
         self.row_width = round_up(two_i, MX_K_ALIGN) if (self.fused and self.setup.is_mx) else two_i
         # epilogue calls a finished K tile's quantize along S is spread over (one chunk of 2I / calls columns each)
         n_blocks = ceil_div(n_hi - n_lo, self.ncols)
@@ -138,7 +146,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if self.pending and n0 == self.n_lo:
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
-            self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, block=self.block,
+                                                      m_lo=self.m_lo, m_tile=self.m_tile))
         chunk_after = self._chunk_after_products()
         plain_switch = self.along_s_pending == None and n0 == self.n_lo  # noqa: E711  (before this call's chunk)
         if self.along_s_pending != None and not chunk_after:  # noqa: E711
@@ -283,12 +292,13 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # a DMA); d_up's K tiles are transposed first: VectorE's first product writes them while GpSimd still computes
         # d_gate's last one (swiglu_backward_tile), so TensorE does not wait for it (0.6248 -> 0.6243 ms)
         self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
-                                                  first_cols=(self.I, 2 * self.I)))
+                                                  first_cols=(self.I, 2 * self.I), block=self.block,
+                                                  m_lo=self.m_lo, m_tile=self.m_tile))
         if not self.defer_last_along_s:
             self.flush_along_s()
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
-        self.rows = self.checkpoints = None
+        self.rows = self.checkpoints = self.block = None  # the block lives on in the panels' views until released
 
 
 def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
