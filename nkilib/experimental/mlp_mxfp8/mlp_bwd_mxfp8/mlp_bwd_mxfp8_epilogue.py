@@ -79,6 +79,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
                              for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
         self.fused = self.keeps_for_phase2(plan)
+        self.d_gate_switch = self.switches_d_gate_on_vector(plan)
         # more kept S tiles than PHASE2_STATIONARY_SEPARATE_PANELS: phase 2's stationary panels in one SBUF block (a
         # slot per S tile) instead of one allocation each, which next-fit strews over SBUF
         self.block = None
@@ -110,12 +111,22 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.last_tile_gate_first = self.chunks_after_products and self.defer_last_along_s
 
     def _d_gate_engine(self, m0: int, msz: int, n0: int, nsz: int):
-        """Engine of tile (m0, n0)'s d_gate product: VectorE at an S tile switch (the S tile's last n block, all of I
-        on this core, not the core's last S tile; SWITCH_D_GATE_ON_VECTOR), so the next S tile's dY quantize does not
-        wait for the SBUF bus GpSimd's product would hold; GpSimd otherwise."""
-        switch = (SWITCH_D_GATE_ON_VECTOR and (self.n_lo, self.n_hi) == (0, self.I) and n0 + nsz == self.n_hi and
-                  m0 + msz < self.s_base + self.m_hi)
+        """Engine of tile (m0, n0)'s d_gate product: VectorE at an S tile switch (the S tile's last n block, not the
+        core's last S tile) where switches_d_gate_on_vector holds, so the next S tile's dY quantize does not wait for
+        the SBUF bus GpSimd's product would hold; GpSimd otherwise."""
+        switch = self.d_gate_switch and n0 + nsz == self.n_hi and m0 + msz < self.s_base + self.m_hi
         return nisa.engine.vector if switch else nisa.engine.gpsimd
+
+    def switches_d_gate_on_vector(self, plan) -> bool:
+        """Whether the S tile switches' d_gate products run on VectorE (SWITCH_D_GATE_ON_VECTOR): all of I on this
+        core (split along S), and either more than one n block per S tile (a switch every few tiles) or the rows kept
+        for phase 2 (keeps_for_phase2, whose panel transposes and quantizes fill phase 1's switches). With one n block
+        and the rows not kept every tile is a switch and VectorE, which also quantizes dY and the rows along S, takes
+        every d_gate product: H = 2048, I = 768 at S = 12288 / 16384 modeled 0.76336 / 0.87900 -> 0.78373 / 0.88881
+        and 1.01583 / 1.19523 -> 1.04263 / 1.20833 ms with it (round 41 of docs/dense-performance.md)."""
+        (_, _), (n_lo, n_hi) = plan.ranges
+        return (SWITCH_D_GATE_ON_VECTOR and (n_lo, n_hi) == (0, self.I) and
+                (ceil_div(n_hi - n_lo, plan.n_tile) > 1 or self.keeps_for_phase2(plan)))
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
