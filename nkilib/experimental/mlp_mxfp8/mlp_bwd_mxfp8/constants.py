@@ -40,6 +40,9 @@ SWITCH_D_GATE_ON_VECTOR = True  # where phase 1 is split along S (each core all 
 # phase 2's first panel transposes: central +0.8 us). Split along I (TP1) off: its epilogue is VectorE-bound (4.50781
 # / 4.67654 -> 4.51483 / 4.68489 ms). TP8 modeled 0.61670 / 0.67465 -> 0.61649 / 0.66834 ms, Llama3-8B TP8 0.72899 /
 # 0.80611 -> 0.72838 / 0.80368 (round 37 of docs/dense-performance.md)
+# Where it applies is SwigluBackwardEpilogue.switches_d_gate_on_vector's rule: more than one n block per S tile, or the
+# rows kept for phase 2 (one n block, rows not kept: H = 2048, I = 768 at S = 32768 2.09204 / 2.42604 -> 2.03950 /
+# 2.39976 ms off; round 41)
 GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize (TP8), its last this many S tiles issue
 # d_gate's PSUM product first (SwigluBackwardEpilogue.last_tile_gate_first; the along-S staging copy on the software DGE
 # stays the last tile's only). TP8 modeled: 1 0.62068 / 0.70053 ms, 2 0.62068 / 0.69975, 3 0.62142 / 0.69944 (with
