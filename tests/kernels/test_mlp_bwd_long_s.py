@@ -41,13 +41,17 @@ def test_fence_stays_at_fence_tile_when_phase2_returns_to_its_first_panel(monkey
     assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8")
 
 
-def test_kept_panels_beyond_the_separate_limit_share_one_block(monkeypatch):
+@pytest.mark.parametrize("S,H,I,options", [(1024, 256, 256, {}), (2048, 128, 1024, {"phase1_tiles_n": 1})],
+                         ids=["one-n-block", "spread-deferred"])
+def test_kept_panels_beyond_the_separate_limit_share_one_block(monkeypatch, S, H, I, options):
     """Phase 1's d_gate_up rows kept as phase 2's stationary panels go into one PanelGroupBlock (a slot per S tile)
     where a core keeps more than PHASE2_STATIONARY_SEPARATE_PANELS of them (round 41: separate allocations strewn by
     next-fit left no gap for phase 2's 16-30 KiB tiles at S = 5120-9216, H = 2048, I = 768). The limit lowered to 1 so
-    that a small shape takes the path (S = 1024, H = I = 256, LNC2: four S tiles per core): one block of four panels per
-    core, every kept panel built into it; the outputs equal mx_exact bit for bit on LNC1 and LNC2, LNC1 equal to LNC2,
-    the race checker silent (run_mlp raises on a race)."""
+    that small shapes take the path, LNC2: S = 1024, H = I = 256 (four S tiles per core, one n block) and S = 2048,
+    H = 128, I = 1024 in two n blocks (eight S tiles per core; phase 1 spreads its along-S quantize, so the last S
+    tile's panel is a DeferredRowPanel). One block per core with a slot per S tile, every kept panel built into it; the
+    outputs equal mx_exact bit for bit on LNC1 and LNC2, LNC1 equal to LNC2, the race checker silent (run_mlp raises
+    on a race)."""
     from nkilib.core.matmul import row_panels as row_panels_module
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_epilogue as epilogue_module
 
@@ -55,9 +59,13 @@ def test_kept_panels_beyond_the_separate_limit_share_one_block(monkeypatch):
     blocks = spy(monkeypatch, epilogue_module, "PanelGroupBlock", lambda count, k_size, f_pad, setup: (count, k_size))
     kinds = spy(monkeypatch, row_panels_module, "panel_from_rows",
                 lambda rows, f_size, k_size, f_pad, setup, placement=None: getattr(placement, "kind", "own"))
-    S, H, I = 1024, 256, 256
+    spy(monkeypatch, row_panels_module, "DeferredRowPanel",
+        lambda rows, f_size, k_size, f_pad, setup, first_cols=None, placement=None: "deferred " +
+        getattr(placement, "kind", "own"), into=kinds)
+    tiles = S // 2 // 128
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 41, matmul_precision="mxfp8")
-    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8")
-    assert blocks == [(4, 2 * I)] * 2, blocks
-    assert kinds == ["into"] * 8, kinds  # four kept panels per core, each in its slot
-    assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8")
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8", **options)
+    assert blocks == [(tiles, 2 * I)] * 2, blocks
+    last = "deferred into" if options else "into"
+    assert kinds == (["into"] * (tiles - 1) + [last]) * 2, kinds  # per core, each kept panel in its slot
+    assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8", **options)

@@ -309,7 +309,8 @@ def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup, defer_quantize:
         f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
         placement = None
         if block != None and setup.is_mx:  # noqa: E711
-            placement = PanelPlacement.into(*block.slot((m_rel - m_lo) // m_tile, f_pad))
+            words, scales = block.slot((m_rel - m_lo) // m_tile, f_pad)
+            placement = PanelPlacement.into(words, scales)
         if defer_quantize and setup.is_mx:
             out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup, first_cols, placement))
         else:

@@ -49,6 +49,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.defer_last_panel = False  # the last S tile's panel quantized when phase 2 reads it (prepare, finish)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
+        self.block = None  # PanelGroupBlock of the kept panels (prepare: more than PHASE2_STATIONARY_SEPARATE_PANELS)
         self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
         self.spread_along_s = False  # spreads_along_s(plan), set by prepare
         self.last_tile_gate_first = False  # the last GATE_FIRST_S_TILES S tiles' d_gate products first, the last
@@ -82,7 +83,6 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.d_gate_switch = self.switches_d_gate_on_vector(plan)
         # more kept S tiles than PHASE2_STATIONARY_SEPARATE_PANELS: phase 2's stationary panels in one SBUF block (a
         # slot per S tile) instead of one allocation each, which next-fit strews over SBUF
-        self.block = None
         kept = ceil_div(m_hi - m_lo, plan.m_tile)
         if self.fused and self.setup.is_mx and kept > PHASE2_STATIONARY_SEPARATE_PANELS:
             self.block = PanelGroupBlock(kept, two_i, plan.m_tile + plan.m_tile % 2, self.setup)
@@ -302,9 +302,13 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # 0.6248 / 0.7026 ms; Llama3-8B TP8, no spread: 0.7340 / 0.8274 -> 0.7417 / 0.8235, phase 3 then waits on
         # a DMA); d_up's K tiles are transposed first: VectorE's first product writes them while GpSimd still computes
         # d_gate's last one (swiglu_backward_tile), so TensorE does not wait for it (0.6248 -> 0.6243 ms)
-        self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
-                                                  first_cols=(self.I, 2 * self.I), block=self.block,
-                                                  m_lo=self.m_lo, m_tile=self.m_tile))
+        if self.block == None:  # noqa: E711  (prepare did not run, or no block: separate panels)
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
+                                                      first_cols=(self.I, 2 * self.I)))
+        else:
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
+                                                      first_cols=(self.I, 2 * self.I), block=self.block,
+                                                      m_lo=self.m_lo, m_tile=self.m_tile))
         if not self.defer_last_along_s:
             self.flush_along_s()
         if self.fused:
