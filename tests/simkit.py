@@ -515,3 +515,15 @@ def to_numpy(t) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
     return t.numpy()
+
+
+def assert_dense_shape_plans(S: int, H: int, I: int) -> float:
+    """The dense MLP backward's shape-only run at (S, H, I) (MXFP8, trn3, LNC2, checkpoints given: as the cost model
+    and the README's figures run it) traces without an exception and without plan errors; returns the modeled time
+    (s, central)."""
+    from nkilib.examples.mlp_backward_cost import model_mlp_backward, summarize
+
+    report = summarize(model_mlp_backward(S, H, I, "trn3", "mxfp8", 2, False, ("central",))["central"])
+    assert report["plan_errors"] == [], (S, H, I, report["plan_errors"])
+    assert report["modeled_time_s"] is not None and report["modeled_time_s"] > 0, (S, H, I, report["modeled_time_s"])
+    return report["modeled_time_s"]

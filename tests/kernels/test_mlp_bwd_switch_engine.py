@@ -8,7 +8,7 @@ tile. The same fp32 multiply on either engine: bit-exact against mx_exact (refer
 from __future__ import annotations
 
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_inputs_with_checkpoints,
-                    mlp_reference, run_mlp)
+                    mlp_reference, run_mlp, spy_returns)
 
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_epilogue as epilogue_module
 
@@ -96,3 +96,32 @@ def test_plain_switch_gate_psum_product_first(monkeypatch):
     for p in range(2):
         assert _call_orders(res.trace, p) == expected(2, False), (p, _call_orders(res.trace, p))
     assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+
+
+def test_d_gate_switch_with_one_n_block_only_where_rows_are_kept(monkeypatch):
+    """Round 41's rule (SwigluBackwardEpilogue.switches_d_gate_on_vector): with one n block per S tile (I = 512, every
+    tile a switch) the d_gate products go to VectorE only where phase 1 keeps its d_gate_up rows for phase 2
+    (keeps_for_phase2): kept (the default here), every S tile's but the core's last on VectorE; not kept
+    (PHASE2_STATIONARY_BUDGET_BYTES 0: the long-S case, H = 2048, I = 768 at S >= 10240), all on GpSimd. The old code
+    (VectorE wherever a core covers all of I) fails the second. Bit-exact against mx_exact both ways, LNC1 equal to
+    LNC2 where kept."""
+    S, H, I = 1024, 128, 512
+    assert epilogue_module.SWITCH_D_GATE_ON_VECTOR
+    kept = spy_returns(monkeypatch, epilogue_module.SwigluBackwardEpilogue, "keeps_for_phase2")
+
+    def check(trace, lnc):
+        tiles = S // lnc // 128
+        for p in range(lnc):
+            assert _d_gate_product_engines(trace, p) == ["vector"] * (tiles - 1) + ["gpsimd"], (lnc, p)
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 41, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
+    assert kept and all(kept), kept
+    monkeypatch.setattr(epilogue_module, "PHASE2_STATIONARY_BUDGET_BYTES", 0)
+    kept.clear()
+    res = run_mlp(inp, lnc=2, trace=True)
+    assert kept and not any(kept), kept
+    for p in range(2):
+        assert _d_gate_product_engines(res.trace, p) == ["gpsimd"] * (S // 2 // 128), p
+    assert_matches_mx_exact(res.outputs, mlp_reference(inp))
+

@@ -13,7 +13,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import MX_PACK, PARTITIONS, SCALE_PACK_SLOTS
 from .descriptor import MatmulSetup
-from .panel_builder import Panel, PanelBuilder, _stage_mx_natural
+from .panel_builder import Panel, PanelBuilder, PanelPlacement, _stage_mx_natural
 from .panels import _load_rows_natural, _natural_groups, _rows_in_slot, _slot_geometry, k_tiles
 
 
@@ -133,11 +133,12 @@ def preload_natural_rows(op, f0: int, rows: int, k_ranges, count: int, setup: Ma
     return out
 
 
-def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup) -> Panel:
+def panel_from_rows(rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup, placement=None) -> Panel:
     """The [K, f_size] panel of an on-chip K-contiguous bf16 tile rows_tile [f_size, Kp] (Kp = K rounded
-    up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM."""
+    up to the MXFP8 padding, zero beyond K): what load_panel builds for the same rows in HBM (placement: a
+    PanelPlacement, default whole())."""
     tiles = k_tiles(k_size, setup)
-    builder = PanelBuilder(f_pad, setup, 0, len(tiles))
+    builder = PanelBuilder(f_pad, setup, 0, len(tiles), placement)
     chunks = [(0, f_size, rows_tile, 0)]
     for t in range(len(tiles)):
         builder.add_natural(t, tiles[t], chunks, f_size)
@@ -262,11 +263,12 @@ class DeferredRowPanel(nl.NKIObject):
 
     deferred = True  # ResidentPanels.get calls panel() at the first read
 
-    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup, first_cols=None):
+    def __init__(self, rows_tile, f_size: int, k_size: int, f_pad: int, setup: MatmulSetup, first_cols=None,
+                 placement=None):
         kernel_assert(setup.is_mx, f"DeferredRowPanel defers MXFP8 quantizes; got {setup.precision}")
         self.tiles = k_tiles(k_size, setup)
         n = len(self.tiles)
-        self.builder = PanelBuilder(f_pad, setup, 0, n)
+        self.builder = PanelBuilder(f_pad, setup, 0, n, placement)
         self.order = list(range(n))  # the K tiles in the order they are staged
         if first_cols != None:  # noqa: E711
             lo, hi = first_cols
@@ -296,17 +298,22 @@ class DeferredRowPanel(nl.NKIObject):
 
 
 def panels_from_row_blocks(row_blocks: list, setup: MatmulSetup, defer_quantize: bool = False,
-                           first_cols=None) -> list:
+                           first_cols=None, block=None, m_lo: int = 0, m_tile: int = 0) -> list:
     """[Panel] of finished on-chip row blocks [(m_rel, msz, rows_tile, k_size)] in their order (panel_from_rows:
     each block's msz rows become the F axis, quantized along K); empties `row_blocks`. defer_quantize (MXFP8): a
     DeferredRowPanel per block instead (staged now, the K tiles of columns first_cols first; quantized when
-    ResidentPanels.get first reads it)."""
+    ResidentPanels.get first reads it). block (MXFP8, a PanelGroupBlock of m_tile-row panels): each block's panel
+    goes into slot (m_rel - m_lo) // m_tile of it instead of an allocation of its own."""
     out = []
     for m_rel, msz, rows, k_size in row_blocks:
         f_pad = msz + (msz % 2 if setup.is_mx else 0)  # nc_matmul_mx needs an even M
+        placement = None
+        if block != None and setup.is_mx:  # noqa: E711
+            words, scales = block.slot((m_rel - m_lo) // m_tile, f_pad)
+            placement = PanelPlacement.into(words, scales)
         if defer_quantize and setup.is_mx:
-            out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup, first_cols))
+            out.append(DeferredRowPanel(rows[:msz, :], msz, k_size, f_pad, setup, first_cols, placement))
         else:
-            out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup))
+            out.append(panel_from_rows(rows[:msz, :], msz, k_size, f_pad, setup, placement))
     row_blocks.clear()
     return out

@@ -12,6 +12,14 @@ MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double
 MX_N_TILE_WEIGHT_GRAD = 2048  # phases 3-4 (no PE transposes): 2 x 8 KiB accumulators = all of PSUM
 MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
+PHASE2_STATIONARY_SEPARATE_PANELS = 16  # those panels (above) are one allocation per S tile up to this many per core;
+# more go into one SBUF block (a slot per S tile, SwigluBackwardEpilogue.prepare): the allocator's next-fit strews
+# separate panels, one per S tile of phase 1, over SBUF, and with more than this many the 16-30 KiB tiles of phase 2
+# and of phase 3's first panel loaded under its tail found no gap: H = 2048, I = 768 refused at S = 5120, 6144, 6656,
+# 7680, 8192 and 9216 (20-36 panels per core), H = 2048, I = 1536 at S = 4608. Not for all: the block, placed at
+# phase 1's first panel, holds 26-48 KiB from phase 1's start (TP8 0.61649 / 0.65689 -> 0.63162 / 0.67899 ms;
+# S = 4096, H = 2048, I = 768 0.26382 / 0.29242 -> 0.27476 / 0.30603), and 16 separate panels find their gaps at both
+# (round 41 of docs/dense-performance.md)
 CHECKPOINT_BUFFERS = 2  # phase 1's ring of checkpoint tile sets (gate_pre, up, gate_act): loads run this many tiles
 # ahead of the epilogue (TP8 MXFP8 modeled 0.715 -> 0.708 ms; 1: 0.731, 3: 0.710, 4: 0.737)
 ALONG_S_SPREAD_S_TILES = 2  # phase 1's quantize along S of a finished K tile spread over this many S tiles' epilogue
@@ -32,6 +40,9 @@ SWITCH_D_GATE_ON_VECTOR = True  # where phase 1 is split along S (each core all 
 # phase 2's first panel transposes: central +0.8 us). Split along I (TP1) off: its epilogue is VectorE-bound (4.50781
 # / 4.67654 -> 4.51483 / 4.68489 ms). TP8 modeled 0.61670 / 0.67465 -> 0.61649 / 0.66834 ms, Llama3-8B TP8 0.72899 /
 # 0.80611 -> 0.72838 / 0.80368 (round 37 of docs/dense-performance.md)
+# Where it applies is SwigluBackwardEpilogue.switches_d_gate_on_vector's rule: more than one n block per S tile, or the
+# rows kept for phase 2 (one n block, rows not kept: H = 2048, I = 768 at S = 32768 2.09204 / 2.42604 -> 2.03950 /
+# 2.39976 ms off; round 41)
 GATE_FIRST_S_TILES = 2  # where phase 1 spreads and defers its along-S quantize (TP8), its last this many S tiles issue
 # d_gate's PSUM product first (SwigluBackwardEpilogue.last_tile_gate_first; the along-S staging copy on the software DGE
 # stays the last tile's only). TP8 modeled: 1 0.62068 / 0.70053 ms, 2 0.62068 / 0.69975, 3 0.62142 / 0.69944 (with

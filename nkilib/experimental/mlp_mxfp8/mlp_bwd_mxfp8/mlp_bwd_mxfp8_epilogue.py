@@ -14,10 +14,12 @@ import nki.language as nl
 from ....core.kernel_helpers import ceil_div, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
+from ....core.matmul.panels import PanelGroupBlock
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
                         CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
-                        PHASE2_STATIONARY_BUDGET_BYTES, PLAIN_SWITCH_GATE_PSUM_FIRST, SWITCH_D_GATE_ON_VECTOR)
+                        PHASE2_STATIONARY_BUDGET_BYTES, PHASE2_STATIONARY_SEPARATE_PANELS, PLAIN_SWITCH_GATE_PSUM_FIRST,
+                        SWITCH_D_GATE_ON_VECTOR)
 
 __all__ = ["SwigluBackwardEpilogue"]
 
@@ -47,6 +49,7 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.defer_last_panel = False  # the last S tile's panel quantized when phase 2 reads it (prepare, finish)
         self.pending, self.panels = [], []  # finished row blocks whose phase-2 panels are not built yet; panels
         self.rows = None
+        self.block = None  # PanelGroupBlock of the kept panels (prepare: more than PHASE2_STATIONARY_SEPARATE_PANELS)
         self.chunks_after_products = False  # chunks along S quantized after their call's products (prepare)
         self.spread_along_s = False  # spreads_along_s(plan), set by prepare
         self.last_tile_gate_first = False  # the last GATE_FIRST_S_TILES S tiles' d_gate products first, the last
@@ -77,6 +80,12 @@ class SwigluBackwardEpilogue(nl.NKIObject):
                              for _ in range(kinds)] for _ in range(CHECKPOINT_BUFFERS)]
         two_i = 2 * self.I
         self.fused = self.keeps_for_phase2(plan)
+        self.d_gate_switch = self.switches_d_gate_on_vector(plan)
+        # more kept S tiles than PHASE2_STATIONARY_SEPARATE_PANELS: phase 2's stationary panels in one SBUF block (a
+        # slot per S tile) instead of one allocation each, which next-fit strews over SBUF
+        kept = ceil_div(m_hi - m_lo, plan.m_tile)
+        if self.fused and self.setup.is_mx and kept > PHASE2_STATIONARY_SEPARATE_PANELS:
+            self.block = PanelGroupBlock(kept, two_i, plan.m_tile + plan.m_tile % 2, self.setup)
         self.row_width = round_up(two_i, MX_K_ALIGN) if (self.fused and self.setup.is_mx) else two_i
         # epilogue calls a finished K tile's quantize along S is spread over (one chunk of 2I / calls columns each)
         n_blocks = ceil_div(n_hi - n_lo, self.ncols)
@@ -102,12 +111,22 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         self.last_tile_gate_first = self.chunks_after_products and self.defer_last_along_s
 
     def _d_gate_engine(self, m0: int, msz: int, n0: int, nsz: int):
-        """Engine of tile (m0, n0)'s d_gate product: VectorE at an S tile switch (the S tile's last n block, all of I
-        on this core, not the core's last S tile; SWITCH_D_GATE_ON_VECTOR), so the next S tile's dY quantize does not
-        wait for the SBUF bus GpSimd's product would hold; GpSimd otherwise."""
-        switch = (SWITCH_D_GATE_ON_VECTOR and (self.n_lo, self.n_hi) == (0, self.I) and n0 + nsz == self.n_hi and
-                  m0 + msz < self.s_base + self.m_hi)
+        """Engine of tile (m0, n0)'s d_gate product: VectorE at an S tile switch (the S tile's last n block, not the
+        core's last S tile) where switches_d_gate_on_vector holds, so the next S tile's dY quantize does not wait for
+        the SBUF bus GpSimd's product would hold; GpSimd otherwise."""
+        switch = self.d_gate_switch and n0 + nsz == self.n_hi and m0 + msz < self.s_base + self.m_hi
         return nisa.engine.vector if switch else nisa.engine.gpsimd
+
+    def switches_d_gate_on_vector(self, plan) -> bool:
+        """Whether the S tile switches' d_gate products run on VectorE (SWITCH_D_GATE_ON_VECTOR): all of I on this
+        core (split along S), and either more than one n block per S tile (a switch every few tiles) or the rows kept
+        for phase 2 (keeps_for_phase2, whose panel transposes and quantizes fill phase 1's switches). With one n block
+        and the rows not kept every tile is a switch and VectorE, which also quantizes dY and the rows along S, takes
+        every d_gate product: H = 2048, I = 768 at S = 12288 / 16384 modeled 0.76336 / 0.87900 -> 0.78373 / 0.88881
+        and 1.01583 / 1.19523 -> 1.04263 / 1.20833 ms with it (round 41 of docs/dense-performance.md)."""
+        (_, _), (n_lo, n_hi) = plan.ranges
+        return (SWITCH_D_GATE_ON_VECTOR and (n_lo, n_hi) == (0, self.I) and
+                (ceil_div(n_hi - n_lo, plan.n_tile) > 1 or self.keeps_for_phase2(plan)))
 
     def spreads_along_s(self, plan) -> bool:
         """Whether a finished K tile's quantize along S (exchange_along_s) is spread over ALONG_S_SPREAD_S_TILES S
@@ -138,7 +157,8 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if self.pending and n0 == self.n_lo:
             # built one S tile late, after this tile's matmuls: TensorE runs in program order and would
             # otherwise wait for the previous tile's epilogue before these transposes
-            self.panels.extend(panels_from_row_blocks(self.pending, self.setup))
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, block=self.block,
+                                                      m_lo=self.m_lo, m_tile=self.m_tile))
         chunk_after = self._chunk_after_products()
         plain_switch = self.along_s_pending == None and n0 == self.n_lo  # noqa: E711  (before this call's chunk)
         if self.along_s_pending != None and not chunk_after:  # noqa: E711
@@ -282,13 +302,18 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         # 0.6248 / 0.7026 ms; Llama3-8B TP8, no spread: 0.7340 / 0.8274 -> 0.7417 / 0.8235, phase 3 then waits on
         # a DMA); d_up's K tiles are transposed first: VectorE's first product writes them while GpSimd still computes
         # d_gate's last one (swiglu_backward_tile), so TensorE does not wait for it (0.6248 -> 0.6243 ms)
-        self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
-                                                  first_cols=(self.I, 2 * self.I)))
+        if self.block == None:  # noqa: E711  (prepare did not run, or no block: separate panels)
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
+                                                      first_cols=(self.I, 2 * self.I)))
+        else:
+            self.panels.extend(panels_from_row_blocks(self.pending, self.setup, defer_quantize=self.defer_last_panel,
+                                                      first_cols=(self.I, 2 * self.I), block=self.block,
+                                                      m_lo=self.m_lo, m_tile=self.m_tile))
         if not self.defer_last_along_s:
             self.flush_along_s()
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
-        self.rows = self.checkpoints = None
+        self.rows = self.checkpoints = self.block = None  # the block lives on in the panels' views until released
 
 
 def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
