@@ -174,6 +174,7 @@ class PhaseGraph(nl.NKIObject):
                     if plan.can_prefetch(nxt_plan):
                         phase.step(plan, "head")
                         plan.fire_fence()  # before the next plan's first loads when the head ends before it
+                        plan.prefetch_point(nxt_plan)  # where the head ended: a spread first load's copies
                         nxt.step(nxt_plan, "first")
                         plan.carry_first_load(nxt_plan)  # the rest of a spread first load (MatmulPlan)
                     elif plan.can_load_under_tail(nxt_plan):

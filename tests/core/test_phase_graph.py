@@ -39,6 +39,9 @@ class FakePlan:
     def carry_first_load(self, nxt):  # MatmulPlan's spread first load: nothing to carry here
         pass
 
+    def prefetch_point(self, nxt):  # MatmulPlan's spread first load: nothing to decide here
+        pass
+
     def first_bytes(self):
         return self.first
 

@@ -162,6 +162,9 @@ def test_phase3_first_x_panel_quantized_over_phase2_tail_half_from_unit_stride_c
     k_tiles = S // 512
     assert (constants_module.SPREAD_FIRST_K_TILES, constants_module.SPREAD_TILES_PER_K_TILE,
             constants_module.SPREAD_NEXT_WORDS_FROM_K_TILE) == (2, 2, 1)
+    # the copies wherever the spread starts (phase 2's head ends early at H = 2048, where round 43's
+    # SPREAD_COPIES_TAIL_SHARE leaves them out: test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole)
+    monkeypatch.setattr(plan_module, "SPREAD_COPIES_TAIL_SHARE", 1)
 
     def expected(lnc):
         elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
@@ -179,3 +182,34 @@ def test_phase3_first_x_panel_quantized_over_phase2_tail_half_from_unit_stride_c
     res = run_mlp(inp, lnc=1, trace=True)
     assert _quantize_sources(res.trace, X) == {0: [(False, 4 * H, "dma")] * k_tiles}
     assert _evictions_between_x_quantizes(res.trace, 0) == 0
+
+
+def test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole(monkeypatch):
+    """Round 43 (MatmulPlan.prefetch_point, SPREAD_COPIES_TAIL_SHARE = 2): where phase 2 has more than half of its
+    tiles left at the prefetch point (H = 2048: two n blocks, its head ends at tile 2), phase 3's spread first X panel
+    takes no unit-stride copies: every K tile quantized whole from its staging tile, still spread over phase 2's run
+    (evictions between the first and the last quantize). Those copies, each the first access of a new words piece, left
+    S = 4096, H = 2048, I = 1536 with no SBUF placement. S = 2048, H = 2048, I = 256 (the shape of the test above, whose
+    copies come back with the share set to 1): per core, the decision taken once, from phase 2's (tiles left, tiles);
+    bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2, the race checker silent (run_mlp raises on a
+    race). Fails on the old code (K tiles 1-2 half from a ScalarE copy; no prefetch_point)."""
+    points = []
+    original = plan_module.MatmulPlan.prefetch_point
+
+    def record(self, nxt):
+        original(self, nxt)
+        if nxt.spread_first:
+            points.append((len(self.order) - self.done, len(self.order), nxt.spread_copies))
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "prefetch_point", record)
+    S, H, I = 2048, 2048, 256
+    k_tiles = S // 512
+
+    def check(trace, lnc):
+        elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
+        assert _quantize_sources(trace, X) == {p: [(False, elems, "dma")] * k_tiles for p in range(lnc)}
+        assert all(_evictions_between_x_quantizes(trace, p) > 0 for p in range(lnc))
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 43, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
+    assert points and all(left * 2 > tiles and not copies for left, tiles, copies in points), points

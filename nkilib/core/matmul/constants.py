@@ -144,6 +144,13 @@ SPREAD_FIRST_K_TILES = 2  # a plan whose first moving panel is spread under the 
 SPREAD_TILES_PER_K_TILE = 2  # ... then one more K tile after every this many of the previous plan's remaining tiles'
 # epilogues, so each K tile's ScalarE copy is issued in that plan's program after its staging DMA (begun when the ring
 # freed its tile, STAGING_BUFFERS K tiles earlier) has landed, between the evictions the previous plan waits for ...
+SPREAD_COPIES_TAIL_SHARE = 2  # ... those copies only where the previous plan has at most 1 / this of its tiles left
+# at the prefetch point (MatmulPlan.prefetch_point): a load begun at that plan's head (H = 2048: phase 2's two n
+# blocks, its head ends at tile 2) has its whole run to hide VectorE's strided quantizes, and each copy, the first
+# access of a new words piece (MX_PANEL_PIECE_BYTES), is placed among that plan's early live tiles: S = 4096, H = 2048,
+# I = 1536 found no placement for it (refused; without the copies 0.40370 / 0.45026 ms), S = 3072 there 0.34479 /
+# 0.38285 -> 0.32571 / 0.37459 ms without them. Under a tail (TP8: tile 49 of 64) the copies stay (round 43 of
+# docs/dense-performance.md)
 SPREAD_NEXT_WORDS_FROM_K_TILE = 1  # ... and from this K tile on (all but the panel's last) half of each K tile
 # quantized from a unit-stride copy ScalarE makes in the next K tile's words (PanelBuilder.quantize_mx_tile), half of
 # VectorE's strided-source price (docs/cost-model.md). Issued all at the prefetch point (round 37) the copies put

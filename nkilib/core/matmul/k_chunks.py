@@ -213,6 +213,9 @@ class KChunkedPlan(nl.NKIObject):
         """No change: this plan's chunks do not carry the next plan's spread first load
         (MatmulPlan.carry_first_load)."""
 
+    def prefetch_point(self, nxt) -> None:
+        """No change: nxt's spread first load keeps its copies (MatmulPlan.prefetch_point)."""
+
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()
 

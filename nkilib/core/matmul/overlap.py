@@ -180,8 +180,9 @@ def begin_spread_first_load(plan) -> bool:
     MXFP8 [K, F] bf16 panels quantized on chip (PanelSource.can_load_ahead): load the first tile's stationary panels,
     begin each moving panel's load (PanelSource.load_ahead: its first STAGING_BUFFERS staging DMAs) and quantize its
     first SPREAD_FIRST_K_TILES K tiles now, from K tile SPREAD_NEXT_WORDS_FROM_K_TILE on (all but the last) half from a
-    unit-stride ScalarE copy; the previous plan's run quantizes the rest (advance_spread_load), the first get the
-    remainder. The same DMAs and quantizes of the same K tiles as prefetch's, later in program order: no bit changes.
+    unit-stride ScalarE copy where plan.spread_copies (MatmulPlan.prefetch_point; else whole); the previous plan's
+    run quantizes the rest (advance_spread_load), the first get the remainder. The same DMAs and quantizes of the
+    same K tiles as prefetch's, later in program order: no bit changes.
     Returns whether it applied (else the caller prefetches as usual)."""
     if not plan.spread_first or plan.stream != None or plan.reload != None or not plan.order:  # noqa: E711
         return False
@@ -191,7 +192,7 @@ def begin_spread_first_load(plan) -> bool:
     for s, m in plan.products:
         plan.stationary[s].get(m0, msz)
         mv = plan.moving[m]
-        if mv.pending == None and not mv.holds(n0):  # noqa: E711  (products sharing a moving operand: once)
+        if mv.pending == None and not mv.holds(n0) and plan.spread_copies:  # noqa: E711  (shared operand: once)
             mv.first_next_words_from = SPREAD_NEXT_WORDS_FROM_K_TILE
         mv.load_ahead(n0, nsz, SPREAD_FIRST_K_TILES)
     return True

@@ -26,7 +26,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         COLD_STAGING_MAX_M_TILES, FENCE_TILE, FENCED_FIRST_K_TILES, FENCED_STAGING_BUFFERS,
                         LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES, LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES,
                         OWN_PREFETCH_GROUPS, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES,
-                        RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, STAGING_BUFFERS,
+                        RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN, SPREAD_COPIES_TAIL_SHARE,
+                        STAGING_BUFFERS,
                         STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
@@ -180,6 +181,7 @@ class MatmulPlan(nl.NKIObject):
         self.fence_tile = FENCE_TILE  # where set_fence puts it (fence_after_first_panel moves it)
         self.fence_work = None  # callable the fence waits for, issued at the fence tile (set_fence_work)
         self.spread_first, self.carried = False, None  # spread_first_load; (next plan, tile): carry_first_load
+        self.spread_copies = True  # the spread first load's unit-stride copies (prefetch_point of the previous plan)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
             ranges = ((resident.lo, resident.hi), (0, n_total))
@@ -398,6 +400,14 @@ class MatmulPlan(nl.NKIObject):
         (overlap.begin_spread_first_load; the MLP backward's phase 3 under phase 2; no change where it does not
         apply)."""
         self.spread_first = True
+
+    def prefetch_point(self, nxt) -> None:
+        """PhaseGraph, after this plan's step "head" and before nxt's step "first": a spread first load of nxt
+        (spread_first_load) quantizes half of its K tiles from unit-stride copies only where at most 1 /
+        SPREAD_COPIES_TAIL_SHARE of this plan's tiles are left (constants.py; else each K tile whole from its
+        staging tile: the same words and scales, bit for bit)."""
+        if nxt.spread_first:
+            nxt.spread_copies = (len(self.order) - self.done) * SPREAD_COPIES_TAIL_SHARE <= len(self.order)
 
     def carry_first_load(self, nxt) -> None:
         """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
