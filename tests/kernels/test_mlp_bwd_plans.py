@@ -139,3 +139,30 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
     assert_mlp_bit_exact(out, inp, matmul_precision=precision)
     assert len(leads) >= 2, leads  # phase 3 and phase 4 (LNC2: a core with one n block keeps m-major)
     assert all(changed for _, changed in leads), leads  # the order did change
+
+
+def test_weight_grad_phases_narrowed_after_i_split_with_one_k_tile(monkeypatch):
+    """After phase 1's I split, phases 3-4 contracting over one K tile (S <= MX_K_TILE) take MX_N_TILE, not
+    MX_N_TILE_WEIGHT_GRAD (fit_weight_grad_n_tile: at S = 512, H = 4096, I = 12288 the wide accumulators found no PSUM
+    placement). Forced on a small shape (as test_phase1_split_along_i_is_bit_exact) with I = 2304: phase 4's [H, I]
+    output, 1152 columns per core, then runs in MX_N_TILE-wide n blocks; outputs bit-exact against mx_exact on LNC2 (the race checker
+    on) and LNC1 (no split: the wide default), equal to each other."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_N_TILE, MX_N_TILE_WEIGHT_GRAD
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    taken = spy_returns(monkeypatch, kernel_module, "phase1_split_along_i", lambda out, plan_s, plan_i: out)
+    widths = spy_returns(monkeypatch, kernel_module, "plan_matmul",
+                         lambda plan, st, mv, m, n, setup, config, *a, **kw: (m, n, config.n_tile,
+                                                                             {nb for _, nb in plan.order}))
+    S, H, I = 256, 256, 2304
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I, matmul_precision="mxfp8")
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8")
+    assert taken == [True, True], taken
+    phase4 = [w for w in widths if w[:2] == (H, I)]
+    phase3 = [w for w in widths if w[:2] == (2 * I, H)]
+    assert len(phase4) == 2 and len(phase3) == 2, widths  # one plan per core each
+    assert all(w[2] == MX_N_TILE for w in phase4 + phase3), widths
+    assert all(max(width for _, width in w[3]) == MX_N_TILE for w in phase4), widths  # 1152 in 1024 + 128
+    del widths[:]
+    assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8")
+    assert {w[2] for w in widths if w[:2] in ((H, I), (2 * I, H))} == {MX_N_TILE_WEIGHT_GRAD}, widths  # LNC1

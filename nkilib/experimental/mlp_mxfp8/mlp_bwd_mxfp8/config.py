@@ -20,8 +20,9 @@ from ....core.kernel_helpers import kernel_assert
 from ....core.matmul.descriptor import MatmulSetup
 from ....core.matmul.descriptor import TensorDescriptor  # noqa: F401  (re-exported: the kernel's public name)
 from ....core.options import clamp_values, host_fail, kernel_numerics
-from .constants import (M_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE, PSUM_BANK_BYTES,
-                        PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS)
+from .constants import (M_TILE, MX_K_TILE, MX_N_TILE, MX_N_TILE_RECOMPUTE, MX_N_TILE_WEIGHT_GRAD, N_TILE,
+                        PSUM_BANK_BYTES, PSUM_BUFFERS, PSUM_BYTES, TRANSPOSE_PSUM_BANKS,
+                        WEIGHT_GRAD_WIDE_MIN_K_TILES_AFTER_I_SPLIT)
 
 N_TILE_MAX = 4096  # nc_matmul(_mx) moving limit for an fp32 PSUM dst on trn3 (docs/simulator.md#choice-mx-moving-limit)
 
@@ -161,6 +162,25 @@ def resolve_matmul_config(config, mx: bool, recompute: bool, n_max: int,
         resolved.append(given)
     return MlpBwdMatmulConfig(*resolved)
 
+
+def fit_weight_grad_n_tile(config: MlpBwdMatmulConfig, split_along_i: bool, S: int) -> MlpBwdMatmulConfig:
+    """The PSUM fit check of phases 3-4 once phase 1's split is chosen (returns a new object, or `config`).
+
+    Where phase 1 splits along I and phases 3-4 contract over fewer than WEIGHT_GRAD_WIDE_MIN_K_TILES_AFTER_I_SPLIT
+    K tiles (K = S), their accumulators wider than MX_N_TILE find no PSUM placement (constants.py): both phases are
+    narrowed to MX_N_TILE. Elsewhere, and where they are no wider already, `config` is returned unchanged.
+
+    Args:
+        config: the resolved per-phase config (resolve_matmul_config).
+        split_along_i: phase 1 splits I across the cores (phase1_split_along_i taken).
+        S: the sequence length, phases 3-4's K.
+    """
+    k_tiles = -(-S // MX_K_TILE)
+    if not split_along_i or k_tiles >= WEIGHT_GRAD_WIDE_MIN_K_TILES_AFTER_I_SPLIT:
+        return config
+    narrowed = [dataclasses.replace(c, n_tile=MX_N_TILE) if c.n_tile > MX_N_TILE else c
+                for c in (config.phase3, config.phase4)]
+    return MlpBwdMatmulConfig(config.phase1, config.phase2, *narrowed)
 
 
 def resolve_kernel_options(matmul_precision, fp8_x4_dtype, quant_scheme, use_scale_packing, weight_grad_dtype,

@@ -10,6 +10,13 @@ from ....core.matmul.constants import (  # noqa: F401  (re-exported for the kern
 
 MX_N_TILE = 1024  # default moving width for MXFP8 on trn3 (2 PSUM banks; double-buffered = 4 of 8)
 MX_N_TILE_WEIGHT_GRAD = 2048  # phases 3-4 (no PE transposes): 2 x 8 KiB accumulators = all of PSUM
+WEIGHT_GRAD_WIDE_MIN_K_TILES_AFTER_I_SPLIT = 2  # ... but where phase 1 splits along I (LNC2, W_down in no panel
+# cache: TP1) and phases 3-4 contract over fewer K tiles than this (S <= MX_K_TILE), they take MX_N_TILE
+# (config.fit_weight_grad_n_tile): their two accumulators fill PSUM at phase 4's head while phase 3's first loads are
+# issued under its tail, and the allocator finds no placement (S = 512, H = 4096, I = 12288 refused; at MX_N_TILE
+# 1.53704 / 1.69508 ms). From 2 K tiles the wide tiles fit (S = 1024 runs), and where phase 1 splits S they fit at
+# S = 512 too (H = 4096, I = 1536: 0.22622 ms, 0.24887 at MX_N_TILE): only this case narrows (round 44 of
+# docs/dense-performance.md)
 MX_N_TILE_RECOMPUTE = 512  # phase 1 with recompute holds three PSUM accumulators (dI, gate_pre, up)
 PHASE2_STATIONARY_BUDGET_BYTES = 64 * 1024  # phase 1's d_gate_up rows kept on chip as phase 2's stationary
 PHASE2_STATIONARY_SEPARATE_PANELS = 16  # those panels (above) are one allocation per S tile up to this many per core;

@@ -71,7 +71,8 @@ from ....core.kernel_helpers import kernel_assert
 from ....core.matmul import CoreSplit, MatmulPlan, StoreEpilogue, panel_layout_hbm, plan_matmul
 from ....core.phase_graph import Phase, PhaseGraph
 from .api import matmul_config_from_tiles, phase_transposes, resolve_operands
-from .config import ClampLimits, MatmulConfig, TensorDescriptor, resolve_kernel_options, resolve_matmul_config
+from .config import (ClampLimits, MatmulConfig, TensorDescriptor, fit_weight_grad_n_tile, resolve_kernel_options,
+                     resolve_matmul_config)
 from .constants import MX_K_TILE, PARTITIONS, SPLIT_ALIGN
 from .mlp_bwd_mxfp8_epilogue import SwigluBackwardEpilogue
 
@@ -338,6 +339,8 @@ def mlp_backward_mxfp8_base_nki(hidden_states_grad, gate_up_weight_grad, down_pr
         plan_i = phase1(None, "plan", ((0, S), cols_i), keep_whole=True)
         if phase1_split_along_i(plan1, plan_i):
             plan1, rows1, cols1 = plan_i, (0, S), cols_i
+            # phases 3-4 then fit PSUM at their wide n_tile only from two K tiles (S): narrowed below that
+            config = fit_weight_grad_n_tile(config, True, S)
     rows2 = rows1 if split.num_cores > 1 and cols1 == (0, I) else None
     # split along I, this core wrote d_gate's and d_up's columns cols1 of every row: phase 2 may load those before
     # the barrier (MatmulPlan.prefetch_own)
