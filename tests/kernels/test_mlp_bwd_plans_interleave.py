@@ -8,6 +8,7 @@ bit for bit, LNC1 equal to LNC2.
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import config as config_module
 from simkit import (assert_mlp_bit_exact, assert_mlp_bit_exact_on_lnc1_and_lnc2, assert_outputs_identical, mlp_inputs,
                     mlp_inputs_with_checkpoints, run_mlp, spy, spy_returns)
 
@@ -68,6 +69,10 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
     monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    # S = 512 is one K tile of phases 3-4: after the I split round 44 narrows them to MX_N_TILE
+    # (config.fit_weight_grad_n_tile), which gives them panel switches of their own; kept wide here so the spy sees
+    # phase 1's switch only (the narrowed path is test_mlp_bwd_plans.py's)
+    monkeypatch.setattr(config_module, "WEIGHT_GRAD_WIDE_MIN_K_TILES_AFTER_I_SPLIT", 1)
     interleaved = []
     spans = spy_returns(monkeypatch, plan_module, "tile_spans",  # not phase 3's interleave_lead
                         lambda out, order, lo, hi, switch_span, first=0: [s for s in out if s[1] > 1]
