@@ -75,3 +75,13 @@ def moe_inputs(topk_ids: np.ndarray, num_experts: int, H: int = 64, I: int = 32,
         gate_up_weight=bf(rng.standard_normal((num_experts, 2 * I, H)) / np.sqrt(H)),
         down_weight=bf(rng.standard_normal((num_experts, H, I)) / np.sqrt(I)),
     )
+
+
+def dedupe_repeats(seq):
+    """seq without immediate repeats (per-core event logs: an expert's blocks, a block's I tiles or chunks record one
+    event each)."""
+    out = []
+    for ev in seq:
+        if not out or out[-1] != ev:
+            out.append(ev)
+    return out

@@ -28,7 +28,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import core_of_ctx, core_of_self, expert_routing
+from moekit import dedupe_repeats, core_of_ctx, core_of_self, expert_routing
 from simkit import assert_outputs_identical, spy, spy_per_core, spy_returns
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
@@ -60,14 +60,6 @@ def _record(monkeypatch):
     return events
 
 
-def _dedupe(seq):
-    """seq without immediate repeats (an expert's blocks and the padded path's chunks record one event each)."""
-    out = []
-    for ev in seq:
-        if not out or out[-1] != ev:
-            out.append(ev)
-    return out
-
 
 def _case(monkeypatch):
     """test_moe_i_split's routing and data (T = 912, B = 256, I = 544, k = 1, all four checkpoints, no resident
@@ -97,7 +89,7 @@ def test_d_gate_up_rows_ahead(monkeypatch):
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 d_gate_up rows ahead vs mx_exact")
     for core in (0, 1):
-        seq = _dedupe(events[core])
+        seq = dedupe_repeats(events[core])
         assert seq == [("A", 0, True), ("A", 1, False), ("A", 2, True), ("A", 2, False), ("rows", 0), ("B", 0, True),
                        ("rows", 1), ("B", 1, True), ("rows", 2), ("A", 4, True), ("w_gu", 2), ("B", 2, None),
                        ("rows", 4), ("B", 4, True)], seq
@@ -141,7 +133,7 @@ def test_w_gu_staged_ahead(monkeypatch):
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_gu staged ahead vs mx_exact")
     two_i = 2 * 544
     for core in (0, 1):
-        seq = _dedupe(events[core])
+        seq = dedupe_repeats(events[core])
         assert seq.index(("w_gu", 2)) == seq.index(("A", 4, True)) + 1, seq
     # one staging per one-block expert and core (e's W_gu rows from e * 2I, each core's H columns from 0 or 1024),
     # each taken once by B(e)'s first load, as the same views

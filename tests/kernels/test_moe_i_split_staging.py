@@ -24,7 +24,7 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from moekit import core_of_ctx, core_of_self, expert_routing
+from moekit import dedupe_repeats, core_of_ctx, core_of_self, expert_routing
 from simkit import assert_outputs_identical, spy_per_core
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
@@ -57,14 +57,6 @@ def _record(monkeypatch):
     return events
 
 
-def _dedupe(seq):
-    """seq without immediate repeats (an expert's blocks, a block's I tiles record one event each)."""
-    out = []
-    for ev in seq:
-        if not out or out[-1] != ev:
-            out.append(ev)
-    return out
-
 
 def test_stage_in_a_first_tile(monkeypatch):
     """Per core, the staging of segment 0's later group ([4, 5]) runs inside its A steps: stage(4) after A(2)'s block
@@ -77,7 +69,7 @@ def test_stage_in_a_first_tile(monkeypatch):
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 I split staging in A vs mx_exact")
     for core in (0, 1):
-        seq = _dedupe(events[core])
+        seq = dedupe_repeats(events[core])
         assert seq == [("A", 0), ("tile",), ("A", 1), ("tile",), ("stage",), ("A", 2), ("stage",), ("tile",),
                        ("B", 0), ("stage",), ("B", 1), ("A", 4), ("tile",), ("B", 2), ("A", 5), ("tile",),
                        ("A", 5), ("tile",), ("B", 4), ("B", 5)], seq
