@@ -161,3 +161,44 @@ def test_emulate_speed_script_times_and_checks(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "plain bwd" in printed and "float64 GEMMs" in printed
     assert "emulate_fast vs emulate" in printed and "MX quantizer used for the timings above" in printed
+
+
+def test_moe_emulate_speed_script_times_and_checks(tmp_path):
+    """simulations/moe_emulate_speed.py --quick on the CPU: positive times, ratios that are the times' quotients,
+    the device-vs-CPU identity check (CPU vs CPU here: every count 0) and the JSON."""
+    out = tmp_path / "moe_speed.json"
+    res = _load("moe_emulate_speed").main(["--devices", "cpu", "--quick", "--warmup", "0", "--check",
+                                           "--out", str(out)])
+    (run,) = res["runs"]
+    (row,) = run["rows"]
+    assert (row["T"], row["H"], row["I"], row["E"], row["k"]) == (96, 128, 64, 4, 2)
+    for name in ("plain", "emulate", "emulate_fast"):
+        assert row[f"{name}_step_ms"] > 0 and row[f"{name}_bwd_ms"] > 0, name
+    assert row["ratio_emulate_bwd"] == pytest.approx(row["emulate_bwd_ms"] / row["plain_bwd_ms"])
+    assert row["ratio_emulate_fast_step"] == pytest.approx(row["emulate_fast_step_ms"] / row["plain_step_ms"])
+    check = run["device_matches_cpu_bitwise"]
+    assert set(check) == {"swiglu", "gpt_oss_clamped"}
+    for parts in check.values():
+        assert set(parts) == {"backward", "forward", "op"}
+        assert set(parts["backward"]) == {"dX", "d_topk_weights", "dW_gate_up", "dW_down"}
+        assert all(v == 0 for flags in parts.values() for v in flags.values()), parts
+    assert json.loads(out.read_text())["runs"][0]["rows"][0]["E"] == 4
+
+
+@pytest.mark.parametrize("clamped", [False, True])
+def test_moe_emulate_speed_baseline_is_the_same_function(clamped):
+    """The script's plain autograd baseline computes the op's function: float32 plain_moe against the op's bf16
+    forward (emulate backend) within bf16 rounding, plain SwiGLU and GPT-OSS's clamped one (inputs scaled so the
+    clamps bite)."""
+    mod = _load("moe_emulate_speed")
+    t = mod.make_inputs(64, 128, 96, 6, 3, "cpu", seed=3, empty_expert=True)
+    clamps = mod.GPT_OSS_CLAMPS if clamped else None
+    x = t["x"] * (8 if clamped else 1)
+    got = mod.moe_swiglu_experts_mxfp8(x, t["topk_ids"], t["topk_weights"], t["gate_up_weight"], t["down_weight"],
+                                       clamp_limits=clamps, backend="emulate").float()
+    want = mod.plain_moe(x.float(), t["topk_ids"], t["topk_weights"], t["gate_up_weight"].float(),
+                         t["down_weight"].float(), clamps)
+    if clamped:  # the clamps bite: some gate pre-activations above 7
+        assert float((x.float() @ t["gate_up_weight"][0, :96].float().T).max()) > 7
+    err = float((got - want).norm() / want.norm())
+    assert err < 2e-2, err
