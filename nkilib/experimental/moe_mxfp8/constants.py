@@ -168,9 +168,3 @@ STAGE_DY_A_FENCE_AHEAD = True
 #: one DMA over all of I waits for that chunk's last I tile, a DMA per column piece only for the tile that reads its
 #: columns, so the first pieces arrive while the previous epilogue still runs (docs/moe.md section 10, round 31b).
 PIPELINE_CHECKPOINT_COLUMNS = 1024
-#: In the pass A pipeline, a chunk's d_gate_up panel for pass B (transposed and quantized on chip along 2I, round 7a) is
-#: built inside the next chunk of the same block, after its first I tile, instead of at its own store: those transposes
-#: wait for the chunk's last gate mask product, and TensorE, ScalarE (their PSUM copies) and VectorE (quantize_mx) run
-#: in program order, so at the store they held the next chunk's matmuls and epilogue behind that chain (docs/moe.md
-#: section 10, rounds 33a and 35b). A block's last chunk builds its own (the next block is a run-time loop's next trip).
-D_GATE_UP_PANEL_IN_NEXT_CHUNK = True

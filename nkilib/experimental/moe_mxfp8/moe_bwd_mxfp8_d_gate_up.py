@@ -33,8 +33,7 @@ from ...core.kernel_helpers import kernel_assert
 from ...core.matmul import RowPanelByColumns, matmul_panels, panel_from_rows, store_panel_tiles
 from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import (D_GATE_UP_PANEL_IN_NEXT_CHUNK, PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP,
-                        PIPELINE_CHECKPOINT_COLUMNS)
+from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP, PIPELINE_CHECKPOINT_COLUMNS
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "natural_rows", "zero_padding_rows"]
@@ -320,20 +319,18 @@ class RowChunk(nl.NKIObject):
             nisa.dma_copy(dst=ctx.block_rows(ctx.hs, i, r0, m, 1, lo + c_lo, n), src=self.hs[:m, c_lo:c_hi])
             self.stored_to = c_hi
 
-    def store(self, ctx, i, defer_panel=False):
-        """The rows' outputs to the scratch (and pass B's d_gate_up panel). defer_panel: that panel's transposes,
-        quantizes and stores are not issued here but returned as a function (None if there is no panel), for the
-        caller to issue later (the pipeline: inside the next chunk, D_GATE_UP_PANEL_IN_NEXT_CHUNK)."""
+    def store(self, ctx, i):
         I, m, r0, lo, width = ctx.I, self.m, self.r0, self.i_lo, self.i_hi - self.i_lo
         self.issue_gate_mask()  # before the d_gate columns are stored and transposed into pass B's panel
-        finish = None
         if width == I:
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_gu, i, r0, m, 1, 0, 2 * I), src=self.d_gu[:m, :2 * I])
             if self.d_gu_panel != None:  # noqa: E711  the K tiles the last I tile completed after the others
-                finish = lambda: self.store_panel(ctx, i)  # noqa: E731
-                if not defer_panel:
-                    finish()
-                    finish = None
+                self.d_gu_panel.build_ready()
+                panel = self.d_gu_panel.panel()
+                words, scales = ctx.d_gu_mx
+                store_panel_tiles(panel, ctx.block_tiles(words, i, r0, len(panel.data)),
+                                  ctx.block_tiles(scales, i, r0, panel.scale_tile.shape[1]))
+                panel = None
         elif self.stored_to < width:
             self.store_columns(ctx, i, self.stored_to, width)
         if self.split_panel:  # the I split's K tiles of pass B's panel
@@ -344,19 +341,11 @@ class RowChunk(nl.NKIObject):
         if self.tile_sums:  # this core's tiles' sums: columns [lo / 512, ...) of the rows in ctx.d_w_tiles
             cols = self.d_w.shape[1]
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_tiles, i, r0, m, 1, lo // PHASE1_N_TILE, cols), src=self.d_w)
-        elif self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
+            return
+        if self.i_hi < I or ctx.defer_d_w:  # more groups follow (or scattered later): keep the fold
             nisa.dma_copy(dst=ctx.block_rows(ctx.d_w_partial, i, r0, m, 1, 0, 1), src=self.d_w)
-        else:
-            ctx.store_pair_grads(self.d_w, i, r0, m, self.slots)
-        return finish
-
-    def store_panel(self, ctx, i):
-        """Pass B's d_gate_up panel of the rows (all of I): its K tiles not built yet, then its words and scales."""
-        self.d_gu_panel.build_ready()
-        panel = self.d_gu_panel.panel()
-        words, scales = ctx.d_gu_mx
-        store_panel_tiles(panel, ctx.block_tiles(words, i, self.r0, len(panel.data)),
-                          ctx.block_tiles(scales, i, self.r0, panel.scale_tile.shape[1]))
+            return
+        ctx.store_pair_grads(self.d_w, i, r0, m, self.slots)
 
 
 def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_padding=False, full=False):
@@ -480,7 +469,6 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
 
     def block(i, full, next_full, flags=None):
         """Block i's chunks; next_full: block i + 1 holds no padding (None: no next block of this expert)."""
-        pending = None  # the previous chunk's d_gate_up panel (D_GATE_UP_PANEL_IN_NEXT_CHUNK), issued in this one
         for q, (r0, m) in enumerate(rows):
             # the set chunk q - 1 read: its checkpoints by column pieces (PIPELINE_CHECKPOINT_COLUMNS)
             if q + 1 < len(rows):
@@ -488,24 +476,14 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
             elif next_full != None:  # noqa: E711  block i + 1's first chunk (i + 1 <= last: the same expert)
                 sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1, pieces=True)
             piece = None if between == None else (lambda q=q: between(q))  # noqa: E711
-            before = _issue(pending)
             if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
-                # a block's last chunk builds its own panel: the next block is a run-time loop's next trip
-                defer = D_GATE_UP_PANEL_IN_NEXT_CHUNK and q + 1 < len(rows)
-                pending = _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]],
-                                       before_store=piece, after_first_tile=before, defer_panel=defer)
+                _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece)
                 continue
-            # the chunk runs or not by a run-time flag: it builds its own panel, and the previous chunk's is issued
-            # in either branch
-            ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q, before=before: _phase1_rows(
-                ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], after_first_tile=before))
-            ctx.if_flag(flags, q, lambda r0=r0, m=m, before=before: (zero_padding_rows(ctx, i, r0, m, 0, ctx.I),
-                                                                     before() if before else None),
-                        complement=True)
-            pending = None
+            ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up,
+                                                                       full, [sets[q % 2]]))
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
             if piece != None:  # noqa: E711  (outside the flag: every block's chunk q issues it)
                 piece()
-        kernel_assert(not pending, "the block's last chunk builds its own d_gate_up panel")
 
     def last_two(next_full):
         """The block before the last (if any) and the last block, whose padding (next_full False) is known here."""
@@ -519,13 +497,6 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     ctx.if_flag(full, 1, lambda: last_two(True))
     ctx.if_flag(full, 1, lambda: last_two(False), complement=True)
     sets = None
-
-
-def _issue(functions):
-    """None, or one function that issues each of `functions` (None or a list) in order."""
-    if not functions:
-        return None
-    return lambda: [f() for f in functions]
 
 
 def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
@@ -547,16 +518,13 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
-                 staged=False, d_up_engine=None, at_first_tile=None, after_first_tile=None, defer_panel=False):
+                 staged=False, d_up_engine=None, at_first_tile=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
     at_first_tile: None, or a function issued after the chunks' reads, before the first I tile's matmuls (the I
     split's staging of a later expert's rows: docs/moe.md section 10, round 34b).
-    after_first_tile: None, or a function issued after the first I tile's epilogues (the pipeline: the previous
-    chunk's d_gate_up panel, round 35b). defer_panel: the chunks' d_gate_up panels are not built at their stores;
-    returns the functions that build and store them (RowChunk.store).
     tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
@@ -586,14 +554,12 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
             c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
             if jj + 1 < len(w_down.tiles):  # (the last tile's columns go with the rest in store)
                 c.store_done(ctx, i, n0 + nsz)
-        if jj == 0 and after_first_tile != None:  # noqa: E711
-            after_first_tile()
         wd = wg = wu = None
     if before_store != None:  # noqa: E711
         before_store()
-    finish = [c.store(ctx, i, defer_panel) for c in chunks]
+    for c in chunks:
+        c.store(ctx, i)
     chunks = c = None
-    return [f for f in finish if f != None]  # noqa: E711
 
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
