@@ -452,24 +452,20 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # barrier, instead of after it (30 us of loads and 24 us of quantize_mx per core on GPT-OSS). Race-free:
     # X and W_down are kernel inputs (read only), the gathers' x_blocks rows are still written before the fence that
     # precedes every pass C reading them, and an exchanged W_down (written by the other core) is never loaded early.
-    # The I split stages the second group's rows inside the first group's A, as the segments below stage later[j]'s
-    # in A(ahead[j]): second[n]'s at A(groups[0][n])'s first I tile (in its if_unused where it has no blocks), where
-    # TensorE computes and the DMA queues have room; after the first group's A they ran with every engine but the DMA
-    # queues idle (round 35a). The rest (a second group longer than the first: none, groups are equal but the last)
-    # after it, as before. Race-free: the copies write only the second group's scratch rows, which nothing before the
-    # first fence reads; the same bytes land in the same rows.
+    # the I split stages the second group's rows in the first group's A, second[n] at A(groups[0][n])'s first I tile
+    # (its if_unused where it has no blocks), as the segments stage later[j] in A(ahead[j]); after the first group's A
+    # they ran with the compute engines idle (round 35a). Race-free: nothing reads those rows before the first fence
     second = groups[1] if len(groups) > 1 else []
     for n, e in enumerate(groups[0]):
-        stage = None
-        if i_split != None and n < len(second):  # noqa: E711
-            stage = lambda x=second[n]: i_split.stage_expert(x)  # noqa: E731
+        stage = None if i_split == None or n >= len(second) else (  # noqa: E711
+            lambda x=second[n]: i_split.stage_expert(x))
+        if stage != None:  # noqa: E711
             ctx.loops.if_unused(e, stage)
         ctx.loops.if_used(e, lambda e=e, s=stage: pass_a(e, at_first_tile=s))
         if ctx.defer_x and n + 1 < len(groups[0]):
             x_ahead([e])
-    for n, e in enumerate(second):
-        if i_split == None or n >= len(groups[0]):  # noqa: E711
-            quantize_down(e)
+    for e in second if i_split == None else []:  # noqa: E711
+        quantize_down(e)
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
     fence()
