@@ -4,8 +4,9 @@ Under the I split (W_down loaded on use: forced here by a zero resident budget) 
 first fence group have their dY and X rows copied HBM -> HBM into the block-ordered scratch a fence ahead of their pass
 A (ExpertISplit.stage). Segment step j stages expert later[j] (the group after next): since round 34b inside
 A(ahead[j]), after its chunks' reads and before its first I tile's matmuls (ExpertISplit.expert's at_first_tile), or at
-once where A(ahead[j]) has no blocks; before, it went after B(e). The outputs stay mx_exact's bit for bit, LNC1 and
-LNC2 (the race detector on).
+once where A(ahead[j]) has no blocks; before, it went after B(e). Since round 35a the second group's experts are staged
+the same way inside the first group's A (second[n] in A(groups[0][n])), not after it. The outputs stay mx_exact's bit
+for bit, LNC1 and LNC2 (the race detector on).
 
 | test                           | what                                                                     | fixed      |
 |--------------------------------|--------------------------------------------------------------------------|------------|
@@ -13,6 +14,9 @@ LNC2 (the race detector on).
 |                                | of two blocks): per core, stage(4) between A(2)'s block and its first I   |            |
 |                                | tile, stage(5) in A(3)'s unused path, both before B(0) / B(1);           |            |
 |                                | == mx_exact                                                              |            |
+| test_second_group_staged_in_   | fence groups [0, 1], [2, 3], [4, 5], expert 0 without blocks: per core,  | LNC2       |
+| first_group_a                  | stage(2) in A(0)'s unused path, stage(3) between A(1)'s block and its    |            |
+|                                | first I tile, both before the first fence's A(2); == mx_exact            |            |
 | test_staging_bit_exact_lnc1    | the same routing under LNC1 (no split, nothing staged): == mx_exact      | LNC1       |
 """
 from __future__ import annotations
@@ -61,18 +65,40 @@ def _record(monkeypatch):
 def test_stage_in_a_first_tile(monkeypatch):
     """Per core, the staging of segment 0's later group ([4, 5]) runs inside its A steps: stage(4) after A(2)'s block
     starts (its chunks' reads) and before A(2)'s first I tile (its dI matmul and epilogue), stage(5) where A(3) has no blocks; both before
-    B(0) / B(1) of the same step. Group 1's experts ([2, 3]) are staged before the first fence, after A(1), as before;
-    group 2's expert 5 stages its first (full) block only. LNC2 == mx_exact bit for bit under the race detector.
-    Fails on the old code (stage(4) after B(0), stage(5) after B(1))."""
+    B(0) / B(1) of the same step. Group 1's experts ([2, 3]) are staged before the first fence inside A(0) / A(1)
+    (round 35a: stage(2) after A(0)'s block starts, expert 3 has no blocks to stage); group 2's expert 5 stages its
+    first (full) block only. LNC2 == mx_exact bit for bit under the race detector.
+    Fails on the old code (stage(4) after B(0), stage(5) after B(1); before round 35a stage(2) after A(1))."""
     kernel, ref = _case(monkeypatch)
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 I split staging in A vs mx_exact")
     for core in (0, 1):
         seq = dedupe_repeats(events[core])
-        assert seq == [("A", 0), ("tile",), ("A", 1), ("tile",), ("stage",), ("A", 2), ("stage",), ("tile",),
+        assert seq == [("A", 0), ("stage",), ("tile",), ("A", 1), ("tile",), ("A", 2), ("stage",), ("tile",),
                        ("B", 0), ("stage",), ("B", 1), ("A", 4), ("tile",), ("B", 2), ("A", 5), ("tile",),
                        ("A", 5), ("tile",), ("B", 4), ("B", 5)], seq
+
+
+def test_second_group_staged_in_first_group_a(monkeypatch):
+    """The second fence group's staging inside the first group's A (round 35a): experts of 0 / 256 / 256 / 256 / 256 /
+    256 pairs (one block each but expert 0's), fence groups [0, 1], [2, 3], [4, 5]. Per core, stage(2) runs in A(0)'s
+    unused path (before A(1)), stage(3) after A(1)'s block starts (its chunks' reads) and before its first I tile,
+    both before the first fence's A(2); the segment steps stage 4 and 5 in A(2) / A(3) as in round 34b. LNC2 ==
+    mx_exact bit for bit under the race detector. Fails on the old code (stage(2), stage(3) after A(1)'s tiles)."""
+    monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
+    T, E, H, I, B = 1280, 6, 2048, 544, 256
+    ids = expert_routing([256] * 5, experts=[1, 2, 3, 4, 5], shuffle_seed=351)
+    kernel, ref = moe_case(T, E, H, I, ids, seed=352, block_size=B, checkpoints=CHECKPOINTS)
+    assert np.diff(kernel["expert_block_offsets"]).tolist() == [0, 1, 1, 1, 1, 1]
+    events = _record(monkeypatch)
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 second group staged in A vs mx_exact")
+    for core in (0, 1):
+        seq = dedupe_repeats(events[core])
+        assert seq == [("stage",), ("A", 1), ("stage",), ("tile",), ("A", 2), ("stage",), ("tile",), ("A", 3),
+                       ("stage",), ("tile",), ("B", 1), ("A", 4), ("tile",), ("B", 2), ("A", 5), ("tile",), ("B", 3),
+                       ("B", 4), ("B", 5)], seq
 
 
 def test_staging_bit_exact_lnc1(monkeypatch):

@@ -452,11 +452,19 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # barrier, instead of after it (30 us of loads and 24 us of quantize_mx per core on GPT-OSS). Race-free:
     # X and W_down are kernel inputs (read only), the gathers' x_blocks rows are still written before the fence that
     # precedes every pass C reading them, and an exchanged W_down (written by the other core) is never loaded early.
+    # the I split stages the second group's rows in the first group's A, second[n] at A(groups[0][n])'s first I tile
+    # (its if_unused where it has no blocks), as the segments stage later[j] in A(ahead[j]); after the first group's A
+    # they ran with the compute engines idle (round 35a). Race-free: nothing reads those rows before the first fence
+    second = groups[1] if len(groups) > 1 else []
     for n, e in enumerate(groups[0]):
-        ctx.loops.if_used(e, lambda e=e: pass_a(e))
+        stage = None if i_split == None or n >= len(second) else (  # noqa: E711
+            lambda x=second[n]: i_split.stage_expert(x))
+        if stage != None:  # noqa: E711
+            ctx.loops.if_unused(e, stage)
+        ctx.loops.if_used(e, lambda e=e, s=stage: pass_a(e, at_first_tile=s))
         if ctx.defer_x and n + 1 < len(groups[0]):
             x_ahead([e])
-    for e in (groups[1] if len(groups) > 1 else []):
+    for e in second if i_split == None else []:  # noqa: E711
         quantize_down(e)
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
