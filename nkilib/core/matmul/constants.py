@@ -175,6 +175,11 @@ LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 PREFETCH_MARGIN_BYTES = 8 * 1024
+PREFETCH_STAGING_BUFFERS = 2  # where the next plan's first panels fit under a plan's tail only with a shallower ring:
+# its moving sources' staging rings this deep for the first panel (then their own again; overlap.prefetch_staging,
+# MatmulPlan.stage_first_load); not for a spread first load, whose schedule assumes STAGING_BUFFERS. S = 4096,
+# H = 7168, I = 2048 (phase 4 under phase 2, 5 KiB over with its ring of 3; round 40's honest count of each ring
+# refused it there): 1.67279 / 1.84104 -> 1.63229 / 1.78763 ms (round 45 of docs/dense-performance.md)
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per
 # K tile (and per scale tile), on-chip-quantized words in pieces of MX_PANEL_PIECE_BYTES, or a caller's allocation
 PLACEMENT_WHOLE, PLACEMENT_PER_K_TILE = "whole", "per_k_tile"

@@ -33,6 +33,7 @@ from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from .overlap import prefetch_staging, stage_prefetch
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -202,8 +203,11 @@ class KChunkedPlan(nl.NKIObject):
         self.order = chunks[-1].order
         self.ranges = chunks[0].ranges
 
-    def first_bytes(self, own_rings: bool = False) -> int:
-        return self.chunks[0].first_bytes(own_rings)
+    def first_bytes(self, own_rings: bool = False, moving_staging: int = 0) -> int:
+        return self.chunks[0].first_bytes(own_rings, moving_staging)
+
+    def stage_first_load(self, buffers: int) -> None:
+        self.chunks[0].stage_first_load(buffers)
 
     def spread_first_load(self) -> None:
         """No change: a K-chunked plan's first chunk loads its first panels as before (MatmulPlan.spread_first_load
@@ -214,7 +218,9 @@ class KChunkedPlan(nl.NKIObject):
         (MatmulPlan.carry_first_load)."""
 
     def prefetch_point(self, nxt) -> None:
-        """No change: nxt's spread first load keeps its copies (MatmulPlan.prefetch_point)."""
+        """nxt's spread first load keeps its copies (MatmulPlan.prefetch_point); its moving rings as the last chunk's
+        prefetch_fits counted them (overlap.stage_prefetch)."""
+        stage_prefetch(self.chunks[-1], nxt)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()
@@ -247,7 +253,8 @@ class KChunkedPlan(nl.NKIObject):
         """Run chunks [done, last) to the end, each next one's first panels under its predecessor's tail."""
         while self.done < last:
             chunk, nxt = self.chunks[self.done], self.chunks[self.done + 1]
-            if chunk.can_prefetch(nxt):
+            # own staging rings only (prefetch_staging -1): the shallower first ring is PhaseGraph's, between phases
+            if prefetch_staging(chunk, nxt) < 0:
                 chunk.step("head")
                 nxt.step("first")
             chunk.step("all")

@@ -35,7 +35,7 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
                       first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
-                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
+                      place_fence_after_first_panel, prefetch_fits, stage_prefetch, tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -311,9 +311,17 @@ class MatmulPlan(nl.NKIObject):
         """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
         return held_bytes_at_tail(self)
 
-    def first_bytes(self, own_rings: bool = False) -> int:
+    def first_bytes(self, own_rings: bool = False, moving_staging: int = 0) -> int:
         """SBUF bytes per partition that loading the first tile's panels takes (overlap.first_load_bytes)."""
-        return first_load_bytes(self, own_rings)
+        return first_load_bytes(self, own_rings, moving_staging)
+
+    def stage_first_load(self, buffers: int) -> None:
+        """The first moving panels' staging rings at most `buffers` deep (their own depth again from the next panel
+        on: PanelSource.later_staging); before the first load (overlap.prefetch_staging)."""
+        for mv in self.moving:
+            if mv.staging > buffers:
+                mv.later_staging = mv.later_staging or mv.staging
+                mv.staging = buffers
 
     def first_stationary_bytes(self) -> int:
         """SBUF bytes per partition of the first tile's stationary loads (overlap.first_stationary_load_bytes)."""
@@ -408,6 +416,7 @@ class MatmulPlan(nl.NKIObject):
         staging tile: the same words and scales, bit for bit)."""
         if nxt.spread_first:
             nxt.spread_copies = (len(self.order) - self.done) * SPREAD_COPIES_TAIL_SHARE <= len(self.order)
+        stage_prefetch(self, nxt)
 
     def carry_first_load(self, nxt) -> None:
         """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
