@@ -33,7 +33,7 @@ from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
-from .overlap import prefetch_staging, stage_prefetch
+from .overlap import prefetch_staging, spread_fits_tail, stage_prefetch
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -217,10 +217,17 @@ class KChunkedPlan(nl.NKIObject):
         """No change: this plan's chunks do not carry the next plan's spread first load
         (MatmulPlan.carry_first_load)."""
 
+    def short_tail_loads_whole(self) -> None:
+        """The last chunk's (MatmulPlan.short_tail_loads_whole)."""
+        self.chunks[-1].short_tail_loads_whole()
+
     def prefetch_point(self, nxt) -> None:
-        """nxt's spread first load keeps its copies (MatmulPlan.prefetch_point); its moving rings as the last chunk's
-        prefetch_fits counted them (overlap.stage_prefetch)."""
-        stage_prefetch(self.chunks[-1], nxt)
+        """nxt's spread first load keeps its copies, or is quantized whole where the last chunk's tail is too short
+        for it (MatmulPlan.prefetch_point); its moving rings as the last chunk's prefetch_fits counted them."""
+        last = self.chunks[-1]
+        if nxt.spread_first and last.short_tail_whole and not spread_fits_tail(last, nxt):
+            nxt.spread_first = False
+        stage_prefetch(last, nxt)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()

@@ -15,7 +15,7 @@ from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES
                         SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE, SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS,
                         usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
-from .panels import panel_bytes_per_partition
+from .panels import k_tiles, panel_bytes_per_partition
 from .streamed import tail_held_bytes
 
 
@@ -230,6 +230,16 @@ def begin_spread_first_load(plan) -> bool:
             mv.first_next_words_from = SPREAD_NEXT_WORDS_FROM_K_TILE
         mv.load_ahead(n0, nsz, SPREAD_FIRST_K_TILES)
     return True
+
+
+def spread_fits_tail(plan, nxt) -> bool:
+    """Whether `plan`'s tiles left at the prefetch point (after its step "head") take nxt's whole spread first load:
+    SPREAD_TILES_PER_K_TILE of them per K tile of its first moving panels beyond the SPREAD_FIRST_K_TILES quantized
+    at that point (MatmulPlan.short_tail_loads_whole). Where fewer are left, the spread holds back K tiles for nxt's
+    first get that VectorE could quantize under the tail: S = 4096, H = 7168, I = 2048, phase 3's eight K tiles under
+    phase 4's last 3 of 28 tiles, 1.63229 / 1.78763 ms spread, 1.62009 / 1.76908 quantized whole (round 45)."""
+    k_tiles_left = max(len(k_tiles(mv.op.k_size, nxt.setup)) for mv in nxt.moving) - SPREAD_FIRST_K_TILES
+    return len(plan.order) - plan.done >= k_tiles_left * SPREAD_TILES_PER_K_TILE
 
 
 def advance_spread_load(plan, j: int) -> None:
