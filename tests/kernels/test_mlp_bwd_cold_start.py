@@ -217,13 +217,14 @@ def test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole(monkeypatch):
 
 def test_phase3_first_x_panel_after_phase4_short_tail_quantized_whole(monkeypatch):
     """Round 45 (MatmulPlan.short_tail_loads_whole, overlap.spread_fits_tail): where PhaseGraph puts phase 4 before
-    phase 3 and phase 4's tiles left at the prefetch point are fewer than the spread's schedule takes
-    (SPREAD_TILES_PER_K_TILE per K tile beyond SPREAD_FIRST_K_TILES), phase 3's first X panel is quantized whole there:
-    S = 4096, H = 7168, I = 2048 (3 of 28 tiles left, 8 K tiles) 1.63229 / 1.78763 -> 1.62009 / 1.76908 ms. S = 2048,
-    H = 512, I = 512 at LNC2: phase 4 (2 tiles per core) goes first, 1 tile left for 4 K tiles; per core every X K tile
-    quantized whole (strided) from its staging tile, no ScalarE copies (the spread there took them: K tiles 1-2 half
-    from a copy), the decision recorded at phase 4's prefetch point; bit-exact against mx_exact on LNC1 and LNC2, LNC1
-    equal to LNC2, the race checker silent. Fails on the old code (the copies; no short_tail_whole)."""
+    phase 3 and phase 4's tiles left at the prefetch point take under 1 / SHORT_TAIL_SPREAD_SHARE of the spread's
+    schedule (SPREAD_TILES_PER_K_TILE per K tile beyond SPREAD_FIRST_K_TILES), phase 3's first X panel is quantized
+    whole there: S = 4096, H = 7168, I = 2048 (3 of phase 4's 28 tiles left, 12 in the schedule) 1.63229 / 1.78763 ->
+    1.62009 / 1.76908 ms. S = 2048, H = 512, I = 512 at LNC2: phase 4 (2 tiles per core) goes first, 1 tile left, 4 in
+    the schedule (four K tiles); per core every X K tile quantized whole (strided) from its staging tile, no ScalarE
+    copies (the spread there took them: K tiles 1-2 half from a copy), the decision recorded at phase 4's prefetch
+    point; bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2, the race checker silent. Fails on the old
+    code (the copies; no short_tail_whole)."""
     points = []
     original = plan_module.MatmulPlan.prefetch_point
 

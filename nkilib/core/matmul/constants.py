@@ -156,6 +156,12 @@ SPREAD_NEXT_WORDS_FROM_K_TILE = 1  # ... and from this K tile on (all but the pa
 # VectorE's strided-source price (docs/cost-model.md). Issued all at the prefetch point (round 37) the copies put
 # phase 2's evictions behind the staging DMAs they wait for. TP8 MXFP8 modeled 0.61649 / 0.66834 -> 0.61649 / 0.66239
 # ms, Llama3-8B TP8 0.72838 / 0.80368 -> 0.72541 / 0.78709 (round 38 of docs/dense-performance.md)
+SHORT_TAIL_SPREAD_SHARE = 2  # a spread first load (SPREAD_FIRST_K_TILES) under a plan marked short_tail_loads_whole
+# (the MLP backward's phase 4, phase 3 after it) is quantized whole at the prefetch point where that plan's tiles left
+# take under 1 / this of its schedule (SPREAD_TILES_PER_K_TILE tiles per K tile beyond SPREAD_FIRST_K_TILES;
+# overlap.spread_fits_tail): the spread then holds most K tiles back for the first get, where TensorE waits.
+# S = 4096, H = 7168, I = 2048 (3 tiles left of 12) 1.63229 / 1.78763 -> 1.62009 / 1.76908 ms; share 1 also took
+# S = 3584, H = I = 2880 (5 and 7 of 10) 0.90319 / 1.01208 -> 0.90016 / 1.01942 (round 45 of docs/dense-performance.md)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /

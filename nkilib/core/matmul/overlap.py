@@ -12,8 +12,8 @@ set_fence_work's work) call these; plan.py decides the tiling they read (order, 
 from __future__ import annotations
 
 from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, PREFETCH_STAGING_BUFFERS,
-                        SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE, SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS,
-                        usable_sbuf_bytes)
+                        SHORT_TAIL_SPREAD_SHARE, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
+                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
 from .panels import k_tiles, panel_bytes_per_partition
 from .streamed import tail_held_bytes
@@ -233,13 +233,12 @@ def begin_spread_first_load(plan) -> bool:
 
 
 def spread_fits_tail(plan, nxt) -> bool:
-    """Whether `plan`'s tiles left at the prefetch point (after its step "head") take nxt's whole spread first load:
-    SPREAD_TILES_PER_K_TILE of them per K tile of its first moving panels beyond the SPREAD_FIRST_K_TILES quantized
-    at that point (MatmulPlan.short_tail_loads_whole). Where fewer are left, the spread holds back K tiles for nxt's
-    first get that VectorE could quantize under the tail: S = 4096, H = 7168, I = 2048, phase 3's eight K tiles under
-    phase 4's last 3 of 28 tiles, 1.63229 / 1.78763 ms spread, 1.62009 / 1.76908 quantized whole (round 45)."""
+    """Whether `plan`'s tiles left at the prefetch point (after its step "head") take at least 1 /
+    SHORT_TAIL_SPREAD_SHARE of nxt's spread first load's schedule: SPREAD_TILES_PER_K_TILE tiles per K tile of its
+    first moving panels beyond the SPREAD_FIRST_K_TILES quantized at that point (MatmulPlan.short_tail_loads_whole;
+    constants.py)."""
     k_tiles_left = max(len(k_tiles(mv.op.k_size, nxt.setup)) for mv in nxt.moving) - SPREAD_FIRST_K_TILES
-    return len(plan.order) - plan.done >= k_tiles_left * SPREAD_TILES_PER_K_TILE
+    return (len(plan.order) - plan.done) * SHORT_TAIL_SPREAD_SHARE >= k_tiles_left * SPREAD_TILES_PER_K_TILE
 
 
 def advance_spread_load(plan, j: int) -> None:

@@ -412,11 +412,10 @@ class MatmulPlan(nl.NKIObject):
         self.spread_first = True
 
     def short_tail_loads_whole(self) -> None:
-        """A spread first load of the next plan (spread_first_load) whose schedule this plan's tiles left at the
-        prefetch point do not take (overlap.spread_fits_tail) is quantized whole there instead (the MLP backward's
-        phase 4, phase 3 after it: S = 4096, H = 7168, I = 2048, 3 of 28 tiles left for 6 K tiles to spread;
-        round 45). Under phase 2 a short tail keeps the spread (S = 4608, H = 2048, I = 1536: whole there 0.43592 /
-        0.49283 -> 0.43527 / 0.51040 ms)."""
+        """A spread first load of the next plan (spread_first_load) of whose schedule this plan's tiles left at the
+        prefetch point take under 1 / SHORT_TAIL_SPREAD_SHARE (overlap.spread_fits_tail) is quantized whole there
+        instead (the MLP backward's phase 4, phase 3 after it). Under phase 2 a short tail keeps the spread
+        (S = 4608, H = 2048, I = 1536: whole there 0.43592 / 0.49283 -> 0.43527 / 0.51040 ms; round 45)."""
         self.short_tail_whole = True
 
     def prefetch_point(self, nxt) -> None:
