@@ -213,3 +213,36 @@ def test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole(monkeypatch):
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 43, kind="pow2")
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
     assert points and all(left * 2 > tiles and not copies for left, tiles, copies in points), points
+
+
+def test_phase3_first_x_panel_after_phase4_short_tail_quantized_whole(monkeypatch):
+    """Round 45 (MatmulPlan.short_tail_loads_whole, overlap.spread_fits_tail): where PhaseGraph puts phase 4 before
+    phase 3 and phase 4's tiles left at the prefetch point take under 1 / SHORT_TAIL_SPREAD_SHARE of the spread's
+    schedule (SPREAD_TILES_PER_K_TILE per K tile beyond SPREAD_FIRST_K_TILES), phase 3's first X panel is quantized
+    whole there: S = 4096, H = 7168, I = 2048 (3 of phase 4's 28 tiles left, 12 in the schedule) 1.63229 / 1.78763 ->
+    1.62009 / 1.76908 ms. S = 2048, H = 512, I = 512 at LNC2: phase 4 (2 tiles per core) goes first, 1 tile left, 4 in
+    the schedule (four K tiles); per core every X K tile quantized whole (strided) from its staging tile, no ScalarE
+    copies (the spread there took them: K tiles 1-2 half from a copy), the decision recorded at phase 4's prefetch
+    point; bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2, the race checker silent. Fails on the old
+    code (the copies; no short_tail_whole)."""
+    points = []
+    original = plan_module.MatmulPlan.prefetch_point
+
+    def record(self, nxt):
+        spread = nxt.spread_first
+        original(self, nxt)
+        if spread:
+            points.append((len(self.order) - self.done, self.short_tail_whole, nxt.spread_first))
+
+    monkeypatch.setattr(plan_module.MatmulPlan, "prefetch_point", record)
+    S, H, I = 2048, 512, 512
+    k_tiles = S // 512
+
+    def check(trace, lnc):
+        if lnc == 2:
+            elems = 4 * H  # per K tile: [128, 4, H] bf16 staged, per partition (phase 3 splits 2I here, not H)
+            assert _quantize_sources(trace, X) == {p: [(False, elems, "dma")] * k_tiles for p in range(lnc)}
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 45, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
+    assert (1, True, False) in points and points.count((1, True, False)) == 2, points  # LNC2: one per core

@@ -69,3 +69,49 @@ def test_kept_panels_beyond_the_separate_limit_share_one_block(monkeypatch, S, H
     last = "deferred into" if options else "into"
     assert kinds == (["into"] * (tiles - 1) + [last]) * 2, kinds  # per core, each kept panel in its slot
     assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8", **options)
+
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["phase4", "phase3-spread"])
+def test_first_load_under_tail_takes_a_shallower_ring_where_only_that_fits(monkeypatch, spread):
+    """Round 45 (overlap.prefetch_staging, PREFETCH_STAGING_BUFFERS): where the next plan's first panels fit under
+    phase 2's tail only with its moving staging rings PREFETCH_STAGING_BUFFERS deep instead of their own
+    STAGING_BUFFERS (S = 4096, H = 7168, I = 2048: phase 4 5 KiB over, so phases 3 and 4 both started cold after phase
+    2), they load there with that ring; not a spread first load (phase 3: its schedule issues each K tile's copy
+    STAGING_BUFFERS K tiles after its staging DMA began; H = I = 2880 lost 1.4% with it under phase 4). S = 2048,
+    H = 512, I = 256, LNC2: a shape-only probe reads phase 2's held bytes and its candidates' first loads (own rings)
+    as the planner counts them, and PREFETCH_MARGIN_BYTES is set so that the budget holds phase 4's (phase 3's) with
+    the shallower ring and neither with the full one. Then on each core phase 2's step "head" is followed by phase
+    4's step "first" with its moving ring at that depth (later panels back to their own), or (spread) nothing loads
+    under phase 2; the outputs equal mx_exact bit for bit on LNC1 and LNC2, LNC1 equal to LNC2, race checker silent
+    (run_mlp raises on a race). The phase 4 case fails on the old code (no prefetch under phase 2)."""
+    from nkilib.core.matmul import overlap as overlap_module
+    from nkilib.core.matmul.constants import MX_PACK, PREFETCH_STAGING_BUFFERS, STAGING_BUFFERS, usable_sbuf_bytes
+    from nkilib.examples.mlp_backward_cost import model_mlp_backward
+
+    S, H, I = 2048, 512, 256
+    probe = spy(monkeypatch, plan_module.MatmulPlan, "can_prefetch", lambda plan, nxt: (
+        nxt.spread_first, plan.held_bytes(), nxt.first_bytes(own_rings=True),
+        sum(MX_PACK * 2 * (mv.load_width or nxt.order[0][1][1]) for mv in nxt.moving if mv.can_load_ahead()))
+        if plan.can_fence() else None)  # phase 2's questions about phases 3 and 4
+    model_mlp_backward(S, H, I, "trn3", "mxfp8", 2, False, ("central",))
+    figures = dict((event[0], event[1:]) for event in probe)
+    assert len(figures) == 2 and len(set(probe)) == 2, probe  # phase 3 (spread), phase 4; alike on both cores
+    held, first, ring_tile = figures[spread]
+    budget = held + first - (STAGING_BUFFERS - PREFETCH_STAGING_BUFFERS) * ring_tile
+    assert held + figures[not spread][1] > budget, (figures, budget)  # the other phase does not fit either
+    monkeypatch.setattr(overlap_module, "PREFETCH_MARGIN_BYTES", usable_sbuf_bytes() - budget)
+
+    steps = spy(monkeypatch, plan_module.MatmulPlan, "step", lambda plan, stage: (
+        stage, len(plan.order), [(mv.staging, mv.later_staging) for mv in plan.moving]) if stage != "all" else None)
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 45, matmul_precision="mxfp8")
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8")
+    phase2_tiles = S // 2 // 128
+    heads = [i for i, event in enumerate(steps) if event[:2] == ("head", phase2_tiles)]
+    firsts = [i for i, event in enumerate(steps) if event[0] == "first"]  # the cores' programs interleave
+    if spread:
+        assert heads == [] and firsts == [], steps
+    else:
+        assert len(heads) == 2 and len(firsts) == 2 and min(firsts) > min(heads), steps
+        assert [steps[i][2] for i in firsts] == [[(PREFETCH_STAGING_BUFFERS, STAGING_BUFFERS)]] * 2, steps
+    assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8")

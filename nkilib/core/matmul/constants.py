@@ -156,6 +156,12 @@ SPREAD_NEXT_WORDS_FROM_K_TILE = 1  # ... and from this K tile on (all but the pa
 # VectorE's strided-source price (docs/cost-model.md). Issued all at the prefetch point (round 37) the copies put
 # phase 2's evictions behind the staging DMAs they wait for. TP8 MXFP8 modeled 0.61649 / 0.66834 -> 0.61649 / 0.66239
 # ms, Llama3-8B TP8 0.72838 / 0.80368 -> 0.72541 / 0.78709 (round 38 of docs/dense-performance.md)
+SHORT_TAIL_SPREAD_SHARE = 2  # a spread first load (SPREAD_FIRST_K_TILES) under a plan marked short_tail_loads_whole
+# (the MLP backward's phase 4, phase 3 after it) is quantized whole at the prefetch point where that plan's tiles left
+# take under 1 / this of its schedule (SPREAD_TILES_PER_K_TILE tiles per K tile beyond SPREAD_FIRST_K_TILES;
+# overlap.spread_fits_tail): the spread then holds most K tiles back for the first get, where TensorE waits.
+# S = 4096, H = 7168, I = 2048 (3 tiles left of 12) 1.63229 / 1.78763 -> 1.62009 / 1.76908 ms; share 1 also took
+# S = 3584, H = I = 2880 (5 and 7 of 10) 0.90319 / 1.01208 -> 0.90016 / 1.01942 (round 45 of docs/dense-performance.md)
 FENCE_TILE = 6  # MatmulPlan.set_fence: the sync point goes before this tile's epilogue (after its matmuls), so the
 # plan's first tiles run while the fence waits for the previous phase's last work (the MLP backward's phase 2 before
 # phases 3 and 4). TP8 MXFP8 modeled makespan, us (fence before phase 2: 632.8; Llama3-8B TP8 743.8): 4: 628.6 /
@@ -175,6 +181,11 @@ LAST_TILE_COLUMN_SHARES = (3, 2, 1)  # MatmulPlan.piece_last_tile: the last tile
 RESULT_BUFFERS = 3  # SBUF eviction tiles per plan, used round-robin (stores trail evictions by up to 2 tiles)
 # SBUF left for small tiles when a phase's tail and the next phase's first panels coexist
 PREFETCH_MARGIN_BYTES = 8 * 1024
+PREFETCH_STAGING_BUFFERS = 2  # where the next plan's first panels fit under a plan's tail only with a shallower ring:
+# its moving sources' staging rings this deep for the first panel (then their own again; overlap.prefetch_staging,
+# MatmulPlan.stage_first_load); not for a spread first load, whose schedule assumes STAGING_BUFFERS. S = 4096,
+# H = 7168, I = 2048 (phase 4 under phase 2, 5 KiB over with its ring of 3; round 40's honest count of each ring
+# refused it there): 1.67279 / 1.84104 -> 1.63229 / 1.78763 ms (round 45 of docs/dense-performance.md)
 # Where a panel's MXFP8 K tiles go in SBUF (panel_builder.py PanelPlacement): one allocation for the panel, one per
 # K tile (and per scale tile), on-chip-quantized words in pieces of MX_PANEL_PIECE_BYTES, or a caller's allocation
 PLACEMENT_WHOLE, PLACEMENT_PER_K_TILE = "whole", "per_k_tile"

@@ -33,6 +33,7 @@ from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from .overlap import prefetch_staging, spread_fits_tail, stage_prefetch
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -202,8 +203,11 @@ class KChunkedPlan(nl.NKIObject):
         self.order = chunks[-1].order
         self.ranges = chunks[0].ranges
 
-    def first_bytes(self, own_rings: bool = False) -> int:
-        return self.chunks[0].first_bytes(own_rings)
+    def first_bytes(self, own_rings: bool = False, moving_staging: int = 0) -> int:
+        return self.chunks[0].first_bytes(own_rings, moving_staging)
+
+    def stage_first_load(self, buffers: int) -> None:
+        self.chunks[0].stage_first_load(buffers)
 
     def spread_first_load(self) -> None:
         """No change: a K-chunked plan's first chunk loads its first panels as before (MatmulPlan.spread_first_load
@@ -213,8 +217,17 @@ class KChunkedPlan(nl.NKIObject):
         """No change: this plan's chunks do not carry the next plan's spread first load
         (MatmulPlan.carry_first_load)."""
 
+    def short_tail_loads_whole(self) -> None:
+        """The last chunk's (MatmulPlan.short_tail_loads_whole)."""
+        self.chunks[-1].short_tail_loads_whole()
+
     def prefetch_point(self, nxt) -> None:
-        """No change: nxt's spread first load keeps its copies (MatmulPlan.prefetch_point)."""
+        """nxt's spread first load keeps its copies, or is quantized whole where the last chunk's tail is too short
+        for it (MatmulPlan.prefetch_point); its moving rings as the last chunk's prefetch_fits counted them."""
+        last = self.chunks[-1]
+        if nxt.spread_first and last.short_tail_whole and not spread_fits_tail(last, nxt):
+            nxt.spread_first = False
+        stage_prefetch(last, nxt)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()
@@ -247,7 +260,8 @@ class KChunkedPlan(nl.NKIObject):
         """Run chunks [done, last) to the end, each next one's first panels under its predecessor's tail."""
         while self.done < last:
             chunk, nxt = self.chunks[self.done], self.chunks[self.done + 1]
-            if chunk.can_prefetch(nxt):
+            # own staging rings only (prefetch_staging -1): the shallower first ring is PhaseGraph's, between phases
+            if prefetch_staging(chunk, nxt) < 0:
                 chunk.step("head")
                 nxt.step("first")
             chunk.step("all")

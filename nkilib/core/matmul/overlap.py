@@ -11,10 +11,11 @@ set_fence_work's work) call these; plan.py decides the tiling they read (order, 
 """
 from __future__ import annotations
 
-from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, SPREAD_FIRST_K_TILES,
-                        SPREAD_NEXT_WORDS_FROM_K_TILE, SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
+from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, PREFETCH_STAGING_BUFFERS,
+                        SHORT_TAIL_SPREAD_SHARE, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
+                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
-from .panels import panel_bytes_per_partition
+from .panels import k_tiles, panel_bytes_per_partition
 from .streamed import tail_held_bytes
 
 
@@ -42,34 +43,43 @@ def held_bytes_at_tail(plan) -> int:
     return total + plan.epilogue.held_bytes(plan.n_tile)
 
 
-def staging_ring_bytes(source, width) -> int:
-    """SBUF bytes per partition of `source`'s own ring of bf16 [K, F] staging tiles (PanelSource.staging of them,
-    `width` columns or its load_width) when its loads are quantized on chip from [K, F] (can_load_ahead); else 0."""
+def staging_ring_bytes(source, width, buffers: int = 0) -> int:
+    """SBUF bytes per partition of `source`'s own ring of bf16 [K, F] staging tiles (PanelSource.staging of them, or
+    at most `buffers` when set; `width` columns or its load_width) when its loads are quantized on chip from [K, F]
+    (can_load_ahead); else 0."""
     if not source.can_load_ahead():
         return 0
-    return source.staging * MX_PACK * 2 * (source.load_width or width)
+    staging = min(source.staging, buffers) if buffers else source.staging
+    return staging * MX_PACK * 2 * (source.load_width or width)
 
 
-def first_load_bytes(plan, own_rings: bool = False) -> int:
+def first_load_bytes(plan, own_rings: bool = False, moving_staging: int = 0) -> int:
     """SBUF bytes per partition that loading `plan`'s first tile's panels takes (with MXFP8 staging): one ring of
     STAGING_BUFFERS tiles as wide as the widest load, or with own_rings, where more, each [K, F] source's own ring
     (PanelSource keeps one per source: the MLP backward's phase 4 loads dY^T and the intermediate through two;
     counting one let its first loads under phase 2's tail at S = 6144, H = 4096, I = 1536 run 12 KiB past SBUF).
     prefetch_fits takes own_rings; PhaseGraph's choice of the next phase compares the one-ring figures (own rings
-    there put phase 4 before phase 3 at S = 8192, H = 4096, I = 1536: 1.40518 -> 1.42396 ms, round 40)."""
+    there put phase 4 before phase 3 at S = 8192, H = 4096, I = 1536: 1.40518 -> 1.42396 ms, round 40).
+    moving_staging: the moving sources' rings at most this deep (MatmulPlan.stage_first_load); the own rings are
+    then the count where every load is quantized on chip from [K, F] (the one-ring figure assumes STAGING_BUFFERS and
+    stays the floor where a source stages otherwise)."""
     if not plan.order:
         return 0
     (_, msz), (_, nsz) = plan.order[0]
-    total, widest, rings = 0, nsz, 0
+    total, widest, rings, ahead = 0, nsz, 0, True
     for mv in plan.moving:
         total += load_bytes(plan, mv, nsz)
-        rings += staging_ring_bytes(mv, nsz)
+        rings += staging_ring_bytes(mv, nsz, moving_staging)
+        ahead = ahead and mv.can_load_ahead()
     for st in plan.stationary:
         if not st.resident:
             total += load_bytes(plan, st, msz)
             widest = max(widest, st.load_width or msz)
             rings += staging_ring_bytes(st, msz)
+            ahead = ahead and st.can_load_ahead()
     staging = STAGING_BUFFERS * MX_PACK * 2 * widest if plan.setup.is_mx else 0
+    if moving_staging and ahead:
+        return total + rings
     return total + (max(staging, rings) if own_rings else staging)
 
 
@@ -86,14 +96,38 @@ def first_stationary_load_bytes(plan) -> int:
     return total
 
 
-def prefetch_fits(plan, nxt) -> bool:
-    """Whether `nxt`'s first panels may load while `plan`'s last tiles run: neither is K-streamed
-    (those budget all of SBUF) and both fit SBUF with PREFETCH_MARGIN_BYTES to spare (nxt's loads with each
-    [K, F] source's own staging ring, first_load_bytes own_rings)."""
+def prefetch_staging(plan, nxt) -> int:
+    """How `nxt`'s first panels may load while `plan`'s last tiles run: 0 where they may not (either plan
+    K-streamed: those budget all of SBUF; or no fit), -1 where they fit SBUF with PREFETCH_MARGIN_BYTES to spare with
+    each [K, F] source's own staging ring (first_load_bytes own_rings), else PREFETCH_STAGING_BUFFERS where they fit
+    with nxt's moving rings that deep for its first panel (MatmulPlan.stage_first_load; S = 4096, H = 7168,
+    I = 2048: phase 4's 48 KiB ring for its one [4096, 2048] intermediate panel was 5 KiB too many under phase 2).
+    Not for a spread first load (MatmulPlan.spread_first_load): its schedule issues each K tile's quantize and copy
+    STAGING_BUFFERS K tiles after the staging DMA a ring of that depth began (H = I = 2880, S = 4096: phase 3 under
+    phase 4 with the shallower ring 1.09892 / 1.25350 -> 1.11382 / 1.26044 ms)."""
     if plan.stream != None or nxt.stream != None or not nxt.order:  # noqa: E711
-        return False
+        return 0
     budget = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES
-    return plan.held_bytes() + nxt.first_bytes(own_rings=True) <= budget
+    held = plan.held_bytes()
+    if held + nxt.first_bytes(own_rings=True) <= budget:
+        return -1
+    if not nxt.spread_first and (held + nxt.first_bytes(own_rings=True, moving_staging=PREFETCH_STAGING_BUFFERS) <=
+                                 budget):
+        return PREFETCH_STAGING_BUFFERS
+    return 0
+
+
+def prefetch_fits(plan, nxt) -> bool:
+    """Whether `nxt`'s first panels may load while `plan`'s last tiles run (prefetch_staging)."""
+    return prefetch_staging(plan, nxt) != 0
+
+
+def stage_prefetch(plan, nxt) -> None:
+    """Before `nxt`'s first panels load under `plan`'s tail (PhaseGraph's prefetch point): their moving rings as
+    prefetch_staging counted them."""
+    buffers = prefetch_staging(plan, nxt)
+    if buffers > 0:
+        nxt.stage_first_load(buffers)
 
 
 def tail_load_fits(plan, nxt) -> bool:
@@ -196,6 +230,15 @@ def begin_spread_first_load(plan) -> bool:
             mv.first_next_words_from = SPREAD_NEXT_WORDS_FROM_K_TILE
         mv.load_ahead(n0, nsz, SPREAD_FIRST_K_TILES)
     return True
+
+
+def spread_fits_tail(plan, nxt) -> bool:
+    """Whether `plan`'s tiles left at the prefetch point (after its step "head") take at least 1 /
+    SHORT_TAIL_SPREAD_SHARE of nxt's spread first load's schedule: SPREAD_TILES_PER_K_TILE tiles per K tile of its
+    first moving panels beyond the SPREAD_FIRST_K_TILES quantized at that point (MatmulPlan.short_tail_loads_whole;
+    constants.py)."""
+    k_tiles_left = max(len(k_tiles(mv.op.k_size, nxt.setup)) for mv in nxt.moving) - SPREAD_FIRST_K_TILES
+    return (len(plan.order) - plan.done) * SHORT_TAIL_SPREAD_SHARE >= k_tiles_left * SPREAD_TILES_PER_K_TILE
 
 
 def advance_spread_load(plan, j: int) -> None:

@@ -35,7 +35,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
                       first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
-                      place_fence_after_first_panel, prefetch_fits, tail_load_fits)
+                      place_fence_after_first_panel, prefetch_fits, spread_fits_tail, stage_prefetch,
+                      tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, panel_bytes_per_partition, single_k_tile
 from .row_panels import preload_natural_rows
 from .sources import PanelSource, blocks, tile_order, tile_spans
@@ -181,6 +182,7 @@ class MatmulPlan(nl.NKIObject):
         self.fence_tile = FENCE_TILE  # where set_fence puts it (fence_after_first_panel moves it)
         self.fence_work = None  # callable the fence waits for, issued at the fence tile (set_fence_work)
         self.spread_first, self.carried = False, None  # spread_first_load; (next plan, tile): carry_first_load
+        self.short_tail_whole = False  # the next plan's spread first load whole after a short tail (prefetch_point)
         self.spread_copies = True  # the spread first load's unit-stride copies (prefetch_point of the previous plan)
         self.stationary_ops, self.moving_ops = stationary, moving
         if resident != None:  # noqa: E711  (NKI traced code: no `is not`)
@@ -311,9 +313,17 @@ class MatmulPlan(nl.NKIObject):
         """Upper bound of the SBUF bytes per partition this plan holds while its last tiles run."""
         return held_bytes_at_tail(self)
 
-    def first_bytes(self, own_rings: bool = False) -> int:
+    def first_bytes(self, own_rings: bool = False, moving_staging: int = 0) -> int:
         """SBUF bytes per partition that loading the first tile's panels takes (overlap.first_load_bytes)."""
-        return first_load_bytes(self, own_rings)
+        return first_load_bytes(self, own_rings, moving_staging)
+
+    def stage_first_load(self, buffers: int) -> None:
+        """The first moving panels' staging rings at most `buffers` deep (their own depth again from the next panel
+        on: PanelSource.later_staging); before the first load (overlap.prefetch_staging)."""
+        for mv in self.moving:
+            if mv.staging > buffers:
+                mv.later_staging = mv.later_staging or mv.staging
+                mv.staging = buffers
 
     def first_stationary_bytes(self) -> int:
         """SBUF bytes per partition of the first tile's stationary loads (overlap.first_stationary_load_bytes)."""
@@ -401,13 +411,24 @@ class MatmulPlan(nl.NKIObject):
         apply)."""
         self.spread_first = True
 
+    def short_tail_loads_whole(self) -> None:
+        """A spread first load of the next plan (spread_first_load) of whose schedule this plan's tiles left at the
+        prefetch point take under 1 / SHORT_TAIL_SPREAD_SHARE (overlap.spread_fits_tail) is quantized whole there
+        instead (the MLP backward's phase 4, phase 3 after it). Under phase 2 a short tail keeps the spread
+        (S = 4608, H = 2048, I = 1536: whole there 0.43592 / 0.49283 -> 0.43527 / 0.51040 ms; round 45)."""
+        self.short_tail_whole = True
+
     def prefetch_point(self, nxt) -> None:
         """PhaseGraph, after this plan's step "head" and before nxt's step "first": a spread first load of nxt
         (spread_first_load) quantizes half of its K tiles from unit-stride copies only where at most 1 /
         SPREAD_COPIES_TAIL_SHARE of this plan's tiles are left (constants.py; else each K tile whole from its
-        staging tile: the same words and scales, bit for bit)."""
+        staging tile: the same words and scales, bit for bit); none where this plan quantizes a load its tail does
+        not take whole (short_tail_loads_whole: all K tiles quantized here, as prefetch does)."""
+        if nxt.spread_first and self.short_tail_whole and not spread_fits_tail(self, nxt):
+            nxt.spread_first = False
         if nxt.spread_first:
             nxt.spread_copies = (len(self.order) - self.done) * SPREAD_COPIES_TAIL_SHARE <= len(self.order)
+        stage_prefetch(self, nxt)
 
     def carry_first_load(self, nxt) -> None:
         """After nxt's step "first" (PhaseGraph): this plan's remaining tiles quantize the K tiles of nxt's spread
