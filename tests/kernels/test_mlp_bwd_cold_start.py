@@ -1,7 +1,8 @@
 """Phase starts where VectorE's quantizes pace TensorE: phase 1's cold start (MatmulPlan cold_staging: the MLP
 backward's W_down at TP8, all of it quantized before the first S tile's matmuls), phase 2's fenced start (its first
 W_gu panel, quantized in column pieces under the first span) and phase 3's first X panel (quantized over phase 2's
-tail, MatmulPlan.spread_first_load): how those quantizes read their sources, bit-exact on LNC1 and LNC2.
+tail, MatmulPlan.spread_first_load), and phase 1's W_down panel switches after its split along I (TP1): how those
+quantizes read their sources, bit-exact on LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
@@ -246,3 +247,32 @@ def test_phase3_first_x_panel_after_phase4_short_tail_quantized_whole(monkeypatc
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 45, kind="pow2")
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
     assert (1, True, False) in points and points.count((1, True, False)) == 2, points  # LNC2: one per core
+
+
+def test_phase1_w_down_switches_quantize_half_of_each_k_tile_from_a_unit_stride_copy(monkeypatch):
+    """After phase 1's split along I (dY kept whole, W_down's panels streamed one at a time, n-major: TP1), each new
+    W_down panel is quantized at its switch while TensorE waits; with SWITCH_NEXT_WORDS_FROM_K_TILE (0), every K tile
+    but each panel's last quantizes its last F // 2 columns from a unit-stride copy that ScalarE makes in the next K
+    tile's words (TP1 modeled 4.50781 / 4.67654 -> 4.50202 / 4.63161 ms). Forced on S = 256, H = 1024, I = 768 with
+    128-column phase-1 tiles (each core: 384 I columns in three W_down panels of F = 128, 2 MXFP8 K tiles each): per
+    core, every panel's K tile 0 half from its staging tile (strided) and half from a ScalarE copy, K tile 1 whole
+    from its staging tile, the copies landing in words a later quantize_mx writes. The old code quantized every K tile
+    whole from the strided view: fails there. Bit-exact against mx_exact on LNC2 (race checker on) and LNC1 (no
+    split), LNC1 equal to LNC2."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    assert plan_module.SWITCH_NEXT_WORDS_FROM_K_TILE == 0
+    S, H, I, F = 256, 1024, 768, 128
+    elems = 4 * F  # per K tile and partition: [128, 4, F] bf16 staged
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 46, matmul_precision="mxfp8")
+    config = MlpBwdMatmulConfig(phase1=MatmulConfig(n_tile=F))
+    panel = [(False, elems // 2, "dma"), (True, elems // 2, "scalar"), (False, elems, "dma")]
+
+    def check(trace, lnc):
+        if lnc == 2:
+            sources = _quantize_sources(trace)
+            assert sources == {p: panel * 3 for p in range(2)}, sources
+            _copies_land_in_quantized_words(trace, lnc, W_DOWN)
+
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check, matmul_precision="mxfp8", matmul_config=config)

@@ -80,6 +80,14 @@ SWITCH_INTERLEAVE_TILES = 3  # at most this many tiles of a new moving panel mul
 # ms): 2 tiles, 3 accumulators: 4.555 / 4.729; 3 tiles, the 4th accumulator added at the first switch in the PE
 # transposes' banks: 4.537 / 4.712; 3 tiles with 3 accumulators: 4.591 / 4.765 and 2 tiles with 2: 4.585 / 4.749 (the
 # last tile of the span then waits for the epilogue of the tile before the switch)
+SWITCH_NEXT_WORDS_FROM_K_TILE = 0  # MatmulPlan(keep_whole=True, interleave_switch=True) with the moving panels
+# streamed one at a time (the MLP backward's phase 1 split along I at TP1: dY kept whole, six W_down panels per core):
+# from this K tile on (all but each panel's last) half of each K tile quantized from a unit-stride copy ScalarE makes in
+# the next K tile's words (PanelLoad next_words_from, as COLD_PERMUTE_INTO_NEXT_WORDS). At each panel switch VectorE
+# quantizes the new panel's K tiles from the strided [P, F, 4] view (half its rate in the cost model, a quarter
+# pessimistic) while TensorE waits; ScalarE only evicts there. TP1 MXFP8 modeled 4.50781 / 4.67654 -> 4.50202 / 4.63161
+# ms (phase 1's TensorE idle 77.3 / 158.8 -> 71.5 / 113.9 us); from K tile 1: 4.51120 / 4.63933. Not for phase 4's
+# switches (its epilogue evicts on ScalarE: 4.52649 / 4.65636; round 46 of docs/dense-performance.md)
 LEAD_INTERLEAVE_TILES = 2  # tiles of a lead_n_major lead that multiply each new moving panel K tile by K tile in turn
 # (MatmulPlan interleave_lead, with the moving operand kept whole by the resident rule; the two accumulators of
 # PSUM_BUFFERS, so no third fits beside phase 3's [128, 2048] ones at TP1)

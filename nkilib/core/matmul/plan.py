@@ -31,7 +31,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_LOOKAHEAD_TILES,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
-                        SWITCH_INTERLEAVE_TILES, TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
+                        SWITCH_INTERLEAVE_TILES, SWITCH_NEXT_WORDS_FROM_K_TILE, TRANSPOSE_PSUM_BANKS,
+                        usable_sbuf_bytes)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
                       first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
@@ -95,7 +96,10 @@ class MatmulPlan(nl.NKIObject):
         groups: neither operand fitting, keep the smaller whole one resident (_resident_operand) or else sweep
             groups of stationary loads (False: neither; the panels of the operand that fits stay resident).
         keep_whole: with groups=False, still keep the smaller whole operand resident by _resident_operand
-            (the MLP backward's phase 1 split along I keeps all of dY; default off).
+            (the MLP backward's phase 1 split along I keeps all of dY; default off). With interleave_switch and the
+            moving panels not kept (streamed one at a time, MXFP8 [K, F] quantized on chip), every moving K tile from
+            SWITCH_NEXT_WORDS_FROM_K_TILE on but each panel's last quantizes half of its columns from a unit-stride
+            ScalarE copy in the next K tile's words (PanelLoad next_words_from).
         lead_n_major: with the moving panels resident (m-major), run the m tiles of the first stationary load
             n-major (tile_order's lead): every moving panel is loaded and quantized during the first m tile's
             row otherwise, one wait of TensorE per panel (the MLP backward's phases 3 and 4, whose epilogue
@@ -297,6 +301,12 @@ class MatmulPlan(nl.NKIObject):
                 elif interleave_first_loads and all(
                         op.k_axis == 0 or op.prequantized for op in list(stationary) + list(moving)):
                     self.first_span = self.switch_span
+        if interleave_switch and keep_whole and not self.keep_moving:
+            # the stationary operand kept whole, the moving panels streamed one at a time: each new panel's K tiles
+            # are quantized at its switch, half of their columns from a unit-stride ScalarE copy
+            for mv in self.moving:
+                if mv.can_load_ahead():
+                    mv.next_words_from = SWITCH_NEXT_WORDS_FROM_K_TILE
         kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                       "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                       f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
