@@ -156,10 +156,10 @@ def test_stationary_lookahead_loads_the_next_super_panel_early(monkeypatch):
     """stationary_lookahead: a kept-whole stationary operand's panels load STATIONARY_LOOKAHEAD_TILES tiles ahead
     (TP1's phase 4, modeled 4.616 -> 4.603 ms). M = 1024: two 512-column super-panels of four 128-row m tiles; the
     second one's DMAs follow the first tile's matmul instead of the fourth's; the bits are the contract's."""
-    from nkilib.core.matmul import plan as plan_module
+    from nkilib.core.matmul import tiling as tiling_module
     from nkilib.simulator.launcher import run_kernel
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # neither fits: keep the smaller (a) whole
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # neither fits: keep the smaller (a) whole
     K, M, N = 512, 1024, 2048
     a, b = randn(8, (K, M), BF16), randn(9, (K, N), BF16)
     want = contract_mm(a.T, b, "mxfp8", "float8_e4m3fn", "1x32")
@@ -201,12 +201,12 @@ def test_contiguous_group_places_a_streamed_group_in_one_block(monkeypatch):
     modeled 4.603 -> 4.572 ms) instead of one allocation each. M = 300 (m tiles 128, 128, 44: groups of 2 and 1),
     K = 1024 (2 K tiles), N = 600 (two n blocks): the matmuls read the stationary words from 2 allocations instead
     of 3, and the bits are the contract's either way."""
-    from nkilib.core.matmul import plan as plan_module
+    from nkilib.core.matmul import tiling as tiling_module
     from nkilib.simulator.launcher import run_kernel
 
     for name in ("PANEL_CACHE_BUDGET_BYTES", "RESIDENT_OPERAND_BUDGET_BYTES", "STATIONARY_GROUP_BUDGET_BYTES"):
-        monkeypatch.setattr(plan_module, name, 1)
-    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 2 * (2 * 128 * 4 + 128))  # two panels
+        monkeypatch.setattr(tiling_module, name, 1)
+    monkeypatch.setattr(tiling_module, "STREAM_STATIONARY_BUDGET_BYTES", 2 * (2 * 128 * 4 + 128))  # two panels
     M, K, N = 300, 1024, 600
     a, b = randn(10, (M, K), BF16), randn(11, (K, N), BF16)
     want = contract_mm(a, b, "mxfp8", "float8_e4m3fn", "1x32")
@@ -225,12 +225,12 @@ def test_streamed_group_moving_quads_share_a_ring_of_four_staging_tiles(monkeypa
     2, modeled 4.572 -> 4.567 / 4.762 -> 4.730 ms; 3 before). K = 2048 (4 K tiles: one quad per n block), N = 600 (two n
     blocks), M = 300 in groups of 2 and 1: each group stages 8 K tiles through 4 tiles, 8 in all (6 with a ring of 3);
     the bits are the contract's."""
-    from nkilib.core.matmul import plan as plan_module
+    from nkilib.core.matmul import tiling as tiling_module
     from nkilib.simulator.launcher import run_kernel
 
     for name in ("PANEL_CACHE_BUDGET_BYTES", "RESIDENT_OPERAND_BUDGET_BYTES", "STATIONARY_GROUP_BUDGET_BYTES"):
-        monkeypatch.setattr(plan_module, name, 1)
-    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 2 * (4 * 128 * 4 + 128))  # two panels
+        monkeypatch.setattr(tiling_module, name, 1)
+    monkeypatch.setattr(tiling_module, "STREAM_STATIONARY_BUDGET_BYTES", 2 * (4 * 128 * 4 + 128))  # two panels
     M, K, N = 300, 2048, 600
     a, b = randn(12, (M, K), BF16), randn(13, (K, N), BF16)
     res = run_kernel(_streamed_kernel.fn, kwargs=dict(a=a, b=b, contiguous=True), trace=True)

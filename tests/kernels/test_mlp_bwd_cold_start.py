@@ -5,6 +5,7 @@ tail, MatmulPlan.spread_first_load), and phase 1's W_down panel switches after i
 quantizes read their sources, bit-exact on LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
                     mlp_inputs_with_checkpoints, mlp_reference, run_mlp, unit_stride)
 
@@ -79,7 +80,7 @@ def test_cold_start_w_down_quantizes_half_of_each_k_tile_from_a_unit_stride_copy
     Without cold staging (COLD_STAGING_MAX_M_TILES = 1), or with the constant off, no W_down source is a copy."""
     S, H, I = 256, 3072, 256
     k_tiles, elems = H // 512, 4 * I  # per K tile: [128, 4, I] bf16 staged, per partition
-    assert plan_module.COLD_PERMUTE_INTO_NEXT_WORDS
+    assert tiling_module.COLD_PERMUTE_INTO_NEXT_WORDS
     inp = mlp_inputs(S, H, I, seed=S + H + I + 33)
     inp = {**inp, **mlp_checkpoints(inp, matmul_precision="mxfp8")}
     strided_half, copied_half = (False, elems // 2, "dma"), (True, elems // 2, "scalar")
@@ -90,11 +91,11 @@ def test_cold_start_w_down_quantizes_half_of_each_k_tile_from_a_unit_stride_copy
         _copies_land_in_quantized_words(trace, lnc, W_DOWN)
 
     whole = [(False, elems, "dma")] * k_tiles
-    monkeypatch.setattr(plan_module, "COLD_PERMUTE_INTO_NEXT_WORDS", False)
+    monkeypatch.setattr(tiling_module, "COLD_PERMUTE_INTO_NEXT_WORDS", False)
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _quantize_sources(res.trace) == {0: whole}
-    monkeypatch.setattr(plan_module, "COLD_PERMUTE_INTO_NEXT_WORDS", True)
-    monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged
+    monkeypatch.setattr(tiling_module, "COLD_PERMUTE_INTO_NEXT_WORDS", True)
+    monkeypatch.setattr(tiling_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _quantize_sources(res.trace) == {0: whole}
 
@@ -261,8 +262,8 @@ def test_phase1_w_down_switches_quantize_half_of_each_k_tile_from_a_unit_stride_
     split), LNC1 equal to LNC2."""
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    assert plan_module.SWITCH_NEXT_WORDS_FROM_K_TILE == 0
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    assert tiling_module.SWITCH_NEXT_WORDS_FROM_K_TILE == 0
     S, H, I, F = 256, 1024, 768, 128
     elems = 4 * F  # per K tile and partition: [128, 4, F] bf16 staged
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 46, matmul_precision="mxfp8")

@@ -12,7 +12,7 @@ import pytest
 
 from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
 from nkilib.core.matmul import k_chunks as k_chunks_module
-from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
 from simkit import assert_mlp_bit_exact, assert_outputs_identical, mlp_inputs_with_checkpoints, run_mlp, spy_returns
@@ -74,12 +74,12 @@ def shrunk_budgets(monkeypatch):
     the resident-operand budget (the ordinary plan would sweep the moving operand once per stationary panel), a
     2048-row chunk of the smaller one does. W_down still fits (phase 1 keeps it and
     quantizes d_gate_up along S on chip, so phase 3 reads it in the panel layout, K-windowed)."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 4096)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 4096)
+    monkeypatch.setattr(tiling_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
     # one 128-column stationary panel per group, so the ordinary plan re-reads its moving operand (what chunks save)
-    monkeypatch.setattr(plan_module, "STATIONARY_PANEL_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STATIONARY_PANEL_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STREAM_STATIONARY_BUDGET_BYTES", 1)
     monkeypatch.setattr(k_chunks_module, "RESIDENT_OPERAND_BUDGET_BYTES", 5000)
     # each K-chunked plan's chunk starts and whether its stationary operand is read in the panel layout
     return spy_returns(monkeypatch, kernel_module, "plan_matmul", lambda plan, stationary, moving, *args, **kwargs: (

@@ -13,6 +13,7 @@ test_mlp_bwd_plans_phase2_streamed.py (the K-streamed phase 2's head and tail), 
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from simkit import (assert_mlp_bit_exact, assert_mlp_bit_exact_on_lnc1_and_lnc2, count_calls, mlp_inputs,
                     mlp_inputs_with_checkpoints, run_mlp, spy_returns)
@@ -22,11 +23,11 @@ from simkit import (assert_mlp_bit_exact, assert_mlp_bit_exact_on_lnc1_and_lnc2,
 def tiny_budgets(monkeypatch):
     """Nothing resident, one load per stationary group, K-streamed groups of 2-3 m tiles; the calls of
     MatmulPlan._run_streamed so far (count_calls)."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
-    monkeypatch.setattr(plan_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "RESIDENT_OPERAND_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STREAM_STATIONARY_BUDGET_BYTES", 3 * 128 * 8)
+    monkeypatch.setattr(tiling_module, "MOVING_PANEL_BUDGET_BYTES", 64 * 1024)
     return count_calls(monkeypatch, plan_module.MatmulPlan, ["_run_streamed"])
 
 
@@ -47,8 +48,8 @@ def test_resident_operand_plans_are_bit_exact(monkeypatch, precision, lnc):
     """Neither operand fits the panel cache (TP1's phases 3 and 4 at model shapes): the smaller whole operand
     stays resident (moving: m-major; stationary: n-major) and the other is streamed once; outputs stay
     bit-exact. Both variants must be taken on these shapes."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    taken = spy_returns(monkeypatch, plan_module, "_resident_operand", lambda out, *args: out[:2])
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    taken = spy_returns(monkeypatch, tiling_module, "_resident_operand", lambda out, *args: out[:2])
     for S, H, I in [(512, 256, 384), (512, 384, 128)]:
         inp = mlp_inputs(S, H, I, seed=S + H + I)
         out = run_mlp(inp, lnc=lnc, matmul_precision=precision)
@@ -88,7 +89,7 @@ def test_phase1_split_along_i_is_bit_exact(monkeypatch, precision):
     core then keeps all of dY resident (phase1_split_along_i). Forced on a small shape (S < I / 2, so dY is the
     smaller whole operand): the split must be taken, the outputs bit-exact against mx_exact and equal to LNC1's
     (which never splits). Checkpoints given, as in the study's configurations."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     taken = spy_returns(monkeypatch, kernel_module, "phase1_split_along_i",
                         lambda out, plan_s, plan_i: (out, plan_i.ranges))
     S, H, I = 256, 256, 768
@@ -121,7 +122,7 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
     from nkilib.core.matmul import sources as sources_module
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
-    original = plan_module.tile_order
+    original = tiling_module.tile_order
 
     def lead_taken(out, m_blocks, n_blocks, m_outer, m_group=0, lead=1):
         """(lead, whether the order differs from the plain one) of an m-major call over several n blocks."""
@@ -129,7 +130,7 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
             return lead, out != original(m_blocks, n_blocks, m_outer, m_group)
         return None
 
-    leads = spy_returns(monkeypatch, plan_module, "tile_order", lead_taken)
+    leads = spy_returns(monkeypatch, tiling_module, "tile_order", lead_taken)
     assert sources_module.tile_order is original
     small = MatmulConfig(m_tile=32, n_tile=128)
     config = MlpBwdMatmulConfig(phase3=small, phase4=small)
@@ -149,7 +150,7 @@ def test_weight_grad_phases_narrowed_after_i_split_with_one_k_tile(monkeypatch):
     on) and LNC1 (no split: the wide default), equal to each other."""
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.constants import MX_N_TILE, MX_N_TILE_WEIGHT_GRAD
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     taken = spy_returns(monkeypatch, kernel_module, "phase1_split_along_i", lambda out, plan_s, plan_i: out)
     widths = spy_returns(monkeypatch, kernel_module, "plan_matmul",
                          lambda plan, st, mv, m, n, setup, config, *a, **kw: (m, n, config.n_tile,

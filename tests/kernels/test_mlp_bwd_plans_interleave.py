@@ -8,6 +8,7 @@ bit for bit, LNC1 equal to LNC2.
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import config as config_module
 from simkit import (assert_mlp_bit_exact, assert_mlp_bit_exact_on_lnc1_and_lnc2, assert_outputs_identical, mlp_inputs,
                     mlp_inputs_with_checkpoints, run_mlp, spy, spy_returns)
@@ -68,7 +69,7 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     (which does not split along I)."""
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     # S = 512 is one K tile of phases 3-4: after the I split round 44 narrows them to MX_N_TILE
     # (config.fit_weight_grad_n_tile), which gives them panel switches of their own; kept wide here so the spy sees
     # phase 1's switch only (the narrowed path is test_mlp_bwd_plans.py's)
@@ -76,10 +77,10 @@ def test_phase1_panel_switch_k_interleaved_is_bit_exact(monkeypatch, precision):
     interleaved = []
     spans = spy_returns(monkeypatch, plan_module, "tile_spans",  # not phase 3's interleave_lead
                         lambda out, order, lo, hi, switch_span, first=0: [s for s in out if s[1] > 1]
-                        if switch_span == plan_module.SWITCH_INTERLEAVE_TILES else None)
+                        if switch_span == tiling_module.SWITCH_INTERLEAVE_TILES else None)
 
     def keep(plan, i, span, calls, before, count):
-        if plan.switch_span == plan_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
+        if plan.switch_span == tiling_module.SWITCH_INTERLEAVE_TILES:  # not phase 3's interleave_lead
             interleaved.append((calls, (count, len(plan.accumulators[0])), id(plan.accumulators[0][before].storage)))
 
     _record_k_interleaved(monkeypatch, keep)
@@ -112,11 +113,11 @@ def test_phase4_cold_first_tiles_k_interleaved_are_bit_exact(monkeypatch):
     LNC2 (LNC1: 8 n blocks)."""
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
     interleaved = []
     spans = spy_returns(monkeypatch, plan_module, "tile_spans",  # not phase 3's interleave_lead
                         lambda out, order, lo, hi, switch_span, first=0: out
-                        if first and switch_span == plan_module.SWITCH_INTERLEAVE_TILES else None)
+                        if first and switch_span == tiling_module.SWITCH_INTERLEAVE_TILES else None)
 
     def keep(plan, i, span, calls, before, count):
         if plan.moving_ops[0].tensor.shape == (S, I):  # phase 4's intermediate
@@ -192,7 +193,7 @@ def test_phase3_lead_k_interleaved_is_bit_exact(monkeypatch, precision):
     run_mlp(inp, lnc=2, matmul_precision=precision, matmul_config=config)
     assert interleaved == [], interleaved
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule instead
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule instead
     outs = {}
     for lnc, cores in ((2, 2), (1, 1)):
         interleaved.clear()
@@ -228,9 +229,9 @@ def test_phase3_lead_moving_words_in_lead_pieces_are_bit_exact(monkeypatch):
     from nkilib.core.matmul import panel_builder as builder_module
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)  # X kept whole by the resident rule
     monkeypatch.setattr(builder_module, "MX_PANEL_WHOLE_MAX_BYTES", 1024)
-    monkeypatch.setattr(plan_module, "LEAD_PANEL_PIECE_BYTES", 512)
+    monkeypatch.setattr(tiling_module, "LEAD_PANEL_PIECE_BYTES", 512)
     builders = []
     original = builder_module.PanelBuilder.__init__
 

@@ -8,6 +8,7 @@ outputs must equal `mx_exact` bit for bit, LNC1 equal to LNC2, with the simulato
 import pytest
 
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from simkit import (assert_mlp_bit_exact_on_lnc1_and_lnc2, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2,
                     mlp_inputs_with_checkpoints, run_mlp, spy_returns)
 
@@ -16,9 +17,9 @@ from simkit import (assert_mlp_bit_exact_on_lnc1_and_lnc2, assert_mlp_traced_bit
 def k_streamed_phase2(monkeypatch):
     """Budgets that make phase 2 K-streamed on small shapes: no panel cache, one load per stationary group, only phase
     1's dY resident."""
-    monkeypatch.setattr(plan_module, "PANEL_CACHE_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
-    monkeypatch.setattr(plan_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "STATIONARY_GROUP_BUDGET_BYTES", 1)
+    monkeypatch.setattr(tiling_module, "RESIDENT_OPERAND_BUDGET_BYTES", 4 * 1024)  # dY of phase 1 only
 
 
 @pytest.mark.usefixtures("k_streamed_phase2")

@@ -4,7 +4,7 @@ loads share a deeper staging ring, and its first K tiles are staged by one DMA p
 Traced kernel runs on small shapes with W_down's six K tiles (H = 3072); outputs must equal `mx_exact` bit for bit,
 LNC1 equal to LNC2.
 """
-from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import tiling as tiling_module
 from simkit import assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_inputs_with_checkpoints, run_mlp
 
 
@@ -36,7 +36,7 @@ def test_phase1_resident_w_down_loads_share_a_deeper_staging_ring(monkeypatch):
 
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check_ring, matmul_precision="mxfp8")
     # more m tiles per core than COLD_STAGING_MAX_M_TILES (S = 256 is two): the ring of STAGING_BUFFERS, as before
-    monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)
+    monkeypatch.setattr(tiling_module, "COLD_STAGING_MAX_M_TILES", 1)
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _staging_tiles_per_core(res.trace, "down_proj_weight") == {0: STAGING_BUFFERS}
 
@@ -62,7 +62,7 @@ def test_phase1_cold_start_first_w_down_k_tiles_staged_one_dma_per_slot(monkeypa
         assert _w_down_dma_bytes_per_core(trace) == {p: split + whole for p in range(lnc)}
 
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check_dmas, matmul_precision="mxfp8")
-    monkeypatch.setattr(plan_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged: one DMA per K tile
+    monkeypatch.setattr(tiling_module, "COLD_STAGING_MAX_M_TILES", 1)  # not cold-staged: one DMA per K tile
     res = run_mlp(inp, lnc=1, trace=True, matmul_precision="mxfp8")
     assert _w_down_dma_bytes_per_core(res.trace) == {0: [k_tile_bytes] * k_tiles}
 

@@ -6,6 +6,7 @@ panel_builder.py: Panel, PanelPlacement (where a panel's K tiles go in SBUF) and
 row_panels.py: panels from rows the caller fetches or already holds on chip, and on-chip panels to HBM and back;
 sources.py: PanelSource / ResidentPanels (where a plan's panels come from), blocks and tile_order;
 plan.py: MatmulPlan (tiling, core split, epilogue decided once; runnable in steps); sizing.py: fit_width, psum_buffers;
+tiling.py: the tiling a MatmulPlan decides when it is built (residency, n tile, sources, tile order, K-interleaved spans);
 overlap.py: what a MatmulPlan holds and first loads, for overlapping it with its neighbours (PhaseGraph);
 core_split.py: CoreSplit (the LNC split, decided once per kernel); epilogue.py: StoreEpilogue (the default epilogue);
 k_chunks.py: plan_matmul (a MatmulPlan, or a KChunkedPlan cut along K when neither long-K operand fits SBUF);

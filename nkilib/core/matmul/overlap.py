@@ -7,7 +7,7 @@ its run leaves the next plan's first loads the DMA queues and issue_fence_work w
 for goes; begin_spread_first_load / advance_spread_load spread the next plan's first panel's quantizes over this
 plan's last tiles. MatmulPlan's methods of the same purpose (held_bytes, first_bytes, first_stationary_bytes,
 can_prefetch, can_load_under_tail, last_load, fence_after_first_panel, spread_first_load, carry_first_load; run() for
-set_fence_work's work) call these; plan.py decides the tiling they read (order, stream, the PanelSources).
+set_fence_work's work) call these; tiling.py decides the tiling they read (order, stream, the PanelSources).
 """
 from __future__ import annotations
 

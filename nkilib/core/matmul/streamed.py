@@ -2,7 +2,7 @@
 
 For a stationary operand too large to keep and moving panels too large to sweep often (the MLP backward's phase 2
 at I = 12288: K = 2I = 24576), MatmulPlan keeps a group of g stationary panels and streams the moving operand in quads
-of K tiles (plan.py decides; this module runs it).
+of K tiles (tiling.py decides; this module runs it).
 """
 from __future__ import annotations
 

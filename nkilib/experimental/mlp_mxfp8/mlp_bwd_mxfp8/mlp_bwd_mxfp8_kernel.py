@@ -43,7 +43,7 @@ reads both cores' halves as they are, and no bf16 d_gate_up goes to HBM. Groups 
 before: numerics unchanged. Otherwise the rows are stored in bf16 (2I-long runs) for phase 3 (and phase 2 when not
 resident).
 
-Operands that do not fit (core/matmul/plan.py MatmulPlan, e.g. TP1, I = 12288): moving panels all resident
+Operands that do not fit (core/matmul/plan.py MatmulPlan, its tiling in tiling.py; e.g. TP1, I = 12288): moving panels all resident
 (m-major) > stationary panels all resident (n-major) > the smaller whole operand resident (up to 144 KiB; TP1:
 phase 3 keeps X, phase 4 keeps dY, each read once per core) > K-streamed groups (TP1 phase 2; each group's
 stationary panels in one SBUF block, MatmulPlan contiguous_group) > stationary groups. Phase 1 keeps its dY (and X)
