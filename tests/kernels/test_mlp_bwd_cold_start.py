@@ -5,6 +5,7 @@ tail, MatmulPlan.spread_first_load), and phase 1's W_down panel switches after i
 quantizes read their sources, bit-exact on LNC1 and LNC2.
 """
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
                     mlp_inputs_with_checkpoints, mlp_reference, run_mlp, unit_stride)
@@ -166,7 +167,7 @@ def test_phase3_first_x_panel_quantized_over_phase2_tail_half_from_unit_stride_c
             constants_module.SPREAD_NEXT_WORDS_FROM_K_TILE) == (2, 2, 1)
     # the copies wherever the spread starts (phase 2's head ends early at H = 2048, where round 43's
     # SPREAD_COPIES_TAIL_SHARE leaves them out: test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole)
-    monkeypatch.setattr(plan_module, "SPREAD_COPIES_TAIL_SHARE", 1)
+    monkeypatch.setattr(overlap_module, "SPREAD_COPIES_TAIL_SHARE", 1)
 
     def expected(lnc):
         elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
