@@ -4,10 +4,13 @@ W_gu panel, quantized in column pieces under the first span) and phase 3's first
 tail, MatmulPlan.spread_first_load), and phase 1's W_down panel switches after its split along I (TP1): how those
 quantizes read their sources, bit-exact on LNC1 and LNC2.
 """
+import pytest
+
+from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import plan as plan_module
 from nkilib.core.matmul import tiling as tiling_module
 from simkit import (assert_matches_mx_exact, assert_mlp_traced_bit_exact_on_lnc1_and_lnc2, mlp_checkpoints, mlp_inputs,
-                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp, unit_stride)
+                    mlp_inputs_with_checkpoints, mlp_reference, run_mlp, spy, unit_stride)
 
 W_DOWN, W_GU, X = "down_proj_weight", "gate_up_weights", "hidden_states"
 
@@ -166,7 +169,7 @@ def test_phase3_first_x_panel_quantized_over_phase2_tail_half_from_unit_stride_c
             constants_module.SPREAD_NEXT_WORDS_FROM_K_TILE) == (2, 2, 1)
     # the copies wherever the spread starts (phase 2's head ends early at H = 2048, where round 43's
     # SPREAD_COPIES_TAIL_SHARE leaves them out: test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole)
-    monkeypatch.setattr(plan_module, "SPREAD_COPIES_TAIL_SHARE", 1)
+    monkeypatch.setattr(overlap_module, "SPREAD_COPIES_TAIL_SHARE", 1)
 
     def expected(lnc):
         elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
@@ -215,6 +218,46 @@ def test_phase3_first_x_panel_begun_at_phase2_head_quantized_whole(monkeypatch):
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 43, kind="pow2")
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
     assert points and all(left * 2 > tiles and not copies for left, tiles, copies in points), points
+
+
+@pytest.mark.parametrize("spare_pieces", [0, 1], ids=["piece-short", "piece-spare"])
+def test_phase3_spread_copies_only_with_a_words_piece_spare(monkeypatch, spare_pieces):
+    """Round 47 (overlap.spread_copies_fit, SPREAD_COPIES_SPARE_PIECES = 1): phase 3's spread first X panel takes its
+    unit-stride copies under phase 2's tail only where it fits beside phase 2's held bytes with one words piece
+    (MX_PANEL_PIECE_BYTES) to spare beyond PREFETCH_MARGIN_BYTES: each copy first accesses the next K tile's words piece
+    before its own K tile's quantize (S = 4608, H = 4096, I = 1536 fitted with 0 B spare and that copy found no SBUF
+    placement). S = 2048, H = 2048, I = 256 with the copies' tail share at 1 (the copies test above); a shape-only probe
+    reads phase 2's held bytes and phase 3's first load (own rings) at LNC2 as the planner counts them, and
+    PREFETCH_MARGIN_BYTES is set so that the load still fits with one byte less than a piece spare (piece-short: every
+    X K tile quantized whole from its staging tile, still spread over phase 2's run) or exactly a piece (piece-spare:
+    K tiles 1-2 half from ScalarE copies, as before). Bit-exact against mx_exact on LNC1 and LNC2 (LNC1's larger
+    panels do not fit that budget: no spread there), LNC1 equal to LNC2, the race checker silent. piece-short fails on
+    the old code (K tiles 1-2 half from copies: ran against main's package)."""
+    from nkilib.core.matmul.constants import MX_PANEL_PIECE_BYTES, usable_sbuf_bytes
+    from nkilib.examples.mlp_backward_cost import model_mlp_backward
+
+    S, H, I = 2048, 2048, 256
+    k_tiles = S // 512
+    monkeypatch.setattr(overlap_module, "SPREAD_COPIES_TAIL_SHARE", 1)
+    probe = spy(monkeypatch, plan_module.MatmulPlan, "prefetch_point", lambda plan, nxt: (
+        plan.held_bytes(), nxt.first_bytes(own_rings=True)) if nxt.spread_first else None)
+    model_mlp_backward(S, H, I, "trn3", "mxfp8", 2, False, ("central",))
+    assert len(set(probe)) == 1, probe  # alike on both cores
+    held, first = probe[0]
+    margin = usable_sbuf_bytes() - held - first - MX_PANEL_PIECE_BYTES + (1 - spare_pieces)
+    monkeypatch.setattr(overlap_module, "PREFETCH_MARGIN_BYTES", margin)
+
+    def check(trace, lnc):
+        if lnc == 1:
+            return
+        elems = 4 * H // lnc  # per K tile: [128, 4, F] bf16 staged, per partition
+        whole, halves = (False, elems, "dma"), [(False, elems // 2, "dma"), (True, elems // 2, "scalar")]
+        inner = halves * (k_tiles - 2) if spare_pieces else [whole] * (k_tiles - 2)
+        assert _quantize_sources(trace, X) == {p: [whole] + inner + [whole] for p in range(lnc)}
+        assert all(_evictions_between_x_quantizes(trace, p) > 0 for p in range(lnc))
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 47, kind="pow2")
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check)
 
 
 def test_phase3_first_x_panel_after_phase4_short_tail_quantized_whole(monkeypatch):

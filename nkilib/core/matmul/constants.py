@@ -158,7 +158,12 @@ SPREAD_COPIES_TAIL_SHARE = 2  # ... those copies only where the previous plan ha
 # access of a new words piece (MX_PANEL_PIECE_BYTES), is placed among that plan's early live tiles: S = 4096, H = 2048,
 # I = 1536 found no placement for it (refused; without the copies 0.40370 / 0.45026 ms), S = 3072 there 0.34479 /
 # 0.38285 -> 0.32571 / 0.37459 ms without them. Under a tail (TP8: tile 49 of 64) the copies stay (round 43 of
-# docs/dense-performance.md)
+# docs/dense-performance.md) ...
+SPREAD_COPIES_SPARE_PIECES = 1  # ... and only where the spread load fits beside the previous plan's held bytes with
+# this many words pieces (MX_PANEL_PIECE_BYTES) to spare beyond PREFETCH_MARGIN_BYTES (overlap.spread_copies_fit): each
+# copy is the first access of the next K tile's words piece, placed before its own K tile's quantize, out of the order
+# the byte count assumes. S = 4608, H = 4096, I = 1536 fits with 0 B spare and its copy found no placement (refused;
+# TP8 31 KiB spare, S = 3584 there 35.5 KiB: copies kept; round 47 of docs/dense-performance.md)
 SPREAD_NEXT_WORDS_FROM_K_TILE = 1  # ... and from this K tile on (all but the panel's last) half of each K tile
 # quantized from a unit-stride copy ScalarE makes in the next K tile's words (PanelBuilder.quantize_mx_tile), half of
 # VectorE's strided-source price (docs/cost-model.md). Issued all at the prefetch point (round 37) the copies put

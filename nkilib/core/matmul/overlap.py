@@ -11,8 +11,9 @@ set_fence_work's work) call these; tiling.py decides the tiling they read (order
 """
 from __future__ import annotations
 
-from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, PREFETCH_MARGIN_BYTES, PREFETCH_STAGING_BUFFERS,
-                        SHORT_TAIL_SPREAD_SHARE, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
+from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, MX_PANEL_PIECE_BYTES, PREFETCH_MARGIN_BYTES,
+                        PREFETCH_STAGING_BUFFERS, SHORT_TAIL_SPREAD_SHARE, SPREAD_COPIES_SPARE_PIECES,
+                        SPREAD_COPIES_TAIL_SHARE, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
                         SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
 from ..kernel_helpers import kernel_assert
 from .panels import k_tiles, panel_bytes_per_partition
@@ -239,6 +240,19 @@ def spread_fits_tail(plan, nxt) -> bool:
     constants.py)."""
     k_tiles_left = max(len(k_tiles(mv.op.k_size, nxt.setup)) for mv in nxt.moving) - SPREAD_FIRST_K_TILES
     return (len(plan.order) - plan.done) * SHORT_TAIL_SPREAD_SHARE >= k_tiles_left * SPREAD_TILES_PER_K_TILE
+
+
+def spread_copies_fit(plan, nxt) -> bool:
+    """Whether nxt's spread first load, begun at the prefetch point under `plan`'s tail, takes its unit-stride copies
+    (MatmulPlan.prefetch_point, SPREAD_NEXT_WORDS_FROM_K_TILE): where at most 1 / SPREAD_COPIES_TAIL_SHARE of `plan`'s
+    tiles are left, and where that load fits beside what `plan` holds at its tail (held_bytes, first_bytes with own
+    rings) with SPREAD_COPIES_SPARE_PIECES words pieces (MX_PANEL_PIECE_BYTES) to spare beyond PREFETCH_MARGIN_BYTES:
+    each copy is the first access of the next K tile's words piece, placed before its own K tile's quantize
+    (constants.py)."""
+    if (len(plan.order) - plan.done) * SPREAD_COPIES_TAIL_SHARE > len(plan.order):
+        return False
+    spare = usable_sbuf_bytes() - PREFETCH_MARGIN_BYTES - plan.held_bytes() - nxt.first_bytes(own_rings=True)
+    return spare >= SPREAD_COPIES_SPARE_PIECES * MX_PANEL_PIECE_BYTES
 
 
 def advance_spread_load(plan, j: int) -> None:

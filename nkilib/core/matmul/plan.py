@@ -23,12 +23,12 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import (FENCE_TILE, FENCED_FIRST_K_TILES, OWN_PREFETCH_GROUPS, PSUM_BUFFERS, SPREAD_COPIES_TAIL_SHARE,
+from .constants import (FENCE_TILE, FENCED_FIRST_K_TILES, OWN_PREFETCH_GROUPS, PSUM_BUFFERS,
                         STATIONARY_LOOKAHEAD_TILES)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
                       first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
-                      place_fence_after_first_panel, prefetch_fits, spread_fits_tail, stage_prefetch,
+                      place_fence_after_first_panel, prefetch_fits, spread_copies_fit, spread_fits_tail, stage_prefetch,
                       tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, single_k_tile
 from .row_panels import preload_natural_rows
@@ -293,13 +293,14 @@ class MatmulPlan(nl.NKIObject):
     def prefetch_point(self, nxt) -> None:
         """PhaseGraph, after this plan's step "head" and before nxt's step "first": a spread first load of nxt
         (spread_first_load) quantizes half of its K tiles from unit-stride copies only where at most 1 /
-        SPREAD_COPIES_TAIL_SHARE of this plan's tiles are left (constants.py; else each K tile whole from its
-        staging tile: the same words and scales, bit for bit); none where this plan quantizes a load its tail does
-        not take whole (short_tail_loads_whole: all K tiles quantized here, as prefetch does)."""
+        SPREAD_COPIES_TAIL_SHARE of this plan's tiles are left and a words piece is spare (overlap.spread_copies_fit;
+        else each K tile whole from its staging tile: the same words and scales, bit for bit); none where this plan
+        quantizes a load its tail does not take whole (short_tail_loads_whole: all K tiles quantized here, as
+        prefetch does)."""
         if nxt.spread_first and self.short_tail_whole and not spread_fits_tail(self, nxt):
             nxt.spread_first = False
         if nxt.spread_first:
-            nxt.spread_copies = (len(self.order) - self.done) * SPREAD_COPIES_TAIL_SHARE <= len(self.order)
+            nxt.spread_copies = spread_copies_fit(self, nxt)
         stage_prefetch(self, nxt)
 
     def carry_first_load(self, nxt) -> None:
