@@ -280,6 +280,25 @@ def device_matches_cpu(device: str, seed: int, quantizer: str) -> bool:
     return same
 
 
+def device_env(device: str, dtype, timer: Timer, repeats: int, warmup: int, **extra) -> dict:
+    """What a run's JSON records of its machine and timing (also simulations/moe_emulate_speed.py's)."""
+    env = {"device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+           or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "plain_dtype": str(dtype).replace("torch.", ""), "timer": timer.kind, "repeats": repeats,
+           "warmup": warmup}
+    env.update(extra)
+    env.update(loadavg_before=os.getloadavg(), cpu_count=os.cpu_count())
+    return env
+
+
+def write_result(result: dict, out: str) -> None:
+    """The JSON at `out` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
 def run_device(device: str, args, shapes) -> dict:
     """Table and JSON entry for one device."""
     dtype = getattr(torch, args.plain_dtype) if args.plain_dtype != "auto" else (
@@ -287,11 +306,7 @@ def run_device(device: str, args, shapes) -> dict:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else (10 if device == "cuda" else 3))
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" and not args.quick else 1)
     timer = Timer(device, repeats, warmup, cpu_time=(device == "cpu" and torch.get_num_threads() == 1))
-    env = {"device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
-           or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "plain_dtype": str(dtype).replace("torch.", ""), "timer": timer.kind, "repeats": repeats,
-           "warmup": warmup, "quantizer": args.quantizer, "loadavg_before": os.getloadavg(),
-           "cpu_count": os.cpu_count()}
+    env = device_env(device, dtype, timer, repeats, warmup, quantizer=args.quantizer)
     print(f"\nemulate backend vs plain autograd on {env['device_name']} ({device}), plain dtype "
           f"{env['plain_dtype']}, quantizer {args.quantizer}, timer {timer.kind}, threads {env['threads']}, "
           f"load {env['loadavg_before'][0]:.1f} on {env['cpu_count']} CPUs, median of {repeats} after {warmup} warmup")
@@ -348,11 +363,7 @@ def main(argv=None) -> dict:
     shapes = [tuple(args.shape)] if args.shape else [QUICK_SHAPE] if args.quick else (
         list(PRESETS.values()) if args.preset == "all" else [PRESETS[args.preset]])
     result = {"runs": [run_device(d, args, shapes) for d in devices]}
-    out = args.out or os.path.join(OUT_DIR, "emulate_speed.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, args.out or os.path.join(OUT_DIR, "emulate_speed.json"))
     return result
 
 

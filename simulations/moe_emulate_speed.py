@@ -31,9 +31,7 @@ Writes simulations/out/moe_emulate_speed.json (one entry per device).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nkilib  # noqa: E402,F401
-from emulate_speed import Timer  # noqa: E402
+from emulate_speed import Timer, device_env, write_result  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate as emu  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_emulate_fused as emu_fused  # noqa: E402
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits  # noqa: E402
@@ -226,10 +224,7 @@ def run_device(device: str, args, shapes) -> dict:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else (10 if device == "cuda" else 3))
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" and not args.quick else 1)
     timer = Timer(device, repeats, warmup, cpu_time=(device == "cpu" and torch.get_num_threads() == 1))
-    env = {"device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
-           or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "plain_dtype": str(dtype).replace("torch.", ""), "timer": timer.kind, "repeats": repeats,
-           "warmup": warmup, "loadavg_before": os.getloadavg(), "cpu_count": os.cpu_count()}
+    env = device_env(device, dtype, timer, repeats, warmup)
     print(f"\nMoE emulate backend vs plain autograd on {env['device_name']} ({device}), plain dtype "
           f"{env['plain_dtype']}, timer {timer.kind}, threads {env['threads']}, median of {repeats} after {warmup} "
           f"warmup (ms; fast = emulate_fast, not bit-exact)")
@@ -277,11 +272,7 @@ def main(argv=None) -> dict:
         return [PRESETS["qwen3-30b-a3b"], PRESETS["gpt-oss-20b"]] if device == "cuda" else [PRESETS["small"]]
 
     result = {"runs": [run_device(d, args, shapes(d)) for d in devices]}
-    out = args.out or os.path.join(OUT_DIR, "moe_emulate_speed.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, args.out or os.path.join(OUT_DIR, "moe_emulate_speed.json"))
     return result
 
 
