@@ -61,7 +61,6 @@ def _record(monkeypatch):
     return events
 
 
-
 def test_stage_in_a_first_tile(monkeypatch):
     """Per core, the staging of segment 0's later group ([4, 5]) runs inside its A steps: stage(4) after A(2)'s block
     starts (its chunks' reads) and before A(2)'s first I tile (its dI matmul and epilogue), stage(5) where A(3) has no blocks; both before
