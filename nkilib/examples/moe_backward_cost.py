@@ -47,7 +47,6 @@ __all__ = ["MOE_PRESETS", "MoePreset", "MoeModeledResult", "choose_block_size", 
 PHASES = {
     "compute_phase1_block_grads_mxfp8": "A dI+epilogue",
     "compute_phase1_pipelined_mxfp8": "A dI+epilogue",
-    "compute_phase1_block_chunks_mxfp8": "A dI+epilogue",
     "compute_phase2_hidden_states_grad_mxfp8": "B dX",
     "compute_phase3_single_block_expert_mxfp8": "C dW",
     "compute_phase3_multi_block_grads_mxfp8": "C dW",

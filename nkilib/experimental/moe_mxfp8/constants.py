@@ -168,7 +168,3 @@ STAGE_DY_A_FENCE_AHEAD = True
 #: one DMA over all of I waits for that chunk's last I tile, a DMA per column piece only for the tile that reads its
 #: columns, so the first pieces arrive while the previous epilogue still runs (docs/moe.md section 10, round 31b).
 PIPELINE_CHECKPOINT_COLUMNS = 1024
-#: The pass A pipeline runs a block's chunks in one I-tile loop (moe_bwd_mxfp8_pass_a_blocks; with block-ordered
-#: checkpoints and weights): each epilogue engine has the other chunk's work between the steps of one chunk's chain,
-#: and TensorE's wait for the last gate mask product comes once per block (docs/moe.md section 10, round 36a).
-PASS_A_BLOCK_CHUNKS_TOGETHER = False

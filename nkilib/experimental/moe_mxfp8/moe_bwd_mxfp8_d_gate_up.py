@@ -128,21 +128,17 @@ class ChunkInputs(nl.NKIObject):
                 nisa.memset(dst=nat[:m, H:], value=0.0)
             ctx.gather(nat[:m, :H], src, self.ids, 0, H)
 
-    def gather_pair_values(self, ctx, i, first, full, pieces=False, p=True, ending=None):
+    def gather_pair_values(self, ctx, i, first, full, pieces=False):
         """p and the given checkpoints' rows at positions first..first+m of block i (gather's second part); pieces:
         block-ordered checkpoints by PIPELINE_CHECKPOINT_COLUMNS-wide DMAs (each waits only for the previous reader of
-        its own columns), else one DMA each. p=False: not p; ending: only the pieces whose columns end at one of these
-        (compute_phase1_block_chunks_mxfp8 loads each piece once its last reader is issued)."""
+        its own columns), else one DMA each."""
         m = self.m
-        if p:
-            ctx.pair_weights(self.p, i, first, m, self.slots, full)
+        ctx.pair_weights(self.p, i, first, m, self.slots, full)
         given = [(t, c) for t, c in zip(self.ckpts, (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate))
                  if t != None]  # noqa: E711
         if not given:
             return
         for f0, fsz in self._pieces(ctx, given[0][0].shape[1], pieces):  # piece-major: the first I tile's columns first
-            if ending != None and f0 + fsz not in ending:  # noqa: E711
-                continue
             for tile, src in given:
                 ctx.checkpoint_rows(tile[:m, f0:f0 + fsz], src, i, first, m, self.slots, f0, fsz, full)
 
@@ -393,14 +389,14 @@ def compute_phase1_block_grads_mxfp8(ctx, e, i, w_down, w_gate, w_up, skip_paddi
 
 
 def compute_phase1_chunks_mxfp8(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, tile_sums=False, staged=False,
-                                d_up_engine=None, before_store=None, at_first_tile=None, after_tile=None):
+                                d_up_engine=None, before_store=None, at_first_tile=None):
     """Phases 0-1 of the chunks `rows` [(r0, m <= 128)] of block i (expert e) over the I tiles of w_down, all chunks
     on chip together with the I tiles outside them (each weight tile loaded once for all), from ChunkInputs already
     gathered (`inputs`, one per chunk). Dimensions as compute_phase1_block_grads_mxfp8. tile_sums, staged,
-    d_up_engine: RowChunk's; before_store, at_first_tile, after_tile: _phase1_rows's.
+    d_up_engine: RowChunk's; before_store, at_first_tile: _phase1_rows's.
     """
     _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full, inputs, before_store=before_store, tile_sums=tile_sums,
-                 staged=staged, d_up_engine=d_up_engine, at_first_tile=at_first_tile, after_tile=after_tile)
+                 staged=staged, d_up_engine=d_up_engine, at_first_tile=at_first_tile)
 
 
 def gather_first_chunk_ahead(ctx, e):
@@ -522,14 +518,13 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
-                 staged=False, d_up_engine=None, at_first_tile=None, after_tile=None):
+                 staged=False, d_up_engine=None, at_first_tile=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
     at_first_tile: None, or a function issued after the chunks' reads, before the first I tile's matmuls (the I
     split's staging of a later expert's rows: docs/moe.md section 10, round 34b).
-    after_tile: None, or after_tile(n0), issued after every chunk's epilogue of the I tile starting at column n0.
     tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
@@ -559,8 +554,6 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
             c.epilogue(ctx, j, n0, nsz, d_i, g_psum, u_psum)
             if jj + 1 < len(w_down.tiles):  # (the last tile's columns go with the rest in store)
                 c.store_done(ctx, i, n0 + nsz)
-        if after_tile != None:  # noqa: E711
-            after_tile(n0)
         wd = wg = wu = None
     if before_store != None:  # noqa: E711
         before_store()

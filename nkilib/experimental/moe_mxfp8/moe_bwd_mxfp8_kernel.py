@@ -100,15 +100,13 @@ from .moe_bwd_mxfp8_context import MoeContext
 from .moe_bwd_mxfp8_inputs import check_moe_inputs
 from .moe_bwd_mxfp8_i_split import ExpertISplit
 from .moe_bwd_mxfp8_interleave import InterleavedDx
-from .moe_bwd_mxfp8_pass_a_blocks import block_chunks_together, compute_phase1_block_chunks_mxfp8
 from .moe_bwd_mxfp8_loops import ExpertLoops
 from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
-                        PASS_A_BLOCK_CHUNKS_TOGETHER, PASS_C_STAGING_BUFFERS,
-                        PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+                        PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
@@ -308,10 +306,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
             ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
             w, first = (panels_of(a_descs(e), i_tiles, ring), None) if panels == None else panels  # noqa: E711
-            pipeline = (compute_phase1_block_chunks_mxfp8 if PASS_A_BLOCK_CHUNKS_TOGETHER and block_chunks_together(ctx)
-                        else compute_phase1_pipelined_mxfp8)
-            pipeline(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w, between=between,
-                     first=first)
+            compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
+                                           between=between, first=first)
             return
         def rows(i, w, skip, full):
             compute_phase1_block_grads_mxfp8(ctx, e, i, *w, skip_padding=skip, full=full)
