@@ -29,7 +29,8 @@ from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import checkpoints_to_blocks, moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
 from nkilib.simulator.trace import label_phases
-from simkit import assert_outputs_identical, reads_before_writes, spy
+from moekit import core_of_ctx
+from simkit import assert_outputs_identical, reads_before_writes, spy, spy_per_core
 from test_moe_bwd_kernel import CLAMPS, moe_case
 
 CHECKPOINTS = ("gate_pre", "gate_act", "up", "intermediate")
@@ -110,18 +111,20 @@ def test_pipeline_terms_ahead(monkeypatch, lnc):
     T, E, H, I, B = 1024, 4, 64, 1024, 512
     kernel, ref = moe_case(T, E, H, I, _routing(T), seed=53, block_size=B, checkpoints=CHECKPOINTS,
                            clamp_limits=CLAMPS)
-    # core 0 traces first: its calls in program order, the first expert's first
-    events = spy(monkeypatch, A, "swiglu_forward_terms", lambda *a, **k: "terms")
-    spy(monkeypatch, A.RowChunk, "store", lambda *a: "store", into=events)
+    events = spy_per_core(monkeypatch, A, "_forward_terms", core_of_ctx, lambda ctx, *a: "terms")
+    spy_per_core(monkeypatch, A.RowChunk, "store", lambda chunk, ctx, i: core_of_ctx(ctx), lambda *a: "store",
+                 into=events)
     res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
                              f"terms ahead, LNC{lnc} vs mx_exact")
     chunks = (B // 128) // lnc  # a block's chunks on one core
-    counts, n = [], 0
-    for ev in events:
-        if ev == "store":
-            counts.append(n)
-            n = 0
-        else:
-            n += 1
-    assert counts[:2 * chunks] == ([3] + [2] * (chunks - 2) + [1]) * 2, counts[:2 * chunks]
+    per_block = [3] + [2] * (chunks - 2) + [1]
+    for core, seq in events.items():
+        counts, n = [], 0
+        for ev in seq:
+            if ev == "store":
+                counts.append(n)
+                n = 0
+            else:
+                n += 1
+        assert counts[:2 * chunks] == per_block * 2, (core, counts[:2 * chunks])
