@@ -168,9 +168,3 @@ STAGE_DY_A_FENCE_AHEAD = True
 #: one DMA over all of I waits for that chunk's last I tile, a DMA per column piece only for the tile that reads its
 #: columns, so the first pieces arrive while the previous epilogue still runs (docs/moe.md section 10, round 31b).
 PIPELINE_CHECKPOINT_COLUMNS = 1024
-#: I tiles of a block's next chunk whose clamps and masks (swiglu_forward_terms: ScalarE, from the checkpoints gathered
-#: a chunk ahead) the pass A pipeline issues before a chunk's stores, where ScalarE otherwise waits for the d_gate_up
-#: panel's transposes behind the last gate mask product (0: none). A block's last chunk issues none for the next
-#: block's first (a run-time loop's next trip). 1: gpt4 -2.6% / -1.2%; 2 gave back most of it (docs/moe.md section 10,
-#: round 36a).
-PASS_A_TERMS_AHEAD_TILES = 1

@@ -33,8 +33,7 @@ from ...core.kernel_helpers import kernel_assert
 from ...core.matmul import RowPanelByColumns, matmul_panels, panel_from_rows, store_panel_tiles
 from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
-from .constants import (PARTITIONS, PASS_A_TERMS_AHEAD_TILES, PHASE1_N_TILE, PHASE1_ROW_GROUP,
-                        PIPELINE_CHECKPOINT_COLUMNS)
+from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP, PIPELINE_CHECKPOINT_COLUMNS
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "natural_rows", "zero_padding_rows"]
@@ -98,7 +97,6 @@ class ChunkInputs(nl.NKIObject):
         self.x_nat = None if ctx.defer_x or not gather_x else natural_rows(ctx, ctx.H)  # (defer_x: no recompute)
         self.own = own
         self.p, self.ckpts = None, None
-        self.terms = {}  # SwigluTerms issued ahead, by the I tile's first column (forward_terms)
         if values:
             self.p = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.sbuf)
             given = (ctx.gate_pre, ctx.gate_act, ctx.up, ctx.intermediate)
@@ -144,17 +142,6 @@ class ChunkInputs(nl.NKIObject):
             for tile, src in given:
                 ctx.checkpoint_rows(tile[:m, f0:f0 + fsz], src, i, first, m, self.slots, f0, fsz, full)
 
-    def forward_terms(self, ctx, tiles):
-        """The clamps and masks (swiglu_forward_terms) of the I tiles [(n0, nsz)] (all of I in one group: n0 is the
-        column in the checkpoints) of these rows from the gathered gate_pre / up checkpoints, issued now, ahead of the
-        chunk's epilogue, which takes them from self.terms (any issued before and not taken are dropped)."""
-        g_ck, a_ck, u_ck, _ = self.ckpts
-        kernel_assert(g_ck != None and u_ck != None,  # noqa: E711
-                      f"terms ahead need the gate_pre and up checkpoints, got gate_pre={g_ck}, up={u_ck}")
-        m = self.m
-        self.terms = {n0: _forward_terms(ctx, g_ck[:m, n0:n0 + nsz], u_ck[:m, n0:n0 + nsz], a_ck, m, n0, nsz)
-                      for n0, nsz in tiles}
-
     @staticmethod
     def _pieces(ctx, width, pieces):
         """The column pieces [(f0, size)] of a checkpoint's rows loaded by one DMA each (gather_pair_values)."""
@@ -191,7 +178,6 @@ class RowChunk(nl.NKIObject):
             inputs = ChunkInputs(ctx, m, width, values=False, own=own, gather_x=own or recompute)
             inputs.gather_rows(ctx, i, r0, full)
         x_nat = None
-        self.terms_ahead = {} if inputs == None else inputs.terms  # noqa: E711
         if inputs != None:  # noqa: E711  (gathered here or, in the pipeline, one chunk ahead)
             self.ids, self.slots = inputs.ids, inputs.slots
             dy_nat, x_nat = inputs.dy_nat, inputs.x_nat
@@ -273,11 +259,12 @@ class RowChunk(nl.NKIObject):
         if self.ckpts == None:  # noqa: E711
             self.ckpts = self._checkpoints(ctx, self.block, self.full)
         g_ck, a_ck, u_ck, h_ck = self.ckpts
-        # the tile's clamps and masks: issued a chunk ahead by the pipeline (PASS_A_TERMS_AHEAD_TILES), or now
-        terms = self.terms_ahead.pop(c0, None)
-        if terms == None:  # noqa: E711
-            terms = _forward_terms(ctx, _projection_tile(g_ck, g_psum, m, c0, nsz),
-                                   _projection_tile(u_ck, u_psum, m, c0, nsz), a_ck, m, c0, nsz)
+        gate_pre = _projection_tile(g_ck, g_psum, m, c0, nsz)
+        up = _projection_tile(u_ck, u_psum, m, c0, nsz)
+        act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
+        terms = swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE,
+                                     clamp_engine=ctx.clamp_engine, up_mask_engine=ctx.up_mask_engine,
+                                     gate_mask_in_product=ctx.gate_mask_in_product, narrow=ctx.narrow_clamps)
         h = h_ck[:m, c0:c0 + nsz] if h_ck != None else intermediate_tile(terms)  # noqa: E711
         if self.tile_sums:  # this tile's sum alone (folded with the other core's tiles after the fence)
             c = c0 // PHASE1_N_TILE
@@ -472,8 +459,6 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     kernel_assert(len(rows) % 2 == 0 and all(m == PARTITIONS for _, m in rows),
                   f"the pass A pipeline needs an even number of 128-row chunks per core, got {rows}")
     staged = e in ctx.staged_dy
-    # the next chunk's clamps and masks read its gathered gate_pre and up checkpoints (none without them)
-    terms_ahead = PASS_A_TERMS_AHEAD_TILES > 0 and ctx.gate_pre != None and ctx.up != None  # noqa: E711
     sets = [first or ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged),
             ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged)]
     # the expert's first chunk: of a full block when the expert has more than one (a one-block expert's is gathered
@@ -490,16 +475,7 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
                 sets[(q + 1) % 2].gather(ctx, i, rows[q + 1][0], full, pieces=True)
             elif next_full != None:  # noqa: E711  block i + 1's first chunk (i + 1 <= last: the same expert)
                 sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1, pieces=True)
-            # chunk q + 1's first clamps and masks (same block only: the loop body holds both chunks), issued before
-            # chunk q's stores, where ScalarE would wait for the d_gate_up panel's transposes (round 36a)
-            ahead = sets[(q + 1) % 2] if q + 1 < len(rows) and terms_ahead else None
-            piece = None
-            if between != None or ahead != None:  # noqa: E711
-                def piece(q=q, ahead=ahead):
-                    if between != None:  # noqa: E711
-                        between(q)
-                    if ahead != None:  # noqa: E711
-                        ahead.forward_terms(ctx, w_down.tiles[:PASS_A_TERMS_AHEAD_TILES])
+            piece = None if between == None else (lambda q=q: between(q))  # noqa: E711
             if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
                 _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece)
                 continue
@@ -584,14 +560,6 @@ def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None,
     for c in chunks:
         c.store(ctx, i)
     chunks = c = None
-
-
-def _forward_terms(ctx, gate_pre, up, a_ck, m, c0, nsz):
-    """swiglu_forward_terms of I tile [c0, c0 + nsz) (gate_pre, up: its [m, nsz] views; a_ck: gate_act's checkpoint)."""
-    act = a_ck[:m, c0:c0 + nsz] if a_ck != None else None  # noqa: E711
-    return swiglu_forward_terms(gate_pre, up, act, ctx.clamp, m, nsz, PHASE1_N_TILE, clamp_engine=ctx.clamp_engine,
-                                up_mask_engine=ctx.up_mask_engine, gate_mask_in_product=ctx.gate_mask_in_product,
-                                narrow=ctx.narrow_clamps)
 
 
 def _routing_grad_tile(d_i, h, acc, j, m, nsz):
