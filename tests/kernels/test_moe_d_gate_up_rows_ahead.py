@@ -15,6 +15,10 @@ more blocks reads its own (the same rows). The outputs stay mx_exact's bit for b
 | test_w_gu_staged_ahead        | super-panels of 1024 columns: B(e)'s first W_gu K tile staged with the rows | LNC2  |
 |                               | or, before A(a) of one full block, in A(a)'s last epilogue; B(e)'s first    |       |
 |                               | wide load takes it (its other K tiles staged as before), == mx_exact         |       |
+| test_w_gu_at_first_tile_      | test_moe_i_split_staging's routing, 1024-column super-panels: where A(a)    | LNC2  |
+| unstaged                      | stages no later expert (B(2)'s step, a = 4), W_GU_K_TILES_AHEAD_UNSTAGED K   |       |
+|                               | tiles staged at A(a)'s first I tile; where it stages one (B(0)'s, a = 2),    |       |
+|                               | W_GU_K_TILES_AHEAD in A(a)'s last epilogue; taken by B(e), == mx_exact       |       |
 | test_rows_ahead_need_bf16_path| compute_phase2 refuses read-ahead rows with stored panels or the resident    | host  |
 |                               | path (which read other layouts), naming the arguments                        |       |
 """
@@ -23,15 +27,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_d_gate_up as G
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_dx as D
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_i_split as S
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as K
-from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD
+from nkilib.experimental.moe_mxfp8.constants import W_GU_K_TILES_AHEAD, W_GU_K_TILES_AHEAD_UNSTAGED
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from moekit import dedupe_repeats, core_of_ctx, core_of_self, expert_routing
 from simkit import assert_outputs_identical, spy, spy_per_core, spy_returns
 from test_moe_bwd_kernel import moe_case, run
 from test_moe_i_split import CHECKPOINTS
+from test_moe_i_split_staging import _case as staging_case
 
 
 def _record(monkeypatch):
@@ -113,6 +119,18 @@ def test_rows_ahead_need_bf16_path():
             D.compute_phase2_hidden_states_grad_mxfp8(Ctx(), 0, 0, Weights(), rows_ahead=Rows(), **kwargs)
 
 
+def _spy_w_gu_staging(monkeypatch):
+    """Pass B's wide W_gu super-panels patched down to 1024 columns (each core's whole 1024 columns of H = 2048; the
+    rank's 2048 / 1024), and ([((W_gu's first row, first column), the staged views)] of each stage_ahead, the same of
+    each load_panel that takes staged views)."""
+    monkeypatch.setattr(D, "WIDE_WEIGHT_LOAD_WIDTH", 1024)
+    monkeypatch.setattr(D, "WEIGHT_LOAD_WIDTH", 512)
+    staged = spy_returns(monkeypatch, D, "stage_ahead", lambda views, op, f0, *args, **kwargs: ((op.k_base, f0), views))
+    taken = spy(monkeypatch, D, "load_panel", lambda op, f0, *args, staged=None, **kwargs:
+                None if staged is None else ((op.k_base, f0), staged))
+    return staged, taken
+
+
 def test_w_gu_staged_ahead(monkeypatch):
     """Round 22a (docs/moe.md section 10): with pass B's W_gu loaded in wide super-panels (here 1024 columns, each
     core's whole 1024 columns of H = 2048: the widths patched down from DeepSeek-V3's 2048 / 1024), each one-block
@@ -122,12 +140,7 @@ def test_w_gu_staged_ahead(monkeypatch):
     bit under the race detector. Fails on the old code (nothing staged), on a load that restages them or ignores them
     (the views taken), and on staged tiles filled from the wrong W_gu rows or columns (the outputs)."""
     kernel, ref = _case(monkeypatch)
-    monkeypatch.setattr(D, "WIDE_WEIGHT_LOAD_WIDTH", 1024)
-    monkeypatch.setattr(D, "WEIGHT_LOAD_WIDTH", 512)
-    # [((W_gu's first row, first column), the staged views)] of each staging, and of each load that takes views
-    staged = spy_returns(monkeypatch, D, "stage_ahead", lambda views, op, f0, *args, **kwargs: ((op.k_base, f0), views))
-    taken = spy(monkeypatch, D, "load_panel", lambda op, f0, *args, staged=None, **kwargs:
-                None if staged is None else ((op.k_base, f0), staged))
+    staged, taken = _spy_w_gu_staging(monkeypatch)
     events = _record(monkeypatch)
     out = run(kernel, lnc=2)
     assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_gu staged ahead vs mx_exact")
@@ -136,9 +149,41 @@ def test_w_gu_staged_ahead(monkeypatch):
         seq = dedupe_repeats(events[core])
         assert seq.index(("w_gu", 2)) == seq.index(("A", 4, True)) + 1, seq
     # one staging per one-block expert and core (e's W_gu rows from e * 2I, each core's H columns from 0 or 1024),
-    # each taken once by B(e)'s first load, as the same views
+    # each taken once by B(e)'s first load, as the same views; B(0)'s step stages expert 4's rows in A(2), B(1)'s and
+    # B(4)'s stage none (round 36b: W_GU_K_TILES_AHEAD_UNSTAGED K tiles there)
     expected = [(e * two_i, f0) for e in (0, 1, 4) for f0 in (0, 1024)]
     assert sorted(k for k, _ in staged) == sorted(k for k, _ in taken) == expected, (staged, taken)
     taken_views = dict(taken)
     for key, views in staged:
-        assert taken_views[key] is views and len(views) == W_GU_K_TILES_AHEAD, (key, views)
+        k_ahead = W_GU_K_TILES_AHEAD if key[0] == 0 else W_GU_K_TILES_AHEAD_UNSTAGED
+        assert taken_views[key] is views and len(views) == k_ahead, (key, views)
+
+
+def test_w_gu_at_first_tile_unstaged(monkeypatch):
+    """Round 36b (docs/moe.md section 10): test_moe_i_split_staging's routing (experts of 1, 1, 1, 0, 1, 2 blocks of
+    256; fence groups [0, 1], [2, 3], [4, 5]; H = 2048) with pass B's W_gu in 1024-column super-panels (each core's
+    whole 1024 columns, the widths patched down as test_w_gu_staged_ahead's). B(0)'s step stages expert 4's rows in
+    A(2) (one full block): B(0)'s first W_GU_K_TILES_AHEAD W_gu K tile(s) go in A(2)'s last epilogue, after its I
+    tiles. B(2)'s step stages nothing (no group after next): B(2)'s first W_GU_K_TILES_AHEAD_UNSTAGED K tiles go at
+    A(4)'s first I tile, after its block's reads and before its first epilogue. Each is taken by B(e)'s first wide
+    load as the same views; LNC2 == mx_exact bit for bit under the race detector. Fails on the old code (B(2)'s one
+    K tile in A(4)'s last epilogue)."""
+    kernel, ref = staging_case(monkeypatch)
+    staged, taken = _spy_w_gu_staging(monkeypatch)
+    events = _record(monkeypatch)
+    # each chunk's epilogue of an I tile, right after its dI matmul (RowChunk.epilogue)
+    spy_per_core(monkeypatch, G.RowChunk, "epilogue", lambda self, ctx, *args, **kwargs: ctx.split.shard_id,
+                 lambda self, ctx, *args, **kwargs: ("tile",), into=events)
+    out = run(kernel, lnc=2)
+    assert_outputs_identical(out, moe_backward_reference(**ref), "LNC2 W_gu staged at A's first I tile vs mx_exact")
+    for core in (0, 1):
+        seq = dedupe_repeats(events[core])
+        a4, a2 = seq.index(("A", 4, True)), seq.index(("A", 2, True))
+        assert seq[a4 + 1:a4 + 3] == [("w_gu", 2), ("tile",)], seq  # before A(4)'s first epilogue
+        assert seq[a2 + 1:a2 + 3] == [("tile",), ("w_gu", 0)], seq  # after A(2)'s epilogues
+    two_i = 2 * 544
+    taken_views = dict(taken)
+    for e, k_ahead in ((0, W_GU_K_TILES_AHEAD), (2, W_GU_K_TILES_AHEAD_UNSTAGED)):
+        for f0 in (0, 1024):
+            views = dict(staged)[(e * two_i, f0)]
+            assert taken_views[(e * two_i, f0)] is views and len(views) == k_ahead, (e, f0, views)

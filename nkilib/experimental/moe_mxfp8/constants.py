@@ -100,6 +100,12 @@ WIDE_WEIGHT_STAGING_BUFFERS = 3
 #: WIDE_WEIGHT_STAGING_BUFFERS its ring holds): 16 KiB per partition each. 2 lost on the 8-expert shape (2611.1 against
 #: 2564.6 us; 3 overflow SBUF): docs/moe.md section 10, round 22a.
 W_GU_K_TILES_AHEAD = 1
+#: The same in a segment step whose A(a) stages no later expert's rows (no group after next: the last two segments),
+#: staged at A(a)'s first I tile instead, where A's dI matmuls leave the DMA queues room (there the I split's staging
+#: copies go elsewhere, and with them 1 K tile at the first tile cost the DeepSeek-V3 rank 16 x 512 +1.2%): 2 K tiles
+#: gained ds4 (4 x 512, no staged segment) 1314.0 -> 1279.1 us (3: 1296.8; 1 at the first tile: 1295.0); 2 in the last
+#: epilogue 1310.6 (docs/moe.md section 10, round 36b).
+W_GU_K_TILES_AHEAD_UNSTAGED = 2
 #: MXFP8 staging tiles ([128, 4, 1024] bf16, 8 KiB per partition each) that pass C's operand loads take in
 #: turn: a load waits for the quantize that last read its tile, so loads run at most this far ahead (the single-block
 #: path numbers its loads across gradients and experts for this: docs/moe.md section 10, round 7b).

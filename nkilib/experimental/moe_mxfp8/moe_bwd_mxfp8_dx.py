@@ -244,21 +244,24 @@ class DGateUpRowsAhead(nl.NKIObject):
     earlier (both cores, each its I columns) and A(a) (a != e) writes only its own blocks' rows.
 
     With w_gu (W_gu[e]'s descriptor and this core's H tiles, loaded on use in wide super-panels), read() also stages
-    the first W_GU_K_TILES_AHEAD K tiles of B(e)'s first W_gu super-panel (stage_ahead) into staging tiles allocated
+    the first k_ahead K tiles of B(e)'s first W_gu super-panel (stage_ahead) into staging tiles allocated
     now: B(e)'s first wide load (w_gu_ahead) takes them and stages only its later K tiles. Staged at B(e)'s start,
     those DMAs waited for the allocator's reuse of tiles that B's own d_gate_up panel transposes had just read; the
-    caller stages them in A(a)'s last epilogue, where the DMA queues idle, or with the rows (round 22a). Race-free:
-    W_gu is a read-only input, each core stages into its own SBUF.
+    caller stages them in A(a)'s last epilogue, where the DMA queues idle, or with the rows (round 22a), or, in a step
+    whose A(a) stages no later expert's rows, W_GU_K_TILES_AHEAD_UNSTAGED of them at A(a)'s first I tile, under its dI
+    matmuls (k_ahead; round 36b). Race-free: W_gu is a read-only input, each core stages into its own SBUF.
 
     With ctx.split_panels (round 25a) the tiles hold each chunk's K=2I panel as the I split's pass A stored it (both
     cores' K tiles: SplitChunkPanels.allocate / read_into, two DMAs, half the bytes of the rows) instead of its rows.
 
     Dimensions: d_gate_up rows [B, 2I] bf16 (scratch) -> B / 128 SBUF tiles [128, Kp] (Kp: 2I padded to the MX K
     alignment, zero beyond 2I), or with ctx.split_panels B / 128 pairs (words [128, cores x n, 128] x4, scales
-    [128, cores x s, 128] uint8: SplitChunkPanels.allocate); W_gu[e] [2I, H] bf16 -> W_GU_K_TILES_AHEAD staging tiles
+    [128, cores x s, 128] uint8: SplitChunkPanels.allocate); W_gu[e] [2I, H] bf16 -> k_ahead staging tiles
     [128, 4, width] bf16."""
 
-    def __init__(self, ctx, e, w_gu=None, h_tiles=()):
+    def __init__(self, ctx, e, w_gu=None, h_tiles=(), k_ahead=W_GU_K_TILES_AHEAD):
+        kernel_assert(1 <= k_ahead <= WIDE_WEIGHT_STAGING_BUFFERS,
+                      f"stage 1 to {WIDE_WEIGHT_STAGING_BUFFERS} (the ring's) K tiles of W_gu ahead, got {k_ahead}")
         self.ctx, self.e = ctx, e
         self.chunks = _blocks(0, ctx.B, PARTITIONS)
         self.tiles = [nl.ndarray((PARTITIONS, ctx.k_width(2 * ctx.I)), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -271,7 +274,7 @@ class DGateUpRowsAhead(nl.NKIObject):
             if loads[0][1] > WEIGHT_LOAD_WIDTH:  # a wide super-panel: ExpertPanels.get stages it through its ring
                 self.first_load = loads[0]
                 self.stages = [nl.ndarray((PARTITIONS, MX_PACK, loads[0][1]), dtype=nl.bfloat16, buffer=nl.sbuf)
-                               for _ in range(W_GU_K_TILES_AHEAD)]
+                               for _ in range(k_ahead)]
 
     def read(self, rows=True, w_gu=True):
         """The rows' DMAs (rows) and W_gu's first K tiles' staging DMAs (w_gu), in e's if_single loop (the block

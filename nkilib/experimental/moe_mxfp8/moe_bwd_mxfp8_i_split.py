@@ -137,23 +137,28 @@ class ExpertISplit(nl.NKIObject):
         self.ctx.loops.if_single(e, lambda i: self.if_full(i, load))
         return panels
 
-    def with_rows(self, a, rows, run_a):
+    def with_rows(self, a, rows, run_a, w_gu_at_first_tile=False):
         """Pass B's rows read ahead (DGateUpRowsAhead `rows`) issued once on every run-time path of the segment step
         whose A is A(a) (None: no A): before A(a) where a is one full block (the branch that takes prefetch_down's
         W_down, under its condition: A(a)'s start loads no weights and its matmuls leave the DMA queues room), else
-        in A(a)'s last epilogue, before its stores (run_a(then): expert(then=then); a padded or multi-block A(a) loads
-        its own W_down at its start, where the rows read before it cost the full rank's Zipf routing 1.2%: docs/moe.md
-        section 10, round 20a), or now where a has no blocks or there is no A. W_gu's first K tiles staged ahead
-        (rows.read(w_gu=True)) go with the rows except before A(a): there in A(a)'s last epilogue (expert's
-        then(True)), where the DMA queues idle (read with the rows before A(a), they took the queues from A(a)'s
-        dY reads: round 22a). The branches' run-time conditions exclude one another and cover every routing, the same
-        on both cores."""
+        in A(a)'s last epilogue, before its stores (run_a(then, first): expert(then=then, at_first_tile=first); a
+        padded or multi-block A(a) loads its own W_down at its start, where the rows read before it cost the full
+        rank's Zipf routing 1.2%: docs/moe.md section 10, round 20a), or now where a has no blocks or there is no A.
+        W_gu's first K tiles staged ahead (rows.read(w_gu=True)) go with the rows except before A(a): there in A(a)'s
+        last epilogue (expert's then(True)), where the DMA queues idle (read with the rows before A(a), they took the
+        queues from A(a)'s dY reads: round 22a); with w_gu_at_first_tile (a step whose A(a) stages no later expert)
+        at A(a)'s first I tile on every path that runs A(a) (`first`, else None), under its dI matmuls (round 36b).
+        The branches' run-time conditions exclude one another and cover every routing, the same on both cores."""
         if a == None:  # noqa: E711
             rows.read()
             return
         self.ctx.loops.if_single(a, lambda i: self.if_full(i, lambda: rows.read(w_gu=False)))
         self.ctx.loops.if_unused(a, rows.read)
-        run_a(lambda rows_read_before: rows.read(rows=not rows_read_before))
+        if w_gu_at_first_tile:
+            run_a(lambda rows_read_before: None if rows_read_before else rows.read(w_gu=False),
+                  lambda: rows.read(rows=False))
+            return
+        run_a(lambda rows_read_before: rows.read(rows=not rows_read_before), None)
 
     def expert(self, e, descs, w_down=None, then=None, at_first_tile=None):
         """Pass A of expert e for this core's I tiles, every block: each row's dI, epilogue and stores. An expert of

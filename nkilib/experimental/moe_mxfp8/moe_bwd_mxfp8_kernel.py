@@ -107,7 +107,8 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
                         PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
+                        STAGE_DY_A_FENCE_AHEAD, W_GU_K_TILES_AHEAD, W_GU_K_TILES_AHEAD_UNSTAGED, WEIGHT_GRAD_PSUM_TILES,
+                        WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
@@ -477,8 +478,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             if interleave and j < len(ahead):
                 pass_a_with_b(ahead[j], e, a_panels)
             else:
-                # the I split, W_gu per block: B(e)'s d_gate_up rows (round 20a) and first W_gu K tile (22a) read ahead
-                rows = DGateUpRowsAhead(ctx, e, b_desc(e), h_tiles) if i_split and b_groups else None
                 # the I split: the staging of later[j]'s rows (HBM -> HBM, no SBUF) issued in A(ahead[j]) after its
                 # chunks' reads, before its first I tile's matmuls, where the queues have room; after B(e) it took
                 # them from C(e)'s loads (round 34b: ds16 -3.1% / -1.0%; before A(a) in program order only
@@ -486,14 +485,21 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 stage = None
                 if i_split != None and j < len(later):  # noqa: E711
                     stage = lambda x=later[j]: i_split.stage_expert(x)  # noqa: E731
+                # the I split, W_gu per block: B(e)'s d_gate_up rows (round 20a) and first W_gu K tile (22a) read
+                # ahead; where A(ahead[j]) stages nothing, W_GU_K_TILES_AHEAD_UNSTAGED K tiles at its first I tile
+                # (round 36b: ds4 -2.7% / -1.5%; beside the staging copies the first tile lost 1.2% on ds16)
+                rows = DGateUpRowsAhead(ctx, e, b_desc(e), h_tiles, W_GU_K_TILES_AHEAD if stage != None  # noqa: E711
+                                        else W_GU_K_TILES_AHEAD_UNSTAGED) if i_split and b_groups else None
                 if stage != None and j < len(ahead):  # noqa: E711  (an unused A(ahead[j]) runs none of its paths)
                     ctx.loops.if_unused(ahead[j], stage)
                 elif stage != None:  # noqa: E711
                     stage()
                 if rows != None:  # noqa: E711
-                    i_split.with_rows(ahead[j] if j < len(ahead) else None, rows, lambda then, a=ahead[j:j + 1],
-                                      w=a_panels, s=stage: ctx.loops.if_used(
-                                          a[0], lambda: pass_a(a[0], panels=w, then=then, at_first_tile=s)))
+                    i_split.with_rows(ahead[j] if j < len(ahead) else None, rows,
+                                      lambda then, first, a=ahead[j:j + 1], w=a_panels, s=stage: ctx.loops.if_used(
+                                          a[0], lambda: pass_a(a[0], panels=w, then=then,
+                                                               at_first_tile=first if s == None else s)),  # noqa: E711
+                                      w_gu_at_first_tile=stage == None)  # noqa: E711
                 elif j < len(ahead):
                     ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels, s=stage: pass_a(a, panels=w,
                                                                                            at_first_tile=s))
