@@ -199,6 +199,28 @@ def issue_fence_work(plan, j: int) -> None:
     work()
 
 
+def switch_load_ahead(plan, j: int) -> None:
+    """After tile j's epilogue (plan.switch_ahead > 0: MatmulPlan interleave_switch with the moving panels in a words ring,
+    PanelSource.switch_ahead_slots): where the moving panel changes at tile s > j + 1 (the prefetch of tile s - 1 loads it),
+    begin the new panel's load into its own slot (PanelSource.load_ahead: its first staging DMAs) and quantize its K
+    tiles up to switch_ahead - (s - j - 2), one more after each of the last switch_ahead epilogues before that prefetch.
+    The same DMAs and quantizes into the same slot as at the switch, earlier in program order: no bit changes."""
+    if not plan.switch_ahead:
+        return
+    n_cur = plan.order[j][1][0]
+    s = j + 1
+    while s < len(plan.order) and plan.order[s][1][0] == n_cur:
+        s += 1
+    left = s - j - 1  # tiles of the current panel after j
+    if s >= len(plan.order) or left < 1 or left > plan.switch_ahead:
+        return
+    (_, _), (n0, nsz) = plan.order[s]
+    for _, m in plan.products:
+        source = plan.moving[m]
+        if source.switch_ahead_slots:
+            source.load_ahead(n0, nsz, plan.switch_ahead - left + 1)
+
+
 def first_panel_return(plan):
     """(second, back): the first tile of `plan`'s order on another moving panel than tile 0's (None: one panel
     only), and the later tiles back on tile 0's panel (none in an n-major plan; a grouped n-major plan, m_group, sweeps

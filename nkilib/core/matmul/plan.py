@@ -27,7 +27,7 @@ from .constants import (FENCE_TILE, FENCED_FIRST_K_TILES, OWN_PREFETCH_GROUPS, P
                         STATIONARY_LOOKAHEAD_TILES)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
-                      first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
+                      first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile, switch_load_ahead,
                       place_fence_after_first_panel, prefetch_fits, spread_copies_fit, spread_fits_tail, stage_prefetch,
                       tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, single_k_tile
@@ -492,6 +492,7 @@ class MatmulPlan(nl.NKIObject):
                     # for its eviction only while TensorE runs the fence tile's matmuls
                     self.epilogue.defer_next_store()
                 span_tile_epilogue(self, j, finished[j - i], i == 0 and span > 1)
+                switch_load_ahead(self, j)
                 if self.carried != None:  # noqa: E711
                     advance_spread_load(self, j)
         self.done = hi
