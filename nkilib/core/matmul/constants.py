@@ -93,8 +93,10 @@ SWITCH_AHEAD_SLOTS = 4  # ... and those moving panels' words in one SBUF ring of
 # a K tile keeps its scale tile's quadrant): the next panel's first K tiles have slots of their own ahead of its
 # switch instead of a next-fit placement over the old panel or over the epilogue's dead temporaries; its first
 # SWITCH_AHEAD_SLOTS - 1 K tiles are quantized ahead (the last one's unit-stride copy takes the last free slot), one
-# after each of the epilogues before the switch tile's prefetch (overlap.switch_load_ahead). Two whole panel slots
-# (the next panel whole ahead) find no placement beside dY while phase 1's first panel builds it (round 48a of
+# after each of the epilogues before the switch tile's prefetch (overlap.switch_load_ahead). The plan's kept-whole
+# stationary operand (dY) then takes one block (PanelSource.kept_slots): its 32 panels placed one by one left SBUF in
+# gaps of at most 8 KiB, where no ahead slot fitted. TP1 MXFP8 modeled 4.50202 / 4.63161 -> 4.49093 / 4.61953 ms
+# (phase 1's TensorE idle 79.8 -> 68.7 us central); 8 (the next panel whole ahead): beyond SBUF (round 48a of
 # docs/dense-performance.md)
 LEAD_INTERLEAVE_TILES = 2  # tiles of a lead_n_major lead that multiply each new moving panel K tile by K tile in turn
 # (MatmulPlan interleave_lead, with the moving operand kept whole by the resident rule; the two accumulators of

@@ -200,11 +200,12 @@ def issue_fence_work(plan, j: int) -> None:
 
 
 def switch_load_ahead(plan, j: int) -> None:
-    """After tile j's epilogue (plan.switch_ahead > 0: MatmulPlan interleave_switch with the moving panels in a words ring,
-    PanelSource.switch_ahead_slots): where the moving panel changes at tile s > j + 1 (the prefetch of tile s - 1 loads it),
-    begin the new panel's load into its own slot (PanelSource.load_ahead: its first staging DMAs) and quantize its K
-    tiles up to switch_ahead - (s - j - 2), one more after each of the last switch_ahead epilogues before that prefetch.
-    The same DMAs and quantizes into the same slot as at the switch, earlier in program order: no bit changes."""
+    """After tile j's epilogue (plan.switch_ahead > 0: MatmulPlan interleave_switch with the moving panels in a words
+    ring, PanelSource.switch_ahead_slots): where the moving panel changes at tile s > j + 1 (the prefetch of tile s - 1
+    loads it), begin the new panel's load into its ring slots (PanelSource.load_ahead: its first staging DMAs) and
+    quantize its K tiles up to switch_ahead - (s - j - 2), one more after each of the last switch_ahead epilogues before
+    that prefetch (the first switch too: the kept stationary operand's block leaves the ring's slots a place). The same
+    DMAs and quantizes into the same slots as at the switch, earlier in program order: no bit changes."""
     if not plan.switch_ahead:
         return
     n_cur = plan.order[j][1][0]

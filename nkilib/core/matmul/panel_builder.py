@@ -8,8 +8,9 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import (MX_PACK, MX_PANEL_PIECE_BYTES, MX_PANEL_WHOLE_MAX_BYTES, PARTITIONS, PLACEMENT_INTO, PLACEMENT_SLOTS,
-                        PLACEMENT_PER_K_TILE, PLACEMENT_PIECES, PLACEMENT_WHOLE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE)
+from .constants import (MX_PACK, MX_PANEL_PIECE_BYTES, MX_PANEL_WHOLE_MAX_BYTES, PARTITIONS, PLACEMENT_INTO,
+                        PLACEMENT_PER_K_TILE, PLACEMENT_PIECES, PLACEMENT_SLOTS, PLACEMENT_WHOLE, SCALE_PACK_SLOTS,
+                        SCALE_PACK_STRIDE)
 
 
 class Panel(nl.NKIObject):

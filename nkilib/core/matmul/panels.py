@@ -507,9 +507,8 @@ class PanelWordsRing(nl.NKIObject):
     K tiles never touch the slots of the panel before it, so they can be quantized while that panel is read, and its
     later ones wait only for that panel's K tile t - ahead (PanelSource.switch_ahead_slots: MatmulPlan
     interleave_switch with the stationary operand kept whole). The first panel's K tiles take one allocation as a panel
-    of their own would; the `ahead` slots are a second one, made when the second panel takes them (the first panel's
-    tiles also load the kept stationary operand, beside which 16 KiB more found no placement: round 48a of
-    docs/dense-performance.md).
+    of their own would; the `ahead` slots are a second one, made when the second panel first takes them (ahead of the
+    first switch; round 48a of docs/dense-performance.md).
 
     Dimensions:
         words [128, K tiles, f_pad] and [128, ahead, f_pad] x4; scales [128, slots / SCALE_PACK_SLOTS, f_pad] uint8 of

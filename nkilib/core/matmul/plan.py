@@ -66,7 +66,9 @@ class MatmulPlan(nl.NKIObject):
             (the MLP backward's phase 1 split along I keeps all of dY; default off). With interleave_switch and the
             moving panels not kept (streamed one at a time, MXFP8 [K, F] quantized on chip), every moving K tile from
             SWITCH_NEXT_WORDS_FROM_K_TILE on but each panel's last quantizes half of its columns from a unit-stride
-            ScalarE copy in the next K tile's words (PanelLoad next_words_from).
+            ScalarE copy in the next K tile's words (PanelLoad next_words_from); their words take a ring of K-tile
+            slots (PanelWordsRing, SWITCH_AHEAD_SLOTS), the next panel's first K tiles quantized ahead of its switch
+            (overlap.switch_load_ahead), and the kept stationary operand one block (PanelSource.kept_slots).
         lead_n_major: with the moving panels resident (m-major), run the m tiles of the first stationary load
             n-major (tile_order's lead): every moving panel is loaded and quantized during the first m tile's
             row otherwise, one wait of TensorE per panel (the MLP backward's phases 3 and 4, whose epilogue

@@ -44,7 +44,8 @@ class PanelSource(nl.NKIObject):
         self.first_next_words_from = -1  # the same for the first load only (fenced_start's pieces, span_columns.py)
         self.words_per_k_tile = False  # words in one allocation per K tile (PanelPlacement.per_k_tile; adopt_staging)
         self.switch_ahead_slots = 0  # > 0: every load's words in the K-tile slots of one PanelWordsRing with this
-        # many slots beyond a panel (MatmulPlan interleave_switch with keep_whole: SWITCH_AHEAD_SLOTS), made at the first
+        # many slots beyond a panel (MatmulPlan interleave_switch with keep_whole: SWITCH_AHEAD_SLOTS), made at the
+        # first load
         self.words_ring = None
         self.kept_slots = 0  # > 0 (keep_all): every panel in the next slot of one PanelGroupBlock of this many, made at
         # the first load (MatmulPlan interleave_switch with keep_whole: the stationary operand kept whole in one block)
