@@ -327,11 +327,11 @@ def test_phase1_next_w_down_panel_quantized_ahead_of_its_switch_in_a_words_ring(
     (PanelWordsRing, SWITCH_AHEAD_SLOTS beyond a panel), so the next panel's first SWITCH_AHEAD_SLOTS - 1 K tiles are
     quantized into slots of their own while the tiles before its switch still read the current panel, and dY's kept
     panels take one block (PanelSource.kept_slots: one by one they left SBUF in gaps no ahead slot fitted). TP1
-    modeled 4.50202 -> 4.49093 ms central. Forced on S = 512, H = 2048, I = 1536 with 256-column phase-1 tiles (each
-    core: three W_down panels of F = 256 with 4 MXFP8 K tiles, four S tiles each, so 16 dI matmuls per panel): per
-    core the W_down words go to two SBUF allocations (the ring's panel slots and its ahead slots; the old code: one
-    per panel), dY's words to one, and each later panel's first K tiles are quantized before the previous panel's
-    last S tile's matmuls (the old code: after them, at the switch). Bit-exact against mx_exact on LNC2 (race checker
+    modeled 4.50202 / 4.63161 -> 4.47016 / 4.61314 ms. Forced on S = 512, H = 2048, I = 1536 with 256-column
+    phase-1 tiles (each core: three W_down panels of F = 256 with 4 MXFP8 K tiles, four S tiles each, so 16 dI matmuls
+    per panel): per core the W_down words go to two SBUF allocations (the ring's panel slots and its ahead slots; the
+    old code: one per panel), dY's words to one, and each later panel's first K tiles are quantized before the
+    previous panel's last S tile's matmuls (the old code: after them, at the switch). Bit-exact against mx_exact on LNC2 (race checker
     on) and LNC1, LNC1 equal to LNC2."""
     from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 

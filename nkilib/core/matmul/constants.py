@@ -96,8 +96,11 @@ SWITCH_AHEAD_SLOTS = 4  # ... and those moving panels' words in one SBUF ring of
 # after each of the epilogues before the switch tile's prefetch (overlap.switch_load_ahead). The plan's kept-whole
 # stationary operand (dY) then takes one block (PanelSource.kept_slots): its 32 panels placed one by one left SBUF in
 # gaps of at most 8 KiB, where no ahead slot fitted. TP1 MXFP8 modeled 4.50202 / 4.63161 -> 4.49093 / 4.61953 ms
-# (phase 1's TensorE idle 79.8 -> 68.7 us central); 8 (the next panel whole ahead): beyond SBUF (round 48a of
-# docs/dense-performance.md)
+# (phase 1's TensorE idle 79.8 -> 68.7 us central, one K tile after each of the last 3 epilogues); 8 (the next panel
+# whole ahead): beyond SBUF (round 48a of docs/dense-performance.md)
+SWITCH_AHEAD_TILES_PER_K_TILE = 6  # ... one of those K tiles quantized after every this many epilogues (from 18 tiles
+# before the switch): each frees its staging tile earlier, so the ring of STAGING_BUFFERS DMAs K tiles 3-5 long before
+# the switch instead of under it. TP1 modeled central 4.49093 (1), 4.47835 (3), 4.47016 ms (6; 10 the same)
 LEAD_INTERLEAVE_TILES = 2  # tiles of a lead_n_major lead that multiply each new moving panel K tile by K tile in turn
 # (MatmulPlan interleave_lead, with the moving operand kept whole by the resident rule; the two accumulators of
 # PSUM_BUFFERS, so no third fits beside phase 3's [128, 2048] ones at TP1)

@@ -172,10 +172,13 @@ def plan_k_interleaved_spans(plan, stationary, moving, products, reload, interle
         # and the stationary operand kept whole in one block (PanelSource.kept_slots): its panels, placed next-fit one
         # by one among the first moving panel's epilogues, left SBUF in gaps of at most 8 KiB, where the ring's ahead
         # slots found no placement
-        m_blocks = len({m for m, _ in plan.order})
+        m_blocks = []  # the plan's m blocks (a list: the restricted NKI subset, docs/kernel-structure.md)
+        for m, _ in plan.order:
+            if m not in m_blocks:
+                m_blocks.append(m)
         for st in plan.stationary:
             if plan.switch_ahead and st.keep_all and not st.resident and st.setup.is_mx and not st.load_width:
-                st.kept_slots = m_blocks
+                st.kept_slots = len(m_blocks)
     kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                   "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                   f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
