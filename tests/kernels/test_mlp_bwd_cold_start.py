@@ -320,3 +320,59 @@ def test_phase1_w_down_switches_quantize_half_of_each_k_tile_from_a_unit_stride_
             _copies_land_in_quantized_words(trace, lnc, W_DOWN)
 
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check, matmul_precision="mxfp8", matmul_config=config)
+
+
+def test_phase1_next_w_down_panel_quantized_ahead_of_its_switch_in_a_words_ring(monkeypatch):
+    """After phase 1's split along I (TP1), each W_down panel's words take K-tile slots of one ring per core
+    (PanelWordsRing, SWITCH_AHEAD_SLOTS beyond a panel), so the next panel's first SWITCH_AHEAD_SLOTS - 1 K tiles are
+    quantized into slots of their own while the tiles before its switch still read the current panel, and dY's kept
+    panels take one block (PanelSource.kept_slots: one by one they left SBUF in gaps no ahead slot fitted). TP1
+    modeled 4.50202 / 4.63161 -> 4.47016 / 4.61314 ms. Forced on S = 512, H = 2048, I = 1536 with 256-column
+    phase-1 tiles (each core: three W_down panels of F = 256 with 4 MXFP8 K tiles, four S tiles each, so 16 dI matmuls
+    per panel): per core the W_down words go to two SBUF allocations (the ring's panel slots and its ahead slots; the
+    old code: one per panel), dY's words to one, and each later panel's first K tiles are quantized before the
+    previous panel's last S tile's matmuls (the old code: after them, at the switch). Bit-exact against mx_exact on LNC2 (race checker
+    on) and LNC1, LNC1 equal to LNC2."""
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(tiling_module, "PANEL_CACHE_BUDGET_BYTES", 1)
+    ahead = tiling_module.SWITCH_AHEAD_SLOTS - 1
+    assert ahead >= 1
+    S, H, I, F = 512, 2048, 1536, 256
+    k_tiles, s_tiles, panels = H // 512, S // 128, 3
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 48, matmul_precision="mxfp8")
+    config = MlpBwdMatmulConfig(phase1=MatmulConfig(n_tile=F))
+
+    def check(trace, lnc):
+        if lnc != 2:
+            return
+        for p in range(lnc):
+            records = [r for r in trace if r.program == p]
+            staging = {r.writes[0].storage_id for r in records
+                       if r.engine == "dma" and r.reads and r.reads[0].name == W_DOWN}
+            copies = {r.writes[0].storage_id for r in records
+                      if r.instr == "tensor_copy" and r.reads[0].storage_id in staging}
+            quantizes = [r for r in records if r.instr == "quantize_mx" and
+                         next(o for o in r.reads if o.arg == "src").storage_id in staging | copies]
+            words = {next(o for o in r.writes if o.arg == "dst").storage_id for r in quantizes}
+            assert len(words) == 2, (p, words)
+            matmuls = [r for r in records if r.instr == "nc_matmul_mx" and
+                       next(o for o in r.reads if o.arg == "moving").storage_id in words]
+            dy_words = {next(o for o in r.reads if o.arg == "stationary").storage_id for r in matmuls}
+            assert len(dy_words) == 1, (p, dy_words)
+            per_panel = s_tiles * k_tiles
+            assert len(matmuls) == panels * per_panel, (p, len(matmuls))
+            # K tile of each quantize (its column pieces write one K-tile slot: [128, F] x4 words, 4F bytes)
+            slots = [(o.storage_id, o.byte_lo // (4 * F)) for o in
+                     (next(o for o in r.writes if o.arg == "dst") for r in quantizes)]
+            k_tile_of = [0]
+            for a, b in zip(slots, slots[1:]):
+                k_tile_of.append(k_tile_of[-1] + (a != b))
+            assert k_tile_of[-1] + 1 == panels * k_tiles, (p, k_tile_of)
+            for panel in range(1, panels):
+                for t in range(ahead):
+                    last = max(q.seq for q, k in zip(quantizes, k_tile_of) if k == panel * k_tiles + t)
+                    before = sum(1 for r in matmuls if r.seq < last)
+                    assert before <= panel * per_panel - k_tiles, (p, panel, t, before)
+
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check, matmul_precision="mxfp8", matmul_config=config)

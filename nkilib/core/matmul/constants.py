@@ -88,6 +88,19 @@ SWITCH_NEXT_WORDS_FROM_K_TILE = 0  # MatmulPlan(keep_whole=True, interleave_swit
 # pessimistic) while TensorE waits; ScalarE only evicts there. TP1 MXFP8 modeled 4.50781 / 4.67654 -> 4.50202 / 4.63161
 # ms (phase 1's TensorE idle 77.3 / 158.8 -> 71.5 / 113.9 us); from K tile 1: 4.51120 / 4.63933. Not for phase 4's
 # switches (its epilogue evicts on ScalarE: 4.52649 / 4.65636; round 46 of docs/dense-performance.md)
+SWITCH_AHEAD_SLOTS = 4  # ... and those moving panels' words in one SBUF ring of K-tile slots for the whole plan, this
+# many more than a panel's K tiles (PanelSource.switch_ahead_slots, PanelWordsRing; a multiple of SCALE_PACK_SLOTS, so
+# a K tile keeps its scale tile's quadrant): the next panel's first K tiles have slots of their own ahead of its
+# switch instead of a next-fit placement over the old panel or over the epilogue's dead temporaries; its first
+# SWITCH_AHEAD_SLOTS - 1 K tiles are quantized ahead (the last one's unit-stride copy takes the last free slot), one
+# after each of the epilogues before the switch tile's prefetch (overlap.switch_load_ahead). The plan's kept-whole
+# stationary operand (dY) then takes one block (PanelSource.kept_slots): its 32 panels placed one by one left SBUF in
+# gaps of at most 8 KiB, where no ahead slot fitted. TP1 MXFP8 modeled 4.50202 / 4.63161 -> 4.49093 / 4.61953 ms
+# (phase 1's TensorE idle 79.8 -> 68.7 us central, one K tile after each of the last 3 epilogues); 8 (the next panel
+# whole ahead): beyond SBUF (round 48a of docs/dense-performance.md)
+SWITCH_AHEAD_TILES_PER_K_TILE = 6  # ... one of those K tiles quantized after every this many epilogues (from 18 tiles
+# before the switch): each frees its staging tile earlier, so the ring of STAGING_BUFFERS DMAs K tiles 3-5 long before
+# the switch instead of under it. TP1 modeled central 4.49093 (1), 4.47835 (3), 4.47016 ms (6; 10 the same)
 LEAD_INTERLEAVE_TILES = 2  # tiles of a lead_n_major lead that multiply each new moving panel K tile by K tile in turn
 # (MatmulPlan interleave_lead, with the moving operand kept whole by the resident rule; the two accumulators of
 # PSUM_BUFFERS, so no third fits beside phase 3's [128, 2048] ones at TP1)
@@ -203,3 +216,4 @@ PREFETCH_STAGING_BUFFERS = 2  # where the next plan's first panels fit under a p
 # K tile (and per scale tile), on-chip-quantized words in pieces of MX_PANEL_PIECE_BYTES, or a caller's allocation
 PLACEMENT_WHOLE, PLACEMENT_PER_K_TILE = "whole", "per_k_tile"
 PLACEMENT_PIECES, PLACEMENT_INTO = "pieces", "into"
+PLACEMENT_SLOTS = "slots"

@@ -14,8 +14,8 @@ from __future__ import annotations
 from .constants import (FENCE_WORK_AFTER_K_TILES, MX_PACK, MX_PANEL_PIECE_BYTES, PREFETCH_MARGIN_BYTES,
                         PREFETCH_STAGING_BUFFERS, SHORT_TAIL_SPREAD_SHARE, SPREAD_COPIES_SPARE_PIECES,
                         SPREAD_COPIES_TAIL_SHARE, SPREAD_FIRST_K_TILES, SPREAD_NEXT_WORDS_FROM_K_TILE,
-                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, usable_sbuf_bytes)
-from ..kernel_helpers import kernel_assert
+                        SPREAD_TILES_PER_K_TILE, STAGING_BUFFERS, SWITCH_AHEAD_TILES_PER_K_TILE, usable_sbuf_bytes)
+from ..kernel_helpers import ceil_div, kernel_assert
 from .panels import k_tiles, panel_bytes_per_partition
 from .streamed import tail_held_bytes
 
@@ -197,6 +197,29 @@ def issue_fence_work(plan, j: int) -> None:
                 source.load_ahead(n0, nsz, FENCE_WORK_AFTER_K_TILES)
     work, plan.fence_work = plan.fence_work, None
     work()
+
+
+def switch_load_ahead(plan, j: int) -> None:
+    """After tile j's epilogue (plan.switch_ahead > 0: MatmulPlan interleave_switch with the moving panels in a words
+    ring, PanelSource.switch_ahead_slots): where the moving panel changes at tile s > j + 1 (the prefetch of tile s - 1
+    loads it), begin the new panel's load into its ring slots (PanelSource.load_ahead: its first staging DMAs) and
+    quantize its first K tiles, one more after every SWITCH_AHEAD_TILES_PER_K_TILE epilogues, switch_ahead of them by
+    that prefetch (the first switch too: the kept stationary operand's block leaves the ring's slots a place). The same
+    DMAs and quantizes into the same slots as at the switch, earlier in program order: no bit changes."""
+    if not plan.switch_ahead:
+        return
+    n_cur = plan.order[j][1][0]
+    later = [k for k in range(j + 1, len(plan.order)) if plan.order[k][1][0] != n_cur]
+    s = later[0] if later else len(plan.order)  # the next panel's first tile
+    left = s - j - 1  # tiles of the current panel after j
+    per = SWITCH_AHEAD_TILES_PER_K_TILE
+    if s >= len(plan.order) or left < 1 or left > plan.switch_ahead * per:
+        return
+    (_, _), (n0, nsz) = plan.order[s]
+    for _, m in plan.products:
+        source = plan.moving[m]
+        if source.switch_ahead_slots:  # one more K tile every `per` tiles, the last with `left` = 1
+            source.load_ahead(n0, nsz, plan.switch_ahead - ceil_div(left, per) + 1)
 
 
 def first_panel_return(plan):

@@ -9,7 +9,8 @@ import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
 from .constants import (MX_PACK, MX_PANEL_PIECE_BYTES, MX_PANEL_WHOLE_MAX_BYTES, PARTITIONS, PLACEMENT_INTO,
-                        PLACEMENT_PER_K_TILE, PLACEMENT_PIECES, PLACEMENT_WHOLE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE)
+                        PLACEMENT_PER_K_TILE, PLACEMENT_PIECES, PLACEMENT_SLOTS, PLACEMENT_WHOLE, SCALE_PACK_SLOTS,
+                        SCALE_PACK_STRIDE)
 
 
 class Panel(nl.NKIObject):
@@ -88,6 +89,8 @@ class PanelPlacement(nl.NKIObject):
         (0: MX_PANEL_PIECE_BYTES; MatmulPlan interleave_lead: LEAD_PANEL_PIECE_BYTES).
     into(words, scales): the caller's allocation (SBUF views words [128, count, F_pad], scales [128, scale tiles,
         F_pad]; PanelGroupBlock.slot), laid out as whole().
+    slots(words, scales): the caller's views, one per K tile (words [128, F_pad]; scales: the K tile's scale rows, as
+        scale() returns them), anywhere in its allocations (PanelWordsRing.placement).
     BF16 panels ignore the placement: one tile per K tile (PanelBuilder.bf16_tile).
     """
 
@@ -112,6 +115,10 @@ class PanelPlacement(nl.NKIObject):
     def into(words, scales):
         return PanelPlacement(PLACEMENT_INTO, words, scales)
 
+    @staticmethod
+    def slots(words, scales):
+        return PanelPlacement(PLACEMENT_SLOTS, words, scales)
+
 
 class PanelBuilder(nl.NKIObject):
     """Allocates and collects the K tiles [t_lo, t_lo + count) of one panel, placed as `placement` says
@@ -121,8 +128,8 @@ class PanelBuilder(nl.NKIObject):
     def __init__(self, f_pad, setup, t_lo, count, placement=None, quantize_columns=1):
         self.placement = PanelPlacement.whole() if placement == None else placement  # noqa: E711
         self.quantize_columns = quantize_columns  # quantize_mx_tile's column pieces per K tile
-        kernel_assert(self.placement.kind != PLACEMENT_INTO or setup.is_mx,
-                      "PanelPlacement.into holds MXFP8 words and scales, got a BF16 setup")
+        kernel_assert(self.placement.kind not in (PLACEMENT_INTO, PLACEMENT_SLOTS) or setup.is_mx,
+                      f"PanelPlacement.{self.placement.kind} holds MXFP8 words and scales, got a BF16 setup")
         self.f_pad = f_pad
         self.setup = setup
         self.t_lo = t_lo
@@ -147,8 +154,10 @@ class PanelBuilder(nl.NKIObject):
     def words(self, t, P, quantized=False):
         """SBUF [P, F_pad] x4 words (MXFP8) for K tile t. quantized: the words are quantized on chip (only
         those go in pieces with PanelPlacement.pieces(); loaded words keep the panel's one allocation)."""
-        per = self.tiles_per_words_allocation(quantized)
         i = t - self.t_lo
+        if self.placement.kind == PLACEMENT_SLOTS:
+            return self.placement.words[i][:P, :]
+        per = self.tiles_per_words_allocation(quantized)
         if per < self.count or self.placement.kind == PLACEMENT_PER_K_TILE:
             g = i // per
             if self._pieces[g] == None:  # noqa: E711  allocated at its first write
@@ -164,6 +173,8 @@ class PanelBuilder(nl.NKIObject):
     def scale(self, t):
         """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
         i = t - self.t_lo
+        if self.placement.kind == PLACEMENT_SLOTS:
+            return self.placement.scales[i]
         packing = self.setup.use_scale_packing
         if self.placement.kind == PLACEMENT_PER_K_TILE:
             s = i // SCALE_PACK_SLOTS if packing else i

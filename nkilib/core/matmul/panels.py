@@ -36,7 +36,7 @@ from ..kernel_helpers import kernel_assert, round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
                         PLACEMENT_PER_K_TILE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
-from .panel_builder import Panel, PanelBuilder
+from .panel_builder import Panel, PanelBuilder, PanelPlacement
 
 
 class LoadRing(nl.NKIObject):
@@ -499,3 +499,53 @@ class PanelGroupBlock(nl.NKIObject):
         """(words, scales) views of panel i, its first f_pad columns (PanelPlacement.into's arguments)."""
         kernel_assert(0 <= i < self.count, f"PanelGroupBlock: slot {i} of {self.count} panels")
         return self.words[:, i, :, :f_pad], self.scales[:, i, :, :f_pad]
+
+
+class PanelWordsRing(nl.NKIObject):
+    """K-tile slots (words and scale rows) that successive MXFP8 panels of a [K, f_pad] operand take in turn, K tile t
+    of the panel after a panel in slot t of `ahead` beyond that panel's last K tile's (mod the ring): its first `ahead`
+    K tiles never touch the slots of the panel before it, so they can be quantized while that panel is read, and its
+    later ones wait only for that panel's K tile t - ahead (PanelSource.switch_ahead_slots: MatmulPlan
+    interleave_switch with the stationary operand kept whole). The first panel's K tiles take one allocation as a panel
+    of their own would; the `ahead` slots are a second one, made when the second panel first takes them (ahead of the
+    first switch; round 48a of docs/dense-performance.md).
+
+    Dimensions:
+        words [128, K tiles, f_pad] and [128, ahead, f_pad] x4; scales [128, slots / SCALE_PACK_SLOTS, f_pad] uint8 of
+        each (with scale packing: a K tile's scale rows at quadrant offset SCALE_PACK_STRIDE x (slot %
+        SCALE_PACK_SLOTS), as in a panel of its own, K tiles and `ahead` being multiples of SCALE_PACK_SLOTS), else
+        one per slot.
+    """
+
+    def __init__(self, k_size: int, f_pad: int, ahead: int, setup: MatmulSetup):
+        self.n, self.ahead = len(k_tiles(k_size, setup)), ahead
+        self.f_pad, self.setup, self.packing = f_pad, setup, setup.use_scale_packing
+        kernel_assert(setup.is_mx and (not self.packing or (ahead % SCALE_PACK_SLOTS == 0 and
+                                                            self.n % SCALE_PACK_SLOTS == 0)),
+                      f"PanelWordsRing holds MXFP8 panels in whole scale tiles: {self.n} K tiles + {ahead} ahead, "
+                      f"scale packing {self.packing}, is_mx {setup.is_mx}")
+        self.parts = [self._allocate(self.n)]  # (words, scales) of slots [0, n), then of [n, n + ahead)
+        self.next = 0  # slot of the next panel's K tile 0
+
+    def _allocate(self, slots: int):
+        scale_tiles = slots // SCALE_PACK_SLOTS if self.packing else slots
+        return (nl.ndarray((PARTITIONS, slots, self.f_pad), dtype=self.setup.x4_dtype, buffer=nl.sbuf),
+                nl.ndarray((PARTITIONS, scale_tiles, self.f_pad), dtype=nl.uint8, buffer=nl.sbuf))
+
+    def placement(self, f_pad: int) -> PanelPlacement:
+        """The next panel's K tiles' slots (PanelPlacement.slots), its first f_pad columns."""
+        kernel_assert(f_pad <= self.f_pad, f"a {f_pad}-column panel in a ring of {self.f_pad}-column slots")
+        words, scales = [], []
+        for t in range(self.n):
+            slot = (self.next + t) % (self.n + self.ahead)
+            if slot >= self.n and len(self.parts) == 1:
+                self.parts.append(self._allocate(self.ahead))
+            part_words, part_scales = self.parts[0] if slot < self.n else self.parts[1]
+            i = slot if slot < self.n else slot - self.n
+            words.append(part_words[:, i, :f_pad])
+            if self.packing:
+                scales.append(part_scales[SCALE_PACK_STRIDE * (i % SCALE_PACK_SLOTS):, i // SCALE_PACK_SLOTS, :f_pad])
+            else:
+                scales.append(part_scales[:, i, :f_pad])
+        self.next = (self.next + self.n) % (self.n + self.ahead)
+        return PanelPlacement.slots(words, scales)

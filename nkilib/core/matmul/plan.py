@@ -27,7 +27,7 @@ from .constants import (FENCE_TILE, FENCED_FIRST_K_TILES, OWN_PREFETCH_GROUPS, P
                         STATIONARY_LOOKAHEAD_TILES)
 from .last_tile import matmul_last_tile_by_columns
 from .overlap import (advance_spread_load, begin_spread_first_load, first_load_bytes, first_stationary_load_bytes,
-                      first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile,
+                      first_panel_return, held_bytes_at_tail, issue_fence_work, last_loading_tile, switch_load_ahead,
                       place_fence_after_first_panel, prefetch_fits, spread_copies_fit, spread_fits_tail, stage_prefetch,
                       tail_load_fits)
 from .panels import LoadRing, k_tiles, matmul_panels, single_k_tile
@@ -66,7 +66,9 @@ class MatmulPlan(nl.NKIObject):
             (the MLP backward's phase 1 split along I keeps all of dY; default off). With interleave_switch and the
             moving panels not kept (streamed one at a time, MXFP8 [K, F] quantized on chip), every moving K tile from
             SWITCH_NEXT_WORDS_FROM_K_TILE on but each panel's last quantizes half of its columns from a unit-stride
-            ScalarE copy in the next K tile's words (PanelLoad next_words_from).
+            ScalarE copy in the next K tile's words (PanelLoad next_words_from); their words take a ring of K-tile
+            slots (PanelWordsRing, SWITCH_AHEAD_SLOTS), the next panel's first K tiles quantized ahead of its switch
+            (overlap.switch_load_ahead), and the kept stationary operand one block (PanelSource.kept_slots).
         lead_n_major: with the moving panels resident (m-major), run the m tiles of the first stationary load
             n-major (tile_order's lead): every moving panel is loaded and quantized during the first m tile's
             row otherwise, one wait of TensorE per panel (the MLP backward's phases 3 and 4, whose epilogue
@@ -492,6 +494,7 @@ class MatmulPlan(nl.NKIObject):
                     # for its eviction only while TensorE runs the fence tile's matmuls
                     self.epilogue.defer_next_store()
                 span_tile_epilogue(self, j, finished[j - i], i == 0 and span > 1)
+                switch_load_ahead(self, j)
                 if self.carried != None:  # noqa: E711
                     advance_spread_load(self, j)
         self.done = hi

@@ -9,10 +9,11 @@ from __future__ import annotations
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import NATURAL_BUFFERS, STAGING_BUFFERS
+from .constants import NATURAL_BUFFERS, SCALE_PACK_SLOTS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
 from .panel_builder import PanelPlacement
-from .panels import LoadRing, Panel, PanelLoad, load_panel, panel_columns
+from .panels import (LoadRing, Panel, PanelGroupBlock, PanelLoad, PanelWordsRing, k_tiles, load_panel,
+                     panel_columns)
 
 
 class PanelSource(nl.NKIObject):
@@ -42,6 +43,13 @@ class PanelSource(nl.NKIObject):
         # unit-stride copy in the next K tile's words (PanelLoad; cold_staging: 0)
         self.first_next_words_from = -1  # the same for the first load only (fenced_start's pieces, span_columns.py)
         self.words_per_k_tile = False  # words in one allocation per K tile (PanelPlacement.per_k_tile; adopt_staging)
+        self.switch_ahead_slots = 0  # > 0: every load's words in the K-tile slots of one PanelWordsRing with this
+        # many slots beyond a panel (MatmulPlan interleave_switch with keep_whole: SWITCH_AHEAD_SLOTS), made at the
+        # first load
+        self.words_ring = None
+        self.kept_slots = 0  # > 0 (keep_all): every panel in the next slot of one PanelGroupBlock of this many, made at
+        # the first load (MatmulPlan interleave_switch with keep_whole: the stationary operand kept whole in one block)
+        self.kept_block = None
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -69,9 +77,24 @@ class PanelSource(nl.NKIObject):
             # panels (no quantize to pace: TP8 BF16 mode modeled 2.294 ms with the ring, 2.248 without).
             self.ring = LoadRing(1 if natural else self.staging)
 
+    def _placement(self, f_pad: int) -> PanelPlacement:
+        """Where the next load's words go: the next panel's slots of words_ring (switch_ahead_slots), else in pieces."""
+        if not self.switch_ahead_slots:
+            return PanelPlacement.pieces(self.piece_bytes)
+        if self.words_ring == None:  # noqa: E711
+            self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
+        return self.words_ring.placement(f_pad)
+
     def _next_words_from(self) -> int:
         """PanelLoad's next_words_from for the next load: first_next_words_from while it is the first, if set."""
         return self.first_next_words_from if self.first_next_words_from >= 0 else self.next_words_from
+
+    def takes_words_ring(self) -> bool:
+        """Whether switch_ahead_slots applies: panels loaded one at a time (can_load_ahead, not kept), of whole scale
+        tiles (with scale packing, K tiles a multiple of SCALE_PACK_SLOTS: PanelWordsRing)."""
+        n = len(k_tiles(self.op.k_size, self.setup))
+        return (self.can_load_ahead() and not self.keep_all and
+                (not self.setup.use_scale_packing or n % SCALE_PACK_SLOTS == 0))
 
     def can_load_ahead(self) -> bool:
         """Whether load_ahead applies: MXFP8 panels of a [K, F] bf16 operand quantized on chip, all of them kept
@@ -97,7 +120,7 @@ class PanelSource(nl.NKIObject):
             width = min(self.load_width, self.hi - base) if self.load_width else f_size
             self._start_ring(False)
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
-                                     placement=PanelPlacement.pieces(self.piece_bytes),
+                                     placement=self._placement(self._padded(width)),
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
                                      next_words_from=self._next_words_from())
@@ -120,7 +143,11 @@ class PanelSource(nl.NKIObject):
         natural = self.op.k_axis == 1 and not self.op.prequantized
         self._start_ring(natural)
         f_pad = self._padded(f_size)
-        placement = PanelPlacement.per_k_tile() if self.words_per_k_tile else PanelPlacement.pieces(self.piece_bytes)
+        placement = PanelPlacement.per_k_tile() if self.words_per_k_tile else self._placement(f_pad)
+        if block == None and self.kept_slots and preloaded == None:  # noqa: E711
+            if self.kept_block == None:  # noqa: E711
+                self.kept_block = PanelGroupBlock(self.kept_slots, self.op.k_size, f_pad, self.setup)
+            block, slot = self.kept_block, len(self.keys)
         if block != None:  # noqa: E711
             words, scales = block.slot(slot, f_pad)
             placement = PanelPlacement.into(words, scales)
@@ -147,6 +174,9 @@ class PanelSource(nl.NKIObject):
         """Drop every loaded panel (its SBUF is free once no caller holds it)."""
         self.keys = []
         self.panels = []
+        self.kept_block = None  # (keep_all: released only when the plan is)
+        if self.loaded == 0:  # nothing left to load (_keep): the words ring goes with the last panel
+            self.words_ring = None
 
     def load_key(self, f0: int) -> int:
         """First column of the load (super-panel) that serves column f0."""

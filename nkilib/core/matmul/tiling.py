@@ -16,8 +16,8 @@ from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COL
                         STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
-                        SWITCH_INTERLEAVE_TILES, SWITCH_NEXT_WORDS_FROM_K_TILE, TRANSPOSE_PSUM_BANKS,
-                        usable_sbuf_bytes)
+                        SWITCH_AHEAD_SLOTS, SWITCH_INTERLEAVE_TILES, SWITCH_NEXT_WORDS_FROM_K_TILE,
+                        TRANSPOSE_PSUM_BANKS, usable_sbuf_bytes)
 from .panels import panel_bytes_per_partition
 from .sizing import fit_width
 from .sources import PanelSource, blocks, tile_order
@@ -132,6 +132,7 @@ def plan_k_interleaved_spans(plan, stationary, moving, products, reload, interle
     K-interleaved tiles (interleave_switch, interleave_lead: MatmulPlan's docstring), and the moving sources'
     unit-stride copies at switches; refuses either with reload (a K-chunked plan)."""
     plan.extra_accumulators = 0  # interleave_switch: accumulators added at the first switch
+    plan.switch_ahead = 0  # the next moving panel's K tiles quantized ahead of each switch (overlap.switch_load_ahead)
     kernel_assert(not (interleave_switch and reload != None),  # noqa: E711
                   "interleave_switch and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                   f"matmuls do not put earlier chunks' sums back, got interleave_switch={interleave_switch!r}")
@@ -165,6 +166,19 @@ def plan_k_interleaved_spans(plan, stationary, moving, products, reload, interle
         for mv in plan.moving:
             if mv.can_load_ahead():
                 mv.next_words_from = SWITCH_NEXT_WORDS_FROM_K_TILE
+            if mv.takes_words_ring():  # the next panel's first K tiles in slots of their own, quantized ahead
+                mv.switch_ahead_slots = SWITCH_AHEAD_SLOTS
+                plan.switch_ahead = SWITCH_AHEAD_SLOTS - 1
+        # and the stationary operand kept whole in one block (PanelSource.kept_slots): its panels, placed next-fit one
+        # by one among the first moving panel's epilogues, left SBUF in gaps of at most 8 KiB, where the ring's ahead
+        # slots found no placement
+        m_blocks = []  # the plan's m blocks (a list: the restricted NKI subset, docs/kernel-structure.md)
+        for m, _ in plan.order:
+            if m not in m_blocks:
+                m_blocks.append(m)
+        for st in plan.stationary:
+            if plan.switch_ahead and st.keep_all and not st.resident and st.setup.is_mx and not st.load_width:
+                st.kept_slots = len(m_blocks)
     kernel_assert(not (interleave_lead and reload != None),  # noqa: E711
                   "interleave_lead and reload (a K-chunked plan) cannot be combined: the K-interleaved "
                   f"matmuls do not put earlier chunks' sums back, got interleave_lead={interleave_lead!r}")
