@@ -12,6 +12,7 @@ import pytest
 
 from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
 from nkilib.core.matmul import k_chunks as k_chunks_module
+from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
@@ -143,3 +144,29 @@ def test_a_reloading_chunk_counts_its_fetched_sums_among_the_bytes_it_holds_at_i
 
     counted, without, width = in_kernel(body)
     assert counted - without == k_chunks_module.PARTIAL_FETCH_AHEAD * width * 4, (counted, without, width)
+
+
+@pytest.mark.parametrize("tiles_left", ["all", "none"])
+def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_its_last_chunk(tiles_left):
+    """Round 48b: KChunkedPlan.prefetch_point is its last chunk's (MatmulPlan.prefetch_point), so a spread first load
+    begun under a K-chunked plan's tail takes its unit-stride copies only where overlap.spread_copies_fit says so (round
+    47), as under any other plan; it used to repeat only the short-tail rule and leave the copies on whatever the tail.
+    Phase 4 of S = 16384, H = 2048, I = 768 in two chunks, a fresh plan as the next one: with all of the last chunk's
+    tiles left (more than 1 / SPREAD_COPIES_TAIL_SHARE) no copies; with none left, and room to spare, copies."""
+    _, dy, inter = _phase4_plan(16384)
+    epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
+
+    def body():
+        chunked = k_chunks_module.plan_matmul([dy], [inter], 2048, 768, SETUP, MatmulConfig(n_tile=2048),
+                                              CoreSplit(2, 0), epilogue, k_chunks=True, lead_n_major=True)
+        last = chunked.chunks[-1]
+        if tiles_left == "none":
+            last.done = len(last.order)
+        nxt, _, _ = _phase4_plan(4096)
+        nxt.spread_first_load()
+        fits = overlap_module.spread_copies_fit(last, nxt)
+        chunked.prefetch_point(nxt)
+        return nxt.spread_first, nxt.spread_copies, fits
+
+    spread, copies, fits = in_kernel(body)
+    assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)

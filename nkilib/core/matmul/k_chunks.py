@@ -33,7 +33,7 @@ from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
-from .overlap import prefetch_staging, spread_fits_tail, stage_prefetch
+from .overlap import prefetch_staging
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -230,12 +230,11 @@ class KChunkedPlan(nl.NKIObject):
         self.chunks[-1].short_tail_loads_whole()
 
     def prefetch_point(self, nxt) -> None:
-        """nxt's spread first load keeps its copies, or is quantized whole where the last chunk's tail is too short
-        for it (MatmulPlan.prefetch_point); its moving rings as the last chunk's prefetch_fits counted them."""
-        last = self.chunks[-1]
-        if nxt.spread_first and last.short_tail_whole and not spread_fits_tail(last, nxt):
-            nxt.spread_first = False
-        stage_prefetch(last, nxt)
+        """The last chunk's (MatmulPlan.prefetch_point): nxt's spread first load quantized whole after a short tail,
+        its copies where overlap.spread_copies_fit allows them, its moving rings as the last chunk's prefetch_fits
+        counted them. (Round 45 repeated only the short-tail rule here, leaving the copies on; no dense shape measured
+        in round 48b begins a spread load under a K-chunked plan: unchanged there.)"""
+        self.chunks[-1].prefetch_point(nxt)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()
