@@ -123,11 +123,11 @@ def test_k_chunks_of_one_length_unless_they_spill_more_than_the_rereads():
 
 def test_a_reloading_chunk_counts_its_fetched_sums_among_the_bytes_it_holds_at_its_tail():
     """Round 48b: a chunk that reloads an earlier chunk's fp32 sums (all but the first) holds, besides its panels and
-    its epilogue, the sums PartialSums.fetch DMAed ahead of their reload: PARTIAL_FETCH_AHEAD [128, width] fp32 tiles
-    (width: a PartialSums HBM row). held_bytes, which decides whether the next plan's first panels load under this
-    plan's last tiles, counts them; it did not, and at S = 28672, H = 2048, I = 768 phase 4's first load under phase
-    3's last chunk fitted that count with 1.5 KiB to spare while one fetched tile more was live: two of its 15 KiB
-    words pieces found no gap (a plan error). Phase 4 at S = 16384 (two chunks of 8192 rows)."""
+    its epilogue, the sums PartialSums.fetch DMAed for the tile it reloads: a [128, width] fp32 tile (width: a
+    PartialSums HBM row). held_bytes, which decides whether the next plan's first panels load under this plan's last
+    tiles, counts it; it did not, and at S = 28672, H = 2048, I = 768 phase 4's first load under phase 3's last chunk
+    fitted that count with 1.5 KiB to spare while that tile was live: two of its 15 KiB words pieces found no gap (a
+    plan error). Phase 4 at S = 16384 (two chunks of 8192 rows)."""
     _, dy, inter = _phase4_plan(16384)
     epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
 
@@ -143,7 +143,7 @@ def test_a_reloading_chunk_counts_its_fetched_sums_among_the_bytes_it_holds_at_i
         return counted, last.held_bytes(), width
 
     counted, without, width = in_kernel(body)
-    assert counted - without == k_chunks_module.PARTIAL_FETCH_AHEAD * width * 4, (counted, without, width)
+    assert counted - without == width * 4, (counted, without, width)
 
 
 @pytest.mark.parametrize("tiles_left", ["all", "none"])

@@ -160,11 +160,13 @@ class PartialSums(nl.NKIObject):
 
     def held_bytes(self) -> int:
         """SBUF bytes per partition the fetched sums take while a chunk that reloads them runs its last tiles
-        (overlap.held_bytes_at_tail): PARTIAL_FETCH_AHEAD [128, width] fp32 tiles. Uncounted, phase 4's first load
-        under phase 3's last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while a 4.5 KiB
-        fetched tile more was live, and two of its 15 KiB words pieces found no gap (round 48b of
-        docs/dense-performance.md)."""
-        return PARTIAL_FETCH_AHEAD * self.width * 4
+        (overlap.held_bytes_at_tail): one [128, width] fp32 tile, the sums of the tile being reloaded, live across its
+        run (the next tile's, fetched ahead, joins it only until that reload's transposes). Uncounted, phase 4's first
+        load under phase 3's last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a
+        4.5 KiB tile was live, and two of its 15 KiB words pieces found no gap (refused); both of PARTIAL_FETCH_AHEAD
+        counted, S = 32768 there lost a middle chunk's prefetch (2.03950 / 2.39976 -> 2.08387 / 2.44305 ms; round 48b
+        of docs/dense-performance.md)."""
+        return self.width * 4
 
     def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
         """Put tile (m0, n0)'s sums back into acc [:rows, :nsz] (PSUM) by PE transposes, bit-exactly."""
