@@ -26,6 +26,9 @@ STILL_REFUSED = {
     (2048, 2880, 2880): "SBUF: a 22.5 KiB tile finds no gap",
     # found in round 47 (main refuses it too; the sweep was not run whole since round 41)
     (4608, 4096, 1792): "PSUM: an 8 KiB tile finds no placement",
+    # found in round 48b (main refuses them too)
+    (9216, 4096, 1536): "SBUF: a 27 KiB tile finds no gap",
+    (10240, 4096, 1792): "SBUF: a 6 KiB tile's wait for a later access closes a cycle",
 }
 
 
