@@ -12,10 +12,11 @@ import pytest
 
 from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
 from nkilib.core.matmul import k_chunks as k_chunks_module
+from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
-from simkit import assert_mlp_bit_exact, assert_outputs_identical, mlp_inputs_with_checkpoints, run_mlp, spy_returns
+from simkit import in_kernel, assert_mlp_bit_exact, assert_outputs_identical, mlp_inputs_with_checkpoints, run_mlp, spy_returns
 
 SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
@@ -118,3 +119,54 @@ def test_k_chunks_of_one_length_unless_they_spill_more_than_the_rereads():
     assert plan3.ranges == ((0, 2944), (0, 2880))
     assert k_chunks_module.PARTIAL_SUM_HBM_BYTES * 2944 * 2880 * 3 > k_chunks_module._moving_rereads(plan3, x)
     assert k_chunks_module.k_chunk_rows(plan3, [dgu], [x], SETUP) == 6144
+
+
+def test_a_reloading_chunk_counts_its_fetched_sums_among_the_bytes_it_holds_at_its_tail():
+    """Round 48b: a chunk that reloads an earlier chunk's fp32 sums (all but the first) holds, besides its panels and
+    its epilogue, the sums PartialSums.fetch DMAed for the tile it reloads: a [128, width] fp32 tile (width: a
+    PartialSums HBM row). held_bytes, which decides whether the next plan's first panels load under this plan's last
+    tiles, counts it; it did not, and at S = 28672, H = 2048, I = 768 phase 4's first load under phase 3's last chunk
+    fitted that count with 1.5 KiB to spare while that tile was live: two of its 15 KiB words pieces found no gap (a
+    plan error). Phase 4 at S = 16384 (two chunks of 8192 rows)."""
+    _, dy, inter = _phase4_plan(16384)
+    epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
+
+    def body():  # PartialSums allocates its HBM sums: inside a launch
+        chunked = k_chunks_module.plan_matmul([dy], [inter], 2048, 768, SETUP, MatmulConfig(n_tile=2048),
+                                              CoreSplit(2, 0), epilogue, k_chunks=True, lead_n_major=True)
+        assert isinstance(chunked, KChunkedPlan) and len(chunked.chunks) == 2
+        first, last = chunked.chunks
+        assert first.reload == None and last.reload != None  # noqa: E711
+        width = last.reload.hbm.shape[2]  # a fetched tile is [128, width] fp32, as a row of the HBM sums
+        counted = last.held_bytes()
+        last.reload = None
+        return counted, last.held_bytes(), width
+
+    counted, without, width = in_kernel(body)
+    assert counted - without == width * 4, (counted, without, width)
+
+
+@pytest.mark.parametrize("tiles_left", ["all", "none"])
+def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_its_last_chunk(tiles_left):
+    """Round 48b: KChunkedPlan.prefetch_point is its last chunk's (MatmulPlan.prefetch_point), so a spread first load
+    begun under a K-chunked plan's tail takes its unit-stride copies only where overlap.spread_copies_fit says so (round
+    47), as under any other plan; it used to repeat only the short-tail rule and leave the copies on whatever the tail.
+    Phase 4 of S = 16384, H = 2048, I = 768 in two chunks, a fresh plan as the next one: with all of the last chunk's
+    tiles left (more than 1 / SPREAD_COPIES_TAIL_SHARE) no copies; with none left, and room to spare, copies."""
+    _, dy, inter = _phase4_plan(16384)
+    epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
+
+    def body():
+        chunked = k_chunks_module.plan_matmul([dy], [inter], 2048, 768, SETUP, MatmulConfig(n_tile=2048),
+                                              CoreSplit(2, 0), epilogue, k_chunks=True, lead_n_major=True)
+        last = chunked.chunks[-1]
+        if tiles_left == "none":
+            last.done = len(last.order)
+        nxt, _, _ = _phase4_plan(4096)
+        nxt.spread_first_load()
+        fits = overlap_module.spread_copies_fit(last, nxt)
+        chunked.prefetch_point(nxt)
+        return nxt.spread_first, nxt.spread_copies, fits
+
+    spread, copies, fits = in_kernel(body)
+    assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)

@@ -33,7 +33,7 @@ from ..kernel_helpers import ceil_div, round_up
 from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
-from .overlap import prefetch_staging, spread_fits_tail, stage_prefetch
+from .overlap import prefetch_staging
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
 
@@ -158,6 +158,16 @@ class PartialSums(nl.NKIObject):
         nisa.dma_copy(dst=tile[:, :span], src=self.hbm[idx, :, :span])
         self.fetched = self.fetched[-(PARTIAL_FETCH_AHEAD - 1):] + [(idx, tile)]
 
+    def held_bytes(self) -> int:
+        """SBUF bytes per partition the fetched sums take while a chunk that reloads them runs its last tiles
+        (overlap.held_bytes_at_tail): one [128, width] fp32 tile, the sums of the tile being reloaded, live across its
+        run (the next tile's, fetched ahead, joins it only until that reload's transposes). Uncounted, phase 4's first
+        load under phase 3's last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a
+        4.5 KiB tile was live, and two of its 15 KiB words pieces found no gap (refused); both of PARTIAL_FETCH_AHEAD
+        counted, S = 32768 there lost a middle chunk's prefetch (2.03950 / 2.39976 -> 2.08387 / 2.44305 ms; round 48b
+        of docs/dense-performance.md)."""
+        return self.width * 4
+
     def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
         """Put tile (m0, n0)'s sums back into acc [:rows, :nsz] (PSUM) by PE transposes, bit-exactly."""
         self.fetch(m0, n0, nsz)
@@ -222,12 +232,11 @@ class KChunkedPlan(nl.NKIObject):
         self.chunks[-1].short_tail_loads_whole()
 
     def prefetch_point(self, nxt) -> None:
-        """nxt's spread first load keeps its copies, or is quantized whole where the last chunk's tail is too short
-        for it (MatmulPlan.prefetch_point); its moving rings as the last chunk's prefetch_fits counted them."""
-        last = self.chunks[-1]
-        if nxt.spread_first and last.short_tail_whole and not spread_fits_tail(last, nxt):
-            nxt.spread_first = False
-        stage_prefetch(last, nxt)
+        """The last chunk's (MatmulPlan.prefetch_point): nxt's spread first load quantized whole after a short tail,
+        its copies where overlap.spread_copies_fit allows them, its moving rings as the last chunk's prefetch_fits
+        counted them. (Round 45 repeated only the short-tail rule here, leaving the copies on; no dense shape measured
+        in round 48b begins a spread load under a K-chunked plan: unchanged there.)"""
+        self.chunks[-1].prefetch_point(nxt)
 
     def first_stationary_bytes(self) -> int:
         return self.chunks[0].first_stationary_bytes()

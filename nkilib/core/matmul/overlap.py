@@ -28,7 +28,8 @@ def load_bytes(plan, source, width) -> int:
 
 
 def held_bytes_at_tail(plan) -> int:
-    """Upper bound of the SBUF bytes per partition `plan` holds while its last tiles run."""
+    """Upper bound of the SBUF bytes per partition `plan` holds while its last tiles run (a K chunk that reloads an
+    earlier chunk's sums: the ones fetched ahead too, PartialSums.held_bytes)."""
     if not plan.order:
         return 0
     total = 0
@@ -41,6 +42,8 @@ def held_bytes_at_tail(plan) -> int:
             total += st.capacity * load_bytes(plan, st, plan.order[0][0][1])
     for mv in plan.moving:
         total += panel_bytes_per_partition(mv.op.k_size, plan.n_width if mv.keep_all else plan.n_tile, plan.setup)
+    if plan.reload != None:  # noqa: E711
+        total += plan.reload.held_bytes()
     return total + plan.epilogue.held_bytes(plan.n_tile)
 
 
