@@ -29,6 +29,10 @@ STILL_REFUSED = {
     # found in round 48b (main refuses them too)
     (9216, 4096, 1536): "SBUF: a 27 KiB tile finds no gap",
     (10240, 4096, 1792): "SBUF: a 6 KiB tile's wait for a later access closes a cycle",
+    # found by the session-19 sweep run of the H = 4096 pairs and H = 2048 pairs (main at 6a73075 refuses them too)
+    (9728, 4096, 1536): "SBUF: a 6 KiB tile's wait for a later access closes a cycle",
+    (5632, 4096, 1792): "PSUM: an 8 KiB tile finds no placement",
+    (6656, 4096, 1792): "PSUM: an 8 KiB tile finds no placement",
 }
 
 
