@@ -16,7 +16,8 @@ from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
-from simkit import in_kernel, assert_mlp_bit_exact, assert_outputs_identical, mlp_inputs_with_checkpoints, run_mlp, spy_returns
+from simkit import (assert_mlp_bit_exact, assert_outputs_identical, in_kernel, mlp_inputs_with_checkpoints, run_mlp,
+                    spy_returns)
 
 SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 
