@@ -14,6 +14,8 @@ LNC1 and LNC2.
 |                                   | X is gathered after the first group's pass A, before the fence    |            |
 | test_pipeline_checkpoints_by_     | round 31b: block-ordered checkpoints loaded a chunk ahead by      | LNC1, LNC2 |
 | column_pieces                     | column pieces of I (patched 512 of I = 1024); == mx_exact         |            |
+| test_pipeline_output_tiles_       | round 37a: the chunks' d_gate_up and hs tiles, two of each per    | LNC1, LNC2 |
+| alternate                         | expert, alternate (chunk q + 2 writes chunk q's); == mx_exact     |            |
 """
 from __future__ import annotations
 
@@ -95,3 +97,30 @@ def test_pipeline_checkpoints_by_column_pieces(monkeypatch, lnc):
     assert 512 in widths and max(widths) <= I, widths
     pieces = [(f0, w) for f0, w in calls if w < I]
     assert {f0 for f0, _ in pieces} == {0, 512} and {w for _, w in pieces} == {512}, pieces
+
+
+def _store_sources(trace, scratch, program=0):
+    """The SBUF storage id each of `program`'s DMAs into HBM tensor `scratch` reads, in program order."""
+    return [next(o.storage_id for o in r.reads if o.buffer == "sbuf") for r in trace
+            if r.program == program and any(o.name == scratch for o in r.writes)]
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_pipeline_output_tiles_alternate(lnc):
+    """Round 37a: the pipeline keeps two pairs of epilogue output tiles per expert (d_gate_up [128, 2I] and hs
+    [128, I]) and chunk q writes pair q % 2, so the tiles a chunk's stores read are rewritten only by chunk q + 2's
+    epilogue, not freed at the store: under the cost model's next-fit allocator the next chunk's epilogue temporaries
+    were placed over the just-stored d_gate_up and waited for its 1.5 MB store (gwb's pass A, every chunk). _routing's
+    experts, GPT-OSS-like clamps, all checkpoints: == mx_exact bit for bit, and the first expert's (two full blocks)
+    stores read two tiles of each kind, alternating. Fails on the old code: a fresh tile per chunk."""
+    T, E, H, I, B = 1024, 4, 64, 96, 512
+    kernel, ref = moe_case(T, E, H, I, _routing(T), seed=43, block_size=B, checkpoints=CHECKPOINTS,
+                           clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"pass A output tiles, LNC{lnc} vs mx_exact")
+    chunks = 2 * (B // 128) // lnc  # the first expert's chunks on core 0
+    for scratch in ("moe_bwd_d_gate_up", "moe_bwd_weighted_inter"):
+        tiles = _store_sources(res.trace, scratch)[:chunks]
+        assert len(tiles) == chunks and tiles[0] != tiles[1], (scratch, tiles)
+        assert tiles == [tiles[q % 2] for q in range(chunks)], (scratch, tiles)

@@ -150,6 +150,13 @@ class ChunkInputs(nl.NKIObject):
         return _blocks(0, width, PIPELINE_CHECKPOINT_COLUMNS)
 
 
+def chunk_outputs(ctx, width):
+    """SBUF tiles of a chunk's epilogue outputs for `width` columns of I: (d_gate_up [128, k_width(2 width)], hs
+    [128, width]) bf16."""
+    return (nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf),
+            nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf))
+
+
 class RowChunk(nl.NKIObject):
     """The on-chip state of m <= 128 rows (positions r0..r0+m) of block i in pass A, for the I columns
     [i_lo, i_hi) (all of I, or one resident weight group of a multi-block expert): gathered inputs, their
@@ -163,10 +170,11 @@ class RowChunk(nl.NKIObject):
     in order after the fence. staged (with tile_sums, a full block whose dY / X rows and p were copied to dy_blocks /
     x_blocks / p_blocks a fence earlier: ExpertISplit.stage): they are read from there by plain DMA, not
     gathered. d_up_engine: the epilogue's engine for the product dh * a (None: ctx.d_up_engine, the kernel's choice).
+    outputs: chunk_outputs(ctx, i_hi - i_lo) tiles to write d_gate_up and hs into (None: allocated here).
     """
 
     def __init__(self, ctx, i, r0, m, recompute, i_lo, i_hi, full=False, inputs=None, tile_sums=False,
-                 staged=False, d_up_engine=None):
+                 staged=False, d_up_engine=None, outputs=None):
         H = ctx.H
         self.r0, self.m, self.f_pad = r0, m, ctx.f_pad(m)
         self.i_lo, self.i_hi, width = i_lo, i_hi, i_hi - i_lo
@@ -222,7 +230,7 @@ class RowChunk(nl.NKIObject):
             self.ckpts = None if defer_checkpoints else self._checkpoints(ctx, i, full)
         self.block, self.full = i, full
         # gate cols, up cols; with pass B's panels made here (ctx.d_gu_mx), zero up to the MX K padding of 2I
-        self.d_gu = nl.ndarray((PARTITIONS, ctx.k_width(2 * width)), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.d_gu, self.hs = outputs if outputs != None else chunk_outputs(ctx, width)  # noqa: E711
         if self.d_gu.shape[1] > 2 * width:
             nisa.memset(dst=self.d_gu[:m, 2 * width:], value=0.0)
         self.d_gu_panel = None
@@ -234,7 +242,6 @@ class RowChunk(nl.NKIObject):
                           f"pass B's d_gate_up panels need 128-row chunks from a multiple of 128, got r0={r0}, m={m}")
         if whole_panel or self.split_panel:
             self.d_gu_panel = RowPanelByColumns(self.d_gu[:m, :], m, 2 * width, self.f_pad, ctx.setup)
-        self.hs = nl.ndarray((PARTITIONS, width), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.tile_sums = tile_sums
         self.stored_to = 0  # columns (local to [i_lo, i_hi)) whose d_gate_up and hs are stored (store_done)
         self.gate_masked = None  # this chunk's last gate mask product not yet issued (issue_gate_mask)
@@ -435,6 +442,7 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     for them. Here two ChunkInputs sets alternate: chunk q + 1 is gathered into one while chunk q is computed from
     the other, and the last chunk of block i is followed by block i + 1's first chunk (the register i with a static
     offset of B positions), so the sets' roles are static in the loop body (an even number of chunks per block).
+    Two pairs of epilogue output tiles (chunk_outputs: d_gate_up, hs) alternate likewise.
     The chunks are ctx.unit_rows (core c's 128 rows of every 128·cores-row unit): in the last block, the only one
     that can hold padding, a chunk is computed only when its unit's first position holds a routed pair (the same
     flag on both cores: identical trip counts), else its scratch rows are stored as zeros; its gathers are issued
@@ -461,6 +469,11 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     staged = e in ctx.staged_dy
     sets = [first or ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged),
             ChunkInputs(ctx, PARTITIONS, ctx.I, dy_staged=staged)]
+    # chunk q's epilogue writes output pair q % 2 (rewritten by chunk q + 2, long after chunk q's stores): with a fresh
+    # pair per chunk, freed at its stores, the allocator placed the next chunk's epilogue tiles over the just-stored
+    # d_gate_up, which then waited for its 1.5 MB store (GPT-OSS-20B gwb: on the critical path at most chunks;
+    # docs/moe.md section 10, round 37a)
+    outs = [chunk_outputs(ctx, ctx.I) for _ in sets]
     # the expert's first chunk: of a full block when the expert has more than one (a one-block expert's is gathered
     # with its padding known, below); a tile zeroed here would hold VectorE's queue until the previous expert's
     # last use of that SBUF
@@ -477,10 +490,11 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
                 sets[(q + 1) % 2].gather(ctx, i, rows[0][0], next_full, ahead=1, pieces=True)
             piece = None if between == None else (lambda q=q: between(q))  # noqa: E711
             if flags == None or q == 0:  # noqa: E711  (a block's first position holds a routed pair)
-                _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece)
+                _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up, full, [sets[q % 2]], before_store=piece,
+                             outputs=[outs[q % 2]])
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up,
-                                                                       full, [sets[q % 2]]))
+                                                                       full, [sets[q % 2]], outputs=[outs[q % 2]]))
             ctx.if_flag(flags, q, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
             if piece != None:  # noqa: E711  (outside the flag: every block's chunk q issues it)
                 piece()
@@ -496,7 +510,7 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     full = ctx.row_flags(last, ctx.B - 1, 2)  # position B - 1 of the last block holds a routed pair: no padding
     ctx.if_flag(full, 1, lambda: last_two(True))
     ctx.if_flag(full, 1, lambda: last_two(False), complement=True)
-    sets = None
+    sets = outs = None
 
 
 def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
@@ -518,22 +532,24 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
 
 
 def _phase1_rows(ctx, e, i, rows, w_down, w_gate, w_up, full=False, inputs=None, before_store=None, tile_sums=False,
-                 staged=False, d_up_engine=None, at_first_tile=None):
+                 staged=False, d_up_engine=None, at_first_tile=None, outputs=None):
     """compute_phase1_block_grads_mxfp8 for the chunks `rows` [(r0, m <= 128)] of block i, kept on chip
     together: the I tiles loop outside them, so a weight tile that is not resident loads once for all.
     inputs: the chunks' ChunkInputs, already gathered (the pipeline), or None (gathered here).
     before_store: None, or a function issued after the I tiles, before the stores (the pipeline's `between`).
     at_first_tile: None, or a function issued after the chunks' reads, before the first I tile's matmuls (the I
     split's staging of a later expert's rows: docs/moe.md section 10, round 34b).
-    tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts)."""
+    tile_sums, staged, d_up_engine: RowChunk's (the I split of one-block experts).
+    outputs: None, or the chunks' chunk_outputs tiles (the pipeline's; None: each chunk allocates its own)."""
     recompute = w_gate != None or w_up != None  # noqa: E711
     i_lo, i_hi = w_down.tiles[0][0], w_down.tiles[-1][0] + w_down.tiles[-1][1]
     for w in (w_down, w_gate, w_up):
         if w != None:  # noqa: E711
             w.start_block()
     inputs = inputs or [None] * len(rows)
-    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged, d_up_engine)
-              for (r0, m), inp in zip(rows, inputs)]
+    outputs = outputs or [None] * len(rows)
+    chunks = [RowChunk(ctx, i, r0, m, recompute, i_lo, i_hi, full, inp, tile_sums, staged, d_up_engine, out)
+              for (r0, m), inp, out in zip(rows, inputs, outputs)]
     if at_first_tile != None:  # noqa: E711
         at_first_tile()
     for jj, (n0, nsz) in enumerate(w_down.tiles):
