@@ -142,3 +142,38 @@ def test_adopted_staging_ring_returns_to_its_depth_after_the_tail_panel():
             assert len(set(later)) == STAGING_BUFFERS, (lnc, program, source, len(set(later)))
 
     assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check_depth, phases=True, matmul_precision="mxfp8")
+
+
+@pytest.mark.usefixtures("k_streamed_phase2")
+def test_last_group_stationary_block_in_k_pieces_that_die_before_the_last_quad():
+    """A K-streamed plan whose tail loads the next plan's first panels (set_tail_load) places its last group's
+    stationary panels in STREAM_TAIL_PIECES K-range pieces (PanelGroupBlock pieces) instead of one block: each piece's
+    last reader is the last n block's matmul of its last K tiles, so all but the last piece are dead before the last
+    quad's matmuls, and the next plan's first staging tiles and words can take their SBUF (TP1 4.47016 / 4.61314 ->
+    4.46345 / 4.61568 ms: phase 4's first K tile no longer waits for phase 2's last matmul). Forced on S = 512,
+    H = 512, I = 4096 (the budgets of the tests above: groups of two m tiles, K = 2I = 16 K tiles, one n block): in
+    each core's trace the stationary words read by phase 2's matmuls (their first operand) in storages last read before
+    the trailing run of matmuls that read the last one number at least STREAM_TAIL_PIECES - 1 (LNC2 has one group:
+    none on the old code, whose one block is read to the end; LNC1 has two: one), and the outputs are bit-exact against
+    mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul.constants import STREAM_TAIL_PIECES
+
+    assert STREAM_TAIL_PIECES > 1
+    S, H, I = 512, 512, 4096
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 7, matmul_precision="mxfp8")
+
+    def check_pieces(trace, lnc):
+        for program in range(lnc):
+            matmuls = [r for r in trace if r.program == program and r.attrs.get("phase") == "phase2" and
+                       r.instr == "nc_matmul_mx"]
+            words = [r.reads[0].storage_id for r in matmuls]
+            run = len(words) - 1
+            while run > 0 and words[run - 1] == words[-1]:
+                run -= 1
+            last_read = {}
+            for i, sid in enumerate(words):
+                last_read[sid] = i
+            dead = [sid for sid, i in last_read.items() if i < run]
+            assert len(dead) >= STREAM_TAIL_PIECES - 1, (lnc, program, len(words), run, last_read)
+
+    assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, check_pieces, phases=True, matmul_precision="mxfp8")

@@ -54,6 +54,11 @@ STREAM_STATIONARY_HEADROOM_BF16_BYTES = 64 * 1024  # the same for BF16 panels (o
 STREAM_N_TILE = 512  # moving width of a K-streamed plan: one PSUM bank per accumulator of the group
 STREAM_STAGING_BUFFERS = 4  # staging ring of a K-streamed group's moving K-tile quads (TP1 MXFP8 modeled, with the
 # contiguous group: 2: 4.881, 3: 4.572, 4: 4.567, 5: 4.569, 6: 4.580 ms central)
+STREAM_TAIL_PIECES = 4  # K-range pieces (whole scale tiles) of a K-streamed plan's last group's stationary block when
+# the next plan's first loads go under its tail (set_tail_load): each piece's last reader is the last n block's matmul
+# of its last K tiles, so the pieces die one after another and the next plan's first staging tiles and words take
+# their place instead of waiting for the last matmul (TP1 phase 4's start; round 50a of docs/dense-performance.md,
+# central ms: one block 4.47016; 4 pieces 4.46345)
 K_CHUNK_ALIGN = 2048  # K rows a K-chunked plan's chunks start at multiples of (MX_K_TILE x SCALE_PACK_SLOTS: whole
 # scale tiles, so a chunk's K tiles are quantized and packed as in one plan; k_chunks.py)
 PARTIAL_SUM_HBM_BYTES = 8  # HBM bytes per output element and K-chunk boundary: an fp32 sum stored and loaded back

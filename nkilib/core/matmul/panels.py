@@ -477,28 +477,65 @@ def panel_bytes_per_partition(k_size: int, f_pad: int, setup: MatmulSetup) -> in
 
 
 class PanelGroupBlock(nl.NKIObject):
-    """One SBUF allocation for the MXFP8 words (and one for the scales) of `count` whole panels of equal shape
-    [K, f_pad]: a K-streamed group's stationary panels (MatmulPlan(contiguous_group=True)). Each panel is a slot
-    (`slot(i, f_pad)`, load_panel's PanelPlacement.into). Separate panel allocations, placed next-fit one by one
-    among the group's transient natural row and staging tiles, find no gap and wait for tiles of the previous group
-    (TP1's phase 2: each group start); one block is placed once, where the previous group's block was.
+    """SBUF allocations for the MXFP8 words (and the scales) of `count` whole panels of equal shape [K, f_pad]: a
+    K-streamed group's stationary panels (MatmulPlan(contiguous_group=True)). Each panel is a slot (`placement(i,
+    f_pad)`, load_panel's placement). Separate panel allocations, placed next-fit one by one among the group's transient
+    natural row and staging tiles, find no gap and wait for tiles of the previous group (TP1's phase 2: each group
+    start); one block is placed once, where the previous group's block was.
+    pieces > 1: the block is cut along K into that many allocations of whole scale tiles (each [128, count, K tiles of
+    the piece, f_pad]), which die one after another as the plan's last matmuls read their K tiles
+    (STREAM_TAIL_PIECES: the last group of a plan whose tail loads the next plan's first panels). Each piece is
+    written first, in K order, by a memset of two columns here: the allocator places a tile at its first access, and
+    pieces first written by panel 0's K tiles were placed among that panel's transpose tiles with no gap for the next
+    (1024 x 4096 x 12288: refused).
 
     Dimensions:
-        words [128, count, K tiles, f_pad] x4; scales [128, count, scale tiles, f_pad] uint8.
+        words [128, count, K tiles, f_pad] x4; scales [128, count, scale tiles, f_pad] uint8 (per piece: its K tiles).
     """
 
-    def __init__(self, count: int, k_size: int, f_pad: int, setup: MatmulSetup):
+    def __init__(self, count: int, k_size: int, f_pad: int, setup: MatmulSetup, pieces: int = 1):
         kernel_assert(setup.is_mx, "PanelGroupBlock holds MXFP8 panels, got a BF16 setup")
+        kernel_assert(pieces >= 1, f"PanelGroupBlock: {pieces} pieces")
         n = len(k_tiles(k_size, setup))
-        scale_tiles = -(-n // SCALE_PACK_SLOTS) if setup.use_scale_packing else n
+        self.packing = setup.use_scale_packing
+        per_scale = SCALE_PACK_SLOTS if self.packing else 1
+        step = -(-(-(-n // per_scale)) // pieces) * per_scale  # K tiles per piece: whole scale tiles
         self.count = count
-        self.words = nl.ndarray((PARTITIONS, count, n, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
-        self.scales = nl.ndarray((PARTITIONS, count, scale_tiles, f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+        self.parts = []  # (first K tile, K tiles, words, scales) per piece, in K order
+        for t0 in range(0, n, step):
+            tn = min(step, n - t0)
+            words = nl.ndarray((PARTITIONS, count, tn, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
+            scales = nl.ndarray((PARTITIONS, count, -(-tn // per_scale), f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+            if pieces > 1:
+                nisa.memset(dst=words[:, 0, 0, :2], value=0)
+                nisa.memset(dst=scales[:, 0, 0, :2], value=0)
+            self.parts.append((t0, tn, words, scales))
 
     def slot(self, i: int, f_pad: int):
-        """(words, scales) views of panel i, its first f_pad columns (PanelPlacement.into's arguments)."""
+        """(words, scales) views of panel i, its first f_pad columns, of a block in one piece (PanelPlacement.into's
+        arguments)."""
+        kernel_assert(0 <= i < self.count and len(self.parts) == 1,
+                      f"PanelGroupBlock: slot {i} of {self.count} panels in {len(self.parts)} pieces")
+        _, _, words, scales = self.parts[0]
+        return words[:, i, :, :f_pad], scales[:, i, :, :f_pad]
+
+    def placement(self, i: int, f_pad: int) -> PanelPlacement:
+        """Where panel i's K tiles go, its first f_pad columns: its slot (PanelPlacement.into), or in pieces its K
+        tiles' views across them (PanelPlacement.slots)."""
+        if len(self.parts) == 1:
+            words, scales = self.slot(i, f_pad)
+            return PanelPlacement.into(words, scales)
         kernel_assert(0 <= i < self.count, f"PanelGroupBlock: slot {i} of {self.count} panels")
-        return self.words[:, i, :, :f_pad], self.scales[:, i, :, :f_pad]
+        words, scales = [], []
+        for _, tn, part_words, part_scales in self.parts:
+            for j in range(tn):
+                words.append(part_words[:, i, j, :f_pad])
+                if self.packing:
+                    scales.append(part_scales[SCALE_PACK_STRIDE * (j % SCALE_PACK_SLOTS):, i, j // SCALE_PACK_SLOTS,
+                                              :f_pad])
+                else:
+                    scales.append(part_scales[:, i, j, :f_pad])
+        return PanelPlacement.slots(words, scales)
 
 
 class PanelWordsRing(nl.NKIObject):

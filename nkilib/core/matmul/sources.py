@@ -149,8 +149,7 @@ class PanelSource(nl.NKIObject):
                 self.kept_block = PanelGroupBlock(self.kept_slots, self.op.k_size, f_pad, self.setup)
             block, slot = self.kept_block, len(self.keys)
         if block != None:  # noqa: E711
-            words, scales = block.slot(slot, f_pad)
-            placement = PanelPlacement.into(words, scales)
+            placement = block.placement(slot, f_pad)
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from .constants import MX_K_TILE, PARTITIONS, SCALE_PACK_SLOTS, STREAM_N_TILE, STREAM_STAGING_BUFFERS
+from .constants import (MX_K_TILE, PARTITIONS, SCALE_PACK_SLOTS, STREAM_N_TILE, STREAM_STAGING_BUFFERS,
+                        STREAM_TAIL_PIECES)
 from .panels import LoadRing, PanelGroupBlock, k_tiles, load_panel, matmul_panels, panel_bytes_per_partition
 
 
@@ -42,7 +43,11 @@ def run_streamed(plan) -> None:
             # the previous group's block is dead before this one is allocated (program order), so the new
             # block can take its place
             source.release()
-            block = PanelGroupBlock(len(group), source.op.k_size, plan.m_tile, setup)
+            # the last group of a plan whose tail loads the next plan's first panels: in K pieces that die during
+            # the last n block, so those loads find SBUF before the last matmul
+            last_group = lo + g >= len(m_blocks)
+            pieces = STREAM_TAIL_PIECES if last_group and plan.tail_load != None else 1  # noqa: E711
+            block = PanelGroupBlock(len(group), source.op.k_size, plan.m_tile, setup, pieces)
             a_panels = []
             for i, (m0, msz) in enumerate(group):
                 early = None
