@@ -32,7 +32,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import kernel_assert, round_up
+from ..kernel_helpers import ceil_div, kernel_assert, round_up
 from .constants import (BF16_K_TILE, MX_K_ALIGN, MX_K_TILE, MX_PACK, NATURAL_LOAD_K, PARTITIONS,
                         PLACEMENT_PER_K_TILE, SCALE_PACK_SLOTS, SCALE_PACK_STRIDE, STAGING_BUFFERS)
 from .descriptor import MatmulSetup
@@ -499,25 +499,26 @@ class PanelGroupBlock(nl.NKIObject):
         n = len(k_tiles(k_size, setup))
         self.packing = setup.use_scale_packing
         per_scale = SCALE_PACK_SLOTS if self.packing else 1
-        step = -(-(-(-n // per_scale)) // pieces) * per_scale  # K tiles per piece: whole scale tiles
+        step = ceil_div(ceil_div(n, per_scale), pieces) * per_scale  # K tiles per piece: whole scale tiles
         self.count = count
         self.parts = []  # (first K tile, K tiles, words, scales) per piece, in K order
         for t0 in range(0, n, step):
             tn = min(step, n - t0)
             words = nl.ndarray((PARTITIONS, count, tn, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf)
-            scales = nl.ndarray((PARTITIONS, count, -(-tn // per_scale), f_pad), dtype=nl.uint8, buffer=nl.sbuf)
-            if pieces > 1:
+            scales = nl.ndarray((PARTITIONS, count, ceil_div(tn, per_scale), f_pad), dtype=nl.uint8, buffer=nl.sbuf)
+            if step < n:  # more than one piece
                 nisa.memset(dst=words[:, 0, 0, :2], value=0)
                 nisa.memset(dst=scales[:, 0, 0, :2], value=0)
             self.parts.append((t0, tn, words, scales))
+        # the one allocation of each of a block in one piece (None in pieces)
+        self.words, self.scales = (self.parts[0][2], self.parts[0][3]) if len(self.parts) == 1 else (None, None)
 
     def slot(self, i: int, f_pad: int):
         """(words, scales) views of panel i, its first f_pad columns, of a block in one piece (PanelPlacement.into's
         arguments)."""
         kernel_assert(0 <= i < self.count and len(self.parts) == 1,
                       f"PanelGroupBlock: slot {i} of {self.count} panels in {len(self.parts)} pieces")
-        _, _, words, scales = self.parts[0]
-        return words[:, i, :, :f_pad], scales[:, i, :, :f_pad]
+        return self.words[:, i, :, :f_pad], self.scales[:, i, :, :f_pad]
 
     def placement(self, i: int, f_pad: int) -> PanelPlacement:
         """Where panel i's K tiles go, its first f_pad columns: its slot (PanelPlacement.into), or in pieces its K
