@@ -22,11 +22,11 @@ MAX_S = {(4096, 12288): 4096}
 #: phase 2's tail: overlap.spread_copies_fit), round 48b 28672 x 2048 x 768 (a reloading K chunk's fetched fp32 sums
 #: counted among the bytes it holds at its tail: PartialSums.held_bytes), round 50b 4608 / 5632 / 6656 x 4096 x 1792 (the
 #: cost model's allocator starts a PSUM tile of 2, 4 or 8 banks at a multiple of its size: allocator._psum_alignment)
+#: and 9216 x 4096 x 1536 (a source's later panels in words pieces once one was: PanelSource._placement)
 STILL_REFUSED = {
     (3584, 2048, 1536): "SBUF: phase 2's 24 KiB W_gu words find no gap among 14 separate kept panels",
     (2048, 2880, 2880): "SBUF: a 22.5 KiB tile finds no gap",
     # found in round 48b (main refuses them too)
-    (9216, 4096, 1536): "SBUF: a 27 KiB tile finds no gap",
     (10240, 4096, 1792): "SBUF: a 6 KiB tile's wait for a later access closes a cycle",
     # found by the session-19 sweep run of the H = 4096 pairs and H = 2048 pairs (main at 6a73075 refuses them too)
     (9728, 4096, 1536): "SBUF: a 6 KiB tile's wait for a later access closes a cycle",
