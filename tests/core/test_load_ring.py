@@ -122,6 +122,28 @@ def test_panel_source_large_panel_words_in_pieces():
     assert len(small) == 5 and len(set(small)) == 1
 
 
+def test_panel_source_narrow_panel_after_a_pieced_one_in_pieces_too():
+    """A source's panels: 2048 columns (5 K tiles x 2048 words x 4 bytes = 40 KiB, above MX_PANEL_WHOLE_MAX_BYTES:
+    pieces of 2 + 2 + 1 K tiles), then 1024 columns (20 KiB, which alone would be one allocation): the narrower panel
+    goes in MX_PANEL_PIECE_BYTES pieces too (4 + 1 K tiles), so it never needs a gap wider than the earlier pieces
+    (round 50b, 9216 x 4096 x 1536; main: one 20 KiB allocation). A source whose first panel is narrow keeps it whole."""
+    def kernel(w):
+        src = PanelSource(TensorDescriptor(w, k_axis=0), MX, pad_even=False, keep_all=True)
+        src.get(0, 2048)
+        src.get(2048, 1024)
+
+    dest = _quantize_destinations(kernel, randn(4, (2560, 3072), BF16))
+    assert len(dest) == 10
+    wide, narrow = dest[:5], dest[5:]
+    assert len(set(wide)) == 3 and not set(wide) & set(narrow)
+    assert narrow[0] == narrow[3] and narrow[4] != narrow[0], narrow  # 4 + 1 K tiles (16 KiB / 4 KiB per K tile)
+
+    def narrow_first(w):
+        PanelSource(TensorDescriptor(w, k_axis=0), MX, pad_even=False, keep_all=True).get(2048, 1024)
+
+    assert len(set(_quantize_destinations(narrow_first, randn(4, (2560, 3072), BF16)))) == 1
+
+
 @nki.jit
 def _interleaved_matmul_kernel(a, b, interleave):
     """out [M, N] = a [K, M]ᵀ @ b [K, N] through two PanelSources; interleave: both panels begun by load_ahead and

@@ -167,3 +167,38 @@ def test_weight_grad_phases_narrowed_after_i_split_with_one_k_tile(monkeypatch):
     del widths[:]
     assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8")
     assert {w[2] for w in widths if w[:2] in ((H, I), (2 * I, H))} == {MX_N_TILE_WEIGHT_GRAD}, widths  # LNC1
+
+
+def test_narrow_panels_after_pieced_ones_go_in_pieces_and_stay_bit_exact(monkeypatch):
+    """A PanelSource whose earlier panel's words went in pieces (above MX_PANEL_WHOLE_MAX_BYTES) quantizes its later,
+    narrower panels in pieces too (round 50b: 9216 x 4096 x 1536's phase-4 tail panel, 27 KiB whole, found no gap).
+    Scaled down (panels above 1 KiB in pieces of 512 B, one 128-column K tile each; S = 1024, H = 256, I = 640,
+    phases 3-4 in 256-column tiles): some source's 128-column panels (two K tiles, 1 KiB: whole on the old code)
+    follow a pieced 256-column panel and are built one K tile per words allocation; the outputs are bit-exact against
+    mx_exact, LNC1 equal to LNC2."""
+    from nkilib.core.matmul import panel_builder as builder_module
+    from nkilib.core.matmul import sources as sources_module
+    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
+
+    monkeypatch.setattr(builder_module, "MX_PANEL_WHOLE_MAX_BYTES", 1024)
+    monkeypatch.setattr(builder_module, "MX_PANEL_PIECE_BYTES", 512)
+    narrow_after_pieces = []  # builders of panels not above the whole-max, placed in pieces by the source's rule
+    original = builder_module.PanelBuilder.__init__
+
+    def recording(self, f_pad, setup, t_lo, count, placement=None, quantize_columns=1):
+        original(self, f_pad, setup, t_lo, count, placement, quantize_columns)
+        if placement != None and placement.kind == "pieces" and not builder_module.words_above_whole_max(  # noqa: E711
+                count, f_pad) and count > 1:
+            narrow_after_pieces.append(self)
+
+    monkeypatch.setattr(builder_module.PanelBuilder, "__init__", recording)
+    assert sources_module.words_above_whole_max is builder_module.words_above_whole_max
+    S, H, I = 1024, 256, 640
+    inp = mlp_inputs(S, H, I, seed=S + H + I + 50)
+    small = MatmulConfig(m_tile=32, n_tile=256)
+    config = MlpBwdMatmulConfig(phase3=small, phase4=small)
+    out2 = run_mlp(inp, lnc=2, matmul_precision="mxfp8", matmul_config=config)
+    pieced = [b for b in narrow_after_pieces if b.tiles_per_words_allocation(True) < b.count]
+    assert pieced and all(b.f_pad == 128 and b.tiles_per_words_allocation(True) == 1 for b in pieced), \
+        [(b.f_pad, b.count, b.tiles_per_words_allocation(True)) for b in narrow_after_pieces]
+    assert_mlp_bit_exact_on_lnc1_and_lnc2(inp, out2, matmul_precision="mxfp8", matmul_config=config)

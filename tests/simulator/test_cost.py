@@ -344,6 +344,47 @@ def test_freed_sbuf_reuse_orders_every_access_of_the_new_tile():
     assert sched.start[fill_a] >= sched.end[store1] and sched.start[fill_b] >= sched.end[store1]
 
 
+def test_two_four_bank_psum_accumulators_fit_wherever_next_fit_left_its_cursor():
+    """PSUM has 8 banks of 2 KiB per partition. A 3-bank tile, dead before the next two, leaves next-fit's cursor at
+    bank 3; then two 4-bank tiles live together (phase 4's accumulators at N = 1792 fp32, the refused 4608 x 4096 x
+    1792 of docs/dense-performance.md round 50b). Placed at bank 3 the first leaves no four banks in a row for the
+    second (main: a plan error); a PSUM tile of 2, 4 or 8 banks starts at a multiple of its bank count, so they take
+    banks 4-7 and 0-3 (the 3-bank tile is placed next-fit, at bank 0)."""
+    import nki.isa as nisa
+    import nki.language as nl
+    from nkilib.simulator.cost.allocator import _memory_reuse_deps
+
+    bank = TRN3.psum_bank_bytes
+    wide = 4 * bank // 4  # fp32 elements of a 4-bank tile
+
+    def kernel(a):
+        out = nl.ndarray((128, wide), dtype=nl.float32, buffer=nl.shared_hbm)
+        s = nl.ndarray((128, wide), dtype=nl.float32, buffer=nl.sbuf)
+        p = nl.ndarray((128, 3 * bank // 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p, value=0.0, engine=nisa.vector_engine)
+        nisa.tensor_copy(dst=s[:, :3 * bank // 4], src=p)
+        del p
+        acc0 = nl.ndarray((128, wide), dtype=nl.float32, buffer=nl.psum)
+        acc1 = nl.ndarray((128, wide), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=acc0, value=0.0, engine=nisa.vector_engine)
+        nisa.memset(dst=acc1, value=0.0, engine=nisa.vector_engine)
+        s1 = nl.ndarray((128, wide), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=s1, src=acc1)
+        nisa.tensor_tensor(dst=s, data1=acc0, data2=s1, op=nl.add)  # acc0 read last: both live together
+        nisa.dma_copy(dst=out, src=s)
+        return out
+
+    res = run_kernel(kernel, (ShapeSpec((128, wide), "float32"),), lnc=1, trace=True, numerics=False)
+    sched = schedule(res.trace, "trn3", 1)
+    assert sched.unplaceable == [], [u.message() for u in sched.unplaceable]
+    placements = {}
+    _memory_reuse_deps(sched.records, TRN3, placements=placements)
+    banks = sorted((lo // bank, hi // bank) for key, (lo, hi, _) in
+                   ((k, v) for k, v in placements.items() if k != "fragmented") if key[1] == "psum")
+    assert banks == [(0, 3), (0, 4), (4, 8)], banks  # the 3-bank tile at 0, the accumulators at 4 and 0
+    assert "fragmented" not in placements
+
+
 def _elementwise(instr, engine, n, dtype="float32", **attrs):
     return rec(0, instr, engine, [chip("data", "sbuf", dtype, (128, n))], [chip("dst", "sbuf", dtype, (128, n))],
                **attrs)

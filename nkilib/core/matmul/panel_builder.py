@@ -86,7 +86,8 @@ class PanelPlacement(nl.NKIObject):
         no gap among the previous phase's live tiles and waits for all of them (TP8 phase 3's 64 KiB X panel waited
         for phase 2's last stores: modeled 0.685 -> 0.660 ms in pieces of 16 KiB; 32 KiB pieces: 0.688, 8 KiB:
         0.685; splitting every panel above 16 KiB, W_down's included: 0.671). piece_bytes: another piece size
-        (0: MX_PANEL_PIECE_BYTES; MatmulPlan interleave_lead: LEAD_PANEL_PIECE_BYTES).
+        (0: MX_PANEL_PIECE_BYTES; MatmulPlan interleave_lead: LEAD_PANEL_PIECE_BYTES). always: in pieces whatever
+        the panel's size (PanelSource: a narrower panel of a source whose earlier panel went in pieces).
     into(words, scales): the caller's allocation (SBUF views words [128, count, F_pad], scales [128, scale tiles,
         F_pad]; PanelGroupBlock.slot), laid out as whole().
     slots(words, scales): the caller's views, one per K tile (words [128, F_pad]; scales: the K tile's scale rows, as
@@ -94,10 +95,11 @@ class PanelPlacement(nl.NKIObject):
     BF16 panels ignore the placement: one tile per K tile (PanelBuilder.bf16_tile).
     """
 
-    def __init__(self, kind: str, words=None, scales=None, piece_bytes=0):
+    def __init__(self, kind: str, words=None, scales=None, piece_bytes=0, always=False):
         self.kind = kind
         self.words, self.scales = words, scales
         self.piece_bytes = piece_bytes
+        self.always = always  # pieces(): also a panel of at most MX_PANEL_WHOLE_MAX_BYTES
 
     @staticmethod
     def whole():
@@ -108,8 +110,8 @@ class PanelPlacement(nl.NKIObject):
         return PanelPlacement(PLACEMENT_PER_K_TILE)
 
     @staticmethod
-    def pieces(piece_bytes=0):
-        return PanelPlacement(PLACEMENT_PIECES, piece_bytes=piece_bytes)
+    def pieces(piece_bytes=0, always=False):
+        return PanelPlacement(PLACEMENT_PIECES, piece_bytes=piece_bytes, always=always)
 
     @staticmethod
     def into(words, scales):
@@ -118,6 +120,12 @@ class PanelPlacement(nl.NKIObject):
     @staticmethod
     def slots(words, scales):
         return PanelPlacement(PLACEMENT_SLOTS, words, scales)
+
+
+def words_above_whole_max(count: int, f_pad: int) -> bool:
+    """Whether a panel of `count` K tiles of f_pad x4 words (4 bytes each) per partition goes in pieces under
+    PanelPlacement.pieces(): above MX_PANEL_WHOLE_MAX_BYTES."""
+    return count * f_pad * 4 > MX_PANEL_WHOLE_MAX_BYTES
 
 
 class PanelBuilder(nl.NKIObject):
@@ -146,7 +154,7 @@ class PanelBuilder(nl.NKIObject):
         kind = self.placement.kind
         if kind == PLACEMENT_PER_K_TILE:
             return 1
-        large = self.count * self.f_pad * 4 > MX_PANEL_WHOLE_MAX_BYTES
+        large = self.placement.always or words_above_whole_max(self.count, self.f_pad)
         if kind == PLACEMENT_PIECES and quantized and large:
             return min(self.piece_tiles, self.count)
         return self.count

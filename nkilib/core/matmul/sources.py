@@ -11,7 +11,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import NATURAL_BUFFERS, SCALE_PACK_SLOTS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
-from .panel_builder import PanelPlacement
+from .panel_builder import PanelPlacement, words_above_whole_max
 from .panels import (LoadRing, Panel, PanelGroupBlock, PanelLoad, PanelWordsRing, k_tiles, load_panel,
                      panel_columns)
 
@@ -47,6 +47,7 @@ class PanelSource(nl.NKIObject):
         # many slots beyond a panel (MatmulPlan interleave_switch with keep_whole: SWITCH_AHEAD_SLOTS), made at the
         # first load
         self.words_ring = None
+        self.words_in_pieces = False  # an earlier panel's words went in pieces (_placement): so do the later ones'
         self.kept_slots = 0  # > 0 (keep_all): every panel in the next slot of one PanelGroupBlock of this many, made at
         # the first load (MatmulPlan interleave_switch with keep_whole: the stationary operand kept whole in one block)
         self.kept_block = None
@@ -78,9 +79,15 @@ class PanelSource(nl.NKIObject):
             self.ring = LoadRing(1 if natural else self.staging)
 
     def _placement(self, f_pad: int) -> PanelPlacement:
-        """Where the next load's words go: the next panel's slots of words_ring (switch_ahead_slots), else in pieces."""
+        """Where the next load's words go: the next panel's slots of words_ring (switch_ahead_slots), else in pieces;
+        once a panel's words went in pieces (above MX_PANEL_WHOLE_MAX_BYTES), every later panel's do, however
+        narrow: a whole tail panel would need one gap wider than the pieces the earlier panels leave as they die
+        (9216 x 4096 x 1536: phase 4's 384-column tail panel, 27 KiB, against a largest gap of 26.4 KiB among its
+        13.5 KiB pieces: refused before round 50b)."""
         if not self.switch_ahead_slots:
-            return PanelPlacement.pieces(self.piece_bytes)
+            self.words_in_pieces = (self.words_in_pieces or
+                                    words_above_whole_max(len(k_tiles(self.op.k_size, self.setup)), f_pad))
+            return PanelPlacement.pieces(self.piece_bytes, self.words_in_pieces)
         if self.words_ring == None:  # noqa: E711
             self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
         return self.words_ring.placement(f_pad)

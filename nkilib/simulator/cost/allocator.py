@@ -40,7 +40,10 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
     the core holds.
     Placement is next-fit: the search starts where the previous allocation of that space ended and
     wraps around, so the memory freed longest ago is reused first (an allocator that leaves room
-    for overlap when there is space; the NKI allocator's policy is not documented — INFERRED).
+    for overlap when there is space; the NKI allocator's policy is not documented — INFERRED). A PSUM
+    tile of 2, 4 or 8 banks starts at a multiple of its own size (`_psum_alignment`: two 4-bank
+    accumulators always fit PSUM's 8 banks together, wherever the cursor stands — INFERRED,
+    docs/simulator.md#choice-psum-multi-bank-placement).
     If fragmentation leaves no gap (the program-order live set fits, the simulator checks that, but not
     in one piece), the tile is placed over live tiles that die soonest and waits for their final
     accesses (a compiler would have placed them apart; waiting is what the overlap would cost), at the
@@ -118,14 +121,14 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
                 stack.append(prev_on_engine[q])
         return False
 
-    def fit(ranges, nbytes, begin, limit):
-        lo = begin
+    def fit(ranges, nbytes, begin, limit, align):
+        lo = -(-begin // align) * align
         for a, b in ranges:
-            if b <= begin:
+            if b <= lo:
                 continue
             if lo + nbytes <= a:
                 break
-            lo = max(lo, b)
+            lo = -(-max(lo, b) // align) * align
         return lo if lo + nbytes <= limit else None
 
     reuse_waits = {}  # key -> final accesses of the tiles whose bytes it took (every access of it waits)
@@ -135,12 +138,13 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
             space = (key[0], key[1])
             ranges = sorted(live.setdefault(space, {}).values())
             nbytes, cap = size[key], capacity[key[1]]
-            lo = fit(ranges, nbytes, cursor.get(space, 0), cap)
+            align = _psum_alignment(nbytes, target.psum_bank_bytes) if key[1] == "psum" else 1
+            lo = fit(ranges, nbytes, cursor.get(space, 0), cap, align)
             if lo is None:
-                lo = fit(ranges, nbytes, 0, cap)  # wrap around
+                lo = fit(ranges, nbytes, 0, cap, align)  # wrap around
             graveyard = dead.setdefault(space, [])
             if lo is None:  # fragmented: wait for the live tiles it covers (see docstring)
-                lo, waits = _place_over_live(live[space], tails, last, nbytes, cap, r.seq, depends)
+                lo, waits = _place_over_live(live[space], tails, last, nbytes, cap, r.seq, depends, align)
                 deps.setdefault(r.seq, set()).update(waits)  # may include accesses after r (none depends on r)
                 if any(q > r.seq for q in waits):
                     waits_later.add(r.seq)
@@ -197,12 +201,22 @@ def _memory_reuse_deps(records, target: TargetSpec, preds=None, placements: dict
 
 
 
-def _place_over_live(live, tails, last, nbytes, cap, first_seq, depends):
+def _psum_alignment(nbytes: int, bank_bytes: int) -> int:
+    """The byte alignment of a PSUM tile's start (nbytes in whole banks): a tile of 2, 4 or 8 banks starts at a
+    multiple of its own size, any other at a bank boundary (docs/simulator.md#choice-psum-multi-bank-placement).
+    Aligned power-of-two slots do not straddle each other, so two 4-bank tiles live together find banks 0-3 and 4-7
+    wherever next-fit's cursor stands (phase 4's accumulators at N = 1792 fp32); tiles of 3, 5-7 banks keep next-fit's
+    placement (aligning them too moved a README figure: docs/dense-performance.md round 50b)."""
+    banks = nbytes // bank_bytes
+    return nbytes if banks & (banks - 1) == 0 else bank_bytes
+
+
+def _place_over_live(live, tails, last, nbytes, cap, first_seq, depends, align=1):
     """(lo, seqs to wait for) for a tile that fits no gap: candidate starts are 0 and the ends of live
-    tiles; the covered live tiles must not depend on `first_seq`; the one whose covered tiles die
+    tiles (rounded up to `align`); the covered live tiles must not depend on `first_seq`; the one whose covered tiles die
     soonest (program order) wins. No valid candidate: (None, ()) — no placement (a plan error)."""
     best = None
-    for lo in sorted({0} | {b for a, b in live.values()}):
+    for lo in sorted({0} | {-(-b // align) * align for a, b in live.values()}):
         hi = lo + nbytes
         if hi > cap:
             continue
