@@ -12,9 +12,12 @@ test_mlp_bwd_plans_phase2_streamed.py (the K-streamed phase 2's head and tail), 
 """
 import pytest
 
+from nkilib.core.matmul import panel_builder as builder_module
 from nkilib.core.matmul import plan as plan_module
+from nkilib.core.matmul import sources as sources_module
 from nkilib.core.matmul import tiling as tiling_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
+from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 from simkit import (assert_mlp_bit_exact, assert_mlp_bit_exact_on_lnc1_and_lnc2, count_calls, mlp_inputs,
                     mlp_inputs_with_checkpoints, run_mlp, spy_returns)
 
@@ -119,8 +122,6 @@ def test_lead_n_major_weight_grad_plans_are_bit_exact(monkeypatch, precision, ln
     """Phases 3 and 4 (lead_n_major): with X / the intermediate resident and several n blocks, the m tiles of the
     first stationary load run n-major (H = I = 2880 at S = 4096 modeled 1.174 -> 1.138 ms). Forced with 32-row
     m tiles and 128-column n tiles on a small shape: the lead order must be taken and the outputs stay bit-exact."""
-    from nkilib.core.matmul import sources as sources_module
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
     original = tiling_module.tile_order
 
@@ -176,9 +177,6 @@ def test_narrow_panels_after_pieced_ones_go_in_pieces_and_stay_bit_exact(monkeyp
     phases 3-4 in 256-column tiles): some source's 128-column panels (two K tiles, 1 KiB: whole on the old code)
     follow a pieced 256-column panel and are built one K tile per words allocation; the outputs are bit-exact against
     mx_exact, LNC1 equal to LNC2."""
-    from nkilib.core.matmul import panel_builder as builder_module
-    from nkilib.core.matmul import sources as sources_module
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig, MlpBwdMatmulConfig
 
     monkeypatch.setattr(builder_module, "MX_PANEL_WHOLE_MAX_BYTES", 1024)
     monkeypatch.setattr(builder_module, "MX_PANEL_PIECE_BYTES", 512)
