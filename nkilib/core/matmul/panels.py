@@ -254,7 +254,7 @@ class PanelLoad(nl.NKIObject):
     """
 
     def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
-                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_from=-1):
+                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_from=-1, exchange=None):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
@@ -264,16 +264,22 @@ class PanelLoad(nl.NKIObject):
         self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
         self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
         self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
-        self.next = t_lo  # the next K tile to quantize
+        self.next = t_lo  # the K tiles before this one are complete
         self.slot_dma_k_tiles = slot_dma_k_tiles
         self.next_words_from = next_words_from
+        # exchange: a KTileExchange (k_exchange.py): this core stages and quantizes only its own K tiles (`order`) and
+        # swaps them with the other core's; else every K tile in order
+        self.exchange = exchange
+        self.order = list(range(t_lo, t_hi)) if exchange == None else exchange.own_tiles(t_lo, t_hi)  # noqa: E711
+        self.pos = 0  # quantizes of `order` issued
         given = [] if staged == None else staged  # noqa: E711
-        kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead),
-                      f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once")
+        kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead) and (exchange == None or not given),  # noqa: E711
+                      f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once "
+                      "(none with a K-tile exchange)")
         for t in range(len(given)):
             self.staged[t] = given[t]
-        for t in range(t_lo + len(given), min(t_hi, t_lo + self.ahead)):
-            self._stage(t)
+        for j in range(len(given), min(len(self.order), self.ahead)):
+            self._stage(self.order[j])
 
     def _stage(self, t) -> None:
         k0, valid, padded = self.tiles[t]
@@ -287,18 +293,29 @@ class PanelLoad(nl.NKIObject):
         return self.t_hi - self.next
 
     def advance(self, count: int) -> None:
-        """Quantize the next `count` K tiles (fewer when fewer remain), staging the ones `ahead` of them."""
-        for _ in range(min(count, self.remaining())):
-            t = self.next
+        """Complete the next `count` K tiles (fewer when fewer remain; with an exchange, whole pairs: each own
+        quantize and its swap complete two), staging the ones `ahead` of them."""
+        step = (self.t_hi - self.t_lo) // len(self.order)
+        for _ in range(-(-min(count, self.remaining()) // step)):
+            t = self.order[self.pos]
             src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
-            self.builder.add_mx(t, self.tiles[t][2], src, 0 <= self.next_words_from <= t - self.t_lo)
+            scratch = 0 <= self.next_words_from <= t - self.t_lo
+            if self.exchange == None:  # noqa: E711
+                self.builder.add_mx(t, self.tiles[t][2], src, scratch)
+            else:
+                # the next K tile's words as scratch only where it is this core's own (a received one may be there)
+                self.builder.quantize_mx_tile(t, self.tiles[t][2], src, scratch and not self.exchange.quad_end(t))
+                self.exchange.swap(self.builder, t, self.tiles[t][2] // MX_PACK)
             src = None
-            if t + self.ahead < self.t_hi:
-                self._stage(t + self.ahead)
-            self.next = t + 1
+            if self.pos + self.ahead < len(self.order):
+                self._stage(self.order[self.pos + self.ahead])
+            self.pos += 1
+            self.next = self.t_lo + self.pos * step
 
     def finish(self) -> Panel:
         self.advance(self.remaining())
+        if self.exchange != None:  # noqa: E711  every K tile's words and scales in K order
+            self.exchange.collect(self.builder, self.t_lo, self.t_hi, PARTITIONS)
         return self.builder.panel()
 
 
@@ -324,7 +341,7 @@ def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
                ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1,
-               slot_dma_k_tiles=0, next_words_from=-1) -> Panel:
+               slot_dma_k_tiles=0, next_words_from=-1, exchange=None) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -353,6 +370,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     (PanelLoad; default 0).
     next_words_from: a [K, F] bf16 operand's K tiles (MXFP8) from this one on, but the last, quantize half of their
     columns from a unit-stride copy in the next K tile's words (PanelLoad; default -1: none).
+    exchange: a KTileExchange (k_exchange.py) for a [K, F] bf16 operand (MXFP8) under LNC2: this core quantizes half
+    of the K tiles and swaps them with the other core's (PanelLoad; default None).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -410,7 +429,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
         return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged,
-                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_from=next_words_from).finish()
+                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_from=next_words_from,
+                         exchange=exchange).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:

@@ -11,6 +11,7 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import NATURAL_BUFFERS, SCALE_PACK_SLOTS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
+from .k_exchange import KTileExchange
 from .panel_builder import PanelPlacement, words_above_whole_max
 from .panels import (LoadRing, Panel, PanelGroupBlock, PanelLoad, PanelWordsRing, k_tiles, load_panel,
                      panel_columns)
@@ -51,6 +52,8 @@ class PanelSource(nl.NKIObject):
         self.kept_slots = 0  # > 0 (keep_all): every panel in the next slot of one PanelGroupBlock of this many, made at
         # the first load (MatmulPlan interleave_switch with keep_whole: the stationary operand kept whole in one block)
         self.kept_block = None
+        self.exchange_rank = -1  # >= 0 (LNC2, MatmulPlan cold_staging): this core's rank; its loads quantize half of the
+        # K tiles and swap them with the other core's on chip (KTileExchange), where their K tiles split into groups
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -92,6 +95,16 @@ class PanelSource(nl.NKIObject):
             self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
         return self.words_ring.placement(f_pad)
 
+    def _exchange(self):
+        """The KTileExchange of the next load (exchange_rank set, a [K, F] bf16 operand quantized on chip whose K tiles
+        split into exchange groups), else None."""
+        if self.exchange_rank < 0 or not self.can_load_ahead() or self.switch_ahead_slots:
+            return None  # (switch_ahead_slots: PanelWordsRing's per-K-tile scale views, not whole scale tiles)
+        tiles = k_tiles(self.op.k_size, self.setup)
+        if not KTileExchange.applies(tiles, 0, len(tiles), self.setup):
+            return None
+        return KTileExchange(self.exchange_rank)
+
     def _next_words_from(self) -> int:
         """PanelLoad's next_words_from for the next load: first_next_words_from while it is the first, if set."""
         return self.first_next_words_from if self.first_next_words_from >= 0 else self.next_words_from
@@ -130,7 +143,7 @@ class PanelSource(nl.NKIObject):
                                      placement=self._placement(self._padded(width)),
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                                     next_words_from=self._next_words_from())
+                                     next_words_from=self._next_words_from(), exchange=self._exchange())
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
             self.first_next_words_from = -1
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
@@ -161,7 +174,8 @@ class PanelSource(nl.NKIObject):
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                           next_words_from=self._next_words_from())
+                           next_words_from=self._next_words_from(),
+                           exchange=None if preloaded != None else self._exchange())  # noqa: E711
         self.first_quantize_columns, self.first_slot_dma_k_tiles, self.first_next_words_from = 1, 0, -1
         return self._keep(f0, f_size, panel, natural)
 
