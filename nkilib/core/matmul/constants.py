@@ -136,8 +136,7 @@ COLD_PERMUTE_INTO_NEXT_WORDS = True  # such a plan's moving K tiles (all but eac
 EXCHANGE_COLD_K_TILES = True  # under LNC2 such a plan's moving panels (both cores load all of them: W_down in the MLP
 # backward's phase 1) are quantized half per core, the words and scales swapped on chip by nisa.sendrecv (KTileExchange,
 # k_exchange.py): each core reads half of the bf16 and runs half of the quantizes (docs/dense-performance.md round 51c)
-EXCHANGE_GROUP_K_TILES = 8  # K tiles per exchange group: two scale-tile quads (SCALE_PACK_SLOTS each), one per core, so
-# each core's quantizes fill whole scale tiles and a swap moves whole tiles (a quad's scale rows interleave its 4 K tiles)
+EXCHANGE_GROUP_K_TILES = 2  # K tiles per exchange step: one per core (core r quantizes K tiles r, r + 2, ...)
 EXCHANGE_PIPE_ID = 0  # sendrecv pipe of the K-tile exchange: its calls pair in order on both cores (the only pipe used)
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the

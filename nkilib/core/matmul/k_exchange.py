@@ -15,7 +15,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import EXCHANGE_GROUP_K_TILES, EXCHANGE_PIPE_ID, MX_K_TILE, SCALE_PACK_SLOTS
+from .constants import EXCHANGE_GROUP_K_TILES, EXCHANGE_PIPE_ID, MX_K_TILE, PARTITIONS
+from .panel_builder import PanelPlacement
 
 
 class KTileExchange(nl.NKIObject):
@@ -27,44 +28,41 @@ class KTileExchange(nl.NKIObject):
 
     @staticmethod
     def applies(tiles, t_lo: int, t_hi: int, setup) -> bool:
-        """Whether K tiles [t_lo, t_hi) of `tiles` (k_tiles') split into whole groups of full K tiles with packed
-        scales (each core's quad then owns a whole scale tile)."""
-        if not (setup.is_mx and setup.use_scale_packing and SCALE_PACK_SLOTS * 2 == EXCHANGE_GROUP_K_TILES):
-            return False
-        if t_lo % EXCHANGE_GROUP_K_TILES or (t_hi - t_lo) % EXCHANGE_GROUP_K_TILES or t_hi <= t_lo:
+        """Whether K tiles [t_lo, t_hi) of `tiles` (k_tiles') are an even number of full MXFP8 K tiles (every words
+        and scale view of the same shape on both cores)."""
+        if not setup.is_mx or (t_hi - t_lo) % 2 or t_hi <= t_lo:
             return False
         for t in range(t_lo, t_hi):
             if tiles[t][1] != MX_K_TILE or tiles[t][2] != MX_K_TILE:
                 return False
         return True
 
+    def placement(self, count: int, f_pad: int, setup) -> PanelPlacement:
+        """One words tile [128, F_pad] and one scale tile [128, F_pad] per K tile (scales not packed: a packed scale
+        tile's rows interleave four K tiles', two of them the other core's)."""
+        words, scales = [], []
+        for _ in range(count):
+            words.append(nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf))
+            scales.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
+        return PanelPlacement.slots(words, scales)
+
     def own_tiles(self, t_lo: int, t_hi: int) -> list:
-        """The K tiles this core quantizes, in order: quad `rank` of each group."""
-        own = []
-        for g in range(t_lo, t_hi, EXCHANGE_GROUP_K_TILES):
-            for i in range(SCALE_PACK_SLOTS):
-                own.append(g + SCALE_PACK_SLOTS * self.rank + i)
-        return own
+        """The K tiles this core quantizes, in order: every other one from t_lo + rank."""
+        return list(range(t_lo + self.rank, t_hi, EXCHANGE_GROUP_K_TILES))
 
     def peer_tile(self, t: int) -> int:
         """The other core's K tile that this core receives in the sendrecv of its own K tile t."""
-        return t + SCALE_PACK_SLOTS * (1 - 2 * self.rank)
-
-    def quad_end(self, t: int) -> bool:
-        """Whether own K tile t is its quad's last (the scale tiles are swapped after it)."""
-        return t % SCALE_PACK_SLOTS == SCALE_PACK_SLOTS - 1
+        return t + 1 - 2 * self.rank
 
     def swap(self, builder, t: int, P: int) -> None:
-        """After own K tile t's quantize: its words to the other core, the other core's K tile into its place here;
-        at the quad's end the quads' scale tiles likewise (slot 0's scale view spans the whole scale tile)."""
+        """After own K tile t's quantize: its words and scales to the other core, the other core's K tile into their
+        places here."""
         peer = self.peer_tile(t)
         other = 1 - self.rank
         nisa.sendrecv(src=builder.words(t, P, quantized=True), dst=builder.words(peer, P, quantized=True),
                       send_to_rank=other, recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
-        if self.quad_end(t):
-            first = t - (SCALE_PACK_SLOTS - 1)
-            nisa.sendrecv(src=builder.scale(first), dst=builder.scale(self.peer_tile(first)), send_to_rank=other,
-                          recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
+        nisa.sendrecv(src=builder.scale(t), dst=builder.scale(peer), send_to_rank=other, recv_from_rank=other,
+                      pipe_id=EXCHANGE_PIPE_ID)
 
     def collect(self, builder, t_lo: int, t_hi: int, P: int) -> None:
         """Append every K tile's words and scales to `builder` in K order (its own quantizes appended nothing)."""

@@ -303,8 +303,8 @@ class PanelLoad(nl.NKIObject):
             if self.exchange == None:  # noqa: E711
                 self.builder.add_mx(t, self.tiles[t][2], src, scratch)
             else:
-                # the next K tile's words as scratch only where it is this core's own (a received one may be there)
-                self.builder.quantize_mx_tile(t, self.tiles[t][2], src, scratch and not self.exchange.quad_end(t))
+                # the next K tile's words as scratch: the other core's, received only after this quantize read it
+                self.builder.quantize_mx_tile(t, self.tiles[t][2], src, scratch)
                 self.exchange.swap(self.builder, t, self.tiles[t][2] // MX_PACK)
             src = None
             if self.pos + self.ahead < len(self.order):

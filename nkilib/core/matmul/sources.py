@@ -139,11 +139,14 @@ class PanelSource(nl.NKIObject):
         if self.pending == None:  # noqa: E711
             width = min(self.load_width, self.hi - base) if self.load_width else f_size
             self._start_ring(False)
+            exchange = self._exchange()
+            placement = self._placement(self._padded(width)) if exchange == None else exchange.placement(  # noqa: E711
+                len(k_tiles(self.op.k_size, self.setup)), self._padded(width), self.setup)
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
-                                     placement=self._placement(self._padded(width)),
+                                     placement=placement,
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                                     next_words_from=self._next_words_from(), exchange=self._exchange())
+                                     next_words_from=self._next_words_from(), exchange=exchange)
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
             self.first_next_words_from = -1
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
@@ -171,11 +174,14 @@ class PanelSource(nl.NKIObject):
         if block != None:  # noqa: E711
             words, scales = block.slot(slot, f_pad)
             placement = PanelPlacement.into(words, scales)
+        exchange = None if preloaded != None or block != None else self._exchange()  # noqa: E711
+        if exchange != None:  # noqa: E711
+            placement = exchange.placement(len(k_tiles(self.op.k_size, self.setup)), f_pad, self.setup)
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,
                            next_words_from=self._next_words_from(),
-                           exchange=None if preloaded != None else self._exchange())  # noqa: E711
+                           exchange=exchange)
         self.first_quantize_columns, self.first_slot_dma_k_tiles, self.first_next_words_from = 1, 0, -1
         return self._keep(f0, f_size, panel, natural)
 
