@@ -1,12 +1,12 @@
-"""KTileExchange: the two cores of an LNC2 pair quantize half of an MXFP8 panel's K tiles each and swap the words and
-scales on chip (nisa.sendrecv), instead of both loading and quantizing all of them (PanelLoad's `exchange`).
+"""KTileExchange: the two cores of an LNC2 pair quantize half of an MXFP8 panel each and swap the halves on chip
+(nisa.sendrecv), instead of both loading and quantizing all of it (PanelLoad's `exchange`).
 
-In each group of EXCHANGE_GROUP_K_TILES K tiles (two scale-tile quads), core r quantizes quad r and receives the other
-quad: after its i-th own K tile it sends that K tile's words into the other core's place for it and receives the other
-core's i-th K tile into its own place for that one (one sendrecv), and after its quad's last K tile it swaps the quad's
-scale tiles the same way (a whole [128, F_pad] scale tile: the four K tiles' scale rows, nothing else the other core
-keeps there). A K tile's words and scales depend only on its own bf16 values, so the panel is the one each core would
-have quantized itself, bit for bit.
+Core r loads and quantizes columns [r F/2, (r + 1) F/2) of every K tile (MX groups run along K, never across columns:
+a column half's words and scales are those of the whole K tile's quantize, bit for bit). After each K tile it sends
+that K tile's words in its half into the other core's words tile and receives the other half into its own (one
+sendrecv); after each scale tile's last K tile (a quad with scale packing, else every K tile) it swaps the scale tile's
+halves the same way: all 128 rows of its columns, each of them written by this core's own quantizes (rows a quantize
+does not write are never read). Both cores keep the panel in the same SBUF allocations as without the exchange.
 https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.sendrecv.html
 """
 from __future__ import annotations
@@ -15,57 +15,38 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import EXCHANGE_GROUP_K_TILES, EXCHANGE_PIPE_ID, MX_K_TILE, PARTITIONS
-from .panel_builder import PanelPlacement
+from .constants import EXCHANGE_PIPE_ID, MX_PACK, SCALE_PACK_SLOTS
 
 
 class KTileExchange(nl.NKIObject):
-    """The K-tile exchange of one panel load on core `rank` of an LNC2 pair (see the module docstring)."""
+    """The column-half exchange of one panel load of f_pad columns on core `rank` of an LNC2 pair (module docstring)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, f_pad: int):
         kernel_assert(rank == 0 or rank == 1, f"KTileExchange: an LNC2 core's rank is 0 or 1, got {rank}")
+        kernel_assert(f_pad % 2 == 0, f"KTileExchange: the panel's columns split in two halves, got f_pad={f_pad}")
         self.rank = rank
+        self.half = f_pad // 2
+        self.lo = rank * self.half  # this core's columns [lo, lo + half)
+        self.peer_lo = (1 - rank) * self.half
 
-    @staticmethod
-    def applies(tiles, t_lo: int, t_hi: int, setup) -> bool:
-        """Whether K tiles [t_lo, t_hi) of `tiles` (k_tiles') are an even number of full MXFP8 K tiles (every words
-        and scale view of the same shape on both cores)."""
-        if not setup.is_mx or (t_hi - t_lo) % 2 or t_hi <= t_lo:
-            return False
-        for t in range(t_lo, t_hi):
-            if tiles[t][1] != MX_K_TILE or tiles[t][2] != MX_K_TILE:
-                return False
-        return True
-
-    def placement(self, count: int, f_pad: int, setup) -> PanelPlacement:
-        """One words tile [128, F_pad] and one scale tile [128, F_pad] per K tile (scales not packed: a packed scale
-        tile's rows interleave four K tiles', two of them the other core's)."""
-        words, scales = [], []
-        for _ in range(count):
-            words.append(nl.ndarray((PARTITIONS, f_pad), dtype=setup.x4_dtype, buffer=nl.sbuf))
-            scales.append(nl.ndarray((PARTITIONS, f_pad), dtype=nl.uint8, buffer=nl.sbuf))
-        return PanelPlacement.slots(words, scales)
-
-    def own_tiles(self, t_lo: int, t_hi: int) -> list:
-        """The K tiles this core quantizes, in order: every other one from t_lo + rank."""
-        return list(range(t_lo + self.rank, t_hi, EXCHANGE_GROUP_K_TILES))
-
-    def peer_tile(self, t: int) -> int:
-        """The other core's K tile that this core receives in the sendrecv of its own K tile t."""
-        return t + 1 - 2 * self.rank
-
-    def swap(self, builder, t: int, P: int) -> None:
-        """After own K tile t's quantize: its words and scales to the other core, the other core's K tile into their
-        places here."""
-        peer = self.peer_tile(t)
+    def quantize(self, builder, t: int, padded: int, src, scratch: bool) -> None:
+        """Quantize this core's half of K tile t from stage view `src` [P, half, 4], then swap the halves."""
+        builder.quantize_mx_tile(t, padded, src, scratch, self.lo, self.lo + self.half)
+        P = padded // MX_PACK
         other = 1 - self.rank
-        nisa.sendrecv(src=builder.words(t, P, quantized=True), dst=builder.words(peer, P, quantized=True),
+        words = builder.words(t, P, quantized=True)
+        nisa.sendrecv(src=words[:, self.lo:self.lo + self.half], dst=words[:, self.peer_lo:self.peer_lo + self.half],
                       send_to_rank=other, recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
-        nisa.sendrecv(src=builder.scale(t), dst=builder.scale(peer), send_to_rank=other, recv_from_rank=other,
-                      pipe_id=EXCHANGE_PIPE_ID)
+        packing = builder.setup.use_scale_packing
+        i = t - builder.t_lo
+        if not packing or i % SCALE_PACK_SLOTS == SCALE_PACK_SLOTS - 1 or i == builder.count - 1:
+            scale = builder.scale(t - i % SCALE_PACK_SLOTS if packing else t)  # slot 0's view: every row of the tile
+            nisa.sendrecv(src=scale[:, self.lo:self.lo + self.half],
+                          dst=scale[:, self.peer_lo:self.peer_lo + self.half], send_to_rank=other,
+                          recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
 
-    def collect(self, builder, t_lo: int, t_hi: int, P: int) -> None:
-        """Append every K tile's words and scales to `builder` in K order (its own quantizes appended nothing)."""
+    def collect(self, builder, tiles, t_lo: int, t_hi: int) -> None:
+        """Append every K tile's words and scales to `builder` in K order (the half quantizes appended nothing)."""
         for t in range(t_lo, t_hi):
-            builder.data.append(builder.words(t, P, quantized=True))
+            builder.data.append(builder.words(t, tiles[t][2] // MX_PACK, quantized=True))
             builder.scales.append(builder.scale(t))

@@ -264,28 +264,28 @@ class PanelLoad(nl.NKIObject):
         self.ring = ring if ring != None else LoadRing(STAGING_BUFFERS)  # noqa: E711
         self.staged = [None] * (t_hi - t_lo)  # staged[t - t_lo]: quantize_mx's source view of K tile t
         self.ahead = min(STAGING_BUFFERS, self.ring.size)  # a smaller ring: a stage is not retaken before its quantize
-        self.next = t_lo  # the K tiles before this one are complete
+        self.next = t_lo  # the next K tile to quantize
         self.slot_dma_k_tiles = slot_dma_k_tiles
         self.next_words_from = next_words_from
-        # exchange: a KTileExchange (k_exchange.py): this core stages and quantizes only its own K tiles (`order`) and
-        # swaps them with the other core's; else every K tile in order
+        # exchange: a KTileExchange (k_exchange.py): this core stages and quantizes only its half of the columns and
+        # swaps them with the other core's half
         self.exchange = exchange
-        self.order = list(range(t_lo, t_hi)) if exchange == None else exchange.own_tiles(t_lo, t_hi)  # noqa: E711
-        self.pos = 0  # quantizes of `order` issued
         given = [] if staged == None else staged  # noqa: E711
         kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead) and (exchange == None or not given),  # noqa: E711
                       f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once "
-                      "(none with a K-tile exchange)")
+                      "(none with a column exchange: stage_ahead stages whole columns)")
         for t in range(len(given)):
             self.staged[t] = given[t]
-        for j in range(len(given), min(len(self.order), self.ahead)):
-            self._stage(self.order[j])
+        for t in range(t_lo + len(given), min(t_hi, t_lo + self.ahead)):
+            self._stage(t)
 
     def _stage(self, t) -> None:
         k0, valid, padded = self.tiles[t]
         stage = self.ring.take((PARTITIONS, MX_PACK, self.f_pad))
-        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, self.f0, self.f_size, self.f_pad,
-                                                    self.setup, stage,
+        f0, f_size, f_pad = self.f0, self.f_size, self.f_pad
+        if self.exchange != None:  # noqa: E711  this core's half of the columns (f_size == f_pad: PanelSource._exchange)
+            f0, f_size, f_pad = f0 + self.exchange.lo, self.exchange.half, self.exchange.half
+        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, f0, f_size, f_pad, self.setup, stage,
                                                     per_slot=t - self.t_lo < self.slot_dma_k_tiles)
 
     def remaining(self) -> int:
@@ -293,29 +293,24 @@ class PanelLoad(nl.NKIObject):
         return self.t_hi - self.next
 
     def advance(self, count: int) -> None:
-        """Complete the next `count` K tiles (fewer when fewer remain; with an exchange, whole pairs: each own
-        quantize and its swap complete two), staging the ones `ahead` of them."""
-        step = (self.t_hi - self.t_lo) // len(self.order)
-        for _ in range(-(-min(count, self.remaining()) // step)):
-            t = self.order[self.pos]
+        """Quantize the next `count` K tiles (fewer when fewer remain), staging the ones `ahead` of them."""
+        for _ in range(min(count, self.remaining())):
+            t = self.next
             src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
             scratch = 0 <= self.next_words_from <= t - self.t_lo
             if self.exchange == None:  # noqa: E711
                 self.builder.add_mx(t, self.tiles[t][2], src, scratch)
             else:
-                # the next K tile's words as scratch: the other core's, received only after this quantize read it
-                self.builder.quantize_mx_tile(t, self.tiles[t][2], src, scratch)
-                self.exchange.swap(self.builder, t, self.tiles[t][2] // MX_PACK)
+                self.exchange.quantize(self.builder, t, self.tiles[t][2], src, scratch)
             src = None
-            if self.pos + self.ahead < len(self.order):
-                self._stage(self.order[self.pos + self.ahead])
-            self.pos += 1
-            self.next = self.t_lo + self.pos * step
+            if t + self.ahead < self.t_hi:
+                self._stage(t + self.ahead)
+            self.next = t + 1
 
     def finish(self) -> Panel:
         self.advance(self.remaining())
         if self.exchange != None:  # noqa: E711  every K tile's words and scales in K order
-            self.exchange.collect(self.builder, self.t_lo, self.t_hi, PARTITIONS)
+            self.exchange.collect(self.builder, self.tiles, self.t_lo, self.t_hi)
         return self.builder.panel()
 
 
@@ -370,8 +365,8 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     (PanelLoad; default 0).
     next_words_from: a [K, F] bf16 operand's K tiles (MXFP8) from this one on, but the last, quantize half of their
     columns from a unit-stride copy in the next K tile's words (PanelLoad; default -1: none).
-    exchange: a KTileExchange (k_exchange.py) for a [K, F] bf16 operand (MXFP8) under LNC2: this core quantizes half
-    of the K tiles and swaps them with the other core's (PanelLoad; default None).
+    exchange: a KTileExchange (k_exchange.py) for a [K, F] bf16 operand (MXFP8) under LNC2: this core loads and
+    quantizes half of the columns and swaps them with the other core's (PanelLoad; default None).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi

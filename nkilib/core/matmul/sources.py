@@ -95,15 +95,12 @@ class PanelSource(nl.NKIObject):
             self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
         return self.words_ring.placement(f_pad)
 
-    def _exchange(self):
-        """The KTileExchange of the next load (exchange_rank set, a [K, F] bf16 operand quantized on chip whose K tiles
-        split into exchange groups), else None."""
-        if self.exchange_rank < 0 or not self.can_load_ahead() or self.switch_ahead_slots:
-            return None  # (switch_ahead_slots: PanelWordsRing's per-K-tile scale views, not whole scale tiles)
-        tiles = k_tiles(self.op.k_size, self.setup)
-        if not KTileExchange.applies(tiles, 0, len(tiles), self.setup):
+    def _exchange(self, f_size: int, f_pad: int):
+        """The KTileExchange of the next load of f_size columns (exchange_rank set, a [K, F] bf16 operand quantized on
+        chip, unpadded even columns), else None."""
+        if self.exchange_rank < 0 or not self.can_load_ahead() or f_size != f_pad or f_pad % 2:
             return None
-        return KTileExchange(self.exchange_rank)
+        return KTileExchange(self.exchange_rank, f_pad)
 
     def _next_words_from(self) -> int:
         """PanelLoad's next_words_from for the next load: first_next_words_from while it is the first, if set."""
@@ -139,14 +136,12 @@ class PanelSource(nl.NKIObject):
         if self.pending == None:  # noqa: E711
             width = min(self.load_width, self.hi - base) if self.load_width else f_size
             self._start_ring(False)
-            exchange = self._exchange()
-            placement = self._placement(self._padded(width)) if exchange == None else exchange.placement(  # noqa: E711
-                len(k_tiles(self.op.k_size, self.setup)), self._padded(width), self.setup)
             self.pending = PanelLoad(self.op, base, width, self._padded(width), self.setup, ring=self.ring,
-                                     placement=placement,
+                                     placement=self._placement(self._padded(width)),
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                                     next_words_from=self._next_words_from(), exchange=exchange)
+                                     next_words_from=self._next_words_from(),
+                                     exchange=self._exchange(width, self._padded(width)))
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
             self.first_next_words_from = -1
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
@@ -174,14 +169,11 @@ class PanelSource(nl.NKIObject):
         if block != None:  # noqa: E711
             words, scales = block.slot(slot, f_pad)
             placement = PanelPlacement.into(words, scales)
-        exchange = None if preloaded != None or block != None else self._exchange()  # noqa: E711
-        if exchange != None:  # noqa: E711
-            placement = exchange.placement(len(k_tiles(self.op.k_size, self.setup)), f_pad, self.setup)
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,
                            next_words_from=self._next_words_from(),
-                           exchange=exchange)
+                           exchange=None if preloaded != None else self._exchange(f_size, f_pad))  # noqa: E711
         self.first_quantize_columns, self.first_slot_dma_k_tiles, self.first_next_words_from = 1, 0, -1
         return self._keep(f0, f_size, panel, natural)
 
