@@ -15,7 +15,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import kernel_assert
-from .constants import EXCHANGE_PIPE_ID, MX_PACK, SCALE_PACK_SLOTS
+from .constants import EXCHANGE_PIPE_ID, EXCHANGE_WORDS_BY_SCALE_TILE, MX_PACK, SCALE_PACK_SLOTS
 
 
 class KTileExchange(nl.NKIObject):
@@ -34,13 +34,22 @@ class KTileExchange(nl.NKIObject):
         builder.quantize_mx_tile(t, padded, src, scratch, self.lo, self.lo + self.half)
         P = padded // MX_PACK
         other = 1 - self.rank
-        words = builder.words(t, P, quantized=True)
-        nisa.sendrecv(src=words[:, self.lo:self.lo + self.half], dst=words[:, self.peer_lo:self.peer_lo + self.half],
-                      send_to_rank=other, recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
         packing = builder.setup.use_scale_packing
         i = t - builder.t_lo
-        if not packing or i % SCALE_PACK_SLOTS == SCALE_PACK_SLOTS - 1 or i == builder.count - 1:
-            scale = builder.scale(t - i % SCALE_PACK_SLOTS if packing else t)  # slot 0's view: every row of the tile
+        last = not packing or i % SCALE_PACK_SLOTS == SCALE_PACK_SLOTS - 1 or i == builder.count - 1
+        first = t - i % SCALE_PACK_SLOTS if packing else t
+        span = builder.words_span(first, t + 1, P) if EXCHANGE_WORDS_BY_SCALE_TILE and last else None
+        if span != None:  # noqa: E711  the scale tile's K tiles' words in one sendrecv
+            nisa.sendrecv(src=span[:, :, self.lo:self.lo + self.half],
+                          dst=span[:, :, self.peer_lo:self.peer_lo + self.half], send_to_rank=other,
+                          recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
+        elif not EXCHANGE_WORDS_BY_SCALE_TILE or builder.words_span(first, first + SCALE_PACK_SLOTS, P) == None:  # noqa: E711
+            words = builder.words(t, P, quantized=True)
+            nisa.sendrecv(src=words[:, self.lo:self.lo + self.half],
+                          dst=words[:, self.peer_lo:self.peer_lo + self.half], send_to_rank=other,
+                          recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)
+        if last:
+            scale = builder.scale(first)  # slot 0's view: every row of the tile
             nisa.sendrecv(src=scale[:, self.lo:self.lo + self.half],
                           dst=scale[:, self.peer_lo:self.peer_lo + self.half], send_to_rank=other,
                           recv_from_rank=other, pipe_id=EXCHANGE_PIPE_ID)

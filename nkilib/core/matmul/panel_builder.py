@@ -178,6 +178,19 @@ class PanelBuilder(nl.NKIObject):
                                          buffer=nl.sbuf)
         return self._data_tile[:P, i, :]
 
+    def words_span(self, t0, t1, P):
+        """K tiles [t0, t1)'s words as one SBUF view [P, t1 - t0, F_pad] when they share one allocation (placed and
+        written: call after their quantizes), else None (KTileExchange swaps them in one sendrecv)."""
+        if self.placement.kind == PLACEMENT_SLOTS or self.placement.kind == PLACEMENT_PER_K_TILE:
+            return None
+        per = self.tiles_per_words_allocation(True)
+        i0, i1 = t0 - self.t_lo, t1 - self.t_lo
+        if i0 // per != (i1 - 1) // per:
+            return None
+        if per < self.count:
+            return self._pieces[i0 // per][:P, i0 % per:(i1 - 1) % per + 1, :]
+        return self._data_tile[:P, i0:i1, :]
+
     def scale(self, t):
         """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
         i = t - self.t_lo
