@@ -527,3 +527,24 @@ def assert_dense_shape_plans(S: int, H: int, I: int) -> float:
     assert report["plan_errors"] == [], (S, H, I, report["plan_errors"])
     assert report["modeled_time_s"] is not None and report["modeled_time_s"] > 0, (S, H, I, report["modeled_time_s"])
     return report["modeled_time_s"]
+
+
+def run_with_timeout(fn, seconds=20):
+    """Run fn() in a daemon thread; fail the test (instead of hanging) if it does not finish."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    import threading
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"kernel launch did not finish within {seconds} s (deadlock)"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

@@ -6,6 +6,10 @@ passed deterministically: program 0 runs until it reaches `core_barrier` (or ret
 program 1 runs until its barrier, and so on; when every program has arrived, the barrier opens,
 a new *epoch* starts and the last arriver keeps running. Results are therefore deterministic,
 and a barrier really blocks (program 1 cannot observe program 0's post-barrier writes early).
+`nisa.sendrecv` is a rendezvous of the same kind (`exchange`): each program deposits its src at
+the call and leaves with the peer's; it opens no epoch (docs/simulator.md#choice-sendrecv-pairing).
+Every program must reach the same sequence of synchronisation points (core_barrier, sendrecv with
+its pipe_id): points that do not pair up raise NkiValidationError instead of hanging.
 
 Memory accounting rule (SBUF/PSUM capacity check, ours — the official simulator has none):
 - a tensor is live from its `nl.ndarray` allocation until it becomes unreachable from Python
@@ -166,6 +170,10 @@ class Launch:
         self._cond = threading.Condition()
         self._turn = 0
         self._arrived = set()
+        self._points = {}  # program -> (key, description) of the synchronisation point it waits at
+        self._payloads = {}  # program -> what it deposited at that point (sendrecv: its src)
+        self._delivered = {}  # program -> every program's payload, once the point opened
+        self.sendrecv_done = {}  # pipe_id -> sendrecv pairs completed on that pipe
         self._done = set()
         self._failed = None
         self.contexts = [ProgramContext(self, p) for p in range(lnc)]
@@ -241,32 +249,66 @@ class Launch:
 
     def _check_stuck(self, p):
         if self._arrived and all(q in self._arrived or q in self._done for q in range(self.lnc)):
-            # a data-dependent trip count is the likelier cause: name it if the loop logs differ
-            check_same_control_flow(self.contexts, f"nisa.core_barrier #{self.barriers_passed}")
             waiting = sorted(self._arrived)
+            key, what = self._points[waiting[0]]
+            # a data-dependent trip count is the likelier cause: name it if the loop logs differ
+            check_same_control_flow(self.contexts, self._label(key, what))
             # name the program(s) that returned, not `p` (p may be the one that just arrived)
             returned = sorted(q for q in self._done if q not in self._arrived)
             raise NkiValidationError(
-                f"nisa.core_barrier: program(s) {waiting} wait at barrier #{self.barriers_passed} but program(s) "
+                f"nisa.{key[0]}: program(s) {waiting} wait at {what} but program(s) "
                 f"{returned} returned without reaching it; LNC programs must execute identical control flow "
                 f"(https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/get-started/about/lnc.html)"
             )
 
     def barrier(self, p):
+        self._rendezvous(p, ("core_barrier",), f"barrier #{self.barriers_passed}")
+
+    def exchange(self, p, pipe_id, payload):
+        """nisa.sendrecv rendezvous on `pipe_id`: returns {program: payload} of every program."""
+        what = f"sendrecv #{self.sendrecv_done.get(pipe_id, 0)} on pipe_id {pipe_id}"
+        return self._rendezvous(p, ("sendrecv", pipe_id), what, payload)
+
+    def _rendezvous(self, p, key, what, payload=None):
         with self._cond:
             self._arrived.add(p)
+            self._points[p] = (key, what)
+            self._payloads[p] = payload
             if len(self._arrived) == self.lnc:
-                check_same_control_flow(self.contexts, f"nisa.core_barrier #{self.barriers_passed}")
-                self._arrived.clear()
-                self.epoch += 1
-                self.barriers_passed += 1
-                self._cond.notify_all()
-                return
+                self._open(key, what)
+                return self._delivered.pop(p)
             self._check_stuck(p)
             self._pass_turn(p)
             self._cond.wait_for(lambda: (self._turn == p and p not in self._arrived) or self._failed is not None)
             if self._failed is not None:
                 raise _Aborted()
+            return self._delivered.pop(p)
+
+    def _label(self, key, what):
+        return f"nisa.core_barrier #{self.barriers_passed}" if key[0] == "core_barrier" else f"nisa.{what}"
+
+    def _open(self, key, what):
+        """Every program arrived: check they wait at the same point, then open it (the caller holds _cond)."""
+        points = sorted(self._points.items())
+        if len({k for _, (k, _) in points}) > 1:
+            where = "; ".join(f"program {q} waits at {self._label(k, w)}" for q, (k, w) in points)
+            raise NkiValidationError(
+                f"LNC programs reached synchronisation points that do not pair up: {where}. Each program must "
+                "reach the same sequence of nisa.core_barrier and nisa.sendrecv calls (sendrecv: the same pipe_id "
+                "in the same order); on hardware these calls would wait for each other forever "
+                "(docs/simulator.md#choice-sendrecv-pairing)")
+        check_same_control_flow(self.contexts, self._label(key, what))
+        self._arrived.clear()
+        if key[0] == "core_barrier":
+            self.epoch += 1
+            self.barriers_passed += 1
+        else:
+            self.sendrecv_done[key[1]] = self.sendrecv_done.get(key[1], 0) + 1
+        payloads = dict(self._payloads)
+        self._delivered = {q: payloads for q in range(self.lnc)}
+        self._points.clear()
+        self._payloads.clear()
+        self._cond.notify_all()
 
     # ---- race detection on shared_hbm ----
     def note_access(self, storage, byte_index_view_fn, write: bool, p: int, what: str, new_bytes=None):

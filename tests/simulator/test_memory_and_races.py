@@ -1,12 +1,11 @@
 """SBUF/PSUM capacity accounting, LNC2 scheduling, barriers, private/shared HBM and races (runtime.py)."""
-import threading
-
 import numpy as np
 import pytest
 
 import nki.isa as nisa
 import nki.language as nl
 from simkit import hbm_store, in_kernel, randn, sbuf_load, simulate
+from simkit import run_with_timeout as _run_with_timeout
 
 from nkilib.simulator import run_kernel
 from nkilib.simulator.errors import CapacityError, NkiValidationError, RaceError, RaceWarning, UninitializedReadError
@@ -134,25 +133,6 @@ def half_copy(a):
     nisa.dma_copy(dst=t, src=a[r0:r0 + rows, :])
     nisa.dma_copy(dst=out[r0:r0 + rows, :], src=t)
     return out
-
-
-def _run_with_timeout(fn, seconds=20):
-    """Run fn() in a daemon thread; fail the test (instead of hanging) if it does not finish."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    th.join(seconds)
-    assert not th.is_alive(), f"kernel launch did not finish within {seconds} s (deadlock)"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def _exchange_kernel(with_barrier):

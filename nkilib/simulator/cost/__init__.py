@@ -62,7 +62,9 @@ Scheduler (scheduler.py):
   (chip bandwidth / 4 stacks, [LNCdoc]);
 - LNC2: one set of engines per program (physical core); `core_barrier` is a fence: it waits for all
   earlier instructions of its core, completes when both cores arrived (+ a semaphore latency), and
-  every later instruction of the core waits for it;
+  every later instruction of the core waits for it; a `sendrecv` pair (the k-th call on a pipe_id of
+  each core) starts both cores' transfers once both calls are ready plus the barrier latency, and
+  completes when both transfers have (docs/simulator.md#choice-sendrecv-pairing);
 - makespan = last end; modeled kernel time = makespan + `kernel_launch_overhead_s`.
 
 Band: constants the docs do not pin down are ESTIMATEs with a range (hardware.py); `scenario=

@@ -55,6 +55,24 @@ class _Timeline:
         self.ends.insert(k, end)
 
 
+def _sendrecv_pairs(records, programs):
+    """sendrecv records by rendezvous: the k-th call on a pipe_id of each program pairs with the k-th of the
+    other (docs/simulator.md#choice-sendrecv-pairing). Returns ({seq: pair}, {pair: [seqs]})."""
+    pair_of, pairs, count = {}, {}, {}
+    for i, r in enumerate(records):
+        if r.instr == "sendrecv":
+            pipe = r.attrs.get("pipe_id", 0)
+            k = count.get((r.program, pipe), 0)
+            count[(r.program, pipe)] = k + 1
+            pair_of[i] = (pipe, k)
+            pairs.setdefault((pipe, k), []).append(i)
+    for key, seqs in pairs.items():
+        if sorted(records[i].program for i in seqs) != list(programs):
+            raise CostModelError(f"sendrecv #{key[1]} on pipe_id {key[0]} is not made by every program once "
+                                 f"(programs {sorted(records[i].program for i in seqs)} of {list(programs)})")
+    return pair_of, pairs
+
+
 def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     """Place every trace record on its core's engines (rules in the module docstring)."""
     target = resolve_target(target) if isinstance(target, str) else target
@@ -74,6 +92,7 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
     last_fence = {}
     barrier_index = [None] * n
     barrier_count = {p: 0 for p in programs}
+    pair_of, pairs = _sendrecv_pairs(records, programs)
     for i, r in enumerate(records):
         p = r.program
         if costs[i].kind == "barrier":
@@ -137,6 +156,9 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
             hop_clock[eng_j] = target.semaphore_hop_cycles / _engine_clock(target, eng_j)
         return hop_clock[eng_j]
     barrier_arrivals = {}  # k -> {p: (time, seq)}
+    pair_arrivals = {}  # sendrecv pair -> {seq: (inputs ready, blocker)}
+    pair_released = set()  # sendrecv records whose pair met: their transfer may start
+    pair_finished = {}  # sendrecv pair -> seqs whose transfer completed
     known = []  # stack of seqs whose end just became known
 
     def set_end(i, s, e, why):
@@ -145,6 +167,20 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
 
     def on_deps_known(i):
         c = costs[i]
+        if i in pair_of and i not in pair_released:
+            # sendrecv: the transfers start once both cores' calls are ready plus the cross-core
+            # synchronisation, priced as core_barrier's (docs/simulator.md#choice-sendrecv-pairing)
+            arr = pair_arrivals.setdefault(pair_of[i], {})
+            arr[i] = (dep_ready[i], dep_arg[i])
+            if len(arr) < len(programs):
+                return
+            t_all, who = max((t, j) for j, (t, _) in arr.items())
+            for j, (_, own_blocker) in arr.items():
+                dep_ready[j] = t_all + target.barrier_latency_s
+                dep_arg[j] = who if who != j else own_blocker
+                pair_released.add(j)
+                on_deps_known(j)
+            return
         if c.kind == "dma" and c.dma.dge == "hw":  # one of the core's DGE instances, earliest free [TRN2]
             units = dge_units[records[i].program]
             begin, unit = min((u.earliest(dep_ready[i], c.dma.dge_seconds), k) for k, u in enumerate(units))
@@ -276,12 +312,21 @@ def schedule(trace, target="trn3", lnc: int | None = None) -> Schedule:
                     if a[1] <= clock + 1e-15 and a[0] <= 1e-6 * max(1.0, costs[i].dma.nbytes) + 1e-9]
             for i in done:
                 del active[p][i]
-                end[i] = clock
-                known.append(i)
                 slot_freed_by[p] = i
                 dma_bytes[p] += costs[i].dma.nbytes
                 hbm_bytes[p] += costs[i].dma.hbm_bytes
                 remaining_total -= 1
+                if i in pair_of:  # a sendrecv completes when both cores' transfers have (its dst is the peer's)
+                    fin = pair_finished.setdefault(pair_of[i], set())
+                    fin.add(i)
+                    if len(fin) < len(programs):
+                        continue
+                    for j in fin:
+                        end[j] = clock
+                        known.append(j)
+                    continue
+                end[i] = clock
+                known.append(i)
         if known:
             drain()
 

@@ -12,6 +12,7 @@ from .activation import activation, activation_reduce  # noqa: F401
 from .copy import memset, tensor_copy  # noqa: F401
 from .dma import dma_copy, dma_transpose  # noqa: F401
 from .dma_compute import dma_compute  # noqa: F401
+from .exchange import sendrecv  # noqa: F401
 from .elementwise import iota, reciprocal, scalar_tensor_tensor, tensor_scalar, tensor_tensor  # noqa: F401
 from .matmul import nc_matmul  # noqa: F401
 from .reduce import tensor_reduce  # noqa: F401
@@ -34,7 +35,7 @@ _NOT_SIMULATED = frozenset({
     "activate2", "tensor_partition_reduce", "tensor_tensor_scan", "tensor_scalar_reduce", "tensor_scalar_cumulative",
     "tensor_copy_predicated", "exponential", "dropout", "affine_select", "range_select", "select_reduce",
     "sequence_bounds", "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "max8", "nc_find_index8",
-    "nc_match_replace8", "nc_stream_shuffle", "sendrecv", "rng", "rand2", "rand_set_state", "rand_get_state",
+    "nc_match_replace8", "nc_stream_shuffle", "rng", "rand2", "rand_set_state", "rand_get_state",
     "set_rng_seed", "nonzero_with_count", "topk",
 })
 
