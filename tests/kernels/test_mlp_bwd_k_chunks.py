@@ -171,3 +171,28 @@ def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_it
 
     spread, copies, fits = in_kernel(body)
     assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)
+
+
+def test_spilling_chunks_pass_their_sums_through_one_sbuf_ring(shrunk_budgets):
+    """Round 51a: the chunks that spill (all but the last) evict, transpose and fetch their fp32 sums through one SBUF
+    allocation (PartialSums' ring of PARTIAL_RING_SLOTS tiles, from the first spill on), so a chunk's tail, run after
+    the next chunk's first panels were loaded ahead, allocates no new SBUF for them: with a tile per spill and fetch
+    (before) the long-S H = I = 2880 and 9728 x 4096 x 1536 shapes found no gap for one (a plan error). Three chunks
+    per phase (S = 6144, shrunk budgets), one core: every spill DMA reads that one tile, and the fetches of the middle
+    chunk's sums and of the last chunk's first tile write into it (fetched under the tail of the chunk before)."""
+    S, H, I = 6144, 192, 320
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=11)
+    res = run_mlp(inp, lnc=1, trace=True, weight_grad_dtype="float32")
+    assert_mlp_bit_exact(res.outputs, inp, weight_grad_dtype="float32")
+    assert [t[0] for t in shrunk_budgets] == [[0, 2048, 4096]] * 2, shrunk_budgets  # phases 4 and 3
+    spills = {}  # the HBM sums' name -> SBUF storage ids its spill DMAs read
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.writes[0].buffer == "private_hbm" and r.reads[0].buffer == "sbuf":
+            spills.setdefault(r.writes[0].name, []).append(r.reads[0].storage_id)
+    assert len(spills) == 2, spills
+    for name, sources in spills.items():
+        fetched = [r.writes[0].storage_id for r in res.trace if r.instr == "dma_copy" and r.reads[0].name == name]
+        tiles = len(sources) // 2  # each tile spilled by two chunks, fetched by two
+        assert len(fetched) == len(sources) == 2 * tiles, (name, len(fetched), len(sources))
+        assert len(set(sources)) == 1, (name, sources)
+        assert fetched[:tiles + 1] == sources[:1] * (tiles + 1), (name, fetched, sources[0])

@@ -29,8 +29,8 @@ import dataclasses
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import ceil_div, round_up
-from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
+from ..kernel_helpers import ceil_div, kernel_assert, round_up
+from .constants import (K_CHUNK_ALIGN, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
                         PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
                         STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
@@ -112,7 +112,14 @@ class PartialSums(nl.NKIObject):
     Dimensions:
         hbm [tiles, 128, n_tile rounded up to 128] fp32: tile (m0, n0)'s sums transposed per 128-column block:
         row r, column c0 + m holds out[m0 + m, n0 + c0 + r] (c0 a multiple of 128).
+        ring [128, PARTIAL_RING_SLOTS x width] fp32 in SBUF while chunks that spill run (SpillEpilogue): slot
+        FETCH_SLOT the fetched sums of the next tile to reload, EVICT_SLOT / FLIP_SLOT the tile being spilled (as
+        evicted from PSUM, as transposed). One allocation from the first spill to the last chunk's first reload: the
+        short-lived tiles of a chunk's tail take no new SBUF after the next chunk's first loads (constants.py
+        PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into a tile per fetch, as before.
     """
+
+    FETCH_SLOT, EVICT_SLOT, FLIP_SLOT = 0, 1, 2
 
     def __init__(self, ranges, m_tile: int, n_tile: int):
         (m_lo, m_hi), (n_lo, n_hi) = ranges
@@ -121,18 +128,26 @@ class PartialSums(nl.NKIObject):
         self.width = round_up(n_tile, PARTITIONS)
         count = ceil_div(m_hi - m_lo, m_tile) * self.n_count
         self.hbm = nl.ndarray((count, PARTITIONS, self.width), dtype=nl.float32, buffer=nl.private_hbm)
-        self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload, oldest first
+        self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload (at most one)
+        self.deferred = []  # [(m0, n0, nsz)] a fetch waiting for the ring's fetch slot (the next chunk's first tile)
+        self.ring = None
+        self.spilling = False  # a chunk that spills runs (SpillEpilogue.prepare / finish): fetches use the ring
 
     def index(self, m0: int, n0: int) -> int:
         return (m0 - self.m_lo) // self.m_tile * self.n_count + (n0 - self.n_lo) // self.n_tile
+
+    def _slot(self, slot: int):
+        """The ring's slot `slot`, a [128, width] fp32 view (the ring allocated at its first use)."""
+        if self.ring == None:  # noqa: E711
+            self.ring = nl.ndarray((PARTITIONS, PARTIAL_RING_SLOTS * self.width), dtype=nl.float32, buffer=nl.sbuf)
+        return self.ring[:, slot * self.width:(slot + 1) * self.width]
 
     def spill(self, m0: int, msz: int, n0: int, nsz: int, acc) -> None:
         """Store tile (m0, n0)'s sums (acc [:rows, :nsz] in PSUM, rows = msz padded to the even M the matmuls
         wrote) transposed: evict on ScalarE, transpose each 128-column block on the PE array, copy, DMA."""
         rows = msz + msz % 2
         whole = rows == PARTITIONS and nsz % PARTITIONS == 0
-        natural = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
-        flipped = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        natural, flipped = self._slot(self.EVICT_SLOT), self._slot(self.FLIP_SLOT)
         nisa.tensor_copy(dst=natural[:rows, :nsz], src=acc[:rows, :nsz], engine=nisa.engine.scalar)
         for c0 in range(0, nsz, PSUM_BANK_COLUMNS):
             cw = min(PSUM_BANK_COLUMNS, nsz - c0)
@@ -149,27 +164,50 @@ class PartialSums(nl.NKIObject):
         nisa.dma_copy(dst=self.hbm[self.index(m0, n0), :, :span], src=flipped[:, :span])
 
     def fetch(self, m0: int, n0: int, nsz: int) -> None:
-        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch)."""
+        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch): while a spilling
+        chunk runs, into the ring's fetch slot, or, that slot taken by a sum not reloaded yet (the next chunk's
+        first tile, prefetched under this chunk's tail), later (fetch_deferred); else into a tile of its own."""
         idx = self.index(m0, n0)
-        if any(i == idx for i, _ in self.fetched):
+        if any(i == idx for i, _ in self.fetched) or any(self.index(a, b) == idx for a, b, _ in self.deferred):
             return
+        if self.spilling and self.fetched:
+            self.deferred = self.deferred + [(m0, n0, nsz)]
+            return
+        waiting = [i for i, _ in self.fetched]
+        kernel_assert(not waiting, f"PartialSums.fetch: tile {idx} fetched while tiles {waiting} wait for their "
+                                   f"reload (one fetch ahead)")
+        if self.spilling:
+            tile = self._slot(self.FETCH_SLOT)
+        else:
+            tile = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
         span = round_up(nsz, PARTITIONS)
-        tile = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile[:, :span], src=self.hbm[idx, :, :span])
-        self.fetched = self.fetched[-(PARTIAL_FETCH_AHEAD - 1):] + [(idx, tile)]
+        self.fetched = [(idx, tile)]
+
+    def fetch_deferred(self) -> None:
+        """The fetch that waited for the ring's fetch slot, once the tile before it was reloaded (SpillEpilogue at
+        its chunk's last tile; reload)."""
+        kernel_assert(len(self.deferred) <= 1, f"PartialSums: {len(self.deferred)} fetches deferred, at most one (the "
+                                               f"next chunk's first tile)")
+        if self.deferred and not self.fetched:
+            (m0, n0, nsz), self.deferred = self.deferred[0], []
+            self.fetch(m0, n0, nsz)
 
     def held_bytes(self) -> int:
-        """SBUF bytes per partition the fetched sums take while a chunk that reloads them runs its last tiles
-        (overlap.held_bytes_at_tail): one [128, width] fp32 tile, the sums of the tile being reloaded, live across its
-        run (the next tile's, fetched ahead, joins it only until that reload's transposes). Uncounted, phase 4's first
-        load under phase 3's last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a
-        4.5 KiB tile was live, and two of its 15 KiB words pieces found no gap (refused); both of PARTIAL_FETCH_AHEAD
-        counted, S = 32768 there lost a middle chunk's prefetch (2.03950 / 2.39976 -> 2.08387 / 2.44305 ms; round 48b
-        of docs/dense-performance.md)."""
+        """SBUF bytes per partition the fetched sums take while the last chunk, which only reloads them, runs its last
+        tiles (overlap.held_bytes_at_tail; a spilling chunk's are in its ring, SpillEpilogue.held_bytes): one
+        [128, width] fp32 tile, the sums of the tile being reloaded. Uncounted, phase 4's first load under phase 3's
+        last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a 4.5 KiB tile was live,
+        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md)."""
         return self.width * 4
+
+    def ring_bytes(self) -> int:
+        """SBUF bytes per partition of the ring (PARTIAL_RING_SLOTS fp32 tiles)."""
+        return PARTIAL_RING_SLOTS * self.width * 4
 
     def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
         """Put tile (m0, n0)'s sums back into acc [:rows, :nsz] (PSUM) by PE transposes, bit-exactly."""
+        self.fetch_deferred()
         self.fetch(m0, n0, nsz)
         idx = self.index(m0, n0)
         flipped = [t for i, t in self.fetched if i == idx][0]
@@ -181,22 +219,31 @@ class PartialSums(nl.NKIObject):
 
 class SpillEpilogue(nl.NKIObject):
     """Epilogue of a K-chunked plan's chunks but the last (MatmulPlan's epilogue protocol): spill each finished
-    tile's sums to PartialSums."""
+    tile's sums to PartialSums, through its ring (the fetched sums of the next chunk's first tile too)."""
+
+    rings_fetched_sums = True  # held_bytes counts the reloaded sums (overlap.held_bytes_at_tail)
 
     def __init__(self, partials: PartialSums):
         self.partials = partials
+        self.tiles = 0
 
     def prepare(self, plan) -> None:
-        pass
+        self.partials.spilling = True
+        self.tiles = len(plan.order)
 
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        if i == self.tiles - 1:  # the chunk's last reload is issued: the next chunk's first sums may take the slot
+            self.partials.fetch_deferred()
         self.partials.spill(m0, msz, n0, nsz, accumulators[0])
 
     def finish(self) -> None:
-        pass
+        self.partials.fetch_deferred()
+        self.partials.spilling = False
 
     def held_bytes(self, n_tile) -> int:
-        return 2 * round_up(n_tile, PARTITIONS) * 4
+        """The ring: the spilled tile (evicted, transposed) and the fetched sums of the tile reloaded or the next
+        chunk's first one (PARTIAL_RING_SLOTS tiles; the first chunk fetches the second's under its tail)."""
+        return self.partials.ring_bytes()
 
 
 class KChunkedPlan(nl.NKIObject):
