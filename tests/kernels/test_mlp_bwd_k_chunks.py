@@ -173,26 +173,36 @@ def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_it
     assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)
 
 
-def test_spilling_chunks_pass_their_sums_through_one_sbuf_ring(shrunk_budgets):
-    """Round 51a: the chunks that spill (all but the last) evict, transpose and fetch their fp32 sums through one SBUF
-    allocation (PartialSums' ring of PARTIAL_RING_SLOTS tiles, from the first spill on), so a chunk's tail, run after
-    the next chunk's first panels were loaded ahead, allocates no new SBUF for them: with a tile per spill and fetch
-    (before) the long-S H = I = 2880 and 9728 x 4096 x 1536 shapes found no gap for one (a plan error). Three chunks
-    per phase (S = 6144, shrunk budgets), one core: every spill DMA reads that one tile, and the fetches of the middle
-    chunk's sums and of the last chunk's first tile write into it (fetched under the tail of the chunk before)."""
+def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_budgets):
+    """Round 51a: a chunk that spills (all but the last) evicts, transposes and fetches its fp32 sums from its last
+    loading tile on (its tail, under which the next chunk's first panels load) through one SBUF allocation
+    (PartialSums' ring of PARTIAL_RING_SLOTS tiles), the next chunk's first fetched sums included (fetched once this
+    chunk's last tile was reloaded): the tail allocates no new SBUF for them after the next chunk's first loads. With a
+    tile per spill and per fetch (before) the long-S H = I = 2880 shapes and 9728 x 4096 x 1536 found no gap for one
+    (plan errors). The last chunk, which only reloads, fetches into one tile, reused (a new tile per fetch before).
+    Three chunks per phase (S = 6144, shrunk budgets), one core, bit-exact: each later chunk's first fetch writes the
+    SBUF tile that the chunk before's last spill read, and the last chunk's later fetches write one tile."""
     S, H, I = 6144, 192, 320
     inp = mlp_inputs_with_checkpoints(S, H, I, seed=11)
     res = run_mlp(inp, lnc=1, trace=True, weight_grad_dtype="float32")
     assert_mlp_bit_exact(res.outputs, inp, weight_grad_dtype="float32")
     assert [t[0] for t in shrunk_budgets] == [[0, 2048, 4096]] * 2, shrunk_budgets  # phases 4 and 3
-    spills = {}  # the HBM sums' name -> SBUF storage ids its spill DMAs read
+    dmas = {}  # the HBM sums' name -> [(spill / fetch, SBUF storage id)] in program order
     for r in res.trace:
         if r.instr == "dma_copy" and r.writes[0].buffer == "private_hbm" and r.reads[0].buffer == "sbuf":
-            spills.setdefault(r.writes[0].name, []).append(r.reads[0].storage_id)
-    assert len(spills) == 2, spills
-    for name, sources in spills.items():
-        fetched = [r.writes[0].storage_id for r in res.trace if r.instr == "dma_copy" and r.reads[0].name == name]
-        tiles = len(sources) // 2  # each tile spilled by two chunks, fetched by two
-        assert len(fetched) == len(sources) == 2 * tiles, (name, len(fetched), len(sources))
-        assert len(set(sources)) == 1, (name, sources)
-        assert fetched[:tiles + 1] == sources[:1] * (tiles + 1), (name, fetched, sources[0])
+            dmas.setdefault(r.writes[0].name, []).append(("spill", r.reads[0].storage_id))
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.reads[0].name in dmas:
+            dmas[r.reads[0].name].append(("fetch", r.writes[0].storage_id))
+    assert len(dmas) == 2, dmas
+    widest = 0
+    for name, seen in dmas.items():
+        spills = [sid for kind, sid in seen if kind == "spill"]
+        fetches = [sid for kind, sid in seen if kind == "fetch"]
+        tiles = len(spills) // 2  # each tile spilled by two chunks, fetched by two
+        assert len(fetches) == len(spills) == 2 * tiles, (name, seen)
+        for c in (1, 2):  # chunk c's first fetch: the ring of chunk c - 1's tail
+            assert fetches[(c - 1) * tiles] == spills[c * tiles - 1], (name, c, seen)
+        assert len(set(fetches[tiles + 1:])) == 1, (name, seen)  # the last chunk's: one tile, reused
+        widest = max(widest, tiles)
+    assert widest > 2, dmas  # a last chunk with more than one fetch after its first

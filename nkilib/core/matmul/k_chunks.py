@@ -112,11 +112,15 @@ class PartialSums(nl.NKIObject):
     Dimensions:
         hbm [tiles, 128, n_tile rounded up to 128] fp32: tile (m0, n0)'s sums transposed per 128-column block:
         row r, column c0 + m holds out[m0 + m, n0 + c0 + r] (c0 a multiple of 128).
-        ring [128, PARTIAL_RING_SLOTS x width] fp32 in SBUF while chunks that spill run (SpillEpilogue): slot
-        FETCH_SLOT the fetched sums of the next tile to reload, EVICT_SLOT / FLIP_SLOT the tile being spilled (as
-        evicted from PSUM, as transposed). One allocation from the first spill to the last chunk's first reload: the
-        short-lived tiles of a chunk's tail take no new SBUF after the next chunk's first loads (constants.py
-        PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into a tile per fetch, as before.
+        ring [128, PARTIAL_RING_SLOTS x width] fp32 in SBUF, one per tail of a chunk that spills (its tiles after its
+        last load, MatmulPlan.last_load, and that tile's spill): slot FETCH_SLOT the fetched sums of the next tile to
+        reload (the next chunk's first tile's too, once this chunk's last was reloaded), EVICT_SLOT / FLIP_SLOT the
+        tile being spilled (as evicted from PSUM, as transposed). Allocated at the tail's first access, before the
+        next chunk's first loads (prefetched under this tail), the tail's short-lived tiles take no new SBUF after
+        them (constants.py PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into one [128, width] tile,
+        reused, for the same reason under the next plan's first loads. Elsewhere (a spilling chunk's head) a tile per
+        spill and per fetch, placed as they come: a ring live across a chunk's own panel loads put S = 16384 / 32768,
+        H = I = 2880 past SBUF (round 51a of docs/dense-performance.md).
     """
 
     FETCH_SLOT, EVICT_SLOT, FLIP_SLOT = 0, 1, 2
@@ -130,24 +134,49 @@ class PartialSums(nl.NKIObject):
         self.hbm = nl.ndarray((count, PARTITIONS, self.width), dtype=nl.float32, buffer=nl.private_hbm)
         self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload (at most one)
         self.deferred = []  # [(m0, n0, nsz)] a fetch waiting for the ring's fetch slot (the next chunk's first tile)
+        self.tail_tiles = []  # tile indices of the running spilling chunk's tail (open_chunk)
+        self.in_tail = False  # that chunk's tail began: spills and fetches go through the ring
         self.ring = None
-        self.spilling = False  # a chunk that spills runs (SpillEpilogue.prepare / finish): fetches use the ring
+        self.last_chunk = False  # the last spilling chunk closed: the chunk running only reloads
+        self.last_fetch = None  # its one fetch tile, reused by each of its fetches
 
     def index(self, m0: int, n0: int) -> int:
         return (m0 - self.m_lo) // self.m_tile * self.n_count + (n0 - self.n_lo) // self.n_tile
 
+    def open_chunk(self, tail_tiles) -> None:
+        """A chunk that spills begins (SpillEpilogue.prepare): `tail_tiles`, its (m0, n0) after its last load."""
+        self.tail_tiles = [self.index(m0, n0) for m0, n0 in tail_tiles]
+        self.in_tail, self.ring, self.last_chunk = False, None, False
+
+    def close_chunk(self) -> None:
+        """That chunk ended (SpillEpilogue.finish): until another opens, the chunk running (the last) fetches into one
+        tile of its own, reused."""
+        self.fetch_deferred()
+        self.tail_tiles, self.in_tail, self.ring, self.last_chunk = [], False, None, True
+
     def _slot(self, slot: int):
-        """The ring's slot `slot`, a [128, width] fp32 view (the ring allocated at its first use)."""
+        """The ring's slot `slot`, a [128, width] fp32 view (a ring allocated at its first use in a tail)."""
         if self.ring == None:  # noqa: E711
             self.ring = nl.ndarray((PARTITIONS, PARTIAL_RING_SLOTS * self.width), dtype=nl.float32, buffer=nl.sbuf)
         return self.ring[:, slot * self.width:(slot + 1) * self.width]
+
+    def _tile(self, slot: int):
+        """Where the next spill (EVICT_SLOT, FLIP_SLOT) or fetch (FETCH_SLOT) goes: the ring's slot in a tail; the
+        last chunk's fetch tile; else a new [128, width] fp32 tile."""
+        if self.in_tail:
+            return self._slot(slot)
+        if slot == self.FETCH_SLOT and self.last_chunk:
+            if self.last_fetch == None:  # noqa: E711
+                self.last_fetch = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+            return self.last_fetch
+        return nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
 
     def spill(self, m0: int, msz: int, n0: int, nsz: int, acc) -> None:
         """Store tile (m0, n0)'s sums (acc [:rows, :nsz] in PSUM, rows = msz padded to the even M the matmuls
         wrote) transposed: evict on ScalarE, transpose each 128-column block on the PE array, copy, DMA."""
         rows = msz + msz % 2
         whole = rows == PARTITIONS and nsz % PARTITIONS == 0
-        natural, flipped = self._slot(self.EVICT_SLOT), self._slot(self.FLIP_SLOT)
+        natural, flipped = self._tile(self.EVICT_SLOT), self._tile(self.FLIP_SLOT)
         nisa.tensor_copy(dst=natural[:rows, :nsz], src=acc[:rows, :nsz], engine=nisa.engine.scalar)
         for c0 in range(0, nsz, PSUM_BANK_COLUMNS):
             cw = min(PSUM_BANK_COLUMNS, nsz - c0)
@@ -164,29 +193,27 @@ class PartialSums(nl.NKIObject):
         nisa.dma_copy(dst=self.hbm[self.index(m0, n0), :, :span], src=flipped[:, :span])
 
     def fetch(self, m0: int, n0: int, nsz: int) -> None:
-        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch): while a spilling
-        chunk runs, into the ring's fetch slot, or, that slot taken by a sum not reloaded yet (the next chunk's
-        first tile, prefetched under this chunk's tail), later (fetch_deferred); else into a tile of its own."""
+        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch). In a spilling chunk's
+        tail (from the fetch of its first tail tile on) into the ring's fetch slot, or, that slot taken by a sum not
+        reloaded yet (the next chunk's first tile, prefetched under the tail), once it is free (fetch_deferred)."""
         idx = self.index(m0, n0)
         if any(i == idx for i, _ in self.fetched) or any(self.index(a, b) == idx for a, b, _ in self.deferred):
             return
-        if self.spilling and self.fetched:
+        self.in_tail = self.in_tail or any(i == idx for i in self.tail_tiles)
+        if self.in_tail and self.fetched:
             self.deferred = self.deferred + [(m0, n0, nsz)]
             return
         waiting = [i for i, _ in self.fetched]
         kernel_assert(not waiting, f"PartialSums.fetch: tile {idx} fetched while tiles {waiting} wait for their "
                                    f"reload (one fetch ahead)")
-        if self.spilling:
-            tile = self._slot(self.FETCH_SLOT)
-        else:
-            tile = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        tile = self._tile(self.FETCH_SLOT)
         span = round_up(nsz, PARTITIONS)
         nisa.dma_copy(dst=tile[:, :span], src=self.hbm[idx, :, :span])
         self.fetched = [(idx, tile)]
 
     def fetch_deferred(self) -> None:
-        """The fetch that waited for the ring's fetch slot, once the tile before it was reloaded (SpillEpilogue at
-        its chunk's last tile; reload)."""
+        """The fetch that waited for the ring's fetch slot, once that slot's sums were reloaded (SpillEpilogue at its
+        chunk's last tile; reload)."""
         kernel_assert(len(self.deferred) <= 1, f"PartialSums: {len(self.deferred)} fetches deferred, at most one (the "
                                                f"next chunk's first tile)")
         if self.deferred and not self.fetched:
@@ -202,7 +229,7 @@ class PartialSums(nl.NKIObject):
         return self.width * 4
 
     def ring_bytes(self) -> int:
-        """SBUF bytes per partition of the ring (PARTIAL_RING_SLOTS fp32 tiles)."""
+        """SBUF bytes per partition of a tail's ring (PARTIAL_RING_SLOTS fp32 tiles)."""
         return PARTIAL_RING_SLOTS * self.width * 4
 
     def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
@@ -219,30 +246,32 @@ class PartialSums(nl.NKIObject):
 
 class SpillEpilogue(nl.NKIObject):
     """Epilogue of a K-chunked plan's chunks but the last (MatmulPlan's epilogue protocol): spill each finished
-    tile's sums to PartialSums, through its ring (the fetched sums of the next chunk's first tile too)."""
+    tile's sums to PartialSums, from its last loading tile on through the ring of its tail."""
 
     rings_fetched_sums = True  # held_bytes counts the reloaded sums (overlap.held_bytes_at_tail)
 
     def __init__(self, partials: PartialSums):
         self.partials = partials
+        self.last_load = 0
         self.tiles = 0
 
     def prepare(self, plan) -> None:
-        self.partials.spilling = True
-        self.tiles = len(plan.order)
+        self.last_load, self.tiles = plan.last_load(), len(plan.order)
+        self.partials.open_chunk([(m0, n0) for (m0, _), (n0, _) in plan.order[self.last_load + 1:]])
 
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        if i >= self.last_load:  # the tail's ring (a reloading chunk's opens at its first tail tile's fetch)
+            self.partials.in_tail = True
         if i == self.tiles - 1:  # the chunk's last reload is issued: the next chunk's first sums may take the slot
             self.partials.fetch_deferred()
         self.partials.spill(m0, msz, n0, nsz, accumulators[0])
 
     def finish(self) -> None:
-        self.partials.fetch_deferred()
-        self.partials.spilling = False
+        self.partials.close_chunk()
 
     def held_bytes(self, n_tile) -> int:
-        """The ring: the spilled tile (evicted, transposed) and the fetched sums of the tile reloaded or the next
-        chunk's first one (PARTIAL_RING_SLOTS tiles; the first chunk fetches the second's under its tail)."""
+        """The tail's ring: the spilled tile (evicted, transposed) and the fetched sums of the tile reloaded or of the
+        next chunk's first one (PARTIAL_RING_SLOTS tiles; the first chunk fetches the second's under its tail)."""
         return self.partials.ring_bytes()
 
 
