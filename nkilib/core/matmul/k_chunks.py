@@ -30,9 +30,9 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, round_up
-from .constants import (K_CHUNK_ALIGN, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
-                        PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
-                        STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES,
+                        PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
@@ -396,4 +396,7 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
         chunk_epilogue = epilogue if c == len(windows) - 1 else SpillEpilogue(partials)
         chunks.append(MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, chunk_epilogue,
                                  reload=partials if c else None, **options))
+        if c:  # its first panels load under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
+            for source in chunks[-1].moving:
+                source.piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
     return KChunkedPlan(chunks)
