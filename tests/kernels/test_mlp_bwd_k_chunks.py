@@ -209,19 +209,20 @@ def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_bud
     assert widest > 2, dmas  # a last chunk with more than one fetch after its first
 
 
-def test_later_chunks_quantize_their_moving_panels_in_narrower_pieces():
+def test_a_later_chunks_first_moving_panel_goes_in_narrower_pieces():
     """Round 51a: a later K chunk's first moving panel loads under the chunk before's tail, among the holes that chunk's
-    dead panels leave: its moving sources quantize words above MX_PANEL_WHOLE_MAX_BYTES in K_CHUNK_PANEL_PIECE_BYTES
-    pieces, narrower than MX_PANEL_PIECE_BYTES (S = 32768, H = I = 2880: a 12 KiB piece of X against holes of 12032 B
-    and less, refused); the first chunk's as any plan's. Phase 4 at S = 16384 (two chunks of 8192 rows)."""
+    dead panels leave: its moving sources quantize that panel's words (above MX_PANEL_WHOLE_MAX_BYTES) in
+    K_CHUNK_PANEL_PIECE_BYTES pieces, narrower than MX_PANEL_PIECE_BYTES (S = 32768, H = I = 2880: a 12 KiB piece of X
+    against holes of 12032 B and less, refused), their later panels and the first chunk's as any plan's. Phase 4 at
+    S = 16384 (two chunks of 8192 rows): the placement each chunk's moving source gives its first and second load."""
     _, dy, inter = _phase4_plan(16384)
     epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
 
     def body():
         chunked = k_chunks_module.plan_matmul([dy], [inter], 2048, 768, SETUP, MatmulConfig(n_tile=2048),
                                               CoreSplit(2, 0), epilogue, k_chunks=True, lead_n_major=True)
-        return [[source.piece_bytes for source in chunk.moving] for chunk in chunked.chunks]
+        return [[chunk.moving[0]._placement(128).piece_bytes for _ in range(2)] for chunk in chunked.chunks]
 
     first, later = in_kernel(body)
-    assert first == [0] and later == [constants_module.K_CHUNK_PANEL_PIECE_BYTES], (first, later)
+    assert first == [0, 0] and later == [constants_module.K_CHUNK_PANEL_PIECE_BYTES, 0], (first, later)
     assert 0 < later[0] < constants_module.MX_PANEL_PIECE_BYTES

@@ -396,7 +396,7 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
         chunk_epilogue = epilogue if c == len(windows) - 1 else SpillEpilogue(partials)
         chunks.append(MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, chunk_epilogue,
                                  reload=partials if c else None, **options))
-        if c:  # its first panels load under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
+        if c:  # its first panel loads under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
             for source in chunks[-1].moving:
-                source.piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
+                source.first_piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
     return KChunkedPlan(chunks)
