@@ -29,11 +29,12 @@ STILL_REFUSED = {
     (3584, 2048, 1536): "SBUF: phase 2's 24 KiB W_gu words find no gap among 14 separate kept panels",
     (2048, 2880, 2880): "SBUF: a 22.5 KiB tile finds no gap",
     # found by the session-20 sweep run of the H = I = 2880 pair (before round 50b; 6656 x 2880 x 2880, PSUM, was
-    # refused too and runs after round 50b's PSUM rule; these four are refused after it as well)
-    (27136, 2880, 2880): "SBUF: a 12 KiB tile's wait for a later access closes a cycle",
-    (28160, 2880, 2880): "SBUF: a 12 KiB tile's wait for a later access closes a cycle",
-    (31232, 2880, 2880): "SBUF: a 12 KiB tile's wait for a later access closes a cycle",
-    (32256, 2880, 2880): "SBUF: a 12 KiB tile's wait for a later access closes a cycle",
+    # refused too and runs after round 50b's PSUM rule; these four are refused after it as well, and after round 51a's
+    # K-chunk tail ring with other tiles)
+    (27136, 2880, 2880): "SBUF: a 30 KiB tile finds no placement it may wait for",
+    (28160, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
+    (31232, 2880, 2880): "SBUF: 30 KiB and 6 KiB tiles find no placement they may wait for",
+    (32256, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
 }
 
 
