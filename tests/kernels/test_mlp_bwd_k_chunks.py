@@ -179,7 +179,7 @@ def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_bud
     loading tile on (its tail, under which the next chunk's first panels load) through one SBUF allocation
     (PartialSums' ring of PARTIAL_RING_SLOTS tiles), the next chunk's first fetched sums included (fetched once this
     chunk's last tile was reloaded): the tail allocates no new SBUF for them after the next chunk's first loads. With a
-    tile per spill and per fetch (before) the long-S H = I = 2880 shapes and 9728 x 4096 x 1536 found no gap for one
+    tile per spill and per fetch (before) 9728 x 4096 x 1536 and 10240 x 4096 x 1792 found no gap for one
     (plan errors). The last chunk, which only reloads, fetches into one tile, reused (a new tile per fetch before).
     Three chunks per phase (S = 6144, shrunk budgets), one core, bit-exact: each later chunk's first fetch writes the
     SBUF tile that the chunk before's last spill read, and the last chunk's later fetches write one tile."""
