@@ -29,8 +29,8 @@ def load_bytes(plan, source, width) -> int:
 
 def held_bytes_at_tail(plan) -> int:
     """Upper bound of the SBUF bytes per partition `plan` holds while its last tiles run (a K chunk that reloads an
-    earlier chunk's sums: the fetched fp32 tile of the one it reloads, PartialSums.held_bytes, or a spilling chunk's ring of
-    them, SpillEpilogue.held_bytes)."""
+    earlier chunk's sums: the fetched fp32 tile of the one it reloads, PartialSums.held_bytes, or a spilling chunk's
+    ring of them, SpillEpilogue.held_bytes)."""
     if not plan.order:
         return 0
     total = 0
