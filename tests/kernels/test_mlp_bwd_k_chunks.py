@@ -11,6 +11,7 @@ import nki.language as nl
 import pytest
 
 from nkilib.core.matmul import CoreSplit, KChunkedPlan, MatmulPlan, MatmulSetup, TensorDescriptor
+from nkilib.core.matmul import constants as constants_module
 from nkilib.core.matmul import k_chunks as k_chunks_module
 from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
@@ -171,3 +172,57 @@ def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_it
 
     spread, copies, fits = in_kernel(body)
     assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)
+
+
+def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_budgets):
+    """Round 51a: a chunk that spills (all but the last) evicts, transposes and fetches its fp32 sums from its last
+    loading tile on (its tail, under which the next chunk's first panels load) through one SBUF allocation
+    (PartialSums' ring of PARTIAL_RING_SLOTS tiles), the next chunk's first fetched sums included (fetched once this
+    chunk's last tile was reloaded): the tail allocates no new SBUF for them after the next chunk's first loads. With a
+    tile per spill and per fetch (before) 9728 x 4096 x 1536 and 10240 x 4096 x 1792 found no gap for one
+    (plan errors). The last chunk, which only reloads, fetches into one tile, reused (a new tile per fetch before).
+    Three chunks per phase (S = 6144, shrunk budgets), one core, bit-exact: each later chunk's first fetch writes the
+    SBUF tile that the chunk before's last spill read, and the last chunk's later fetches write one tile."""
+    S, H, I = 6144, 192, 320
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=11)
+    res = run_mlp(inp, lnc=1, trace=True, weight_grad_dtype="float32")
+    assert_mlp_bit_exact(res.outputs, inp, weight_grad_dtype="float32")
+    assert [t[0] for t in shrunk_budgets] == [[0, 2048, 4096]] * 2, shrunk_budgets  # phases 4 and 3
+    dmas = {}  # the HBM sums' name -> [(spill / fetch, SBUF storage id)] in program order
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.writes[0].buffer == "private_hbm" and r.reads[0].buffer == "sbuf":
+            dmas.setdefault(r.writes[0].name, []).append(("spill", r.reads[0].storage_id))
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.reads[0].name in dmas:
+            dmas[r.reads[0].name].append(("fetch", r.writes[0].storage_id))
+    assert len(dmas) == 2, dmas
+    widest = 0
+    for name, seen in dmas.items():
+        spills = [sid for kind, sid in seen if kind == "spill"]
+        fetches = [sid for kind, sid in seen if kind == "fetch"]
+        tiles = len(spills) // 2  # each tile spilled by two chunks, fetched by two
+        assert len(fetches) == len(spills) == 2 * tiles, (name, seen)
+        for c in (1, 2):  # chunk c's first fetch: the ring of chunk c - 1's tail
+            assert fetches[(c - 1) * tiles] == spills[c * tiles - 1], (name, c, seen)
+        assert len(set(fetches[tiles + 1:])) == 1, (name, seen)  # the last chunk's: one tile, reused
+        widest = max(widest, tiles)
+    assert widest > 2, dmas  # a last chunk with more than one fetch after its first
+
+
+def test_a_later_chunks_first_moving_panel_goes_in_narrower_pieces():
+    """Round 51a: a later K chunk's first moving panel loads under the chunk before's tail, among the holes that chunk's
+    dead panels leave: its moving sources quantize that panel's words (above MX_PANEL_WHOLE_MAX_BYTES) in
+    K_CHUNK_PANEL_PIECE_BYTES pieces, narrower than MX_PANEL_PIECE_BYTES (S = 32768, H = I = 2880: a 12 KiB piece of X
+    against holes of 12032 B and less, refused), their later panels and the first chunk's as any plan's. Phase 4 at
+    S = 16384 (two chunks of 8192 rows): the placement each chunk's moving source gives its first and second load."""
+    _, dy, inter = _phase4_plan(16384)
+    epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
+
+    def body():
+        chunked = k_chunks_module.plan_matmul([dy], [inter], 2048, 768, SETUP, MatmulConfig(n_tile=2048),
+                                              CoreSplit(2, 0), epilogue, k_chunks=True, lead_n_major=True)
+        return [[chunk.moving[0]._placement(128).piece_bytes for _ in range(2)] for chunk in chunked.chunks]
+
+    first, later = in_kernel(body)
+    assert first == [0, 0] and later == [constants_module.K_CHUNK_PANEL_PIECE_BYTES, 0], (first, later)
+    assert 0 < later[0] < constants_module.MX_PANEL_PIECE_BYTES

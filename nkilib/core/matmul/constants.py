@@ -57,7 +57,18 @@ STREAM_STAGING_BUFFERS = 4  # staging ring of a K-streamed group's moving K-tile
 K_CHUNK_ALIGN = 2048  # K rows a K-chunked plan's chunks start at multiples of (MX_K_TILE x SCALE_PACK_SLOTS: whole
 # scale tiles, so a chunk's K tiles are quantized and packed as in one plan; k_chunks.py)
 PARTIAL_SUM_HBM_BYTES = 8  # HBM bytes per output element and K-chunk boundary: an fp32 sum stored and loaded back
-PARTIAL_FETCH_AHEAD = 2  # K-chunk tiles whose fp32 sums are DMAed ahead of their reload (MatmulPlan.prefetch)
+K_CHUNK_PANEL_PIECE_BYTES = 8 * 1024  # a later K chunk's first moving panel's words quantized on chip in pieces of
+# this size (PanelSource.first_piece_bytes; MX_PANEL_PIECE_BYTES elsewhere): it loads under the chunk before's tail,
+# among the holes that chunk's dead panels leave (S = 32768, H = I = 2880, phase 3: a 12 KiB piece of X against holes
+# of 12032 B and less, refused with round 51a's ring alone; 9.12927 / 10.09939 ms in 8 KiB pieces. Every panel of a
+# later chunk in them: 9.13535 / 10.11763, S = 16384 4.48471 / 4.97573 against 4.46272 / 4.96006; round 51a)
+PARTIAL_RING_SLOTS = 3  # [128, n_tile] fp32 slots of the SBUF ring a spilling K chunk's tail passes its sums through
+# (k_chunks.PartialSums): the tile being spilled as evicted and as transposed, and the fetched sums of the next tile to
+# reload (the next chunk's first tile's once this chunk's last is reloaded). One allocation from the tail's first
+# access, before the next chunk's first loads, so those leave no holes that the tail's short-lived tiles must find
+# (S = 9728, H = 4096, I = 1536 and S = 10240, I = 1792: a 6 KiB eviction tile's fallback placement closed a
+# dependency cycle; round 51a of docs/dense-performance.md). The same bytes as the tail's count before (two spill
+# tiles, one fetched), now the next chunk's first fetched sums among them (they were uncounted, round 50c).
 PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
 PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
 PSUM_BANK_COLUMNS = PSUM_BANK_BYTES // 4  # fp32 columns of one PSUM bank

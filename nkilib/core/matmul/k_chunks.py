@@ -29,10 +29,10 @@ import dataclasses
 import nki.isa as nisa
 import nki.language as nl
 
-from ..kernel_helpers import ceil_div, round_up
-from .constants import (K_CHUNK_ALIGN, PARTIAL_FETCH_AHEAD, PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES,
-                        PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES,
-                        STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
+from ..kernel_helpers import ceil_div, kernel_assert, round_up
+from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES,
+                        PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
 from .panels import panel_bytes_per_partition
 from .plan import MatmulPlan
@@ -112,7 +112,18 @@ class PartialSums(nl.NKIObject):
     Dimensions:
         hbm [tiles, 128, n_tile rounded up to 128] fp32: tile (m0, n0)'s sums transposed per 128-column block:
         row r, column c0 + m holds out[m0 + m, n0 + c0 + r] (c0 a multiple of 128).
+        ring [128, PARTIAL_RING_SLOTS x width] fp32 in SBUF, one per tail of a chunk that spills (its tiles after its
+        last load, MatmulPlan.last_load, and that tile's spill): slot FETCH_SLOT the fetched sums of the next tile to
+        reload (the next chunk's first tile's too, once this chunk's last was reloaded), EVICT_SLOT / FLIP_SLOT the
+        tile being spilled (as evicted from PSUM, as transposed). Allocated at the tail's first access, before the
+        next chunk's first loads (prefetched under this tail), the tail's short-lived tiles take no new SBUF after
+        them (constants.py PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into one [128, width] tile,
+        reused, for the same reason under the next plan's first loads. Elsewhere (a spilling chunk's head) a tile per
+        spill and per fetch, placed as they come: a ring live across a chunk's own panel loads put S = 16384 / 32768,
+        H = I = 2880 past SBUF (round 51a of docs/dense-performance.md).
     """
+
+    FETCH_SLOT, EVICT_SLOT, FLIP_SLOT = 0, 1, 2
 
     def __init__(self, ranges, m_tile: int, n_tile: int):
         (m_lo, m_hi), (n_lo, n_hi) = ranges
@@ -121,18 +132,51 @@ class PartialSums(nl.NKIObject):
         self.width = round_up(n_tile, PARTITIONS)
         count = ceil_div(m_hi - m_lo, m_tile) * self.n_count
         self.hbm = nl.ndarray((count, PARTITIONS, self.width), dtype=nl.float32, buffer=nl.private_hbm)
-        self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload, oldest first
+        self.fetched = []  # [(tile index, SBUF tile)] DMAed ahead of their reload (at most one)
+        self.deferred = []  # [(m0, n0, nsz)] a fetch waiting for the ring's fetch slot (the next chunk's first tile)
+        self.tail_tiles = []  # tile indices of the running spilling chunk's tail (open_chunk)
+        self.in_tail = False  # that chunk's tail began: spills and fetches go through the ring
+        self.ring = None
+        self.last_chunk = False  # the last spilling chunk closed: the chunk running only reloads
+        self.last_fetch = None  # its one fetch tile, reused by each of its fetches
 
     def index(self, m0: int, n0: int) -> int:
         return (m0 - self.m_lo) // self.m_tile * self.n_count + (n0 - self.n_lo) // self.n_tile
+
+    def open_chunk(self, tail_tiles) -> None:
+        """A chunk that spills begins (SpillEpilogue.prepare): `tail_tiles`, its (m0, n0) after its last load."""
+        self.tail_tiles = [self.index(m0, n0) for m0, n0 in tail_tiles]
+        self.in_tail, self.ring, self.last_chunk = False, None, False
+
+    def close_chunk(self) -> None:
+        """That chunk ended (SpillEpilogue.finish): until another opens, the chunk running (the last) fetches into one
+        tile of its own, reused."""
+        self.fetch_deferred()
+        self.tail_tiles, self.in_tail, self.ring, self.last_chunk = [], False, None, True
+
+    def _slot(self, slot: int):
+        """The ring's slot `slot`, a [128, width] fp32 view (a ring allocated at its first use in a tail)."""
+        if self.ring == None:  # noqa: E711
+            self.ring = nl.ndarray((PARTITIONS, PARTIAL_RING_SLOTS * self.width), dtype=nl.float32, buffer=nl.sbuf)
+        return self.ring[:, slot * self.width:(slot + 1) * self.width]
+
+    def _tile(self, slot: int):
+        """Where the next spill (EVICT_SLOT, FLIP_SLOT) or fetch (FETCH_SLOT) goes: the ring's slot in a tail; the
+        last chunk's fetch tile; else a new [128, width] fp32 tile."""
+        if self.in_tail:
+            return self._slot(slot)
+        if slot == self.FETCH_SLOT and self.last_chunk:
+            if self.last_fetch == None:  # noqa: E711
+                self.last_fetch = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+            return self.last_fetch
+        return nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
 
     def spill(self, m0: int, msz: int, n0: int, nsz: int, acc) -> None:
         """Store tile (m0, n0)'s sums (acc [:rows, :nsz] in PSUM, rows = msz padded to the even M the matmuls
         wrote) transposed: evict on ScalarE, transpose each 128-column block on the PE array, copy, DMA."""
         rows = msz + msz % 2
         whole = rows == PARTITIONS and nsz % PARTITIONS == 0
-        natural = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
-        flipped = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
+        natural, flipped = self._tile(self.EVICT_SLOT), self._tile(self.FLIP_SLOT)
         nisa.tensor_copy(dst=natural[:rows, :nsz], src=acc[:rows, :nsz], engine=nisa.engine.scalar)
         for c0 in range(0, nsz, PSUM_BANK_COLUMNS):
             cw = min(PSUM_BANK_COLUMNS, nsz - c0)
@@ -149,27 +193,48 @@ class PartialSums(nl.NKIObject):
         nisa.dma_copy(dst=self.hbm[self.index(m0, n0), :, :span], src=flipped[:, :span])
 
     def fetch(self, m0: int, n0: int, nsz: int) -> None:
-        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch)."""
+        """DMA tile (m0, n0)'s spilled sums into SBUF ahead of its reload (MatmulPlan.prefetch). In a spilling chunk's
+        tail (from the fetch of its first tail tile on) into the ring's fetch slot, or, that slot taken by a sum not
+        reloaded yet (the next chunk's first tile, prefetched under the tail), once it is free (fetch_deferred)."""
         idx = self.index(m0, n0)
-        if any(i == idx for i, _ in self.fetched):
+        if any(i == idx for i, _ in self.fetched) or any(self.index(a, b) == idx for a, b, _ in self.deferred):
             return
+        self.in_tail = self.in_tail or any(i == idx for i in self.tail_tiles)
+        if self.in_tail and self.fetched:
+            self.deferred = self.deferred + [(m0, n0, nsz)]
+            return
+        waiting = [i for i, _ in self.fetched]
+        kernel_assert(not waiting, f"PartialSums.fetch: tile {idx} fetched while tiles {waiting} wait for their "
+                                   f"reload (one fetch ahead)")
+        tile = self._tile(self.FETCH_SLOT)
         span = round_up(nsz, PARTITIONS)
-        tile = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile[:, :span], src=self.hbm[idx, :, :span])
-        self.fetched = self.fetched[-(PARTIAL_FETCH_AHEAD - 1):] + [(idx, tile)]
+        self.fetched = [(idx, tile)]
+
+    def fetch_deferred(self) -> None:
+        """The fetch that waited for the ring's fetch slot, once that slot's sums were reloaded (SpillEpilogue at its
+        chunk's last tile; reload)."""
+        kernel_assert(len(self.deferred) <= 1, f"PartialSums: {len(self.deferred)} fetches deferred, at most one (the "
+                                               f"next chunk's first tile)")
+        if self.deferred and not self.fetched:
+            (m0, n0, nsz), self.deferred = self.deferred[0], []
+            self.fetch(m0, n0, nsz)
 
     def held_bytes(self) -> int:
-        """SBUF bytes per partition the fetched sums take while a chunk that reloads them runs its last tiles
-        (overlap.held_bytes_at_tail): one [128, width] fp32 tile, the sums of the tile being reloaded, live across its
-        run (the next tile's, fetched ahead, joins it only until that reload's transposes). Uncounted, phase 4's first
-        load under phase 3's last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a
-        4.5 KiB tile was live, and two of its 15 KiB words pieces found no gap (refused); both of PARTIAL_FETCH_AHEAD
-        counted, S = 32768 there lost a middle chunk's prefetch (2.03950 / 2.39976 -> 2.08387 / 2.44305 ms; round 48b
-        of docs/dense-performance.md)."""
+        """SBUF bytes per partition the fetched sums take while the last chunk, which only reloads them, runs its last
+        tiles (overlap.held_bytes_at_tail; a spilling chunk's are in its ring, SpillEpilogue.held_bytes): one
+        [128, width] fp32 tile, the sums of the tile being reloaded. Uncounted, phase 4's first load under phase 3's
+        last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a 4.5 KiB tile was live,
+        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md)."""
         return self.width * 4
+
+    def ring_bytes(self) -> int:
+        """SBUF bytes per partition of a tail's ring (PARTIAL_RING_SLOTS fp32 tiles)."""
+        return PARTIAL_RING_SLOTS * self.width * 4
 
     def reload(self, m0: int, rows: int, n0: int, nsz: int, acc) -> None:
         """Put tile (m0, n0)'s sums back into acc [:rows, :nsz] (PSUM) by PE transposes, bit-exactly."""
+        self.fetch_deferred()
         self.fetch(m0, n0, nsz)
         idx = self.index(m0, n0)
         flipped = [t for i, t in self.fetched if i == idx][0]
@@ -181,22 +246,33 @@ class PartialSums(nl.NKIObject):
 
 class SpillEpilogue(nl.NKIObject):
     """Epilogue of a K-chunked plan's chunks but the last (MatmulPlan's epilogue protocol): spill each finished
-    tile's sums to PartialSums."""
+    tile's sums to PartialSums, from its last loading tile on through the ring of its tail."""
+
+    rings_fetched_sums = True  # held_bytes counts the reloaded sums (overlap.held_bytes_at_tail)
 
     def __init__(self, partials: PartialSums):
         self.partials = partials
+        self.last_load = 0
+        self.tiles = 0
 
     def prepare(self, plan) -> None:
-        pass
+        self.last_load, self.tiles = plan.last_load(), len(plan.order)
+        self.partials.open_chunk([(m0, n0) for (m0, _), (n0, _) in plan.order[self.last_load + 1:]])
 
     def tile(self, i, m0, msz, n0, nsz, accumulators) -> None:
+        if i >= self.last_load:  # the tail's ring (a reloading chunk's opens at its first tail tile's fetch)
+            self.partials.in_tail = True
+        if i == self.tiles - 1:  # the chunk's last reload is issued: the next chunk's first sums may take the slot
+            self.partials.fetch_deferred()
         self.partials.spill(m0, msz, n0, nsz, accumulators[0])
 
     def finish(self) -> None:
-        pass
+        self.partials.close_chunk()
 
     def held_bytes(self, n_tile) -> int:
-        return 2 * round_up(n_tile, PARTITIONS) * 4
+        """The tail's ring: the spilled tile (evicted, transposed) and the fetched sums of the tile reloaded or of the
+        next chunk's first one (PARTIAL_RING_SLOTS tiles; the first chunk fetches the second's under its tail)."""
+        return self.partials.ring_bytes()
 
 
 class KChunkedPlan(nl.NKIObject):
@@ -320,4 +396,7 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
         chunk_epilogue = epilogue if c == len(windows) - 1 else SpillEpilogue(partials)
         chunks.append(MatmulPlan(st, mv, m_total, n_total, setup, chunk_config, split, chunk_epilogue,
                                  reload=partials if c else None, **options))
+        if c:  # its first panel loads under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
+            for source in chunks[-1].moving:
+                source.first_piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
     return KChunkedPlan(chunks)

@@ -29,7 +29,8 @@ def load_bytes(plan, source, width) -> int:
 
 def held_bytes_at_tail(plan) -> int:
     """Upper bound of the SBUF bytes per partition `plan` holds while its last tiles run (a K chunk that reloads an
-    earlier chunk's sums: the fetched fp32 tile of the one it reloads, PartialSums.held_bytes)."""
+    earlier chunk's sums: the fetched fp32 tile of the one it reloads, PartialSums.held_bytes, or a spilling chunk's
+    ring of them, SpillEpilogue.held_bytes)."""
     if not plan.order:
         return 0
     total = 0
@@ -42,7 +43,7 @@ def held_bytes_at_tail(plan) -> int:
             total += st.capacity * load_bytes(plan, st, plan.order[0][0][1])
     for mv in plan.moving:
         total += panel_bytes_per_partition(mv.op.k_size, plan.n_width if mv.keep_all else plan.n_tile, plan.setup)
-    if plan.reload != None:  # noqa: E711
+    if plan.reload != None and not hasattr(plan.epilogue, "rings_fetched_sums"):  # noqa: E711  (else in its ring)
         total += plan.reload.held_bytes()
     return total + plan.epilogue.held_bytes(plan.n_tile)
 

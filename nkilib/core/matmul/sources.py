@@ -37,6 +37,7 @@ class PanelSource(nl.NKIObject):
         self.later_staging = 0  # when set, the ring shrinks to it after the first panel (MatmulPlan fenced_start)
         self.staging = STAGING_BUFFERS  # staging tiles of the ring its [K, F] loads share (MatmulPlan cold_staging)
         self.piece_bytes = 0  # words quantized on chip in pieces of this size (PanelPlacement; 0: the default)
+        self.first_piece_bytes = 0  # the same for the next load only (a later K chunk's first panel: k_chunks.py)
         self.first_quantize_columns = 1  # the first load's K tiles quantized in this many column pieces (fenced_start)
         self.first_slot_dma_k_tiles = 0  # the first load's first K tiles staged by one DMA per slot (cold_staging)
         self.next_words_from = -1  # every load's K tiles from this one on quantize half their columns from a
@@ -87,7 +88,8 @@ class PanelSource(nl.NKIObject):
         if not self.switch_ahead_slots:
             self.words_in_pieces = (self.words_in_pieces or
                                     words_above_whole_max(len(k_tiles(self.op.k_size, self.setup)), f_pad))
-            return PanelPlacement.pieces(self.piece_bytes, self.words_in_pieces)
+            piece, self.first_piece_bytes = self.first_piece_bytes or self.piece_bytes, 0
+            return PanelPlacement.pieces(piece, self.words_in_pieces)
         if self.words_ring == None:  # noqa: E711
             self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
         return self.words_ring.placement(f_pad)
