@@ -524,9 +524,7 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
     if (i_lo == 0) if copies == None else copies:  # noqa: E711
         spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
     for scratch, f_lo, f_hi in spans:
-        for c0, csz in ctx.row_pieces(scratch, f_lo, f_hi - f_lo):  # a slot-interleaved scratch's pieces
-            for f0, fsz in _blocks(c0, c0 + csz, ctx.zeros.shape[1]):
-                nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
+        ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
     if ctx.weights_blocked and copies == None and i_hi == I:  # noqa: E711
         ctx.zero_pair_grads(i, r0, m)
 
