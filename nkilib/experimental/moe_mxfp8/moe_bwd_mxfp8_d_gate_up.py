@@ -4,9 +4,10 @@ routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (an
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_layout "block": stored by position).
 Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
-the end of the segment before the expert's (moe_bwd_mxfp8_deferred.gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
-chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF. The pipeline's dY rows of the experts after the second
-fence group are copied so to dy_blocks a fence ahead (moe_bwd_mxfp8_deferred.gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
+the end of the segment before the expert's (moe_bwd_mxfp8_deferred.gather_deferred_x), by one HBM -> HBM indirect
+DMA per chunk (MoeContext.gather_to_blocks; round 8c; a chunk with padding after a store of zeros: round 38c), not
+through SBUF. The pipeline's dY rows of the experts after the second fence group are copied so to dy_blocks a fence
+ahead (moe_bwd_mxfp8_deferred.gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the

@@ -47,7 +47,8 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 
 def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
     """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
-    core's chunks (ctx.unit_rows): a full chunk HBM -> HBM, one with padding through SBUF with its padding rows zero.
+    core's chunks (ctx.unit_rows), each HBM -> HBM; one with padding after a store of zeros over its rows (from the
+    zeroed tile ctx.zeros: no engine zeroing, no SBUF round trip; round 38c), which its skipped sentinels keep.
     every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
     zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
 
