@@ -2,8 +2,10 @@
 A needs no X on chip (no recompute), and its chunk pipeline gathers X for x_blocks in a loop of its own
 (moe_bwd_mxfp8_deferred.gather_deferred_x); there a full block's X rows go from hidden_states to x_blocks by one indirect DMA per chunk (the
 gather by token id straight into the scratch) instead of a gather into SBUF and a copy out, which moved the same bytes
-twice through the DMA queues. A block holding padding keeps the SBUF path (its padding rows must be zeros, and a
-skipped sentinel would leave its scratch row unwritten). Pass A's unpipelined path (the DeepSeek-V3 rank's) keeps the
+twice through the DMA queues. A chunk holding padding (its padding rows must be zeros, and a skipped sentinel leaves
+its scratch row unwritten) has its rows zeroed first by a store from the kernel's zeroed SBUF tile, then gathered HBM ->
+HBM the same way (round 38c; before, gathered into an SBUF tile zeroed on GpSimd and copied out: docs/moe.md section
+10). Pass A's unpipelined path (the DeepSeek-V3 rank's) keeps the
 copy through SBUF: the direct copy there cost the full rank 1.7% (round 8c). The bytes of x_blocks are the same, so
 the outputs equal mx_exact.
 
@@ -11,8 +13,8 @@ the outputs equal mx_exact.
 |-----------------------------------|-------------------------------------------------------------------|------------|
 | test_pipeline_copies_x_directly   | pipelined pass A, every block full: every X row reaches x_blocks  | LNC1, LNC2 |
 |                                   | HBM -> HBM (last blocks too), none through SBUF; bit-exact        |            |
-| test_padded_blocks_keep_sbuf_path | pipeline, full and padded blocks: full ones direct, padded ones   | LNC1, LNC2 |
-|                                   | through SBUF; bit-exact                                           |            |
+| test_padded_blocks_zeroed_direct  | pipeline, full and padded blocks: every chunk direct, a padded    | LNC1, LNC2 |
+|                                   | one after a store of zeros; no gathered SBUF tile stored; exact   |            |
 | test_unpipelined_keeps_sbuf_path  | B = 256 under LNC2, and weights loaded on use: no HBM -> HBM copy | LNC2       |
 |                                   | but the I split's staged blocks (round 14d: multi-block experts)  |            |
 | test_recompute_keeps_x_on_chip    | up not given (X recomputes it): no HBM -> HBM copy                | LNC2       |
@@ -40,9 +42,11 @@ def _run(kernel_kwargs, lnc):
 
 
 def _x_writes(trace):
-    """(direct, through_sbuf): DMAs writing x_blocks that read hidden_states (HBM -> HBM) / anything else."""
+    """(direct, through_sbuf): DMAs writing x_blocks that read hidden_states (HBM -> HBM; an indirect one whose rows
+    are all skipped sentinels records no read of it) / anything else."""
     writes = [r for r in trace if any(getattr(t, "name", "") == X_BLOCKS for t in r.writes)]
-    direct = [r for r in writes if any(getattr(t, "name", "") == "hidden_states" for t in r.reads)]
+    direct = [r for r in writes if (r.attrs or {}).get("indirect")
+              or any(getattr(t, "name", "") == "hidden_states" for t in r.reads)]
     return direct, [r for r in writes if r not in direct]
 
 
@@ -80,10 +84,12 @@ def test_pipeline_copies_x_directly(lnc):
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
-def test_padded_blocks_keep_sbuf_path(lnc):
+def test_padded_blocks_zeroed_direct(lnc):
     """B = 512, k = 2: expert 0 takes every token (two full blocks), expert 1 the first 700 (a full and a padded
-    block), expert 2 the other 324 (a padded block), expert 3 none. The three full blocks' chunks go HBM -> HBM, the
-    padded blocks' through SBUF (their padding rows zeros), and the outputs equal mx_exact."""
+    block), expert 2 the other 324 (a padded block), expert 3 none. Every chunk's X rows reach x_blocks HBM -> HBM, the
+    padded blocks' chunks too (round 38c); each of those after a store of zeros over the same rows (its padding rows
+    stay zero where the gather skips their sentinels), and no x_blocks row is stored from an SBUF tile that a DMA wrote
+    (main gathered a padded chunk into SBUF, zeroed on GpSimd, and copied it out). Outputs equal mx_exact."""
     T, E, H, I, B = 1024, 4, 64, 96, 512
     ids = np.zeros((T, 2), np.int32)
     ids[:700, 1], ids[700:, 1] = 1, 2
@@ -92,9 +98,19 @@ def test_padded_blocks_keep_sbuf_path(lnc):
     assert (full, used) == (3, 5), (full, used)
     out, trace = _run(kernel, lnc)
     assert_outputs_identical(out, moe_backward_reference(**ref), f"padded blocks, LNC{lnc} vs mx_exact")
-    direct, through_sbuf = _x_writes(trace)
-    assert len(direct) == full * (B // 128), (len(direct), full)
-    assert through_sbuf
+    direct, from_sbuf = _x_writes(trace)
+    assert len(direct) > full * (B // 128), (len(direct), full)
+    dma_written = {(r.program, t.storage_id) for r in trace if r.engine == "dma" for t in r.writes}
+    stored_gathers = [r for r in from_sbuf if any((r.program, t.storage_id) in dma_written for t in r.reads)]
+    assert not stored_gathers, [(r.seq, r.instr) for r in stored_gathers][:4]
+    # the padded blocks' chunks: gathered over rows that a store of zeros wrote before (same core, program order)
+    def zeroed_before(g):
+        lo, hi = next((t.byte_lo, t.byte_hi) for t in g.writes if getattr(t, "name", "") == X_BLOCKS)
+        return any(r.program == g.program and r.seq < g.seq and any(getattr(t, "name", "") == X_BLOCKS and
+                                                                    t.byte_lo <= lo and hi <= t.byte_hi
+                                                                    for t in r.writes) for r in from_sbuf)
+    zeroed = [g for g in direct if zeroed_before(g)]
+    assert len(zeroed) == len(direct) - full * (B // 128) > 0, (len(zeroed), len(direct))
 
 
 @pytest.mark.parametrize("on_use", [False, True])

@@ -9,6 +9,7 @@ import nki.language as nl
 
 from ...core.kernel_helpers import kernel_assert, round_up
 from ...core.matmul.constants import MX_PACK
+from ...core.matmul.sources import blocks as _blocks
 from .constants import MX_K_ALIGN, PARTITIONS, SLOT_PIECE_COLUMNS
 
 __all__ = ["MoeContext"]
@@ -205,11 +206,18 @@ class MoeContext(nl.NKIObject):
 
     def gather_to_blocks(self, scratch, i, r0, m, src2d, idx):
         """Rows r0..r0+m of block i of a [N, B, F] scratch <- src2d[idx[r], :] by one HBM -> HBM indirect DMA (nothing
-        passes through SBUF: the DMA engines move the bytes once instead of in and out). Only for rows that all hold
-        a routed pair: a skipped padding sentinel would leave its scratch row unwritten."""
+        passes through SBUF: the DMA engines move the bytes once instead of in and out). A skipped padding sentinel
+        leaves its scratch row unwritten: rows with padding are zeroed first (zero_block_rows)."""
         row = src2d.shape[1]
         view = src2d.ap([[row, m], [1, row]], offset=0, vector_offset=idx, indirect_dim=0)
         nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, 0, row), src=view, oob_mode=nisa.oob_mode.skip)
+
+    def zero_block_rows(self, scratch, i, r0, m, f_lo, f_hi):
+        """Columns [f_lo, f_hi) of rows r0..r0+m of block i of a [N, B, F] scratch <- +0.0, stored from the zeroed
+        SBUF tile ctx.zeros (plain DMAs, ZERO_ROWS_WIDTH columns each; a slot-interleaved scratch by its pieces)."""
+        for c0, csz in self.row_pieces(scratch, f_lo, f_hi - f_lo):
+            for f0, fsz in _blocks(c0, c0 + csz, self.zeros.shape[1]):
+                nisa.dma_copy(dst=self.block_rows(scratch, i, r0, m, 1, f0, fsz), src=self.zeros[:m, :fsz])
 
     def block_tiles(self, scratch, i, r0, tiles, base=0):
         """View [128, tiles, F / tiles] of rows r0..r0+128 of block base + i of a [N', B, F] scratch: one stored panel's

@@ -4,9 +4,10 @@ routing-weight gradient <dI, h> fused in the epilogue; d_gate_up and hs rows (an
 go to block-ordered HBM scratch, d_topk_weights is scattered by slot (weights_layout "block": stored by position).
 Numerics: docs/moe.md, section 4.
 With gate_pre and up given (no recompute) X serves only pass C: in the pipeline its rows are gathered in a loop at
-the end of the segment before the expert's (moe_bwd_mxfp8_deferred.gather_deferred_x), a full block's by one HBM -> HBM indirect DMA per
-chunk (MoeContext.gather_to_blocks; round 8c), not through SBUF. The pipeline's dY rows of the experts after the second
-fence group are copied so to dy_blocks a fence ahead (moe_bwd_mxfp8_deferred.gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
+the end of the segment before the expert's (moe_bwd_mxfp8_deferred.gather_deferred_x), by one HBM -> HBM indirect
+DMA per chunk (MoeContext.gather_to_blocks; round 8c; a chunk with padding after a store of zeros: round 38c), not
+through SBUF. The pipeline's dY rows of the experts after the second fence group are copied so to dy_blocks a fence
+ahead (moe_bwd_mxfp8_deferred.gather_deferred_rows, ctx.staged_dy; round 31a) and read back.
 
 Rows (LNC2: each core its share of every block's rows) go in one of two ways:
     weights loaded per block: this core's contiguous rows in groups of PHASE1_ROW_GROUP (chunks of 128), the
@@ -524,9 +525,7 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
     if (i_lo == 0) if copies == None else copies:  # noqa: E711
         spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
     for scratch, f_lo, f_hi in spans:
-        for c0, csz in ctx.row_pieces(scratch, f_lo, f_hi - f_lo):  # a slot-interleaved scratch's pieces
-            for f0, fsz in _blocks(c0, c0 + csz, ctx.zeros.shape[1]):
-                nisa.dma_copy(dst=ctx.block_rows(scratch, i, r0, m, 1, f0, fsz), src=ctx.zeros[:m, :fsz])
+        ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
     if ctx.weights_blocked and copies == None and i_hi == I:  # noqa: E711
         ctx.zero_pair_grads(i, r0, m)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from .moe_bwd_mxfp8_d_gate_up import natural_rows
 
 __all__ = ["gather_deferred_rows", "gather_deferred_x", "scatter_deferred_d_w"]
 
@@ -48,7 +47,8 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 
 def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
     """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
-    core's chunks (ctx.unit_rows): a full chunk HBM -> HBM, one with padding through SBUF with its padding rows zero.
+    core's chunks (ctx.unit_rows), each HBM -> HBM; one with padding after a store of zeros over its rows (from the
+    zeroed tile ctx.zeros: no engine zeroing, no SBUF round trip; round 38c), which its skipped sentinels keep.
     every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
     zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
 
@@ -57,13 +57,11 @@ def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
 
     def chunk(i, r0, m, full):
         ids = ctx.positions(ctx.ids2d, i, r0, 1, m)
-        if full:  # every row a routed pair: HBM -> HBM, the bytes through the DMA queues once (round 8c)
-            ctx.gather_to_blocks(dst, i, r0, m, src, ids)
-            return
-        nat = natural_rows(ctx, H)
-        nisa.memset(dst=nat[:m, :], value=0.0, engine=ctx.padding_zero_engine)
-        ctx.gather(nat[:m, :H], src, ids, 0, H)
-        nisa.dma_copy(dst=ctx.block_rows(dst, i, r0, m, 1, 0, H), src=nat[:m, :H])
+        if not full:  # padding rows: zeros stored first, kept where the gather skips their sentinels (round 38c)
+            ctx.zero_block_rows(dst, i, r0, m, 0, H)
+        # HBM -> HBM, the bytes through the DMA queues once (round 8c); a chunk with padding after its zero rows (WAW
+        # on the same rows: no engine zeroing, no SBUF round trip, round 38c)
+        ctx.gather_to_blocks(dst, i, r0, m, src, ids)
 
     def block(i, full):
         flags = None if full or every_chunk else ctx.row_flags(i, ctx.row_unit, len(rows))
