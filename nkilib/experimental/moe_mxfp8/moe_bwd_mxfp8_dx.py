@@ -20,7 +20,6 @@ from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_pan
                             panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths,
                             stage_ahead, store_panel_tiles)
 from ...core.matmul.constants import MX_PACK, SCALE_PACK_SLOTS
-from ...core.matmul.k_exchange import KTileExchange
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
 from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, RING_WEIGHT_DMA_PER_SLOT,
@@ -113,7 +112,7 @@ class ExpertPanels(nl.NKIObject):
         return ExpertPanels.bytes_of([op], tiles, setup) <= RESIDENT_WEIGHT_BUDGET_BYTES
 
     @staticmethod
-    def loaded_if(ops, tiles, setup, run_if, ring=None, exchange_rank=-1):
+    def loaded_if(ops, tiles, setup, run_if, ring=None):
         """Resident ExpertPanels of every operand in `ops`, loaded inside run_if, their tiles allocated outside it.
 
         The loads run inside run_if(body) (a run-time 0/1-trip loop: the expert's if_used, so an expert without blocks
@@ -130,9 +129,6 @@ class ExpertPanels(nl.NKIObject):
             ring: a LoadRing for the staging tiles (pass C's kernel-scope ring, so that they are not placed over
                 the tiles of the pass before: round 26b; each K tile by one DMA per MX slot: _ring_slot_dmas);
                 None: load_panel's own.
-            exchange_rank: >= 0 (LNC2: this core's rank): each [K, F] bf16 operand's super-panels are loaded and
-                quantized half by each core, the halves swapped on chip (KTileExchange, nisa.sendrecv; both cores
-                must make the same call); -1: each core loads all of it.
 
         Returns:
             [ExpertPanels or None], one per operand of `ops`.
@@ -156,10 +152,8 @@ class ExpertPanels(nl.NKIObject):
         def load_all():
             for op, panels in zip(ops, slots):
                 for f0, w, into in panels if panels != None else []:  # noqa: E711
-                    swap = exchange_rank >= 0 and op.k_axis == 0 and not op.prequantized
                     load_panel(op, f0, w, w, setup, ring=ring, into=into,
-                               slot_dma_k_tiles=_ring_slot_dmas(op, ring, setup),
-                               exchange=KTileExchange(exchange_rank, w) if swap else None)
+                               slot_dma_k_tiles=_ring_slot_dmas(op, ring, setup))
 
         run_if(load_all)
         return [None if op == None else  # noqa: E711

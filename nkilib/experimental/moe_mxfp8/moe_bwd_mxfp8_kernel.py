@@ -105,7 +105,7 @@ from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
-from .constants import (RESIDENT_DOWN_EXCHANGE_ON_CHIP, CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
+from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
                         PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
@@ -116,10 +116,6 @@ __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_pha
 # ---------------------------------------------------------------------------------------------------
 # Base kernel: the three passes over the experts
 # ---------------------------------------------------------------------------------------------------
-import os
-SWAP_AT = os.environ.get('SWAP_AT', 'quantize')
-
-
 def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     """Passes A, B, C (module docstring) for a validated MoeContext; outputs are ctx.dx, ctx.d_weights,
     ctx.d_gate_up_weight, ctx.d_down_weight and, when not None, ctx.d_gate_up_bias."""
@@ -228,9 +224,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             i_split.stage_expert(e)
         if exchange != None and exchange.exchanged(e):  # noqa: E711
             ctx.loops.if_used(e, lambda: exchange.quantize(e))
-        if e in swap_set and SWAP_AT == "quantize":
-            swapped[e] = ExpertPanels.loaded_if(a_descs(e), i_tiles, setup, lambda body: ctx.loops.if_used(e, body),
-                                                None, exchange_rank=split.shard_id)
 
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
@@ -240,11 +233,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # quantizes half of it a fence ahead (A of the first group runs before the first fence, so it quantizes on chip as
     # before); the same panel bytes (a_groups holds)
     exchange = None if i_split != None else DownWeightExchange.of(ctx, groups, w_down_resident, pipelined)  # noqa: E711
-    swapped = {}  # {e: A(e)'s W_down panels swapped on chip a segment ahead} (round 38d)
-    swap_down = (exchange != None and RESIDENT_DOWN_EXCHANGE_ON_CHIP  # noqa: E711
-                 and DownWeightExchange.applies_resident(ctx, w_down_resident, pipelined))
-    swap_set = set(exchange.experts) if swap_down else set()
-    exchange = None if swap_down else exchange
     # the pipeline is GpSimd-bound (the gathers' descriptors and the epilogue's products), so there the product dh * a
     # moves to VectorE (round 7c: GPT-OSS 4 x 2048 3244.0 -> 3127.7 us, Qwen3 8 x 1024 1695.7 -> 1619.3 us)
     # With the gate's mask in its product (clamped: a VectorE scalar_tensor_tensor instead of a GpSimd product), dh * a
@@ -306,12 +294,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         # delayed the W_down load A(a)'s first matmul waits for)
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         w = ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body), ring)
-        early = {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
-        # the group's later experts' W_down swapped on chip (round 38d), also before the fence
-        for b in group[1:] if swap_down and SWAP_AT == "fence" else []:
-            early[b] = (ExpertPanels.loaded_if(a_descs(b), i_tiles, setup, lambda body, b=b: ctx.loops.if_used(b, body),
-                                               ring, exchange_rank=split.shard_id), None)
-        return early
+        return {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
 
     def pass_a(e, between=None, panels=None, then=None, at_first_tile=None):
         """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: loaded and gathered
@@ -322,11 +305,6 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             b_lo, _, _ = ctx.loops.bounds(e)
             # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
             ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
-            if panels == None and e in swapped:  # noqa: E711
-                panels = (swapped.pop(e), None)
-            if panels == None and e in swap_set and SWAP_AT == "a":  # noqa: E711
-                panels = (ExpertPanels.loaded_if(a_descs(e), i_tiles, setup, lambda body: body(), ring,
-                                                 exchange_rank=split.shard_id), None)
             w, first = (panels_of(a_descs(e), i_tiles, ring), None) if panels == None else panels  # noqa: E711
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
                                            between=between, first=first)
