@@ -144,12 +144,6 @@ COLD_PERMUTE_INTO_NEXT_WORDS = True  # such a plan's moving K tiles (all but eac
 # and at the cold start VectorE's W_down quantizes pace TensorE while ScalarE only evicts dY's transposes. TP8 MXFP8
 # modeled 0.61912 / 0.69893 -> 0.61780 / 0.68619 ms, Llama3-8B TP8 0.73143 / 0.82468 -> 0.73083 / 0.80970 (round 33 of
 # docs/dense-performance.md; the last K tile from a copy too: round 35)
-EXCHANGE_COLD_K_TILES = True  # under LNC2 such a plan's moving panels (both cores load all of them: W_down in the MLP
-# backward's phase 1) are loaded and quantized half of the columns per core, the halves swapped on chip by nisa.sendrecv
-# (KTileExchange, k_exchange.py): each core reads half of the bf16 and runs half of the quantizes
-# (docs/dense-performance.md round 51c)
-EXCHANGE_WORDS_BY_SCALE_TILE = True  # the words of a scale tile's K tiles swapped in one sendrecv with their scale tile
-EXCHANGE_PIPE_ID = 0  # sendrecv pipe of the K-tile exchange: its calls pair in order on both cores (the only pipe used)
 COLD_STAGING_MAX_M_TILES = 16  # ... only in plans of at most this many m tiles per core, where the start is a share
 # of the plan worth it (S = 4096 at LNC2: 16). At S = 16384, H = I = 2880 (64 m tiles: the start under 0.2% of the
 # kernel) the shifted timing pushed the K-chunked phase 4's modeled overlap to 268 KiB of SBUF: refused

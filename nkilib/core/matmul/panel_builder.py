@@ -178,19 +178,6 @@ class PanelBuilder(nl.NKIObject):
                                          buffer=nl.sbuf)
         return self._data_tile[:P, i, :]
 
-    def words_span(self, t0, t1, P):
-        """K tiles [t0, t1)'s words as one SBUF view [P, t1 - t0, F_pad] when they share one allocation (placed and
-        written: call after their quantizes), else None (KTileExchange swaps them in one sendrecv)."""
-        if self.placement.kind == PLACEMENT_SLOTS or self.placement.kind == PLACEMENT_PER_K_TILE:
-            return None
-        per = self.tiles_per_words_allocation(True)
-        i0, i1 = t0 - self.t_lo, t1 - self.t_lo
-        if i0 // per != (i1 - 1) // per:
-            return None
-        if per < self.count:
-            return self._pieces[i0 // per][:P, i0 % per:(i1 - 1) % per + 1, :]
-        return self._data_tile[:P, i0:i1, :]
-
     def scale(self, t):
         """Scale destination for K tile t; with packing, four K tiles share a tile at offsets 0/4/8/12."""
         i = t - self.t_lo
@@ -237,7 +224,7 @@ class PanelBuilder(nl.NKIObject):
         self.data.append(words)
         self.scales.append(scale)
 
-    def quantize_mx_tile(self, t, padded, src, next_words_as_source=False, lo=0, hi=-1):
+    def quantize_mx_tile(self, t, padded, src, next_words_as_source=False):
         """(words, scale) of K tile t, quantized from stage view `src` [P, F_pad, 4] into its place; the caller
         collects them (add_mx appends; RowPanelByColumns builds its K tiles out of order).
 
@@ -249,29 +236,26 @@ class PanelBuilder(nl.NKIObject):
         FENCED_NEXT_WORDS_FROM_K_TILE). Copied: the last F_pad // 2 columns of a K tile quantized whole, or the last
         quantize_columns // 2 column pieces; VectorE quantizes the strided columns first (no wait for the copy). The
         copy moves bf16 values unchanged, so the words and scales are the whole tile's, bit for bit.
-        lo, hi: only columns [lo, hi) of the K tile (src then [P, hi - lo, 4]; KTileExchange: this core's half), the
-        copy in the next K tile's words in those columns too; default all.
         """
         P = padded // MX_PACK
-        hi = self.f_pad if hi < 0 else hi
-        f = hi - lo
-        words = self.words(t, P, quantized=True)[:, lo:hi]
-        scale = self.scale(t)[:, lo:hi]
+        words = self.words(t, P, quantized=True)
+        scale = self.scale(t)
         # MX groups run along K (partitions x the 4 slots), never across columns: a column piece's words and scales
         # are those of the whole K tile's quantize, bit for bit
-        width = f // self.quantize_columns
-        kernel_assert(width * self.quantize_columns == f, f"{self.quantize_columns} column pieces do not divide {f}")
-        c0, staged = f, None  # columns from c0 on are quantized from `staged`
+        width = self.f_pad // self.quantize_columns
+        kernel_assert(width * self.quantize_columns == self.f_pad,
+                      f"{self.quantize_columns} column pieces do not divide f_pad={self.f_pad}")
+        c0, staged = self.f_pad, None  # columns from c0 on are quantized from `staged`
         if next_words_as_source and t + 1 < self.t_lo + self.count:
-            copied = f // 2 if self.quantize_columns == 1 else self.quantize_columns // 2 * width
-            c0 = f - copied
-            # the next K tile's words as bf16 [P, copied, 4]: 2 bf16 per x4 word, so copied * 4 <= 2 * f values
-            staged = self.words(t + 1, P, quantized=True)[:, lo:hi].view(nl.bfloat16)[:, :copied * MX_PACK]
+            copied = self.f_pad // 2 if self.quantize_columns == 1 else self.quantize_columns // 2 * width
+            c0 = self.f_pad - copied
+            # the next K tile's words as bf16 [P, copied, 4]: 2 bf16 per x4 word, so copied * 4 <= 2 * F_pad values
+            staged = self.words(t + 1, P, quantized=True).view(nl.bfloat16)[:, :copied * MX_PACK]
             staged = staged.reshape((P, copied, MX_PACK))
             nisa.tensor_copy(dst=staged, src=src[:, c0:, :], engine=nisa.engine.scalar)
         pieces = [(c, min(c + width, c0)) for c in range(0, c0, width)]
-        if c0 < f:
-            pieces = pieces + [(c, min(c + width, f)) for c in range(c0, f, width)]
+        if c0 < self.f_pad:
+            pieces = pieces + [(c, min(c + width, self.f_pad)) for c in range(c0, self.f_pad, width)]
         for lo, hi in pieces:
             source = src[:, lo:hi, :] if lo < c0 else staged[:, lo - c0:hi - c0, :]
             nisa.quantize_mx(dst=words[:, lo:hi], src=source, dst_scale=scale[:, lo:hi])

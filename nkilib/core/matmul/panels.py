@@ -254,7 +254,7 @@ class PanelLoad(nl.NKIObject):
     """
 
     def __init__(self, op, f0, f_size, f_pad, setup, t_lo=0, t_hi=-1, ring=None, placement=None, builder=None,
-                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_from=-1, exchange=None):
+                 staged=None, quantize_columns=1, slot_dma_k_tiles=0, next_words_from=-1):
         self.tiles = k_tiles(op.k_size, setup)
         t_hi = len(self.tiles) if t_hi < 0 else t_hi
         if builder == None:  # noqa: E711  (load_panel passes its own)
@@ -267,13 +267,9 @@ class PanelLoad(nl.NKIObject):
         self.next = t_lo  # the next K tile to quantize
         self.slot_dma_k_tiles = slot_dma_k_tiles
         self.next_words_from = next_words_from
-        # exchange: a KTileExchange (k_exchange.py): this core stages and quantizes only its half of the columns and
-        # swaps them with the other core's half
-        self.exchange = exchange
         given = [] if staged == None else staged  # noqa: E711
-        kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead) and (exchange == None or not given),  # noqa: E711
-                      f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once "
-                      "(none with a column exchange: stage_ahead stages whole columns)")
+        kernel_assert(len(given) <= min(t_hi - t_lo, self.ahead),
+                      f"{len(given)} K tiles staged ahead, more than the {min(t_hi - t_lo, self.ahead)} staged at once")
         for t in range(len(given)):
             self.staged[t] = given[t]
         for t in range(t_lo + len(given), min(t_hi, t_lo + self.ahead)):
@@ -282,10 +278,8 @@ class PanelLoad(nl.NKIObject):
     def _stage(self, t) -> None:
         k0, valid, padded = self.tiles[t]
         stage = self.ring.take((PARTITIONS, MX_PACK, self.f_pad))
-        f0, f_size, f_pad = self.f0, self.f_size, self.f_pad
-        if self.exchange != None:  # noqa: E711  this core's half of the columns (f_size == f_pad: PanelSource._exchange)
-            f0, f_size, f_pad = f0 + self.exchange.lo, self.exchange.half, self.exchange.half
-        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, f0, f_size, f_pad, self.setup, stage,
+        self.staged[t - self.t_lo] = _stage_mx_rows(self.op, k0, valid, padded, self.f0, self.f_size, self.f_pad,
+                                                    self.setup, stage,
                                                     per_slot=t - self.t_lo < self.slot_dma_k_tiles)
 
     def remaining(self) -> int:
@@ -297,11 +291,7 @@ class PanelLoad(nl.NKIObject):
         for _ in range(min(count, self.remaining())):
             t = self.next
             src, self.staged[t - self.t_lo] = self.staged[t - self.t_lo], None
-            scratch = 0 <= self.next_words_from <= t - self.t_lo
-            if self.exchange == None:  # noqa: E711
-                self.builder.add_mx(t, self.tiles[t][2], src, scratch)
-            else:
-                self.exchange.quantize(self.builder, t, self.tiles[t][2], src, scratch)
+            self.builder.add_mx(t, self.tiles[t][2], src, 0 <= self.next_words_from <= t - self.t_lo)
             src = None
             if t + self.ahead < self.t_hi:
                 self._stage(t + self.ahead)
@@ -309,8 +299,6 @@ class PanelLoad(nl.NKIObject):
 
     def finish(self) -> Panel:
         self.advance(self.remaining())
-        if self.exchange != None:  # noqa: E711  every K tile's words and scales in K order
-            self.exchange.collect(self.builder, self.tiles, self.t_lo, self.t_hi)
         return self.builder.panel()
 
 
@@ -336,7 +324,7 @@ def stage_ahead(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, stages
 
 def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: int = 0, t_hi: int = -1,
                ring=None, placement=None, preloaded=None, into=None, staged=None, quantize_columns=1,
-               slot_dma_k_tiles=0, next_words_from=-1, exchange=None) -> Panel:
+               slot_dma_k_tiles=0, next_words_from=-1) -> Panel:
     """Bring F columns [f0, f0+f_size) of an operand into SBUF for K tiles [t_lo, t_hi) (default: all;
     padded to f_pad).
 
@@ -365,8 +353,6 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     (PanelLoad; default 0).
     next_words_from: a [K, F] bf16 operand's K tiles (MXFP8) from this one on, but the last, quantize half of their
     columns from a unit-stride copy in the next K tile's words (PanelLoad; default -1: none).
-    exchange: a KTileExchange (k_exchange.py) for a [K, F] bf16 operand (MXFP8) under LNC2: this core loads and
-    quantizes half of the columns and swaps them with the other core's (PanelLoad; default None).
     """
     tiles = k_tiles(op.k_size, setup)
     t_hi = len(tiles) if t_hi < 0 else t_hi
@@ -424,8 +410,7 @@ def load_panel(op, f0: int, f_size: int, f_pad: int, setup: MatmulSetup, t_lo: i
     if setup.is_mx and not op.prequantized:
         # [K, F] operand: DMA into a ring of staging tiles, quantize K tile by K tile (PanelLoad)
         return PanelLoad(op, f0, f_size, f_pad, setup, t_lo, t_hi, ring, builder=builder, staged=staged,
-                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_from=next_words_from,
-                         exchange=exchange).finish()
+                         slot_dma_k_tiles=slot_dma_k_tiles, next_words_from=next_words_from).finish()
     for t in range(t_lo, t_hi):
         k0, valid, padded = tiles[t]
         if setup.is_mx:

@@ -136,7 +136,6 @@ class MatmulPlan(nl.NKIObject):
                  reload=None, interleave_switch=False, interleave_lead=False, cold_staging=False,
                  fenced_start=False):
         self.setup = setup
-        self.split = split  # the kernel's CoreSplit (tiling: cold_staging's K-tile exchange under LNC2)
         self.reload = reload
         self.switch_span = 1  # tiles K-interleaved at each moving panel switch (interleave_switch)
         self.span_skew = 0  # K tiles each tile of such a span trails the one before it (interleave_lead)

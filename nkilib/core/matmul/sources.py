@@ -11,7 +11,6 @@ import nki.language as nl
 from ..kernel_helpers import kernel_assert
 from .constants import NATURAL_BUFFERS, SCALE_PACK_SLOTS, STAGING_BUFFERS
 from .descriptor import MatmulSetup
-from .k_exchange import KTileExchange
 from .panel_builder import PanelPlacement, words_above_whole_max
 from .panels import (LoadRing, Panel, PanelGroupBlock, PanelLoad, PanelWordsRing, k_tiles, load_panel,
                      panel_columns)
@@ -53,8 +52,6 @@ class PanelSource(nl.NKIObject):
         self.kept_slots = 0  # > 0 (keep_all): every panel in the next slot of one PanelGroupBlock of this many, made at
         # the first load (MatmulPlan interleave_switch with keep_whole: the stationary operand kept whole in one block)
         self.kept_block = None
-        self.exchange_rank = -1  # >= 0 (LNC2, MatmulPlan cold_staging): this core's rank; its loads quantize half of the
-        # K tiles and swap them with the other core's on chip (KTileExchange), where their K tiles split into groups
         self.setup = setup
         self.pad_even = pad_even and setup.is_mx  # nc_matmul_mx needs an even M
         self.keep_all = keep_all
@@ -97,13 +94,6 @@ class PanelSource(nl.NKIObject):
             self.words_ring = PanelWordsRing(self.op.k_size, f_pad, self.switch_ahead_slots, self.setup)
         return self.words_ring.placement(f_pad)
 
-    def _exchange(self, f_size: int, f_pad: int):
-        """The KTileExchange of the next load of f_size columns (exchange_rank set, a [K, F] bf16 operand quantized on
-        chip, unpadded even columns), else None."""
-        if self.exchange_rank < 0 or not self.can_load_ahead() or f_size != f_pad or f_pad % 2:
-            return None
-        return KTileExchange(self.exchange_rank, f_pad)
-
     def _next_words_from(self) -> int:
         """PanelLoad's next_words_from for the next load: first_next_words_from while it is the first, if set."""
         return self.first_next_words_from if self.first_next_words_from >= 0 else self.next_words_from
@@ -142,8 +132,7 @@ class PanelSource(nl.NKIObject):
                                      placement=self._placement(self._padded(width)),
                                      quantize_columns=self.first_quantize_columns,
                                      slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                                     next_words_from=self._next_words_from(),
-                                     exchange=self._exchange(width, self._padded(width)))
+                                     next_words_from=self._next_words_from())
             self.pending_key, self.first_quantize_columns, self.first_slot_dma_k_tiles = base, 1, 0
             self.first_next_words_from = -1
         kernel_assert(self.pending_key == base, f"load_ahead of column {base} while column {self.pending_key}'s "
@@ -174,8 +163,7 @@ class PanelSource(nl.NKIObject):
         panel = load_panel(self.op, f0, f_size, f_pad, self.setup, ring=self.ring, placement=placement,
                            preloaded=preloaded, quantize_columns=self.first_quantize_columns,
                            slot_dma_k_tiles=self.first_slot_dma_k_tiles,
-                           next_words_from=self._next_words_from(),
-                           exchange=None if preloaded != None else self._exchange(f_size, f_pad))  # noqa: E711
+                           next_words_from=self._next_words_from())
         self.first_quantize_columns, self.first_slot_dma_k_tiles, self.first_next_words_from = 1, 0, -1
         return self._keep(f0, f_size, panel, natural)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COLD_STAGING_BUFFERS,
-                        COLD_STAGING_MAX_M_TILES, EXCHANGE_COLD_K_TILES, FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES,
+                        COLD_STAGING_MAX_M_TILES, FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES,
                         LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES,
                         PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN,
                         STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
@@ -95,9 +95,6 @@ def choose_tiling(plan, stationary, moving, config, products, resident, groups, 
             mv.staging = COLD_STAGING_BUFFERS
             mv.first_slot_dma_k_tiles = COLD_SLOT_DMA_K_TILES
             mv.next_words_from = 0 if COLD_PERMUTE_INTO_NEXT_WORDS else -1
-            if EXCHANGE_COLD_K_TILES and plan.split.num_cores == 2:
-                # both cores load all of them: each quantizes half of the K tiles, swapped on chip (KTileExchange)
-                mv.exchange_rank = plan.split.shard_id
     plan.fenced_start = (fenced_start and resident != None and setup.is_mx and  # noqa: E711
                          not plan.keep_moving and all(mv.can_load_ahead() for mv in plan.moving))
     if plan.fenced_start:
