@@ -52,9 +52,6 @@ RESIDENT_WEIGHT_BUDGET_BYTES = 96 * 1024
 #: all words loaded: 1.25x the bf16 bytes per core) to save A's load -> quantize_mx chain at its start: Qwen3-30B-A3B's
 #: 3 MiB gains (full balanced run 17.513 -> 17.053 ms), GPT-OSS-20B's 15.8 MiB loses (19.564 -> 19.855 ms).
 RESIDENT_DOWN_EXCHANGE_MAX_BYTES = 8 * 1024 * 1024
-#: Whether a one-block expert's pass A skips that exchange (a run-time choice: no quantize a fence ahead, A loads and
-#: quantizes its own W_down): round 38d, Qwen3-30B-A3B Zipf's one-block segments read the scratch on the critical path.
-RESIDENT_DOWN_EXCHANGE_SKIPS_SINGLE = True
 #: SBUF bytes per partition that pass A's resident weight panels and pass B's W_gu panels (this core's H tiles) may
 #: take together for pass B to run in pieces between pass A's chunks (round 8a, moe_bwd_mxfp8_interleave.py): both
 #: stay on chip through the segment's A. Qwen3-30B-A3B (12 + 12 KiB) interleaves; GPT-OSS-20B (~65 + ~65 KiB) does

@@ -30,8 +30,7 @@ from ...core.kernel_helpers import kernel_assert, shard_range
 from ...core.matmul import PanelPlacement, TensorDescriptor, k_tiles, load_panel, panel_layout_hbm, store_k_tile
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import (MX_K_TILE, RESIDENT_DOWN_EXCHANGE_MAX_BYTES, RESIDENT_DOWN_EXCHANGE_SKIPS_SINGLE,
-                        WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS)
+from .constants import MX_K_TILE, RESIDENT_DOWN_EXCHANGE_MAX_BYTES, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_STAGING_BUFFERS
 
 __all__ = ["DownWeightExchange"]
 
@@ -45,8 +44,6 @@ class DownWeightExchange(nl.NKIObject):
     def __init__(self, ctx, experts):
         self.ctx = ctx
         self.experts = list(experts)
-        # a one-block expert's A loads and quantizes its own W_down instead (round 38d); set by `of`
-        self.single_own = False
         H, I, split = ctx.H, ctx.I, ctx.split
         kernel_assert(ctx.setup.is_mx, f"DownWeightExchange stores MXFP8 words, got precision {ctx.setup.precision}")
         self.words = [None] * ctx.E
@@ -72,9 +69,7 @@ class DownWeightExchange(nl.NKIObject):
         if DownWeightExchange.applies(ctx, w_down_resident):
             return DownWeightExchange(ctx, [e for g in groups[1:] for e in g])
         if DownWeightExchange.applies_resident(ctx, w_down_resident, pipelined):
-            exchange = DownWeightExchange(ctx, [e for g in groups[1:] for e in g[1:]])
-            exchange.single_own = RESIDENT_DOWN_EXCHANGE_SKIPS_SINGLE
-            return exchange
+            return DownWeightExchange(ctx, [e for g in groups[1:] for e in g[1:]])
         return None
 
     @staticmethod
@@ -86,11 +81,6 @@ class DownWeightExchange(nl.NKIObject):
 
     def exchanged(self, e) -> bool:
         return e in self.experts
-
-    def if_exchanged(self, e, body):
-        """body() once where expert e's W_down goes through the scratch at run time: e has blocks, and two or more
-        of them where a one-block expert loads its own (single_own)."""
-        (self.ctx.loops.if_multi if self.single_own else self.ctx.loops.if_used)(e, body)
 
     def quantize(self, e):
         """This core's K tiles of W_down[e]: loaded in WIDE_WEIGHT_LOAD_WIDTH-column pieces through one staging ring,

@@ -116,9 +116,6 @@ __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_pha
 # ---------------------------------------------------------------------------------------------------
 # Base kernel: the three passes over the experts
 # ---------------------------------------------------------------------------------------------------
-SINGLE_OWN_EARLY = False  # scratch toggle (round 38d): True also loads a one-block A(a1)'s own W_down before the fence
-
-
 def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     """Passes A, B, C (module docstring) for a validated MoeContext; outputs are ctx.dx, ctx.d_weights,
     ctx.d_gate_up_weight, ctx.d_down_weight and, when not None, ctx.d_gate_up_bias."""
@@ -198,13 +195,13 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     groups = [list(range(g, min(g + EXPERTS_PER_FENCE, E))) for g in range(0, E, EXPERTS_PER_FENCE)]
     exchange = None  # W_down quantized once per core pair (moe_bwd_mxfp8_down_exchange.py), set below
 
-    def a_descs(e, own=False):
-        """W_down[e] [H, I] (K=H; from the exchange's scratch for its experts unless `own`: the kernel's input), and
-        W_gate[e] / W_up[e] [I, H] for the recompute (None when given)."""
+    def a_descs(e):
+        """W_down[e] [H, I] (K=H; from the exchange's scratch for its experts), and W_gate[e] / W_up[e] [I, H] for
+        the recompute (None when given)."""
         gate = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I, f_size=I)
         up = TensorDescriptor(gu_rows, k_axis=1, f_base=e * 2 * I + I, f_size=I)
         down = TensorDescriptor(down_rows, k_axis=0, k_base=e * H, k_len=H)
-        if exchange != None and exchange.exchanged(e) and not own:  # noqa: E711
+        if exchange != None and exchange.exchanged(e):  # noqa: E711
             down = exchange.descriptor(e)
         return [down, None if ctx.gate_pre != None else gate, None if ctx.up != None else up]  # noqa: E711
 
@@ -226,7 +223,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         if i_split != None:  # noqa: E711
             i_split.stage_expert(e)
         if exchange != None and exchange.exchanged(e):  # noqa: E711
-            exchange.if_exchanged(e, lambda: exchange.quantize(e))
+            ctx.loops.if_used(e, lambda: exchange.quantize(e))
 
     # resident weights, all of I in one group and an even number of 128-row chunks per core: the chunks of the
     # expert's blocks run as one pipeline (each chunk's gathers before the previous chunk's epilogue: round 7c)
@@ -297,32 +294,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         # delayed the W_down load A(a)'s first matmul waits for)
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         w = ExpertPanels.loaded_if(a_descs(a), i_tiles, setup, lambda body: ctx.loops.if_used(a, body), ring)
-        early = {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
-        for b in group[1:] if exchange != None and exchange.single_own and SINGLE_OWN_EARLY else []:  # noqa: E711
-            early[b] = (ExpertPanels.loaded_if(a_descs(b, True), i_tiles, setup,
-                                               lambda body, b=b: ctx.loops.if_single(b, lambda _: body()), ring), None)
-        return early
+        return {a: (w, None if interleave else gather_first_chunk_ahead(ctx, a))}
 
-    def if_used_a(a, body):
-        """body(own) once when expert a has blocks; own: A(a) loads the kernel's W_down[a] (not the exchange's
-        scratch): for every expert outside the exchange, and for an exchanged one-block expert where the exchange
-        skips those (DownWeightExchange.if_exchanged: then a run-time choice between the two A(a))."""
-        if exchange == None or not exchange.exchanged(a) or not exchange.single_own:  # noqa: E711
-            ctx.loops.if_used(a, lambda: body(exchange == None or not exchange.exchanged(a)))  # noqa: E711
-            return
-        ctx.loops.if_single(a, lambda _: body(True))
-        ctx.loops.if_multi(a, lambda: body(False))
-
-    def pass_a(e, between=None, panels=None, then=None, at_first_tile=None, own=False):
+    def pass_a(e, between=None, panels=None, then=None, at_first_tile=None):
         """panels: (A(e)'s weight panels, its first chunk's inputs) from first_a_panels (None: loaded and gathered
-        here); then, at_first_tile: I split's expert(); own: W_down[e] from the kernel's input (a_descs)."""
+        here); then, at_first_tile: I split's expert()."""
         kernel_assert(at_first_tile == None or i_split != None,  # noqa: E711
                       f"pass A of expert {e} takes work at its first I tile only under the I split")
         if pipelined:
             b_lo, _, _ = ctx.loops.bounds(e)
             # W_down staged in pass C's ring, not over C's freed tiles (round 26b: A(a1)'s start, as B's W_gu)
             ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
-            w, first = (panels_of(a_descs(e, own), i_tiles, ring), None) if panels == None else panels  # noqa: E711
+            w, first = (panels_of(a_descs(e), i_tiles, ring), None) if panels == None else panels  # noqa: E711
             compute_phase1_pipelined_mxfp8(ctx, e, b_lo, ctx.loops.before_last_block(e), ctx.loops.last_block(e), *w,
                                            between=between, first=first)
             return
@@ -405,14 +388,14 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         no blocks (the segment's order of A(a) and B(e) as without the interleave). a_panels: pass_a's panels."""
         def both():
             dx = InterleavedDx(ctx, e, panels_of([b_desc(e)], h_tiles)[0], compute_phase2_hidden_states_grad_mxfp8)
-            if_used_a(a, lambda own: pass_a(a, between=dx.piece, panels=a_panels if own else None, own=own))
+            ctx.loops.if_used(a, lambda: pass_a(a, between=dx.piece, panels=a_panels))
             if ctx.defer_d_w:  # A(e)'s d_topk_weights (as without the interleave: after A(a), before B(e)'s rest)
                 b_lo, _, b_hi = ctx.loops.bounds(e)
                 scatter_deferred_d_w(ctx, b_lo, b_hi)
             dx.finish()
 
         ctx.loops.if_used(e, both)
-        ctx.loops.if_unused(e, lambda: if_used_a(a, lambda own: pass_a(a, panels=a_panels if own else None, own=own)))
+        ctx.loops.if_unused(e, lambda: ctx.loops.if_used(a, lambda: pass_a(a, panels=a_panels)))
 
     # ---- pass C (an expert without blocks stores zeros) ----
     d_gu_src, x_src = BlockRowSource(ctx, ctx.d_gu), BlockRowSource(ctx, ctx.x_blocks)
@@ -512,8 +495,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                                       w=a_panels, s=stage: ctx.loops.if_used(
                                           a[0], lambda: pass_a(a[0], panels=w, then=then, at_first_tile=s)))
                 elif j < len(ahead):
-                    if_used_a(ahead[j], lambda own, a=ahead[j], w=a_panels, s=stage: pass_a(
-                        a, panels=w if own else None, at_first_tile=s, own=own))
+                    ctx.loops.if_used(ahead[j], lambda a=ahead[j], w=a_panels, s=stage: pass_a(a, panels=w,
+                                                                                           at_first_tile=s))
                 if ctx.defer_d_w:  # A(e)'s d_topk_weights: this core wrote and reads its rows (no other core's)
                     b_lo, _, b_hi = ctx.loops.bounds(e)
                     scatter_deferred_d_w(ctx, b_lo, b_hi)
