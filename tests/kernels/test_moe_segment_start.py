@@ -26,6 +26,10 @@ mx_exact, LNC1 and LNC2.
 |                                      | W_down pass A loads on chip is staged in pass C's ring tiles    |            |
 |                                      | (not fresh ones: A(2)'s early one and those at an A's start);   |            |
 |                                      | bit-exact                                                       |            |
+| test_first_b_weights_before_fence    | E = 8 (four fence groups of two), the A/B interleave: each      | LNC1, LNC2 |
+|                                      | segment's first B(e) has its W_gu read in the segment before    |            |
+|                                      | (round 38d): per segment {0}, {1, 2}, {3, 4}, {5}, {6, 7};      |            |
+|                                      | bit-exact                                                       |            |
 """
 from __future__ import annotations
 
@@ -196,3 +200,35 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
                   if t.name == "token_position_to_slot"}
         rows = {p * 128, 256 + p * 128}  # core p's 128 rows of each 256-row unit
         assert chunks == {(b, r) for b in range(4) for r in rows} | {(4, p * 128)}, (p, sorted(chunks))
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_first_b_weights_before_fence(lnc):
+    """E = 8, one full block per expert: four fence groups of two; H = 64, I = 96 take the A/B interleave (round 8a).
+    Each segment's first B interleaved with an A (B(0) with A(2), B(2) with A(4), B(4) with A(6)) has its resident W_gu
+    read before the fence ahead of it (round 38d), in the segment before; the segments' second Bs, and the last group's
+    B(6) (no A to interleave with), read theirs after it. Before round 38d each segment read the W_gu of its own two Bs: [], {0, 1}, {2, 3},
+    {4, 5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
+    T8, E8 = 2048, 8
+    ids = np.zeros((T8, 2), np.int32)
+    for q in range(4):
+        ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
+    kernel, ref = moe_case(T8, E8, H, I, ids, seed=383, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"W_gu before the fence, E = 8, LNC{lnc} vs mx_exact")
+    if lnc == 1:
+        return
+    expert_bytes = 2 * I * H * 2  # gate_up_weight [E, 2I, H] bf16 (read by pass B only: every checkpoint given)
+    for p in range(2):
+        segments = [set()]
+        for r in res.trace:
+            if r.program != p:
+                continue
+            if r.instr == "core_barrier":
+                segments.append(set())
+                continue
+            segments[-1].update(t.byte_lo // expert_bytes for t in r.reads
+                                if getattr(t, "name", "") == "gate_up_weight")
+        # pass B splits H between the cores in SPLIT_ALIGN columns: H = 64 is core 0's, core 1 reads no W_gu
+        assert segments == ([{0}, {1, 2}, {3, 4}, {5}, {6, 7}] if p == 0 else [set()] * 5), (p, segments)

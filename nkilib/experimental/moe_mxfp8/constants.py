@@ -58,6 +58,10 @@ RESIDENT_DOWN_EXCHANGE_MAX_BYTES = 8 * 1024 * 1024
 #: not: with both resident, pass A's chunk tiles find no placement, and with a third of W_gu (one H tile) interleaved
 #: it ran 3038.5 -> 3066.6 us (docs/moe.md section 10, round 8a).
 INTERLEAVE_PANEL_BUDGET_BYTES = 96 * 1024
+#: With that interleave, each segment's first B loads its resident W_gu panels before the fence ahead of it instead of
+#: at its start (round 38d): Qwen3-30B-A3B's segments of one-block experts started on W_gu's 3 MiB per core, the
+#: longest load after the fence (qz 3234.4 -> 3196.2 us, q8 980.8 -> 958.6).
+GATE_UP_PANELS_BEFORE_FENCE = True
 #: Weight-gradient output tiles ([128, MOE_N_TILE] fp32, one PSUM bank each) accumulated together across
 #: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
 #: blocks' rows of its tiles).

@@ -105,8 +105,8 @@ from .moe_bwd_mxfp8_single_block import compute_phase3_single_block_expert_mxfp8
 from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_zero_expert_grads,
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
-from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS,
-                        PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
+from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, GATE_UP_PANELS_BEFORE_FENCE,
+                        INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
                         STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
@@ -383,11 +383,21 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                   ExpertPanels.bytes_of(a_ops, i_tiles, setup) + ExpertPanels.bytes_of([b_desc(0)], h0_tiles, setup)
                   <= INTERLEAVE_PANEL_BUDGET_BYTES)
 
+    gu_early = {}  # {e: B(e)'s W_gu panels loaded before the fence by gu_ahead}
+
+    def gu_ahead(group):
+        """With the interleave, the resident W_gu of B(group[0]), the next segment's first B, loaded before the fence
+        (in its if_used; W_gu is a kernel input, read only): a segment of one-block experts started on it (round 38d)."""
+        if interleave and group and GATE_UP_PANELS_BEFORE_FENCE:
+            gu_early[group[0]] = ExpertPanels.loaded_if([b_desc(group[0])], h_tiles, setup,
+                                                        lambda body, e=group[0]: ctx.loops.if_used(e, body))[0]
+
     def pass_a_with_b(a, e, a_panels=None):
         """A(a) with B(e)'s pieces between its chunks, then e's blocks that A(a) did not reach; A(a) alone when e has
         no blocks (the segment's order of A(a) and B(e) as without the interleave). a_panels: pass_a's panels."""
         def both():
-            dx = InterleavedDx(ctx, e, panels_of([b_desc(e)], h_tiles)[0], compute_phase2_hidden_states_grad_mxfp8)
+            w_gu = gu_early.pop(e) if e in gu_early else panels_of([b_desc(e)], h_tiles)[0]
+            dx = InterleavedDx(ctx, e, w_gu, compute_phase2_hidden_states_grad_mxfp8)
             ctx.loops.if_used(a, lambda: pass_a(a, between=dx.piece, panels=a_panels))
             if ctx.defer_d_w:  # A(e)'s d_topk_weights (as without the interleave: after A(a), before B(e)'s rest)
                 b_lo, _, b_hi = ctx.loops.bounds(e)
@@ -468,6 +478,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         quantize_down(e)
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
+    gu_ahead(groups[0] if len(groups) > 1 else [])  # (B(groups[0][0]) runs interleaved with A(groups[1][0]))
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
@@ -516,6 +527,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         x_ahead(ahead)
         if n + 1 < len(groups):
             early = first_a_panels(later)
+            gu_ahead(ahead if n + 2 < len(groups) else [])  # (the last group's B runs without the interleave)
             fence()
 
 
