@@ -121,9 +121,9 @@ class PartialSums(nl.NKIObject):
         them (constants.py PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into one allocation of
         last_slots [128, width] tiles, taken in turn, for the same reason under the next plan's first loads (two where
         plan_matmul finds them room, PARTIAL_LAST_FETCH_SLOTS: a fetch then need not wait for the tile before's
-        reload). Elsewhere (a spilling chunk's head) a tile per
-        spill and per fetch, placed as they come: a ring live across a chunk's own panel loads put S = 16384 / 32768,
-        H = I = 2880 past SBUF (round 51a of docs/dense-performance.md).
+        reload). Elsewhere (a spilling chunk's head) a tile per spill and per fetch, placed as they come: a ring live
+        across a chunk's own panel loads put S = 16384 / 32768, H = I = 2880 past SBUF (round 51a of
+        docs/dense-performance.md).
     """
 
     FETCH_SLOT, EVICT_SLOT, FLIP_SLOT = 0, 1, 2
@@ -233,7 +233,8 @@ class PartialSums(nl.NKIObject):
         tiles (overlap.held_bytes_at_tail; a spilling chunk's are in its ring, SpillEpilogue.held_bytes): one
         [128, width] fp32 tile, the sums of the tile being reloaded. Uncounted, phase 4's first load under phase 3's
         last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a 4.5 KiB tile was live,
-        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md)."""
+        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md). A second
+        fetch tile (last_slots) is not counted: plan_matmul gives it only within LAST_FETCH_RING_MAX_HELD_BYTES."""
         return self.width * 4
 
     def ring_bytes(self) -> int:
@@ -408,6 +409,6 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
             for source in chunks[-1].moving:
                 source.first_piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
     # the last chunk's fetches alternate between two tiles where the second fits beside what it holds at its tail
-    if chunks[-1].held_bytes() + partials.width * 4 <= LAST_FETCH_RING_MAX_HELD_BYTES:
+    if chunks[-1].held_bytes() + partials.held_bytes() <= LAST_FETCH_RING_MAX_HELD_BYTES:
         partials.last_slots = PARTIAL_LAST_FETCH_SLOTS
     return KChunkedPlan(chunks)
