@@ -174,28 +174,36 @@ def test_a_spread_first_load_after_a_k_chunked_plan_takes_its_copies_as_after_it
     assert spread and copies == fits == (tiles_left == "none"), (spread, copies, fits)
 
 
+def _three_chunk_sum_dmas(shrunk_budgets, where):
+    """Three chunks per phase (S = 6144, shrunk budgets), one core, bit-exact: the HBM sums' name -> [(spill / fetch,
+    where(the SBUF side of the DMA))] in program order, one entry per phase."""
+    S, H, I = 6144, 192, 320
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=11)
+    res = run_mlp(inp, lnc=1, trace=True, weight_grad_dtype="float32")
+    assert_mlp_bit_exact(res.outputs, inp, weight_grad_dtype="float32")
+    assert [t[0] for t in shrunk_budgets] == [[0, 2048, 4096]] * 2, shrunk_budgets  # phases 4 and 3
+    dmas = {}
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.writes[0].buffer == "private_hbm" and r.reads[0].buffer == "sbuf":
+            dmas.setdefault(r.writes[0].name, []).append(("spill", where(r.reads[0])))
+    for r in res.trace:
+        if r.instr == "dma_copy" and r.reads[0].name in dmas:
+            dmas[r.reads[0].name].append(("fetch", where(r.writes[0])))
+    assert len(dmas) == 2, dmas
+    return dmas
+
+
 def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_budgets):
     """Round 51a: a chunk that spills (all but the last) evicts, transposes and fetches its fp32 sums from its last
     loading tile on (its tail, under which the next chunk's first panels load) through one SBUF allocation
     (PartialSums' ring of PARTIAL_RING_SLOTS tiles), the next chunk's first fetched sums included (fetched once this
     chunk's last tile was reloaded): the tail allocates no new SBUF for them after the next chunk's first loads. With a
     tile per spill and per fetch (before) 9728 x 4096 x 1536 and 10240 x 4096 x 1792 found no gap for one
-    (plan errors). The last chunk, which only reloads, fetches into one tile, reused (a new tile per fetch before).
+    (plan errors). The last chunk, which only reloads, fetches into one allocation, reused (a new tile per fetch
+    before; its slots taken in turn since round 51d).
     Three chunks per phase (S = 6144, shrunk budgets), one core, bit-exact: each later chunk's first fetch writes the
-    SBUF tile that the chunk before's last spill read, and the last chunk's later fetches write one tile."""
-    S, H, I = 6144, 192, 320
-    inp = mlp_inputs_with_checkpoints(S, H, I, seed=11)
-    res = run_mlp(inp, lnc=1, trace=True, weight_grad_dtype="float32")
-    assert_mlp_bit_exact(res.outputs, inp, weight_grad_dtype="float32")
-    assert [t[0] for t in shrunk_budgets] == [[0, 2048, 4096]] * 2, shrunk_budgets  # phases 4 and 3
-    dmas = {}  # the HBM sums' name -> [(spill / fetch, SBUF storage id)] in program order
-    for r in res.trace:
-        if r.instr == "dma_copy" and r.writes[0].buffer == "private_hbm" and r.reads[0].buffer == "sbuf":
-            dmas.setdefault(r.writes[0].name, []).append(("spill", r.reads[0].storage_id))
-    for r in res.trace:
-        if r.instr == "dma_copy" and r.reads[0].name in dmas:
-            dmas[r.reads[0].name].append(("fetch", r.writes[0].storage_id))
-    assert len(dmas) == 2, dmas
+    SBUF tile that the chunk before's last spill read, and the last chunk's later fetches write one allocation."""
+    dmas = _three_chunk_sum_dmas(shrunk_budgets, lambda op: op.storage_id)
     widest = 0
     for name, seen in dmas.items():
         spills = [sid for kind, sid in seen if kind == "spill"]
@@ -204,9 +212,29 @@ def test_a_spilling_chunks_tail_passes_its_sums_through_one_sbuf_ring(shrunk_bud
         assert len(fetches) == len(spills) == 2 * tiles, (name, seen)
         for c in (1, 2):  # chunk c's first fetch: the ring of chunk c - 1's tail
             assert fetches[(c - 1) * tiles] == spills[c * tiles - 1], (name, c, seen)
-        assert len(set(fetches[tiles + 1:])) == 1, (name, seen)  # the last chunk's: one tile, reused
+        assert len(set(fetches[tiles + 1:])) == 1, (name, seen)  # the last chunk's: one allocation, reused
         widest = max(widest, tiles)
     assert widest > 2, dmas  # a last chunk with more than one fetch after its first
+
+
+def test_the_last_chunks_fetches_take_two_tiles_in_turn(shrunk_budgets):
+    """Round 51d: the last K chunk (it only reloads) fetches its sums into PARTIAL_LAST_FETCH_SLOTS tiles of one
+    allocation in turn, where they fit beside what it holds (LAST_FETCH_RING_MAX_HELD_BYTES): a fetch does not wait
+    for the reload of the tile before (one tile, reused, before: S = 9216, H = 4096, I = 1536 1.73887 -> 1.69016 ms
+    central). Three chunks per phase at S = 6144: the last chunk's later fetches write one SBUF allocation at two
+    offsets, each fetch at another offset than the one before (round 51a: one offset)."""
+    dmas = _three_chunk_sum_dmas(shrunk_budgets, lambda op: (op.storage_id, op.byte_offset))
+    widest = []
+    for name, seen in dmas.items():
+        fetches = [where for kind, where in seen if kind == "fetch"]
+        later = fetches[len(fetches) // 2 + 1:]  # the last chunk's fetches after its first (chunk 1's ring)
+        widest.append(len(later))
+        if len(later) < 2:
+            continue
+        assert len({sid for sid, _ in later}) == 1, (name, later)
+        assert len({off for _, off in later}) == constants_module.PARTIAL_LAST_FETCH_SLOTS, (name, later)
+        assert all(a[1] != b[1] for a, b in zip(later, later[1:])), (name, later)
+    assert max(widest) > 2, widest  # a last chunk with more than two fetches after its first
 
 
 def test_a_later_chunks_first_moving_panel_goes_in_narrower_pieces():

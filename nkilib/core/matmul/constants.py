@@ -69,6 +69,14 @@ PARTIAL_RING_SLOTS = 3  # [128, n_tile] fp32 slots of the SBUF ring a spilling K
 # (S = 9728, H = 4096, I = 1536 and S = 10240, I = 1792: a 6 KiB eviction tile's fallback placement closed a
 # dependency cycle; round 51a of docs/dense-performance.md). The same bytes as the tail's count before (two spill
 # tiles, one fetched), now the next chunk's first fetched sums among them (they were uncounted, round 50c).
+PARTIAL_LAST_FETCH_SLOTS = 2  # [128, n_tile] fp32 tiles the last K chunk (it only reloads) fetches its sums into, in
+# turn (k_chunks.PartialSums): with one, each fetch waited for the tile before's reload, one tile's matmuls ahead
+# of its own reload, behind the next plan's loads on the DMA queues (S = 9216, H = 4096, I = 1536: 1.73887 ->
+# 1.69016 ms central; S = 28672 / 24576, H = 2048, I = 768 1.84930 -> 1.81759, 2.00680 -> 1.94858; round 51d).
+LAST_FETCH_RING_MAX_HELD_BYTES = 196 * 1024  # the last chunk's fetches take PARTIAL_LAST_FETCH_SLOTS tiles only where
+# its held bytes at its tail (overlap.held_bytes_at_tail, one fetched tile counted) and one more tile stay within this
+# (S = 32768, H = I = 2880: phase 3's last chunk holds 201216 B; a second 5.5 KiB tile there put SBUF past its
+# capacity in program order; the plans that gain hold 193792 B and less; round 51d)
 PSUM_BYTES = 16 * 1024  # PSUM bytes per partition (8 banks x 2 KiB)
 PSUM_BANK_BYTES = 2 * 1024  # a PSUM allocation takes whole banks (nl.tile_size.psum_bank_fmax_bytes)
 PSUM_BANK_COLUMNS = PSUM_BANK_BYTES // 4  # fp32 columns of one PSUM bank

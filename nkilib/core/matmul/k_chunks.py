@@ -30,7 +30,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, round_up
-from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES,
+from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, LAST_FETCH_RING_MAX_HELD_BYTES,
+                        PARTIAL_LAST_FETCH_SLOTS, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES,
                         PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
@@ -117,10 +118,12 @@ class PartialSums(nl.NKIObject):
         reload (the next chunk's first tile's too, once this chunk's last was reloaded), EVICT_SLOT / FLIP_SLOT the
         tile being spilled (as evicted from PSUM, as transposed). Allocated at the tail's first access, before the
         next chunk's first loads (prefetched under this tail), the tail's short-lived tiles take no new SBUF after
-        them (constants.py PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into one [128, width] tile,
-        reused, for the same reason under the next plan's first loads. Elsewhere (a spilling chunk's head) a tile per
-        spill and per fetch, placed as they come: a ring live across a chunk's own panel loads put S = 16384 / 32768,
-        H = I = 2880 past SBUF (round 51a of docs/dense-performance.md).
+        them (constants.py PARTIAL_RING_SLOTS). The last chunk (it only reloads) fetches into one allocation of
+        last_slots [128, width] tiles, taken in turn, for the same reason under the next plan's first loads (two where
+        plan_matmul finds them room, PARTIAL_LAST_FETCH_SLOTS: a fetch then need not wait for the tile before's
+        reload). Elsewhere (a spilling chunk's head) a tile per spill and per fetch, placed as they come: a ring live
+        across a chunk's own panel loads put S = 16384 / 32768, H = I = 2880 past SBUF (round 51a of
+        docs/dense-performance.md).
     """
 
     FETCH_SLOT, EVICT_SLOT, FLIP_SLOT = 0, 1, 2
@@ -138,7 +141,9 @@ class PartialSums(nl.NKIObject):
         self.in_tail = False  # that chunk's tail began: spills and fetches go through the ring
         self.ring = None
         self.last_chunk = False  # the last spilling chunk closed: the chunk running only reloads
-        self.last_fetch = None  # its one fetch tile, reused by each of its fetches
+        self.last_fetch = None  # its fetch ring [128, last_slots x width], its slots reused in turn by its fetches
+        self.last_slots = 1  # that ring's slots (plan_matmul: PARTIAL_LAST_FETCH_SLOTS where they fit)
+        self.last_turn = 0  # fetches into that ring so far
 
     def index(self, m0: int, n0: int) -> int:
         return (m0 - self.m_lo) // self.m_tile * self.n_count + (n0 - self.n_lo) // self.n_tile
@@ -167,8 +172,11 @@ class PartialSums(nl.NKIObject):
             return self._slot(slot)
         if slot == self.FETCH_SLOT and self.last_chunk:
             if self.last_fetch == None:  # noqa: E711
-                self.last_fetch = nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
-            return self.last_fetch
+                self.last_fetch = nl.ndarray((PARTITIONS, self.last_slots * self.width), dtype=nl.float32,
+                                             buffer=nl.sbuf)
+            k0 = self.last_turn % self.last_slots * self.width
+            self.last_turn += 1
+            return self.last_fetch[:, k0:k0 + self.width]
         return nl.ndarray((PARTITIONS, self.width), dtype=nl.float32, buffer=nl.sbuf)
 
     def spill(self, m0: int, msz: int, n0: int, nsz: int, acc) -> None:
@@ -225,7 +233,8 @@ class PartialSums(nl.NKIObject):
         tiles (overlap.held_bytes_at_tail; a spilling chunk's are in its ring, SpillEpilogue.held_bytes): one
         [128, width] fp32 tile, the sums of the tile being reloaded. Uncounted, phase 4's first load under phase 3's
         last chunk at S = 28672, H = 2048, I = 768 fitted with 1.5 KiB to spare while such a 4.5 KiB tile was live,
-        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md)."""
+        and two of its 15 KiB words pieces found no gap (refused; round 48b of docs/dense-performance.md). A second
+        fetch tile (last_slots) is not counted: plan_matmul gives it only within LAST_FETCH_RING_MAX_HELD_BYTES."""
         return self.width * 4
 
     def ring_bytes(self) -> int:
@@ -399,4 +408,7 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
         if c:  # its first panel loads under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
             for source in chunks[-1].moving:
                 source.first_piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
+    # the last chunk's fetches alternate between two tiles where the second fits beside what it holds at its tail
+    if chunks[-1].held_bytes() + partials.held_bytes() <= LAST_FETCH_RING_MAX_HELD_BYTES:
+        partials.last_slots = PARTIAL_LAST_FETCH_SLOTS
     return KChunkedPlan(chunks)
