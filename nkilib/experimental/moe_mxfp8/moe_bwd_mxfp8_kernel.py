@@ -106,8 +106,9 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_expert_weight_grads_mxfp8,
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, GATE_UP_PANELS_BEFORE_FENCE,
-                        INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PASS_C_STAGING_BUFFERS, PHASE1_N_TILE, ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN,
-                        STAGE_DY_A_FENCE_AHEAD, WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
+                        INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PASS_C_STAGING_BUFFERS, PHASE1_N_TILE,
+                        ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, STAGE_DY_A_FENCE_AHEAD,
+                        WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
            "compute_phase2_hidden_states_grad_mxfp8", "compute_phase3_expert_weight_grads_mxfp8", "ClampLimits"]
