@@ -388,7 +388,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     def gu_ahead(group):
         """With the interleave, the resident W_gu of B(group[0]), the next segment's first B, loaded before the fence
-        (in its if_used; W_gu is a kernel input, read only): a segment of one-block experts started on it (round 38d)."""
+        (in its if_used; W_gu is a kernel input, read only): a segment of one-block experts started on it
+        (round 38d)."""
         if interleave and group and GATE_UP_PANELS_BEFORE_FENCE:
             gu_early[group[0]] = ExpertPanels.loaded_if([b_desc(group[0])], h_tiles, setup,
                                                         lambda body, e=group[0]: ctx.loops.if_used(e, body))[0]
