@@ -72,6 +72,33 @@ def _down_weight_experts(trace, program):
             if getattr(t, "name", "") == "down_weight"}
 
 
+def _run_eight_experts(lnc, seed, what):
+    """E = 8, T = 2048, k = 2, one full block per expert (tokens 512q..512q+511 to experts 2q and 2q + 1): four fence
+    groups of two. Outputs == mx_exact; returns the trace."""
+    T8, E8 = 2048, 8
+    ids = np.zeros((T8, 2), np.int32)
+    for q in range(4):
+        ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
+    kernel, ref = moe_case(T8, E8, H, I, ids, seed=seed, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"{what}, E = 8, LNC{lnc} vs mx_exact")
+    return res.trace
+
+
+def _experts_read_per_segment(trace, program, tensor, expert_bytes):
+    """Per fence segment of `program` (split at its core_barriers), the experts whose `tensor` bytes it reads."""
+    segments = [set()]
+    for r in trace:
+        if r.program != program:
+            continue
+        if r.instr == "core_barrier":
+            segments.append(set())
+            continue
+        segments[-1].update(t.byte_lo // expert_bytes for t in r.reads if getattr(t, "name", "") == tensor)
+    return segments
+
+
 def _names(ops):
     return [getattr(t, "name", "") for t in ops]
 
@@ -132,24 +159,9 @@ def test_every_fence_loads_next_a():
     fence ahead by the core holding its one K tile (H = 64: core 0), in the segment before: core 0 reads W_down[3]
     before the first fence, W_down[5] and W_down[7] in the segments of A(2) and A(4) (before round 25b: {0, 1, 2},
     {3, 4}, {5, 6}, {7} on both cores)."""
-    T8, E8 = 2048, 8
-    ids = np.zeros((T8, 2), np.int32)
-    for q in range(4):
-        ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
-    kernel, ref = moe_case(T8, E8, H, I, ids, seed=191, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             "segment start, E = 8, LNC2 vs mx_exact")
-    expert_bytes = H * I * 2
+    trace = _run_eight_experts(2, 191, "segment start")
     for p in range(2):
-        segments = [set()]
-        for r in res.trace:
-            if r.program != p:
-                continue
-            if r.instr == "core_barrier":
-                segments.append(set())
-                continue
-            segments[-1].update(t.byte_lo // expert_bytes for t in r.reads if getattr(t, "name", "") == "down_weight")
+        segments = _experts_read_per_segment(trace, p, "down_weight", H * I * 2)  # down_weight [E, H, I] bf16
         expected = ([{0, 1, 2, 3}, {4, 5}, {6, 7}, set(), set()] if p == 0
                     else [{0, 1, 2}, {4}, {6}, set(), set()])
         assert segments == expected, (p, segments)
@@ -207,28 +219,13 @@ def test_first_b_weights_before_fence(lnc):
     """E = 8, one full block per expert: four fence groups of two; H = 64, I = 96 take the A/B interleave (round 8a).
     Each segment's first B interleaved with an A (B(0) with A(2), B(2) with A(4), B(4) with A(6)) has its resident W_gu
     read before the fence ahead of it (round 38d), in the segment before; the segments' second Bs, and the last group's
-    B(6) (no A to interleave with), read theirs after it. Before round 38d each segment read the W_gu of its own two Bs: [], {0, 1}, {2, 3},
-    {4, 5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
-    T8, E8 = 2048, 8
-    ids = np.zeros((T8, 2), np.int32)
-    for q in range(4):
-        ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
-    kernel, ref = moe_case(T8, E8, H, I, ids, seed=383, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"W_gu before the fence, E = 8, LNC{lnc} vs mx_exact")
+    B(6) (no A to interleave with), read theirs after it. Before round 38d each segment read the W_gu of its own two
+    Bs: [], {0, 1}, {2, 3}, {4, 5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
+    trace = _run_eight_experts(lnc, 383, "W_gu before the fence")
     if lnc == 1:
         return
-    expert_bytes = 2 * I * H * 2  # gate_up_weight [E, 2I, H] bf16 (read by pass B only: every checkpoint given)
     for p in range(2):
-        segments = [set()]
-        for r in res.trace:
-            if r.program != p:
-                continue
-            if r.instr == "core_barrier":
-                segments.append(set())
-                continue
-            segments[-1].update(t.byte_lo // expert_bytes for t in r.reads
-                                if getattr(t, "name", "") == "gate_up_weight")
+        # gate_up_weight [E, 2I, H] bf16, read by pass B only (every checkpoint given)
+        segments = _experts_read_per_segment(trace, p, "gate_up_weight", 2 * I * H * 2)
         # pass B splits H between the cores in SPLIT_ALIGN columns: H = 64 is core 0's, core 1 reads no W_gu
         assert segments == ([{0}, {1, 2}, {3, 4}, {5}, {6, 7}] if p == 0 else [set()] * 5), (p, segments)
