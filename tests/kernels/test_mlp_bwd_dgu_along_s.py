@@ -352,3 +352,20 @@ def test_deferred_along_s_k_tile_quantized_at_the_fence_between_the_second_w_gu_
         ahead = [i for i in panel if i < along_s[0]]
         assert len(ahead) == FENCE_WORK_AFTER_K_TILES, (p, panel, along_s)
         assert all(along_s[-1] < i < barrier for i in panel[len(ahead):]), (p, panel, along_s, barrier)
+
+
+def test_phase2_kept_w_gu_beside_resident_panels_in_words_pieces():
+    """Phase 2 beside phase 1's resident panels (ResidentPanels, one allocation per S tile, strewn over SBUF by
+    next-fit) with W_gu kept whole: every W_gu panel's words go in MX_PANEL_PIECE_BYTES pieces, also below
+    MX_PANEL_WHOLE_MAX_BYTES (RESIDENT_KEPT_MOVING_IN_PIECES; round 52a: S = 3584, H = 2048, I = 1536's second 24 KiB
+    W_gu panel found no gap among 14 kept panels). S = 1024, H = 1024, I = 1536: one 1024-column W_gu panel of six K
+    tiles (24 KiB of words) in pieces of 4 + 2 K tiles, so phase 2's matmuls read two moving allocations per core;
+    before round 52a one. Bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2 (the same quantize_mx per
+    K tile into other allocations)."""
+    S, H, I = 1024, 1024, 1536
+    for lnc, res in _phase_labelled_runs(S, H, I, seed=S + H + I + 52):
+        for p in range(lnc):
+            matmuls = [r for r in res.trace if r.program == p and r.attrs.get("phase") == "phase2" and
+                       r.instr == "nc_matmul_mx"]
+            moving = {next(o.storage_id for o in r.reads if o.arg == "moving") for r in matmuls}
+            assert len(moving) == 2, (lnc, p, sorted(moving))
