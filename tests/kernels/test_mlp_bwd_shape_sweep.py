@@ -33,7 +33,7 @@ STILL_REFUSED = {
     # refused too and runs after round 50b's PSUM rule; these three are refused after it as well, and after round 51a's
     # K-chunk tail ring with other tiles; 27136 x 2880 x 2880 ran from round 52a)
     (28160, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
-    (31232, 2880, 2880): "SBUF: 30 KiB and 6 KiB tiles find no placement they may wait for",
+    (31232, 2880, 2880): "SBUF: 6 KiB tiles find no placement they may wait for",
     (32256, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
 }
 
