@@ -352,3 +352,47 @@ def test_deferred_along_s_k_tile_quantized_at_the_fence_between_the_second_w_gu_
         ahead = [i for i in panel if i < along_s[0]]
         assert len(ahead) == FENCE_WORK_AFTER_K_TILES, (p, panel, along_s)
         assert all(along_s[-1] < i < barrier for i in panel[len(ahead):]), (p, panel, along_s, barrier)
+
+
+def test_phase2_kept_w_gu_beside_resident_panels_in_words_pieces():
+    """Phase 2 beside phase 1's resident panels (ResidentPanels, one allocation per S tile, strewn over SBUF by
+    next-fit) with W_gu kept whole: every W_gu panel's words go in MX_PANEL_PIECE_BYTES pieces, also below
+    MX_PANEL_WHOLE_MAX_BYTES (RESIDENT_KEPT_MOVING_IN_PIECES; round 52a: S = 3584, H = 2048, I = 1536's second 24 KiB
+    W_gu panel found no gap among 14 kept panels). S = 1024, H = 1024, I = 1536: one 1024-column W_gu panel of six K
+    tiles (24 KiB of words) in pieces of 4 + 2 K tiles, so phase 2's matmuls read two moving allocations per core;
+    before round 52a one. Bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2 (the same quantize_mx per
+    K tile into other allocations)."""
+    S, H, I = 1024, 1024, 1536
+    for lnc, res in _phase_labelled_runs(S, H, I, seed=S + H + I + 52):
+        for p in range(lnc):
+            matmuls = [r for r in res.trace if r.program == p and r.attrs.get("phase") == "phase2" and
+                       r.instr == "nc_matmul_mx"]
+            moving = {next(o.storage_id for o in r.reads if o.arg == "moving") for r in matmuls}
+            assert len(moving) == 2, (lnc, p, sorted(moving))
+
+
+def test_along_s_words_in_one_allocation_per_chunk_beside_separate_kept_panels(monkeypatch):
+    """Where phase 1 keeps phase 2's panels as separate allocations and quantizes more than one K tile along S per
+    core, a K tile's words along S above ALONG_S_WORDS_WHOLE_MAX_BYTES go in one allocation per along-S chunk
+    (SwigluBackwardEpilogue.along_s_words_per_chunk; round 52a: S = 2048, H = I = 2880's 22.5 KiB words found no gap
+    among 8 kept panels). Spread as in the tests above (S = 2048, I = 1024, four chunks of 512 columns per K tile, 8 KiB
+    of words) with the threshold at 4 KiB: every chunk's store reads words of its own allocation, four per K tile (the
+    unit-stride copies of ALONG_S_HALF_FROM_COPY borrow the next chunk's). At the default threshold one allocation per
+    K tile (before round 52a: always). Bit-exact against mx_exact on LNC1 and LNC2, LNC1 equal to LNC2
+    (the same quantize_mx per column range into other allocations)."""
+    S, H, I = 2048, 128, 1024
+    chunks = 4  # 2 n blocks x ALONG_S_SPREAD_S_TILES
+
+    def words_per_k_tile(res, p):
+        records, stores, _, _ = _along_s_instructions(res, p)
+        sids = [records[i].reads[0].storage_id for i in stores]
+        return [len(set(sids[j:j + chunks])) for j in range(0, len(sids), chunks)]
+
+    inp = mlp_inputs_with_checkpoints(S, H, I, seed=S + H + I + 52, kind="pow2")
+    assert epilogue_module.ALONG_S_WORDS_WHOLE_MAX_BYTES >= 2 * I * 4  # the default keeps this shape's words whole
+    res = run_mlp(inp, lnc=2, trace=True, phase1_tiles_n=1)
+    assert all(words_per_k_tile(res, p) == [1] * (S // 2 // 512) for p in range(2))
+    monkeypatch.setattr(epilogue_module, "ALONG_S_WORDS_WHOLE_MAX_BYTES", 4 * 1024)
+    for lnc, res in assert_mlp_traced_bit_exact_on_lnc1_and_lnc2(inp, phase1_tiles_n=1):
+        for p in range(lnc):
+            assert words_per_k_tile(res, p) == [chunks] * (S // lnc // 512), (lnc, p)

@@ -15,6 +15,8 @@ from nkilib.core.matmul import constants as constants_module
 from nkilib.core.matmul import k_chunks as k_chunks_module
 from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
+from nkilib.core.matmul.panel_builder import words_above_whole_max
+from nkilib.core.matmul.panels import k_tiles
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
 from simkit import (assert_mlp_bit_exact, assert_outputs_identical, in_kernel, mlp_inputs_with_checkpoints, run_mlp,
@@ -254,3 +256,29 @@ def test_a_later_chunks_first_moving_panel_goes_in_narrower_pieces():
     first, later = in_kernel(body)
     assert first == [0, 0] and later == [constants_module.K_CHUNK_PANEL_PIECE_BYTES, 0], (first, later)
     assert 0 < later[0] < constants_module.MX_PANEL_PIECE_BYTES
+
+
+def test_a_shorter_last_chunks_panels_go_in_pieces_where_the_full_chunks_do():
+    """Round 52a: a K-chunked plan's last chunk may be shorter than the others, its moving panels then narrower along K:
+    at S = 27136, H = I = 2880 phase 3's last chunk has 2560 rows, 5 K tiles of X x 1536 columns (30 KiB of words, under
+    MX_PANEL_WHOLE_MAX_BYTES), where the full chunks' 8 K tiles (48 KiB) go in pieces; whole, its first panel found no
+    30 KiB gap among the pieces the chunk before left (refused). Its moving source now quantizes its panels in pieces as
+    the full chunks' do (PanelSource._placement's rule across chunks). Phase 3 per core from shape-only descriptors:
+    the last chunk's first placement in K_CHUNK_PANEL_PIECE_BYTES pieces although its panel alone would be whole (before
+    round 52a: whole)."""
+    S, H, I = 27136, 2880, 2880
+    grad = TensorDescriptor(types.SimpleNamespace(shape=(S, 2 * I)), k_axis=0)
+    x = TensorDescriptor(types.SimpleNamespace(shape=(S, H)), k_axis=0)
+    epilogue = types.SimpleNamespace(prepare=lambda plan: None, held_bytes=lambda n_tile: 0)
+
+    def body():
+        chunked = k_chunks_module.plan_matmul([grad], [x], 2 * I, H, SETUP, MatmulConfig(n_tile=2048), CoreSplit(2, 0),
+                                              epilogue, k_chunks=True, lead_n_major=True)
+        last = chunked.chunks[-1]
+        k = len(k_tiles(last.moving[0].op.k_size, SETUP))
+        placement = last.moving[0]._placement(last.n_tile)
+        return k, last.n_tile, placement.piece_bytes, placement.always
+
+    k, n_tile, piece_bytes, always = in_kernel(body)
+    assert not words_above_whole_max(k, n_tile), (k, n_tile)  # alone, the last chunk's panel would be whole
+    assert always and piece_bytes == constants_module.K_CHUNK_PANEL_PIECE_BYTES, (always, piece_bytes)

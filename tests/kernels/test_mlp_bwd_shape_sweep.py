@@ -24,16 +24,16 @@ MAX_S = {(4096, 12288): 4096}
 #: cost model's allocator starts a PSUM tile of 2, 4 or 8 banks at a multiple of its size: allocator._psum_alignment)
 #: and 9216 x 4096 x 1536 (a source's later panels in words pieces once one was: PanelSource._placement), round 51a
 #: 9728 x 4096 x 1536 and 10240 x 4096 x 1792 (a spilling K chunk's tail passes its fp32 sums through one SBUF ring:
-#: k_chunks.PartialSums)
+#: k_chunks.PartialSums), round 52a 3584 x 2048 x 1536 (a resident stationary operand's kept-whole moving panels in
+#: words pieces: tiling.choose_tiling, RESIDENT_KEPT_MOVING_IN_PIECES) and 2048 x 2880 x 2880 (phase 1's words along S
+#: in one allocation per chunk beside separate kept panels: SwigluBackwardEpilogue.along_s_words_per_chunk) and
+#: 27136 x 2880 x 2880 (a shorter last K chunk's panels in pieces where the full chunks' are: k_chunks.plan_matmul)
 STILL_REFUSED = {
-    (3584, 2048, 1536): "SBUF: phase 2's 24 KiB W_gu words find no gap among 14 separate kept panels",
-    (2048, 2880, 2880): "SBUF: a 22.5 KiB tile finds no gap",
     # found by the session-20 sweep run of the H = I = 2880 pair (before round 50b; 6656 x 2880 x 2880, PSUM, was
-    # refused too and runs after round 50b's PSUM rule; these four are refused after it as well, and after round 51a's
-    # K-chunk tail ring with other tiles)
-    (27136, 2880, 2880): "SBUF: a 30 KiB tile finds no placement it may wait for",
+    # refused too and runs after round 50b's PSUM rule; these three are refused after it as well, and after round 51a's
+    # K-chunk tail ring with other tiles; 27136 x 2880 x 2880 ran from round 52a)
     (28160, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
-    (31232, 2880, 2880): "SBUF: 30 KiB and 6 KiB tiles find no placement they may wait for",
+    (31232, 2880, 2880): "SBUF: 6 KiB tiles find no placement they may wait for",
     (32256, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
 }
 
@@ -62,6 +62,8 @@ def test_shape_sweep_plans(S, H, I):
     (28672, 2048, 768),  # refused before round 48b (phase 4's first load under phase 3's last chunk: its fetched sums)
     (4608, 4096, 1792),  # refused before round 50b (PSUM: phase 4's second 4-bank accumulator found no 4 banks in a row)
     (9728, 4096, 1536),  # refused before round 51a (a K chunk's tail eviction tile found no gap: a dependency cycle)
+    (3584, 2048, 1536),  # refused before round 52a (phase 2's 24 KiB W_gu words found no gap among 14 kept panels)
+    (2048, 2880, 2880),  # refused before round 52a (phase 1's 22.5 KiB words along S found no gap among 8 kept panels)
     (1024, 4096, 1536), (1536, 4096, 1792), (1024, 2880, 2880), (2560, 2048, 1536),
 ])
 def test_representative_shapes_plan(S, H, I):
@@ -70,5 +72,6 @@ def test_representative_shapes_plan(S, H, I):
     45 fixed (main: 'SBUF tile ... has no placement'), the one round 47 fixed (the same), the one round 48b fixed
     (main: two 15 KiB SBUF tiles whose waits close a dependency cycle), the first of the three round 50b fixed (main:
     'PSUM tile ... has no placement'), the first of the two round 51a fixed (main: 6 KiB SBUF tiles whose waits close
-    a dependency cycle) and one short shape per other (H, I) pair."""
+    a dependency cycle), the two round 52a fixed (main: 'SBUF tile ... has no placement') and one short shape per
+    other (H, I) pair."""
     assert_dense_shape_plans(S, H, I)

@@ -131,6 +131,14 @@ LEAD_PANEL_PIECE_BYTES = 8 * 1024  # the moving panels' words of an interleave_l
 # K tile of a 2048-column panel): TP1 phase 3's first X panel, quantized after phase 4's tail, then finds gaps beside
 # phase 4's tiles. MXFP8 modeled (16 KiB): TP1 4.5195 / 4.6875 -> 4.5161 / 4.6806 ms, H = 7168, I = 2048 1.6195 / 1.7752
 # -> 1.6195 / 1.7727; 8 KiB for every plan cost Llama3-8B TP8 5 us central (round 16 of docs/dense-performance.md)
+RESIDENT_KEPT_MOVING_IN_PIECES = True  # a plan whose stationary operand is resident (ResidentPanels: panels an
+# earlier phase built on chip, one allocation per m tile, which next-fit strews over SBUF) and whose moving operand is
+# kept whole quantizes every moving panel's words in MX_PANEL_PIECE_BYTES pieces, also below MX_PANEL_WHOLE_MAX_BYTES:
+# all of those panels are live among the strewn ones at once. The MLP backward's phase 2 beside phase 1's kept panels
+# at H = 2048, I = 1536: S = 3584's second 24 KiB W_gu panel found no gap among 14 of them (the largest 23.1 KiB with
+# 160 KiB free: refused); S = 3072 0.32571 / 0.37459 -> 0.32235 / 0.36912 ms, S = 4096 unchanged. In 8 KiB pieces
+# S = 4096 was refused. Streamed moving panels (TP8's phase 2) stay whole below that size: in 8 KiB pieces TP8 0.61649
+# -> 0.62563 ms (round 52a of docs/dense-performance.md)
 STAGING_BUFFERS = 3  # ring of bf16 staging tiles per [K, F] panel load (DMA runs this many K tiles ahead)
 COLD_STAGING_BUFFERS = 6  # the same ring for moving panels kept resident (MatmulPlan cold_staging: all of them
 # load at the plan's cold start, where the first tile waits for every K tile of them; the MLP backward's phase 1,

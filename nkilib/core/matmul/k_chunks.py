@@ -35,7 +35,8 @@ from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, LAST_FETCH_RIN
                         PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
-from .panels import panel_bytes_per_partition
+from .panel_builder import words_above_whole_max
+from .panels import k_tiles, panel_bytes_per_partition
 from .plan import MatmulPlan
 
 
@@ -408,6 +409,9 @@ def plan_matmul(stationary, moving, m_total, n_total, setup, config, split, epil
         if c:  # its first panel loads under the chunk before's tail, in its holes (K_CHUNK_PANEL_PIECE_BYTES)
             for source in chunks[-1].moving:
                 source.first_piece_bytes = K_CHUNK_PANEL_PIECE_BYTES
+                # a shorter last chunk's panels in pieces too where the full chunks' are (PanelSource._placement's
+                # rule across chunks: the same operand's panels, a gap no wider than the earlier pieces leave)
+                source.words_in_pieces = words_above_whole_max(len(k_tiles(rows, setup)), chunks[0].n_tile)
     # the last chunk's fetches alternate between two tiles where the second fits beside what it holds at its tail
     if chunks[-1].held_bytes() + partials.held_bytes() <= LAST_FETCH_RING_MAX_HELD_BYTES:
         partials.last_slots = PARTIAL_LAST_FETCH_SLOTS

@@ -12,7 +12,8 @@ from ..kernel_helpers import ceil_div, kernel_assert
 from .constants import (COLD_PERMUTE_INTO_NEXT_WORDS, COLD_SLOT_DMA_K_TILES, COLD_STAGING_BUFFERS,
                         COLD_STAGING_MAX_M_TILES, FENCED_STAGING_BUFFERS, LEAD_INTERLEAVE_SKEW, LEAD_INTERLEAVE_TILES,
                         LEAD_PANEL_PIECE_BYTES, MOVING_PANEL_BUDGET_BYTES, PANEL_CACHE_BUDGET_BYTES, PSUM_BANK_BYTES,
-                        PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES, RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN,
+                        PSUM_BUFFERS, PSUM_BYTES, RESIDENT_HEADROOM_BYTES, RESIDENT_KEPT_MOVING_IN_PIECES,
+                        RESIDENT_OPERAND_BUDGET_BYTES, SPLIT_ALIGN,
                         STAGING_BUFFERS, STATIONARY_GROUP_BUDGET_BYTES, STATIONARY_LOAD_WIDTH,
                         STATIONARY_PANEL_BUDGET_BYTES, STREAM_N_TILE, STREAM_STATIONARY_BUDGET_BYTES,
                         STREAM_STATIONARY_HEADROOM_BF16_BYTES, STREAM_STATIONARY_HEADROOM_BYTES,
@@ -86,6 +87,11 @@ def choose_tiling(plan, stationary, moving, config, products, resident, groups, 
                                                hi=m_hi, load_width=load_width, capacity=capacity))
     plan.moving = [PanelSource(op, setup, pad_even=False, keep_all=plan.keep_moving, lo=n_lo, hi=n_hi)
                    for op in moving]
+    if resident != None and plan.keep_moving and setup.is_mx:  # noqa: E711
+        # the resident stationary panels (one allocation per m tile) are strewn over SBUF, and every moving panel
+        # kept whole is live among them: their words go in pieces, however small (RESIDENT_KEPT_MOVING_IN_PIECES)
+        for mv in plan.moving:
+            mv.words_in_pieces = RESIDENT_KEPT_MOVING_IN_PIECES
     if cold_staging and plan.keep_moving and ceil_div(m_hi - m_lo, plan.m_tile) <= COLD_STAGING_MAX_M_TILES:
         # loaded once, all at the cold start: the first tile waits for every K tile of them, and a deeper ring
         # keeps more of their DMAs in flight while VectorE quantizes the first ones; the first panel's first K

@@ -40,6 +40,14 @@ ALONG_S_HALF_FROM_COPY = True  # phase 1's quantize along S reads its [P, 4, 2I]
 # of docs/dense-performance.md)
 ALONG_S_SPREAD_STAGING_BYTES = 24 * 1024  # ... only when a K tile's staging tile [128, 4, 2I] bf16 is at most this
 # per partition: the spread keeps two live (Llama3-8B TP8's 28 KiB find no placement beside phase 1's panels)
+ALONG_S_WORDS_WHOLE_MAX_BYTES = 16 * 1024  # a K tile's words along S [128, 2I] x4 above this per partition go in one
+# allocation per along-S chunk (SwigluBackwardEpilogue.along_s_words_per_chunk) where phase 1 keeps phase 2's panels
+# as separate allocations and quantizes more than one K tile along S per core: those panels, one per S tile, are
+# strewn over SBUF by next-fit, and S = 2048, H = I = 2880's 22.5 KiB words found no gap among 8 of them (the largest
+# 22.25 KiB with 89 KiB free; refused before round 52a of docs/dense-performance.md; in two halves its deferred last
+# K tile's first 15 KiB half found none at phase 2's fence). With one K tile per core (S = 1024: the deferred one,
+# quantized at phase 2's fence) the split cost 0.37407 / 0.44916 -> 0.37930 / 0.46411 ms; where phase 1 keeps no
+# panels it was not needed (S = 3072, H = I = 2880 0.80772 -> 0.82489 ms in halves, round 48b's per-chunk 0.82600)
 SWITCH_D_GATE_ON_VECTOR = True  # where phase 1 is split along S (each core all of I), the d_gate product of each S tile's
 # last n block (the S tile switch), but the core's last S tile's, runs on VectorE instead of GpSimd: GpSimd's SBUF
 # access holds the bus VectorE's perf modes share with it, and the next S tile's dY quantize (a perf mode) waited for

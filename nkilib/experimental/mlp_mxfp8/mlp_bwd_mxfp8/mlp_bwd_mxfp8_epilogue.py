@@ -11,13 +11,14 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ....core.kernel_helpers import ceil_div, round_up
+from ....core.kernel_helpers import ceil_div, kernel_assert, round_up
 from ....core.matmul import (ResidentPanels, panel_bytes_per_partition, panels_from_row_blocks, stage_row_block,
                              store_k_tile)
 from ....core.matmul.panels import PanelGroupBlock
 from ....core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import (ALONG_S_HALF_FROM_COPY, ALONG_S_SPREAD_S_TILES, ALONG_S_SPREAD_STAGING_BYTES,
-                        CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE, MX_PACK, PARTITIONS,
+                        ALONG_S_WORDS_WHOLE_MAX_BYTES, CHECKPOINT_BUFFERS, GATE_FIRST_S_TILES, MX_K_ALIGN, MX_K_TILE,
+                        MX_PACK, PARTITIONS,
                         PHASE2_STATIONARY_BUDGET_BYTES, PHASE2_STATIONARY_SEPARATE_PANELS, PLAIN_SWITCH_GATE_PSUM_FIRST,
                         SWITCH_D_GATE_ON_VECTOR)
 
@@ -216,10 +217,29 @@ class SwigluBackwardEpilogue(nl.NKIObject):
             self.stage = nl.ndarray((PARTITIONS, MX_PACK, two_i), dtype=nl.bfloat16, buffer=nl.sbuf)
         stage_row_block(self.stage, rows, block, two_i, self.setup, dge_mode=dge_mode)
         if block == MX_PACK - 1:
-            words = nl.ndarray((PARTITIONS, two_i), dtype=self.setup.x4_dtype, buffer=nl.sbuf)
+            words = self._along_s_words(two_i)
             scale = nl.ndarray((PARTITIONS, two_i), dtype=nl.uint8, buffer=nl.sbuf)
             self.along_s_pending = (m0 // MX_K_TILE, self.stage, words, scale, 0)
             self.stage = None
+
+    def along_s_words_per_chunk(self) -> bool:
+        """Whether a K tile's words along S go in one allocation per along-S chunk instead of one [P, 2I] x4: where
+        phase 1 keeps phase 2's panels as separate allocations (strewn over SBUF by next-fit), quantizes K tiles along
+        S among its own tiles (more than one K tile on this core: all but the last are quantized during phase 1) and
+        the words are above ALONG_S_WORDS_WHOLE_MAX_BYTES. Each chunk's columns, and the unit-stride copy it borrows
+        from the next chunk's (_along_s_copy_home), then lie in one allocation."""
+        return (self.fused and self.block == None and self.along_s_calls >= 2 and  # noqa: E711
+                2 * self.I * MX_PACK > ALONG_S_WORDS_WHOLE_MAX_BYTES and self.m_hi - self.m_lo > MX_K_TILE)
+
+    def _along_s_words(self, two_i):
+        """A K tile's words along S as [(first column, [P, columns] x4 tile)]: one [P, 2I] tile, or one per along-S
+        chunk where along_s_words_per_chunk holds."""
+        x4 = self.setup.x4_dtype
+        if not self.along_s_words_per_chunk():
+            return [(0, nl.ndarray((PARTITIONS, two_i), dtype=x4, buffer=nl.sbuf))]
+        width = ceil_div(two_i, self.along_s_calls)
+        return [(c, nl.ndarray((PARTITIONS, min(width, two_i - c)), dtype=x4, buffer=nl.sbuf))
+                for c in range(0, two_i, width)]
 
     def _quantize_along_s_chunk(self, from_copy=True) -> None:
         """Quantize the next columns of the pending K tile: 2I / along_s_calls columns per epilogue call of the
@@ -243,15 +263,18 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if home != None:  # noqa: E711
             h0 = c1 - (c1 - c0) // 2
             # words columns [home, home + 2 (c1 - h0)) as bf16 [P, c1 - h0, 4]: 2 bf16 per x4 word
-            staged = words.view(nl.bfloat16)[:, 2 * home:2 * home + (c1 - h0) * MX_PACK]
+            part, off = _words_columns(words, home, home + (c1 - h0) * MX_PACK // 2)
+            staged = part.view(nl.bfloat16)[:, 2 * off:2 * off + (c1 - h0) * MX_PACK]
             staged = staged.reshape((PARTITIONS, c1 - h0, MX_PACK))
             nisa.tensor_copy(dst=staged, src=src[:, h0 - c0:, :], engine=nisa.engine.scalar)
         # MX groups run along S (partitions x the 4 slots), never across columns: two column ranges quantized apart give
         # the whole chunk's words and scales bit for bit
-        nisa.quantize_mx(dst=words[:, c0:h0], src=src[:, :h0 - c0, :], dst_scale=scale[:, c0:h0])
+        part, off = _words_columns(words, c0, c1)
+        nisa.quantize_mx(dst=part[:, off:off + h0 - c0], src=src[:, :h0 - c0, :], dst_scale=scale[:, c0:h0])
         if staged != None:  # noqa: E711
-            nisa.quantize_mx(dst=words[:, h0:c1], src=staged, dst_scale=scale[:, h0:c1])
-        store_k_tile(words[:, c0:c1], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup, f0=c0)
+            nisa.quantize_mx(dst=part[:, off + h0 - c0:off + c1 - c0], src=staged, dst_scale=scale[:, h0:c1])
+        store_k_tile(part[:, off:off + c1 - c0], scale[:, c0:c1], self.along_s[0], self.along_s[1], t, self.setup,
+                     f0=c0)
         self.along_s_pending = (t, stage, words, scale, c1) if c1 < two_i else None
 
     def _along_s_copy_home(self, c0, c1):
@@ -314,6 +337,16 @@ class SwigluBackwardEpilogue(nl.NKIObject):
         if self.fused:
             self.resident = ResidentPanels(self.m_lo, self.m_hi, self.m_tile, self.panels)
         self.rows = self.checkpoints = self.block = None  # the block lives on in the panels' views until released
+
+
+def _words_columns(words, c0, c1):
+    """(tile, the column of c0 in it) of the part of a K tile's words along S (SwigluBackwardEpilogue._along_s_words)
+    that holds words columns [c0, c1): a chunk's columns, or the copy it borrows, never straddle two parts."""
+    for lo, part in words:
+        if lo <= c0 and c1 <= lo + part.shape[1]:
+            return part, c0 - lo
+    kernel_assert(False, f"along-S words columns [{c0}, {c1}) straddle the parts starting at "
+                  f"{[lo for lo, _ in words]}")
 
 
 def _bf16_tile(tile, src_hbm, psum_or_none, m0, msz, n0, nsz):
