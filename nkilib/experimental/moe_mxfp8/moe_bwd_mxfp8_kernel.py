@@ -96,6 +96,7 @@ from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
+from .moe_bwd_mxfp8_block_runs import ExpertBlockRuns
 from .moe_bwd_mxfp8_context import MoeContext
 from .moe_bwd_mxfp8_inputs import check_moe_inputs
 from .moe_bwd_mxfp8_i_split import ExpertISplit
@@ -148,48 +149,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     if ctx.weights_blocked:  # the blocks no expert owns: +0 d_topk_weights (every entry of that output is written)
         ctx.loops.unused_blocks(ctx.N, lambda i: [ctx.zero_pair_grads(i, r0, m) for r0, m in ctx.unit_rows if m])
 
-    def fits(ops, groups):
-        return all(ExpertPanels.fits(op, g, setup) for op in ops for g in groups)
-
-    def panels_of(descs, tiles, ring=None):
-        return [None if d == None else ExpertPanels(d, tiles, setup, ring) for d in descs]  # noqa: E711
-
-    def last_block(i, block, panels, skip):
-        """block(i, panels, skip, full) for an expert's last block, by the flag of its final position: a full
-        last block takes the unskipped path (contiguous row groups) with full=True (no padding rows to zero);
-        one holding padding takes `skip` (False where the weights are loaded per block) with full=False."""
-        full = ctx.row_flags(i, ctx.B - 1, 2)  # positions 0 and B - 1
-        ctx.if_flag(full, 1, lambda: block(i, panels, False, True))
-        if not skip:
-            ctx.if_flag(full, 1, lambda: block(i, panels, False, False), complement=True)
-            return
-        ctx.if_flag(full, 1, lambda: block(i, panels, skip, False), complement=True)
-
-    def block_loops(e, b_lo, b_hi, block, panels, skip):
-        """block(i, panels, skip, full) over expert e's blocks; only the last one can hold padding (the blocks
-        before it are full: every position holds a routed pair)."""
-        last = ctx.loops.last_block(e)
-        nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
-        nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
-
-    def per_block(e, descs, tiles, groups, block, skip, single=None, ring=None):
-        """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
-        it when they fit (`groups` None), else per block for an expert with one block (`single` instead of
-        `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
-        before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
-        last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
-        (both cores: identical trip counts). ring: the resident weights' staging tiles (ExpertPanels)."""
-        b_lo, _, b_hi = ctx.loops.bounds(e)
-        if groups == None:  # noqa: E711
-            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles, ring), skip[0])
-            return
-        ctx.loops.if_single(e, lambda i: last_block(i, single or block, panels_of(descs, tiles), skip[0]))
-
-        def per_group():
-            for g in groups:
-                block_loops(e, b_lo, b_hi, block, panels_of(descs, g), skip[1])
-
-        ctx.loops.if_multi(e, per_group)
+    runs = ExpertBlockRuns(ctx)  # an expert's block loops with its weight panels (resident, per block, per group)
+    fits, panels_of, per_block = runs.fits, runs.panels_of, runs.per_block
 
     # ---- pass A (an expert without blocks loads no weights: the whole expert sits in its if_used) ----
     # software pipeline over groups of EXPERTS_PER_FENCE consecutive experts (the schedule at the end)
