@@ -172,16 +172,18 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: last_block(i, block, panels, skip))
 
-    def per_block(e, descs, tiles, groups, block, skip, single=None, ring=None):
+    def per_block(e, descs, tiles, groups, block, skip, single=None, ring=None, loaded=None):
         """The block loop(s) of expert e, block(i, panels, skip, full): one loop with the weights resident across
         it when they fit (`groups` None), else per block for an expert with one block (`single` instead of
         `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
         before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
         last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
-        (both cores: identical trip counts). ring: the resident weights' staging tiles (ExpertPanels)."""
+        (both cores: identical trip counts). ring: the resident weights' staging tiles (ExpertPanels); loaded: those
+        panels loaded before the fence (gu_ahead: resident weights only)."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
+        kernel_assert(loaded == None or groups == None, f"expert {e}: panels loaded ahead need resident weights")  # noqa
         if groups == None:  # noqa: E711
-            block_loops(e, b_lo, b_hi, block, panels_of(descs, tiles, ring), skip[0])
+            block_loops(e, b_lo, b_hi, block, loaded or panels_of(descs, tiles, ring), skip[0])
             return
         ctx.loops.if_single(e, lambda i: last_block(i, single or block, panels_of(descs, tiles), skip[0]))
 
@@ -368,9 +370,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
         # B's first matmul waited for it (round 9a: GPT-OSS 4 x 2048 2962.9 -> 2885.3 us)
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
-        per_block(e, [b_desc(e)], h_tiles, b_groups,
-                  lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
-                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring)
+        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels),
+                  b_skip, single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring,
+                  loaded=[gu_early.pop(e)] if e in gu_early else None)  # the last group's first B (gu_ahead)
 
     def stored_single(full):
         """Whether pass A stored a one-block expert's panels: not where it split the block along I (every one-block
@@ -389,7 +391,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def gu_ahead(group):
         """With the interleave, the resident W_gu of B(group[0]), the next segment's first B, loaded before the fence
         (in its if_used; W_gu is a kernel input, read only): a segment of one-block experts started on it
-        (round 38d)."""
+        (round 38d). The last group's first B too (pass_b, no A to interleave with: round 39b)."""
         if interleave and group and GATE_UP_PANELS_BEFORE_FENCE:
             gu_early[group[0]] = ExpertPanels.loaded_if([b_desc(group[0])], h_tiles, setup,
                                                         lambda body, e=group[0]: ctx.loops.if_used(e, body))[0]
@@ -480,7 +482,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         quantize_down(e)
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
-    gu_ahead(groups[0] if len(groups) > 1 else [])  # (B(groups[0][0]) runs interleaved with A(groups[1][0]))
+    gu_ahead(groups[0])  # (B(groups[0][0]) runs interleaved with A(groups[1][0]), or alone where it is the last)
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
@@ -529,7 +531,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         x_ahead(ahead)
         if n + 1 < len(groups):
             early = first_a_panels(later)
-            gu_ahead(ahead if n + 2 < len(groups) else [])  # (the last group's B runs without the interleave)
+            gu_ahead(ahead)  # (the last group's first B, without the interleave, takes them in pass_b)
             fence()
 
 
