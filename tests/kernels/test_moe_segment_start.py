@@ -28,7 +28,10 @@ mx_exact, LNC1 and LNC2.
 |                                      | bit-exact                                                       |            |
 | test_first_b_weights_before_fence    | E = 8 (four fence groups of two), the A/B interleave: each      | LNC1, LNC2 |
 |                                      | segment's first B(e) has its W_gu read in the segment before    |            |
-|                                      | (round 38d): per segment {0}, {1, 2}, {3, 4}, {5}, {6, 7};      |            |
+|                                      | (round 38d), the last group's B(6) too (round 39b): per segment |            |
+|                                      | {0}, {1, 2}, {3, 4}, {5, 6}, {7}; bit-exact                     |            |
+| test_one_group_b_weights_before_     | E = 2 (one fence group, no interleave partner): B(0)'s W_gu is  | LNC2       |
+|   fence                              | read before the only fence, B(1)'s after it (round 39b);        |            |
 |                                      | bit-exact                                                       |            |
 """
 from __future__ import annotations
@@ -218,9 +221,10 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
 def test_first_b_weights_before_fence(lnc):
     """E = 8, one full block per expert: four fence groups of two; H = 64, I = 96 take the A/B interleave (round 8a).
     Each segment's first B interleaved with an A (B(0) with A(2), B(2) with A(4), B(4) with A(6)) has its resident W_gu
-    read before the fence ahead of it (round 38d), in the segment before; the segments' second Bs, and the last group's
-    B(6) (no A to interleave with), read theirs after it. Before round 38d each segment read the W_gu of its own two
-    Bs: [], {0, 1}, {2, 3}, {4, 5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
+    read before the fence ahead of it (round 38d), in the segment before, and so has the last group's B(6), which runs
+    alone (no A to interleave with; round 39b); the segments' second Bs read theirs after it. Before round 38d each
+    segment read the W_gu of its own two Bs: [], {0, 1}, {2, 3}, {4, 5}, {6, 7}; before round 39b the last one read
+    B(6)'s: ..., {5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
     trace = _run_eight_experts(lnc, 383, "W_gu before the fence")
     if lnc == 1:
         return
@@ -228,4 +232,18 @@ def test_first_b_weights_before_fence(lnc):
         # gate_up_weight [E, 2I, H] bf16, read by pass B only (every checkpoint given)
         segments = _experts_read_per_segment(trace, p, "gate_up_weight", 2 * I * H * 2)
         # pass B splits H between the cores in SPLIT_ALIGN columns: H = 64 is core 0's, core 1 reads no W_gu
-        assert segments == ([{0}, {1, 2}, {3, 4}, {5}, {6, 7}] if p == 0 else [set()] * 5), (p, segments)
+        assert segments == ([{0}, {1, 2}, {3, 4}, {5, 6}, {7}] if p == 0 else [set()] * 5), (p, segments)
+
+
+def test_one_group_b_weights_before_fence():
+    """E = 2, one full block per expert: one fence group, so the only fence follows A(0), A(1) and both Bs run alone
+    after it (no A to interleave with). B(0)'s resident W_gu is read before that fence (round 39b), B(1)'s after it:
+    per segment {0}, {1} on core 0 (before round 39b: [], {0, 1}); outputs == mx_exact."""
+    T2, E2 = 512, 2
+    ids = np.tile(np.array([0, 1], np.int32), (T2, 1))
+    kernel, ref = moe_case(T2, E2, H, I, ids, seed=389, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "one fence group, LNC2 vs mx_exact")
+    segments = _experts_read_per_segment(res.trace, 0, "gate_up_weight", 2 * I * H * 2)
+    assert segments == [{0}, {1}], segments
