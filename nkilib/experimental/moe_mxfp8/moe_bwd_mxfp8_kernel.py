@@ -91,7 +91,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
                                       gather_first_chunk_ahead)
-from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_deferred_x, scatter_deferred_d_w
+from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_expert_x, scatter_deferred_d_w
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
@@ -250,13 +250,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # C(e) reads both cores' rows): round 7c
     ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
 
-    def x_ahead(experts):
+    def x_ahead(experts, part="all"):
         """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
         for a in experts if ctx.defer_x else []:
-            def gather(a=a):
-                lo, _, hi = ctx.loops.bounds(a)
-                gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
-            ctx.loops.if_used(a, gather)
+            gather_expert_x(ctx, a, part)
 
     def dy_ahead(experts):
         """dy_blocks rows of `experts` (the group after next; this core's chunks, padding-only ones too) copied by token
@@ -520,6 +517,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r))
                 rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
             a_panels = None  # and A's early panels and first chunk's inputs after A
+            x_ahead(ahead[j:j + 1], "head")  # its blocks before the last two, under this segment's C (round 39b)
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))
@@ -528,7 +526,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             pass_c(e)
             if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
                 dy_ahead(later)
-        x_ahead(ahead)
+        x_ahead(ahead, "tail")
         if n + 1 < len(groups):
             early = first_a_panels(later)
             gu_ahead(ahead)  # (the last group's first B, without the interleave, takes them in pass_b)
