@@ -33,6 +33,9 @@ mx_exact, LNC1 and LNC2.
 | test_one_group_b_weights_before_     | E = 2 (one fence group, no interleave partner): B(0)'s W_gu is  | LNC2       |
 |   fence                              | read before the only fence, B(1)'s after it (round 39b);        |            |
 |                                      | bit-exact                                                       |            |
+| test_x_head_gathered_after_its_a     | k = 1, experts of 1, 1, 4, 1 blocks: expert 2's x_blocks rows   | LNC1, LNC2 |
+|                                      | of its first two blocks are written right after A(2), before    |            |
+|                                      | C(0); of its last two after C(1) (round 39b); bit-exact         |            |
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
+from moekit import expert_routing
 from simkit import assert_outputs_identical, sbuf_tiles_loaded, touches
 from test_moe_bwd_kernel import CLAMPS, moe_case
 from test_moe_gate_up_staging import PASS_C_SOURCES
@@ -247,3 +251,29 @@ def test_one_group_b_weights_before_fence():
                              "one fence group, LNC2 vs mx_exact")
     segments = _experts_read_per_segment(res.trace, 0, "gate_up_weight", 2 * I * H * 2)
     assert segments == [{0}, {1}], segments
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_x_head_gathered_after_its_a(lnc):
+    """k = 1, E = 4 of 1, 1, 4 and 1 full blocks: groups {0, 1} and {2, 3}; the segment after the first fence runs A(2)
+    and A(3) (X deferred: every checkpoint given) with B / C of experts 0 and 1. Expert 2's x_blocks rows of its blocks
+    before the last two (its first two) are gathered right after A(2), before C(0) reads expert 0's in each core's
+    program order; those of its last two after C(1) read expert 1's, as before (round 39b; before it all four of expert
+    2's followed C(1)). Outputs == mx_exact."""
+    counts = [B, B, 4 * B, B]
+    kernel, ref = moe_case(sum(counts), 4, H, I, expert_routing(counts, shuffle_seed=397), seed=401, block_size=B,
+                           checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"X head after its A, LNC{lnc} vs mx_exact")
+    for p in range(lnc):
+        mine = [r for r in res.trace if r.program == p]
+        # x_blocks [N, B, H] bf16: experts 0, 1 own blocks 0, 1 (read by C(0), C(1)), expert 2 blocks 2..5
+        def blocks(ops):
+            return [t.byte_lo // (B * H * 2) for t in ops if getattr(t, "name", "") == "moe_bwd_x_blocks"]
+        written = [(n, b) for n, r in enumerate(mine) for b in blocks(r.writes)]
+        read = [(n, b) for n, r in enumerate(mine) for b in blocks(r.reads)]
+        c0, c1 = min(n for n, b in read if b == 0), max(n for n, b in read if b == 1)
+        head, tail = [n for n, b in written if b in (2, 3)], [n for n, b in written if b in (4, 5)]
+        assert head and tail, (p, written)
+        assert max(head) < c0 < c1 < min(tail), (p, min(head), max(head), c0, c1, min(tail))
