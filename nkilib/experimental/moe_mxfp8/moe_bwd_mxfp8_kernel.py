@@ -178,10 +178,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         `block` when given) and, for one with more, one loop per resident group of the weights' tiles (loaded
         before it: once per expert; the block's rows are read again per group). skip = (whole, groups): how the
         last block's padding-only rows are skipped with those panels (False: not), decided on core 0's share
-        (both cores: identical trip counts). ring: the resident weights' staging tiles (ExpertPanels); loaded: those
-        panels loaded before the fence (gu_ahead: resident weights only)."""
+        (both cores: identical trip counts). ring: the resident weights' staging tiles; loaded: panels loaded ahead."""
         b_lo, _, b_hi = ctx.loops.bounds(e)
-        kernel_assert(loaded == None or groups == None, f"expert {e}: panels loaded ahead need resident weights")  # noqa
+        kernel_assert(loaded == None or groups == None, f"expert {e}: loaded panels, groups {groups}")  # noqa: E711
         if groups == None:  # noqa: E711
             block_loops(e, b_lo, b_hi, block, loaded or panels_of(descs, tiles, ring), skip[0])
             return
@@ -367,8 +366,9 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         # DMAs waited for A(a)'s last accesses, so the DMA -> quantize_mx chain of W_gu started only after A(a) and
         # B's first matmul waited for it (round 9a: GPT-OSS 4 x 2048 2962.9 -> 2885.3 us)
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
-        per_block(e, [b_desc(e)], h_tiles, b_groups, lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels),
-                  b_skip, single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring,
+        per_block(e, [b_desc(e)], h_tiles, b_groups,
+                  lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring,
                   loaded=[gu_early.pop(e)] if e in gu_early else None)  # the last group's first B (gu_ahead)
 
     def stored_single(full):
