@@ -28,8 +28,14 @@ mx_exact, LNC1 and LNC2.
 |                                      | bit-exact                                                       |            |
 | test_first_b_weights_before_fence    | E = 8 (four fence groups of two), the A/B interleave: each      | LNC1, LNC2 |
 |                                      | segment's first B(e) has its W_gu read in the segment before    |            |
-|                                      | (round 38d): per segment {0}, {1, 2}, {3, 4}, {5}, {6, 7};      |            |
+|                                      | (round 38d), the last group's B(6) too (round 39b): per segment |            |
+|                                      | {0}, {1, 2}, {3, 4}, {5, 6}, {7}; bit-exact                     |            |
+| test_one_group_b_weights_before_     | E = 2 (one fence group, no interleave partner): B(0)'s W_gu is  | LNC2       |
+|   fence                              | read before the only fence, B(1)'s after it (round 39b);        |            |
 |                                      | bit-exact                                                       |            |
+| test_x_head_gathered_after_its_a     | k = 1, experts of 1, 1, 4, 1 blocks: expert 2's x_blocks rows   | LNC1, LNC2 |
+|                                      | of its first two blocks are written right after A(2), before    |            |
+|                                      | C(0); of its last two after C(1) (round 39b); bit-exact         |            |
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import pytest
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
 from nkilib.simulator.launcher import run_kernel
+from moekit import expert_routing
 from simkit import assert_outputs_identical, sbuf_tiles_loaded, touches
 from test_moe_bwd_kernel import CLAMPS, moe_case
 from test_moe_gate_up_staging import PASS_C_SOURCES
@@ -218,9 +225,10 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
 def test_first_b_weights_before_fence(lnc):
     """E = 8, one full block per expert: four fence groups of two; H = 64, I = 96 take the A/B interleave (round 8a).
     Each segment's first B interleaved with an A (B(0) with A(2), B(2) with A(4), B(4) with A(6)) has its resident W_gu
-    read before the fence ahead of it (round 38d), in the segment before; the segments' second Bs, and the last group's
-    B(6) (no A to interleave with), read theirs after it. Before round 38d each segment read the W_gu of its own two
-    Bs: [], {0, 1}, {2, 3}, {4, 5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
+    read before the fence ahead of it (round 38d), in the segment before, and so has the last group's B(6), which runs
+    alone (no A to interleave with; round 39b); the segments' second Bs read theirs after it. Before round 38d each
+    segment read the W_gu of its own two Bs: [], {0, 1}, {2, 3}, {4, 5}, {6, 7}; before round 39b the last one read
+    B(6)'s: ..., {5}, {6, 7}. Outputs == mx_exact (LNC1: no fences, bit-exact only)."""
     trace = _run_eight_experts(lnc, 383, "W_gu before the fence")
     if lnc == 1:
         return
@@ -228,4 +236,44 @@ def test_first_b_weights_before_fence(lnc):
         # gate_up_weight [E, 2I, H] bf16, read by pass B only (every checkpoint given)
         segments = _experts_read_per_segment(trace, p, "gate_up_weight", 2 * I * H * 2)
         # pass B splits H between the cores in SPLIT_ALIGN columns: H = 64 is core 0's, core 1 reads no W_gu
-        assert segments == ([{0}, {1, 2}, {3, 4}, {5}, {6, 7}] if p == 0 else [set()] * 5), (p, segments)
+        assert segments == ([{0}, {1, 2}, {3, 4}, {5, 6}, {7}] if p == 0 else [set()] * 5), (p, segments)
+
+
+def test_one_group_b_weights_before_fence():
+    """E = 2, one full block per expert: one fence group, so the only fence follows A(0), A(1) and both Bs run alone
+    after it (no A to interleave with). B(0)'s resident W_gu is read before that fence (round 39b), B(1)'s after it:
+    per segment {0}, {1} on core 0 (before round 39b: [], {0, 1}); outputs == mx_exact."""
+    T2, E2 = 512, 2
+    ids = np.tile(np.array([0, 1], np.int32), (T2, 1))
+    kernel, ref = moe_case(T2, E2, H, I, ids, seed=389, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             "one fence group, LNC2 vs mx_exact")
+    segments = _experts_read_per_segment(res.trace, 0, "gate_up_weight", 2 * I * H * 2)
+    assert segments == [{0}, {1}], segments
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_x_head_gathered_after_its_a(lnc):
+    """k = 1, E = 4 of 1, 1, 4 and 1 full blocks: groups {0, 1} and {2, 3}; the segment after the first fence runs A(2)
+    and A(3) (X deferred: every checkpoint given) with B / C of experts 0 and 1. Expert 2's x_blocks rows of its blocks
+    before the last two (its first two) are gathered right after A(2), before C(0) reads expert 0's in each core's
+    program order; those of its last two after C(1) read expert 1's, as before (round 39b; before it all four of expert
+    2's followed C(1)). Outputs == mx_exact."""
+    counts = [B, B, 4 * B, B]
+    kernel, ref = moe_case(sum(counts), 4, H, I, expert_routing(counts, shuffle_seed=397), seed=401, block_size=B,
+                           checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
+    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
+    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
+                             f"X head after its A, LNC{lnc} vs mx_exact")
+    for p in range(lnc):
+        mine = [r for r in res.trace if r.program == p]
+        # x_blocks [N, B, H] bf16: experts 0, 1 own blocks 0, 1 (read by C(0), C(1)), expert 2 blocks 2..5
+        def blocks(ops):
+            return [t.byte_lo // (B * H * 2) for t in ops if getattr(t, "name", "") == "moe_bwd_x_blocks"]
+        written = [(n, b) for n, r in enumerate(mine) for b in blocks(r.writes)]
+        read = [(n, b) for n, r in enumerate(mine) for b in blocks(r.reads)]
+        c0, c1 = min(n for n, b in read if b == 0), max(n for n, b in read if b == 1)
+        head, tail = [n for n, b in written if b in (2, 3)], [n for n, b in written if b in (4, 5)]
+        assert head and tail, (p, written)
+        assert max(head) < c0 < c1 < min(tail), (p, min(head), max(head), c0, c1, min(tail))

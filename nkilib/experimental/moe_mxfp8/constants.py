@@ -62,6 +62,11 @@ INTERLEAVE_PANEL_BUDGET_BYTES = 96 * 1024
 #: at its start (round 38d): Qwen3-30B-A3B's segments of one-block experts started on W_gu's 3 MiB per core, the
 #: longest load after the fence (qz 3234.4 -> 3196.2 us, q8 980.8 -> 958.6).
 GATE_UP_PANELS_BEFORE_FENCE = True
+#: With the pass A pipeline and X deferred, an expert's x_blocks rows of its blocks before the last two (all full) are
+#: gathered right after its pass A, under the segment's pass C, instead of at the segment's end with the rest: a hot
+#: expert's tens of blocks of HBM -> HBM copies queued last ran up to the fence (round 39b: qz 3181.7 -> 3132.5 us;
+#: experts of at most two blocks, balanced Qwen3-30B-A3B's, gather as before).
+X_BLOCKS_HEAD_AFTER_A = True
 #: Weight-gradient output tiles ([128, MOE_N_TILE] fp32, one PSUM bank each) accumulated together across
 #: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
 #: blocks' rows of its tiles).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import nki.language as nl
 
+from ...core.kernel_helpers import kernel_assert
 from .moe_bwd_mxfp8_dx import ExpertPanels
 
 __all__ = ["ExpertBlockRuns"]
@@ -49,17 +50,18 @@ class ExpertBlockRuns(nl.NKIObject):
         nl.fori_loop(b_lo, last, lambda i: block(i, panels, False, True))
         nl.fori_loop(last, b_hi, lambda i: self.last_block(i, block, panels, skip))
 
-    def per_block(self, e, descs, tiles, groups, block, skip, single=None, ring=None):
+    def per_block(self, e, descs, tiles, groups, block, skip, single=None, ring=None, loaded=None):
         """The block loop(s) of expert e: one loop with the weights resident across it when they fit (`groups` None),
         else per block for an expert with one block (`single` instead of `block` when given) and, for one with more,
         one loop per resident group of the weights' tiles (loaded before it: once per expert; the block's rows are
         read again per group). skip = (whole, groups): how the last block's padding-only rows are skipped with those
         panels (False: not), decided on core 0's share (both cores: identical trip counts). ring: the resident
-        weights' staging tiles (ExpertPanels)."""
+        weights' staging tiles (ExpertPanels); loaded: the resident panels, loaded ahead (only with `groups` None)."""
         loops = self.ctx.loops
         b_lo, _, b_hi = loops.bounds(e)
+        kernel_assert(loaded == None or groups == None, f"expert {e}: loaded panels, groups {groups}")  # noqa: E711
         if groups == None:  # noqa: E711
-            self.block_loops(e, b_lo, b_hi, block, self.panels_of(descs, tiles, ring), skip[0])
+            self.block_loops(e, b_lo, b_hi, block, loaded or self.panels_of(descs, tiles, ring), skip[0])
             return
         loops.if_single(e, lambda i: self.last_block(i, single or block, self.panels_of(descs, tiles), skip[0]))
 

@@ -1,16 +1,18 @@
 """Pass A's deferred transfers (moe_bwd_mxfp8_kernel.py): work the pass A pipeline
 (moe_bwd_mxfp8_d_gate_up.compute_phase1_pipelined_mxfp8) leaves to another point of the segment schedule, where the
 engines it needs have room: the routing-weight gradients scattered by slot after the fence (scatter_deferred_d_w), X's
-block-ordered copy for pass C gathered at the segment's end (gather_deferred_x; round 8c), and dY's block-ordered copy
-made a fence ahead (gather_deferred_rows with ctx.staged_dy; round 31a). docs/moe.md, sections 5 and 10.
+block-ordered copy for pass C gathered at the segment's end (gather_deferred_x; round 8c; an expert's blocks before its
+last two right after its pass A: gather_expert_x, round 39b), and dY's block-ordered copy made a fence ahead
+(gather_deferred_rows with ctx.staged_dy; round 31a). docs/moe.md, sections 5 and 10.
 """
 from __future__ import annotations
 
 import nki.isa as nisa
 import nki.language as nl
 
+from .constants import X_BLOCKS_HEAD_AFTER_A
 
-__all__ = ["gather_deferred_rows", "gather_deferred_x", "scatter_deferred_d_w"]
+__all__ = ["gather_deferred_rows", "gather_deferred_x", "gather_expert_x", "scatter_deferred_d_w"]
 
 
 def scatter_deferred_d_w(ctx, b_lo, b_hi):
@@ -43,6 +45,25 @@ def gather_deferred_x(ctx, b_lo, last, b_hi):
 
     Dimensions: X [T, H] -> x_blocks [N, B, H] bf16, one [128, H] tile per chunk."""
     gather_deferred_rows(ctx, ctx.x, ctx.x_blocks, b_lo, last, b_hi)
+
+
+def gather_expert_x(ctx, e, part="all"):
+    """gather_deferred_x of expert e's blocks, in its if_used: part "all", or "head" (its blocks before the last two,
+    all full: issued right after its pass A, X_BLOCKS_HEAD_AFTER_A) and "tail" (the last two, at the segment's end).
+    With X_BLOCKS_HEAD_AFTER_A off, "head" gathers nothing and "tail" all of them. An expert of at most two blocks has
+    an empty head (before_last_block is its first block)."""
+    part = part if X_BLOCKS_HEAD_AFTER_A else {"head": None, "tail": "all"}.get(part, part)
+
+    def gather():
+        lo, _, hi = ctx.loops.bounds(e)
+        if part == "all":
+            gather_deferred_x(ctx, lo, ctx.loops.last_block(e), hi)
+            return
+        mid = ctx.loops.before_last_block(e)  # [lo, mid): the head; [mid, last): the tail's full block, if any
+        gather_deferred_x(ctx, *((lo, mid, mid) if part == "head" else (mid, ctx.loops.last_block(e), hi)))
+
+    if part != None:  # noqa: E711
+        ctx.loops.if_used(e, gather)
 
 
 def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):

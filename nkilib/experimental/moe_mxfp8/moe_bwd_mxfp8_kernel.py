@@ -91,7 +91,7 @@ from ..mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits, resolve_kernel_options
 from ..mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import get_program_sharding_info
 from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_phase1_pipelined_mxfp8,
                                       gather_first_chunk_ahead)
-from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_deferred_x, scatter_deferred_d_w
+from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_expert_x, scatter_deferred_d_w
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
                                resident_tile_groups)
@@ -209,13 +209,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     # C(e) reads both cores' rows): round 7c
     ctx.defer_x = pipelined and ctx.gate_pre != None and ctx.up != None  # noqa: E711
 
-    def x_ahead(experts):
+    def x_ahead(experts, part="all"):
         """x_blocks rows of `experts` (the next group's; this core's chunks) when the pipeline does not gather X."""
         for a in experts if ctx.defer_x else []:
-            def gather(a=a):
-                lo, _, hi = ctx.loops.bounds(a)
-                gather_deferred_x(ctx, lo, ctx.loops.last_block(a), hi)
-            ctx.loops.if_used(a, gather)
+            gather_expert_x(ctx, a, part)
 
     def dy_ahead(experts):
         """dy_blocks rows of `experts` (the group after next; this core's chunks, padding-only ones too) copied by token
@@ -331,7 +328,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         ring = None if ctx.stages == None else LoadRing(len(ctx.stages), ctx.stages)  # noqa: E711
         per_block(e, [b_desc(e)], h_tiles, b_groups,
                   lambda i, w, skip, full: b_block(e, i, w, skip, every_block_panels), b_skip,
-                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring)
+                  single=lambda i, w, skip, full: b_block(e, i, w, skip, stored_single(full), rows), ring=ring,
+                  loaded=[gu_early.pop(e)] if e in gu_early else None)  # the last group's first B (gu_ahead)
 
     def stored_single(full):
         """Whether pass A stored a one-block expert's panels: not where it split the block along I (every one-block
@@ -350,7 +348,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     def gu_ahead(group):
         """With the interleave, the resident W_gu of B(group[0]), the next segment's first B, loaded before the fence
         (in its if_used; W_gu is a kernel input, read only): a segment of one-block experts started on it
-        (round 38d)."""
+        (round 38d). The last group's first B too (pass_b, no A to interleave with: round 39b)."""
         if interleave and group and GATE_UP_PANELS_BEFORE_FENCE:
             gu_early[group[0]] = ExpertPanels.loaded_if([b_desc(group[0])], h_tiles, setup,
                                                         lambda body, e=group[0]: ctx.loops.if_used(e, body))[0]
@@ -441,7 +439,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
         quantize_down(e)
     x_ahead(groups[0][-1:])  # (nothing without ctx.defer_x)
     early = first_a_panels(groups[1] if len(groups) > 1 else [])
-    gu_ahead(groups[0] if len(groups) > 1 else [])  # (B(groups[0][0]) runs interleaved with A(groups[1][0]))
+    gu_ahead(groups[0])  # (B(groups[0][0]) runs interleaved with A(groups[1][0]), or alone where it is the last)
     fence()
     for n, group in enumerate(groups):
         ahead = groups[n + 1] if n + 1 < len(groups) else []
@@ -479,6 +477,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
                 ctx.loops.if_used(e, lambda e=e, r=rows: pass_b(e, r))
                 rows = None  # its tiles die after B(e) (the allocator frees a tile when its last reference drops)
             a_panels = None  # and A's early panels and first chunk's inputs after A
+            x_ahead(ahead[j:j + 1], "head")  # its blocks before the last two, under this segment's C (round 39b)
             # the next A in program order: this segment's next, or the next segment's first
             prefetch_down(ahead[j + 1] if j + 1 < len(ahead) else (later[0] if later and j == len(group) - 1
                                                                    else None))
@@ -487,10 +486,10 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             pass_c(e)
             if j == 0:  # after C(e_0), not at the segment's end behind the X copies (q8 1800.0 vs 1870.1 us)
                 dy_ahead(later)
-        x_ahead(ahead)
+        x_ahead(ahead, "tail")
         if n + 1 < len(groups):
             early = first_a_panels(later)
-            gu_ahead(ahead if n + 2 < len(groups) else [])  # (the last group's B runs without the interleave)
+            gu_ahead(ahead)  # (the last group's first B, without the interleave, takes them in pass_b)
             fence()
 
 
