@@ -17,6 +17,7 @@ from nkilib.core.matmul import overlap as overlap_module
 from nkilib.core.matmul import tiling as tiling_module
 from nkilib.core.matmul.panel_builder import words_above_whole_max
 from nkilib.core.matmul.panels import k_tiles
+from nkilib.core.matmul.sources import PanelSource
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8 import mlp_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import MatmulConfig
 from simkit import (assert_mlp_bit_exact, assert_outputs_identical, in_kernel, mlp_inputs_with_checkpoints, run_mlp,
@@ -282,3 +283,19 @@ def test_a_shorter_last_chunks_panels_go_in_pieces_where_the_full_chunks_do():
     k, n_tile, piece_bytes, always = in_kernel(body)
     assert not words_above_whole_max(k, n_tile), (k, n_tile)  # alone, the last chunk's panel would be whole
     assert always and piece_bytes == constants_module.K_CHUNK_PANEL_PIECE_BYTES, (always, piece_bytes)
+
+
+def test_a_later_chunks_first_panel_leaves_its_last_k_tiles_for_its_first_tile(shrunk_budgets, monkeypatch):
+    """Round 53a: a later K chunk's first moving panel loads under the chunk before's tail, where every live tile's last
+    access depends on its quantizes: a words piece that finds no gap among them has no placement it may wait for
+    (S = 28160 / 31232 / 32256, H = I = 2880: phase 3's eighth 6 KiB piece of X, refused). Its last
+    K_CHUNK_FIRST_DEFERRED_K_TILES K tiles are now quantized when that chunk's first tile runs (PanelSource.load_ahead
+    under the tail, the rest at the first get), after the chunk before's last matmuls. Three chunks per phase
+    (S = 6144, shrunk budgets), one core, bit-exact: each later chunk of both phases begins its first moving panel with
+    load_ahead, K_CHUNK_FIRST_DEFERRED_K_TILES K tiles left (before round 53a: the whole panel quantized, no
+    load_ahead of a K window)."""
+    begun = spy_returns(monkeypatch, PanelSource, "load_ahead", lambda result, source, *args: (
+        (source.op.k_base, source.pending.remaining()) if source.op.k_base else None))
+    _three_chunk_sum_dmas(shrunk_budgets, lambda op: op.storage_id)
+    left = constants_module.K_CHUNK_FIRST_DEFERRED_K_TILES
+    assert sorted(begun) == [(2048, left), (2048, left), (4096, left), (4096, left)], begun  # phases 4 and 3

@@ -27,15 +27,10 @@ MAX_S = {(4096, 12288): 4096}
 #: k_chunks.PartialSums), round 52a 3584 x 2048 x 1536 (a resident stationary operand's kept-whole moving panels in
 #: words pieces: tiling.choose_tiling, RESIDENT_KEPT_MOVING_IN_PIECES) and 2048 x 2880 x 2880 (phase 1's words along S
 #: in one allocation per chunk beside separate kept panels: SwigluBackwardEpilogue.along_s_words_per_chunk) and
-#: 27136 x 2880 x 2880 (a shorter last K chunk's panels in pieces where the full chunks' are: k_chunks.plan_matmul)
-STILL_REFUSED = {
-    # found by the session-20 sweep run of the H = I = 2880 pair (before round 50b; 6656 x 2880 x 2880, PSUM, was
-    # refused too and runs after round 50b's PSUM rule; these three are refused after it as well, and after round 51a's
-    # K-chunk tail ring with other tiles; 27136 x 2880 x 2880 ran from round 52a)
-    (28160, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
-    (31232, 2880, 2880): "SBUF: 6 KiB tiles find no placement they may wait for",
-    (32256, 2880, 2880): "SBUF: a 6 KiB tile finds no placement it may wait for",
-}
+#: 27136 x 2880 x 2880 (a shorter last K chunk's panels in pieces where the full chunks' are: k_chunks.plan_matmul),
+#: round 53a 28160 / 31232 / 32256 x 2880 x 2880 (a later K chunk's first moving panel quantizes its last K tiles at
+#: its first tile, not under the chunk before's tail: MatmulPlan.prefetch_first_deferring)
+STILL_REFUSED = {}  # (S, H, I) -> why the planner refuses it (strict xfail); none since round 53a
 
 
 def _sweep():

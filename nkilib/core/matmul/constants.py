@@ -62,6 +62,14 @@ K_CHUNK_PANEL_PIECE_BYTES = 8 * 1024  # a later K chunk's first moving panel's w
 # among the holes that chunk's dead panels leave (S = 32768, H = I = 2880, phase 3: a 12 KiB piece of X against holes
 # of 12032 B and less, refused with round 51a's ring alone; 9.12927 / 10.09939 ms in 8 KiB pieces. Every panel of a
 # later chunk in them: 9.13535 / 10.11763, S = 16384 4.48471 / 4.97573 against 4.46272 / 4.96006; round 51a)
+K_CHUNK_FIRST_DEFERRED_K_TILES = 3  # K tiles at the end of a later K chunk's first moving panel quantized only
+# when that chunk's first tile runs, not under the chunk before's tail (MatmulPlan.prefetch_first_deferring): their
+# words pieces are placed after that chunk's last matmuls in program order, over its dead pieces. Under the tail every
+# live tile's last access depends on the quantize, so a piece that finds no gap has no placement it may wait for:
+# S = 28160 / 31232 / 32256, H = I = 2880, phase 3's eighth 6 KiB piece of X (one K tile) against 236-242 KiB live in
+# holes of 5.4 KiB and less (refused; round 53a of docs/dense-performance.md). S = 28160 / 32768 there, ms: 2 tiles
+# 8.15009 / 8.63859, 9.10257 / 10.10021 (main 9.11543 / 10.09780); 3: 8.04309 / 8.58037, 9.09124 / 10.09297; 4: 8.06596
+# / 8.77858, 9.12653 / 10.11470. One is too few (S = 28160's seventh piece was refused too)
 PARTIAL_RING_SLOTS = 3  # [128, n_tile] fp32 slots of the SBUF ring a spilling K chunk's tail passes its sums through
 # (k_chunks.PartialSums): the tile being spilled as evicted and as transposed, and the fetched sums of the next tile to
 # reload (the next chunk's first tile's once this chunk's last is reloaded). One allocation from the tail's first

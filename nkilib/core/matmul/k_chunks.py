@@ -30,9 +30,9 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..kernel_helpers import ceil_div, kernel_assert, round_up
-from .constants import (K_CHUNK_ALIGN, K_CHUNK_PANEL_PIECE_BYTES, LAST_FETCH_RING_MAX_HELD_BYTES,
-                        PARTIAL_LAST_FETCH_SLOTS, PARTIAL_RING_SLOTS, PARTIAL_SUM_HBM_BYTES,
-                        PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
+from .constants import (K_CHUNK_ALIGN, K_CHUNK_FIRST_DEFERRED_K_TILES, K_CHUNK_PANEL_PIECE_BYTES,
+                        LAST_FETCH_RING_MAX_HELD_BYTES, PARTIAL_LAST_FETCH_SLOTS, PARTIAL_RING_SLOTS,
+                        PARTIAL_SUM_HBM_BYTES, PARTITIONS, PSUM_BANK_BYTES, PSUM_BANK_COLUMNS, PSUM_BUFFERS, PSUM_BYTES,
                         RESIDENT_OPERAND_BUDGET_BYTES, STATIONARY_LOAD_WIDTH, STATIONARY_PANEL_BUDGET_BYTES)
 from .overlap import prefetch_staging
 from .panel_builder import words_above_whole_max
@@ -358,7 +358,7 @@ class KChunkedPlan(nl.NKIObject):
             # own staging rings only (prefetch_staging -1): the shallower first ring is PhaseGraph's, between phases
             if prefetch_staging(chunk, nxt) < 0:
                 chunk.step("head")
-                nxt.step("first")
+                nxt.prefetch_first_deferring(K_CHUNK_FIRST_DEFERRED_K_TILES)
             chunk.step("all")
             self.done += 1
 

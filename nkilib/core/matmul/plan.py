@@ -412,6 +412,24 @@ class MatmulPlan(nl.NKIObject):
             if self.reload != None:  # noqa: E711
                 self.reload.fetch(m0, n0, nsz)
 
+    def prefetch_first_deferring(self, deferred: int) -> None:
+        """step("first") for a plan whose first panels load under another's tail, among the holes its dead panels
+        leave: where the first tile has one moving panel that load_ahead may begin, only its K tiles before the last
+        `deferred` are quantized now (their words pieces placed under the tail); the first tile's get quantizes the
+        rest, after the other plan's last tiles in program order, when the pieces those tiles read are dead
+        (k_chunks.KChunkedPlan: a later K chunk's first panel, K_CHUNK_FIRST_DEFERRED_K_TILES). Else step("first")."""
+        source = self.moving[self.products[0][1]] if len(self.products) == 1 else None
+        if (self.fenced_start or self.stream != None or not self.order or source == None  # noqa: E711
+                or not source.can_load_ahead()):
+            self.step("first")
+            return
+        (m0, msz), (n0, nsz) = self.order[0]
+        self.stationary[self.products[0][0]].get(m0, msz)
+        count = len(k_tiles(source.op.k_size, self.setup))
+        source.load_ahead(n0, nsz, max(1, count - deferred))
+        if self.reload != None:  # noqa: E711
+            self.reload.fetch(m0, n0, nsz)
+
     def prefetch_own(self) -> None:
         """Before the core barrier: DMA the first OWN_PREFETCH_GROUPS natural row tiles (NATURAL_LOAD_K columns of
         128 rows each) of the first group's stationary panels, panel by panel, that lie in own_k_ranges (columns this
