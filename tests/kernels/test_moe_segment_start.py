@@ -63,13 +63,19 @@ def _routing(case):
     return ids
 
 
-def _run(case, lnc, **options):
-    kernel, ref = moe_case(T, E, H, I, _routing(case), seed=181, block_size=B, checkpoints=CHECKPOINTS,
-                           clamp_limits=CLAMPS, **options)
+def _traced_against_mx_exact(T_, E_, h, ids, seed, lnc, what, **options):
+    """The kernel on (T_, E_, h, I, ids) (B, CHECKPOINTS, CLAMPS) traced at `lnc`; outputs == mx_exact. Returns the
+    trace."""
+    kernel, ref = moe_case(T_, E_, h, I, ids, seed=seed, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS,
+                           **options)
     res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
     assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"segment start ({case}), LNC{lnc} vs mx_exact")
+                             f"{what}, LNC{lnc} vs mx_exact")
     return res.trace
+
+
+def _run(case, lnc, **options):
+    return _traced_against_mx_exact(T, E, H, _routing(case), 181, lnc, f"segment start ({case})", **options)
 
 
 def _down_weight_experts(trace, program):
@@ -86,11 +92,7 @@ def _run_eight_experts(lnc, seed, what):
     ids = np.zeros((T8, 2), np.int32)
     for q in range(4):
         ids[512 * q:512 * (q + 1)] = (2 * q, 2 * q + 1)
-    kernel, ref = moe_case(T8, E8, H, I, ids, seed=seed, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"{what}, E = 8, LNC{lnc} vs mx_exact")
-    return res.trace
+    return _traced_against_mx_exact(T8, E8, H, ids, seed, lnc, f"{what}, E = 8")
 
 
 def _experts_read_per_segment(trace, program, tensor, expert_bytes):
@@ -199,13 +201,10 @@ def test_first_chunk_gathered_before_fence(lnc, monkeypatch):
     monkeypatch.setattr(kernel_module, "INTERLEAVE_PANEL_BUDGET_BYTES", 0)
     h = 256
     ids = np.tile(np.arange(E, dtype=np.int32), (T, 1))
-    kernel, ref = moe_case(T, E, h, I, ids, seed=261, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"first chunk gathered before the fence, LNC{lnc} vs mx_exact")
+    trace = _traced_against_mx_exact(T, E, h, ids, 261, lnc, "first chunk gathered before the fence")
     expert_bytes = h * I * 2  # down_weight [E, H, I] bf16
     for p in range(lnc):
-        mine = [r for r in res.trace if r.program == p]
+        mine = [r for r in trace if r.program == p]
         pass_c = sbuf_tiles_loaded(mine, lambda r: any(touches(r, n) for n in PASS_C_SOURCES))
         # LNC2: A(3) takes W_down[3] from the exchange (round 25b), which core 0 quantizes on its own path
         for e in range(E if lnc == 1 else 3):
@@ -245,11 +244,8 @@ def test_one_group_b_weights_before_fence():
     per segment {0}, {1} on core 0 (before round 39b: [], {0, 1}); outputs == mx_exact."""
     T2, E2 = 512, 2
     ids = np.tile(np.array([0, 1], np.int32), (T2, 1))
-    kernel, ref = moe_case(T2, E2, H, I, ids, seed=389, block_size=B, checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=2, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             "one fence group, LNC2 vs mx_exact")
-    segments = _experts_read_per_segment(res.trace, 0, "gate_up_weight", 2 * I * H * 2)
+    trace = _traced_against_mx_exact(T2, E2, H, ids, 389, 2, "one fence group")
+    segments = _experts_read_per_segment(trace, 0, "gate_up_weight", 2 * I * H * 2)
     assert segments == [{0}, {1}], segments
 
 
@@ -261,13 +257,10 @@ def test_x_head_gathered_after_its_a(lnc):
     program order; those of its last two after C(1) read expert 1's, as before (round 39b; before it all four of expert
     2's followed C(1)). Outputs == mx_exact."""
     counts = [B, B, 4 * B, B]
-    kernel, ref = moe_case(sum(counts), 4, H, I, expert_routing(counts, shuffle_seed=397), seed=401, block_size=B,
-                           checkpoints=CHECKPOINTS, clamp_limits=CLAMPS)
-    res = run_kernel(kernel_module.moe_backward_mxfp8_nki.fn, kwargs=kernel, lnc=lnc, grid_ndim=1, trace=True)
-    assert_outputs_identical(tuple(np.asarray(o) for o in res.outputs), moe_backward_reference(**ref),
-                             f"X head after its A, LNC{lnc} vs mx_exact")
+    trace = _traced_against_mx_exact(sum(counts), 4, H, expert_routing(counts, shuffle_seed=397), 401, lnc,
+                                     "X head after its A")
     for p in range(lnc):
-        mine = [r for r in res.trace if r.program == p]
+        mine = [r for r in trace if r.program == p]
         # x_blocks [N, B, H] bf16: experts 0, 1 own blocks 0, 1 (read by C(0), C(1)), expert 2 blocks 2..5
         def blocks(ops):
             return [t.byte_lo // (B * H * 2) for t in ops if getattr(t, "name", "") == "moe_bwd_x_blocks"]
