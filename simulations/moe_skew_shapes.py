@@ -123,7 +123,9 @@ def dma_route(rec):
     moe_bwd_down_mx_11 without its number), an on-chip one as its buffer; '+=' for an accumulating DMA."""
     def name(o):
         return re.sub(r"_\d+$", "", o.name) if o.buffer.endswith("hbm") else o.buffer
-    src = name(rec.reads[0]) if rec.reads else "?"
+    dst_id = rec.writes[0].storage_id if rec.writes else None
+    srcs = [o for o in rec.reads if o.storage_id != dst_id] or list(rec.reads)  # an accumulating DMA reads its dst
+    src = name(srcs[0]) if srcs else "?"
     dst = name(rec.writes[0]) if rec.writes else "?"
     return f"{src} {'+=' if rec.attrs.get('rmw') or rec.instr == 'dma_compute' else '->'} {dst}"
 
