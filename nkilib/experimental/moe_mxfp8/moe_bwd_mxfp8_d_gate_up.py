@@ -521,20 +521,17 @@ def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None, expert=None):
     write for I columns [i_lo, i_hi), and dY / X with the first group, or where `copies` says so: the I split's
     writer of the chunk's copies) become zeros, as a gathered padding row would be. With block-ordered weights the
     rows' d_topk_weights too (after the last I group; not the I split's, whose scatter writes every row): every entry
-    of that output is written (ctx.zero_pair_grads). expert: the pipeline's expert e (static), whose hs / dY / X rows
-    only pass C reads: padding_rows_read_by_c says where (round 41c)."""
+    of that output is written (ctx.zero_pair_grads). expert: the pipeline's e (padding_rows_read_by_c; round 41c)."""
     I, H = ctx.I, ctx.H
-    spans = [(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi)]
     c_spans = [(ctx.hs, i_lo, i_hi)]
     if (i_lo == 0) if copies == None else copies:  # noqa: E711
         c_spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
-    for scratch, f_lo, f_hi in spans:
-        ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
 
-    def zero_c_rows():
-        for scratch, f_lo, f_hi in c_spans:
+    def zero(spans):
+        for scratch, f_lo, f_hi in spans:
             ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
-    padding_rows_read_by_c(ctx, expert, zero_c_rows)
+    zero([(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi)])
+    padding_rows_read_by_c(ctx, expert, lambda: zero(c_spans))
     if ctx.weights_blocked and copies == None and i_hi == I:  # noqa: E711
         ctx.zero_pair_grads(i, r0, m)
 
