@@ -3,6 +3,8 @@
 Diagnostic for docs/moe.md section 10, round 9c. Usage (from the repository root, 1-5 minutes per shape):
     PYTHONPATH=$PWD python simulations/moe_skew_shapes.py time gb gzp      # central / pessimistic, per-phase critical path
     PYTHONPATH=$PWD python simulations/moe_skew_shapes.py segments gzp     # core 0's segments (split by core_barrier)
+    SEGMENTS=4,5 PYTHONPATH=$PWD python simulations/moe_skew_shapes.py walk qz  # per segment (all without SEGMENTS):
+        # core 0's DMAs by tensor / payload against a DMA-bound floor, its critical path walked through Schedule.blocker
 
 Shapes: GPT-OSS-20B's H = I = 2880 (clamped), 8 experts, k = 2, B = 512, LNC2, all checkpoints. The full preset's Zipf
 routing at T = 16384 (seed 0) gives its 32 experts 23, 15, 11, 9, 7, 6, 6, 5, 4 x 4, 6 x 3 and 14 x 2 blocks: 144 blocks
@@ -25,8 +27,10 @@ the routing weights too (round 30b) unless WEIGHTS_LAYOUT=slot (the numbers befo
 The routed pairs of each expert are laid out over the tokens column by column (no token gets one expert twice) and the
 tokens shuffled (seed 0). Wraps moe_backward_cost.make_topk_ids and model_kernel: a diagnostic, not an API.
 """
+import bisect
 import collections
 import os
+import re
 import sys
 import time
 
@@ -88,21 +92,104 @@ def print_time(name, res):
               {e: round(s * 1e6) for e, s in v["critical_path_by_engine_s"].items()})
 
 
+def _phase(rec):
+    return (rec.attrs or {}).get("phase", "kernel")
+
+
+def segment_bounds(sch, program=0):
+    """Core `program`'s segment boundaries (its core_barriers' ends) and a time -> segment index function."""
+    recs, en = sch.records, sch.end
+    bars = sorted(en[i] for i in range(len(recs)) if recs[i].program == program and "barrier" in str(recs[i].instr))
+    return bars, lambda t: bisect.bisect_right(bars, t)
+
+
 def print_segments(sch):
     """Core 0's segments between core_barriers: span, and the critical path's us in it by phase / engine."""
     recs, st, en, bl = sch.records, sch.start, sch.end, sch.blocker
-    phase = lambda i: (recs[i].attrs or {}).get("phase", "kernel")
-    bars = [en[i] for i in range(len(recs)) if recs[i].program == 0 and "barrier" in str(recs[i].instr)]
-    seg = lambda t: sum(1 for b in bars if t >= b)
+    bars, seg = segment_bounds(sch)
     crit = collections.defaultdict(float)
     i = max(range(len(recs)), key=lambda j: en[j])
     while i is not None:
-        crit[(seg(st[i]), phase(i), sch.costs[i].engine)] += en[i] - st[i]
+        crit[(seg(st[i]), _phase(recs[i]), sch.costs[i].engine)] += en[i] - st[i]
         i = bl[i]
     for s, (t0, t1) in enumerate(zip([0.0] + bars, bars + [sch.makespan])):
         items = sorted(((k[1], k[2], v) for k, v in crit.items() if k[0] == s), key=lambda x: -x[2])
         print(f"segment {s}: {t0 * 1e6:.0f} -> {t1 * 1e6:.0f} us ({(t1 - t0) * 1e6:.0f}); critical path:",
               {f"{p}/{e}": round(v * 1e6) for p, e, v in items if v > 3e-6})
+
+
+def dma_route(rec):
+    """'source -> destination' of a DMA record: an HBM operand by its tensor name (a numbered scratch name such as
+    moe_bwd_down_mx_11 without its number), an on-chip one as its buffer; '+=' for an accumulating DMA."""
+    def name(o):
+        return re.sub(r"_\d+$", "", o.name) if o.buffer.endswith("hbm") else o.buffer
+    dst_id = rec.writes[0].storage_id if rec.writes else None
+    srcs = [o for o in rec.reads if o.storage_id != dst_id] or list(rec.reads)  # an accumulating DMA reads its dst
+    src = name(srcs[0]) if srcs else "?"
+    dst = name(rec.writes[0]) if rec.writes else "?"
+    return f"{src} {'+=' if rec.attrs.get('rmw') or rec.instr == 'dma_compute' else '->'} {dst}"
+
+
+def walk(sch, program=0):
+    """Per segment of core `program` (split at its core_barriers): the critical path walked back from the core's
+    last instruction through Schedule.blocker, and the DMAs that start in the segment.
+
+    Returns a list, one dict per segment: span (t0, t1) in seconds; path {(phase, engine, instr, route): [steps, own
+    seconds, wait seconds]} (wait: from the blocker's end to the step's start: a semaphore hop, a DGE or a queue
+    slot; for a software-DGE DMA also its descriptors' time on GpSimd and GpSimd's queue before them, since the
+    scheduler names the DMA's data dependence as its blocker; engine@p: a step on the other core, reached through a
+    barrier), so that the path's own + wait seconds over all segments sum to the core's last end; dmas {(phase, route, payload bytes, dge): [count, bytes, engine-seconds]}, where a DMA's engine-seconds
+    are its bytes over one engine's rate at its payload, so that engine-seconds / dma_engines_per_core is the time
+    the segment's DMAs need with every DMA engine of the core busy (its DMA-bound floor)."""
+    recs, costs, st, en, bl = sch.records, sch.costs, sch.start, sch.end, sch.blocker
+    bars, seg = segment_bounds(sch, program)
+    mine = [i for i in range(len(recs)) if recs[i].program == program]
+    out = [{"span": (t0, t1), "path": collections.defaultdict(lambda: [0, 0.0, 0.0]),
+            "dmas": collections.defaultdict(lambda: [0, 0, 0.0])}
+           for t0, t1 in zip([0.0] + bars, bars + [max(en[i] for i in mine)])]
+    for i in mine:
+        if costs[i].kind == "dma":
+            w = costs[i].dma
+            d = out[seg(st[i])]["dmas"][(_phase(recs[i]), dma_route(recs[i]), w.payload, w.dge)]
+            d[0] += 1
+            d[1] += w.nbytes
+            d[2] += w.nbytes / w.rate_per_engine if w.nbytes else 0.0
+    i = max(mine, key=lambda j: en[j])
+    while i is not None:
+        j = bl[i]
+        route = dma_route(recs[i]) if costs[i].kind == "dma" else ""
+        engine = costs[i].engine if recs[i].program == program else f"{costs[i].engine}@{recs[i].program}"
+        step = out[seg(st[i])]["path"][(_phase(recs[i]), engine, recs[i].instr, route)]
+        ready = en[j] if j is not None else 0.0
+        step[0] += 1
+        step[1] += en[i] - max(st[i], ready)  # a barrier's own time: after the last core's arrival
+        step[2] += max(0.0, st[i] - ready)
+        i = j
+    return out
+
+
+def print_walk(sch, segments=None, top=12, program=0):
+    """walk()'s segments as tables: span, DMA bytes against the DMA-bound floor, the DMAs by tensor / payload and
+    the critical path by step (us)."""
+    from nkilib.simulator.hardware import resolve_target
+    engines = resolve_target(sch.target).dma_engines_per_core
+    for s, rec in enumerate(walk(sch, program)):
+        if segments and s not in segments:
+            continue
+        t0, t1 = rec["span"]
+        span = t1 - t0
+        nbytes = sum(v[1] for v in rec["dmas"].values())
+        floor = sum(v[2] for v in rec["dmas"].values()) / engines
+        print(f"segment {s}: {t0 * 1e6:.1f} -> {t1 * 1e6:.1f} us ({span * 1e6:.1f}); DMAs "
+              f"{sum(v[0] for v in rec['dmas'].values())}, {nbytes / 1e6:.2f} MB ({nbytes / max(span, 1e-12) / 1e9:.0f}"
+              f" GB/s over the span), DMA-bound floor {floor * 1e6:.1f} us ({100 * floor / max(span, 1e-12):.0f}%)")
+        print("  DMAs (phase, route, payload B, DGE): count, MB, floor us")
+        for k, v in sorted(rec["dmas"].items(), key=lambda kv: -kv[1][2])[:top]:
+            print(f"    {k[0]:>14} {k[1]:<62} {k[2]:>6} {k[3]:>4}: {v[0]:5d} {v[1] / 1e6:8.3f} "
+                  f"{v[2] / engines * 1e6:8.1f}")
+        print("  critical path (phase, engine, instr, route): steps, own us, wait us")
+        for k, v in sorted(rec["path"].items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
+            print(f"    {k[0]:>14} {k[1]:>7} {k[2]:<22} {k[3]:<50}: {v[0]:4d} {v[1] * 1e6:8.1f} {v[2] * 1e6:8.1f}")
 
 
 if __name__ == "__main__":
@@ -113,4 +200,6 @@ if __name__ == "__main__":
         print_time(name, res)
         if mode == "segments":
             print_segments(sch)
+        if mode == "walk":
+            print_walk(sch, [int(a) for a in os.environ.get("SEGMENTS", "").split(",") if a])
         print(f"  ({time.time() - t0:.0f} s)", flush=True)

@@ -35,6 +35,7 @@ from ...core.matmul import RowPanelByColumns, matmul_panels, panel_from_rows, st
 from ...core.matmul.sources import blocks as _blocks
 from ...core.swiglu import intermediate_tile, swiglu_backward_tile, swiglu_forward_terms
 from .constants import PARTITIONS, PHASE1_N_TILE, PHASE1_ROW_GROUP, PIPELINE_CHECKPOINT_COLUMNS
+from .moe_bwd_mxfp8_single_block import padding_rows_read_by_c
 
 __all__ = ["ChunkInputs", "RowChunk", "compute_phase1_block_grads_mxfp8", "compute_phase1_chunks_mxfp8",
            "compute_phase1_pipelined_mxfp8", "gather_first_chunk_ahead", "natural_rows", "zero_padding_rows"]
@@ -116,7 +117,7 @@ class ChunkInputs(nl.NKIObject):
         ctx.positions(ctx.ids2d, i, first, 1, m, dst=self.ids)
         if self.slots != None:  # noqa: E711
             ctx.positions(ctx.slots2d, i, first, 1, m, dst=self.slots)
-        if self.dy_staged:  # copied by token id a fence earlier, padding rows zero (gather_deferred_rows)
+        if self.dy_staged:  # copied by token id a fence earlier (gather_deferred_rows): padding zero where computed
             if self.dy_nat.shape[1] > H:
                 nisa.memset(dst=self.dy_nat[:m, H:], value=0.0)
             nisa.dma_copy(dst=self.dy_nat[:m, :H], src=ctx.block_rows(ctx.dy_blocks, i, first, m, 1, 0, H))
@@ -496,7 +497,8 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m, q=q: _phase1_rows(ctx, e, i, [(r0, m)], w_down, w_gate, w_up,
                                                                        full, [sets[q % 2]], outputs=[outs[q % 2]]))
-            ctx.if_flag(flags, q, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, 0, ctx.I), complement=True)
+            ctx.if_flag(flags, q, lambda r0=r0, m=m: zero_padding_rows(ctx, i, r0, m, 0, ctx.I, expert=e),
+                        complement=True)
             if piece != None:  # noqa: E711  (outside the flag: every block's chunk q issues it)
                 piece()
 
@@ -514,18 +516,22 @@ def compute_phase1_pipelined_mxfp8(ctx, e, b_lo, before_last, last, w_down, w_ga
     sets = outs = None
 
 
-def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None):
+def zero_padding_rows(ctx, i, r0, m, i_lo, i_hi, copies=None, expert=None):
     """Rows r0..r0+m of block i hold only padding: their scratch rows (the columns RowChunk.store would
     write for I columns [i_lo, i_hi), and dY / X with the first group, or where `copies` says so: the I split's
     writer of the chunk's copies) become zeros, as a gathered padding row would be. With block-ordered weights the
     rows' d_topk_weights too (after the last I group; not the I split's, whose scatter writes every row): every entry
-    of that output is written (ctx.zero_pair_grads)."""
+    of that output is written (ctx.zero_pair_grads). expert: the pipeline's e (padding_rows_read_by_c; round 41c)."""
     I, H = ctx.I, ctx.H
-    spans = [(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi), (ctx.hs, i_lo, i_hi)]
+    c_spans = [(ctx.hs, i_lo, i_hi)]
     if (i_lo == 0) if copies == None else copies:  # noqa: E711
-        spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
-    for scratch, f_lo, f_hi in spans:
-        ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
+        c_spans += [(ctx.dy_blocks, 0, H), (ctx.x_blocks, 0, H)]
+
+    def zero(spans):
+        for scratch, f_lo, f_hi in spans:
+            ctx.zero_block_rows(scratch, i, r0, m, f_lo, f_hi)
+    zero([(ctx.d_gu, i_lo, i_hi), (ctx.d_gu, I + i_lo, I + i_hi)])
+    padding_rows_read_by_c(ctx, expert, lambda: zero(c_spans))
     if ctx.weights_blocked and copies == None and i_hi == I:  # noqa: E711
         ctx.zero_pair_grads(i, r0, m)
 

@@ -66,12 +66,13 @@ def gather_expert_x(ctx, e, part="all"):
         ctx.loops.if_used(e, gather)
 
 
-def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
+def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi):
     """dst's rows of blocks [b_lo, b_hi) (registers; last: the expert's last block) <- src's rows by token id, this
     core's chunks (ctx.unit_rows), each HBM -> HBM; one with padding after a store of zeros over its rows (from the
     zeroed tile ctx.zeros: no engine zeroing, no SBUF round trip; round 38c), which its skipped sentinels keep.
-    every_chunk: also the chunks whose unit starts with padding (all zero rows; else left to the pipeline's
-    zero_padding_rows): the staged dY (ctx.staged_dy), which the pipeline reads for every chunk.
+    A chunk whose unit starts with padding is left to the pipeline's zero_padding_rows: the staged dY (ctx.staged_dy)
+    too, whose copy the pipeline loads for every chunk but computes on only where the unit holds a pair (round 41c:
+    the zeros stored here before were stored again there, or, for a one-block expert, read by nothing).
 
     Dimensions: src [T, H] -> dst [N, B, H] bf16, one [128, H] tile per chunk."""
     rows, H = ctx.unit_rows, src.shape[1]
@@ -85,9 +86,9 @@ def gather_deferred_rows(ctx, src, dst, b_lo, last, b_hi, every_chunk=False):
         ctx.gather_to_blocks(dst, i, r0, m, src, ids)
 
     def block(i, full):
-        flags = None if full or every_chunk else ctx.row_flags(i, ctx.row_unit, len(rows))
+        flags = None if full else ctx.row_flags(i, ctx.row_unit, len(rows))
         for q, (r0, m) in enumerate(rows):
-            if full or q == 0 or every_chunk:
+            if full or q == 0:
                 chunk(i, r0, m, full)
                 continue
             ctx.if_flag(flags, q, lambda r0=r0, m=m: chunk(i, r0, m, False))

@@ -215,7 +215,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
             gather_expert_x(ctx, a, part)
 
     def dy_ahead(experts):
-        """dy_blocks rows of `experts` (the group after next; this core's chunks, padding-only ones too) copied by token
+        """dy_blocks rows of `experts` (the group after next; this core's chunks, as gather_deferred_x's) copied by token
         id where the pipeline would gather them beside its GpSimd products; their A (after the next fence) reads
         them by plain DMA (ctx.staged_dy). Only where GpSimd runs the epilogue's d_gate products (the unclamped SwiGLU,
         Qwen3-30B-A3B): the clamped one moved them to VectorE, and there the copies only took pass C's DMA queues
@@ -226,7 +226,7 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
             def gather(a=a):
                 lo, _, hi = ctx.loops.bounds(a)
-                gather_deferred_rows(ctx, ctx.dy, ctx.dy_blocks, lo, ctx.loops.last_block(a), hi, every_chunk=True)
+                gather_deferred_rows(ctx, ctx.dy, ctx.dy_blocks, lo, ctx.loops.last_block(a), hi)
             ctx.loops.if_used(a, gather)
 
     # the I split's W_down[a] loaded a pass ahead of A(a) for a one-block full expert (the branch of ExpertISplit.expert

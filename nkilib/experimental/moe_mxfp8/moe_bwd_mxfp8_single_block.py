@@ -14,7 +14,8 @@ from .constants import MOE_N_TILE, PARTITIONS, PASS_C_ROW_UNIT, SINGLE_BLOCK_LOA
 from .moe_bwd_mxfp8_pass_c_stores import RowStore
 from .moe_bwd_mxfp8_weight_grads import single_load_stage
 
-__all__ = ["compute_phase3_single_block_expert_mxfp8", "compute_phase3_single_block_grads_mxfp8", "filled_row_units"]
+__all__ = ["compute_phase3_single_block_expert_mxfp8", "compute_phase3_single_block_grads_mxfp8", "filled_row_units",
+           "padding_rows_read_by_c"]
 
 
 def filled_row_units(ctx) -> int:
@@ -24,6 +25,18 @@ def filled_row_units(ctx) -> int:
     tiles are 128 rows already."""
     mx_1x32 = ctx.setup.is_mx and ctx.setup.scheme == "1x32" and ctx.B % PASS_C_ROW_UNIT == 0
     return ctx.B // PASS_C_ROW_UNIT if mx_1x32 else 1
+
+
+def padding_rows_read_by_c(ctx, e, zero):
+    """zero() (stores of zeros over a padding-only 128-row chunk's rows of the block scratches that only pass C reads:
+    hs, dY, X) where pass C reads them: for expert e (static; None: always) under if_multi only when pass C of a
+    one-block expert reads just its filled row units (filled_row_units > 1): a chunk that starts with padding starts at
+    or after the last filled unit's end, so its rows are never read there (round 41c). d_gate_up's rows stay zeroed
+    (pass B's one-block path reads every chunk's rows, the bias gradient sums the block)."""
+    if e == None or filled_row_units(ctx) == 1:  # noqa: E711
+        zero()
+        return
+    ctx.loops.if_multi(e, zero)
 
 
 def _row_panels(ctx, src, i, lo, hi, first=-1, rows=None):
