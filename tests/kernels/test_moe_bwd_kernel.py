@@ -218,17 +218,16 @@ def test_resident_weight_groups_bit_exact(monkeypatch, lnc, checkpoints):
     whole_i = ((0, 512), (512, 32))
     assert {c for c in calls["A"] if c[0] == 0} == {(0, ((0, 512),)), (0, ((512, 32),))}  # two groups
     assert {c for c in calls["A"] if c[0] > 0} == {(1, whole_i), (2, whole_i)}  # whole I (per-block loads)
-    # pass B, expert 0: LNC2 splits H = 1152 in units of 32 as 576 | 576 columns (round 41a; 640 | 512 in units of 128
-    # before); each core's tiles (512, 64) are two groups; LNC1 three tiles
-    expected_b = ({(0, 0, ((0, 512),)), (0, 0, ((512, 64),)), (0, 1, ((576, 512),)), (0, 1, ((1088, 64),))}
-                  if lnc == 2 else
+    # pass B, expert 0: LNC2 splits H = 1152 in units of 128 as 640 | 512 columns; core 0's tiles (512, 128)
+    # are two groups, core 1's single tile one group plus an empty one (core 0's count); LNC1 three tiles
+    expected_b = ({(0, 0, ((0, 512),)), (0, 0, ((512, 128),)), (0, 1, ((640, 512),)), (0, 1, ())} if lnc == 2 else
                   {(0, 0, ((0, 512),)), (0, 0, ((512, 512),)), (0, 0, ((1024, 128),))})
     assert {c for c in calls["B"] if c[0] == 0} == expected_b
 
 
 def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
-    """B = 512, LNC2, GROUP_BUDGET, H = 1056: W_gu does not stay resident on core 0 (544 columns of H, 17 units of 32:
-    tiles 512 + 32; core 1 has 512 columns, one tile; GROUP_SHAPE's H = 1152 splits 576 | 576 since round 41a). Expert 0 (600 tokens: 512 + 88) runs pass B per resident group and
+    """B = 512, LNC2, GROUP_BUDGET: W_gu does not stay resident on core 0 (640 columns of H: tiles 512 + 128;
+    core 1 has 512 columns, one tile). Expert 0 (600 tokens: 512 + 88) runs pass B per resident group and
     skips its last block's padding chunks; experts 1 (300 tokens) and 2 (100) load W_gu per block and skip
     a padding chunk's matmuls and scatter-add in 0/1-trip loops, core 1 running core 0's number of tiles'
     loops (empty past its one tile). Counted: pass B's matmuls (one per chunk and tile that ran), and the
@@ -238,13 +237,13 @@ def test_padding_chunks_skipped_with_weights_per_block(monkeypatch):
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", GROUP_BUDGET)
     matmuls = spy(monkeypatch, D, "matmul_panels", lambda dst, *rest, **kw: dst.shape)
     counts = [600, 300, 100]
-    T, E, H, I = sum(counts), 3, 1056, GROUP_SHAPE["I"]
+    T, E, H, I = sum(counts), 3, GROUP_SHAPE["H"], GROUP_SHAPE["I"]
     ids = expert_routing(counts, shuffle_seed=14)
     kernel, ref = moe_case(T, E, H, I, ids, seed=43, block_size=512,
                            checkpoints=("gate_pre", "gate_act", "up", "intermediate"))
     assert np.diff(kernel["expert_block_offsets"]).tolist() == [2, 1, 1]
     assert_outputs_identical(run(kernel, lnc=2), moe_backward_reference(**ref), "flagged chunks vs mx_exact")
-    # chunks with routed pairs x this core's tiles: expert 0 per group (core 0: [512] and [32]; core 1: its
+    # chunks with routed pairs x this core's tiles: expert 0 per group (core 0: [512] and [128]; core 1: its
     # one tile, then an empty group) 4 chunks of the full block + 1 of the last; experts 1 and 2: 3 and 1
     # chunks x 2 tiles (core 0) or 1 tile (core 1)
     core0 = 2 * (4 + 1) + 3 * 2 + 1 * 2
@@ -284,9 +283,8 @@ def test_padding_row_units_skipped_bit_exact(monkeypatch):
     for e in (3, 4):  # expert 3's first block and expert 4's only block are full: no skipping, every chunk
         expected_a += [(e, core, ((256 * u + 128 * core, 128),)) for u in (0, 1) for core in (0, 1)]
     assert sorted(ran_a) == sorted(expected_a)
-    # pass B: H = 64 splits 32 | 32 (LNC2 splits dX's columns in units of 32 since round 41a; before, in units of 128,
-    # all 64 were core 0's and core 1 ran the same loops empty): each core runs every chunk with routed pairs
-    assert len(ran_b) == 2 * sum(chunks) and set(ran_b) == {128}
+    # pass B: H = 64 columns all go to core 0 (LNC2 splits H in units of 128); core 1 runs the same loops empty
+    assert len(ran_b) == sum(chunks) and set(ran_b) == {128}
 
 
 @pytest.mark.parametrize("checkpoints", [("gate_pre", "up"), ("gate_act", "intermediate"),

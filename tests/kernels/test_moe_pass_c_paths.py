@@ -31,8 +31,6 @@ that every path gives mx_exact's bits.
 """
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -41,7 +39,6 @@ from nkilib.core.matmul import CoreSplit, MatmulSetup, panel_bytes_per_partition
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_weight_grads as W
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_BUDGET_BYTES, SINGLE_BLOCK_LOAD_WIDTH
 from nkilib.experimental.moe_mxfp8.reference import moe_backward_reference
-from nkilib.experimental.moe_mxfp8.moe_bwd_mxfp8_grad_split import grad_split
 from nkilib.examples.moe_backward_cost import PHASES
 from nkilib.experimental.moe_mxfp8 import moe_bwd_mxfp8_kernel as kernel_module
 from nkilib.experimental.moe_mxfp8.constants import PASS_C_RESIDENT_STAGES, PASS_C_STAGING_BUFFERS
@@ -194,12 +191,11 @@ def test_parts_reuse_the_boundary_stationary_piece(monkeypatch, lnc):
     def recorded(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots=None, window=None, part=None, carry=None):
         if part != None:  # noqa: E711
             core = (id(ctx), ctx.split.shard_id)
-            # this core's share (dW_down's in reverse core order where that evens pass C: round 41a)
-            (m_lo, m_hi), _ = grad_split(ctx, m_total, n_total).ranges(m_total, n_total)
+            (m_lo, m_hi), _ = ctx.split.ranges(m_total, n_total)
             pieces[core, m_total] = [p0 for p0, _ in W.blocks(m_lo, m_hi, W.SINGLE_BLOCK_LOAD_WIDTH)]
             loaded.setdefault((core, e, m_total, part), [])
             lhs = CountedRows(lhs, (core, e, m_total, part))
-            _, (n_lo, n_hi) = grad_split(ctx, m_total, n_total).ranges(m_total, n_total)
+            _, (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
             peaks.append([live[0], len(W.blocks(*W._n_part(n_lo, n_hi, part), W.SINGLE_BLOCK_LOAD_WIDTH)) + 1, True])
         try:
             return resident(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, slots, window, part, carry)
@@ -417,10 +413,8 @@ def test_windowed_carries_and_evictions_on_scalar(monkeypatch, lnc):
     carry_stores = [r for r in in_c if r.instr == "dma_copy"
                     and any(o.name.startswith("moe_bwd_weight_grad_partial") for o in r.writes)]
     # per core: dW_gu [2I = 320, H = 96] and dW_down [96, 160] split along M under LNC2; experts 0 (two boundaries)
-    # and 1 (one) carry every tile of this core's share: 3 boundaries x its tiles (core 0's: dW_gu's 256 rows; dW_down's
-    # 96 went to core 1 in round 41a, which evens the cores' tiles 2 + 0 / 1 + 1 instead of 2 + 1 / 1 + 0)
-    ctx0 = types.SimpleNamespace(split=CoreSplit(lnc, 0), H=H, I=I)
-    ranges = [grad_split(ctx0, m, n).ranges(m, n) for m, n in ((2 * I, H), (H, I))]
+    # and 1 (one) carry every tile of this core's share: 3 boundaries x its tiles
+    ranges = [CoreSplit(lnc, 0).ranges(m, n) for m, n in ((2 * I, H), (H, I))]
     tiles = sum(len(W.blocks(*m_range, 128)) * len(W.blocks(*n_range, 512)) for m_range, n_range in ranges)
     assert len(carries) == len(carry_stores) == 3 * tiles, (len(carries), len(carry_stores), tiles)
     assert {r.engine for r in reads_psum} == {"scalar"}, sorted({r.engine for r in reads_psum})

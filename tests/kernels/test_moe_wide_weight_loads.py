@@ -5,7 +5,7 @@ tiles that a block's wide loads share.
 
 | test                              | what                                                           | fixed      |
 |-----------------------------------|----------------------------------------------------------------|------------|
-| test_wide_w_gu_loads_bit_exact    | W_gu per block: 2048 + 1152 (LNC1), 1600 / 1600 (LNC2) columns | LNC1, LNC2 |
+| test_wide_w_gu_loads_bit_exact    | W_gu per block: 2048 + 1152 (LNC1), 1664 / 1536 (LNC2) columns | LNC1, LNC2 |
 | test_load_width_by_panel_bytes    | width by panel size and residency                              | host side  |
 | test_dx_scattered_per_super_panel | pass B's dX rows out per W_gu super-panel, k = 1 and k = 2     | LNC1, LNC2 |
 """
@@ -32,9 +32,8 @@ SETUP = MatmulSetup("mxfp8", nl.float8_e4m3fn_x4, "1x32", True)
 def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
     """No resident budget (weights loaded per block), H = 3200, 2I = 1088 (three K tiles through the ring of 2: a
     2048-column panel takes 26 KiB): W_gu's loads in pass B are this core's H columns in super-panels of 2048 (LNC1:
-    2048 + 1152 through one shared ring per block; LNC2: the cores' 1600 / 1600 columns in one load each, 1664 / 1536
-    before round 41a), an expert of two blocks (one load per 512-column resident group) beside single-block ones;
-    outputs == mx_exact bit for bit."""
+    2048 + 1152 through one shared ring per block; LNC2: the cores' 1664 / 1536 columns in one load each), an expert of
+    two blocks (one load per 512-column resident group) beside single-block ones; outputs == mx_exact bit for bit."""
     monkeypatch.setattr(D, "RESIDENT_WEIGHT_BUDGET_BYTES", 0)
     T, E, H, I = 300, 3, 3200, 544
     widths = spy(monkeypatch, D, "load_panel",  # W_gu's (K = 2I); W_down has K = H
@@ -51,7 +50,7 @@ def test_wide_w_gu_loads_bit_exact(monkeypatch, lnc):
         assert [f for f, _ in wide] == [2048, 1152] * 2, widths
         assert wide[0][1] is wide[1][1] and wide[2][1] is wide[3][1] and wide[0][1] is not wide[2][1]
     else:
-        assert sorted(f for f, _ in wide) == [1600] * 4, widths  # each core's columns (H / 2), in one load
+        assert sorted(f for f, _ in wide) == [1536, 1536, 1664, 1664], widths  # each core's columns, in one load
 
 
 def test_load_width_by_panel_bytes():

@@ -42,11 +42,6 @@ PHASE1_N_TILE = ROUTING_GRAD_TILE
 PHASE1_ROW_GROUP = 256
 #: Columns of H per dX tile and per weight-gradient output tile (one fp32 PSUM bank).
 MOE_N_TILE = 512
-#: LNC2 splits pass B's dX columns (H, the N of d_gate_up @ W_gu: the moving W_gu's free size, the PSUM tile's and the
-#: scatter-adds' row run, none of which needs an alignment along H) in units of this many columns: H is a multiple of
-#: MX_GROUP (the kernel's input rule), so both cores get H / 2 where H is a multiple of 64. At SPLIT_ALIGN (128)
-#: GPT-OSS-20B's H = 2880 split 1536 / 1344 and core 1 idled at every fence (docs/moe.md section 10, round 41a).
-DX_SPLIT_ALIGN = MX_GROUP
 #: LNC2 splits a block's rows in units of this many tokens (even M for nc_matmul_mx).
 ROW_SPLIT_UNIT = 32
 #: SBUF bytes per partition of one expert's weight panels kept resident across its block loop; above

@@ -15,26 +15,19 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import ceil_div, kernel_assert, shard_range
+from ...core.kernel_helpers import ceil_div, kernel_assert
 from ...core.matmul import (Panel, PanelPlacement, PanelSlots, k_tiles, load_panel, load_panel_tiles, matmul_panels,
                             panel_bytes_per_partition, panel_columns, panel_from_rows, panel_tile_widths,
                             stage_ahead, store_panel_tiles)
 from ...core.matmul.constants import MX_PACK, SCALE_PACK_SLOTS
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
-from .constants import (DX_SPLIT_ALIGN, MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, RING_WEIGHT_DMA_PER_SLOT,
+from .constants import (MOE_N_TILE, PARTITIONS, RESIDENT_WEIGHT_BUDGET_BYTES, RING_WEIGHT_DMA_PER_SLOT,
                         W_GU_K_TILES_AHEAD, WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_LOAD_WIDTH, WIDE_WEIGHT_PANEL_BYTES,
                         WIDE_WEIGHT_STAGING_BUFFERS)
 
 __all__ = ["ChunkPanels", "DGateUpRowsAhead", "ExpertPanels", "compute_phase2_hidden_states_grad_mxfp8",
-           "dx_columns", "resident_tile_groups"]
-
-
-def dx_columns(H, num_cores, shard_id):
-    """[h_lo, h_hi): core shard_id's contiguous columns of dX (pass B's N), near-equal shares in units of
-    DX_SPLIT_ALIGN (the first cores take the extra unit), e.g. H = 2880 under LNC2: 1440 / 1440."""
-    lo, hi = shard_range(ceil_div(H, DX_SPLIT_ALIGN), num_cores, shard_id)
-    return min(lo * DX_SPLIT_ALIGN, H), min(hi * DX_SPLIT_ALIGN, H)
+           "resident_tile_groups"]
 
 
 def _ring_slot_dmas(op, ring, setup) -> int:

@@ -82,7 +82,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ...core.kernel_helpers import kernel_assert, shard_range
+from ...core.kernel_helpers import ceil_div, kernel_assert, shard_range
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.panels import LoadRing
 from ...core.matmul.sources import blocks as _blocks
@@ -94,7 +94,7 @@ from .moe_bwd_mxfp8_d_gate_up import (compute_phase1_block_grads_mxfp8, compute_
 from .moe_bwd_mxfp8_deferred import gather_deferred_rows, gather_expert_x, scatter_deferred_d_w
 from .moe_bwd_mxfp8_down_exchange import DownWeightExchange
 from .moe_bwd_mxfp8_dx import (ChunkPanels, DGateUpRowsAhead, ExpertPanels, compute_phase2_hidden_states_grad_mxfp8,
-                               dx_columns, resident_tile_groups)
+                               resident_tile_groups)
 from .moe_bwd_mxfp8_bias_grad import GateUpBiasGrad
 from .moe_bwd_mxfp8_block_runs import ExpertBlockRuns
 from .moe_bwd_mxfp8_context import MoeContext
@@ -108,7 +108,7 @@ from .moe_bwd_mxfp8_weight_grads import (BlockRowSource, ResidentBlocks, store_z
                                          compute_phase3_multi_block_grads_mxfp8)
 from .constants import (CHECKPOINT_LAYOUTS, EXPERTS_PER_FENCE, GATE_UP_PANELS_BEFORE_FENCE,
                         INTERLEAVE_PANEL_BUDGET_BYTES, MOE_N_TILE, PARTITIONS, PASS_C_STAGING_BUFFERS, PHASE1_N_TILE,
-                        ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, STAGE_DY_A_FENCE_AHEAD,
+                        ROW_SPLIT_UNIT, SINGLE_BLOCK_LOAD_WIDTH, SPLIT_ALIGN, STAGE_DY_A_FENCE_AHEAD,
                         WEIGHT_GRAD_PSUM_TILES, WEIGHTS_LAYOUTS, ZERO_ROWS_WIDTH)
 
 __all__ = ["moe_backward_mxfp8_nki", "moe_backward_mxfp8_base_nki", "compute_phase1_block_grads_mxfp8",
@@ -133,7 +133,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
     for u0, usz in _blocks(0, ctx.B, ctx.row_unit):
         lo, hi = shard_range(usz // ROW_SPLIT_UNIT, split.num_cores, split.shard_id)
         ctx.unit_rows.append((u0 + lo * ROW_SPLIT_UNIT, (hi - lo) * ROW_SPLIT_UNIT))
-    h_lo, h_hi = dx_columns(H, split.num_cores, split.shard_id)
+    c_lo, c_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, split.shard_id)
+    h_lo, h_hi = min(c_lo * SPLIT_ALIGN, H), min(c_hi * SPLIT_ALIGN, H)
     # dX starts at zero (this core's columns; its scatter-adds follow on the same core). With k = 1 every token
     # has exactly one routed pair (the layout holds every slot once), so pass B writes each row once instead
     if ctx.k > 1:
@@ -278,7 +279,8 @@ def moe_backward_mxfp8_base_nki(ctx, wg_dtype):
 
     # ---- pass B (split decided and groups counted on core 0's share, the larger: both cores run the same loops) ----
     h_tiles = _blocks(h_lo, h_hi, MOE_N_TILE)
-    h0_tiles = _blocks(*dx_columns(H, split.num_cores, 0), MOE_N_TILE)
+    c0_lo, c0_hi = shard_range(ceil_div(H, SPLIT_ALIGN), split.num_cores, 0)
+    h0_tiles = _blocks(min(c0_lo * SPLIT_ALIGN, H), min(c0_hi * SPLIT_ALIGN, H), MOE_N_TILE)
 
     def b_desc(e):
         return TensorDescriptor(gu_rows, k_axis=0, k_base=e * 2 * I, k_len=2 * I)

@@ -11,7 +11,6 @@ import nki.language as nl
 from ...core.matmul import matmul_panels, panel_columns, panel_from_row_loader
 from ...core.matmul.sources import blocks
 from .constants import MOE_N_TILE, PARTITIONS, PASS_C_ROW_UNIT, SINGLE_BLOCK_LOAD_WIDTH
-from .moe_bwd_mxfp8_grad_split import grad_split
 from .moe_bwd_mxfp8_pass_c_stores import RowStore
 from .moe_bwd_mxfp8_weight_grads import single_load_stage
 
@@ -69,7 +68,7 @@ def compute_phase3_single_block_grads_mxfp8(ctx, e, i, out, lhs, rhs, m_total, n
     Returns:
         first plus this gradient's loads (the next gradient's first).
     """
-    (m_lo, m_hi), (n_lo, n_hi) = grad_split(ctx, m_total, n_total).ranges(m_total, n_total)
+    (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     if m_lo >= m_hi or n_lo >= n_hi:
         return first
     b_pieces = _row_panels(ctx, rhs, i, n_lo, n_hi, first=first, rows=rows)

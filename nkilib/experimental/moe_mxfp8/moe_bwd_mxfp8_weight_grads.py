@@ -26,7 +26,6 @@ from ...core.matmul import (CoreSplit, PanelPlacement, PanelSlots, matmul_panels
                             panel_columns, panel_from_row_loader)
 from ...core.matmul.constants import MX_PACK
 from ...core.matmul.sources import blocks
-from .moe_bwd_mxfp8_grad_split import grad_split
 from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store, store_window
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
                         PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
@@ -79,7 +78,7 @@ def _tile_groups(ctx, m_total, n_total):
         return [(nb, m_blocks[g:g + WEIGHT_GRAD_PSUM_TILES]) for nb in blocks(n_lo, n_hi, MOE_N_TILE)
                 for g in range(0, len(m_blocks), WEIGHT_GRAD_PSUM_TILES)]
 
-    mine = groups_of(grad_split(ctx, m_total, n_total))
+    mine = groups_of(ctx.split)
     count = len(groups_of(CoreSplit(ctx.split.num_cores, 0)))
     return mine + [((0, 0), [])] * (count - len(mine))
 
@@ -319,7 +318,7 @@ def _resident_schedule(ctx, m_total, n_total, part=None):
 
     first, n_tiles = schedule(CoreSplit(ctx.split.num_cores, 0))
     per_group = max(1, WEIGHT_GRAD_PSUM_TILES // max(1, n_tiles))
-    mine, _ = schedule(grad_split(ctx, m_total, n_total))
+    mine, _ = schedule(ctx.split)
     out = []
     for p, (_, tiles0) in enumerate(first):
         piece, tiles = mine[p] if p < len(mine) else ((0, 0), [])
@@ -361,7 +360,7 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     """
     setup, B = ctx.setup, ctx.B
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
-    (m_lo, m_hi), (n_lo, n_hi) = grad_split(ctx, m_total, n_total).ranges(m_total, n_total)
+    (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     n_lo, n_hi = _n_part(n_lo, n_hi, part)
     moving = [(c0, PanelSlots(R, csz, setup, PanelPlacement.per_k_tile()))
               for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH) if m_lo < m_hi]
