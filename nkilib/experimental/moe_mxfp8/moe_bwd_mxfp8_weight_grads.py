@@ -30,7 +30,7 @@ from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store,
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
                         PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
-                        WINDOW_GROUP_M_TILES, WINDOW_NEXT_MOVING_AHEAD)
+                        WINDOW_GROUP_M_TILES, WINDOW_GROUP_PARTS_MAX_SLOTS, WINDOW_NEXT_MOVING_AHEAD)
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -505,10 +505,12 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         # w > 0: slot 0 only before the first group, slots 1.. after its adds (which would otherwise wait on VectorE
         # for all R of the piece's quantizes, where its slot-0 matmuls need one)
         ctx.resident.for_slots(e, load_stationary, 1 if w > 0 else R, w)
-        # slots 1.. and the carry copies / evictions in parts of WINDOW_GROUP_M_TILES m tiles (core 0's count: a core
-        # with fewer runs shorter or empty parts); slot 0, the adds and the loads between them as before (round 26c)
+        # slots 1.. and the carry copies / evictions in parts of WINDOW_GROUP_M_TILES m tiles where R is at most
+        # WINDOW_GROUP_PARTS_MAX_SLOTS (core 0's count: a core with fewer runs shorter or empty parts); slot 0, the adds
+        # and the loads between them as before (round 26c)
         m_count = m_tiles0[s] if s < len(m_tiles0) else len(m_group)
-        parts = [(h, h + WINDOW_GROUP_M_TILES) for h in range(0, max(1, m_count), WINDOW_GROUP_M_TILES)]
+        size = WINDOW_GROUP_M_TILES if R <= WINDOW_GROUP_PARTS_MAX_SLOTS else WEIGHT_GRAD_PSUM_TILES
+        parts = [(h, h + size) for h in range(0, max(1, m_count), size)]
         for g, n_tile in enumerate(groups):
             n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
