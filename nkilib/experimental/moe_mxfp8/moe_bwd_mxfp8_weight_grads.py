@@ -30,7 +30,7 @@ from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store,
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
                         PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
                         PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
-                        WINDOW_GROUP_M_TILES, WINDOW_GROUP_PARTS_MAX_SLOTS, WINDOW_NEXT_MOVING_AHEAD)
+                        WINDOW_GROUP_M_TILES, WINDOW_NEXT_MOVING_AHEAD, WINDOW_REORDER_MAX_SLOTS)
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -487,6 +487,7 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
     # the next window's moving piece 0 loads into this window's piece-0 slots after their last group (the last
     # stationary piece's last n tile on piece 0; core 0's tiles), under this window's remaining groups (round 41b)
     g_next = max(g for g, (n0, _) in enumerate(tiles0) if len(pieces0) < 2 or n0 < pieces0[1][0])
+    ahead = WINDOW_NEXT_MOVING_AHEAD and R <= WINDOW_REORDER_MAX_SLOTS and w + 1 < ctx.resident.W
     if not handoff[1]:
         load_moving(0)
     handoff[0], handoff[1] = None, False
@@ -506,10 +507,10 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         # for all R of the piece's quantizes, where its slot-0 matmuls need one)
         ctx.resident.for_slots(e, load_stationary, 1 if w > 0 else R, w)
         # slots 1.. and the carry copies / evictions in parts of WINDOW_GROUP_M_TILES m tiles where R is at most
-        # WINDOW_GROUP_PARTS_MAX_SLOTS (core 0's count: a core with fewer runs shorter or empty parts); slot 0, the adds
+        # WINDOW_REORDER_MAX_SLOTS (core 0's count: a core with fewer runs shorter or empty parts); slot 0, the adds
         # and the loads between them as before (round 26c)
         m_count = m_tiles0[s] if s < len(m_tiles0) else len(m_group)
-        size = WINDOW_GROUP_M_TILES if R <= WINDOW_GROUP_PARTS_MAX_SLOTS else WEIGHT_GRAD_PSUM_TILES
+        size = WINDOW_GROUP_M_TILES if R <= WINDOW_REORDER_MAX_SLOTS else WEIGHT_GRAD_PSUM_TILES
         parts = [(h, h + size) for h in range(0, max(1, m_count), size)]
         for g, n_tile in enumerate(groups):
             n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
@@ -531,7 +532,7 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
                 store_window(ctx, e, w, out, partial, m_group[a:b], n_group, accs[a:b], n_lo, n_hi, wg_dtype, t)
                 t += len(accs[a:b]) * len(n_group)
             accs = body = None  # drop the group's PSUM before the next group allocates its own
-            if WINDOW_NEXT_MOVING_AHEAD and w + 1 < ctx.resident.W and s == len(schedule) - 1 and g == g_next:
+            if ahead and s == len(schedule) - 1 and g == g_next:
                 ctx.resident.if_window(e, w + 1, lambda: load_moving(0, window=w + 1))  # 0/1 trip, both cores
                 handoff[0], handoff[1] = moving[0][1] if moving else None, True
         stationary = load_stationary = None
