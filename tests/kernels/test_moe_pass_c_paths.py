@@ -476,6 +476,8 @@ def test_windows_after_the_first_load_their_loads_between_the_adds(monkeypatch, 
     4, then 2 (all of piece 1), 0, 0."""
     monkeypatch.setattr(W, "MOE_N_TILE", 64)
     monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
+    # round 41b loads a window's moving piece 0 in the window before: this test keeps round 26c's order in isolation
+    monkeypatch.setattr(W, "WINDOW_NEXT_MOVING_AHEAD", False, raising=False)
     in_c = _windowed_pass_c(monkeypatch, lnc, 320, 288, order_seed=29, seed=79, label="window loads between adds")
     counts = _quantizes_between_add_runs(in_c)
     # window 1's first quantizes: after window 0's last carry store (into the partial-sum scratch), before its first add
@@ -485,3 +487,51 @@ def test_windows_after_the_first_load_their_loads_between_the_adds(monkeypatch, 
                      and any(o.name.startswith("moe_bwd_weight_grad_partial") for o in r.writes))
     assert sum(r.instr == "quantize_mx" for r in in_c[last_carry:first_add]) == 3
     assert counts[1:4] == [2, 1, 0], counts
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_window_groups_copy_out_by_parts(monkeypatch, lnc):
+    """Round 41b (docs/moe.md section 10): a windowed expert's group (a stationary piece's m tiles under one n tile)
+    runs its slots 1.. and its carry copies (ScalarE) in parts of WINDOW_GROUP_M_TILES m tiles, so a part's copies
+    free its PSUM banks while the next part multiplies. Here WINDOW_GROUP_M_TILES = 1 on the shape of
+    test_windows_take_groups_n_tile_by_n_tile (two m tiles per stationary piece, R = 2), LNC1 and LNC2 == mx_exact:
+    expert 0's dW_gu window 0 (first in pass C) multiplies both tiles' slot 0, then the first tile's slot 1, copies that
+    tile out, then multiplies the second tile's slot 1 and copies it out. On the old code both tiles' slot-1 matmuls
+    came before the first copy (4 matmuls, then 2 copies in a row)."""
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
+    monkeypatch.setattr(W, "WINDOW_GROUP_M_TILES", 1, raising=False)
+    in_c = _windowed_pass_c(monkeypatch, lnc, 320, 288, order_seed=23, seed=73, label="window groups by parts")
+    copies = [g for g, r in enumerate(in_c) if r.instr == "tensor_copy" and any(o.buffer == "psum" for o in r.reads)]
+    tile = lambda g: next(o.name for o in in_c[g].writes)  # noqa: E731  (a matmul's PSUM tile)
+    first = [g for g in range(copies[0]) if in_c[g].instr == "nc_matmul_mx"]
+    between = [g for g in range(copies[0], copies[1]) if in_c[g].instr == "nc_matmul_mx"]
+    assert len(first) == 3 and len(between) == 1, (len(first), len(between))
+    # slot 0 of tiles a, b, slot 1 of a, copy of a; slot 1 of b, copy of b
+    assert tile(first[0]) == tile(first[2]) != tile(first[1]) == tile(between[0])
+    assert {o.name for o in in_c[copies[0]].reads} >= {tile(first[0])}
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_next_window_moving_piece0_loads_in_the_window_before(monkeypatch, lnc):
+    """Round 41b (docs/moe.md section 10): a windowed expert's next window's moving piece 0 loads into this window's
+    piece-0 slots once their last group (the last stationary piece's last n tile on piece 0) has multiplied, under this
+    window's remaining groups, instead of after its last carry copies. The shape of
+    test_windows_after_the_first_load_their_loads_between_the_adds (R = 2, W = 3; H = 320: moving pieces of 4 and 1
+    n tiles of 64 columns), LNC1 and LNC2 == mx_exact: expert 0's dW_gu (first in pass C) loads 6 slots of X rows before
+    window 0's last carry store (window 0's two pieces x 2 slots and window 1's piece 0 x 2; 4 on the old code), and
+    window 1 quantizes only its stationary piece's slot 0 between that store and its first partial-sum add (3 on the
+    old code: moving piece 0's two slots too)."""
+    monkeypatch.setattr(W, "MOE_N_TILE", 64)
+    monkeypatch.setattr(W, "SINGLE_BLOCK_LOAD_WIDTH", 256)
+    in_c = _windowed_pass_c(monkeypatch, lnc, 320, 288, order_seed=29, seed=79, label="next window's piece 0 ahead")
+    first_add = next(g for g, r in enumerate(in_c) if r.instr == "tensor_tensor"
+                     and any(o.buffer == "psum" for o in r.writes))
+    last_carry = max(g for g, r in enumerate(in_c[:first_add]) if r.instr == "dma_copy"
+                     and any(o.name.startswith("moe_bwd_weight_grad_partial") for o in r.writes))
+    x_loads = lambda end: sum(r.instr == "dma_copy" and any(o.name.startswith("moe_bwd_x_blocks")  # noqa: E731
+                                                            for o in r.reads) for r in in_c[:end])
+    # before window 0's first matmul: its moving piece 0 (2 slots), whatever the DMAs per slot
+    per_piece = x_loads(next(g for g, r in enumerate(in_c) if r.instr == "nc_matmul_mx"))
+    assert per_piece > 0 and x_loads(last_carry) == 3 * per_piece, (per_piece, x_loads(last_carry))
+    assert sum(r.instr == "quantize_mx" for r in in_c[last_carry:first_add]) == 1

@@ -71,6 +71,22 @@ X_BLOCKS_HEAD_AFTER_A = True
 #: an expert's block loop (PSUM has 8 banks); larger outputs take several block loops (each re-reads the
 #: blocks' rows of its tiles).
 WEIGHT_GRAD_PSUM_TILES = 8
+#: m tiles per part of a windowed expert's pass-C group (moe_bwd_mxfp8_weight_grads._window_by_n_tiles: a stationary
+#: piece's m tiles under one n tile, up to WEIGHT_GRAD_PSUM_TILES accumulators): the group's slots 1.. and its carry
+#: copies or evictions (ScalarE) go part by part, so one part's copies free its PSUM banks while the next part
+#: multiplies and the next group's slot-0 matmuls find them free, where the whole group's copies came after its last
+#: matmuls and the next group waited for them bank by bank (docs/moe.md section 10, round 41b). The same matmuls, loads
+#: and adds.
+WINDOW_GROUP_M_TILES = 4
+#: A windowed expert's next window's moving piece 0 loads into this window's piece-0 slots as soon as their last group
+#: has multiplied (under the window's remaining groups) instead of at the next window's start, where its R loads and
+#: quantizes left TensorE idle ~20 us per window boundary (docs/moe.md section 10, rounds 26c and 41b).
+WINDOW_NEXT_MOVING_AHEAD = True
+#: WINDOW_GROUP_M_TILES' parts and WINDOW_NEXT_MOVING_AHEAD only where the window's slots R are at most this
+#: (GPT-OSS-20B's R = 8; not Qwen3-30B-A3B's R = 16, whose windowed expert's segment is DMA-bound, round 40b: a group's
+#: copy wait, ~2 us, is ~7% of its matmuls there against ~14% at R = 8). Both at R = 16: qz +21.0 / +20.7 us; the
+#: moving piece ahead alone: qz -0.9 / +0.3, the full Qwen3-30B-A3B Zipf run +9.3 / +4.9 (round 41b).
+WINDOW_REORDER_MAX_SLOTS = 8
 #: Columns per load of a single-block expert's pass-C operand (loaded and quantized once, then sliced into
 #: tiles): 2 KiB bf16 DMA runs, and a [128, 4, 1024] bf16 staging tile (8 KiB per partition).
 SINGLE_BLOCK_LOAD_WIDTH = 1024

@@ -29,7 +29,8 @@ from ...core.matmul.sources import blocks
 from .moe_bwd_mxfp8_pass_c_stores import RowStore, add_partial, evict_and_store, store_window
 from .constants import (MOE_N_TILE, MX_K_TILE, PARTITIONS, PASS_C_RESIDENT_BLOCKS, PASS_C_RESIDENT_BUDGET_BYTES,
                         PASS_C_RESIDENT_PARTS, PASS_C_RESIDENT_STAGES, PASS_C_RESIDENT_TIERS, PASS_C_RESIDENT_WINDOWS,
-                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES)
+                        PASS_C_STAGING_BUFFERS, SINGLE_BLOCK_LOAD_WIDTH, WEIGHT_GRAD_PSUM_TILES,
+                        WINDOW_GROUP_M_TILES, WINDOW_NEXT_MOVING_AHEAD, WINDOW_REORDER_MAX_SLOTS)
 
 __all__ = ["BlockRowSource", "ResidentBlocks", "compute_phase3_expert_weight_grads_mxfp8",
            "compute_phase3_multi_block_grads_mxfp8", "compute_phase3_resident_grads_mxfp8",
@@ -362,8 +363,11 @@ def compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
     R = ctx.resident.R if slots == None else slots  # noqa: E711  (the expert's tier: ResidentBlocks.if_fits)
     (m_lo, m_hi), (n_lo, n_hi) = ctx.split.ranges(m_total, n_total)
     n_lo, n_hi = _n_part(n_lo, n_hi, part)
-    moving = [(c0, PanelSlots(R, csz, setup, PanelPlacement.per_k_tile()))
-              for c0, csz in blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH) if m_lo < m_hi]
+    # a window whose moving piece 0 the window before loaded into its own slots (handoff [slots, flag]) takes them
+    handoff = window[2] if window != None else None  # noqa: E711
+    moving = [(c0, handoff[0] if q == 0 and handoff != None and handoff[0] != None  # noqa: E711
+               else PanelSlots(R, csz, setup, PanelPlacement.per_k_tile()))
+              for q, (c0, csz) in enumerate(blocks(n_lo, n_hi, SINGLE_BLOCK_LOAD_WIDTH)) if m_lo < m_hi]
     # each n tile and the moving piece that holds it (pieces start at n_lo, so a tile never straddles two)
     n_tiles = [(n0, nsz, c0, slots) for n0, nsz in blocks(n_lo, n_hi, MOE_N_TILE) for c0, slots in moving
                if c0 <= n0 < c0 + slots.f_pad]
@@ -449,10 +453,11 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
     second (where piece q has two n tiles), and each stationary piece loads slot 0 before its first group and slots 1..
     after that group's adds. Each tile's sum is the resident
     path's: slot 0 overwrites, the earlier windows' fp32 partial sum is added (w > 0), slots 1.. add, in block order.
-    The expert's last window stores its tiles one by one; the others carry them (store_window).
+    The expert's last window stores its tiles one by one; the others carry them (store_window), a group's slots 1..
+    and copies in parts of WINDOW_GROUP_M_TILES m tiles; the next window's moving piece 0 loads here (round 41b).
 
     Dimensions: as compute_phase3_resident_grads_mxfp8 (this core's [M_c, N_c] tiles)."""
-    w, partial = window
+    w, partial, handoff = window
     # core 0's n tiles and moving pieces (the larger share): a core with fewer runs empty groups and loads, so both
     # enter the same loops; n tile g of core 0 is the first on its piece q: piece q + 1 loads after its slot 0
     _, (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
@@ -469,17 +474,26 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         if split:
             load_after.setdefault(first + 1, []).append((q + 1, R // 2, R))
 
-    def load_moving(q, lo=0, hi=None):
+    def load_moving(q, lo=0, hi=None, window=w):  # window w + 1: the next window's blocks into these slots
         def body(i, j):
             if q < len(moving):
                 c0, slots = moving[q]
                 load(rhs, i, j, c0, slots, q * R + j)
 
-        ctx.resident.for_slots(e, body, R if hi == None else hi, w, first=lo)  # noqa: E711
+        ctx.resident.for_slots(e, body, R if hi == None else hi, window, first=lo)  # noqa: E711
 
-    load_moving(0)
+    (m_lo0, m_hi0), _ = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
+    m_tiles0 = [len(blocks(c0, c0 + csz, PARTITIONS)) for c0, csz in blocks(m_lo0, m_hi0, SINGLE_BLOCK_LOAD_WIDTH)]
+    # the next window's moving piece 0 loads into this window's piece-0 slots after their last group (the last
+    # stationary piece's last n tile on piece 0; core 0's tiles), under this window's remaining groups (round 41b)
+    g_next = max(g for g, (n0, _) in enumerate(tiles0) if len(pieces0) < 2 or n0 < pieces0[1][0])
+    ahead = WINDOW_NEXT_MOVING_AHEAD and R <= WINDOW_REORDER_MAX_SLOTS and w + 1 < ctx.resident.W
+    if not handoff[1]:
+        load_moving(0)
+    handoff[0], handoff[1] = None, False
+    schedule = _resident_schedule(ctx, m_total, n_total)
     t = 0
-    for s, ((p0, psz), m_groups) in enumerate(_resident_schedule(ctx, m_total, n_total)):
+    for s, ((p0, psz), m_groups) in enumerate(schedule):
         m_group = [m for group in m_groups for m in group]
         kernel_assert(len(m_group) <= WEIGHT_GRAD_PSUM_TILES,
                       f"{len(m_group)} m tiles of a stationary piece > {WEIGHT_GRAD_PSUM_TILES} PSUM accumulators")
@@ -492,6 +506,12 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         # w > 0: slot 0 only before the first group, slots 1.. after its adds (which would otherwise wait on VectorE
         # for all R of the piece's quantizes, where its slot-0 matmuls need one)
         ctx.resident.for_slots(e, load_stationary, 1 if w > 0 else R, w)
+        # slots 1.. and the carry copies / evictions in parts of WINDOW_GROUP_M_TILES m tiles where R is at most
+        # WINDOW_REORDER_MAX_SLOTS (core 0's count: a core with fewer runs shorter or empty parts); slot 0, the adds
+        # and the loads between them as before (round 26c)
+        m_count = m_tiles0[s] if s < len(m_tiles0) else len(m_group)
+        size = WINDOW_GROUP_M_TILES if R <= WINDOW_REORDER_MAX_SLOTS else WEIGHT_GRAD_PSUM_TILES
+        parts = [(h, h + size) for h in range(0, max(1, m_count), size)]
         for g, n_tile in enumerate(groups):
             n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
@@ -505,11 +525,16 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
             if s == 0 and g in load_after:
                 for q, lo, hi in load_after[g]:
                     load_moving(q, lo, hi)
-            ctx.resident.for_slots(e, body, R, w, first=1)
             n_lo, n_hi = (n_tile[0], n_tile[0] + n_tile[1]) if n_group else (0, 0)
-            store_window(ctx, e, w, out, partial, m_group, n_group, accs, n_lo, n_hi, wg_dtype, t)
-            t += len(m_group) * len(n_group)
+            for a, b in parts:
+                body = _group_matmuls(ctx, stationary, p0, m_group[a:b], n_group, accs[a:b])
+                ctx.resident.for_slots(e, body, R, w, first=1)
+                store_window(ctx, e, w, out, partial, m_group[a:b], n_group, accs[a:b], n_lo, n_hi, wg_dtype, t)
+                t += len(accs[a:b]) * len(n_group)
             accs = body = None  # drop the group's PSUM before the next group allocates its own
+            if ahead and s == len(schedule) - 1 and g == g_next:
+                ctx.resident.if_window(e, w + 1, lambda: load_moving(0, window=w + 1))  # 0/1 trip, both cores
+                handoff[0], handoff[1] = moving[0][1] if moving else None, True
         stationary = load_stationary = None
 
 
@@ -522,10 +547,12 @@ def compute_phase3_windowed_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total,
 
     Dimensions: as compute_phase3_resident_grads_mxfp8; partial [M, N] float32 (shared HBM).
     """
-    compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(0, partial))
+    handoff = [None, False]  # moving piece 0's slots loaded ahead by the window before, and whether it did
+    compute_phase3_resident_grads_mxfp8(ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype,
+                                        window=(0, partial, handoff))
     for w in range(1, ctx.resident.W):
         ctx.resident.if_window(e, w, lambda w=w: compute_phase3_resident_grads_mxfp8(
-            ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(w, partial)))
+            ctx, e, out, lhs, rhs, m_total, n_total, wg_dtype, window=(w, partial, handoff)))
 
 
 def compute_phase3_multi_block_grads_mxfp8(ctx, e, grads, wg_dtype):
