@@ -13,6 +13,9 @@ reads them (experts of two or more blocks). The outputs equal mx_exact at LNC1 a
 |                                        | padding-only unit [256, 512) unwritten in hs / dY / X, d_gate_up's  |            |
 |                                        | zeroed as before; expert 7's (staged, two blocks) dY / X / hs rows  |            |
 |                                        | there written once each (main: dY twice; the one-block rows once)   |            |
+| test_padded_chunk_zeros_only_padding_units | round 41d: the deferred X / staged dY gathers of a padded block  | LNC2       |
+|                                        | store zeros only over its 32-row units holding padding (main: the   |            |
+|                                        | whole 128-row chunks, every filled row written twice)               |            |
 """
 from __future__ import annotations
 
@@ -110,3 +113,33 @@ def test_one_block_padding_rows_unwritten():
     for name, row_bytes, times in list((n, b, 1) for n, b in scratches.items()) + [("moe_bwd_d_gate_up", 2 * I * 2, 2)]:
         got = _row_writes(trace, name, row_bytes, last, 256, 512)
         assert (got == times).all(), (name, np.unique(got))
+
+
+def _expected_unit_writes(pairs, hi):
+    """Writes per row of [0, hi) of a padded block's X / staged dY copy holding `pairs` routed pairs from its start,
+    when the deferred gather stores zeros over only the ZERO_PADDING_UNIT(32)-row units that hold padding: the
+    gather of a 128-row chunk holding a pair covers the chunk's rows (one indirect DMA; a chunk of padding only moves
+    no byte), and the zeros cover the rows of each 32-row unit whose last row is padding."""
+    rows = np.arange(hi)
+    gathered = (rows // 128 * 128) < pairs
+    zeroed = (rows // 32 * 32 + 31) >= pairs
+    return gathered.astype(np.int64) + zeroed
+
+
+def test_padded_chunk_zeros_only_padding_units():
+    """LNC2: the deferred HBM -> HBM gathers of a padded block's chunks (X for pass C; expert 5's staged dY) store
+    zeros only over the 32-row units that hold padding (round 41d). Expert 1 (one block of 200 pairs: rows [0, 192)
+    written once, by the gather), expert 5 (100 pairs, staged: X and dY; core 1's chunk [128, 256) only padding: its
+    zeros alone), expert 7's last block (100 pairs, staged). Fails on main: the whole 128-row chunks were zeroed
+    first, rows [0, 192) of expert 1 and [0, 96) of experts 5 and 7 written twice."""
+    trace = _run(2, True)
+    row_bytes = H * 2
+    cases = [(BLOCKS[1][0], 200, ["moe_bwd_x_blocks"]),
+             (BLOCKS[5][0], 100, ["moe_bwd_x_blocks", "moe_bwd_dy_blocks"]),
+             (BLOCKS[7][-1], 100, ["moe_bwd_x_blocks", "moe_bwd_dy_blocks"])]
+    for block, pairs, names in cases:
+        want = _expected_unit_writes(pairs, 256)
+        for name in names:
+            got = _row_writes(trace, name, row_bytes, block, 0, 256)
+            bad = np.nonzero(got != want)[0]
+            assert not bad.size, (block, name, bad[:8], got[bad[:8]], want[bad[:8]])

@@ -14,7 +14,9 @@ the outputs equal mx_exact.
 | test_pipeline_copies_x_directly   | pipelined pass A, every block full: every X row reaches x_blocks  | LNC1, LNC2 |
 |                                   | HBM -> HBM (last blocks too), none through SBUF; bit-exact        |            |
 | test_padded_blocks_zeroed_direct  | pipeline, full and padded blocks: every chunk direct, a padded    | LNC1, LNC2 |
-|                                   | one after a store of zeros; no gathered SBUF tile stored; exact   |            |
+|                                   | one after stores of zeros over its 32-row units holding padding   |            |
+|                                   | (round 41d; rows of other units not); no gathered SBUF tile       |            |
+|                                   | stored; exact                                                     |            |
 | test_unpipelined_keeps_sbuf_path  | B = 256 under LNC2, and weights loaded on use: no HBM -> HBM copy | LNC2       |
 |                                   | but the I split's staged blocks (round 14d: multi-block experts)  |            |
 | test_recompute_keeps_x_on_chip    | up not given (X recomputes it): no HBM -> HBM copy                | LNC2       |
@@ -87,8 +89,8 @@ def test_pipeline_copies_x_directly(lnc):
 def test_padded_blocks_zeroed_direct(lnc):
     """B = 512, k = 2: expert 0 takes every token (two full blocks), expert 1 the first 700 (a full and a padded
     block), expert 2 the other 324 (a padded block), expert 3 none. Every chunk's X rows reach x_blocks HBM -> HBM, the
-    padded blocks' chunks too (round 38c); each of those after a store of zeros over the same rows (its padding rows
-    stay zero where the gather skips their sentinels), and no x_blocks row is stored from an SBUF tile that a DMA wrote
+    padded blocks' chunks too (round 38c); each of those after stores of zeros over its rows in 32-row units that
+    hold padding, and no others (round 41d; its padding rows stay zero where the gather skips their sentinels), and no x_blocks row is stored from an SBUF tile that a DMA wrote
     (main gathered a padded chunk into SBUF, zeroed on GpSimd, and copied it out). Outputs equal mx_exact."""
     T, E, H, I, B = 1024, 4, 64, 96, 512
     ids = np.zeros((T, 2), np.int32)
@@ -103,14 +105,28 @@ def test_padded_blocks_zeroed_direct(lnc):
     dma_written = {(r.program, t.storage_id) for r in trace if r.engine == "dma" for t in r.writes}
     stored_gathers = [r for r in from_sbuf if any((r.program, t.storage_id) in dma_written for t in r.reads)]
     assert not stored_gathers, [(r.seq, r.instr) for r in stored_gathers][:4]
-    # the padded blocks' chunks: gathered over rows that a store of zeros wrote before (same core, program order)
-    def zeroed_before(g):
+    # the padded blocks' chunks: gathered over rows that stores of zeros wrote before (same core, program order): since
+    # round 41d only the rows of its 32-row units that hold padding (a unit's last position is padding)
+    row_bytes = H * 2
+    pairs = (np.asarray(kernel["token_position_to_id"]).reshape(-1, B) < T).sum(axis=1)
+
+    def zeroed_rows(g):
         lo, hi = next((t.byte_lo, t.byte_hi) for t in g.writes if getattr(t, "name", "") == X_BLOCKS)
-        return any(r.program == g.program and r.seq < g.seq and any(getattr(t, "name", "") == X_BLOCKS and
-                                                                    t.byte_lo <= lo and hi <= t.byte_hi
-                                                                    for t in r.writes) for r in from_sbuf)
-    zeroed = [g for g in direct if zeroed_before(g)]
-    assert len(zeroed) == len(direct) - full * (B // 128) > 0, (len(zeroed), len(direct))
+        rows = np.arange(lo // row_bytes, hi // row_bytes)
+        covered = [any(r.program == g.program and r.seq < g.seq and
+                       any(getattr(t, "name", "") == X_BLOCKS and t.byte_lo <= q * row_bytes < t.byte_hi
+                           for t in r.writes) for r in from_sbuf) for q in rows]
+        return rows, np.array(covered)
+
+    padded = 0
+    for g in direct:
+        rows, covered = zeroed_rows(g)
+        block, pos = rows // B, rows % B
+        want = (pos // 32 * 32 + 31) >= pairs[block]
+        assert (covered == want).all(), (g.seq, rows[0], covered.astype(int).tolist(), want.astype(int).tolist())
+        padded += bool(want.any())
+    # blocks 3 (188 pairs) and 4 (324): at least the chunk holding each one's first padding row
+    assert padded >= 2 and len(direct) >= full * (B // 128) + padded, (padded, len(direct))
 
 
 @pytest.mark.parametrize("on_use", [False, True])

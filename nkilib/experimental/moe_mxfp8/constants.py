@@ -181,6 +181,11 @@ WEIGHT_GRAD_STORE_JOIN_MIN_COLUMNS = WEIGHT_GRAD_STORE_WIDTH // 2
 #: Columns of the zeroed bf16 SBUF tile [128, ZERO_ROWS_WIDTH] from which pass A stores the scratch rows of a
 #: skipped all-padding row unit (4 KiB per partition; wider rows go in pieces).
 ZERO_ROWS_WIDTH = 2048
+#: Rows per unit in which the deferred HBM -> HBM gathers of a padded block's chunks (x_blocks, the staged dY) store
+#: their zeros first: only the units that hold padding (a block's padding is its tail), each under its own 0/1 flag,
+#: the same flags on both cores (a core runs the other core's units' loops empty). ROW_SPLIT_UNIT: every core's chunk
+#: of a block is whole such units. Round 41d: the whole 128-row chunk was zeroed before (Qwen3-30B-A3B Zipf).
+ZERO_PADDING_UNIT = ROW_SPLIT_UNIT
 #: Experts per software-pipeline segment under LNC2: A of the next group, B and C of this one, then one
 #: core_barrier (docs/moe.md section 5; section 10, round 5 measures 1, 2 and 4).
 EXPERTS_PER_FENCE = 2
