@@ -21,6 +21,7 @@ the padded matmul work is 12·U·B·H·I; padding overhead = U·B / P - 1. MFU c
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -281,6 +282,12 @@ def moe_modeled_backward(preset, tokens: int, routing: str = "balanced", *, bloc
             report = None
             continue
         break
+    if report is not None and refused_block_sizes:
+        # a smaller B than asked for or chosen changes the padding and the time: say so where it happens, not only
+        # in refused_block_sizes (a harness reading modeled_time_s alone would compare two block sizes unawares)
+        warnings.warn(f"moe_modeled_backward({p.name!r}, tokens={tokens}, routing={routing!r}): block_size "
+                      f"{', '.join(map(str, refused_block_sizes))} refused (the kernel's allocations overflow on-chip "
+                      f"memory in the run); modeled at block_size {B}", stacklevel=2)
     pad = padding_counts(counts, B)
     if report is None:
         executed = float("nan")

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -168,7 +169,8 @@ def test_block_size_whose_run_overflows_sbuf_is_refused_and_a_smaller_one_tried(
 
     monkeypatch.setattr(mbc, "model_kernel", overflow_above_128)
     # 1024 tokens x 2 / 8 experts = 256 per expert: B = 256 chosen, refused, then 128 runs
-    r = moe_modeled_backward("tiny", 1024, "balanced", dense=False, scenarios=("central",))
+    with pytest.warns(UserWarning, match=r"'tiny', tokens=1024.*block_size 256 refused .*modeled at block_size 128"):
+        r = moe_modeled_backward("tiny", 1024, "balanced", dense=False, scenarios=("central",))
     assert list(r.refused_block_sizes) == [256] and "block_size 256 overflows" in r.refused_block_sizes[256]
     assert r.block_size == 128 and not r.refused and r.padding["used_blocks"] == 16
 
@@ -176,7 +178,9 @@ def test_block_size_whose_run_overflows_sbuf_is_refused_and_a_smaller_one_tried(
         raise CapacityError("nl.ndarray: no room")
 
     monkeypatch.setattr(mbc, "model_kernel", always)
-    r = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every B refused: the result says so (no time), no fallback to warn about
+        r = moe_modeled_backward("tiny", 256, "balanced", dense=False, scenarios=("central",))
     assert r.refused and r.time() is None and list(r.refused_block_sizes) == [128]
     assert "overflow on-chip memory in the run: nl.ndarray: no room" in r.scenarios["central"]["plan_errors"][0]
 
