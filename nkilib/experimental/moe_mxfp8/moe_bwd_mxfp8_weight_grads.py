@@ -460,7 +460,7 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
     w, partial, handoff = window
     # core 0's n tiles and moving pieces (the larger share): a core with fewer runs empty groups and loads, so both
     # enter the same loops; n tile g of core 0 is the first on its piece q: piece q + 1 loads after its slot 0
-    _, (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
+    (m_lo0, m_hi0), (n_lo0, n_hi0) = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
     tiles0, pieces0 = blocks(n_lo0, n_hi0, MOE_N_TILE), blocks(n_lo0, n_hi0, SINGLE_BLOCK_LOAD_WIDTH)
     groups = n_tiles + [None] * (len(tiles0) - len(n_tiles))
     # after group g: [(moving piece, first slot, end slot)]. Where w > 0 VectorE runs each group's partial-sum adds in
@@ -482,7 +482,7 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
 
         ctx.resident.for_slots(e, body, R if hi == None else hi, window, first=lo)  # noqa: E711
 
-    (m_lo0, m_hi0), _ = CoreSplit(ctx.split.num_cores, 0).ranges(m_total, n_total)
+    # core 0's m tiles per stationary piece (_resident_schedule's pieces): the window group's parts count on them
     m_tiles0 = [len(blocks(c0, c0 + csz, PARTITIONS)) for c0, csz in blocks(m_lo0, m_hi0, SINGLE_BLOCK_LOAD_WIDTH)]
     # the next window's moving piece 0 loads into this window's piece-0 slots after their last group (the last
     # stationary piece's last n tile on piece 0; core 0's tiles), under this window's remaining groups (round 41b)
@@ -509,9 +509,10 @@ def _window_by_n_tiles(ctx, e, window, out, lhs, rhs, m_total, n_total, wg_dtype
         # slots 1.. and the carry copies / evictions in parts of WINDOW_GROUP_M_TILES m tiles where R is at most
         # WINDOW_REORDER_MAX_SLOTS (core 0's count: a core with fewer runs shorter or empty parts); slot 0, the adds
         # and the loads between them as before (round 26c)
-        m_count = m_tiles0[s] if s < len(m_tiles0) else len(m_group)
         size = WINDOW_GROUP_M_TILES if R <= WINDOW_REORDER_MAX_SLOTS else WEIGHT_GRAD_PSUM_TILES
-        parts = [(h, h + size) for h in range(0, max(1, m_count), size)]
+        parts = [(h, h + size) for h in range(0, max(1, m_tiles0[s]), size)]
+        kernel_assert(parts[-1][1] >= len(m_group),
+                      f"window group parts {parts} leave m tiles of this core's {len(m_group)} uncomputed")
         for g, n_tile in enumerate(groups):
             n_group = [] if n_tile == None or not m_group else [n_tile]  # noqa: E711
             accs = [[nl.ndarray((PARTITIONS, MOE_N_TILE), dtype=nl.float32, buffer=nl.psum) for _ in n_group]
